@@ -1,0 +1,2 @@
+//! `respire-lock`: `flock(1)` for a fleet.
+fn main() {}

@@ -1,0 +1,1 @@
+//! Blocking Redis coordination primitives.
