@@ -1,1 +1,151 @@
-//! Blocking Redis coordination primitives.
+//! Blocking Redis coordination primitives for programs without an async runtime:
+//! sync servers, workers, cron jobs and command-line tools.
+//!
+//! # Quick start
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use respire_coordination::Coordinator;
+//!
+//! # fn write_with_fence(_: u64) -> Result<(), Box<dyn std::error::Error>> { Ok(()) }
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let coord = Coordinator::connect("redis://127.0.0.1:6379")?;
+//! let lock = coord.fenced_lock("{reports:daily}:lease", "{reports:daily}:fence")?;
+//! if let Some(guard) = lock.try_acquire(Duration::from_secs(30))? {
+//!     let _renewal = guard.keep_alive()?; // ends before the guard does
+//!     if !guard.is_lost() {
+//!         write_with_fence(guard.fencing_token().get())?;
+//!     }
+//! } // dropping the guard releases the lease
+//! # Ok(()) }
+//! ```
+//!
+//! # Choosing a primitive
+//!
+//! None of these is consensus. Pick the safety model first:
+//!
+//! | Need | Primitive | Model |
+//! |---|---|---|
+//! | One Redis deployment is the authority, and the protected resource can reject stale writers | [`FencedLock`] → [`FencedGuard`] | lease key + persistent counter; every grant carries a strictly increasing [`FencingToken`] |
+//! | Plain mutual exclusion, for efficiency only | [`Lock`] → [`LockGuard`] | one key, `SET NX PX`, compare-and-delete |
+//!
+//! # Fencing
+//!
+//! A lease cannot stop a holder that paused (a GC pause, swapping, `SIGSTOP`) or
+//! whose packets were delayed from acting after its lease ended and someone else
+//! got it. A fencing token can, if the protected resource checks it: the resource
+//! must refuse, atomically with the write and in the same durable transaction, any
+//! token lower than the highest it has accepted. Logging or checking the token in
+//! the caller fences nothing. Tokens are monotonic only while the counter's
+//! history survives: a failover to a replica that missed increments, a restart
+//! without persistence (use `appendfsync always`), a restored backup or eviction
+//! (`allkeys-*` policies) can issue a token twice. Never expire, evict, reset or
+//! delete the counter. A [`Coordinator`] refuses a token not above one it already
+//! saw for the same counter ([`Error::FencingRegression`]).
+//!
+//! # Waiting and cancellation
+//!
+//! Every primitive has the same verbs:
+//!
+//! - `try_acquire(ttl)`: one attempt, `Ok(None)` when held by someone else.
+//! - `acquire_timeout(ttl, wait)` / `acquire_deadline(ttl, deadline)`: a bounded
+//!   wait, `Ok(None)` when it runs out; a zero wait is exactly one attempt.
+//! - `acquire(ttl, &cancel)`: waits until acquired; [`Error::Cancelled`] when the
+//!   [`CancelToken`] is cancelled.
+//!
+//! Contention is never an error; `Err` means misuse or infrastructure, and
+//! transport errors are not turned into "not acquired". Waiters do not poll: one
+//! subscriber thread per coordinator receives `CLIENT TRACKING` invalidations and
+//! wakes the waiter of the changed key, and a timer wakes it at the holder's
+//! expiry (Redis reports expiries late). Within one process, waiters on one key
+//! are woken one at a time in arrival order; across processes, there is no
+//! fairness: each change starts a race. If tracking is unavailable (an ACL that
+//! denies it, a disconnected subscriber), waiters fall back to polling every
+//! 50–150 ms, logged once.
+//!
+//! A command that got no reply may still be applied. When the last attempt of a
+//! wait got no reply, the wait deletes whatever that attempt may have acquired
+//! (best effort) before returning the error. Cancellation cannot recall a command
+//! Redis already accepted.
+//!
+//! # Lease loss
+//!
+//! A guard is *lost* when its local loss deadline passes — the send time of the
+//! grant or last confirmed renewal, plus the TTL, minus clock drift
+//! (`ttl × drift_factor + 2 ms`), minus the node timeout — or when a renewal,
+//! verification or extension finds the key expired or owned by someone else.
+//! `is_lost()` reads the flag and the monotonic clock and is exact; `lost_signal()`
+//! is a channel for `select!` that the renewal thread closes at that moment.
+//! `keep_alive()` renews at half the TTL and retries failed renewals while time
+//! remains. Because the deadline is computed from the *send* time on the local
+//! monotonic clock, a server that stops answering (paused, partitioned) makes the
+//! guard lost before the lease can expire on the server, whatever the sockets say.
+//!
+//! Releasing reports a [`ReleaseOutcome`]: `Released`, `Expired`, `TakenOver`, or
+//! `Uncertain` when no reply came (the lease then ends at its expiry).
+//!
+//! # Threads this crate starts
+//!
+//! Per [`Coordinator`]: one renewal thread (`respire-renewal`), started with the
+//! coordinator, and one invalidation subscriber (`respire-tracking`), started by
+//! the first wait. Neither holds a lock across network I/O; both stop when the
+//! last clone of the coordinator and the last guard are dropped. No thread or
+//! connection is created per guard or per waiter. A failure in a background
+//! thread flags leases lost and logs; it never panics.
+//!
+//! # Guarantees and limits
+//!
+//! - Mutual exclusion holds while clocks advance at similar rates and processes
+//!   do not pause longer than the loss margin; fencing covers the rest, for
+//!   resources that check tokens.
+//! - One Redis deployment is one authority: asynchronous replication means a
+//!   failover can lose a grant, and then two holders can exist.
+//! - The counter and lease keys must not be evicted: use `noeviction` (or a
+//!   `volatile-*` policy, which can still drop leases).
+//! - Keep-alive needs the ACL rights to `CLIENT ID` and `CLIENT KILL`.
+//!
+//! # Logging
+//!
+//! Through the `log` crate: `warn!` for lost leases, failed renewals and the
+//! polling fallback, `error!` for a fencing counter that went back, `debug!` for
+//! routine events.
+
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+#![warn(unreachable_pub)]
+
+mod acquire;
+mod cancel;
+mod conn;
+mod coordinator;
+mod error;
+mod fenced;
+mod keys;
+mod lease;
+mod lock;
+mod runtime;
+mod scripts;
+mod token;
+
+pub use cancel::CancelToken;
+pub use conn::Protocol;
+pub use coordinator::{Coordinator, CoordinatorBuilder};
+pub use error::{Error, Result};
+pub use fenced::{FencedGuard, FencedLock, FencingToken};
+pub use keys::{MAX_TTL, key_slot};
+pub use lease::ReleaseOutcome;
+pub use lock::{Lock, LockGuard};
+pub use runtime::renewal::{KeepAlive, RenewalStats};
+
+#[allow(dead_code, reason = "compile-time check only")]
+fn _ensure_send_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Coordinator>();
+    check::<Lock>();
+    check::<LockGuard>();
+    check::<FencedLock>();
+    check::<FencedGuard>();
+    check::<KeepAlive<'static>>();
+    check::<CancelToken>();
+    check::<Error>();
+}

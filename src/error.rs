@@ -1,0 +1,202 @@
+//! The crate's one error type.
+
+use std::time::Duration;
+
+/// Everything that can go wrong in this crate.
+///
+/// Contention is never an error: a lock held by someone else is `Ok(None)` from
+/// `try_acquire` and the bounded waits. An `Err` means misuse (bad arguments, keys
+/// that cannot work together, missing permissions), an infrastructure failure
+/// (connect, authentication, TLS, I/O, timeouts), a server that refused the
+/// operation, or cancellation of an unbounded wait.
+///
+/// A [`Error::Timeout`] or [`Error::Io`] on a command that changes state means the
+/// outcome is *unknown*: Redis may have applied it. The crate never reuses the
+/// connection such a command was sent on.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An argument was refused before anything was sent to Redis.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// Two keys of one primitive hash to different cluster slots, so no single
+    /// script could touch both on a Redis Cluster.
+    #[error(
+        "keys in different cluster slots: {first:?} is in slot {first_slot}, {second:?} in slot {second_slot}; give them a common hash tag such as {{name}}"
+    )]
+    CrossSlot {
+        /// The first physical key (with the key prefix).
+        first: String,
+        /// The slot of `first`.
+        first_slot: u16,
+        /// The second physical key (with the key prefix).
+        second: String,
+        /// The slot of `second`.
+        second_slot: u16,
+    },
+
+    /// The connection URL or options could not be understood.
+    #[error("invalid connection settings: {0}")]
+    Config(String),
+
+    /// No connection could be made to the server (refused, unreachable, or the
+    /// connect timeout ran out).
+    #[error("cannot connect to {addr}: {detail}")]
+    Connect {
+        /// The server address, without credentials.
+        addr: String,
+        /// What failed.
+        detail: String,
+    },
+
+    /// The server refused the credentials (wrong password, unknown or disabled user).
+    #[error("authentication failed at {addr}: {detail}")]
+    Auth {
+        /// The server address, without credentials.
+        addr: String,
+        /// The server's reply.
+        detail: String,
+    },
+
+    /// The TLS handshake failed (certificate not trusted, wrong name, not a TLS port).
+    #[error("tls handshake with {addr} failed: {detail}")]
+    Tls {
+        /// The server address, without credentials.
+        addr: String,
+        /// What failed.
+        detail: String,
+    },
+
+    /// The server's ACL does not allow a command the operation needs.
+    #[error("permission denied: {0}")]
+    Permission(String),
+
+    /// A command got no reply within the node timeout. If it changed state, the
+    /// outcome is unknown: it may still be applied. The connection was discarded.
+    #[error("no reply within {after:?} to {op}; the outcome is unknown")]
+    Timeout {
+        /// What was being done.
+        op: &'static str,
+        /// The timeout that ran out.
+        after: Duration,
+    },
+
+    /// The connection failed during a command (reset, closed, broken pipe). If the
+    /// command changed state, the outcome is unknown. The connection was discarded.
+    #[error("connection failed during {op}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The underlying error.
+        #[source]
+        source: redis::RedisError,
+    },
+
+    /// The server replied with an error this crate does not interpret.
+    #[error("server error during {op}: {source}")]
+    Server {
+        /// What was being done.
+        op: &'static str,
+        /// The server's error.
+        #[source]
+        source: redis::RedisError,
+    },
+
+    /// A key exists with a type or content that the primitive cannot use. Nothing
+    /// was changed.
+    #[error("key {key:?} {problem}; nothing was changed")]
+    BadKey {
+        /// The physical key.
+        key: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+
+    /// A fencing token was issued that is not greater than one this coordinator
+    /// already saw for the same counter: the counter's history was lost (failover
+    /// to a replica that had not received every increment, a restart without
+    /// persistence, eviction, or someone reset it). The lease that came with it was
+    /// released again.
+    #[error(
+        "fencing counter {fence_key:?} went back: issued {issued}, but {seen} was already seen; its history was lost"
+    )]
+    FencingRegression {
+        /// The physical fence key.
+        fence_key: String,
+        /// The token the server just issued.
+        issued: u64,
+        /// The highest token seen before.
+        seen: u64,
+    },
+
+    /// The server's reply did not have the expected shape.
+    #[error("unexpected reply to {op}: {reply}")]
+    UnexpectedReply {
+        /// What was being done.
+        op: &'static str,
+        /// The reply, as debug text.
+        reply: String,
+    },
+
+    /// No pooled connection became free within the wait.
+    #[error("no connection free in the pool within {0:?}")]
+    PoolTimeout(Duration),
+
+    /// A background thread could not be started.
+    #[error("cannot start thread {name}: {source}")]
+    Thread {
+        /// The thread's name.
+        name: &'static str,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The wait was cancelled through its [`CancelToken`](crate::CancelToken).
+    #[error("cancelled")]
+    Cancelled,
+}
+
+impl Error {
+    /// True for a timeout: a command without a reply, a connect that ran out of
+    /// time, or a pool that stayed exhausted.
+    pub fn is_timeout(&self) -> bool {
+        match self {
+            Error::Timeout { .. } | Error::PoolTimeout(_) => true,
+            Error::Connect { detail, .. } => detail.contains("timed out"),
+            _ => false,
+        }
+    }
+
+    /// True when trying the same call again later may succeed: timeouts, I/O and
+    /// connect failures, and server replies that say the server is busy, loading or
+    /// failing over. Misuse, permissions, bad keys and cancellation are not.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Timeout { .. }
+            | Error::Io { .. }
+            | Error::Connect { .. }
+            | Error::PoolTimeout(_) => true,
+            Error::Server { source, .. } => matches!(
+                source.code(),
+                Some("BUSY" | "LOADING" | "TRYAGAIN" | "MASTERDOWN" | "CLUSTERDOWN" | "READONLY")
+            ),
+            _ => false,
+        }
+    }
+
+    /// True when the operation may have been applied on the server even though no
+    /// confirmation arrived ([`Error::Timeout`] and [`Error::Io`]).
+    pub fn is_uncertain(&self) -> bool {
+        matches!(self, Error::Timeout { .. } | Error::Io { .. })
+    }
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Whether a server error reply means "permission denied".
+pub(crate) fn is_noperm(err: &redis::RedisError) -> bool {
+    err.code() == Some("NOPERM")
+}

@@ -1,0 +1,292 @@
+//! `FencedLock`: a lease plus a persistent counter that issues a strictly
+//! increasing fencing token with every grant.
+//!
+//! A lease alone cannot stop a holder that paused (GC, swap, SIGSTOP) or whose
+//! packets were delayed from acting after its lease ended; the protected resource
+//! can, by refusing any write whose token is lower than the highest it accepted
+//! (Martin Kleppmann, "How to do distributed locking", 2016). The token is only as
+//! monotonic as the counter's history: a failover to a replica that missed
+//! increments, a restart without persistence, or eviction can issue a token twice.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+
+use crate::acquire::{self, Acquirer, Wait};
+use crate::cancel::CancelToken;
+use crate::conn::Conn;
+use crate::coordinator::Shared;
+use crate::error::{Error, Result};
+use crate::lease::{LeaseCore, ReleaseOutcome};
+use crate::runtime::renewal::KeepAlive;
+use crate::runtime::waiters::Attempt;
+use crate::scripts;
+use crate::token::OwnerToken;
+
+/// A fencing token: strictly greater for every later grant of the same lock, as
+/// long as the counter's history survives on the server.
+///
+/// Pass it with every write to the protected resource, and have the resource
+/// atomically refuse a token lower than the highest it has accepted (equal tokens
+/// are the same holder writing again).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FencingToken(pub u64);
+
+impl FencingToken {
+    /// The token as a number.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for FencingToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+/// A fenced lock on one deployment. Made by
+/// [`Coordinator::fenced_lock`](crate::Coordinator::fenced_lock); cheap to clone.
+#[derive(Clone)]
+pub struct FencedLock {
+    shared: Arc<Shared>,
+    lease: String,
+    fence: String,
+}
+
+impl FencedLock {
+    pub(crate) fn new(shared: Arc<Shared>, lease: String, fence: String) -> Self {
+        FencedLock {
+            shared,
+            lease,
+            fence,
+        }
+    }
+
+    /// The physical lease key.
+    pub fn lease_key(&self) -> &str {
+        &self.lease
+    }
+
+    /// The physical fence counter key.
+    pub fn fence_key(&self) -> &str {
+        &self.fence
+    }
+
+    /// One attempt, one round trip: if the lease is free, the script increments
+    /// the counter and sets the lease with this holder's owner token and the new
+    /// fencing token. Blocks for at most the node timeout.
+    ///
+    /// Returns `Ok(Some(guard))` when granted, `Ok(None)` when someone else holds
+    /// the lease.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad TTL; [`Error::BadKey`] when the lease
+    /// key holds another type or the counter has an expiry, another type, or is not
+    /// an integer (nothing is changed); [`Error::FencingRegression`] when the token
+    /// is not above one this coordinator saw before (the lease is released again);
+    /// [`Error::Timeout`] / [`Error::Io`] when the reply was lost (a lease it may
+    /// have set is deleted again, best effort; the counter may have advanced).
+    pub fn try_acquire(&self, ttl: Duration) -> Result<Option<FencedGuard>> {
+        acquire::acquire(self, ttl, Wait::Once)
+    }
+
+    /// Waits up to `wait` for the lease; a zero wait makes exactly one attempt.
+    /// Woken by invalidations of the lease key and by a timer at the holder's
+    /// expiry; `Ok(None)` when the wait runs out.
+    ///
+    /// # Errors
+    /// As [`try_acquire`](FencedLock::try_acquire). Transport errors end the wait.
+    pub fn acquire_timeout(&self, ttl: Duration, wait: Duration) -> Result<Option<FencedGuard>> {
+        self.acquire_deadline(ttl, Instant::now() + wait)
+    }
+
+    /// Waits until `deadline` for the lease; see
+    /// [`acquire_timeout`](FencedLock::acquire_timeout).
+    ///
+    /// # Errors
+    /// As [`try_acquire`](FencedLock::try_acquire).
+    pub fn acquire_deadline(
+        &self,
+        ttl: Duration,
+        deadline: Instant,
+    ) -> Result<Option<FencedGuard>> {
+        acquire::acquire(self, ttl, Wait::Until(deadline))
+    }
+
+    /// Waits for the lease until it is granted or `cancel` is cancelled.
+    ///
+    /// # Errors
+    /// [`Error::Cancelled`] on cancellation, otherwise as
+    /// [`try_acquire`](FencedLock::try_acquire).
+    pub fn acquire(&self, ttl: Duration, cancel: &CancelToken) -> Result<FencedGuard> {
+        acquire::acquire(self, ttl, Wait::Cancellable(cancel))?.ok_or(Error::Cancelled)
+    }
+}
+
+impl Acquirer for FencedLock {
+    type Guard = FencedGuard;
+
+    fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    fn wait_key(&self) -> &str {
+        &self.lease
+    }
+
+    fn attempt(
+        &self,
+        conn: &mut Conn,
+        owner: &OwnerToken,
+        ttl_ms: u64,
+    ) -> Result<Attempt<FencedGuard>> {
+        let sent = Instant::now();
+        let reply: Vec<i64> = conn
+            .script(
+                &scripts::FENCED_ACQUIRE,
+                &[&self.lease, &self.fence],
+                &[owner.as_str(), &ttl_ms.to_string()],
+                "acquire",
+                self.shared.node_timeout(),
+            )
+            .map_err(|e| {
+                let key = match &e {
+                    Error::Server { source, .. } if source.code() == Some("BADFENCE") => {
+                        &self.fence
+                    }
+                    _ => &self.lease,
+                };
+                self.shared.bad_key(e, key)
+            })?;
+        match reply.as_slice() {
+            [1, token] if *token > 0 => {
+                let token = *token as u64;
+                let guard = FencedGuard {
+                    core: LeaseCore::new(
+                        self.shared.clone(),
+                        self.lease.clone(),
+                        format!("{}:{token}", owner.as_str()),
+                        sent,
+                        ttl_ms,
+                    ),
+                    token: FencingToken(token),
+                };
+                if let Err(e) = self.shared.note_token(&self.fence, token) {
+                    drop(guard);
+                    return Err(e);
+                }
+                Ok(Attempt::Acquired(guard))
+            }
+            [0, pttl] => Ok(Attempt::Busy(
+                u64::try_from(*pttl).ok().map(Duration::from_millis),
+            )),
+            other => Err(Error::UnexpectedReply {
+                op: "acquire",
+                reply: format!("{other:?}"),
+            }),
+        }
+    }
+}
+
+impl fmt::Debug for FencedLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FencedLock")
+            .field("lease_key", &self.lease)
+            .field("fence_key", &self.fence)
+            .finish()
+    }
+}
+
+/// A held [`FencedLock`] lease and its fencing token. Dropping it releases the
+/// lease (best effort, bounded by the node timeout, never panics).
+#[must_use = "if unused the lease is released immediately"]
+pub struct FencedGuard {
+    core: LeaseCore,
+    token: FencingToken,
+}
+
+impl FencedGuard {
+    /// The fencing token of this grant. Send it with every write to the protected
+    /// resource.
+    pub fn fencing_token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// The physical lease key.
+    pub fn key(&self) -> &str {
+        &self.core.state.key
+    }
+
+    /// Whether the lease is lost: its local loss deadline (send time of the grant
+    /// or last confirmed renewal + TTL − drift − node timeout) passed, or a
+    /// renewal, verification or extension found it expired or taken over. Does not
+    /// block or touch the network.
+    pub fn is_lost(&self) -> bool {
+        self.core.is_lost()
+    }
+
+    /// A channel that disconnects when the lease is lost or released; use it in
+    /// `crossbeam_channel::select!`. It never delivers a message.
+    pub fn lost_signal(&self) -> &Receiver<()> {
+        self.core.lost_signal()
+    }
+
+    /// How long the lease can still be assumed held, on the local monotonic clock
+    /// from when the grant (or last confirmed renewal) was *sent*, minus drift.
+    /// Zero once lost. Does not touch the network.
+    pub fn remaining_estimate(&self) -> Duration {
+        self.core.remaining_estimate()
+    }
+
+    /// Asks Redis whether the lease still holds this guard's owner and token. One
+    /// round trip. `Some(server-side TTL)` when held; `None` (and the guard is
+    /// flagged lost) when not.
+    ///
+    /// # Errors
+    /// Transport errors (the guard is unchanged).
+    pub fn verify_still_held(&self) -> Result<Option<Duration>> {
+        self.core.verify_still_held()
+    }
+
+    /// Sets the lease's expiry to `ttl` from now if it is still held; never
+    /// re-creates a missing key. `false` (and the guard is flagged lost) means stop
+    /// the work.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad TTL; transport errors (outcome unknown).
+    pub fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
+        self.core.reset_expiry(ttl)
+    }
+
+    /// Renews the lease in the background until the returned [`KeepAlive`] is
+    /// dropped.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a TTL too short to renew at half with a node
+    /// timeout to spare; [`Error::Permission`] without ACL rights to `CLIENT ID`
+    /// and `CLIENT KILL`.
+    pub fn keep_alive(&self) -> Result<KeepAlive<'_>> {
+        self.core.keep_alive()
+    }
+
+    /// Releases the lease if still held; one round trip bounded by the node
+    /// timeout. The counter is left as it is.
+    ///
+    /// # Errors
+    /// Server errors such as a missing ACL right. A lost reply is
+    /// `Ok(ReleaseOutcome::Uncertain)`.
+    pub fn release(mut self) -> Result<ReleaseOutcome> {
+        self.core.release()
+    }
+}
+
+impl fmt::Debug for FencedGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("FencedGuard");
+        self.core.debug_fields(&mut d);
+        d.field("fencing_token", &self.token).finish()
+    }
+}

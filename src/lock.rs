@@ -1,0 +1,231 @@
+//! `Lock`: a plain mutex on one key — `SET key owner NX PX ttl`, renew and delete
+//! only when the key still holds our owner token. No fencing token: use it where
+//! two holders at once would waste work, not corrupt data.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+
+use crate::acquire::{self, Acquirer, Wait};
+use crate::cancel::CancelToken;
+use crate::conn::Conn;
+use crate::coordinator::Shared;
+use crate::error::{Error, Result};
+use crate::lease::{LeaseCore, ReleaseOutcome};
+use crate::runtime::renewal::KeepAlive;
+use crate::runtime::waiters::Attempt;
+use crate::scripts;
+use crate::token::OwnerToken;
+
+/// A plain mutual-exclusion lock on one key of one deployment. Made by
+/// [`Coordinator::lock`](crate::Coordinator::lock); cheap to clone.
+///
+/// It gives efficiency, not safety: a holder that pauses past its TTL can still
+/// act after someone else got the lock. Where that would corrupt data, use a
+/// [`FencedLock`](crate::FencedLock).
+#[derive(Clone)]
+pub struct Lock {
+    shared: Arc<Shared>,
+    key: String,
+}
+
+impl Lock {
+    pub(crate) fn new(shared: Arc<Shared>, key: String) -> Self {
+        Lock { shared, key }
+    }
+
+    /// The physical key (with the coordinator's prefix).
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// One attempt, one round trip. Blocks for at most the node timeout.
+    ///
+    /// Returns `Ok(Some(guard))` when granted, `Ok(None)` when someone else holds
+    /// the lock.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a zero TTL, one above [`MAX_TTL`](crate::MAX_TTL)
+    /// or one not longer than the node timeout plus drift; [`Error::BadKey`] when
+    /// the key holds a non-string value; [`Error::Timeout`] / [`Error::Io`] when the
+    /// reply was lost (a lock it may have set is deleted again, best effort);
+    /// other transport and server errors as they come.
+    pub fn try_acquire(&self, ttl: Duration) -> Result<Option<LockGuard>> {
+        acquire::acquire(self, ttl, Wait::Once)
+    }
+
+    /// Waits up to `wait` for the lock. A zero wait makes exactly one attempt.
+    ///
+    /// Blocks until acquired or the wait runs out; it is woken by invalidations of
+    /// the key (client tracking) and by a timer at the holder's expiry, and does
+    /// not poll unless tracking is unavailable. Returns `Ok(None)` when the wait
+    /// runs out.
+    ///
+    /// # Errors
+    /// As [`try_acquire`](Lock::try_acquire). Transport errors end the wait.
+    pub fn acquire_timeout(&self, ttl: Duration, wait: Duration) -> Result<Option<LockGuard>> {
+        self.acquire_deadline(ttl, Instant::now() + wait)
+    }
+
+    /// Waits until `deadline` for the lock; see [`acquire_timeout`](Lock::acquire_timeout).
+    /// A deadline already past makes exactly one attempt.
+    ///
+    /// # Errors
+    /// As [`try_acquire`](Lock::try_acquire).
+    pub fn acquire_deadline(&self, ttl: Duration, deadline: Instant) -> Result<Option<LockGuard>> {
+        acquire::acquire(self, ttl, Wait::Until(deadline))
+    }
+
+    /// Waits for the lock until it is acquired or `cancel` is cancelled.
+    ///
+    /// # Errors
+    /// [`Error::Cancelled`] on cancellation (never turned into "not acquired"),
+    /// otherwise as [`try_acquire`](Lock::try_acquire).
+    pub fn acquire(&self, ttl: Duration, cancel: &CancelToken) -> Result<LockGuard> {
+        acquire::acquire(self, ttl, Wait::Cancellable(cancel))?.ok_or(Error::Cancelled)
+    }
+}
+
+impl Acquirer for Lock {
+    type Guard = LockGuard;
+
+    fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    fn wait_key(&self) -> &str {
+        &self.key
+    }
+
+    fn attempt(
+        &self,
+        conn: &mut Conn,
+        owner: &OwnerToken,
+        ttl_ms: u64,
+    ) -> Result<Attempt<LockGuard>> {
+        let sent = Instant::now();
+        let reply: Vec<i64> = conn
+            .script(
+                &scripts::LOCK_ACQUIRE,
+                &[&self.key],
+                &[owner.as_str(), &ttl_ms.to_string()],
+                "acquire",
+                self.shared.node_timeout(),
+            )
+            .map_err(|e| self.shared.bad_key(e, &self.key))?;
+        match reply.as_slice() {
+            [1] => Ok(Attempt::Acquired(LockGuard {
+                core: LeaseCore::new(
+                    self.shared.clone(),
+                    self.key.clone(),
+                    owner.as_str().to_owned(),
+                    sent,
+                    ttl_ms,
+                ),
+            })),
+            [0, pttl] => Ok(Attempt::Busy(
+                u64::try_from(*pttl).ok().map(Duration::from_millis),
+            )),
+            other => Err(Error::UnexpectedReply {
+                op: "acquire",
+                reply: format!("{other:?}"),
+            }),
+        }
+    }
+}
+
+impl fmt::Debug for Lock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lock").field("key", &self.key).finish()
+    }
+}
+
+/// A held [`Lock`]. Dropping it releases the lock (best effort, bounded by the
+/// node timeout, never panics); [`release`](LockGuard::release) does the same
+/// and reports what happened.
+#[must_use = "if unused the lock is released immediately"]
+pub struct LockGuard {
+    core: LeaseCore,
+}
+
+impl LockGuard {
+    /// The physical key.
+    pub fn key(&self) -> &str {
+        &self.core.state.key
+    }
+
+    /// Whether the lock is lost: its local loss deadline passed without a
+    /// confirmed renewal, or a renewal, verification or extension found it
+    /// expired or taken over. Does not block or touch the network.
+    pub fn is_lost(&self) -> bool {
+        self.core.is_lost()
+    }
+
+    /// A channel that disconnects when the lock is lost or released; use it in
+    /// `crossbeam_channel::select!`. It never delivers a message.
+    pub fn lost_signal(&self) -> &Receiver<()> {
+        self.core.lost_signal()
+    }
+
+    /// How long the lock can still be assumed held: measured on the local
+    /// monotonic clock from when the grant (or the last confirmed renewal) was
+    /// *sent*, minus clock drift. Zero once lost. Does not touch the network.
+    pub fn remaining_estimate(&self) -> Duration {
+        self.core.remaining_estimate()
+    }
+
+    /// Asks Redis whether the key still holds this guard's owner token. One round
+    /// trip. Returns `Some(server-side TTL)` when held, `None` (and flags the
+    /// guard lost) when not. Only says what was true at one instant.
+    ///
+    /// # Errors
+    /// Transport errors (the guard is unchanged).
+    pub fn verify_still_held(&self) -> Result<Option<Duration>> {
+        self.core.verify_still_held()
+    }
+
+    /// Sets the lock's expiry to `ttl` from now, if it is still held. Never
+    /// re-creates a missing key. Returns `false` (and flags the guard lost) when
+    /// the lock expired or was taken over: stop the work.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad TTL; transport errors (the outcome is
+    /// then unknown and the local estimate keeps the old expiry).
+    pub fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
+        self.core.reset_expiry(ttl)
+    }
+
+    /// Renews the lock in the background until the returned [`KeepAlive`] is
+    /// dropped; see there for when loss is flagged.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the TTL is too short to renew at half of it
+    /// with a node timeout to spare; [`Error::Permission`] when the ACL user may
+    /// not run `CLIENT ID` and `CLIENT KILL`; transport errors from that check.
+    pub fn keep_alive(&self) -> Result<KeepAlive<'_>> {
+        self.core.keep_alive()
+    }
+
+    /// Releases the lock if this guard still holds it. One round trip, bounded by
+    /// the node timeout.
+    ///
+    /// Returns what it found: [`ReleaseOutcome::Released`], `Expired`,
+    /// `TakenOver` (the other holder keeps its lock), or `Uncertain` when no reply
+    /// came (the lock then ends at its expiry).
+    ///
+    /// # Errors
+    /// Server errors such as a missing ACL right.
+    pub fn release(mut self) -> Result<ReleaseOutcome> {
+        self.core.release()
+    }
+}
+
+impl fmt::Debug for LockGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("LockGuard");
+        self.core.debug_fields(&mut d);
+        d.finish()
+    }
+}

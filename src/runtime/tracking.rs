@@ -1,0 +1,155 @@
+//! The invalidation subscriber: one thread per `Coordinator`, started by the first
+//! wait. It holds one RESP2 connection subscribed to `__redis__:invalidate`; the
+//! command connections waiters use turn on `CLIENT TRACKING … REDIRECT <its id>`,
+//! so every key a waiter's attempt read produces one message here when it next
+//! changes. Messages are hints: the woken waiter re-runs its acquire script.
+//!
+//! RESP2 pub/sub is used because a receive that times out leaves a RESP3
+//! connection of the `redis` crate unusable, while a pub/sub read timeout does not;
+//! the thread needs a read timeout to notice that its coordinator is gone.
+//!
+//! After a disconnect the thread reconnects with backoff; each new subscription
+//! gets a new generation, so command connections re-arm tracking before their next
+//! wait attempt, and every waiter is woken to re-check. While disconnected,
+//! waiters poll.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+
+use crate::conn::{Conn, ConnConfig};
+use crate::error::{Error, Result};
+use crate::runtime::waiters::{Registry, Status};
+
+const CHANNEL: &str = "__redis__:invalidate";
+const READ_TIMEOUT: Duration = Duration::from_millis(250);
+const PING_EVERY: Duration = Duration::from_secs(5);
+
+/// The handle a coordinator keeps; dropping it stops the thread.
+pub(crate) struct Tracking {
+    pub(crate) registry: Arc<Registry>,
+    _stop: Sender<()>,
+}
+
+impl Tracking {
+    pub(crate) fn spawn(cfg: Arc<ConnConfig>) -> std::io::Result<Tracking> {
+        let registry = Arc::new(Registry::new());
+        let (stop_tx, stop_rx) = crossbeam_channel::bounded(0);
+        let reg = registry.clone();
+        std::thread::Builder::new()
+            .name("respire-tracking".into())
+            .spawn(move || run(&cfg, &reg, &stop_rx))?;
+        Ok(Tracking {
+            registry,
+            _stop: stop_tx,
+        })
+    }
+}
+
+fn stopped(stop: &Receiver<()>) -> bool {
+    matches!(stop.try_recv(), Err(TryRecvError::Disconnected))
+}
+
+fn run(cfg: &ConnConfig, registry: &Registry, stop: &Receiver<()>) {
+    let mut generation = 0;
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        if stopped(stop) {
+            return;
+        }
+        generation += 1;
+        let mut subscribed = false;
+        let result = session(cfg, registry, stop, generation, &mut subscribed);
+        registry.set_status(Status::Down);
+        if subscribed {
+            backoff = Duration::from_millis(50);
+            registry.wake_all();
+        }
+        match result {
+            Ok(()) => return,
+            Err(Error::Permission(why)) => {
+                registry.deny(&format!("cannot subscribe to {CHANNEL}: {why}"));
+            }
+            Err(e) => log::debug!("invalidation subscriber for {}: {e}", cfg.addr),
+        }
+        // Wait before reconnecting, but stop at once if the coordinator is gone.
+        if let Err(crossbeam_channel::RecvTimeoutError::Disconnected) = stop.recv_timeout(backoff) {
+            return;
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// One subscription: connects, subscribes, announces the redirect id, then
+/// delivers invalidations until the connection fails (`Err`) or the coordinator
+/// is gone (`Ok`).
+fn session(
+    cfg: &ConnConfig,
+    registry: &Registry,
+    stop: &Receiver<()>,
+    generation: u64,
+    subscribed: &mut bool,
+) -> Result<()> {
+    let mut conn: Conn = cfg.connect_pubsub(cfg.connect_timeout)?;
+    let id = conn.client_id(cfg.node_timeout)?;
+    let raw = conn.raw();
+    let io = |op: &'static str| move |e: redis::RedisError| Error::Io { op, source: e };
+    let mut pubsub = raw.as_pubsub();
+    pubsub
+        .set_read_timeout(Some(cfg.node_timeout.max(READ_TIMEOUT)))
+        .map_err(io("setting socket timeouts"))?;
+    pubsub.subscribe(CHANNEL).map_err(|e| {
+        if e.code() == Some("NOPERM") {
+            Error::Permission(e.to_string())
+        } else {
+            Error::Io {
+                op: "SUBSCRIBE",
+                source: e,
+            }
+        }
+    })?;
+    pubsub
+        .set_read_timeout(Some(READ_TIMEOUT))
+        .map_err(io("setting socket timeouts"))?;
+    *subscribed = true;
+    registry.set_status(Status::Ready {
+        redirect: id,
+        generation,
+    });
+    registry.wake_all();
+    let mut last_heard = Instant::now();
+    loop {
+        match pubsub.get_message() {
+            Ok(msg) => {
+                last_heard = Instant::now();
+                if msg.get_channel_name() != CHANNEL {
+                    continue;
+                }
+                match msg.get_payload::<redis::Value>() {
+                    Ok(redis::Value::Array(keys)) | Ok(redis::Value::Set(keys)) => {
+                        for key in keys {
+                            if let redis::Value::BulkString(key) = key {
+                                registry.wake_key(&key);
+                            }
+                        }
+                    }
+                    // FLUSHALL / FLUSHDB: every key may have changed.
+                    _ => registry.wake_all(),
+                }
+            }
+            Err(e) if e.is_timeout() => {
+                if stopped(stop) {
+                    return Ok(());
+                }
+                if last_heard.elapsed() >= PING_EVERY {
+                    // A silent peer may be gone: its pong must come back within
+                    // the read timeout or the connection is replaced.
+                    pubsub.ping::<redis::Value>().map_err(io("PING"))?;
+                    last_heard = Instant::now();
+                }
+            }
+            Err(e) => return Err(io("receiving invalidations")(e)),
+        }
+    }
+}

@@ -1,0 +1,359 @@
+//! The waiter registry and the wait loop shared by every primitive.
+//!
+//! A waiter registers the key it waits on *before* each attempt, and the attempt
+//! (one script that tries, else reads the key's PTTL) arms client tracking on the
+//! connection it runs on, so an invalidation sent after the attempt always finds
+//! the waiter registered: no wake-up is lost between "it was busy" and "sleep".
+//!
+//! Within one process, waiters on one key form a queue. An invalidation wakes the
+//! first only; when it leaves the queue (acquired, timed out, cancelled, failed)
+//! it wakes the next, which re-arms tracking with its own attempt. Only the first
+//! also sleeps on a timer at the PTTL its attempt read, because expiry
+//! notifications can come seconds late. Across processes there is no queue: each
+//! process's first waiter races the others' on each change.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::{Condvar, Mutex};
+
+use crate::cancel::CancelToken;
+use crate::conn::Conn;
+use crate::coordinator::Shared;
+use crate::error::{Error, Result};
+
+/// The outcome of one acquire attempt.
+pub(crate) enum Attempt<T> {
+    /// Granted.
+    Acquired(T),
+    /// Held by someone else, for at most this long (`None`: no expiry).
+    Busy(Option<Duration>),
+}
+
+/// Whether invalidations can be relied on right now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Status {
+    /// The subscriber is connecting for the first time.
+    Starting,
+    /// Subscribed; command connections redirect their invalidations to `redirect`.
+    Ready { redirect: u64, generation: u64 },
+    /// No subscriber (disconnected or refused): waiters poll.
+    Down,
+}
+
+/// Waiters by key, and the subscriber's status.
+pub(crate) struct Registry {
+    queues: Mutex<HashMap<Vec<u8>, VecDeque<(u64, Sender<()>)>>>,
+    status: Mutex<Status>,
+    status_changed: Condvar,
+    denied: AtomicBool,
+    warned: AtomicBool,
+    next_id: AtomicU64,
+}
+
+impl Registry {
+    pub(crate) fn new() -> Self {
+        Registry {
+            queues: Mutex::new(HashMap::new()),
+            status: Mutex::new(Status::Starting),
+            status_changed: Condvar::new(),
+            denied: AtomicBool::new(false),
+            warned: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    pub(crate) fn set_status(&self, status: Status) {
+        *self.status.lock() = status;
+        self.status_changed.notify_all();
+        if status == Status::Down {
+            self.fallback("the invalidation subscriber is disconnected");
+        }
+    }
+
+    pub(crate) fn status(&self) -> Status {
+        if self.denied.load(Ordering::Acquire) {
+            return Status::Down;
+        }
+        *self.status.lock()
+    }
+
+    /// Waits (bounded) for the subscriber's first connection attempt to settle.
+    fn await_settled(&self, until: Instant) {
+        let mut status = self.status.lock();
+        while *status == Status::Starting {
+            if self
+                .status_changed
+                .wait_until(&mut status, until)
+                .timed_out()
+            {
+                return;
+            }
+        }
+    }
+
+    /// Tracking is refused for good (ACL or server): poll from now on.
+    pub(crate) fn deny(&self, why: &str) {
+        self.denied.store(true, Ordering::Release);
+        self.fallback(why);
+    }
+
+    fn fallback(&self, why: &str) {
+        if !self.warned.swap(true, Ordering::AcqRel) {
+            log::warn!(
+                "waiting falls back to polling every 50–150 ms: {why} \
+                 (logged once per coordinator)"
+            );
+        }
+    }
+
+    fn register(&self, key: &str) -> Waiter<'_> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.queues
+            .lock()
+            .entry(key.as_bytes().to_vec())
+            .or_default()
+            .push_back((id, tx));
+        Waiter {
+            registry: self,
+            key: key.as_bytes().to_vec(),
+            id,
+            rx,
+        }
+    }
+
+    /// An invalidation for `key`: wake the first waiter on it.
+    pub(crate) fn wake_key(&self, key: &[u8]) {
+        if let Some(queue) = self.queues.lock().get(key) {
+            if let Some((_, tx)) = queue.front() {
+                let _ = tx.try_send(());
+            }
+        }
+    }
+
+    /// Every key may have changed (reconnect, FLUSHALL): wake every first waiter.
+    pub(crate) fn wake_all(&self) {
+        for queue in self.queues.lock().values() {
+            if let Some((_, tx)) = queue.front() {
+                let _ = tx.try_send(());
+            }
+        }
+    }
+
+    fn is_front(&self, key: &[u8], id: u64) -> bool {
+        self.queues
+            .lock()
+            .get(key)
+            .and_then(|q| q.front())
+            .is_some_and(|(front, _)| *front == id)
+    }
+
+    /// How many waiters are registered (all keys).
+    #[cfg(test)]
+    fn waiting(&self) -> usize {
+        self.queues.lock().values().map(VecDeque::len).sum()
+    }
+}
+
+/// One registered waiter; leaving the queue wakes the next one.
+struct Waiter<'a> {
+    registry: &'a Registry,
+    key: Vec<u8>,
+    id: u64,
+    rx: Receiver<()>,
+}
+
+impl Drop for Waiter<'_> {
+    fn drop(&mut self) {
+        let mut queues = self.registry.queues.lock();
+        if let Some(queue) = queues.get_mut(&self.key) {
+            let was_front = queue.front().is_some_and(|(id, _)| *id == self.id);
+            queue.retain(|(id, _)| *id != self.id);
+            if queue.is_empty() {
+                queues.remove(&self.key);
+            } else if was_front {
+                if let Some((_, tx)) = queue.front() {
+                    let _ = tx.try_send(());
+                }
+            }
+        }
+    }
+}
+
+/// A random poll interval between 50 and 150 ms.
+fn poll_interval() -> Duration {
+    let mut b = [0u8; 2];
+    let jitter = if getrandom::fill(&mut b).is_ok() {
+        u64::from(u16::from_le_bytes(b)) % 100
+    } else {
+        50
+    };
+    Duration::from_millis(50 + jitter)
+}
+
+/// Turns on tracking for this connection, redirected to the current subscriber.
+/// Returns whether the connection's reads now arm invalidations.
+fn ensure_tracking(conn: &mut Conn, registry: &Registry, timeout: Duration) -> Result<bool> {
+    let Status::Ready {
+        redirect,
+        generation,
+    } = registry.status()
+    else {
+        return Ok(false);
+    };
+    if conn.tracking_gen == generation {
+        return Ok(true);
+    }
+    let cmd = redis::cmd("CLIENT")
+        .arg("TRACKING")
+        .arg("ON")
+        .arg("REDIRECT")
+        .arg(redirect)
+        .clone();
+    match conn.query::<()>(&cmd, "CLIENT TRACKING", timeout) {
+        Ok(()) => {
+            conn.tracking_gen = generation;
+            Ok(true)
+        }
+        Err(Error::Permission(why)) => {
+            registry.deny(&format!("the ACL denies CLIENT TRACKING ({why})"));
+            Ok(false)
+        }
+        Err(Error::Server { source, .. }) => {
+            let why = format!("the server refused CLIENT TRACKING ({source})");
+            if source.code() == Some("ERR") && source.to_string().contains("redirect") {
+                // The subscriber went away between the status read and this
+                // command; it is reconnecting and will wake every waiter.
+                log::debug!("{why}");
+            } else {
+                registry.deny(&why);
+            }
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Waits for an acquire to succeed: re-attempts when woken by an invalidation of
+/// `key`, by the PTTL timer, or by polling when tracking is unavailable. Returns
+/// `Ok(None)` when `deadline` passes, `Err(Cancelled)` on cancellation, and any
+/// error an attempt returns.
+pub(crate) fn wait_for<T>(
+    shared: &Shared,
+    key: &str,
+    deadline: Option<Instant>,
+    cancel: Option<&CancelToken>,
+    mut attempt: impl FnMut(&mut Conn) -> Result<Attempt<T>>,
+) -> Result<Option<T>> {
+    let registry = &shared.tracking()?.registry;
+    let settle = Instant::now() + shared.pool.cfg.connect_timeout;
+    registry.await_settled(deadline.map_or(settle, |d| d.min(settle)));
+    let waiter = registry.register(key);
+    let never = crossbeam_channel::never();
+    let cancelled = cancel.map_or(&never, |c| c.receiver());
+    let timeout = shared.node_timeout();
+    loop {
+        if cancel.is_some_and(CancelToken::is_cancelled) {
+            return Err(Error::Cancelled);
+        }
+        let mut conn = shared.pool.get(timeout)?;
+        let tracked = ensure_tracking(&mut conn, registry, timeout)?;
+        let pttl = match attempt(&mut conn)? {
+            Attempt::Acquired(t) => return Ok(Some(t)),
+            Attempt::Busy(pttl) => pttl,
+        };
+        drop(conn);
+        let now = Instant::now();
+        if deadline.is_some_and(|d| now >= d) {
+            return Ok(None);
+        }
+        let mut wake_at = deadline;
+        if registry.is_front(&waiter.key, waiter.id) {
+            if let Some(pttl) = pttl {
+                let at = now + pttl + Duration::from_millis(1);
+                wake_at = Some(wake_at.map_or(at, |w| w.min(at)));
+            }
+            if !tracked {
+                let at = now + poll_interval();
+                wake_at = Some(wake_at.map_or(at, |w| w.min(at)));
+            }
+        }
+        let timer = match wake_at {
+            Some(at) => crossbeam_channel::at(at),
+            None => crossbeam_channel::never(),
+        };
+        crossbeam_channel::select! {
+            recv(waiter.rx) -> _ => {}
+            recv(cancelled) -> _ => return Err(Error::Cancelled),
+            recv(timer) -> _ => {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Ok(None);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invalidation_wakes_only_the_first_and_leaving_passes_it_on() {
+        let reg = Registry::new();
+        let a = reg.register("k");
+        let b = reg.register("k");
+        let other = reg.register("j");
+        reg.wake_key(b"k");
+        assert!(a.rx.try_recv().is_ok());
+        assert!(b.rx.try_recv().is_err());
+        assert!(other.rx.try_recv().is_err());
+        assert!(reg.is_front(b"k", a.id));
+        drop(a);
+        // The next waiter is woken to re-check and re-arm.
+        assert!(b.rx.try_recv().is_ok());
+        assert!(reg.is_front(b"k", b.id));
+        assert_eq!(reg.waiting(), 2);
+        drop(b);
+        drop(other);
+        assert_eq!(reg.waiting(), 0);
+        assert!(reg.queues.lock().is_empty());
+    }
+
+    #[test]
+    fn a_pending_wake_is_kept_until_the_waiter_looks() {
+        let reg = Registry::new();
+        let a = reg.register("k");
+        reg.wake_key(b"k");
+        reg.wake_key(b"k");
+        assert!(a.rx.try_recv().is_ok());
+        assert!(a.rx.try_recv().is_err());
+    }
+
+    #[test]
+    fn leaving_from_the_middle_does_not_wake_anyone() {
+        let reg = Registry::new();
+        let a = reg.register("k");
+        let b = reg.register("k");
+        let c = reg.register("k");
+        drop(b);
+        assert!(a.rx.try_recv().is_err());
+        assert!(c.rx.try_recv().is_err());
+        reg.wake_all();
+        assert!(a.rx.try_recv().is_ok());
+        assert!(c.rx.try_recv().is_err());
+    }
+
+    #[test]
+    fn poll_interval_is_jittered_within_bounds() {
+        let seen: std::collections::HashSet<_> = (0..200).map(|_| poll_interval()).collect();
+        assert!(seen.len() > 10);
+        assert!(
+            seen.iter()
+                .all(|d| *d >= Duration::from_millis(50) && *d < Duration::from_millis(150))
+        );
+    }
+}

@@ -1,0 +1,33 @@
+-- Take a fenced lease if it is free: increment the persistent counter and set the
+-- lease to owner:token. Else report how long its holder has left.
+-- The counter is never given an expiry, never deleted and never reset here.
+-- KEYS[1]  lease key
+-- KEYS[2]  fence counter key (same cluster slot as the lease)
+-- ARGV[1]  owner value
+-- ARGV[2]  ttl in milliseconds
+-- returns  {1, token} when granted; {0, pttl} when held (pttl -1: no expiry)
+-- errors   BADKEY (lease of another type), BADFENCE (counter of another type, with
+--          an expiry, or not a non-negative integer); nothing is changed
+local ft = redis.call('TYPE', KEYS[2]).ok
+if ft ~= 'none' then
+  if ft ~= 'string' then
+    return redis.error_reply('BADFENCE holds a ' .. ft .. ', not a counter')
+  end
+  if redis.call('PTTL', KEYS[2]) ~= -1 then
+    return redis.error_reply('BADFENCE has an expiry; a fencing counter must never expire')
+  end
+  local v = redis.call('GET', KEYS[2])
+  if not (v == '0' or (string.match(v, '^[1-9]%d*$') and string.len(v) <= 18)) then
+    return redis.error_reply('BADFENCE is not a non-negative integer counter')
+  end
+end
+local lt = redis.call('TYPE', KEYS[1]).ok
+if lt == 'none' then
+  local token = redis.call('INCR', KEYS[2])
+  redis.call('SET', KEYS[1], ARGV[1] .. ':' .. token, 'PX', ARGV[2])
+  return {1, token}
+end
+if lt ~= 'string' then
+  return redis.error_reply('BADKEY holds a ' .. lt .. ', not a lease')
+end
+return {0, redis.call('PTTL', KEYS[1])}

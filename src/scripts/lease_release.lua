@@ -1,0 +1,19 @@
+-- Delete a lease only if it still holds this owner's value.
+-- KEYS[1]  lease key
+-- ARGV[1]  the value the holder set, or with ARGV[2] = 'prefix' the owner part of
+--          it (used after an acquire whose reply was lost, when the token is unknown)
+-- ARGV[2]  'exact' or 'prefix'
+-- returns  1 deleted; 0 the key is gone (expired or deleted); -1 someone else holds it
+local t = redis.call('TYPE', KEYS[1]).ok
+if t == 'none' then return 0 end
+if t ~= 'string' then return -1 end
+local v = redis.call('GET', KEYS[1])
+local mine
+if ARGV[2] == 'prefix' then
+  mine = string.sub(v, 1, string.len(ARGV[1])) == ARGV[1]
+else
+  mine = v == ARGV[1]
+end
+if not mine then return -1 end
+redis.call('DEL', KEYS[1])
+return 1
