@@ -1,7 +1,8 @@
 //! Real-server test harness shared by the integration tests and the benches.
 //!
-//! Everything here drives real processes: [`TestServer`] runs a
-//! `redis-server` on a free local port in a throwaway directory, and
+//! Everything here drives real processes and sockets: [`TestServer`] runs a
+//! `redis-server` on a free local port in a throwaway directory, [`FaultProxy`]
+//! sits between a client and a server to delay, drop or cut traffic, and
 //! [`wait_until`] waits for a condition with a deadline instead of sleeping.
 //!
 //! Use it with `mod support;` from a file in `tests/`, or with
@@ -10,6 +11,7 @@
 // Every test binary compiles this whole module but uses only part of it.
 #![allow(dead_code)]
 
+mod proxy;
 mod server;
 mod tls;
 
@@ -19,6 +21,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 // Each test binary names only the items it needs.
+#[allow(unused_imports)]
+pub(crate) use proxy::{FaultProxy, Mode};
 #[allow(unused_imports)]
 pub(crate) use server::{TestServer, TestServerBuilder, TlsAuthClients};
 #[allow(unused_imports)]
