@@ -1,0 +1,67 @@
+//! Real-server test harness shared by the integration tests and the benches.
+//!
+//! Everything here drives real processes and sockets: [`TestServer`] runs a
+//! `redis-server` on a free local port in a throwaway directory, [`FaultProxy`]
+//! sits between a client and a server to delay, drop or cut traffic, and
+//! [`wait_until`] waits for a condition with a deadline instead of sleeping.
+//!
+//! Use it with `mod support;` from a file in `tests/`, or with
+//! `#[path = "../tests/support/mod.rs"] mod support;` from a bench.
+
+// Every test binary compiles this whole module but uses only part of it.
+#![allow(dead_code)]
+
+mod proxy;
+mod server;
+mod tls;
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+// Each test binary names only the items it needs.
+#[allow(unused_imports)]
+pub(crate) use proxy::{FaultProxy, Mode};
+#[allow(unused_imports)]
+pub(crate) use server::{TestServer, TestServerBuilder, TlsAuthClients};
+#[allow(unused_imports)]
+pub(crate) use tls::TlsFiles;
+
+/// The server shared by every test of this binary that injects no faults.
+///
+/// Started on first use and never dropped; a watchdog kills it as soon as the
+/// test process exits. Give each test its own keys with [`unique_prefix`] and
+/// start a fresh [`TestServer`] for anything that pauses, kills or reconfigures
+/// a server.
+pub(crate) fn shared_server() -> &'static TestServer {
+    static SERVER: OnceLock<TestServer> = OnceLock::new();
+    SERVER.get_or_init(TestServer::start)
+}
+
+/// A key prefix no other call in this process returns: `t:<test_name>:<n>:`.
+pub(crate) fn unique_prefix(test_name: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("t:{test_name}:{n}:")
+}
+
+/// Polls `cond` every few milliseconds until it returns `true`.
+///
+/// # Panics
+///
+/// Panics with a message naming `what` if `cond` is still `false` after
+/// `deadline`.
+#[track_caller]
+pub(crate) fn wait_until(deadline: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    loop {
+        if cond() {
+            return;
+        }
+        if start.elapsed() >= deadline {
+            panic!("timed out after {deadline:?} waiting for {what}");
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+}

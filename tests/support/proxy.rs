@@ -1,0 +1,470 @@
+//! A TCP proxy on std threads that delays, drops or cuts traffic on demand.
+//!
+//! Each proxied connection has four threads: per direction a reader that
+//! stamps every chunk with the time it may leave, and a writer that sends the
+//! chunks in order once that time has come. A delay therefore shifts the
+//! stream in time without limiting its throughput.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+/// How often blocked proxy threads look at the shutdown and reset flags.
+const POLL: Duration = Duration::from_millis(50);
+/// How long the proxy waits to connect to the upstream server.
+const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const CHUNK_SIZE: usize = 16 * 1024;
+
+/// What a [`FaultProxy`] does with the bytes it receives. A new mode applies
+/// at once to existing and new connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Forward everything as it arrives.
+    Pass,
+    /// Forward everything, in order, this long after it arrived, in both
+    /// directions (a round trip takes at least twice this).
+    Delay(Duration),
+    /// Accept connections and read from both sides but forward nothing, not
+    /// even a close: like a network partition. A connection that was open
+    /// stays open (and counted) until both sides have closed, or until
+    /// [`FaultProxy::reset_all`] or the proxy's drop; after a switch back to
+    /// [`Mode::Pass`] its byte stream has a gap, so clients should reconnect.
+    Blackhole,
+    /// Discard what the client sends; forward what the server sends.
+    DropClientToServer,
+    /// Forward what the client sends; discard what the server sends.
+    DropServerToClient,
+}
+
+impl Mode {
+    fn drops(self, direction: Direction) -> bool {
+        match self {
+            Mode::Pass | Mode::Delay(_) => false,
+            Mode::Blackhole => true,
+            Mode::DropClientToServer => direction == Direction::ClientToServer,
+            Mode::DropServerToClient => direction == Direction::ServerToClient,
+        }
+    }
+
+    fn delay(self) -> Duration {
+        match self {
+            Mode::Delay(delay) => delay,
+            _ => Duration::ZERO,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    ClientToServer,
+    ServerToClient,
+}
+
+impl Direction {
+    fn label(self) -> &'static str {
+        match self {
+            Direction::ClientToServer => "c2s",
+            Direction::ServerToClient => "s2c",
+        }
+    }
+}
+
+/// State shared by the proxy handle and its threads.
+struct Shared {
+    mode: Mutex<Mode>,
+    shutdown: AtomicBool,
+    /// Open connections by id; an entry goes when the connection's last
+    /// thread ends.
+    connections: Mutex<HashMap<u64, Entry>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Shared {
+    fn mode(&self) -> Mode {
+        *lock(&self.mode)
+    }
+}
+
+/// The proxy's own handles on one connection's sockets.
+struct Entry {
+    client: TcpStream,
+    upstream: Option<TcpStream>,
+    reset: Arc<AtomicBool>,
+}
+
+/// Held by each thread of a connection; the last one to finish unregisters it,
+/// closing the proxy's remaining handles on its sockets.
+struct Connection {
+    id: u64,
+    shared: Arc<Shared>,
+    reset: Arc<AtomicBool>,
+}
+
+impl Connection {
+    fn stopping(&self) -> bool {
+        self.reset.load(Ordering::SeqCst) || self.shared.shutdown.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        lock(&self.shared.connections).remove(&self.id);
+    }
+}
+
+/// One chunk on its way; `data: None` forwards a close (EOF).
+struct Chunk {
+    data: Option<Vec<u8>>,
+    due: Instant,
+}
+
+/// A TCP proxy on 127.0.0.1 in front of one upstream address, whose
+/// [`Mode`] can be switched while connections are open.
+///
+/// Dropping it stops accepting, closes every connection and joins its threads.
+pub(crate) struct FaultProxy {
+    addr: SocketAddr,
+    upstream: SocketAddr,
+    shared: Arc<Shared>,
+    acceptor: Option<JoinHandle<()>>,
+}
+
+impl FaultProxy {
+    /// Listens on a free port of 127.0.0.1 and forwards each accepted
+    /// connection to `upstream`, in [`Mode::Pass`].
+    ///
+    /// A connection whose upstream cannot be reached is closed at once, except
+    /// in [`Mode::Blackhole`], where it is held open and read from.
+    pub(crate) fn start(upstream: SocketAddr) -> FaultProxy {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind the proxy");
+        let addr = listener.local_addr().expect("proxy address");
+        let shared = Arc::new(Shared {
+            mode: Mutex::new(Mode::Pass),
+            shutdown: AtomicBool::new(false),
+            connections: Mutex::new(HashMap::new()),
+            threads: Mutex::new(Vec::new()),
+        });
+        let acceptor = thread::Builder::new()
+            .name(format!("proxy-{}-accept", addr.port()))
+            .spawn({
+                let shared = Arc::clone(&shared);
+                move || accept_loop(&listener, upstream, &shared)
+            })
+            .expect("spawn the proxy's accept thread");
+        FaultProxy {
+            addr,
+            upstream,
+            shared,
+            acceptor: Some(acceptor),
+        }
+    }
+
+    /// The address clients connect to.
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The port clients connect to.
+    pub(crate) fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    /// The address the proxy forwards to.
+    pub(crate) fn upstream(&self) -> SocketAddr {
+        self.upstream
+    }
+
+    /// `redis://127.0.0.1:PORT` for the proxy's port.
+    pub(crate) fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port())
+    }
+
+    /// The current mode.
+    pub(crate) fn mode(&self) -> Mode {
+        self.shared.mode()
+    }
+
+    /// Switches the mode for existing and new connections. Chunks already
+    /// waiting out a delay leave at their original time unless the new mode
+    /// drops their direction, in which case they are discarded.
+    pub(crate) fn set_mode(&self, mode: Mode) {
+        *lock(&self.shared.mode) = mode;
+    }
+
+    /// Aborts every open connection: both of its sockets are closed with
+    /// `SO_LINGER` 0, so both peers get a reset. Returns at once; the sockets
+    /// close within about 50 ms (see [`FaultProxy::connection_count`]).
+    /// New connections are accepted as before.
+    pub(crate) fn reset_all(&self) {
+        for entry in lock(&self.shared.connections).values() {
+            entry.reset.store(true, Ordering::SeqCst);
+            for stream in std::iter::once(&entry.client).chain(entry.upstream.as_ref()) {
+                let _ = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO));
+                // Wakes the blocked readers without sending a FIN; the reset
+                // goes out when the last handle on the socket is closed.
+                let _ = stream.shutdown(Shutdown::Read);
+            }
+        }
+    }
+
+    /// How many proxied connections are open.
+    pub(crate) fn connection_count(&self) -> usize {
+        lock(&self.shared.connections).len()
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        // Wakes the accept thread, which sees the flag and returns.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+        if let Some(acceptor) = self.acceptor.take() {
+            let _ = acceptor.join();
+        }
+        for entry in lock(&self.shared.connections).values() {
+            let _ = entry.client.shutdown(Shutdown::Both);
+            if let Some(upstream) = &entry.upstream {
+                let _ = upstream.shutdown(Shutdown::Both);
+            }
+        }
+        let threads = std::mem::take(&mut *lock(&self.shared.threads));
+        for thread in threads {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for FaultProxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FaultProxy")
+            .field("addr", &self.addr)
+            .field("upstream", &self.upstream)
+            .field("mode", &self.mode())
+            .finish_non_exhaustive()
+    }
+}
+
+fn accept_loop(listener: &TcpListener, upstream: SocketAddr, shared: &Arc<Shared>) {
+    let mut next_id: u64 = 0;
+    loop {
+        let accepted = listener.accept();
+        if shared.shutdown.load(Ordering::SeqCst) {
+            return;
+        }
+        match accepted {
+            Ok((client, _)) => {
+                let id = next_id;
+                next_id += 1;
+                if let Err(e) = serve(client, id, upstream, shared) {
+                    eprintln!("fault proxy: cannot serve connection {id}: {e}");
+                }
+            }
+            // Such as running out of file descriptors: try again shortly.
+            Err(_) => thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+/// Connects to `upstream` and starts the connection's threads.
+fn serve(client: TcpStream, id: u64, upstream: SocketAddr, shared: &Arc<Shared>) -> io::Result<()> {
+    client.set_nodelay(true)?;
+    let server = match TcpStream::connect_timeout(&upstream, UPSTREAM_CONNECT_TIMEOUT) {
+        Ok(server) => server,
+        Err(_) if shared.mode() == Mode::Blackhole => return hold(client, id, shared),
+        // Closing the client mirrors the refused connection.
+        Err(_) => return Ok(()),
+    };
+    server.set_nodelay(true)?;
+    let reset = Arc::new(AtomicBool::new(false));
+    lock(&shared.connections).insert(
+        id,
+        Entry {
+            client: client.try_clone()?,
+            upstream: Some(server.try_clone()?),
+            reset: Arc::clone(&reset),
+        },
+    );
+    let connection = Arc::new(Connection {
+        id,
+        shared: Arc::clone(shared),
+        reset,
+    });
+    let directions = [
+        (Direction::ClientToServer, &client, &server),
+        (Direction::ServerToClient, &server, &client),
+    ];
+    for (direction, from, to) in directions {
+        let (sender, receiver) = mpsc::channel();
+        let name = |role: &str| format!("proxy-{id}-{}-{role}", direction.label());
+        let reader = {
+            let (from, to) = (from.try_clone()?, to.try_clone()?);
+            let connection = Arc::clone(&connection);
+            thread::Builder::new()
+                .name(name("read"))
+                .spawn(move || read_side(direction, from, &to, &sender, &connection))?
+        };
+        let writer = {
+            let (from, to) = (from.try_clone()?, to.try_clone()?);
+            let connection = Arc::clone(&connection);
+            thread::Builder::new()
+                .name(name("write"))
+                .spawn(move || write_side(direction, &from, to, &receiver, &connection))?
+        };
+        lock(&shared.threads).extend([reader, writer]);
+    }
+    Ok(())
+}
+
+/// Holds a blackholed client whose upstream is unreachable: reads and
+/// discards until the client closes or the connection is reset.
+fn hold(client: TcpStream, id: u64, shared: &Arc<Shared>) -> io::Result<()> {
+    let reset = Arc::new(AtomicBool::new(false));
+    lock(&shared.connections).insert(
+        id,
+        Entry {
+            client: client.try_clone()?,
+            upstream: None,
+            reset: Arc::clone(&reset),
+        },
+    );
+    let connection = Connection {
+        id,
+        shared: Arc::clone(shared),
+        reset,
+    };
+    let thread = thread::Builder::new()
+        .name(format!("proxy-{id}-hold"))
+        .spawn(move || {
+            let _ = client.set_read_timeout(Some(POLL));
+            let mut buf = vec![0; CHUNK_SIZE];
+            let mut client = &client;
+            while !connection.stopping() {
+                match client.read(&mut buf) {
+                    Ok(0) => return,
+                    Ok(_) => {}
+                    Err(e) if is_transient(&e) => {}
+                    Err(_) => return,
+                }
+            }
+        })?;
+    lock(&shared.threads).push(thread);
+    Ok(())
+}
+
+/// Reads chunks from `from` and queues them with the time they may leave.
+fn read_side(
+    direction: Direction,
+    from: TcpStream,
+    to: &TcpStream,
+    queue: &Sender<Chunk>,
+    connection: &Connection,
+) {
+    let _ = from.set_read_timeout(Some(POLL));
+    let mut from = &from;
+    let mut buf = vec![0; CHUNK_SIZE];
+    loop {
+        if connection.stopping() {
+            return;
+        }
+        let read = from.read(&mut buf);
+        let mode = connection.shared.mode();
+        let due = Instant::now() + mode.delay();
+        match read {
+            Ok(_) | Err(_) if connection.stopping() => return,
+            // A close in a dropped direction is lost like the data.
+            Ok(0) if mode.drops(direction) => return,
+            Ok(0) => {
+                let _ = queue.send(Chunk { data: None, due });
+                return;
+            }
+            Ok(_) if mode.drops(direction) => {}
+            Ok(n) => {
+                let data = Some(buf[..n].to_vec());
+                if queue.send(Chunk { data, due }).is_err() {
+                    return;
+                }
+            }
+            Err(e) if is_transient(&e) => {}
+            Err(_) => {
+                // The sender is gone abruptly: so is the receiver's peer.
+                if !mode.drops(direction) {
+                    let _ = to.shutdown(Shutdown::Both);
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// Sends queued chunks to `to`, each once its time has come.
+fn write_side(
+    direction: Direction,
+    from: &TcpStream,
+    to: TcpStream,
+    queue: &Receiver<Chunk>,
+    connection: &Connection,
+) {
+    let _ = to.set_write_timeout(Some(POLL));
+    loop {
+        let chunk = match queue.recv_timeout(POLL) {
+            Ok(chunk) => chunk,
+            Err(RecvTimeoutError::Timeout) if connection.stopping() => return,
+            Err(RecvTimeoutError::Timeout) => continue,
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        loop {
+            if connection.stopping() {
+                return;
+            }
+            let now = Instant::now();
+            if now >= chunk.due {
+                break;
+            }
+            thread::sleep((chunk.due - now).min(POLL));
+        }
+        if connection.shared.mode().drops(direction) {
+            continue;
+        }
+        let Some(data) = chunk.data else {
+            let _ = to.shutdown(Shutdown::Write);
+            return;
+        };
+        if write_all(&to, &data, connection).is_err() {
+            // The receiver is gone: tell the sender.
+            let _ = from.shutdown(Shutdown::Both);
+            return;
+        }
+    }
+}
+
+/// `write_all` that gives up when the connection is reset or the proxy stops.
+fn write_all(mut to: &TcpStream, mut data: &[u8], connection: &Connection) -> io::Result<()> {
+    while !data.is_empty() {
+        if connection.stopping() {
+            return Err(io::ErrorKind::ConnectionAborted.into());
+        }
+        match to.write(data) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => data = &data[n..],
+            Err(e) if is_transient(&e) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn is_transient(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
+    )
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
