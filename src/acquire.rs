@@ -44,10 +44,10 @@ pub(crate) fn acquire<A: Acquirer>(
 ) -> Result<Option<A::Guard>> {
     let shared = prim.shared();
     let ttl_ms = shared.check_ttl(ttl)?;
-    if let Wait::Cancellable(cancel) = wait {
-        if cancel.is_cancelled() {
-            return Err(crate::Error::Cancelled);
-        }
+    if let Wait::Cancellable(cancel) = wait
+        && cancel.is_cancelled()
+    {
+        return Err(crate::Error::Cancelled);
     }
     let owner = OwnerToken::new();
     let wait = match wait {
@@ -77,11 +77,11 @@ pub(crate) fn acquire<A: Acquirer>(
             })
         }
     };
-    if let Err(e) = &result {
-        if e.is_uncertain() {
-            // The last attempt may have been granted without our hearing of it.
-            shared.release_owner(prim.wait_key(), &owner);
-        }
+    if let Err(e) = &result
+        && e.is_uncertain()
+    {
+        // The last attempt may have been granted without our hearing of it.
+        shared.release_owner(prim.wait_key(), &owner);
     }
     result
 }

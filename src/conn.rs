@@ -163,29 +163,42 @@ impl ConnConfig {
     }
 
     /// Opens a connection, spending at most `budget` (capped by the connect timeout).
-    pub(crate) fn connect(&self, budget: Duration) -> Result<Conn> {
-        self.open(&self.client, budget)
+    ///
+    /// The connection is named `name` (`CLIENT SETNAME`, best effort) so that
+    /// `CLIENT LIST` shows what each connection is for.
+    pub(crate) fn connect(&self, budget: Duration, name: &str) -> Result<Conn> {
+        self.open(&self.client, budget, name)
     }
 
     /// Opens a RESP2 connection for receiving invalidation messages.
-    pub(crate) fn connect_pubsub(&self, budget: Duration) -> Result<Conn> {
-        self.open(&self.pubsub_client, budget)
+    pub(crate) fn connect_pubsub(&self, budget: Duration, name: &str) -> Result<Conn> {
+        self.open(&self.pubsub_client, budget, name)
     }
 
-    fn open(&self, client: &redis::Client, budget: Duration) -> Result<Conn> {
+    fn open(&self, client: &redis::Client, budget: Duration, name: &str) -> Result<Conn> {
+        let started = Instant::now();
         let budget = budget
             .min(self.connect_timeout)
             .max(Duration::from_millis(1));
         let inner = client
             .get_connection_with_timeout(budget)
             .map_err(|e| self.connect_error(e, budget))?;
-        let conn = Conn {
+        let mut conn = Conn {
             inner,
             timeout: None,
             tracking_gen: 0,
             broken: false,
         };
-        Ok(conn)
+        let left = budget.saturating_sub(started.elapsed());
+        let setname = redis::cmd("CLIENT").arg("SETNAME").arg(name).clone();
+        match conn.query::<()>(&setname, "CLIENT SETNAME", left) {
+            Ok(()) | Err(Error::Permission(_)) => Ok(conn),
+            Err(Error::Server { source, .. }) => {
+                log::debug!("cannot name connection: {source}");
+                Ok(conn)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     fn connect_error(&self, err: redis::RedisError, budget: Duration) -> Error {
@@ -423,7 +436,7 @@ impl Pool {
                 state.open += 1;
                 drop(state);
                 let left = deadline.saturating_duration_since(Instant::now());
-                return match self.cfg.connect(left) {
+                return match self.cfg.connect(left, "respire") {
                     Ok(conn) => Ok(Pooled {
                         pool: self,
                         conn: Some(conn),

@@ -408,7 +408,7 @@ impl CoordinatorBuilder {
             #[cfg(feature = "tls")]
             tls: self.tls,
         })?);
-        let mut first = cfg.connect(cfg.connect_timeout)?;
+        let mut first = cfg.connect(cfg.connect_timeout, "respire")?;
         first.query::<String>(&redis::cmd("PING"), "PING", cfg.node_timeout)?;
         let pool = Pool::new(cfg.clone(), self.pool_size);
         pool.seed(first);

@@ -32,12 +32,11 @@ fn crc16(data: &[u8]) -> u16 {
 /// The part of a key that Redis Cluster hashes: the content of the first `{…}`
 /// if it is non-empty, else the whole key.
 pub(crate) fn hash_tag(key: &[u8]) -> &[u8] {
-    if let Some(open) = key.iter().position(|&b| b == b'{') {
-        if let Some(len) = key[open + 1..].iter().position(|&b| b == b'}') {
-            if len > 0 {
-                return &key[open + 1..open + 1 + len];
-            }
-        }
+    if let Some(open) = key.iter().position(|&b| b == b'{')
+        && let Some(len) = key[open + 1..].iter().position(|&b| b == b'}')
+        && len > 0
+    {
+        return &key[open + 1..open + 1 + len];
     }
     key
 }

@@ -313,7 +313,7 @@ impl Worker {
         }
         self.conn = None;
         let started = Instant::now();
-        let mut conn = self.cfg.connect(budget)?;
+        let mut conn = self.cfg.connect(budget, "respire-renewal")?;
         let left = budget.saturating_sub(started.elapsed());
         let id = conn.client_id(left)?;
         conn.query::<String>(&scripts::LEASE_EXTEND.load(), "SCRIPT LOAD", left)?;
@@ -390,13 +390,12 @@ impl Worker {
                 }
                 if reload {
                     self.script_loaded = false;
-                    if let Some((conn, _)) = self.conn.as_mut() {
-                        if conn
+                    if let Some((conn, _)) = self.conn.as_mut()
+                        && conn
                             .query::<String>(&scripts::LEASE_EXTEND.load(), "SCRIPT LOAD", budget)
                             .is_ok()
-                        {
-                            self.script_loaded = true;
-                        }
+                    {
+                        self.script_loaded = true;
                     }
                 }
             }
@@ -422,13 +421,16 @@ impl Worker {
         let budget = (self.cfg.node_timeout / 2)
             .min(earliest_loss.saturating_duration_since(Instant::now()))
             .max(Duration::from_millis(1));
-        let result = self.cfg.connect(budget).and_then(|mut killer| {
-            killer.query::<i64>(
-                redis::cmd("CLIENT").arg("KILL").arg("ID").arg(conn_id),
-                "CLIENT KILL",
-                budget,
-            )
-        });
+        let result = self
+            .cfg
+            .connect(budget, "respire-renewal-kill")
+            .and_then(|mut killer| {
+                killer.query::<i64>(
+                    redis::cmd("CLIENT").arg("KILL").arg("ID").arg(conn_id),
+                    "CLIENT KILL",
+                    budget,
+                )
+            });
         match result {
             Ok(_) => {
                 self.counters.killed.fetch_add(1, Ordering::Relaxed);

@@ -91,7 +91,7 @@ fn session(
     generation: u64,
     subscribed: &mut bool,
 ) -> Result<()> {
-    let mut conn: Conn = cfg.connect_pubsub(cfg.connect_timeout)?;
+    let mut conn: Conn = cfg.connect_pubsub(cfg.connect_timeout, "respire-tracking")?;
     let id = conn.client_id(cfg.node_timeout)?;
     let raw = conn.raw();
     let io = |op: &'static str| move |e: redis::RedisError| Error::Io { op, source: e };

@@ -44,8 +44,11 @@ pub(crate) enum Status {
 }
 
 /// Waiters by key, and the subscriber's status.
+/// The waiters on one key, first in line first: (waiter id, its wake-up channel).
+type Queue = VecDeque<(u64, Sender<()>)>;
+
 pub(crate) struct Registry {
-    queues: Mutex<HashMap<Vec<u8>, VecDeque<(u64, Sender<()>)>>>,
+    queues: Mutex<HashMap<Vec<u8>, Queue>>,
     status: Mutex<Status>,
     status_changed: Condvar,
     denied: AtomicBool,
@@ -127,10 +130,10 @@ impl Registry {
 
     /// An invalidation for `key`: wake the first waiter on it.
     pub(crate) fn wake_key(&self, key: &[u8]) {
-        if let Some(queue) = self.queues.lock().get(key) {
-            if let Some((_, tx)) = queue.front() {
-                let _ = tx.try_send(());
-            }
+        if let Some(queue) = self.queues.lock().get(key)
+            && let Some((_, tx)) = queue.front()
+        {
+            let _ = tx.try_send(());
         }
     }
 
@@ -174,10 +177,8 @@ impl Drop for Waiter<'_> {
             queue.retain(|(id, _)| *id != self.id);
             if queue.is_empty() {
                 queues.remove(&self.key);
-            } else if was_front {
-                if let Some((_, tx)) = queue.front() {
-                    let _ = tx.try_send(());
-                }
+            } else if was_front && let Some((_, tx)) = queue.front() {
+                let _ = tx.try_send(());
             }
         }
     }

@@ -1,0 +1,447 @@
+//! The plain `Lock` and the connection layer against real redis-server processes.
+
+mod support;
+
+use std::sync::Barrier;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use redis::Commands;
+use respire_coordination::{Coordinator, Error, MAX_TTL, ReleaseOutcome};
+use support::{TestServer, shared_server, unique_prefix, wait_until};
+
+fn coordinator(prefix: &str) -> Coordinator {
+    Coordinator::builder(&shared_server().url())
+        .key_prefix(prefix)
+        .node_timeout(Duration::from_millis(300))
+        .build()
+        .expect("connect to the shared server")
+}
+
+/// Every key under `prefix` on `server`.
+fn keys_under(server: &TestServer, prefix: &str) -> Vec<String> {
+    server.client().keys(format!("{prefix}*")).expect("KEYS")
+}
+
+#[test]
+fn eight_threads_never_hold_the_lock_together() {
+    let prefix = unique_prefix("mutex");
+    let coord = coordinator(&prefix);
+    let lock = coord.lock("job").unwrap();
+    let inside = AtomicUsize::new(0);
+    let granted = AtomicUsize::new(0);
+    let barrier = Barrier::new(8);
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| {
+                barrier.wait();
+                for _ in 0..500 {
+                    if let Some(guard) = lock.try_acquire(Duration::from_secs(10)).unwrap() {
+                        assert_eq!(
+                            inside.fetch_add(1, Ordering::SeqCst),
+                            0,
+                            "two holders at once"
+                        );
+                        granted.fetch_add(1, Ordering::Relaxed);
+                        std::thread::yield_now();
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                        assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
+                    }
+                }
+            });
+        }
+    });
+    let granted = granted.load(Ordering::Relaxed);
+    assert!(granted > 0, "nobody ever got the lock");
+    assert!(
+        granted < 4000,
+        "contention never happened: {granted} grants"
+    );
+    assert!(keys_under(shared_server(), &prefix).is_empty());
+}
+
+#[test]
+fn contention_is_none_not_an_error() {
+    let coord = coordinator(&unique_prefix("contention"));
+    let lock = coord.lock("job").unwrap();
+    let held = lock.try_acquire(Duration::from_secs(10)).unwrap().unwrap();
+    assert!(lock.try_acquire(Duration::from_secs(10)).unwrap().is_none());
+    assert!(
+        lock.acquire_timeout(Duration::from_secs(10), Duration::ZERO)
+            .unwrap()
+            .is_none()
+    );
+    drop(held);
+    assert!(lock.try_acquire(Duration::from_secs(10)).unwrap().is_some());
+}
+
+#[test]
+fn release_after_expiry_and_takeover_never_touches_the_new_holder() {
+    let prefix = unique_prefix("takeover");
+    let coord = coordinator(&prefix);
+    let key = format!("{prefix}job");
+    let lock = coord.lock("job").unwrap();
+    let mut admin = shared_server().client();
+
+    // Expired: the key is gone when the first holder releases.
+    let first = lock.try_acquire(Duration::from_secs(10)).unwrap().unwrap();
+    let _: () = admin.pexpire(&key, 1).unwrap();
+    wait_until(Duration::from_secs(5), "the lock to expire", || {
+        !admin.exists::<_, bool>(&key).unwrap()
+    });
+    assert_eq!(first.release().unwrap(), ReleaseOutcome::Expired);
+
+    // Taken over: someone else holds it when the first holder releases.
+    let first = lock.try_acquire(Duration::from_secs(10)).unwrap().unwrap();
+    let _: () = admin.pexpire(&key, 1).unwrap();
+    wait_until(Duration::from_secs(5), "the lock to expire", || {
+        !admin.exists::<_, bool>(&key).unwrap()
+    });
+    let second = lock.try_acquire(Duration::from_secs(10)).unwrap().unwrap();
+    assert!(first.verify_still_held().unwrap().is_none());
+    assert!(first.is_lost());
+    assert!(!first.reset_expiry(Duration::from_secs(10)).unwrap());
+    let before: String = admin.get(&key).unwrap();
+    assert_eq!(first.release().unwrap(), ReleaseOutcome::TakenOver);
+    let after: String = admin.get(&key).unwrap();
+    assert_eq!(before, after, "the release changed the new holder's key");
+    let remaining = second
+        .verify_still_held()
+        .unwrap()
+        .expect("second holder kept it");
+    assert!(remaining > Duration::from_secs(5));
+    assert_eq!(second.release().unwrap(), ReleaseOutcome::Released);
+}
+
+#[test]
+fn verify_reset_and_remaining_estimate() {
+    let prefix = unique_prefix("verify");
+    let coord = coordinator(&prefix);
+    let lock = coord.lock("job").unwrap();
+    let before = Instant::now();
+    let guard = lock.try_acquire(Duration::from_secs(10)).unwrap().unwrap();
+    let estimate = guard.remaining_estimate();
+    assert!(estimate <= Duration::from_secs(10) - before.elapsed().min(Duration::from_secs(10)));
+    assert!(estimate > Duration::from_secs(9));
+    let server_ttl = guard.verify_still_held().unwrap().unwrap();
+    assert!(server_ttl <= Duration::from_secs(10) && server_ttl > Duration::from_secs(9));
+
+    assert!(guard.reset_expiry(Duration::from_secs(60)).unwrap());
+    let server_ttl = guard.verify_still_held().unwrap().unwrap();
+    assert!(server_ttl > Duration::from_secs(59));
+    assert!(guard.remaining_estimate() > Duration::from_secs(58));
+    assert!(!guard.is_lost());
+
+    // reset_expiry never re-creates a missing key.
+    let key = format!("{prefix}job");
+    let _: () = shared_server().client().del(&key).unwrap();
+    assert!(!guard.reset_expiry(Duration::from_secs(60)).unwrap());
+    assert!(!shared_server().client().exists::<_, bool>(&key).unwrap());
+    assert!(guard.is_lost());
+    assert_eq!(guard.remaining_estimate(), Duration::ZERO);
+    assert_eq!(guard.release().unwrap(), ReleaseOutcome::Expired);
+}
+
+#[test]
+fn dropping_a_guard_releases_and_fires_its_signal() {
+    let prefix = unique_prefix("drop");
+    let coord = coordinator(&prefix);
+    let lock = coord.lock("job").unwrap();
+    let guard = lock.try_acquire(Duration::from_secs(10)).unwrap().unwrap();
+    let signal = guard.lost_signal().clone();
+    assert!(signal.try_recv().unwrap_err().is_empty());
+    drop(guard);
+    assert!(signal.try_recv().unwrap_err().is_disconnected());
+    assert!(keys_under(shared_server(), &prefix).is_empty());
+}
+
+#[test]
+fn bad_input_is_refused_and_touches_nothing() {
+    let prefix = unique_prefix("badinput");
+    let coord = coordinator(&prefix);
+    assert!(matches!(coord.lock(""), Err(Error::InvalidArgument(_))));
+    let lock = coord.lock("job").unwrap();
+    for ttl in [
+        Duration::ZERO,
+        MAX_TTL + Duration::from_millis(1),
+        Duration::MAX,
+        // Not longer than the node timeout plus drift: lost as soon as granted.
+        Duration::from_millis(300),
+    ] {
+        let err = lock.try_acquire(ttl).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{ttl:?}: {err}");
+        let err = lock
+            .acquire_timeout(ttl, Duration::from_secs(1))
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{ttl:?}: {err}");
+    }
+    let err = Coordinator::builder(&shared_server().url())
+        .key_prefix("app{")
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    assert!(err.to_string().contains("hash"), "{err}");
+    let err = Coordinator::builder(&shared_server().url())
+        .drift_factor(f64::NAN)
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    assert!(keys_under(shared_server(), &prefix).is_empty());
+
+    // A key of another type is reported and left alone.
+    let key = format!("{prefix}list");
+    let _: () = shared_server().client().rpush(&key, "x").unwrap();
+    let err = coord
+        .lock("list")
+        .unwrap()
+        .try_acquire(Duration::from_secs(5))
+        .unwrap_err();
+    assert!(matches!(err, Error::BadKey { .. }), "{err}");
+    assert!(err.to_string().contains("list"), "{err}");
+    let items: Vec<String> = shared_server().client().lrange(&key, 0, -1).unwrap();
+    assert_eq!(items, ["x"]);
+}
+
+#[test]
+fn wrong_password_and_unknown_user_are_auth_errors() {
+    let server = TestServer::builder().requirepass("s3cret").start();
+    let url = format!("redis://127.0.0.1:{}", server.port());
+    Coordinator::builder(&url)
+        .password("s3cret")
+        .build()
+        .unwrap();
+
+    let err = Coordinator::builder(&url)
+        .password("wrong")
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, Error::Auth { .. }), "{err}");
+    assert!(
+        !err.to_string().contains("wrong"),
+        "the password leaked: {err}"
+    );
+    let err = Coordinator::connect(&format!(
+        "redis://nobody:s3cret@127.0.0.1:{}",
+        server.port()
+    ))
+    .unwrap_err();
+    assert!(matches!(err, Error::Auth { .. }), "{err}");
+    // No password at all against a server that wants one.
+    let err = Coordinator::connect(&url)
+        .and_then(|c| c.lock("k")?.try_acquire(Duration::from_secs(5)).map(|_| ()))
+        .unwrap_err();
+    assert!(matches!(err, Error::Auth { .. }), "{err}");
+}
+
+#[test]
+fn debug_output_never_shows_the_password() {
+    let server = TestServer::builder().requirepass("hunter2").start();
+    let url = format!("redis://:hunter2@127.0.0.1:{}", server.port());
+    let builder = Coordinator::builder(&url).password("hunter2");
+    assert!(!format!("{builder:?}").contains("hunter2"));
+    let coord = builder.build().unwrap();
+    let text = format!("{coord:?}");
+    assert!(!text.contains("hunter2"), "{text}");
+    assert!(text.contains(&server.port().to_string()), "{text}");
+}
+
+#[test]
+fn a_server_that_is_down_fails_fast_with_a_connect_error() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let started = Instant::now();
+    let err = Coordinator::builder(&format!("redis://127.0.0.1:{port}"))
+        .connect_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, Error::Connect { .. }), "{err}");
+    assert!(err.is_retryable());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_paused_server_fails_within_the_node_timeout_and_the_connection_is_replaced() {
+    let server = TestServer::start();
+    let node_timeout = Duration::from_millis(200);
+    let coord = Coordinator::builder(&server.url())
+        .node_timeout(node_timeout)
+        .pool_size(1)
+        .build()
+        .unwrap();
+    let lock = coord.lock("job").unwrap();
+    let guard = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    let ids_before = respire_client_ids(&server);
+    assert_eq!(ids_before.len(), 1, "one pooled connection: {ids_before:?}");
+
+    server.pause();
+    let started = Instant::now();
+    let err = guard.verify_still_held().unwrap_err();
+    let took = started.elapsed();
+    assert!(err.is_timeout() && err.is_uncertain(), "{err}");
+    assert!(took >= node_timeout && took < node_timeout * 4, "{took:?}");
+    let started = Instant::now();
+    let err = coord
+        .lock("other")
+        .unwrap()
+        .try_acquire(Duration::from_secs(30))
+        .unwrap_err();
+    assert!(err.is_timeout(), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    server.resume();
+
+    // The next command runs on a new connection and gets its own reply, not the
+    // late reply to the command that timed out.
+    assert!(guard.verify_still_held().unwrap().is_some());
+    let other = coord
+        .lock("fresh")
+        .unwrap()
+        .try_acquire(Duration::from_secs(30))
+        .unwrap();
+    assert!(other.is_some());
+    wait_until(
+        Duration::from_secs(5),
+        "the timed-out connection to close",
+        || {
+            let ids = respire_client_ids(&server);
+            !ids.iter().any(|id| ids_before.contains(id))
+        },
+    );
+}
+
+/// The ids of the connections the crate's pool opened (by library name).
+fn respire_client_ids(server: &TestServer) -> Vec<u64> {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(&mut server.client())
+        .unwrap();
+    list.lines()
+        .filter(|l| l.contains(" name=respire "))
+        .filter_map(|l| {
+            l.split_whitespace()
+                .find_map(|f| f.strip_prefix("id="))
+                .and_then(|id| id.parse().ok())
+        })
+        .collect()
+}
+
+#[test]
+fn a_least_privilege_acl_user_can_do_everything() {
+    let server = TestServer::builder()
+        .acl_user(
+            "user locker on >pw resetkeys ~app:* resetchannels &__redis__:invalidate -@all \
+             +ping +hello +auth +select +client|id +client|kill +client|tracking +client|setname \
+             +subscribe +script|load +eval +evalsha +type +get +set +pttl +pexpire +del +incr",
+        )
+        .start();
+    let coord = Coordinator::builder(&server.url_for_user("locker", "pw"))
+        .key_prefix("app:")
+        .node_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let lock = coord.lock("job").unwrap();
+    let guard = lock.try_acquire(Duration::from_secs(2)).unwrap().unwrap();
+    let renewal = guard.keep_alive().unwrap();
+    assert!(guard.verify_still_held().unwrap().is_some());
+    assert!(guard.reset_expiry(Duration::from_secs(2)).unwrap());
+    drop(renewal);
+    // A waiter is woken by the release (tracking works for this user).
+    std::thread::scope(|s| {
+        let waiter =
+            s.spawn(|| lock.acquire_timeout(Duration::from_secs(2), Duration::from_secs(10)));
+        wait_until(Duration::from_secs(5), "the waiter to register", || {
+            tracking_clients(&server) > 0
+        });
+        assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
+        let next = waiter.join().unwrap().unwrap();
+        assert!(next.is_some());
+    });
+    let fenced = coord.fenced_lock("{r}:lease", "{r}:fence").unwrap();
+    let g = fenced.try_acquire(Duration::from_secs(2)).unwrap().unwrap();
+    assert_eq!(g.fencing_token().get(), 1);
+    // And a key outside the user's pattern is refused with a permission error.
+    let outside = Coordinator::builder(&server.url_for_user("locker", "pw"))
+        .key_prefix("other:")
+        .build()
+        .unwrap();
+    let err = outside
+        .lock("job")
+        .unwrap()
+        .try_acquire(Duration::from_secs(2))
+        .unwrap_err();
+    assert!(matches!(err, Error::Permission(_)), "{err}");
+}
+
+fn tracking_clients(server: &TestServer) -> usize {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(&mut server.client())
+        .unwrap();
+    list.lines().filter(|l| l.contains("flags=t")).count()
+}
+
+#[cfg(feature = "tls")]
+mod tls {
+    use super::*;
+    use support::TlsAuthClients;
+
+    #[test]
+    fn tls_with_client_certificate_works_end_to_end() {
+        let server = TestServer::builder().tls(TlsAuthClients::Yes).start();
+        let files = server.tls().unwrap();
+        let coord = Coordinator::builder(&server.url())
+            .tls_ca_pem(files.ca_cert_pem())
+            .tls_client_cert_pem(files.client_cert_pem(), files.client_key_pem())
+            .build()
+            .unwrap();
+        let lock = coord.fenced_lock("{t}:lease", "{t}:fence").unwrap();
+        let guard = lock.try_acquire(Duration::from_secs(5)).unwrap().unwrap();
+        assert_eq!(guard.fencing_token().get(), 1);
+        assert!(guard.verify_still_held().unwrap().is_some());
+        assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
+
+        // Without the client certificate the server refuses the handshake.
+        let err = Coordinator::builder(&server.url())
+            .tls_ca_pem(files.ca_cert_pem())
+            .connect_timeout(Duration::from_secs(1))
+            .build()
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Tls { .. } | Error::Connect { .. }),
+            "{err}"
+        );
+        // Without the CA the server's certificate is not trusted.
+        let err = Coordinator::builder(&server.url())
+            .tls_client_cert_pem(files.client_cert_pem(), files.client_key_pem())
+            .connect_timeout(Duration::from_secs(1))
+            .build()
+            .unwrap_err();
+        assert!(matches!(err, Error::Tls { .. }), "{err}");
+    }
+
+    #[test]
+    fn tls_to_a_plain_port_fails_within_the_connect_timeout() {
+        let server = shared_server();
+        let started = Instant::now();
+        let err = Coordinator::builder(&format!("rediss://127.0.0.1:{}", server.port()))
+            .connect_timeout(Duration::from_millis(500))
+            .build()
+            .unwrap_err();
+        assert!(matches!(err, Error::Tls { .. }), "{err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+}
