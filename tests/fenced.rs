@@ -159,7 +159,9 @@ fn every_refusal_changes_nothing() {
         Err(Error::InvalidArgument(_))
     ));
 
-    let cases: Vec<(&str, Box<dyn Fn(&mut redis::Connection, &str, &str)>, &str)> = vec![
+    // (what, how to break the keys, a word the error must name)
+    type Setup = Box<dyn Fn(&mut redis::Connection, &str, &str)>;
+    let cases: Vec<(&str, Setup, &str)> = vec![
         (
             "counter with a ttl",
             Box::new(|c, _, fence| {
