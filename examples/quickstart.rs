@@ -4,19 +4,14 @@
 //! Each worker waits for the lease (woken by invalidations, not polling), keeps it
 //! alive while it works, writes with its fencing token, and releases it.
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use respire_coordination::{CancelToken, Coordinator};
 
+mod common;
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (url, _server) = match std::env::var("REDIS_URL") {
-        Ok(url) => (url, None),
-        Err(_) => {
-            let server = ThrowawayServer::start()?;
-            (server.url(), Some(server))
-        }
-    };
+    let (url, _server) = common::url_or_throwaway("REDIS_URL")?;
     println!("using {url}");
     let coord = Coordinator::builder(&url)
         .key_prefix("quickstart:")
@@ -54,51 +49,4 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
     println!("renewals: {:?}", coord.renewal_stats());
     Ok(())
-}
-
-/// A `redis-server` on a free loopback port, killed on drop.
-struct ThrowawayServer {
-    child: Child,
-    port: u16,
-}
-
-impl ThrowawayServer {
-    fn start() -> Result<Self, Box<dyn std::error::Error>> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-            ])
-            .args(["--appendonly", "no", "--daemonize", "no"])
-            .stdout(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("cannot start redis-server (is it installed?): {e}"))?;
-        let server = ThrowawayServer { child, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if Instant::now() > deadline {
-                return Err("redis-server did not start within 10 s".into());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(server)
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for ThrowawayServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
