@@ -95,7 +95,7 @@ impl ConnConfig {
                 Protocol::Resp2 => redis::ProtocolVersion::RESP2,
                 Protocol::Resp3 => redis::ProtocolVersion::RESP3,
             })
-            .set_lib_name("respire-coordination", env!("CARGO_PKG_VERSION"));
+            .set_skip_set_lib_name();
         let keepalive = socket2::TcpKeepalive::new()
             .with_time(Duration::from_secs(30))
             .with_interval(Duration::from_secs(10));

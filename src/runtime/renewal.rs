@@ -307,16 +307,15 @@ impl Worker {
         }
     }
 
-    fn ensure_conn(&mut self, budget: Duration) -> Result<(), Error> {
+    /// Makes sure the renewal connection is up, finishing by `deadline`.
+    fn ensure_conn(&mut self, deadline: Instant) -> Result<(), Error> {
         if self.conn.as_ref().is_some_and(|(c, _)| !c.is_broken()) {
             return Ok(());
         }
         self.conn = None;
-        let started = Instant::now();
-        let mut conn = self.cfg.connect(budget, "respire-renewal")?;
-        let left = budget.saturating_sub(started.elapsed());
-        let id = conn.client_id(left)?;
-        conn.query::<String>(&scripts::LEASE_EXTEND.load(), "SCRIPT LOAD", left)?;
+        let mut conn = self.cfg.connect(left(deadline), "respire-renewal")?;
+        let id = conn.client_id(left(deadline))?;
+        conn.query::<String>(&scripts::LEASE_EXTEND.load(), "SCRIPT LOAD", left(deadline))?;
         self.script_loaded = true;
         self.conn = Some((conn, id));
         Ok(())
@@ -330,12 +329,11 @@ impl Worker {
             .map(|e| e.state.lost_at())
             .min()
             .unwrap_or(now);
-        let budget = self
-            .cfg
-            .node_timeout
-            .min(earliest_loss.saturating_duration_since(now))
-            .max(Duration::from_millis(1));
-        if let Err(e) = self.ensure_conn(budget) {
+        // Every I/O step of this renewal shares one deadline: at most a node
+        // timeout, and never past the loss deadline of a lease in the batch, so
+        // that losses are flagged on time.
+        let deadline = (now + self.cfg.node_timeout).min(earliest_loss);
+        if let Err(e) = self.ensure_conn(deadline) {
             log::warn!("renewal connection to {} failed: {e}", self.cfg.addr);
             self.fail_all(batch);
             return;
@@ -356,7 +354,7 @@ impl Worker {
         let conn_id = *conn_id;
         let sent = Instant::now();
         self.counters.round_trips.fetch_add(1, Ordering::Relaxed);
-        let reply = conn.pipeline(&pipe, "renew", budget);
+        let reply = conn.pipeline(&pipe, "renew", left(deadline));
         match reply {
             Ok(values) => {
                 let mut reload = false;
@@ -392,7 +390,11 @@ impl Worker {
                     self.script_loaded = false;
                     if let Some((conn, _)) = self.conn.as_mut()
                         && conn
-                            .query::<String>(&scripts::LEASE_EXTEND.load(), "SCRIPT LOAD", budget)
+                            .query::<String>(
+                                &scripts::LEASE_EXTEND.load(),
+                                "SCRIPT LOAD",
+                                left(deadline),
+                            )
                             .is_ok()
                     {
                         self.script_loaded = true;
@@ -455,6 +457,13 @@ impl Worker {
             self.retry(*id, delay);
         }
     }
+}
+
+/// The time left until `deadline` (at least 1 ms, the smallest socket timeout).
+fn left(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
 }
 
 fn retry_of(entries: &HashMap<u64, Entry>, id: u64) -> Duration {
