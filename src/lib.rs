@@ -137,6 +137,11 @@ pub use lease::ReleaseOutcome;
 pub use lock::{Lock, LockGuard};
 pub use runtime::renewal::{KeepAlive, RenewalStats};
 
+/// The README's examples, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 #[allow(dead_code, reason = "compile-time check only")]
 fn _ensure_send_sync() {
     fn check<T: Send + Sync>() {}
