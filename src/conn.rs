@@ -40,7 +40,7 @@ pub(crate) struct ConnConfig {
     client: redis::Client,
     /// RESP2 always: invalidations are received as pub/sub messages.
     pubsub_client: redis::Client,
-    pub(crate) addr: String,
+    pub(crate) addr: Arc<str>,
     pub(crate) tls: bool,
     pub(crate) connect_timeout: Duration,
     pub(crate) node_timeout: Duration,
@@ -121,7 +121,7 @@ impl ConnConfig {
         Ok(ConnConfig {
             client,
             pubsub_client,
-            addr: addr_desc,
+            addr: addr_desc.into(),
             tls,
             connect_timeout: s.connect_timeout,
             node_timeout: s.node_timeout,
@@ -185,24 +185,35 @@ impl ConnConfig {
             .map_err(|e| self.connect_error(e, budget))?;
         let mut conn = Conn {
             inner,
+            addr: self.addr.clone(),
             timeout: None,
             tracking_gen: 0,
             broken: false,
         };
-        let left = budget.saturating_sub(started.elapsed());
+        // The first command also completes a TLS handshake and surfaces a
+        // server that accepts connections but does not answer, so its transport
+        // errors are connect errors.
+        let left = budget
+            .saturating_sub(started.elapsed())
+            .max(Duration::from_millis(1));
+        conn.set_timeout(left)?;
         let setname = redis::cmd("CLIENT").arg("SETNAME").arg(name).clone();
-        match conn.query::<()>(&setname, "CLIENT SETNAME", left) {
-            Ok(()) | Err(Error::Permission(_)) => Ok(conn),
-            Err(Error::Server { source, .. }) => {
-                log::debug!("cannot name connection: {source}");
+        match setname.query::<()>(&mut conn.inner) {
+            Ok(()) => Ok(conn),
+            Err(e) if e.kind() == redis::ErrorKind::Io || e.is_timeout() || e.is_io_error() => {
+                Err(self.connect_error(e, budget))
+            }
+            Err(e) if e.code() == Some("NOAUTH") => Err(self.connect_error(e, budget)),
+            Err(e) => {
+                // An ACL without CLIENT SETNAME, or an old server: names are optional.
+                log::debug!("cannot name connection: {e}");
                 Ok(conn)
             }
-            Err(e) => Err(e),
         }
     }
 
     fn connect_error(&self, err: redis::RedisError, budget: Duration) -> Error {
-        let addr = self.addr.clone();
+        let addr = self.addr.to_string();
         if err.kind() == redis::ErrorKind::AuthenticationFailed
             || matches!(err.code(), Some("WRONGPASS" | "NOAUTH"))
         {
@@ -271,6 +282,7 @@ pub(crate) fn redact_url(url: &str) -> String {
 /// One connection, with the state this crate keeps about it.
 pub(crate) struct Conn {
     inner: redis::Connection,
+    addr: Arc<str>,
     timeout: Option<Duration>,
     /// The tracking generation this connection redirects to (0: none).
     pub(crate) tracking_gen: u64,
@@ -317,7 +329,7 @@ impl Conn {
         }
         if matches!(err.code(), Some("NOAUTH" | "WRONGPASS")) {
             return Error::Auth {
-                addr: String::new(),
+                addr: self.addr.to_string(),
                 detail: err.to_string(),
             };
         }

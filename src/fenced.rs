@@ -278,7 +278,7 @@ impl FencedGuard {
     /// # Errors
     /// Server errors such as a missing ACL right. A lost reply is
     /// `Ok(ReleaseOutcome::Uncertain)`.
-    pub fn release(mut self) -> Result<ReleaseOutcome> {
+    pub fn release(self) -> Result<ReleaseOutcome> {
         self.core.release()
     }
 }

@@ -281,19 +281,26 @@ impl LeaseCore {
         Ok(renewal::start(&self.shared, &self.state))
     }
 
-    /// One compare-and-delete; transport failures become `Uncertain`.
-    pub(crate) fn release_once(&self, budget: Duration) -> Result<ReleaseOutcome> {
+    /// One compare-and-delete, taking at most the node timeout in all (getting a
+    /// connection included); transport failures become `Uncertain`.
+    pub(crate) fn release(&self) -> Result<ReleaseOutcome> {
         self.state.done.store(true, Ordering::Release);
         self.shared.renewal().forget(self.state.id);
-        let reply: Result<i64> = self.shared.pool.get(budget).and_then(|mut conn| {
-            conn.script(
-                &scripts::LEASE_RELEASE,
-                &[&self.state.key],
-                &[&self.state.value, "exact"],
-                "release",
-                budget,
-            )
-        });
+        let deadline = Instant::now() + self.shared.node_timeout();
+        let reply: Result<i64> =
+            self.shared
+                .pool
+                .get(self.shared.node_timeout())
+                .and_then(|mut conn| {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    conn.script(
+                        &scripts::LEASE_RELEASE,
+                        &[&self.state.key],
+                        &[&self.state.value, "exact"],
+                        "release",
+                        left.max(Duration::from_millis(1)),
+                    )
+                });
         // The guard is finished either way; wake anyone select!-ing on it.
         self.state.lost.store(true, Ordering::Release);
         self.state.loss_tx.lock().take();
@@ -312,10 +319,6 @@ impl LeaseCore {
         }
     }
 
-    pub(crate) fn release(&mut self) -> Result<ReleaseOutcome> {
-        self.release_once(self.shared.node_timeout())
-    }
-
     pub(crate) fn debug_fields(&self, d: &mut fmt::DebugStruct<'_, '_>) {
         d.field("key", &self.state.key)
             .field("lost", &self.is_lost())
@@ -328,7 +331,7 @@ impl Drop for LeaseCore {
         if self.state.is_done() {
             return;
         }
-        match self.release_once(self.shared.node_timeout()) {
+        match self.release() {
             Ok(outcome) => log::debug!("dropped lease {:?}: {outcome:?}", self.state.key),
             Err(e) => log::warn!("dropping lease {:?}: release failed: {e}", self.state.key),
         }

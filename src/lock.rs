@@ -217,7 +217,7 @@ impl LockGuard {
     ///
     /// # Errors
     /// Server errors such as a missing ACL right.
-    pub fn release(mut self) -> Result<ReleaseOutcome> {
+    pub fn release(self) -> Result<ReleaseOutcome> {
         self.core.release()
     }
 }

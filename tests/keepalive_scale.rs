@@ -100,4 +100,22 @@ fn ten_thousand_kept_alive_leases_on_three_threads_at_most() {
         renewed as f64 / round_trips as f64
     );
     drop(renewals);
+
+    // The first wait starts the invalidation subscriber: two threads in all.
+    let waiter = locks[0]
+        .acquire_timeout(TTL, Duration::from_millis(20))
+        .unwrap();
+    assert!(waiter.is_none(), "the lock is still held");
+    let threads = crate_threads();
+    assert_eq!(threads, ["respire-renewal", "respire-tracking"]);
+
+    // Both stop once the coordinator and every guard are gone.
+    drop(guards);
+    drop(locks);
+    drop(coord);
+    support::wait_until(
+        Duration::from_secs(5),
+        "the crate's threads to stop",
+        || crate_threads().is_empty(),
+    );
 }

@@ -445,3 +445,45 @@ mod tls {
         );
     }
 }
+
+#[test]
+fn unix_sockets_and_database_numbers_work() {
+    let socket = std::env::temp_dir().join(format!("respire-{}.sock", std::process::id()));
+    let server = TestServer::builder()
+        .arg("--unixsocket")
+        .arg(socket.display().to_string())
+        .start();
+    let coord = Coordinator::connect(&format!("unix://{}?db=3", socket.display())).unwrap();
+    let guard = coord
+        .lock("job")
+        .unwrap()
+        .try_acquire(Duration::from_secs(5))
+        .unwrap()
+        .unwrap();
+    let mut admin = server.client();
+    let _: () = redis::cmd("SELECT").arg(3).query(&mut admin).unwrap();
+    assert!(
+        admin.exists::<_, bool>("job").unwrap(),
+        "the lock is in database 3"
+    );
+    drop(guard);
+    assert!(!admin.exists::<_, bool>("job").unwrap());
+
+    let coord = Coordinator::builder(&format!("redis://127.0.0.1:{}/2", server.port()))
+        .build()
+        .unwrap();
+    let guard = coord
+        .lock("job2")
+        .unwrap()
+        .try_acquire(Duration::from_secs(5))
+        .unwrap()
+        .unwrap();
+    let _: () = redis::cmd("SELECT").arg(2).query(&mut admin).unwrap();
+    assert!(
+        admin.exists::<_, bool>("job2").unwrap(),
+        "the lock is in database 2"
+    );
+    assert!(format!("{coord:?}").contains("/2"));
+    drop(guard);
+    let _ = std::fs::remove_file(&socket);
+}
