@@ -35,6 +35,8 @@ pub(crate) enum Wait<'a> {
     Until(Instant),
     /// Until acquired or cancelled.
     Cancellable(&'a CancelToken),
+    /// Until the deadline (`Ok(None)` after it) or cancellation (`Err`).
+    UntilOrCancel(Instant, &'a CancelToken),
 }
 
 pub(crate) fn acquire<A: Acquirer>(
@@ -44,14 +46,16 @@ pub(crate) fn acquire<A: Acquirer>(
 ) -> Result<Option<A::Guard>> {
     let shared = prim.shared();
     let ttl_ms = shared.check_ttl(ttl)?;
-    if let Wait::Cancellable(cancel) = wait
+    if let Wait::Cancellable(cancel) | Wait::UntilOrCancel(_, cancel) = wait
         && cancel.is_cancelled()
     {
         return Err(crate::Error::Cancelled);
     }
     let owner = OwnerToken::new();
     let wait = match wait {
-        Wait::Until(deadline) if deadline <= Instant::now() => Wait::Once,
+        Wait::Until(deadline) | Wait::UntilOrCancel(deadline, _) if deadline <= Instant::now() => {
+            Wait::Once
+        }
         other => other,
     };
     let result = match wait {
@@ -68,6 +72,11 @@ pub(crate) fn acquire<A: Acquirer>(
         }
         Wait::Until(deadline) => {
             waiters::wait_for(shared, prim.wait_key(), Some(deadline), None, |c| {
+                prim.attempt(c, &owner, ttl_ms)
+            })
+        }
+        Wait::UntilOrCancel(deadline, cancel) => {
+            waiters::wait_for(shared, prim.wait_key(), Some(deadline), Some(cancel), |c| {
                 prim.attempt(c, &owner, ttl_ms)
             })
         }

@@ -163,7 +163,7 @@ impl Shared {
             return Ok(t);
         }
         let t = Tracking::spawn(self.pool.cfg.clone()).map_err(|source| Error::Thread {
-            name: "respire-tracking",
+            name: "respire-tracker",
             source,
         })?;
         Ok(self.tracking.get_or_init(|| t))

@@ -44,6 +44,10 @@ pub(crate) struct LeaseState {
     lost_at: AtomicU64,
     lost: AtomicBool,
     done: AtomicBool,
+    /// Set while an extension (renewal or `reset_expiry`) of this lease is in
+    /// flight: extensions of one lease never overlap, so each confirmation's
+    /// expiry is the one the server applied last.
+    extending: AtomicBool,
     keepalives: AtomicUsize,
     loss_tx: Mutex<Option<Sender<()>>>,
     loss_rx: Receiver<()>,
@@ -79,6 +83,7 @@ impl LeaseState {
             lost_at: AtomicU64::new(clock::to_ns(v.lost_at)),
             lost: AtomicBool::new(false),
             done: AtomicBool::new(false),
+            extending: AtomicBool::new(false),
             keepalives: AtomicUsize::new(0),
             loss_tx: Mutex::new(Some(tx)),
             loss_rx: rx,
@@ -141,6 +146,17 @@ impl LeaseState {
     /// Lost: flagged, or past the local loss deadline.
     pub(crate) fn is_lost(&self) -> bool {
         self.lost.load(Ordering::Acquire) || Instant::now() >= self.lost_at()
+    }
+
+    /// Claims the right to extend this lease; `false` if an extension is in flight.
+    pub(crate) fn try_begin_extend(&self) -> bool {
+        self.extending
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    pub(crate) fn end_extend(&self) {
+        self.extending.store(false, Ordering::Release);
     }
 
     pub(crate) fn is_done(&self) -> bool {
@@ -239,6 +255,26 @@ impl LeaseCore {
     pub(crate) fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
         let ttl_ms = self.shared.check_ttl(ttl)?;
         let timeout = self.shared.node_timeout();
+        // Wait for a renewal of this lease that is in flight (at most a node
+        // timeout): two extensions racing could leave the server with the older
+        // expiry while we count on the newer one.
+        let waited = Instant::now();
+        while !self.state.try_begin_extend() {
+            if waited.elapsed() >= timeout {
+                return Err(Error::Timeout {
+                    op: "reset expiry (waiting for a renewal in flight)",
+                    after: timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        struct Claim<'a>(&'a LeaseState);
+        impl Drop for Claim<'_> {
+            fn drop(&mut self) {
+                self.0.end_extend();
+            }
+        }
+        let _claim = Claim(&self.state);
         let mut conn = self.shared.pool.get(timeout)?;
         let ttl_arg = ttl_ms.to_string();
         let sent = Instant::now();

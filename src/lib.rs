@@ -87,7 +87,7 @@
 //! # Threads this crate starts
 //!
 //! Per [`Coordinator`]: one renewal thread (`respire-renewal`), started with the
-//! coordinator, and one invalidation subscriber (`respire-tracking`), started by
+//! coordinator, and one invalidation subscriber (`respire-tracker`), started by
 //! the first wait. Neither holds a lock across network I/O; both stop when the
 //! last clone of the coordinator and the last guard are dropped. No thread or
 //! connection is created per guard or per waiter. A failure in a background

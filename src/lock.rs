@@ -86,6 +86,24 @@ impl Lock {
     pub fn acquire(&self, ttl: Duration, cancel: &CancelToken) -> Result<LockGuard> {
         acquire::acquire(self, ttl, Wait::Cancellable(cancel))?.ok_or(Error::Cancelled)
     }
+
+    /// Waits for the lock until it is acquired, `deadline` passes, or `cancel` is
+    /// cancelled — a bounded wait that the caller can also abort.
+    ///
+    /// Returns `Ok(None)` when the deadline passes (a deadline already past makes
+    /// exactly one attempt).
+    ///
+    /// # Errors
+    /// [`Error::Cancelled`] on cancellation, which is never turned into "not
+    /// acquired"; otherwise as [`try_acquire`](Lock::try_acquire).
+    pub fn acquire_until(
+        &self,
+        ttl: Duration,
+        deadline: Instant,
+        cancel: &CancelToken,
+    ) -> Result<Option<LockGuard>> {
+        acquire::acquire(self, ttl, Wait::UntilOrCancel(deadline, cancel))
+    }
 }
 
 impl Acquirer for Lock {

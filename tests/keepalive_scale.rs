@@ -107,7 +107,7 @@ fn ten_thousand_kept_alive_leases_on_three_threads_at_most() {
         .unwrap();
     assert!(waiter.is_none(), "the lock is still held");
     let threads = crate_threads();
-    assert_eq!(threads, ["respire-renewal", "respire-tracking"]);
+    assert_eq!(threads, ["respire-renewal", "respire-tracker"]);
 
     // Both stop once the coordinator and every guard are gone.
     drop(guards);

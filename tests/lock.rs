@@ -487,3 +487,42 @@ fn unix_sockets_and_database_numbers_work() {
     drop(guard);
     let _ = std::fs::remove_file(&socket);
 }
+
+#[test]
+fn reset_expiry_and_keep_alive_take_turns() {
+    let prefix = unique_prefix("turns");
+    let coord = Coordinator::builder(&shared_server().url())
+        .key_prefix(&prefix)
+        .node_timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let lock = coord.lock("job").unwrap();
+    let guard = lock
+        .try_acquire(Duration::from_millis(600))
+        .unwrap()
+        .unwrap();
+    let renewal = guard.keep_alive().unwrap();
+    let until = Instant::now() + Duration::from_secs(2);
+    let mut resets = 0;
+    while Instant::now() < until {
+        assert!(guard.reset_expiry(Duration::from_millis(600)).unwrap());
+        resets += 1;
+        // The local estimate never runs ahead of the server's expiry.
+        let estimate = guard.remaining_estimate();
+        let server = guard.verify_still_held().unwrap().expect("held");
+        assert!(
+            guard.remaining_estimate() <= server + Duration::from_millis(2),
+            "estimate {estimate:?} beyond the server's {server:?}"
+        );
+    }
+    assert!(resets > 10);
+    // Each reset pushes the next renewal back by half a TTL; once they stop,
+    // keep-alive takes over again.
+    let before = coord.renewal_stats().renewals;
+    wait_until(Duration::from_secs(3), "keep-alive to renew again", || {
+        coord.renewal_stats().renewals > before
+    });
+    assert!(!guard.is_lost());
+    drop(renewal);
+    assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
+}

@@ -302,8 +302,24 @@ impl Worker {
         for id in again {
             self.schedule(id);
         }
-        if !batch.is_empty() {
-            self.renew(&batch);
+        // A lease whose holder is running reset_expiry right now is retried
+        // in a moment rather than extended twice at once.
+        let mut claimed = Vec::with_capacity(batch.len());
+        let mut states = Vec::with_capacity(batch.len());
+        for id in batch {
+            let state = self.entries[&id].state.clone();
+            if state.try_begin_extend() {
+                claimed.push(id);
+                states.push(state);
+            } else {
+                self.retry(id, Duration::from_millis(1));
+            }
+        }
+        if !claimed.is_empty() {
+            self.renew(&claimed);
+        }
+        for state in states {
+            state.end_extend();
         }
     }
 

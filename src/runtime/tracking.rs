@@ -38,7 +38,7 @@ impl Tracking {
         let (stop_tx, stop_rx) = crossbeam_channel::bounded(0);
         let reg = registry.clone();
         std::thread::Builder::new()
-            .name("respire-tracking".into())
+            .name("respire-tracker".into())
             .spawn(move || run(&cfg, &reg, &stop_rx))?;
         Ok(Tracking {
             registry,
