@@ -52,6 +52,9 @@
 //!   wait, `Ok(None)` when it runs out; a zero wait is exactly one attempt.
 //! - `acquire(ttl, &cancel)`: waits until acquired; [`Error::Cancelled`] when the
 //!   [`CancelToken`] is cancelled.
+//! - `acquire_until(ttl, deadline, &cancel)`: both: `Ok(None)` at the deadline,
+//!   `Err(Cancelled)` on cancellation (a caller's cancellation is never turned
+//!   into "not acquired").
 //!
 //! Contention is never an error; `Err` means misuse or infrastructure, and
 //! transport errors are not turned into "not acquired". Waiters do not poll: one
