@@ -469,10 +469,15 @@ impl Pool {
     fn put(&self, conn: Conn) {
         let mut state = self.state.lock();
         if conn.is_broken() {
-            state.open -= 1;
+            // A connection that failed usually means the server restarted, failed
+            // over or stalled: the idle ones are likely dead too, and a reply
+            // arriving late on any of them must not be read as the next answer.
+            let idle = std::mem::take(&mut state.idle);
+            state.open -= 1 + idle.len();
             drop(state);
-            // Dropping closes the socket; done outside the lock.
+            // Dropping closes the sockets; done outside the lock.
             drop(conn);
+            drop(idle);
         } else {
             state.idle.push(conn);
             drop(state);

@@ -526,3 +526,43 @@ fn reset_expiry_and_keep_alive_take_turns() {
     drop(renewal);
     assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
 }
+
+#[test]
+fn after_a_restart_one_error_at_most_then_fresh_connections() {
+    let server = TestServer::start();
+    let coord = Coordinator::builder(&server.url())
+        .pool_size(4)
+        .build()
+        .unwrap();
+    let lock = coord.lock("job").unwrap();
+    // Fill the pool with idle connections.
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for _ in 0..50 {
+                    drop(lock.try_acquire(Duration::from_secs(5)).unwrap());
+                }
+            });
+        }
+    });
+    server.kill();
+    server.restart();
+    let mut errors = 0;
+    for _ in 0..4 {
+        match lock.try_acquire(Duration::from_secs(5)) {
+            Ok(guard) => {
+                assert!(guard.is_some());
+                break;
+            }
+            Err(e) => {
+                assert!(e.is_retryable(), "{e}");
+                errors += 1;
+            }
+        }
+    }
+    assert!(errors <= 1, "{errors} errors from stale pooled connections");
+    assert!(
+        lock.try_acquire(Duration::from_secs(5)).unwrap().is_none(),
+        "held now"
+    );
+}
