@@ -96,7 +96,8 @@
 //! server clock jump, or a node restarted without its data (see
 //! [`RedlockOptions::restart_delay`]) can let two holders overlap. Waiting
 //! polls with jittered, bounded pauses, since invalidations from independent
-//! servers cannot be combined.
+//! servers cannot be combined. [`RedlockGroup`] documents the algorithm, what
+//! it does not promise, antirez's delayed-restart rule and the threads.
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -136,6 +137,9 @@
 //! - The counter and lease keys must not be evicted: use `noeviction` (or a
 //!   `volatile-*` policy, which can still drop leases).
 //! - Keep-alive needs the ACL rights to `CLIENT ID` and `CLIENT KILL`.
+//! - A [`RedlockGroup`] survives a minority of failed nodes, but a node that
+//!   restarts without its data can hand out a held lock again; it gives no
+//!   fencing token.
 //!
 //! # Logging
 //!

@@ -1,46 +1,11 @@
 //! `RedlockGroup`: a lock that needs a majority of independent Redis servers,
 //! after antirez's Redlock algorithm ("Distributed Locks with Redis", the
 //! distributed-locks pattern page of the Redis documentation), with the limits
-//! from Kleppmann's "How to do distributed locking" and antirez's reply "Is
-//! Redlock safe?".
+//! Kleppmann pointed out in "How to do distributed locking" and antirez's reply
+//! "Is Redlock safe?". The public docs are on [`RedlockGroup`].
 //!
-//! An attempt sends the single-node acquire script (`lock_acquire.lua`, one
-//! random owner token for all nodes) to every node at once, each bounded by the
-//! node timeout, and returns as soon as the outcome is decided: a quorum
-//! (`N/2 + 1`) granted, or too few nodes are left to reach one. The lease is
-//! valid for `ttl − elapsed − (ttl × drift + 2 ms)`, measured on the local
-//! monotonic clock from the first send. A failed attempt is released on every
-//! node by owner token, including nodes that failed or did not answer.
-//!
-//! # What Redlock does not promise
-//!
-//! - **No fencing.** Nothing increases with each grant, so a protected resource
-//!   cannot refuse a holder that paused (GC, swapping, `SIGSTOP`) past its
-//!   validity while someone else got the lock. Where a second holder would
-//!   corrupt data, use one deployment with a [`FencedLock`](crate::FencedLock)
-//!   and a resource that checks the token.
-//! - **No consensus.** Safety rests on timing assumptions: processes do not
-//!   pause longer than the safety margin, packets are not delayed past it, and
-//!   the servers' clocks advance at about the rate of the client's (a clock
-//!   jump on a server, from a wrong NTP step or a manual change, expires keys
-//!   early; the drift allowance only covers rate differences).
-//! - **Restarts forget.** A node that restarts without persisting the key
-//!   (no AOF, or `appendfsync` other than `always`) comes back empty and can
-//!   grant the lock again while the first holder still counts on it. antirez's
-//!   rule is to keep a crashed node out for longer than the longest TTL
-//!   ("delayed restarts"). The group helps in two ways: an extension never
-//!   counts a node whose `run_id` changed since the grant, and with
-//!   [`RedlockOptions::restart_delay`] it sends no acquire to a server whose
-//!   uptime is below that delay. Neither replaces persistence with
-//!   `appendfsync always` or an operator who delays restarts.
-//!
-//! # Threads
-//!
-//! Per group: one worker per node (`respire-node-N`), each with one connection,
-//! running that node's share of every operation in order, and one renewal
-//! thread (`respire-redlock`) for loss deadlines and keep-alives. They stop when
-//! the last clone of the group and the last guard are dropped, after finishing
-//! the releases already queued.
+//! The fan-out runs on the per-node workers of `runtime::nodes`; this file
+//! holds the quorum and validity rules, the guard and the checks.
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -84,8 +49,8 @@ pub struct RedlockOptions {
     /// NaN). Defaults to 0.01.
     pub drift_factor: f64,
     /// When set, no acquire is sent to a server that started less than this
-    /// long ago (read from `INFO server` on every new connection, rounded to
-    /// whole seconds), so that a node restarted without its data cannot grant
+    /// long ago (from `uptime_in_seconds` in `INFO server`, read on every new
+    /// connection, counted as if the server started up to a second later), so that a node restarted without its data cannot grant
     /// a lock that another client may still hold. Set it above your longest
     /// TTL. Defaults to `None`.
     pub restart_delay: Option<Duration>,
@@ -185,14 +150,111 @@ pub(crate) fn summarize(nodes: &[NodeReport]) -> String {
         .join("; ")
 }
 
-/// A lock held by a majority of independent Redis servers (Redlock).
+/// A lock held by a majority of independent Redis servers: antirez's Redlock.
 ///
 /// Made by [`RedlockGroup::new`] from an odd number (3 or more) of
 /// [`Coordinator`]s for standalone servers that fail independently; cheap to
-/// clone. Each node's key is the coordinator's key prefix plus the key.
+/// clone. Each node's key is that coordinator's key prefix plus the key.
 ///
-/// Redlock gives mutual exclusion only under timing assumptions and gives no
-/// fencing token; see the [crate guide](crate#redlock) before choosing it.
+/// # How an attempt works
+///
+/// The single-node acquire script (set the key to a fresh 128-bit owner token
+/// with `PX ttl` if it is free) goes to every node at once, each bounded by the
+/// node timeout. The attempt returns as soon as the outcome is decided: a
+/// quorum (`N/2 + 1`) granted, or too few nodes are left to reach one. A slow
+/// or unreachable minority therefore does not slow a successful attempt down;
+/// its commands are abandoned (their connections dropped when they time out)
+/// and any grant they still make is deleted by the release, which reaches
+/// each node after that node's acquire. The lock is valid for
+/// `ttl − elapsed − (ttl × drift + 2 ms)`, measured on the local monotonic
+/// clock from the first send. A failed attempt is released on every node it
+/// reached, including nodes that failed or did not answer. Every attempt
+/// reports what each node answered ([`NodeReport`]).
+///
+/// # What Redlock does not promise
+///
+/// - **No fencing.** Nothing increases with each grant, so a protected
+///   resource cannot refuse a holder that paused (GC, swapping, `SIGSTOP`) or
+///   whose packets were delayed past its validity while someone else got the
+///   lock. Where a second holder would corrupt data, use one deployment with a
+///   [`FencedLock`](crate::FencedLock) and a resource that checks the token.
+/// - **No consensus.** Safety rests on timing assumptions: processes do not
+///   pause longer than the validity margin, packets are not delayed past it,
+///   and the servers' clocks advance at about the rate of the client's. A clock
+///   jump on a server (a wrong NTP step, a manual change) expires keys early;
+///   the drift allowance only covers rate differences.
+/// - **Restarts forget.** A node that restarts without the key (no AOF, or
+///   `appendfsync` other than `always`) comes back empty and can grant the lock
+///   to a second client while the first still counts on it: two restarted
+///   nodes of three, or three of five, make two holders.
+///
+/// # Restarts
+///
+/// antirez's rule: keep a crashed node out of the group for longer than the
+/// longest TTL in use ("delayed restarts"), unless it persists every write with
+/// `appendfsync always`. The group does two things about it:
+///
+/// - An extension never counts a node whose `run_id` changed since it granted
+///   the lock (learned from `INFO server` on every new connection; a restart
+///   always breaks connections). Even with persistence, the group cannot tell
+///   whether the restarted node kept the key.
+/// - With [`RedlockOptions::restart_delay`] set above your longest TTL, it
+///   sends no acquire to a server whose uptime is below that delay: the rule
+///   enforced by every client of this crate, whatever the operator does. It
+///   reads the uptime, so it also protects clients that never saw the old
+///   server.
+///
+/// Neither replaces persistence or an operator who delays restarts for
+/// clients that do not use this crate.
+///
+/// # Waiting
+///
+/// Independent servers cannot share client-tracking invalidations, so the
+/// bounded waits poll: bounded retries with jitter, as the Redlock page
+/// advises (see [`acquire_timeout`](RedlockGroup::acquire_timeout)):
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use respire_coordination::{Error, RedlockGroup, RedlockOptions};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let group = RedlockGroup::connect(
+///     &["redis://10.0.0.1:6379", "redis://10.0.0.2:6379", "redis://10.0.0.3:6379"],
+///     RedlockOptions { node_timeout: Duration::from_millis(20), ..RedlockOptions::default() },
+/// )?;
+/// match group.acquire_timeout("invoice-run", Duration::from_secs(30), Duration::from_secs(5)) {
+///     Ok(Some(mut guard)) => {
+///         let _renewal = guard.keep_alive()?;
+///         // ... work, checking guard.is_lost() ...
+///         drop(_renewal);
+///         guard.release()?;
+///     }
+///     Ok(None) => println!("someone else holds it"),
+///     Err(Error::QuorumNotReached { nodes, .. }) => {
+///         for node in nodes {
+///             eprintln!("{}: {}", node.node, node.outcome);
+///         }
+///     }
+///     Err(e) => return Err(e.into()),
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// # Threads
+///
+/// Per group: one worker per node (`respire-node-N`), each with one
+/// connection, running that node's share of every operation in order; and one
+/// renewal thread (`respire-redlock`) that fires loss signals and runs
+/// keep-alives. They stop when the last clone of the group and the last guard
+/// are dropped, after finishing the releases already queued. A node whose
+/// command failed at the transport level is rested for 25 ms, doubling up to
+/// 1 s while it keeps failing: operations then count it as not answering
+/// without waiting for it.
+///
+/// # ACL rights
+///
+/// `EVALSHA` and `EVAL` (the scripts), `INFO` (independence checks and restart
+/// detection) and, optionally, `CLIENT SETNAME`.
 #[derive(Clone)]
 pub struct RedlockGroup {
     inner: Arc<Group>,
@@ -641,7 +703,10 @@ impl Group {
         })
     }
 
-    fn extend(&self, g: &GuardInner, ttl: Duration) -> Result<bool> {
+    /// Extends `g` by `ttl`; a quorum must confirm within its validity. The
+    /// wait for answers also ends at `until` (the keep-alive passes the loss
+    /// deadline, so that it can flag the loss on time).
+    fn extend(&self, g: &GuardInner, ttl: Duration, until: Option<Instant>) -> Result<bool> {
         let ttl_ms = self.check_ttl(ttl)?;
         let state = &g.state;
         if state.flagged_lost() {
@@ -655,7 +720,9 @@ impl Group {
         }
         let quorum = self.quorum;
         let targets = self.all();
-        let deadline = (now + self.options.node_timeout).min(valid_until);
+        let deadline = (now + self.options.node_timeout)
+            .min(valid_until)
+            .min(until.unwrap_or(valid_until));
         let sent = Instant::now();
         let (replies, count) =
             self.fan_out(Op::Extend { ttl_ms }, &g.lease, &targets, deadline, |c| {
@@ -811,7 +878,11 @@ impl Renewable for GuardInner {
     }
 
     fn renew(&self) -> Renewed {
-        match self.group.extend(self, self.state.ttl()) {
+        let lost_at = self.state.lost_at();
+        if Instant::now() >= lost_at {
+            return Renewed::Failed;
+        }
+        match self.group.extend(self, self.state.ttl(), Some(lost_at)) {
             Ok(true) => Renewed::Yes,
             Ok(false) => Renewed::Lost,
             Err(e) => {
@@ -875,7 +946,7 @@ impl RedlockGuard {
     /// failed or did not answer, while validity remains (the lock is not
     /// flagged lost; the local deadline still applies, and retrying may work).
     pub fn extend(&self, ttl: Duration) -> Result<bool> {
-        self.inner.group.extend(&self.inner, ttl)
+        self.inner.group.extend(&self.inner, ttl, None)
     }
 
     /// Extends the lock in the background until the returned

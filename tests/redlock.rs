@@ -252,8 +252,17 @@ fn acquire_contend_extend_release() {
 
     assert!(guard.extend(Duration::from_secs(30)).unwrap());
     assert!(guard.remaining_estimate() > Duration::from_secs(29));
-    let pttl: i64 = nodes.servers[0].client().pttl(&key).unwrap();
-    assert!(pttl > 29_000, "{pttl}");
+    // Decided at a quorum: the third node's extension may land a little later.
+    wait_until(
+        Duration::from_secs(5),
+        "every node's expiry to move",
+        || {
+            (0..3).all(|i| {
+                let pttl: i64 = nodes.servers[i].client().pttl(&key).unwrap();
+                pttl > 20_000
+            })
+        },
+    );
 
     assert!(guard.release().unwrap());
     assert!(guard.is_lost());
@@ -262,9 +271,10 @@ fn acquire_contend_extend_release() {
         guard.release().unwrap(),
         "a second release repeats the result"
     );
-    for i in 0..3 {
-        assert_eq!(nodes.get(i, &key), None);
-    }
+    // Decided at a quorum: the third node's release may land a little later.
+    wait_until(Duration::from_secs(5), "every node to drop the key", || {
+        (0..3).all(|i| nodes.get(i, &key).is_none())
+    });
     assert!(
         !guard.extend(ttl).unwrap(),
         "a released lock cannot be extended"
@@ -276,9 +286,9 @@ fn acquire_contend_extend_release() {
     // Dropping releases too.
     let guard = group.try_acquire("job", ttl).unwrap().unwrap();
     drop(guard);
-    for i in 0..3 {
-        assert_eq!(nodes.get(i, &key), None);
-    }
+    wait_until(Duration::from_secs(5), "every node to drop the key", || {
+        (0..3).all(|i| nodes.get(i, &key).is_none())
+    });
 }
 
 #[test]
@@ -609,7 +619,11 @@ fn extend_does_not_count_a_node_that_restarted() {
         "{evidence:?}"
     );
     assert_eq!(evidence[1].outcome, NodeOutcome::Missing);
-    assert_eq!(evidence[2].outcome, NodeOutcome::Granted);
+    // Decided once nodes 0 and 1 refused: node 2 may not have answered yet.
+    assert!(matches!(
+        evidence[2].outcome,
+        NodeOutcome::Granted | NodeOutcome::Abandoned
+    ));
 }
 
 #[test]

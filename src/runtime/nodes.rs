@@ -422,8 +422,11 @@ impl Worker {
             );
         }
         self.run_id = run_id;
-        // uptime_in_seconds is rounded down: the server started at or before this.
-        self.started_by = info.uptime.and_then(|u| asked.checked_sub(u));
+        // uptime_in_seconds is a difference of whole-second clock readings, up
+        // to a second more than the true uptime: assume the latest start.
+        self.started_by = info
+            .uptime
+            .and_then(|u| (asked + Duration::from_secs(1)).checked_sub(u));
         self.conn = Some(conn);
         Ok(())
     }
