@@ -348,6 +348,51 @@ fn extend_needs_a_quorum_and_never_recreates_the_key() {
 }
 
 #[test]
+fn a_failed_release_gives_up_ownership_and_can_be_retried() {
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("release-retry");
+    let group = nodes.group(&prefix, options(200));
+    let key = format!("{prefix}job");
+    let mut guard = group
+        .try_acquire("job", Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    wait_until(Duration::from_secs(5), "every node to hold the key", || {
+        (0..3).all(|i| nodes.get(i, &key).is_some())
+    });
+    nodes.proxies[0].set_mode(Mode::Blackhole);
+    nodes.proxies[1].set_mode(Mode::Blackhole);
+    match guard.release() {
+        Err(e @ Error::QuorumNotReached { .. }) => {
+            assert!(e.is_retryable());
+            assert!(
+                e.to_string()
+                    .starts_with("quorum not reached: 1 of 3 nodes for release"),
+                "{e}"
+            );
+        }
+        other => panic!("expected QuorumNotReached, got {other:?}"),
+    }
+    assert!(guard.is_lost(), "a failed release still ends ownership");
+    assert_eq!(guard.remaining_estimate(), Duration::ZERO);
+    assert_eq!(nodes.get(2, &key), None);
+
+    nodes.proxies[0].set_mode(Mode::Pass);
+    nodes.proxies[1].set_mode(Mode::Pass);
+    assert!(
+        guard.release().unwrap(),
+        "the retry reaches the other nodes"
+    );
+    assert_eq!(nodes.get(0, &key), None);
+    assert_eq!(nodes.get(1, &key), None);
+    let evidence = guard.last_evidence();
+    assert!(
+        matches!(evidence[2].outcome, NodeOutcome::NotSent(_)),
+        "{evidence:?}"
+    );
+}
+
+#[test]
 fn bounded_waits_poll_and_cancel() {
     let nodes = Nodes::start(3);
     let prefix = unique_prefix("waits");
