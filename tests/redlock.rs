@@ -383,8 +383,9 @@ fn a_failed_release_gives_up_ownership_and_can_be_retried() {
         guard.release().unwrap(),
         "the retry reaches the other nodes"
     );
-    assert_eq!(nodes.get(0, &key), None);
-    assert_eq!(nodes.get(1, &key), None);
+    wait_until(Duration::from_secs(5), "every node to drop the key", || {
+        nodes.get(0, &key).is_none() && nodes.get(1, &key).is_none()
+    });
     let evidence = guard.last_evidence();
     assert!(
         matches!(evidence[2].outcome, NodeOutcome::NotSent(_)),
