@@ -132,6 +132,11 @@ impl Coordinator {
     pub fn renewal_stats(&self) -> RenewalStats {
         self.shared.renewal.stats()
     }
+
+    /// The pool, settings and runtime behind this handle (for `RedlockGroup`).
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
 }
 
 impl fmt::Debug for Coordinator {

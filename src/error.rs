@@ -156,6 +156,31 @@ pub enum Error {
     /// The wait was cancelled through its [`CancelToken`](crate::CancelToken).
     #[error("cancelled")]
     Cancelled,
+
+    /// A Redlock operation did not get a quorum of confirmations, for reasons
+    /// other than another holder (nodes down, slow or failing). `nodes` says what
+    /// each node answered. Commands without a reply may still be applied; the
+    /// group cleans up by owner token.
+    #[error(
+        "quorum not reached: {confirmed} of {} nodes for {op}, {needed} needed ({})",
+        nodes.len(),
+        crate::redlock::summarize(nodes)
+    )]
+    QuorumNotReached {
+        /// What was being done: `"acquire"`, `"extend"` or `"release"`.
+        op: &'static str,
+        /// How many nodes confirmed.
+        confirmed: usize,
+        /// The quorum: more than half of the nodes.
+        needed: usize,
+        /// Every node's answer, in the group's order.
+        nodes: Vec<crate::redlock::NodeReport>,
+    },
+
+    /// The servers given to a Redlock group are not independent: the same server
+    /// twice, a primary and its replica, or nodes of a Redis Cluster.
+    #[error("redlock nodes are not independent: {0}")]
+    NotIndependent(String),
 }
 
 impl Error {
@@ -170,14 +195,15 @@ impl Error {
     }
 
     /// True when trying the same call again later may succeed: timeouts, I/O and
-    /// connect failures, and server replies that say the server is busy, loading or
+    /// connect failures, a Redlock quorum not reached, and server replies that say the server is busy, loading or
     /// failing over. Misuse, permissions, bad keys and cancellation are not.
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Timeout { .. }
             | Error::Io { .. }
             | Error::Connect { .. }
-            | Error::PoolTimeout(_) => true,
+            | Error::PoolTimeout(_)
+            | Error::QuorumNotReached { .. } => true,
             Error::Server { source, .. } => matches!(
                 source.code(),
                 Some("BUSY" | "LOADING" | "TRYAGAIN" | "MASTERDOWN" | "CLUSTERDOWN" | "READONLY")

@@ -178,6 +178,19 @@ impl LeaseState {
     pub(crate) fn remaining(&self) -> Duration {
         self.valid_until().saturating_duration_since(Instant::now())
     }
+
+    /// Marks the lease finished by its holder (released or given up): it counts
+    /// as lost from now on, without a loss warning, and the loss signal fires.
+    pub(crate) fn finish(&self) {
+        self.done.store(true, Ordering::Release);
+        self.lost.store(true, Ordering::Release);
+        self.loss_tx.lock().take();
+    }
+
+    /// The channel that disconnects on loss or [`finish`](LeaseState::finish).
+    pub(crate) fn loss_signal(&self) -> &Receiver<()> {
+        &self.loss_rx
+    }
 }
 
 /// One held lease on one deployment: what `LockGuard` and `FencedGuard` are made of.

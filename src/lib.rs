@@ -28,6 +28,7 @@
 //! |---|---|---|
 //! | One Redis deployment is the authority, and the protected resource can reject stale writers | [`FencedLock`] → [`FencedGuard`] | lease key + persistent counter; every grant carries a strictly increasing [`FencingToken`] |
 //! | Plain mutual exclusion, for efficiency only | [`Lock`] → [`LockGuard`] | one key, `SET NX PX`, compare-and-delete |
+//! | A majority across independent deployments | [`RedlockGroup`] → [`RedlockGuard`] | an odd number ≥ 3 of independent standalone servers; no fencing, no consensus |
 //!
 //! # Fencing
 //!
@@ -87,13 +88,46 @@
 //! Releasing reports a [`ReleaseOutcome`]: `Released`, `Expired`, `TakenOver`, or
 //! `Uncertain` when no reply came (the lease then ends at its expiry).
 //!
+//! # Redlock
+//!
+//! [`RedlockGroup`] takes a lock on a majority of independent standalone
+//! servers (antirez's Redlock): every attempt goes to all nodes at once, each
+//! bounded by the node timeout, and returns as soon as a quorum granted or
+//! cannot; the lock is valid for `ttl − elapsed − (ttl × drift + 2 ms)` from
+//! the first send. It survives a minority of nodes failing, but it issues no
+//! fencing token and is not consensus: a paused holder, delayed packets, a
+//! server clock jump, or a node restarted without its data (see
+//! [`RedlockOptions::restart_delay`]) can let two holders overlap. Waiting
+//! polls with jittered, bounded pauses, since invalidations from independent
+//! servers cannot be combined. [`RedlockGroup`] documents the algorithm, what
+//! it does not promise, antirez's delayed-restart rule and the threads.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use respire_coordination::{RedlockGroup, RedlockOptions};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let group = RedlockGroup::connect(
+//!     &["redis://10.0.0.1:6379", "redis://10.0.0.2:6379", "redis://10.0.0.3:6379"],
+//!     RedlockOptions::default(),
+//! )?;
+//! let wait = Duration::from_secs(2);
+//! if let Some(mut guard) = group.acquire_timeout("nightly-report", Duration::from_secs(10), wait)? {
+//!     // work while guard.remaining_estimate() leaves enough time
+//!     guard.release()?;
+//! }
+//! # Ok(()) }
+//! ```
+//!
 //! # Threads this crate starts
 //!
 //! Per [`Coordinator`]: one renewal thread (`respire-renewal`), started with the
 //! coordinator, and one invalidation subscriber (`respire-tracker`), started by
 //! the first wait. Neither holds a lock across network I/O; both stop when the
 //! last clone of the coordinator and the last guard are dropped. No thread or
-//! connection is created per guard or per waiter. A failure in a background
+//! connection is created per guard or per waiter. Per [`RedlockGroup`]: one
+//! worker per node (`respire-node-N`, one connection each) and one renewal
+//! thread (`respire-redlock`). A failure in a background
 //! thread flags leases lost and logs; it never panics.
 //!
 //! # Guarantees and limits
@@ -106,6 +140,9 @@
 //! - The counter and lease keys must not be evicted: use `noeviction` (or a
 //!   `volatile-*` policy, which can still drop leases).
 //! - Keep-alive needs the ACL rights to `CLIENT ID` and `CLIENT KILL`.
+//! - A [`RedlockGroup`] survives a minority of failed nodes, but a node that
+//!   restarts without its data can hand out a held lock again; it gives no
+//!   fencing token.
 //!
 //! # Logging
 //!
@@ -126,6 +163,7 @@ mod fenced;
 mod keys;
 mod lease;
 mod lock;
+mod redlock;
 mod runtime;
 mod scripts;
 mod token;
@@ -138,6 +176,10 @@ pub use fenced::{FencedGuard, FencedLock, FencingToken};
 pub use keys::{MAX_TTL, key_slot};
 pub use lease::ReleaseOutcome;
 pub use lock::{Lock, LockGuard};
+pub use redlock::{
+    NodeOutcome, NodeReport, RedlockAttempt, RedlockGroup, RedlockGuard, RedlockKeepAlive,
+    RedlockOptions,
+};
 pub use runtime::renewal::{KeepAlive, RenewalStats};
 
 /// The README's examples, compiled as doc tests.
@@ -154,6 +196,10 @@ fn _ensure_send_sync() {
     check::<FencedLock>();
     check::<FencedGuard>();
     check::<KeepAlive<'static>>();
+    check::<RedlockGroup>();
+    check::<RedlockGuard>();
+    check::<RedlockAttempt>();
+    check::<RedlockKeepAlive<'static>>();
     check::<CancelToken>();
     check::<Error>();
 }

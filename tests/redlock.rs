@@ -1,0 +1,928 @@
+//! Redlock groups against real servers, each behind a fault-injecting proxy:
+//! quorum under failures, parallel fan-out, evidence, restarts, every refusal,
+//! and a safety campaign with a nemesis that kills and restarts nodes.
+
+mod support;
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use redis::Commands;
+use respire_coordination::{
+    CancelToken, Coordinator, Error, NodeOutcome, RedlockGroup, RedlockOptions,
+};
+use support::{FaultProxy, Mode, TestServer, shared_server, unique_prefix, wait_until};
+
+/// Fresh servers, each behind its own proxy.
+struct Nodes {
+    servers: Vec<TestServer>,
+    proxies: Vec<FaultProxy>,
+}
+
+impl Nodes {
+    fn start(n: usize) -> Nodes {
+        Nodes::start_with(n, false)
+    }
+
+    fn start_with(n: usize, append_only: bool) -> Nodes {
+        let servers: Vec<TestServer> = (0..n)
+            .map(|_| {
+                let builder = TestServer::builder();
+                if append_only {
+                    builder.append_only().start()
+                } else {
+                    builder.start()
+                }
+            })
+            .collect();
+        let proxies = servers
+            .iter()
+            .map(|s| FaultProxy::start(s.addr()))
+            .collect();
+        Nodes { servers, proxies }
+    }
+
+    fn coordinators(&self, prefix: &str) -> Vec<Coordinator> {
+        self.proxies
+            .iter()
+            .map(|p| coordinator(&p.url(), prefix))
+            .collect()
+    }
+
+    fn group(&self, prefix: &str, options: RedlockOptions) -> RedlockGroup {
+        RedlockGroup::new(self.coordinators(prefix), options).expect("a valid group")
+    }
+
+    fn get(&self, i: usize, key: &str) -> Option<String> {
+        self.servers[i].client().get(key).unwrap()
+    }
+}
+
+fn coordinator(url: &str, prefix: &str) -> Coordinator {
+    Coordinator::builder(url)
+        .key_prefix(prefix)
+        .node_timeout(Duration::from_millis(500))
+        .build()
+        .expect("connect")
+}
+
+fn options(node_timeout_ms: u64) -> RedlockOptions {
+    RedlockOptions {
+        node_timeout: Duration::from_millis(node_timeout_ms),
+        ..RedlockOptions::default()
+    }
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn invalid(result: Result<RedlockGroup, Error>) -> String {
+    match result {
+        Err(e @ Error::InvalidArgument(_)) => e.to_string(),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
+fn not_independent(result: Result<RedlockGroup, Error>) -> String {
+    match result {
+        Err(e @ Error::NotIndependent(_)) => e.to_string(),
+        other => panic!("expected NotIndependent, got {other:?}"),
+    }
+}
+
+// ---------------------------------------------------------------- refusals
+
+#[test]
+fn refuses_fewer_than_three_or_an_even_number_of_nodes() {
+    let url = shared_server().url();
+    for n in [0, 1, 2] {
+        let nodes = (0..n).map(|_| coordinator(&url, "")).collect();
+        let e = invalid(RedlockGroup::new(nodes, RedlockOptions::default()));
+        assert!(e.contains("at least 3 nodes"), "{e}");
+    }
+    for n in [4, 6] {
+        let nodes = (0..n).map(|_| coordinator(&url, "")).collect();
+        let e = invalid(RedlockGroup::new(nodes, RedlockOptions::default()));
+        assert!(e.contains("odd number of nodes"), "{e}");
+    }
+}
+
+#[test]
+fn refuses_bad_drift_factors_and_a_zero_node_timeout() {
+    let url = shared_server().url();
+    for drift in [-0.01, f64::NAN, 1.0, 1.5] {
+        let nodes = (0..3).map(|_| coordinator(&url, "")).collect();
+        let options = RedlockOptions {
+            drift_factor: drift,
+            ..RedlockOptions::default()
+        };
+        let e = invalid(RedlockGroup::new(nodes, options));
+        assert!(e.contains("drift factor"), "{e}");
+    }
+    let nodes = (0..3).map(|_| coordinator(&url, "")).collect();
+    let e = invalid(RedlockGroup::new(nodes, options(0)));
+    assert!(e.contains("node timeout is zero"), "{e}");
+}
+
+#[test]
+fn refuses_the_same_server_twice() {
+    let nodes = Nodes::start(2);
+    // The same server, once directly and once through its proxy.
+    let coords = vec![
+        coordinator(&nodes.proxies[0].url(), ""),
+        coordinator(&nodes.servers[0].url(), ""),
+        coordinator(&nodes.proxies[1].url(), ""),
+    ];
+    let e = not_independent(RedlockGroup::new(coords, RedlockOptions::default()));
+    assert!(e.contains("are the same server (run id"), "{e}");
+}
+
+#[test]
+fn refuses_a_primary_and_its_replica() {
+    let primary = TestServer::start();
+    let other = TestServer::start();
+    let replica = TestServer::builder()
+        .args(["--replicaof", "127.0.0.1", &primary.port().to_string()])
+        .start();
+    wait_until(Duration::from_secs(10), "the replica to sync", || {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut replica.client())
+            .unwrap();
+        info.contains("master_link_status:up")
+    });
+    let coords = vec![
+        coordinator(&primary.url(), ""),
+        coordinator(&other.url(), ""),
+        coordinator(&replica.url(), ""),
+    ];
+    let e = not_independent(RedlockGroup::new(coords, RedlockOptions::default()));
+    assert!(e.contains("share replication id"), "{e}");
+}
+
+#[test]
+fn refuses_cluster_nodes() {
+    let a = TestServer::start();
+    let b = TestServer::start();
+    let clustered = TestServer::builder()
+        .args(["--cluster-enabled", "yes"])
+        .start();
+    let coords = vec![
+        coordinator(&a.url(), ""),
+        coordinator(&clustered.url(), ""),
+        coordinator(&b.url(), ""),
+    ];
+    let e = not_independent(RedlockGroup::new(coords, RedlockOptions::default()));
+    assert!(e.contains("Redis Cluster mode"), "{e}");
+}
+
+#[test]
+fn refuses_a_node_timeout_not_well_below_the_ttl() {
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("ttl-refusal");
+    let group = nodes.group(&prefix, options(200));
+    for ttl in [300, 400] {
+        match group.try_acquire("job", Duration::from_millis(ttl)) {
+            Err(Error::InvalidArgument(e)) => {
+                assert!(e.contains("is not well below ttl"), "{e}")
+            }
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    }
+    assert!(matches!(
+        group.try_acquire("job", Duration::ZERO),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        group.try_acquire("", Duration::from_secs(5)),
+        Err(Error::InvalidArgument(_))
+    ));
+    for i in 0..3 {
+        assert_eq!(nodes.get(i, &format!("{prefix}job")), None, "nothing sent");
+    }
+    // Well below: accepted.
+    let guard = group
+        .try_acquire("job", Duration::from_millis(500))
+        .unwrap();
+    assert!(guard.is_some());
+}
+
+// ---------------------------------------------------------------- basics
+
+#[test]
+fn acquire_contend_extend_release() {
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("basics");
+    let group = nodes.group(&prefix, options(200));
+    let key = format!("{prefix}job");
+    let ttl = Duration::from_secs(10);
+
+    let attempt = group.attempt("job", ttl).unwrap();
+    assert!(attempt.is_acquired());
+    assert_eq!(attempt.quorum(), 2);
+    assert!(attempt.granted() >= 2);
+    assert!(attempt.validity() > Duration::from_millis(9_800));
+    assert!(attempt.validity() <= ttl - Duration::from_millis(102));
+    let mut guard = attempt.into_guard().unwrap();
+    assert!(!guard.is_lost());
+    assert!(guard.remaining_estimate() > Duration::from_millis(9_800));
+    wait_until(Duration::from_secs(5), "every node to hold the key", || {
+        (0..3).all(|i| nodes.get(i, &key).is_some())
+    });
+
+    // Contention is Ok(None), and the loser's grants are cleaned up.
+    assert!(group.try_acquire("job", ttl).unwrap().is_none());
+    let other = group.attempt("job", ttl).unwrap();
+    assert!(other.is_contended());
+    // Decided as soon as two nodes said "held": the third may be abandoned.
+    let held = other
+        .nodes()
+        .iter()
+        .filter(|n| matches!(n.outcome, NodeOutcome::HeldByAnother { remaining: Some(_) }))
+        .count();
+    assert!(held >= 2, "{other:?}");
+    assert!(other.nodes().iter().all(|n| matches!(
+        n.outcome,
+        NodeOutcome::HeldByAnother { .. } | NodeOutcome::Abandoned
+    )));
+
+    assert!(guard.extend(Duration::from_secs(30)).unwrap());
+    assert!(guard.remaining_estimate() > Duration::from_secs(29));
+    // Decided at a quorum: the third node's extension may land a little later.
+    wait_until(
+        Duration::from_secs(5),
+        "every node's expiry to move",
+        || {
+            (0..3).all(|i| {
+                let pttl: i64 = nodes.servers[i].client().pttl(&key).unwrap();
+                pttl > 20_000
+            })
+        },
+    );
+
+    assert!(guard.release().unwrap());
+    assert!(guard.is_lost());
+    assert_eq!(guard.remaining_estimate(), Duration::ZERO);
+    assert!(
+        guard.release().unwrap(),
+        "a second release repeats the result"
+    );
+    // Decided at a quorum: the third node's release may land a little later.
+    wait_until(Duration::from_secs(5), "every node to drop the key", || {
+        (0..3).all(|i| nodes.get(i, &key).is_none())
+    });
+    assert!(
+        !guard.extend(ttl).unwrap(),
+        "a released lock cannot be extended"
+    );
+    for i in 0..3 {
+        assert_eq!(nodes.get(i, &key), None, "extend re-created the key");
+    }
+
+    // Dropping releases too.
+    let guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    drop(guard);
+    wait_until(Duration::from_secs(5), "every node to drop the key", || {
+        (0..3).all(|i| nodes.get(i, &key).is_none())
+    });
+}
+
+#[test]
+fn a_failed_attempt_is_released_on_every_node() {
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("failed");
+    let group = nodes.group(&prefix, options(200));
+    let key = format!("{prefix}job");
+    // Another owner holds two of three nodes.
+    for i in [1, 2] {
+        let _: () = nodes.servers[i].client().set(&key, "someone-else").unwrap();
+    }
+    let attempt = group.attempt("job", Duration::from_secs(10)).unwrap();
+    assert!(!attempt.is_acquired());
+    assert!(attempt.is_contended());
+    // Contention if node 2 answered first, else two nodes unavailable.
+    match attempt.into_result() {
+        Ok(None) | Err(Error::QuorumNotReached { .. }) => {}
+        other => panic!("expected no lock, got {other:?}"),
+    }
+    wait_until(
+        Duration::from_secs(5),
+        "the lone grant to be released",
+        || nodes.get(0, &key).is_none(),
+    );
+    for i in [1, 2] {
+        assert_eq!(nodes.get(i, &key).as_deref(), Some("someone-else"));
+    }
+}
+
+#[test]
+fn extend_needs_a_quorum_and_never_recreates_the_key() {
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("extend");
+    let group = nodes.group(&prefix, options(200));
+    let key = format!("{prefix}job");
+    let guard = group
+        .try_acquire("job", Duration::from_secs(10))
+        .unwrap()
+        .unwrap();
+    wait_until(Duration::from_secs(5), "every node to hold the key", || {
+        (0..3).all(|i| nodes.get(i, &key).is_some())
+    });
+    let _: () = nodes.servers[0].client().del(&key).unwrap();
+    assert!(
+        guard.extend(Duration::from_secs(10)).unwrap(),
+        "2 of 3 still hold it"
+    );
+    let _: () = nodes.servers[1].client().del(&key).unwrap();
+    assert!(!guard.extend(Duration::from_secs(10)).unwrap());
+    assert!(guard.is_lost());
+    assert_eq!(guard.remaining_estimate(), Duration::ZERO);
+    let evidence = guard.last_evidence();
+    assert_eq!(evidence[0].outcome, NodeOutcome::Missing);
+    assert_eq!(nodes.get(0, &key), None, "extend re-created the key");
+    assert_eq!(nodes.get(1, &key), None, "extend re-created the key");
+}
+
+#[test]
+fn a_failed_release_gives_up_ownership_and_can_be_retried() {
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("release-retry");
+    let group = nodes.group(&prefix, options(200));
+    let key = format!("{prefix}job");
+    let mut guard = group
+        .try_acquire("job", Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    wait_until(Duration::from_secs(5), "every node to hold the key", || {
+        (0..3).all(|i| nodes.get(i, &key).is_some())
+    });
+    nodes.proxies[0].set_mode(Mode::Blackhole);
+    nodes.proxies[1].set_mode(Mode::Blackhole);
+    match guard.release() {
+        Err(e @ Error::QuorumNotReached { .. }) => {
+            assert!(e.is_retryable());
+            assert!(
+                e.to_string()
+                    .starts_with("quorum not reached: 1 of 3 nodes for release"),
+                "{e}"
+            );
+        }
+        other => panic!("expected QuorumNotReached, got {other:?}"),
+    }
+    assert!(guard.is_lost(), "a failed release still ends ownership");
+    assert_eq!(guard.remaining_estimate(), Duration::ZERO);
+    assert_eq!(nodes.get(2, &key), None);
+
+    nodes.proxies[0].set_mode(Mode::Pass);
+    nodes.proxies[1].set_mode(Mode::Pass);
+    assert!(
+        guard.release().unwrap(),
+        "the retry reaches the other nodes"
+    );
+    wait_until(Duration::from_secs(5), "every node to drop the key", || {
+        nodes.get(0, &key).is_none() && nodes.get(1, &key).is_none()
+    });
+    let evidence = guard.last_evidence();
+    assert!(
+        matches!(evidence[2].outcome, NodeOutcome::NotSent(_)),
+        "{evidence:?}"
+    );
+}
+
+#[test]
+fn bounded_waits_poll_and_cancel() {
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("waits");
+    let group = nodes.group(&prefix, options(100));
+    let ttl = Duration::from_secs(10);
+    let mut holder = group.try_acquire("job", ttl).unwrap().unwrap();
+
+    let started = Instant::now();
+    assert!(
+        group
+            .acquire_timeout("job", ttl, Duration::from_millis(300))
+            .unwrap()
+            .is_none()
+    );
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(300), "{waited:?}");
+    assert!(waited < Duration::from_secs(3), "{waited:?}");
+
+    // A waiter gets the lock once the holder releases it.
+    thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            group
+                .acquire_timeout("job", ttl, Duration::from_secs(10))
+                .unwrap()
+        });
+        thread::sleep(Duration::from_millis(50));
+        assert!(holder.release().unwrap());
+        let got = waiter.join().unwrap();
+        assert!(got.is_some(), "the waiter got the lock after the release");
+        // Cancellation wakes an unbounded wait.
+        let cancel = CancelToken::new();
+        let waiter = {
+            let (group, cancel) = (&group, cancel.clone());
+            s.spawn(move || group.acquire("job", ttl, &cancel))
+        };
+        thread::sleep(Duration::from_millis(50));
+        let cancelled_at = Instant::now();
+        cancel.cancel();
+        assert!(matches!(waiter.join().unwrap(), Err(Error::Cancelled)));
+        let took = cancelled_at.elapsed();
+        assert!(took < Duration::from_secs(2), "{took:?}");
+        drop(got);
+    });
+}
+
+// ---------------------------------------------------------------- faults
+
+/// Timing tests and the safety campaigns take this so that none of them runs
+/// beside another and skews its figures.
+static EXCLUSIVE: Mutex<()> = Mutex::new(());
+
+fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    EXCLUSIVE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[test]
+fn five_nodes_survive_two_kills_and_fail_fast_on_three() {
+    let _x = exclusive();
+    let nodes = Nodes::start(5);
+    let prefix = unique_prefix("kills");
+    let node_timeout = Duration::from_millis(200);
+    let group = nodes.group(&prefix, options(200));
+    let ttl = Duration::from_secs(10);
+    drop(group.try_acquire("warm", ttl).unwrap().unwrap());
+
+    nodes.servers[0].kill();
+    nodes.servers[1].kill();
+    let started = Instant::now();
+    let mut guard = group
+        .try_acquire("a", ttl)
+        .unwrap()
+        .expect("three of five nodes grant");
+    let took = started.elapsed();
+    eprintln!("5 nodes, 2 killed: acquired in {took:?}");
+    assert!(took < node_timeout + Duration::from_millis(20), "{took:?}");
+    assert!(guard.release().unwrap());
+
+    nodes.servers[2].kill();
+    let started = Instant::now();
+    let err = group.try_acquire("b", ttl).unwrap_err();
+    let took = started.elapsed();
+    eprintln!("5 nodes, 3 killed: failed in {took:?}: {err}");
+    assert!(
+        took < node_timeout + Duration::from_millis(20),
+        "failing took {took:?}"
+    );
+    let Error::QuorumNotReached {
+        op,
+        confirmed,
+        needed,
+        nodes: evidence,
+    } = &err
+    else {
+        panic!("expected QuorumNotReached, got {err:?}");
+    };
+    // Decided as soon as three nodes failed: the other two may be abandoned.
+    assert_eq!((*op, *needed), ("acquire", 3));
+    assert!(*confirmed <= 2);
+    assert_eq!(evidence.len(), 5);
+    for (i, report) in evidence.iter().enumerate() {
+        assert_eq!(report.node, nodes.proxies[i].url(), "node {i} named");
+        assert!(err.to_string().contains(&nodes.proxies[i].url()));
+        if i < 3 {
+            assert!(
+                matches!(
+                    report.outcome,
+                    NodeOutcome::Failed(_) | NodeOutcome::NotSent(_) | NodeOutcome::TimedOut
+                ),
+                "killed node {i}: {report:?}"
+            );
+        } else {
+            assert!(
+                matches!(
+                    report.outcome,
+                    NodeOutcome::Granted | NodeOutcome::Abandoned
+                ),
+                "node {i}: {report:?}"
+            );
+        }
+    }
+    assert!(err.is_retryable());
+    // The two grants of the failed attempt are released.
+    let key = format!("{prefix}b");
+    wait_until(
+        Duration::from_secs(5),
+        "the failed attempt's release",
+        || nodes.get(3, &key).is_none() && nodes.get(4, &key).is_none(),
+    );
+}
+
+#[test]
+fn one_blackholed_node_of_five_does_not_slow_acquire() {
+    let _x = exclusive();
+    let nodes = Nodes::start(5);
+    let prefix = unique_prefix("blackhole");
+    let node_timeout = Duration::from_millis(500);
+    let group = nodes.group(&prefix, options(500));
+    let ttl = Duration::from_secs(10);
+    let run = |label: &str| {
+        let mut acquire = Vec::new();
+        let mut release = Vec::new();
+        for _ in 0..300 {
+            let t = Instant::now();
+            let mut guard = group.try_acquire("job", ttl).unwrap().expect("free");
+            acquire.push(t.elapsed());
+            let t = Instant::now();
+            assert!(guard.release().unwrap());
+            release.push(t.elapsed());
+        }
+        let max = *acquire.iter().max().unwrap();
+        let (acquire, release) = (median(acquire), median(release));
+        eprintln!("{label}: acquire median {acquire:?} (max {max:?}), release median {release:?}");
+        (acquire, max)
+    };
+    run("warm-up");
+    let (healthy, _) = run("5 healthy nodes");
+    nodes.proxies[4].set_mode(Mode::Blackhole);
+    let (blackholed, max) = run("1 of 5 blackholed");
+    assert!(
+        blackholed <= healthy + Duration::from_millis(2),
+        "median acquire {blackholed:?} with a blackholed node, {healthy:?} without"
+    );
+    assert!(max < node_timeout, "an acquire waited {max:?}");
+
+    // With a blackholed majority, dropping a guard waits at most the node timeout.
+    let guard = group.try_acquire("drop", ttl).unwrap().unwrap();
+    for p in &nodes.proxies[1..4] {
+        p.set_mode(Mode::Blackhole);
+    }
+    let t = Instant::now();
+    drop(guard);
+    let took = t.elapsed();
+    eprintln!("drop with 4 of 5 blackholed: {took:?}");
+    assert!(took < node_timeout + Duration::from_millis(100), "{took:?}");
+}
+
+#[test]
+fn fan_out_is_parallel_behind_2ms_delays() {
+    let _x = exclusive();
+    let nodes = Nodes::start(5);
+    for p in &nodes.proxies {
+        p.set_mode(Mode::Delay(Duration::from_millis(2)));
+    }
+    let prefix = unique_prefix("delay");
+    let group = nodes.group(&prefix, options(200));
+    let single = coordinator(&nodes.proxies[0].url(), &prefix)
+        .lock("single")
+        .unwrap();
+    let ttl = Duration::from_secs(10);
+    let (mut ours, mut one) = (Vec::new(), Vec::new());
+    for i in 0..60 {
+        let t = Instant::now();
+        let guard = single.try_acquire(ttl).unwrap().unwrap();
+        let took = t.elapsed();
+        guard.release().unwrap();
+        let t = Instant::now();
+        let mut g = group.try_acquire("job", ttl).unwrap().unwrap();
+        let took_group = t.elapsed();
+        assert!(g.release().unwrap());
+        if i >= 10 {
+            one.push(took);
+            ours.push(took_group);
+        }
+    }
+    let (ours, one) = (median(ours), median(one));
+    let ratio = ours.as_secs_f64() / one.as_secs_f64();
+    eprintln!("behind 2 ms delays: 5-node acquire {ours:?}, one node's {one:?}, ratio {ratio:.2}");
+    assert!(ratio <= 1.5, "5-node acquire {ours:?} vs one node {one:?}");
+}
+
+#[test]
+fn a_late_grant_from_a_slow_node_is_released_by_owner_token() {
+    let _x = exclusive();
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("late");
+    let group = nodes.group(&prefix, options(1000));
+    let key = format!("{prefix}job");
+    // Every worker connected before the node slows down.
+    drop(group.try_acquire("warm", Duration::from_secs(10)).unwrap());
+    nodes.proxies[2].set_mode(Mode::Delay(Duration::from_millis(150)));
+    let attempt = group.attempt("job", Duration::from_secs(10)).unwrap();
+    eprintln!(
+        "one node 300 ms slow: acquired in {:?}: {:?}",
+        attempt.elapsed(),
+        attempt.nodes()
+    );
+    assert!(attempt.is_acquired());
+    assert_eq!(attempt.nodes()[2].outcome, NodeOutcome::Abandoned);
+    let mut guard = attempt.into_guard().unwrap();
+    wait_until(Duration::from_secs(5), "the late grant to land", || {
+        nodes.get(2, &key).is_some()
+    });
+    assert!(guard.release().unwrap());
+    wait_until(
+        Duration::from_secs(5),
+        "the late grant to be released",
+        || nodes.get(2, &key).is_none(),
+    );
+}
+
+#[test]
+fn extend_does_not_count_a_node_that_restarted() {
+    let nodes = Nodes::start_with(3, true);
+    let prefix = unique_prefix("restart-extend");
+    let group = nodes.group(&prefix, options(200));
+    let key = format!("{prefix}job");
+    let ttl = Duration::from_secs(30);
+    let guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    wait_until(Duration::from_secs(5), "every node to hold the key", || {
+        (0..3).all(|i| nodes.get(i, &key).is_some())
+    });
+    // Node 1 loses the key: nodes 0 and 2 must both count from now on.
+    let _: () = nodes.servers[1].client().del(&key).unwrap();
+    assert!(guard.extend(ttl).unwrap(), "nodes 0 and 2 still hold it");
+
+    // With appendfsync always the key survives node 0's restart, but a node
+    // that restarted may as well have lost it: it no longer counts.
+    nodes.servers[0].restart();
+    assert!(nodes.get(0, &key).is_some(), "the key was persisted");
+    assert!(
+        !guard.extend(ttl).unwrap(),
+        "one unrestarted holder is no quorum"
+    );
+    assert!(guard.is_lost());
+    let evidence = guard.last_evidence();
+    eprintln!("extend after a restart: {evidence:?}");
+    assert!(
+        matches!(&evidence[0].outcome, NodeOutcome::Uncounted(why) if why.contains("restarted")),
+        "{evidence:?}"
+    );
+    assert_eq!(evidence[1].outcome, NodeOutcome::Missing);
+    // Decided once nodes 0 and 1 refused: node 2 may not have answered yet.
+    assert!(matches!(
+        evidence[2].outcome,
+        NodeOutcome::Granted | NodeOutcome::Abandoned
+    ));
+}
+
+#[test]
+fn restart_delay_keeps_a_node_that_lost_its_data_out() {
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("restart-delay");
+    let group = nodes.group(&prefix, options(200));
+    let key = format!("{prefix}job");
+    let ttl = Duration::from_secs(30);
+    let first = group.try_acquire("job", ttl).unwrap().unwrap();
+    wait_until(Duration::from_secs(5), "every node to hold the key", || {
+        (0..3).all(|i| nodes.get(i, &key).is_some())
+    });
+    let delay = Duration::from_secs(2);
+    wait_until(Duration::from_secs(10), "node 2 to be up for 2 s", || {
+        let info: String = redis::cmd("INFO")
+            .arg("server")
+            .query(&mut nodes.servers[2].client())
+            .unwrap();
+        info.lines()
+            .filter_map(|l| l.trim().strip_prefix("uptime_in_seconds:"))
+            .any(|secs| secs.parse::<u64>().unwrap() >= 2)
+    });
+    // Two nodes restart without persistence: they forget the lock.
+    nodes.servers[0].restart();
+    nodes.servers[1].restart();
+    assert_eq!(nodes.get(0, &key), None);
+
+    // With the restart delay, they take no new lock yet.
+    let careful = nodes.group(
+        &prefix,
+        RedlockOptions {
+            restart_delay: Some(delay),
+            ..options(200)
+        },
+    );
+    let attempt = careful.attempt("job", ttl).unwrap();
+    eprintln!("with restart delay: {:?}", attempt.nodes());
+    assert!(!attempt.is_acquired());
+    // Decided once two nodes refused: the third may be abandoned.
+    let kept_out = attempt
+        .nodes()
+        .iter()
+        .filter(
+            |n| matches!(&n.outcome, NodeOutcome::NotSent(why) if why.contains("restart delay")),
+        )
+        .count();
+    assert!(kept_out >= 1, "{:?}", attempt.nodes());
+    for n in &attempt.nodes()[..2] {
+        assert!(
+            matches!(&n.outcome, NodeOutcome::NotSent(_) | NodeOutcome::Abandoned),
+            "{:?}",
+            attempt.nodes()
+        );
+    }
+    // Contention if node 2 answered first, else two nodes unavailable.
+    match attempt.into_result() {
+        Ok(None) | Err(Error::QuorumNotReached { .. }) => {}
+        other => panic!("expected no lock, got {other:?}"),
+    }
+
+    // Without it, a second holder gets a majority while the first still
+    // believes it holds the lock: the failure the rule prevents.
+    let second = group.try_acquire("job", ttl).unwrap();
+    assert!(second.is_some());
+    assert!(!first.is_lost());
+}
+
+#[test]
+fn keep_alive_extends_and_flags_loss_before_validity_ends() {
+    let _x = exclusive();
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("keepalive");
+    let group = nodes.group(&prefix, options(50));
+    let ttl = Duration::from_millis(600);
+    let guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    assert!(matches!(
+        group
+            .try_acquire("short", Duration::from_millis(150))
+            .unwrap()
+            .unwrap()
+            .keep_alive(),
+        Err(Error::InvalidArgument(_))
+    ));
+    let keep = guard.keep_alive().unwrap();
+    let held_since = Instant::now();
+    wait_until(
+        Duration::from_secs(10),
+        "three TTLs to pass while held",
+        || {
+            assert!(!guard.is_lost(), "lost while all nodes answer");
+            held_since.elapsed() > ttl * 3
+        },
+    );
+    assert!(guard.remaining_estimate() > Duration::ZERO);
+
+    // A majority stops answering: loss is flagged before validity ends.
+    nodes.proxies[0].set_mode(Mode::Blackhole);
+    nodes.proxies[1].set_mode(Mode::Blackhole);
+    let mut valid_until = Instant::now() + guard.remaining_estimate();
+    let lost_at = loop {
+        match guard.lost_signal().recv_timeout(Duration::from_millis(1)) {
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                let estimate = guard.remaining_estimate();
+                if !estimate.is_zero() {
+                    valid_until = valid_until.max(Instant::now() + estimate);
+                }
+                assert!(held_since.elapsed() < Duration::from_secs(10), "never lost");
+            }
+            _ => break Instant::now(),
+        }
+    };
+    assert!(guard.is_lost() && keep.is_lost());
+    let margin = valid_until.saturating_duration_since(lost_at);
+    eprintln!("keep-alive flagged loss {margin:?} before the validity ended");
+    assert!(lost_at < valid_until, "loss flagged after validity ended");
+}
+
+// ---------------------------------------------------------------- safety
+
+/// What one safety campaign saw.
+#[derive(Debug)]
+#[allow(dead_code, reason = "the counts are reported through Debug")]
+struct Campaign {
+    acquisitions: usize,
+    overlaps: usize,
+    contended: u64,
+    failed: u64,
+    restarts: u64,
+}
+
+/// A small xorshift generator: the nemesis needs variety, not secrecy.
+struct Rng(u64);
+
+impl Rng {
+    fn new() -> Rng {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64;
+        Rng(seed | 1)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// Four threads, each with its own group (as four processes would have),
+/// contend for one lock on five nodes while a nemesis kills and restarts
+/// random nodes. Every holder records its validity window on the local
+/// monotonic clock, from the acquire's return to the earlier of its release
+/// and its validity end (moved by a confirmed extension). Returns how many
+/// windows overlapped.
+fn campaign(append_only: bool, run_for: Duration) -> Campaign {
+    let nodes = Nodes::start_with(5, append_only);
+    let prefix = unique_prefix("campaign");
+    let ttl = Duration::from_secs(1);
+    let hold = Duration::from_millis(300);
+    let windows = Mutex::new(Vec::<(usize, Instant, Instant)>::new());
+    let (contended, failed, restarts) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
+    let stop = AtomicBool::new(false);
+    let groups: Vec<RedlockGroup> = (0..4).map(|_| nodes.group(&prefix, options(50))).collect();
+    thread::scope(|s| {
+        for (id, group) in groups.iter().enumerate() {
+            let (windows, contended, failed, stop) = (&windows, &contended, &failed, &stop);
+            s.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let mut guard = match group.acquire_timeout("resource", ttl, hold) {
+                        Ok(Some(guard)) => guard,
+                        Ok(None) => {
+                            contended.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        }
+                        Err(_) => {
+                            failed.fetch_add(1, Ordering::Relaxed);
+                            thread::sleep(Duration::from_millis(10));
+                            continue;
+                        }
+                    };
+                    let start = Instant::now();
+                    let mut valid_until = start + guard.remaining_estimate();
+                    thread::sleep(hold);
+                    if let Ok(true) = guard.extend(ttl) {
+                        valid_until = valid_until.max(Instant::now() + guard.remaining_estimate());
+                    }
+                    thread::sleep(hold);
+                    let end = Instant::now().min(valid_until);
+                    windows.lock().unwrap().push((id, start, end));
+                    let _ = guard.release();
+                }
+            });
+        }
+        let (nodes, stop, restarts) = (&nodes, &stop, &restarts);
+        s.spawn(move || {
+            let mut rng = Rng::new();
+            let started = Instant::now();
+            while started.elapsed() < run_for {
+                let i = rng.below(5) as usize;
+                nodes.servers[i].kill();
+                thread::sleep(Duration::from_millis(rng.below(20)));
+                nodes.servers[i].restart();
+                restarts.fetch_add(1, Ordering::Relaxed);
+                thread::sleep(Duration::from_millis(rng.below(50)));
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+    });
+    let mut windows = windows.into_inner().unwrap();
+    windows.sort_by_key(|w| w.1);
+    let mut overlaps = 0;
+    for (i, a) in windows.iter().enumerate() {
+        for b in &windows[i + 1..] {
+            if b.1 >= a.2 {
+                break;
+            }
+            overlaps += 1;
+            eprintln!(
+                "overlap: holder {} from +{:?} to +{:?}, holder {} from +{:?}",
+                a.0,
+                a.1 - windows[0].1,
+                a.2 - windows[0].1,
+                b.0,
+                b.1 - windows[0].1
+            );
+        }
+    }
+    Campaign {
+        acquisitions: windows.len(),
+        overlaps,
+        contended: contended.into_inner(),
+        failed: failed.into_inner(),
+        restarts: restarts.into_inner(),
+    }
+}
+
+#[test]
+fn safety_campaign_with_appendfsync_always_finds_no_overlap() {
+    let _x = exclusive();
+    let result = campaign(true, Duration::from_secs(60));
+    eprintln!("appendfsync always, 60 s: {result:?}");
+    assert!(result.restarts >= 100, "{result:?}");
+    assert!(result.acquisitions >= 30, "{result:?}");
+    assert_eq!(result.overlaps, 0, "{result:?}");
+}
+
+#[test]
+fn the_checker_finds_overlaps_when_restarts_lose_data() {
+    let _x = exclusive();
+    let result = campaign(false, Duration::from_secs(20));
+    eprintln!("no persistence, 20 s: {result:?}");
+    assert!(result.overlaps > 0, "the checker found nothing: {result:?}");
+}
