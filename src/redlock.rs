@@ -293,7 +293,7 @@ impl RedlockGroup {
             let timeout = options.node_timeout;
             let mut conn = shared.pool.get(timeout)?;
             let info: String = conn.query(&redis::cmd("INFO"), "INFO", timeout)?;
-            infos.push((shared.pool.cfg.addr.clone(), nodes::parse_info(&info)));
+            infos.push((shared.pool.cfg.addr.to_string(), nodes::parse_info(&info)));
         }
         check_independent(&infos)?;
         let thread_error = |source| Error::Thread {

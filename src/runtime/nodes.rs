@@ -113,7 +113,7 @@ impl NodeWorker {
         warm_up: Duration,
     ) -> std::io::Result<NodeWorker> {
         let (tx, rx) = crossbeam_channel::unbounded();
-        let addr = cfg.addr.clone();
+        let addr = cfg.addr.to_string();
         let worker = Worker {
             index,
             cfg,
