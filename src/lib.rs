@@ -123,12 +123,12 @@
 //!
 //! Per [`Coordinator`]: one renewal thread (`respire-renewal`), started with the
 //! coordinator, and one invalidation subscriber (`respire-tracker`), started by
-//! the first wait. Neither holds a lock across network I/O; both stop when the
-//! last clone of the coordinator and the last guard are dropped. No thread or
-//! connection is created per guard or per waiter. Per [`RedlockGroup`]: one
-//! worker per node (`respire-node-N`, one connection each) and one renewal
-//! thread (`respire-redlock`). A failure in a background
-//! thread flags leases lost and logs; it never panics.
+//! the first wait. Per [`RedlockGroup`]: one worker per node (`respire-node-N`,
+//! one connection each) and one renewal thread (`respire-redlock`). No thread or
+//! connection is created per guard or per waiter. These threads never wait on a
+//! lock held across network I/O, and stop when the last handle (coordinator,
+//! group or guard) that needs them is dropped. A failure in a background thread
+//! flags leases lost and logs; it never panics.
 //!
 //! # Guarantees and limits
 //!

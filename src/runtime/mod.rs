@@ -6,5 +6,6 @@ pub(crate) mod clock;
 pub(crate) mod nodes;
 pub(crate) mod redlock_renewal;
 pub(crate) mod renewal;
+pub(crate) mod timer;
 pub(crate) mod tracking;
 pub(crate) mod waiters;

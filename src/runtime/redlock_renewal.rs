@@ -14,10 +14,11 @@ use std::collections::{BinaryHeap, HashMap};
 use std::sync::Weak;
 use std::time::Instant;
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::Sender;
 
 use crate::lease::LeaseState;
 use crate::runtime::clock;
+use crate::runtime::timer::{self, Timers};
 
 /// What one renewal attempt found.
 pub(crate) enum Renewed {
@@ -51,13 +52,12 @@ impl GroupRenewal {
     pub(crate) fn spawn() -> std::io::Result<GroupRenewal> {
         let (tx, rx) = crossbeam_channel::unbounded();
         let worker = Worker {
-            rx,
             entries: HashMap::new(),
             heap: BinaryHeap::new(),
         };
         std::thread::Builder::new()
             .name("respire-redlock".into())
-            .spawn(move || worker.run())?;
+            .spawn(move || timer::run(&rx, worker))?;
         Ok(GroupRenewal { tx })
     }
 
@@ -81,35 +81,28 @@ struct Entry {
 }
 
 struct Worker {
-    rx: Receiver<Msg>,
     entries: HashMap<u64, Entry>,
     heap: BinaryHeap<Reverse<(Instant, u64, u64)>>,
 }
 
-impl Worker {
-    fn run(mut self) {
-        loop {
-            let msg = match self.heap.peek() {
-                Some(Reverse((at, _, _))) => self
-                    .rx
-                    .recv_timeout(at.saturating_duration_since(Instant::now())),
-                None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
-            };
-            match msg {
-                Ok(msg) => {
-                    self.handle(msg);
-                    while let Ok(msg) = self.rx.try_recv() {
-                        self.handle(msg);
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => return,
-            }
-            self.process_due();
-        }
+impl Timers for Worker {
+    type Msg = Msg;
+
+    fn next_due(&self) -> Option<Instant> {
+        self.heap.peek().map(|Reverse((at, _, _))| *at)
     }
 
     fn handle(&mut self, msg: Msg) {
+        self.handle_msg(msg);
+    }
+
+    fn process_due(&mut self) {
+        self.run_due();
+    }
+}
+
+impl Worker {
+    fn handle_msg(&mut self, msg: Msg) {
         match msg {
             Msg::Track(id, lease) => {
                 let Some(next_try) = lease
@@ -164,7 +157,7 @@ impl Worker {
         self.heap.push(Reverse((at, id, e.version)));
     }
 
-    fn process_due(&mut self) {
+    fn run_due(&mut self) {
         loop {
             let now = Instant::now();
             let Some(&Reverse((at, id, version))) = self.heap.peek() else {

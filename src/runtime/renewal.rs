@@ -18,13 +18,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::Sender;
 
 use crate::conn::{Conn, ConnConfig};
 use crate::coordinator::Shared;
 use crate::error::Error;
 use crate::lease::LeaseState;
 use crate::runtime::clock;
+use crate::runtime::timer::{self, Timers};
 use crate::scripts;
 
 enum Msg {
@@ -70,7 +71,6 @@ impl Renewal {
         let counters = Arc::new(Counters::default());
         let worker = Worker {
             cfg,
-            rx,
             entries: HashMap::new(),
             heap: BinaryHeap::new(),
             conn: None,
@@ -79,7 +79,7 @@ impl Renewal {
         };
         std::thread::Builder::new()
             .name("respire-renewal".into())
-            .spawn(move || worker.run())?;
+            .spawn(move || timer::run(&rx, worker))?;
         Ok(Renewal { tx, counters })
     }
 
@@ -168,7 +168,6 @@ struct Entry {
 
 struct Worker {
     cfg: Arc<ConnConfig>,
-    rx: Receiver<Msg>,
     entries: HashMap<u64, Entry>,
     heap: BinaryHeap<Reverse<(Instant, u64, u64)>>,
     conn: Option<(Conn, u64)>,
@@ -176,31 +175,24 @@ struct Worker {
     script_loaded: bool,
 }
 
-impl Worker {
-    fn run(mut self) {
-        loop {
-            let msg = match self.heap.peek() {
-                Some(Reverse((at, _, _))) => {
-                    let wait = at.saturating_duration_since(Instant::now());
-                    self.rx.recv_timeout(wait)
-                }
-                None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
-            };
-            match msg {
-                Ok(msg) => {
-                    self.handle(msg);
-                    while let Ok(msg) = self.rx.try_recv() {
-                        self.handle(msg);
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => return,
-            }
-            self.process_due();
-        }
+impl Timers for Worker {
+    type Msg = Msg;
+
+    fn next_due(&self) -> Option<Instant> {
+        self.heap.peek().map(|Reverse((at, _, _))| *at)
     }
 
     fn handle(&mut self, msg: Msg) {
+        self.handle_msg(msg);
+    }
+
+    fn process_due(&mut self) {
+        self.run_due();
+    }
+}
+
+impl Worker {
+    fn handle_msg(&mut self, msg: Msg) {
         match msg {
             Msg::Track(state) => {
                 let id = state.id;
@@ -241,7 +233,7 @@ impl Worker {
         }
     }
 
-    fn process_due(&mut self) {
+    fn run_due(&mut self) {
         let now = Instant::now();
         let mut batch = Vec::new();
         let mut again = Vec::new();
