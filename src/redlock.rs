@@ -441,6 +441,24 @@ impl RedlockGroup {
             .ok_or(Error::Cancelled)
     }
 
+    /// Tries until acquired, `deadline` passes (`Ok(None)`), or `cancel` is
+    /// cancelled, polling as [`acquire_timeout`](RedlockGroup::acquire_timeout)
+    /// does; a cancellation wakes the pause at once.
+    ///
+    /// # Errors
+    /// [`Error::Cancelled`] on cancellation (an attempt already sent finishes
+    /// first, and a lock it got is released); otherwise as
+    /// [`try_acquire`](RedlockGroup::try_acquire).
+    pub fn acquire_until(
+        &self,
+        key: &str,
+        ttl: Duration,
+        deadline: Instant,
+        cancel: &CancelToken,
+    ) -> Result<Option<RedlockGuard>> {
+        self.wait(key, ttl, Some(deadline), Some(cancel))
+    }
+
     fn wait(
         &self,
         key: &str,

@@ -274,3 +274,42 @@ fn doctor_reports_what_weakens_the_guarantees() {
         "{report}"
     );
 }
+
+#[test]
+fn redlock_mode_takes_a_quorum_and_releases_it() {
+    let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
+    let urls: Vec<String> = servers.iter().map(TestServer::url).collect();
+    let joined = urls.join(",");
+    let child = respire_lock(&[
+        "run",
+        "--redlock",
+        &joined,
+        "--ttl",
+        "5s",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        "echo key=$RESPIRE_LOCK_KEY token=${RESPIRE_FENCING_TOKEN:-none}; sleep 1",
+    ])
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut admins: Vec<redis::Connection> = servers.iter().map(TestServer::client).collect();
+    wait_until(Duration::from_secs(10), "the lock on every node", || {
+        admins
+            .iter_mut()
+            .all(|a| a.exists::<_, bool>("respire-lock:job").unwrap())
+    });
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(text(&out.stdout).trim(), "key=respire-lock:job token=none");
+    for admin in &mut admins {
+        assert!(!admin.exists::<_, bool>("respire-lock:job").unwrap());
+    }
+
+    // An even group is refused as a usage error.
+    let two = urls[..2].join(",");
+    let out = run(&["run", "--redlock", &two, "job", "--", "true"]);
+    assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
+}

@@ -12,7 +12,9 @@ use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, select};
-use respire_coordination::{CancelToken, Coordinator, Error, FencedGuard, ReleaseOutcome};
+use respire_coordination::{
+    CancelToken, Coordinator, Error, FencedGuard, RedlockGroup, RedlockOptions, ReleaseOutcome,
+};
 use rustix::process::{Pid, Signal};
 use signal_hook::consts::{SIGCHLD, SIGINT, SIGTERM};
 
@@ -34,6 +36,9 @@ usage: respire-lock run [OPTIONS] KEY -- CMD [ARGS...]
 run: take a fenced lease on KEY, run CMD while holding it, release it after.
   --url URL          the Redis deployment (default: $REDIS_URL; with neither,
                      a throwaway local redis-server is started for the run)
+  --redlock URL,URL,URL
+                     take a Redlock quorum across these independent servers
+                     (an odd number, at least 3) instead; no fencing token
   --wait DURATION    how long to wait for the lease (default: until acquired;
                      0 = one attempt)
   --ttl DURATION     lease time-to-live, renewed at half (default: 30s)
@@ -44,7 +49,7 @@ run: take a fenced lease on KEY, run CMD while holding it, release it after.
   -v, --verbose      report acquisition and release on stderr
   DURATION is a number with ms, s, m or h (a bare number is seconds).
 
-  CMD sees RESPIRE_FENCING_TOKEN (strictly increasing per KEY: pass it to the
+  CMD sees RESPIRE_FENCING_TOKEN (not with --redlock; strictly increasing per KEY: pass it to the
   resource you protect and have it refuse lower tokens) and RESPIRE_LOCK_KEY.
 
 exit status: CMD's status (128+N if it died of signal N), or
@@ -101,6 +106,7 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 
 struct RunOptions {
     url: Option<String>,
+    redlock: Option<String>,
     wait: Option<Duration>,
     ttl: Duration,
     kill_after: Duration,
@@ -115,6 +121,7 @@ impl RunOptions {
     fn parse(args: &[String]) -> Result<RunOptions, String> {
         let mut opts = RunOptions {
             url: None,
+            redlock: None,
             wait: None,
             ttl: Duration::from_secs(30),
             kill_after: Duration::from_secs(10),
@@ -134,6 +141,7 @@ impl RunOptions {
             };
             match arg.as_str() {
                 "--url" => opts.url = Some(value("--url")?),
+                "--redlock" => opts.redlock = Some(value("--redlock")?),
                 "--wait" => opts.wait = Some(parse_duration(&value("--wait")?)?),
                 "--ttl" => opts.ttl = parse_duration(&value("--ttl")?)?,
                 "--kill-after" => opts.kill_after = parse_duration(&value("--kill-after")?)?,
@@ -152,6 +160,9 @@ impl RunOptions {
         opts.key = key.ok_or("no KEY")?;
         if opts.key.contains(['{', '}']) {
             return Err("KEY may not contain braces: it becomes the keys' hash tag".into());
+        }
+        if opts.url.is_some() && opts.redlock.is_some() {
+            return Err("--url and --redlock exclude each other".into());
         }
         if opts.command.is_empty() {
             return Err("no command (put it after --)".into());
@@ -186,6 +197,50 @@ fn run(opts: RunOptions) -> ExitCode {
             );
         }
     };
+    let key = opts.key.clone();
+    if let Some(urls) = &opts.redlock {
+        let urls: Vec<&str> = urls.split(',').map(str::trim).collect();
+        let options = RedlockOptions {
+            node_timeout: opts.node_timeout,
+            ..RedlockOptions::default()
+        };
+        let group = match RedlockGroup::connect(&urls, options) {
+            Ok(g) => g,
+            Err(e @ (Error::InvalidArgument(_) | Error::NotIndependent(_))) => {
+                return fail(EXIT_USAGE, e);
+            }
+            Err(e) => return fail(EXIT_UNAVAILABLE, e),
+        };
+        let name = format!("{}{key}", opts.prefix);
+        let (name, ttl) = (&name, opts.ttl);
+        let guard = match wait_for_lease(&opts, &signals, |deadline, cancel| match deadline {
+            Some(d) if d <= Instant::now() => group.try_acquire(name, ttl),
+            Some(d) => group.acquire_until(name, ttl, d, cancel),
+            None => group.acquire(name, ttl, cancel).map(Some),
+        }) {
+            Ok(guard) => guard,
+            Err(code) => return code,
+        };
+        let renewal = match guard.keep_alive() {
+            Ok(r) => r,
+            Err(e) => return fail(EXIT_UNAVAILABLE, e),
+        };
+        if opts.verbose {
+            eprintln!("respire-lock: acquired {key:?} on a quorum (no fencing token)");
+        }
+        let env = [("RESPIRE_LOCK_KEY", guard.key().to_owned())];
+        let ended = run_child(&opts, &env, guard.lost_signal(), &signals);
+        drop(renewal);
+        let mut guard = guard;
+        match guard.release() {
+            Ok(true) if opts.verbose => eprintln!("respire-lock: released {key:?}"),
+            Ok(true) => {}
+            Ok(false) => eprintln!("respire-lock: {key:?} had already lapsed on some nodes"),
+            Err(e) => eprintln!("respire-lock: release of {key:?}: {e}"),
+        }
+        return finish(ended, &key);
+    }
+
     let mut throwaway = None;
     let url = match opts.url.clone().or_else(|| std::env::var("REDIS_URL").ok()) {
         Some(url) => url,
@@ -211,17 +266,52 @@ fn run(opts: RunOptions) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(EXIT_UNAVAILABLE, e),
     };
-    let key = &opts.key;
     let lock = match coord.fenced_lock(&format!("{{{key}}}:lease"), &format!("{{{key}}}:fence")) {
         Ok(l) => l,
         Err(e) => return fail(EXIT_USAGE, e),
     };
+    let ttl = opts.ttl;
+    let guard = match wait_for_lease(&opts, &signals, |deadline, cancel| match deadline {
+        Some(d) if d <= Instant::now() => lock.try_acquire(ttl),
+        Some(d) => lock.acquire_until(ttl, d, cancel),
+        None => lock.acquire(ttl, cancel).map(Some),
+    }) {
+        Ok(guard) => guard,
+        Err(code) => return code,
+    };
+    let renewal = match guard.keep_alive() {
+        Ok(r) => r,
+        Err(e @ Error::InvalidArgument(_)) => return fail(EXIT_USAGE, e),
+        Err(e) => return fail(EXIT_UNAVAILABLE, e),
+    };
+    let token = guard.fencing_token();
+    if opts.verbose {
+        eprintln!("respire-lock: acquired {key:?} with fencing token {token}");
+    }
+    let env = [
+        ("RESPIRE_FENCING_TOKEN", token.to_string()),
+        ("RESPIRE_LOCK_KEY", guard.key().to_owned()),
+    ];
+    let ended = run_child(&opts, &env, guard.lost_signal(), &signals);
+    drop(renewal);
+    release_guard(guard, opts.verbose);
+    drop(throwaway);
+    finish(ended, &key)
+}
 
-    // SIGINT / SIGTERM while waiting cancel the wait.
+/// Waits for the lease as `--wait` says; SIGINT / SIGTERM cancel the wait. The
+/// `acquire` closure gets the deadline (`None`: wait until acquired) and the
+/// cancellation token. On failure, returns the exit code to end with.
+fn wait_for_lease<G>(
+    opts: &RunOptions,
+    signals: &Receiver<i32>,
+    acquire: impl FnOnce(Option<Instant>, &CancelToken) -> respire_coordination::Result<Option<G>>,
+) -> Result<G, ExitCode> {
     let cancel = CancelToken::new();
-    let acquired = std::thread::scope(|s| {
+    let deadline = opts.wait.map(|w| Instant::now() + w);
+    let (result, signal) = std::thread::scope(|s| {
         let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(0);
-        let (signals, cancel) = (&signals, &cancel);
+        let cancel = &cancel;
         let watcher = s.spawn(move || {
             loop {
                 select! {
@@ -236,66 +326,52 @@ fn run(opts: RunOptions) -> ExitCode {
                 }
             }
         });
-        let result = match opts.wait {
-            Some(wait) if wait.is_zero() => lock.try_acquire(opts.ttl),
-            Some(wait) => lock.acquire_until(opts.ttl, Instant::now() + wait, cancel),
-            None => lock.acquire(opts.ttl, cancel).map(Some),
-        };
+        let result = acquire(deadline, cancel);
         drop(done_tx);
-        let signal = watcher.join().unwrap_or(None);
-        (result, signal)
+        (result, watcher.join().unwrap_or(None))
     });
-    let guard = match acquired {
-        (Ok(Some(guard)), _) => guard,
-        (Ok(None), _) => {
-            return fail(
-                EXIT_NOT_ACQUIRED,
-                format!("{key:?} is held elsewhere; not acquired"),
-            );
-        }
-        (Err(Error::Cancelled), signal) => {
+    let key = &opts.key;
+    match result {
+        Ok(Some(guard)) => Ok(guard),
+        Ok(None) => Err(fail(
+            EXIT_NOT_ACQUIRED,
+            format!("{key:?} is held elsewhere; not acquired"),
+        )),
+        Err(Error::Cancelled) => {
             eprintln!("respire-lock: interrupted while waiting for {key:?}");
-            return ExitCode::from(128 + signal.unwrap_or(SIGINT) as u8);
+            Err(ExitCode::from(128 + signal.unwrap_or(SIGINT) as u8))
         }
-        (Err(e @ Error::InvalidArgument(_)), _) => return fail(EXIT_USAGE, e),
-        (Err(e), _) => return fail(EXIT_UNAVAILABLE, e),
-    };
-    let renewal = match guard.keep_alive() {
-        Ok(r) => r,
-        Err(e @ Error::InvalidArgument(_)) => return fail(EXIT_USAGE, e),
-        Err(e) => return fail(EXIT_UNAVAILABLE, e),
-    };
-    let token = guard.fencing_token();
-    if opts.verbose {
-        eprintln!("respire-lock: acquired {key:?} with fencing token {token}");
+        Err(e @ Error::InvalidArgument(_)) => Err(fail(EXIT_USAGE, e)),
+        Err(e) => Err(fail(EXIT_UNAVAILABLE, e)),
     }
+}
+
+/// Starts the command and supervises it until it exits.
+fn run_child(
+    opts: &RunOptions,
+    env: &[(&str, String)],
+    lost: &Receiver<()>,
+    signals: &Receiver<i32>,
+) -> Ended {
     let child = Command::new(&opts.command[0])
         .args(&opts.command[1..])
-        .env("RESPIRE_FENCING_TOKEN", token.to_string())
-        .env("RESPIRE_LOCK_KEY", guard.key())
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::inherit())
         .spawn();
-    let mut child = match child {
-        Ok(c) => c,
-        Err(e) => {
-            drop(renewal);
-            release_guard(guard, opts.verbose);
-            return fail(
-                EXIT_CANNOT_RUN,
-                format!("cannot run {:?}: {e}", opts.command[0]),
-            );
-        }
-    };
-    let ended = supervise(&mut child, &guard, &signals, opts.kill_after);
-    drop(renewal);
-    release_guard(guard, opts.verbose);
-    drop(throwaway);
+    match child {
+        Ok(mut child) => supervise(&mut child, lost, signals, opts.kill_after),
+        Err(e) => Ended::CannotStart(format!("cannot run {:?}: {e}", opts.command[0])),
+    }
+}
+
+fn finish(ended: Ended, key: &str) -> ExitCode {
     match ended {
         Ended::Exited(status) => ExitCode::from(status_code(status)),
         Ended::LeaseLost => fail(
             EXIT_LEASE_LOST,
             format!("the lease on {key:?} was lost; the command was stopped"),
         ),
+        Ended::CannotStart(msg) => fail(EXIT_CANNOT_RUN, msg),
         Ended::WaitFailed(e) => fail(
             EXIT_CANNOT_RUN,
             format!("waiting for the command failed: {e}"),
@@ -306,13 +382,14 @@ fn run(opts: RunOptions) -> ExitCode {
 enum Ended {
     Exited(ExitStatus),
     LeaseLost,
+    CannotStart(String),
     WaitFailed(std::io::Error),
 }
 
 /// Waits for the child, stopping it if the lease is lost or we are told to stop.
 fn supervise(
     child: &mut Child,
-    guard: &FencedGuard,
+    lost_signal: &Receiver<()>,
     signals: &Receiver<i32>,
     kill_after: Duration,
 ) -> Ended {
@@ -337,7 +414,7 @@ fn supervise(
         let lost = if lease_lost {
             crossbeam_channel::never()
         } else {
-            guard.lost_signal().clone()
+            lost_signal.clone()
         };
         select! {
             recv(lost) -> _ => {
