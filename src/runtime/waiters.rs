@@ -48,6 +48,8 @@ pub(crate) enum Status {
 type Queue = VecDeque<(u64, Sender<()>)>;
 
 pub(crate) struct Registry {
+    /// The deployment, for log messages.
+    addr: String,
     queues: Mutex<HashMap<Vec<u8>, Queue>>,
     status: Mutex<Status>,
     status_changed: Condvar,
@@ -57,8 +59,9 @@ pub(crate) struct Registry {
 }
 
 impl Registry {
-    pub(crate) fn new() -> Self {
+    pub(crate) fn new(addr: String) -> Self {
         Registry {
+            addr,
             queues: Mutex::new(HashMap::new()),
             status: Mutex::new(Status::Starting),
             status_changed: Condvar::new(),
@@ -71,9 +74,6 @@ impl Registry {
     pub(crate) fn set_status(&self, status: Status) {
         *self.status.lock() = status;
         self.status_changed.notify_all();
-        if status == Status::Down {
-            self.fallback("the invalidation subscriber is disconnected");
-        }
     }
 
     pub(crate) fn status(&self) -> Status {
@@ -103,11 +103,18 @@ impl Registry {
         self.fallback(why);
     }
 
-    fn fallback(&self, why: &str) {
+    /// Whether tracking was refused for good.
+    pub(crate) fn is_denied(&self) -> bool {
+        self.denied.load(Ordering::Acquire)
+    }
+
+    /// Logs, once per coordinator, that waiters poll because of `why`.
+    pub(crate) fn fallback(&self, why: &str) {
         if !self.warned.swap(true, Ordering::AcqRel) {
             log::warn!(
-                "waiting falls back to polling every 50–150 ms: {why} \
-                 (logged once per coordinator)"
+                "waiting on {} falls back to polling every 50–150 ms: {why} \
+                 (logged once per coordinator)",
+                self.addr
             );
         }
     }
@@ -304,7 +311,7 @@ mod tests {
 
     #[test]
     fn invalidation_wakes_only_the_first_and_leaving_passes_it_on() {
-        let reg = Registry::new();
+        let reg = Registry::new("redis://test".into());
         let a = reg.register("k");
         let b = reg.register("k");
         let other = reg.register("j");
@@ -326,7 +333,7 @@ mod tests {
 
     #[test]
     fn a_pending_wake_is_kept_until_the_waiter_looks() {
-        let reg = Registry::new();
+        let reg = Registry::new("redis://test".into());
         let a = reg.register("k");
         reg.wake_key(b"k");
         reg.wake_key(b"k");
@@ -336,7 +343,7 @@ mod tests {
 
     #[test]
     fn leaving_from_the_middle_does_not_wake_anyone() {
-        let reg = Registry::new();
+        let reg = Registry::new("redis://test".into());
         let a = reg.register("k");
         let b = reg.register("k");
         let c = reg.register("k");
