@@ -186,7 +186,7 @@ impl ConnConfig {
         let mut conn = Conn {
             inner,
             timeout: None,
-            tracking_gen: 0,
+            tracking: None,
             broken: false,
         };
         let left = budget.saturating_sub(started.elapsed());
@@ -272,8 +272,8 @@ pub(crate) fn redact_url(url: &str) -> String {
 pub(crate) struct Conn {
     inner: redis::Connection,
     timeout: Option<Duration>,
-    /// The tracking generation this connection redirects to (0: none).
-    pub(crate) tracking_gen: u64,
+    /// Client tracking on this connection, if turned on; dropped with it.
+    pub(crate) tracking: Option<crate::runtime::waiters::Armed>,
     broken: bool,
 }
 

@@ -5,6 +5,13 @@
 //! connection it runs on, so an invalidation sent after the attempt always finds
 //! the waiter registered: no wake-up is lost between "it was busy" and "sleep".
 //!
+//! The server tracks a key for a connection only while that connection is open.
+//! When a command connection whose tracking is current closes on our side (a
+//! transport failure broke it), every first waiter is woken to re-check and so
+//! re-arms on an open connection. A connection the *server* closes (`CLIENT
+//! KILL`, its `timeout` setting) is only noticed when next used; until then the
+//! PTTL timer bounds the delay, since every lease this crate sets expires.
+//!
 //! Within one process, waiters on one key form a queue. An invalidation wakes the
 //! first only; when it leaves the queue (acquired, timed out, cancelled, failed)
 //! it wakes the next, which re-arms tracking with its own attempt. Only the first
@@ -14,6 +21,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
@@ -144,6 +152,19 @@ impl Registry {
         }
     }
 
+    /// A command connection whose tracking redirected to the subscriber of
+    /// `generation` closed: the server forgot the keys it tracked, so every
+    /// first waiter re-checks (and re-arms).
+    fn tracked_connection_closed(&self, generation: u64) {
+        if matches!(self.status(), Status::Ready { generation: g, .. } if g == generation) {
+            log::debug!(
+                "a tracked connection to {} closed; waiters re-check",
+                self.addr
+            );
+            self.wake_all();
+        }
+    }
+
     /// Every key may have changed (reconnect, FLUSHALL): wake every first waiter.
     pub(crate) fn wake_all(&self) {
         for queue in self.queues.lock().values() {
@@ -202,9 +223,27 @@ fn poll_interval() -> Duration {
     Duration::from_millis(50 + jitter)
 }
 
+/// Client tracking turned on for one command connection, redirected to the
+/// subscriber of `generation`. The server tracks the keys a connection read only
+/// while that connection lives, so this is dropped with it: when a connection
+/// whose tracking is current closes (a transport failure broke it), every first
+/// waiter re-checks, and so re-arms its key on a connection that is open.
+pub(crate) struct Armed {
+    generation: u64,
+    registry: Weak<Registry>,
+}
+
+impl Drop for Armed {
+    fn drop(&mut self) {
+        if let Some(registry) = self.registry.upgrade() {
+            registry.tracked_connection_closed(self.generation);
+        }
+    }
+}
+
 /// Turns on tracking for this connection, redirected to the current subscriber.
 /// Returns whether the connection's reads now arm invalidations.
-fn ensure_tracking(conn: &mut Conn, registry: &Registry, timeout: Duration) -> Result<bool> {
+fn ensure_tracking(conn: &mut Conn, registry: &Arc<Registry>, timeout: Duration) -> Result<bool> {
     let Status::Ready {
         redirect,
         generation,
@@ -212,7 +251,11 @@ fn ensure_tracking(conn: &mut Conn, registry: &Registry, timeout: Duration) -> R
     else {
         return Ok(false);
     };
-    if conn.tracking_gen == generation {
+    if conn
+        .tracking
+        .as_ref()
+        .is_some_and(|armed| armed.generation == generation)
+    {
         return Ok(true);
     }
     let cmd = redis::cmd("CLIENT")
@@ -223,7 +266,16 @@ fn ensure_tracking(conn: &mut Conn, registry: &Registry, timeout: Duration) -> R
         .clone();
     match conn.query::<()>(&cmd, "CLIENT TRACKING", timeout) {
         Ok(()) => {
-            conn.tracking_gen = generation;
+            match &mut conn.tracking {
+                // Re-pointed at a new subscriber: the same connection, still open.
+                Some(armed) => armed.generation = generation,
+                None => {
+                    conn.tracking = Some(Armed {
+                        generation,
+                        registry: Arc::downgrade(registry),
+                    });
+                }
+            }
             Ok(true)
         }
         Err(Error::Permission(why)) => {
@@ -353,6 +405,30 @@ mod tests {
         reg.wake_all();
         assert!(a.rx.try_recv().is_ok());
         assert!(c.rx.try_recv().is_err());
+    }
+
+    #[test]
+    fn closing_a_connection_with_current_tracking_wakes_every_first_waiter() {
+        let reg = Arc::new(Registry::new("redis://test".into()));
+        reg.set_status(Status::Ready {
+            redirect: 7,
+            generation: 2,
+        });
+        let a = reg.register("k");
+        let b = reg.register("k");
+        let other = reg.register("j");
+        let armed = |generation| Armed {
+            generation,
+            registry: Arc::downgrade(&reg),
+        };
+        // Tracking that went to an earlier subscriber was re-armed already.
+        drop(armed(1));
+        assert!(a.rx.try_recv().is_err());
+        assert!(other.rx.try_recv().is_err());
+        drop(armed(2));
+        assert!(a.rx.try_recv().is_ok());
+        assert!(b.rx.try_recv().is_err());
+        assert!(other.rx.try_recv().is_ok());
     }
 
     #[test]
