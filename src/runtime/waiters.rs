@@ -18,6 +18,9 @@
 //! also sleeps on a timer at the PTTL its attempt read, because expiry
 //! notifications can come seconds late. Across processes there is no queue: each
 //! process's first waiter races the others' on each change.
+//!
+//! While every pooled connection is busy (a burst of waiters woken at once), a
+//! waiter keeps waiting for one rather than failing; nothing has been sent then.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -315,12 +318,25 @@ pub(crate) fn wait_for<T>(
     let never = crossbeam_channel::never();
     let cancelled = cancel.map_or(&never, |c| c.receiver());
     let timeout = shared.node_timeout();
+    let mut attempted = false;
     loop {
         if cancel.is_some_and(CancelToken::is_cancelled) {
             return Err(Error::Cancelled);
         }
-        let mut conn = shared.pool.get(timeout)?;
+        let mut conn = match shared.pool.get(timeout) {
+            Ok(conn) => conn,
+            // Every pooled connection is busy with other calls (a burst of
+            // waiters woken at once): nothing was sent, so keep waiting for
+            // one while the wait lasts.
+            Err(Error::PoolTimeout(after)) => match deadline {
+                Some(d) if Instant::now() >= d && attempted => return Ok(None),
+                Some(d) if Instant::now() >= d => return Err(Error::PoolTimeout(after)),
+                _ => continue,
+            },
+            Err(e) => return Err(e),
+        };
         let tracked = ensure_tracking(&mut conn, registry, timeout)?;
+        attempted = true;
         let pttl = match attempt(&mut conn)? {
             Attempt::Acquired(t) => return Ok(Some(t)),
             Attempt::Busy(pttl) => pttl,
