@@ -16,8 +16,14 @@
 //! first only; when it leaves the queue (acquired, timed out, cancelled, failed)
 //! it wakes the next, which re-arms tracking with its own attempt. Only the first
 //! also sleeps on a timer at the PTTL its attempt read, because expiry
-//! notifications can come seconds late. Across processes there is no queue: each
-//! process's first waiter races the others' on each change.
+//! notifications can come seconds late. So a release wakes one waiter per
+//! process, not the herd, and queued waiters get the lock in arrival order; a
+//! caller that arrives while the lock is free can still take it ahead of the
+//! queue (its first attempt is not queued). Across processes there is no queue
+//! and no fairness: each process's first waiter races the others' on every
+//! change, the releasing process may take the lock straight back, and a process
+//! can lose any number of races in a row. A holder's renewals change the key, so
+//! they wake each process's first waiter for one re-check per renewal.
 //!
 //! While every pooled connection is busy (a burst of waiters woken at once), a
 //! waiter keeps waiting for one rather than failing; nothing has been sent then.
