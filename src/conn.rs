@@ -187,7 +187,7 @@ impl ConnConfig {
             inner,
             addr: self.addr.clone(),
             timeout: None,
-            tracking_gen: 0,
+            tracking: None,
             broken: false,
         };
         // The first command also completes a TLS handshake and surfaces a
@@ -284,8 +284,8 @@ pub(crate) struct Conn {
     inner: redis::Connection,
     addr: Arc<str>,
     timeout: Option<Duration>,
-    /// The tracking generation this connection redirects to (0: none).
-    pub(crate) tracking_gen: u64,
+    /// Client tracking on this connection, if turned on; dropped with it.
+    pub(crate) tracking: Option<crate::runtime::waiters::Armed>,
     broken: bool,
 }
 

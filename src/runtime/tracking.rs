@@ -11,7 +11,10 @@
 //! After a disconnect the thread reconnects with backoff; each new subscription
 //! gets a new generation, so command connections re-arm tracking before their next
 //! wait attempt, and every waiter is woken to re-check. While disconnected,
-//! waiters poll.
+//! waiters poll. When tracking is refused for good (the ACL denies `CLIENT
+//! TRACKING`, the channel or `CLIENT ID`; a server without tracking), waiters
+//! poll from then on and the thread ends. Each coordinator logs the fallback to
+//! polling once, with the reason.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,7 +22,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use crate::conn::{Conn, ConnConfig};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, is_noperm};
 use crate::runtime::waiters::{Registry, Status};
 
 const CHANNEL: &str = "__redis__:invalidate";
@@ -34,7 +37,7 @@ pub(crate) struct Tracking {
 
 impl Tracking {
     pub(crate) fn spawn(cfg: Arc<ConnConfig>) -> std::io::Result<Tracking> {
-        let registry = Arc::new(Registry::new());
+        let registry = Arc::new(Registry::new(cfg.addr.clone()));
         let (stop_tx, stop_rx) = crossbeam_channel::bounded(0);
         let reg = registry.clone();
         std::thread::Builder::new()
@@ -62,22 +65,73 @@ fn run(cfg: &ConnConfig, registry: &Registry, stop: &Receiver<()>) {
         let mut subscribed = false;
         let result = session(cfg, registry, stop, generation, &mut subscribed);
         registry.set_status(Status::Down);
+        let finished = match &result {
+            // The coordinator is gone, or tracking was refused to a waiter's
+            // connection (already logged).
+            Ok(()) => true,
+            Err(e) if refused_for_good(e) => {
+                // Permanent: waiters poll from now on, and this thread and its
+                // connection are not needed any more.
+                registry.deny(&format!("cannot subscribe to {CHANNEL}: {e}"));
+                true
+            }
+            Err(e) => {
+                log::debug!("invalidation subscriber for {}: {e}", cfg.addr);
+                registry.fallback(&format!(
+                    "the invalidation subscriber is disconnected ({e})"
+                ));
+                false
+            }
+        };
         if subscribed {
+            // Invalidations may have been lost: every waiter re-checks now.
             backoff = Duration::from_millis(50);
             registry.wake_all();
         }
-        match result {
-            Ok(()) => return,
-            Err(Error::Permission(why)) => {
-                registry.deny(&format!("cannot subscribe to {CHANNEL}: {why}"));
-            }
-            Err(e) => log::debug!("invalidation subscriber for {}: {e}", cfg.addr),
+        if finished {
+            return;
         }
         // Wait before reconnecting, but stop at once if the coordinator is gone.
         if let Err(crossbeam_channel::RecvTimeoutError::Disconnected) = stop.recv_timeout(backoff) {
             return;
         }
         backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// Subscribes to the invalidation channel and checks the reply. (The `redis`
+/// crate's `PubSub::subscribe` takes an error reply, such as the `NOPERM` of an
+/// ACL without the channel, for success: the thread would then be subscribed to
+/// nothing and every waiter would sleep until its timer.)
+fn subscribe(raw: &mut redis::Connection) -> Result<()> {
+    let io = |source| Error::Io {
+        op: "SUBSCRIBE",
+        source,
+    };
+    let cmd = redis::cmd("SUBSCRIBE").arg(CHANNEL).get_packed_command();
+    raw.send_packed_command(&cmd).map_err(io)?;
+    let confirms = |reply: &[redis::Value]| matches!(reply.first(), Some(redis::Value::BulkString(kind)) if kind == b"subscribe");
+    match raw.recv_response().map_err(io)?.extract_error() {
+        Ok(redis::Value::Array(reply)) if confirms(&reply) => Ok(()),
+        Ok(other) => Err(Error::UnexpectedReply {
+            op: "SUBSCRIBE",
+            reply: format!("{other:?}"),
+        }),
+        Err(e) if is_noperm(&e) => Err(Error::Permission(e.to_string())),
+        Err(source) => Err(Error::Server {
+            op: "SUBSCRIBE",
+            source,
+        }),
+    }
+}
+
+/// Whether a failed session means tracking can never work with this server and
+/// user (so waiters should poll for good), rather than a transient failure.
+fn refused_for_good(err: &Error) -> bool {
+    match err {
+        Error::Permission(_) | Error::UnexpectedReply { .. } => true,
+        Error::Server { .. } => !err.is_retryable(),
+        _ => false,
     }
 }
 
@@ -95,20 +149,11 @@ fn session(
     let id = conn.client_id(cfg.node_timeout)?;
     let raw = conn.raw();
     let io = |op: &'static str| move |e: redis::RedisError| Error::Io { op, source: e };
-    let mut pubsub = raw.as_pubsub();
-    pubsub
-        .set_read_timeout(Some(cfg.node_timeout.max(READ_TIMEOUT)))
+    raw.set_read_timeout(Some(cfg.node_timeout.max(READ_TIMEOUT)))
+        .and_then(|()| raw.set_write_timeout(Some(cfg.node_timeout)))
         .map_err(io("setting socket timeouts"))?;
-    pubsub.subscribe(CHANNEL).map_err(|e| {
-        if e.code() == Some("NOPERM") {
-            Error::Permission(e.to_string())
-        } else {
-            Error::Io {
-                op: "SUBSCRIBE",
-                source: e,
-            }
-        }
-    })?;
+    subscribe(raw)?;
+    let mut pubsub = raw.as_pubsub();
     pubsub
         .set_read_timeout(Some(READ_TIMEOUT))
         .map_err(io("setting socket timeouts"))?;
@@ -139,7 +184,9 @@ fn session(
                 }
             }
             Err(e) if e.is_timeout() => {
-                if stopped(stop) {
+                // Stop when the coordinator is gone, or when waiters poll for
+                // good because their connections may not turn tracking on.
+                if stopped(stop) || registry.is_denied() {
                     return Ok(());
                 }
                 if last_heard.elapsed() >= PING_EVERY {

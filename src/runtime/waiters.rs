@@ -5,15 +5,32 @@
 //! connection it runs on, so an invalidation sent after the attempt always finds
 //! the waiter registered: no wake-up is lost between "it was busy" and "sleep".
 //!
+//! The server tracks a key for a connection only while that connection is open.
+//! When a command connection whose tracking is current closes on our side (a
+//! transport failure broke it), every first waiter is woken to re-check and so
+//! re-arms on an open connection. A connection the *server* closes (`CLIENT
+//! KILL`, its `timeout` setting) is only noticed when next used; until then the
+//! PTTL timer bounds the delay, since every lease this crate sets expires.
+//!
 //! Within one process, waiters on one key form a queue. An invalidation wakes the
 //! first only; when it leaves the queue (acquired, timed out, cancelled, failed)
 //! it wakes the next, which re-arms tracking with its own attempt. Only the first
 //! also sleeps on a timer at the PTTL its attempt read, because expiry
-//! notifications can come seconds late. Across processes there is no queue: each
-//! process's first waiter races the others' on each change.
+//! notifications can come seconds late. So a release wakes one waiter per
+//! process, not the herd, and queued waiters get the lock in arrival order; a
+//! caller that arrives while the lock is free can still take it ahead of the
+//! queue (its first attempt is not queued). Across processes there is no queue
+//! and no fairness: each process's first waiter races the others' on every
+//! change, the releasing process may take the lock straight back, and a process
+//! can lose any number of races in a row. A holder's renewals change the key, so
+//! they wake each process's first waiter for one re-check per renewal.
+//!
+//! While every pooled connection is busy (a burst of waiters woken at once), a
+//! waiter keeps waiting for one rather than failing; nothing has been sent then.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
@@ -48,6 +65,8 @@ pub(crate) enum Status {
 type Queue = VecDeque<(u64, Sender<()>)>;
 
 pub(crate) struct Registry {
+    /// The deployment, for log messages.
+    addr: String,
     queues: Mutex<HashMap<Vec<u8>, Queue>>,
     status: Mutex<Status>,
     status_changed: Condvar,
@@ -57,8 +76,9 @@ pub(crate) struct Registry {
 }
 
 impl Registry {
-    pub(crate) fn new() -> Self {
+    pub(crate) fn new(addr: String) -> Self {
         Registry {
+            addr,
             queues: Mutex::new(HashMap::new()),
             status: Mutex::new(Status::Starting),
             status_changed: Condvar::new(),
@@ -71,9 +91,6 @@ impl Registry {
     pub(crate) fn set_status(&self, status: Status) {
         *self.status.lock() = status;
         self.status_changed.notify_all();
-        if status == Status::Down {
-            self.fallback("the invalidation subscriber is disconnected");
-        }
     }
 
     pub(crate) fn status(&self) -> Status {
@@ -103,11 +120,18 @@ impl Registry {
         self.fallback(why);
     }
 
-    fn fallback(&self, why: &str) {
+    /// Whether tracking was refused for good.
+    pub(crate) fn is_denied(&self) -> bool {
+        self.denied.load(Ordering::Acquire)
+    }
+
+    /// Logs, once per coordinator, that waiters poll because of `why`.
+    pub(crate) fn fallback(&self, why: &str) {
         if !self.warned.swap(true, Ordering::AcqRel) {
             log::warn!(
-                "waiting falls back to polling every 50–150 ms: {why} \
-                 (logged once per coordinator)"
+                "waiting on {} falls back to polling every 50–150 ms: {why} \
+                 (logged once per coordinator)",
+                self.addr
             );
         }
     }
@@ -134,6 +158,19 @@ impl Registry {
             && let Some((_, tx)) = queue.front()
         {
             let _ = tx.try_send(());
+        }
+    }
+
+    /// A command connection whose tracking redirected to the subscriber of
+    /// `generation` closed: the server forgot the keys it tracked, so every
+    /// first waiter re-checks (and re-arms).
+    fn tracked_connection_closed(&self, generation: u64) {
+        if matches!(self.status(), Status::Ready { generation: g, .. } if g == generation) {
+            log::debug!(
+                "a tracked connection to {} closed; waiters re-check",
+                self.addr
+            );
+            self.wake_all();
         }
     }
 
@@ -195,9 +232,27 @@ fn poll_interval() -> Duration {
     Duration::from_millis(50 + jitter)
 }
 
+/// Client tracking turned on for one command connection, redirected to the
+/// subscriber of `generation`. The server tracks the keys a connection read only
+/// while that connection lives, so this is dropped with it: when a connection
+/// whose tracking is current closes (a transport failure broke it), every first
+/// waiter re-checks, and so re-arms its key on a connection that is open.
+pub(crate) struct Armed {
+    generation: u64,
+    registry: Weak<Registry>,
+}
+
+impl Drop for Armed {
+    fn drop(&mut self) {
+        if let Some(registry) = self.registry.upgrade() {
+            registry.tracked_connection_closed(self.generation);
+        }
+    }
+}
+
 /// Turns on tracking for this connection, redirected to the current subscriber.
 /// Returns whether the connection's reads now arm invalidations.
-fn ensure_tracking(conn: &mut Conn, registry: &Registry, timeout: Duration) -> Result<bool> {
+fn ensure_tracking(conn: &mut Conn, registry: &Arc<Registry>, timeout: Duration) -> Result<bool> {
     let Status::Ready {
         redirect,
         generation,
@@ -205,7 +260,11 @@ fn ensure_tracking(conn: &mut Conn, registry: &Registry, timeout: Duration) -> R
     else {
         return Ok(false);
     };
-    if conn.tracking_gen == generation {
+    if conn
+        .tracking
+        .as_ref()
+        .is_some_and(|armed| armed.generation == generation)
+    {
         return Ok(true);
     }
     let cmd = redis::cmd("CLIENT")
@@ -216,7 +275,16 @@ fn ensure_tracking(conn: &mut Conn, registry: &Registry, timeout: Duration) -> R
         .clone();
     match conn.query::<()>(&cmd, "CLIENT TRACKING", timeout) {
         Ok(()) => {
-            conn.tracking_gen = generation;
+            match &mut conn.tracking {
+                // Re-pointed at a new subscriber: the same connection, still open.
+                Some(armed) => armed.generation = generation,
+                None => {
+                    conn.tracking = Some(Armed {
+                        generation,
+                        registry: Arc::downgrade(registry),
+                    });
+                }
+            }
             Ok(true)
         }
         Err(Error::Permission(why)) => {
@@ -256,12 +324,25 @@ pub(crate) fn wait_for<T>(
     let never = crossbeam_channel::never();
     let cancelled = cancel.map_or(&never, |c| c.receiver());
     let timeout = shared.node_timeout();
+    let mut attempted = false;
     loop {
         if cancel.is_some_and(CancelToken::is_cancelled) {
             return Err(Error::Cancelled);
         }
-        let mut conn = shared.pool.get(timeout)?;
+        let mut conn = match shared.pool.get(timeout) {
+            Ok(conn) => conn,
+            // Every pooled connection is busy with other calls (a burst of
+            // waiters woken at once): nothing was sent, so keep waiting for
+            // one while the wait lasts.
+            Err(Error::PoolTimeout(after)) => match deadline {
+                Some(d) if Instant::now() >= d && attempted => return Ok(None),
+                Some(d) if Instant::now() >= d => return Err(Error::PoolTimeout(after)),
+                _ => continue,
+            },
+            Err(e) => return Err(e),
+        };
         let tracked = ensure_tracking(&mut conn, registry, timeout)?;
+        attempted = true;
         let pttl = match attempt(&mut conn)? {
             Attempt::Acquired(t) => return Ok(Some(t)),
             Attempt::Busy(pttl) => pttl,
@@ -304,7 +385,7 @@ mod tests {
 
     #[test]
     fn invalidation_wakes_only_the_first_and_leaving_passes_it_on() {
-        let reg = Registry::new();
+        let reg = Registry::new("redis://test".into());
         let a = reg.register("k");
         let b = reg.register("k");
         let other = reg.register("j");
@@ -326,7 +407,7 @@ mod tests {
 
     #[test]
     fn a_pending_wake_is_kept_until_the_waiter_looks() {
-        let reg = Registry::new();
+        let reg = Registry::new("redis://test".into());
         let a = reg.register("k");
         reg.wake_key(b"k");
         reg.wake_key(b"k");
@@ -336,7 +417,7 @@ mod tests {
 
     #[test]
     fn leaving_from_the_middle_does_not_wake_anyone() {
-        let reg = Registry::new();
+        let reg = Registry::new("redis://test".into());
         let a = reg.register("k");
         let b = reg.register("k");
         let c = reg.register("k");
@@ -346,6 +427,30 @@ mod tests {
         reg.wake_all();
         assert!(a.rx.try_recv().is_ok());
         assert!(c.rx.try_recv().is_err());
+    }
+
+    #[test]
+    fn closing_a_connection_with_current_tracking_wakes_every_first_waiter() {
+        let reg = Arc::new(Registry::new("redis://test".into()));
+        reg.set_status(Status::Ready {
+            redirect: 7,
+            generation: 2,
+        });
+        let a = reg.register("k");
+        let b = reg.register("k");
+        let other = reg.register("j");
+        let armed = |generation| Armed {
+            generation,
+            registry: Arc::downgrade(&reg),
+        };
+        // Tracking that went to an earlier subscriber was re-armed already.
+        drop(armed(1));
+        assert!(a.rx.try_recv().is_err());
+        assert!(other.rx.try_recv().is_err());
+        drop(armed(2));
+        assert!(a.rx.try_recv().is_ok());
+        assert!(b.rx.try_recv().is_err());
+        assert!(other.rx.try_recv().is_ok());
     }
 
     #[test]
