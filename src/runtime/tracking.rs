@@ -37,7 +37,7 @@ pub(crate) struct Tracking {
 
 impl Tracking {
     pub(crate) fn spawn(cfg: Arc<ConnConfig>) -> std::io::Result<Tracking> {
-        let registry = Arc::new(Registry::new(cfg.addr.clone()));
+        let registry = Arc::new(Registry::new(cfg.addr.to_string()));
         let (stop_tx, stop_rx) = crossbeam_channel::bounded(0);
         let reg = registry.clone();
         std::thread::Builder::new()
