@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use crate::cancel::CancelToken;
 use crate::conn::Conn;
 use crate::coordinator::Shared;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::runtime::waiters::{self, Attempt};
 use crate::token::OwnerToken;
 
@@ -49,7 +49,7 @@ pub(crate) fn acquire<A: Acquirer>(
     if let Wait::Cancellable(cancel) | Wait::UntilOrCancel(_, cancel) = wait
         && cancel.is_cancelled()
     {
-        return Err(crate::Error::Cancelled);
+        return Err(Error::Cancelled);
     }
     let owner = OwnerToken::new();
     let wait = match wait {
@@ -61,14 +61,23 @@ pub(crate) fn acquire<A: Acquirer>(
     let result = match wait {
         Wait::Once => {
             let timeout = shared.node_timeout();
-            shared
-                .pool
-                .get(timeout)
-                .and_then(|mut conn| prim.attempt(&mut conn, &owner, ttl_ms))
-                .map(|attempt| match attempt {
-                    Attempt::Acquired(guard) => Some(guard),
-                    Attempt::Busy(_) => None,
-                })
+            let once = || {
+                shared
+                    .pool
+                    .get(timeout)
+                    .and_then(|mut conn| prim.attempt(&mut conn, &owner, ttl_ms))
+            };
+            // A connection that failed (a restart, an idle timeout) empties the
+            // pool; the attempt is idempotent for this owner, so one more try
+            // on a fresh connection is safe.
+            let attempt = match once() {
+                Err(Error::Io { .. }) => once(),
+                other => other,
+            };
+            attempt.map(|attempt| match attempt {
+                Attempt::Acquired(guard) => Some(guard),
+                Attempt::Busy(_) => None,
+            })
         }
         Wait::Until(deadline) => {
             waiters::wait_for(shared, prim.wait_key(), Some(deadline), None, |c| {

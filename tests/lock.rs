@@ -528,7 +528,7 @@ fn reset_expiry_and_keep_alive_take_turns() {
 }
 
 #[test]
-fn after_a_restart_one_error_at_most_then_fresh_connections() {
+fn after_a_restart_stale_pooled_connections_are_replaced_without_errors() {
     let server = TestServer::start();
     let coord = Coordinator::builder(&server.url())
         .pool_size(4)
@@ -562,9 +562,96 @@ fn after_a_restart_one_error_at_most_then_fresh_connections() {
         }
     }
     assert!(held.is_some());
-    assert!(errors <= 1, "{errors} errors from stale pooled connections");
+    assert_eq!(errors, 0, "stale pooled connections surfaced as errors");
     assert!(
         lock.try_acquire(Duration::from_secs(5)).unwrap().is_none(),
         "held now"
     );
+}
+
+#[test]
+fn a_killed_pooled_connection_is_replaced_without_an_error() {
+    let server = TestServer::start();
+    let coord = Coordinator::builder(&server.url())
+        .pool_size(1)
+        .build()
+        .unwrap();
+    let lock = coord.lock("job").unwrap();
+    drop(lock.try_acquire(Duration::from_secs(5)).unwrap().unwrap());
+    let ids = respire_client_ids(&server);
+    assert_eq!(ids.len(), 1);
+    // As the server's idle `timeout` or an operator would.
+    let _: () = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("ID")
+        .arg(ids[0])
+        .query(&mut server.client())
+        .unwrap();
+    let guard = lock.try_acquire(Duration::from_secs(5)).unwrap();
+    assert!(guard.is_some());
+    let waited = coord
+        .lock("other")
+        .unwrap()
+        .acquire_timeout(Duration::from_secs(5), Duration::from_secs(1))
+        .unwrap();
+    assert!(waited.is_some());
+}
+
+#[test]
+fn acquire_scripts_are_idempotent_for_one_owner() {
+    let mut admin = shared_server().client();
+    let prefix = unique_prefix("idempotent");
+    let lock_script = redis::Script::new(include_str!("../src/scripts/lock_acquire.lua"));
+    let key = format!("{prefix}lock");
+    for _ in 0..2 {
+        let reply: Vec<i64> = lock_script
+            .key(&key)
+            .arg("owner-a")
+            .arg(5000)
+            .invoke(&mut admin)
+            .unwrap();
+        assert_eq!(reply, [1]);
+    }
+    let reply: Vec<i64> = lock_script
+        .key(&key)
+        .arg("owner-b")
+        .arg(5000)
+        .invoke(&mut admin)
+        .unwrap();
+    assert_eq!(reply[0], 0, "another owner is refused");
+
+    let fenced = redis::Script::new(include_str!("../src/scripts/fenced_acquire.lua"));
+    let (lease, fence) = (
+        format!("{prefix}{{f}}:lease"),
+        format!("{prefix}{{f}}:fence"),
+    );
+    for _ in 0..2 {
+        let reply: Vec<i64> = fenced
+            .key(&lease)
+            .key(&fence)
+            .arg("owner-a")
+            .arg(5000)
+            .invoke(&mut admin)
+            .unwrap();
+        assert_eq!(reply, [1, 1], "the same grant, not a new token");
+    }
+    let counter: i64 = admin.get(&fence).unwrap();
+    assert_eq!(counter, 1);
+    let reply: Vec<i64> = fenced
+        .key(&lease)
+        .key(&fence)
+        .arg("owner-b")
+        .arg(5000)
+        .invoke(&mut admin)
+        .unwrap();
+    assert_eq!(reply[0], 0);
+    // A prefix of an owner is not that owner.
+    let reply: Vec<i64> = fenced
+        .key(&lease)
+        .key(&fence)
+        .arg("owner")
+        .arg(5000)
+        .invoke(&mut admin)
+        .unwrap();
+    assert_eq!(reply[0], 0);
 }

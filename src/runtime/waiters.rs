@@ -325,6 +325,7 @@ pub(crate) fn wait_for<T>(
     let cancelled = cancel.map_or(&never, |c| c.receiver());
     let timeout = shared.node_timeout();
     let mut attempted = false;
+    let mut retried = false;
     loop {
         if cancel.is_some_and(CancelToken::is_cancelled) {
             return Err(Error::Cancelled);
@@ -341,12 +342,28 @@ pub(crate) fn wait_for<T>(
             },
             Err(e) => return Err(e),
         };
-        let tracked = ensure_tracking(&mut conn, registry, timeout)?;
-        attempted = true;
-        let pttl = match attempt(&mut conn)? {
-            Attempt::Acquired(t) => return Ok(Some(t)),
-            Attempt::Busy(pttl) => pttl,
+        let tracked = match ensure_tracking(&mut conn, registry, timeout) {
+            // The connection was dead (restart, idle timeout, killed): the pool
+            // is emptied, and nothing was attempted yet.
+            Err(Error::Io { .. }) if !retried => {
+                retried = true;
+                continue;
+            }
+            other => other?,
         };
+        attempted = true;
+        let pttl = match attempt(&mut conn) {
+            Ok(Attempt::Acquired(t)) => return Ok(Some(t)),
+            Ok(Attempt::Busy(pttl)) => pttl,
+            // Attempts are idempotent for one owner: one more try on a fresh
+            // connection is safe after a dead one.
+            Err(Error::Io { .. }) if !retried => {
+                retried = true;
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        retried = false;
         drop(conn);
         let now = Instant::now();
         if deadline.is_some_and(|d| now >= d) {

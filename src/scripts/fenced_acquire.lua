@@ -1,6 +1,9 @@
 -- Take a fenced lease if it is free: increment the persistent counter and set the
 -- lease to owner:token. Else report how long its holder has left.
 -- The counter is never given an expiry, never deleted and never reset here.
+-- Idempotent for one owner: if the lease already holds ARGV[1]:token (an earlier
+-- attempt of the same acquire whose reply was lost), that grant is returned
+-- again, with its expiry set anew from now and no new increment.
 -- KEYS[1]  lease key
 -- KEYS[2]  fence counter key (same cluster slot as the lease)
 -- ARGV[1]  owner value
@@ -29,5 +32,11 @@ if lt == 'none' then
 end
 if lt ~= 'string' then
   return redis.error_reply('BADKEY holds a ' .. lt .. ', not a lease')
+end
+local mine = ARGV[1] .. ':'
+local held = redis.call('GET', KEYS[1])
+if string.sub(held, 1, string.len(mine)) == mine then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1, tonumber(string.sub(held, string.len(mine) + 1))}
 end
 return {0, redis.call('PTTL', KEYS[1])}

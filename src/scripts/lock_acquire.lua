@@ -1,5 +1,8 @@
 -- Take a plain lock if it is free, else report how long its holder has left.
--- The reads (TYPE, PTTL) also arm client tracking for waiters.
+-- The reads (TYPE, GET, PTTL) also arm client tracking for waiters.
+-- Idempotent for one owner: if the key already holds ARGV[1] (an earlier
+-- attempt of the same acquire whose reply was lost), it is granted again with
+-- its expiry set anew from now.
 -- KEYS[1]  lock key
 -- ARGV[1]  owner value
 -- ARGV[2]  ttl in milliseconds
@@ -12,5 +15,9 @@ if t == 'none' then
 end
 if t ~= 'string' then
   return redis.error_reply('BADKEY holds a ' .. t .. ', not a lock')
+end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1}
 end
 return {0, redis.call('PTTL', KEYS[1])}
