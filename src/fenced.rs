@@ -119,7 +119,8 @@ impl FencedLock {
     /// Waits for the lease until it is granted or `cancel` is cancelled.
     ///
     /// # Errors
-    /// [`Error::Cancelled`] on cancellation, otherwise as
+    /// [`Error::Cancelled`] on cancellation (a lease granted to an attempt in
+    /// flight at that moment is released), otherwise as
     /// [`try_acquire`](FencedLock::try_acquire).
     pub fn acquire(&self, ttl: Duration, cancel: &CancelToken) -> Result<FencedGuard> {
         acquire::acquire(self, ttl, Wait::Cancellable(cancel))?.ok_or(Error::Cancelled)

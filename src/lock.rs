@@ -81,7 +81,8 @@ impl Lock {
     /// Waits for the lock until it is acquired or `cancel` is cancelled.
     ///
     /// # Errors
-    /// [`Error::Cancelled`] on cancellation (never turned into "not acquired"),
+    /// [`Error::Cancelled`] on cancellation (never turned into "not acquired";
+    /// a lock granted to an attempt in flight at that moment is released),
     /// otherwise as [`try_acquire`](Lock::try_acquire).
     pub fn acquire(&self, ttl: Duration, cancel: &CancelToken) -> Result<LockGuard> {
         acquire::acquire(self, ttl, Wait::Cancellable(cancel))?.ok_or(Error::Cancelled)

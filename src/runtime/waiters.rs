@@ -353,6 +353,11 @@ pub(crate) fn wait_for<T>(
         };
         attempted = true;
         let pttl = match attempt(&mut conn) {
+            // Cancelled while the attempt was in flight: the caller asked to
+            // stop, so what it got is released (by dropping it).
+            Ok(Attempt::Acquired(_)) if cancel.is_some_and(CancelToken::is_cancelled) => {
+                return Err(Error::Cancelled);
+            }
             Ok(Attempt::Acquired(t)) => return Ok(Some(t)),
             Ok(Attempt::Busy(pttl)) => pttl,
             // Attempts are idempotent for one owner: one more try on a fresh
