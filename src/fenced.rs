@@ -12,15 +12,12 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Receiver;
-
 use crate::acquire::{self, Acquirer, Wait};
 use crate::cancel::CancelToken;
 use crate::conn::Conn;
 use crate::coordinator::Shared;
 use crate::error::{Error, Result};
-use crate::lease::{LeaseCore, ReleaseOutcome};
-use crate::runtime::renewal::KeepAlive;
+use crate::lease::{LeaseCore, lease_guard_methods};
 use crate::runtime::waiters::Attempt;
 use crate::scripts;
 use crate::token::OwnerToken;
@@ -234,72 +231,7 @@ impl FencedGuard {
         self.token
     }
 
-    /// The physical lease key.
-    pub fn key(&self) -> &str {
-        &self.core.state.key
-    }
-
-    /// Whether the lease is lost: its local loss deadline (send time of the grant
-    /// or last confirmed renewal + TTL − drift − node timeout) passed, or a
-    /// renewal, verification or extension found it expired or taken over. Does not
-    /// block or touch the network.
-    pub fn is_lost(&self) -> bool {
-        self.core.is_lost()
-    }
-
-    /// A channel that disconnects when the lease is lost or released; use it in
-    /// `crossbeam_channel::select!`. It never delivers a message.
-    pub fn lost_signal(&self) -> &Receiver<()> {
-        self.core.lost_signal()
-    }
-
-    /// How long the lease can still be assumed held, on the local monotonic clock
-    /// from when the grant (or last confirmed renewal) was *sent*, minus drift.
-    /// Zero once lost. Does not touch the network.
-    pub fn remaining_estimate(&self) -> Duration {
-        self.core.remaining_estimate()
-    }
-
-    /// Asks Redis whether the lease still holds this guard's owner and token. One
-    /// round trip. `Some(server-side TTL)` when held; `None` (and the guard is
-    /// flagged lost) when not.
-    ///
-    /// # Errors
-    /// Transport errors (the guard is unchanged).
-    pub fn verify_still_held(&self) -> Result<Option<Duration>> {
-        self.core.verify_still_held()
-    }
-
-    /// Sets the lease's expiry to `ttl` from now if it is still held; never
-    /// re-creates a missing key. `false` (and the guard is flagged lost) means stop
-    /// the work.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for a bad TTL; transport errors (outcome unknown).
-    pub fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
-        self.core.reset_expiry(ttl)
-    }
-
-    /// Renews the lease in the background until the returned [`KeepAlive`] is
-    /// dropped.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for a TTL too short to renew at half with a node
-    /// timeout to spare; [`Error::Permission`] without ACL rights to `CLIENT ID`
-    /// and `CLIENT KILL`.
-    pub fn keep_alive(&self) -> Result<KeepAlive<'_>> {
-        self.core.keep_alive()
-    }
-
-    /// Releases the lease if still held; one round trip bounded by the node
-    /// timeout. The counter is left as it is.
-    ///
-    /// # Errors
-    /// Server errors such as a missing ACL right. A lost reply is
-    /// `Ok(ReleaseOutcome::Uncertain)`.
-    pub fn release(self) -> Result<ReleaseOutcome> {
-        self.core.release()
-    }
+    lease_guard_methods!("lease");
 }
 
 impl fmt::Debug for FencedGuard {

@@ -398,3 +398,93 @@ pub(crate) fn check_ttl(ttl: Duration, drift_factor: f64, node_timeout: Duration
     }
     Ok(ms)
 }
+
+/// The methods every single-deployment guard has, forwarding to its
+/// `core: LeaseCore`; `$what` names the thing held ("lock", "lease").
+macro_rules! lease_guard_methods {
+    ($what:literal) => {
+        /// The physical key.
+        pub fn key(&self) -> &str {
+            &self.core.state.key
+        }
+
+        #[doc = concat!(
+            "Whether the ", $what, " is lost: its local loss deadline (send time of the \
+             grant or last confirmed renewal + TTL − drift − node timeout) passed, or a \
+             renewal, verification or extension found it expired or taken over. Does \
+             not block or touch the network."
+        )]
+        pub fn is_lost(&self) -> bool {
+            self.core.is_lost()
+        }
+
+        #[doc = concat!(
+            "A channel that disconnects when the ", $what, " is lost or released; use \
+             it in `crossbeam_channel::select!`. It never delivers a message."
+        )]
+        pub fn lost_signal(&self) -> &crossbeam_channel::Receiver<()> {
+            self.core.lost_signal()
+        }
+
+        #[doc = concat!(
+            "How long the ", $what, " can still be assumed held: on the local monotonic \
+             clock, from when the grant (or the last confirmed renewal) was *sent*, \
+             minus clock drift. Zero once lost. Does not touch the network."
+        )]
+        pub fn remaining_estimate(&self) -> std::time::Duration {
+            self.core.remaining_estimate()
+        }
+
+        /// Asks Redis whether the key still holds this guard's owner token. One
+        /// round trip. Returns `Some(server-side TTL)` when held, `None` (and flags
+        /// the guard lost) when not. Only says what was true at one instant.
+        ///
+        /// # Errors
+        /// Transport errors (the guard is unchanged).
+        pub fn verify_still_held(&self) -> $crate::Result<Option<std::time::Duration>> {
+            self.core.verify_still_held()
+        }
+
+        #[doc = concat!(
+            "Sets the ", $what, "'s expiry to `ttl` from now, if it is still held. Never \
+             re-creates a missing key. Returns `false` (and flags the guard lost) when \
+             the ", $what, " expired or was taken over: stop the work. Waits for a \
+             keep-alive renewal of it in flight, at most a node timeout.\n\n\
+             # Errors\n\
+             [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a bad TTL; \
+             transport errors (the outcome is then unknown and the local estimate \
+             keeps the old expiry)."
+        )]
+        pub fn reset_expiry(&self, ttl: std::time::Duration) -> $crate::Result<bool> {
+            self.core.reset_expiry(ttl)
+        }
+
+        #[doc = concat!(
+            "Renews the ", $what, " in the background until the returned \
+             [`KeepAlive`](crate::KeepAlive) is dropped; see there for when loss is \
+             flagged.\n\n\
+             # Errors\n\
+             [`Error::InvalidArgument`](crate::Error::InvalidArgument) when the TTL is \
+             too short to renew at half of it with a node timeout to spare; \
+             [`Error::Permission`](crate::Error::Permission) when the ACL user may not \
+             run `CLIENT ID` and `CLIENT KILL`; transport errors from that check."
+        )]
+        pub fn keep_alive(&self) -> $crate::Result<$crate::KeepAlive<'_>> {
+            self.core.keep_alive()
+        }
+
+        #[doc = concat!(
+            "Releases the ", $what, " if this guard still holds it. One round trip; \
+             takes at most the node timeout in all.\n\n\
+             Returns what it found: [`ReleaseOutcome::Released`](crate::ReleaseOutcome::Released), \
+             `Expired`, `TakenOver` (the other holder keeps it), or `Uncertain` when no \
+             reply came (the ", $what, " then ends at its expiry).\n\n\
+             # Errors\n\
+             Server errors such as a missing ACL right."
+        )]
+        pub fn release(self) -> $crate::Result<$crate::ReleaseOutcome> {
+            self.core.release()
+        }
+    };
+}
+pub(crate) use lease_guard_methods;

@@ -6,15 +6,12 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Receiver;
-
 use crate::acquire::{self, Acquirer, Wait};
 use crate::cancel::CancelToken;
 use crate::conn::Conn;
 use crate::coordinator::Shared;
 use crate::error::{Error, Result};
-use crate::lease::{LeaseCore, ReleaseOutcome};
-use crate::runtime::renewal::KeepAlive;
+use crate::lease::{LeaseCore, lease_guard_methods};
 use crate::runtime::waiters::Attempt;
 use crate::scripts;
 use crate::token::OwnerToken;
@@ -170,75 +167,7 @@ pub struct LockGuard {
 }
 
 impl LockGuard {
-    /// The physical key.
-    pub fn key(&self) -> &str {
-        &self.core.state.key
-    }
-
-    /// Whether the lock is lost: its local loss deadline passed without a
-    /// confirmed renewal, or a renewal, verification or extension found it
-    /// expired or taken over. Does not block or touch the network.
-    pub fn is_lost(&self) -> bool {
-        self.core.is_lost()
-    }
-
-    /// A channel that disconnects when the lock is lost or released; use it in
-    /// `crossbeam_channel::select!`. It never delivers a message.
-    pub fn lost_signal(&self) -> &Receiver<()> {
-        self.core.lost_signal()
-    }
-
-    /// How long the lock can still be assumed held: measured on the local
-    /// monotonic clock from when the grant (or the last confirmed renewal) was
-    /// *sent*, minus clock drift. Zero once lost. Does not touch the network.
-    pub fn remaining_estimate(&self) -> Duration {
-        self.core.remaining_estimate()
-    }
-
-    /// Asks Redis whether the key still holds this guard's owner token. One round
-    /// trip. Returns `Some(server-side TTL)` when held, `None` (and flags the
-    /// guard lost) when not. Only says what was true at one instant.
-    ///
-    /// # Errors
-    /// Transport errors (the guard is unchanged).
-    pub fn verify_still_held(&self) -> Result<Option<Duration>> {
-        self.core.verify_still_held()
-    }
-
-    /// Sets the lock's expiry to `ttl` from now, if it is still held. Never
-    /// re-creates a missing key. Returns `false` (and flags the guard lost) when
-    /// the lock expired or was taken over: stop the work.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for a bad TTL; transport errors (the outcome is
-    /// then unknown and the local estimate keeps the old expiry).
-    pub fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
-        self.core.reset_expiry(ttl)
-    }
-
-    /// Renews the lock in the background until the returned [`KeepAlive`] is
-    /// dropped; see there for when loss is flagged.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] when the TTL is too short to renew at half of it
-    /// with a node timeout to spare; [`Error::Permission`] when the ACL user may
-    /// not run `CLIENT ID` and `CLIENT KILL`; transport errors from that check.
-    pub fn keep_alive(&self) -> Result<KeepAlive<'_>> {
-        self.core.keep_alive()
-    }
-
-    /// Releases the lock if this guard still holds it. One round trip, bounded by
-    /// the node timeout.
-    ///
-    /// Returns what it found: [`ReleaseOutcome::Released`], `Expired`,
-    /// `TakenOver` (the other holder keeps its lock), or `Uncertain` when no reply
-    /// came (the lock then ends at its expiry).
-    ///
-    /// # Errors
-    /// Server errors such as a missing ACL right.
-    pub fn release(self) -> Result<ReleaseOutcome> {
-        self.core.release()
-    }
+    lease_guard_methods!("lock");
 }
 
 impl fmt::Debug for LockGuard {
