@@ -433,9 +433,21 @@ impl Pool {
     }
 
     /// Takes an idle connection, or opens one while under the limit, or waits for
-    /// one to be returned; spends at most `budget` doing so.
+    /// one to be returned. Waits at most `budget` for a free slot; opening a
+    /// connection then takes at most `budget` (and the connect timeout) of its
+    /// own, so that a wait for a slot never leaves a connect too little time.
     pub(crate) fn get(&self, budget: Duration) -> Result<Pooled<'_>> {
-        let deadline = Instant::now() + budget;
+        self.take(Instant::now() + budget, Some(budget))
+    }
+
+    /// As [`get`](Pool::get), but everything, a connect included, is done
+    /// within `budget` (for calls that promise a bound, like a guard's release).
+    pub(crate) fn get_within(&self, budget: Duration) -> Result<Pooled<'_>> {
+        self.take(Instant::now() + budget, None)
+    }
+
+    fn take(&self, deadline: Instant, connect_budget: Option<Duration>) -> Result<Pooled<'_>> {
+        let started = Instant::now();
         let mut state = self.state.lock();
         loop {
             if let Some(conn) = state.idle.pop() {
@@ -447,8 +459,9 @@ impl Pool {
             if state.open < self.max {
                 state.open += 1;
                 drop(state);
-                let left = deadline.saturating_duration_since(Instant::now());
-                return match self.cfg.connect(left, "respire") {
+                let budget = connect_budget
+                    .unwrap_or_else(|| deadline.saturating_duration_since(Instant::now()));
+                return match self.cfg.connect(budget, "respire") {
                     Ok(conn) => Ok(Pooled {
                         pool: self,
                         conn: Some(conn),
@@ -461,7 +474,7 @@ impl Pool {
                 };
             }
             if self.freed.wait_until(&mut state, deadline).timed_out() {
-                return Err(Error::PoolTimeout(budget));
+                return Err(Error::PoolTimeout(started.elapsed()));
             }
         }
     }

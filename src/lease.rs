@@ -336,20 +336,20 @@ impl LeaseCore {
         self.state.done.store(true, Ordering::Release);
         self.shared.renewal().forget(self.state.id);
         let deadline = Instant::now() + self.shared.node_timeout();
-        let reply: Result<i64> =
-            self.shared
-                .pool
-                .get(self.shared.node_timeout())
-                .and_then(|mut conn| {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    conn.script(
-                        &scripts::LEASE_RELEASE,
-                        &[&self.state.key],
-                        &[&self.state.value, "exact"],
-                        "release",
-                        left.max(Duration::from_millis(1)),
-                    )
-                });
+        let reply: Result<i64> = self
+            .shared
+            .pool
+            .get_within(self.shared.node_timeout())
+            .and_then(|mut conn| {
+                let left = deadline.saturating_duration_since(Instant::now());
+                conn.script(
+                    &scripts::LEASE_RELEASE,
+                    &[&self.state.key],
+                    &[&self.state.value, "exact"],
+                    "release",
+                    left.max(Duration::from_millis(1)),
+                )
+            });
         // The guard is finished either way; wake anyone select!-ing on it.
         self.state.lost.store(true, Ordering::Release);
         self.state.loss_tx.lock().take();
