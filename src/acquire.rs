@@ -103,3 +103,84 @@ pub(crate) fn acquire<A: Acquirer>(
     }
     result
 }
+
+/// The waiting verbs every single-deployment primitive has (all but
+/// `try_acquire`, whose errors differ): `$Guard` is its guard type, `$prim`
+/// its type name (for doc links) and `$what` names the thing held.
+macro_rules! wait_verbs {
+    ($Guard:ty, $prim:literal, $what:literal) => {
+        #[doc = concat!(
+                    "Waits up to `wait` for the ", $what, ". A zero wait makes exactly one \
+             attempt.\n\n\
+             Blocks until acquired or the wait runs out; it is woken by invalidations \
+             of the key (client tracking) and by a timer at the holder's expiry, and \
+             does not poll unless tracking is unavailable. Returns `Ok(None)` when the \
+             wait runs out.\n\n\
+             # Errors\n\
+             As [`try_acquire`](", $prim, "::try_acquire). Transport errors end the wait."
+                )]
+        pub fn acquire_timeout(
+            &self,
+            ttl: std::time::Duration,
+            wait: std::time::Duration,
+        ) -> $crate::Result<Option<$Guard>> {
+            self.acquire_deadline(ttl, std::time::Instant::now() + wait)
+        }
+
+        #[doc = concat!(
+                    "Waits until `deadline` for the ", $what, "; see \
+             [`acquire_timeout`](", $prim, "::acquire_timeout). A deadline already \
+             past makes exactly one attempt.\n\n\
+             # Errors\n\
+             As [`try_acquire`](", $prim, "::try_acquire)."
+                )]
+        pub fn acquire_deadline(
+            &self,
+            ttl: std::time::Duration,
+            deadline: std::time::Instant,
+        ) -> $crate::Result<Option<$Guard>> {
+            $crate::acquire::acquire(self, ttl, $crate::acquire::Wait::Until(deadline))
+        }
+
+        #[doc = concat!(
+                    "Waits for the ", $what, " until it is acquired or `cancel` is cancelled.\n\n\
+             # Errors\n\
+             [`Error::Cancelled`](crate::Error::Cancelled) on cancellation (never \
+             turned into \"not acquired\"; a ", $what, " granted to an attempt in \
+             flight at that moment is released), otherwise as \
+             [`try_acquire`](", $prim, "::try_acquire)."
+                )]
+        pub fn acquire(
+            &self,
+            ttl: std::time::Duration,
+            cancel: &$crate::CancelToken,
+        ) -> $crate::Result<$Guard> {
+            $crate::acquire::acquire(self, ttl, $crate::acquire::Wait::Cancellable(cancel))?
+                .ok_or($crate::Error::Cancelled)
+        }
+
+        #[doc = concat!(
+                    "Waits for the ", $what, " until it is acquired, `deadline` passes, or \
+             `cancel` is cancelled — a bounded wait that the caller can also abort.\n\n\
+             Returns `Ok(None)` when the deadline passes (a deadline already past \
+             makes exactly one attempt).\n\n\
+             # Errors\n\
+             [`Error::Cancelled`](crate::Error::Cancelled) on cancellation, which is \
+             never turned into \"not acquired\"; otherwise as \
+             [`try_acquire`](", $prim, "::try_acquire)."
+                )]
+        pub fn acquire_until(
+            &self,
+            ttl: std::time::Duration,
+            deadline: std::time::Instant,
+            cancel: &$crate::CancelToken,
+        ) -> $crate::Result<Option<$Guard>> {
+            $crate::acquire::acquire(
+                self,
+                ttl,
+                $crate::acquire::Wait::UntilOrCancel(deadline, cancel),
+            )
+        }
+    };
+}
+pub(crate) use wait_verbs;

@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::acquire::{self, Acquirer, Wait};
-use crate::cancel::CancelToken;
 use crate::conn::Conn;
 use crate::coordinator::Shared;
 use crate::error::{Error, Result};
@@ -90,56 +89,7 @@ impl FencedLock {
         acquire::acquire(self, ttl, Wait::Once)
     }
 
-    /// Waits up to `wait` for the lease; a zero wait makes exactly one attempt.
-    /// Woken by invalidations of the lease key and by a timer at the holder's
-    /// expiry; `Ok(None)` when the wait runs out.
-    ///
-    /// # Errors
-    /// As [`try_acquire`](FencedLock::try_acquire). Transport errors end the wait.
-    pub fn acquire_timeout(&self, ttl: Duration, wait: Duration) -> Result<Option<FencedGuard>> {
-        self.acquire_deadline(ttl, Instant::now() + wait)
-    }
-
-    /// Waits until `deadline` for the lease; see
-    /// [`acquire_timeout`](FencedLock::acquire_timeout).
-    ///
-    /// # Errors
-    /// As [`try_acquire`](FencedLock::try_acquire).
-    pub fn acquire_deadline(
-        &self,
-        ttl: Duration,
-        deadline: Instant,
-    ) -> Result<Option<FencedGuard>> {
-        acquire::acquire(self, ttl, Wait::Until(deadline))
-    }
-
-    /// Waits for the lease until it is granted or `cancel` is cancelled.
-    ///
-    /// # Errors
-    /// [`Error::Cancelled`] on cancellation (a lease granted to an attempt in
-    /// flight at that moment is released), otherwise as
-    /// [`try_acquire`](FencedLock::try_acquire).
-    pub fn acquire(&self, ttl: Duration, cancel: &CancelToken) -> Result<FencedGuard> {
-        acquire::acquire(self, ttl, Wait::Cancellable(cancel))?.ok_or(Error::Cancelled)
-    }
-
-    /// Waits for the lock until it is acquired, `deadline` passes, or `cancel` is
-    /// cancelled — a bounded wait that the caller can also abort.
-    ///
-    /// Returns `Ok(None)` when the deadline passes (a deadline already past makes
-    /// exactly one attempt).
-    ///
-    /// # Errors
-    /// [`Error::Cancelled`] on cancellation, which is never turned into "not
-    /// acquired"; otherwise as [`try_acquire`](FencedLock::try_acquire).
-    pub fn acquire_until(
-        &self,
-        ttl: Duration,
-        deadline: Instant,
-        cancel: &CancelToken,
-    ) -> Result<Option<FencedGuard>> {
-        acquire::acquire(self, ttl, Wait::UntilOrCancel(deadline, cancel))
-    }
+    acquire::wait_verbs!(FencedGuard, "FencedLock", "lease");
 }
 
 impl Acquirer for FencedLock {

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::acquire::{self, Acquirer, Wait};
-use crate::cancel::CancelToken;
 use crate::conn::Conn;
 use crate::coordinator::Shared;
 use crate::error::{Error, Result};
@@ -53,55 +52,7 @@ impl Lock {
         acquire::acquire(self, ttl, Wait::Once)
     }
 
-    /// Waits up to `wait` for the lock. A zero wait makes exactly one attempt.
-    ///
-    /// Blocks until acquired or the wait runs out; it is woken by invalidations of
-    /// the key (client tracking) and by a timer at the holder's expiry, and does
-    /// not poll unless tracking is unavailable. Returns `Ok(None)` when the wait
-    /// runs out.
-    ///
-    /// # Errors
-    /// As [`try_acquire`](Lock::try_acquire). Transport errors end the wait.
-    pub fn acquire_timeout(&self, ttl: Duration, wait: Duration) -> Result<Option<LockGuard>> {
-        self.acquire_deadline(ttl, Instant::now() + wait)
-    }
-
-    /// Waits until `deadline` for the lock; see [`acquire_timeout`](Lock::acquire_timeout).
-    /// A deadline already past makes exactly one attempt.
-    ///
-    /// # Errors
-    /// As [`try_acquire`](Lock::try_acquire).
-    pub fn acquire_deadline(&self, ttl: Duration, deadline: Instant) -> Result<Option<LockGuard>> {
-        acquire::acquire(self, ttl, Wait::Until(deadline))
-    }
-
-    /// Waits for the lock until it is acquired or `cancel` is cancelled.
-    ///
-    /// # Errors
-    /// [`Error::Cancelled`] on cancellation (never turned into "not acquired";
-    /// a lock granted to an attempt in flight at that moment is released),
-    /// otherwise as [`try_acquire`](Lock::try_acquire).
-    pub fn acquire(&self, ttl: Duration, cancel: &CancelToken) -> Result<LockGuard> {
-        acquire::acquire(self, ttl, Wait::Cancellable(cancel))?.ok_or(Error::Cancelled)
-    }
-
-    /// Waits for the lock until it is acquired, `deadline` passes, or `cancel` is
-    /// cancelled — a bounded wait that the caller can also abort.
-    ///
-    /// Returns `Ok(None)` when the deadline passes (a deadline already past makes
-    /// exactly one attempt).
-    ///
-    /// # Errors
-    /// [`Error::Cancelled`] on cancellation, which is never turned into "not
-    /// acquired"; otherwise as [`try_acquire`](Lock::try_acquire).
-    pub fn acquire_until(
-        &self,
-        ttl: Duration,
-        deadline: Instant,
-        cancel: &CancelToken,
-    ) -> Result<Option<LockGuard>> {
-        acquire::acquire(self, ttl, Wait::UntilOrCancel(deadline, cancel))
-    }
+    acquire::wait_verbs!(LockGuard, "Lock", "lock");
 }
 
 impl Acquirer for Lock {
