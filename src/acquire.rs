@@ -1,186 +1,307 @@
-//! The acquire verbs every single-deployment primitive shares: one attempt, a
-//! bounded wait, and a cancellable wait, with clean-up after an attempt whose
-//! reply was lost.
+//! The handle every single-deployment primitive is, and the acquire verbs they
+//! share: one attempt, bounded and cancellable waits, and the clean-up after
+//! attempts whose reply was lost.
 
+use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::cancel::CancelToken;
-use crate::conn::Conn;
-use crate::coordinator::Shared;
+use crate::conn::Connect;
+use crate::core::lease::LeaseCore;
+use crate::deployment::Deployment;
 use crate::error::{Error, Result};
-use crate::runtime::waiters::{self, Attempt};
+use crate::guard::LeaseGuard;
+use crate::kind::{Acquire, Granted, Kind};
+use crate::runtime::renewal::Cell;
+use crate::runtime::waiters::{self, Attempt, WaitFor};
 use crate::token::OwnerToken;
 
-/// One primitive's acquire script.
-pub(crate) trait Acquirer {
-    type Guard;
-    fn shared(&self) -> &Arc<Shared>;
-    /// The key whose changes may free the primitive.
-    fn wait_key(&self) -> &str;
-    /// Runs the acquire script once for `owner`.
-    fn attempt(
-        &self,
-        conn: &mut Conn,
-        owner: &OwnerToken,
-        ttl_ms: u64,
-    ) -> Result<Attempt<Self::Guard>>;
+/// A single-deployment primitive of kind `K`: [`Lock`](crate::Lock) and
+/// [`FencedLock`](crate::FencedLock) are this type. Cheap to clone.
+///
+/// # Acquiring
+///
+/// Every primitive has the same verbs:
+///
+/// - [`try_acquire`](Lease::try_acquire): one attempt, `Ok(None)` when held by
+///   someone else.
+/// - [`acquire_timeout`](Lease::acquire_timeout) /
+///   [`acquire_deadline`](Lease::acquire_deadline): wait until acquired or the
+///   wait runs out (`Ok(None)`); a zero wait is exactly one attempt, and
+///   `Duration::MAX` waits without end.
+/// - [`acquire`](Lease::acquire): wait until acquired or cancelled
+///   ([`Error::Cancelled`]).
+/// - [`acquire_until`](Lease::acquire_until): both.
+///
+/// Waits are woken by invalidations of the key (client tracking) and by a
+/// timer at the holder's expiry, and do not poll unless tracking is
+/// unavailable. They ride out failures that may pass — timeouts, I/O errors,
+/// refused connections, a server loading or failing over — with jittered
+/// pauses (10 ms doubling to 1 s) until their deadline or cancellation, and
+/// then return the last error if the last attempt failed, never a silent
+/// `Ok(None)`. Permanent errors (authentication, permissions, bad keys or
+/// arguments, a fencing regression) end a wait at once. A wait whose attempts
+/// got no reply deletes, in the background, whatever they may have set, after
+/// killing the connections they went out on (so the clean-up cannot be
+/// overtaken by a late grant); a wait cancelled while its last attempt was in
+/// flight releases what that attempt got.
+///
+/// # Time bounds
+///
+/// One attempt takes at most the node timeout, plus the connect timeout when it
+/// has to open a connection (the first call, or after the server closed the
+/// pooled ones); a script the server lost from its cache is sent again within
+/// the same bound.
+pub struct Lease<K: Kind> {
+    dep: Arc<Deployment>,
+    spec: Arc<dyn Acquire<K::Grant>>,
+    _kind: PhantomData<K>,
 }
 
-/// How long to wait.
-pub(crate) enum Wait<'a> {
+impl<K: Kind> Clone for Lease<K> {
+    fn clone(&self) -> Self {
+        Lease {
+            dep: self.dep.clone(),
+            spec: self.spec.clone(),
+            _kind: PhantomData,
+        }
+    }
+}
+
+/// How long an acquire may wait.
+#[derive(Clone, Copy)]
+enum Wait<'a> {
     /// Exactly one attempt.
     Once,
-    /// Until the deadline (`Ok(None)` after it).
-    Until(Instant),
-    /// Until acquired or cancelled.
-    Cancellable(&'a CancelToken),
-    /// Until the deadline (`Ok(None)` after it) or cancellation (`Err`).
-    UntilOrCancel(Instant, &'a CancelToken),
+    /// Until acquired, the deadline (`None`: none) or cancellation.
+    Until(Option<Instant>, Option<&'a CancelToken>),
 }
 
-pub(crate) fn acquire<A: Acquirer>(
-    prim: &A,
-    ttl: Duration,
-    wait: Wait<'_>,
-) -> Result<Option<A::Guard>> {
-    let shared = prim.shared();
-    let ttl_ms = shared.check_ttl(ttl)?;
-    if let Wait::Cancellable(cancel) | Wait::UntilOrCancel(_, cancel) = wait
-        && cancel.is_cancelled()
-    {
-        return Err(Error::Cancelled);
+impl<K: Kind> Lease<K> {
+    pub(crate) fn new(dep: Arc<Deployment>, spec: Arc<dyn Acquire<K::Grant>>) -> Self {
+        Lease {
+            dep,
+            spec,
+            _kind: PhantomData,
+        }
     }
-    let owner = OwnerToken::new();
-    let wait = match wait {
-        Wait::Until(deadline) | Wait::UntilOrCancel(deadline, _) if deadline <= Instant::now() => {
-            Wait::Once
-        }
-        other => other,
-    };
-    let result = match wait {
-        Wait::Once => {
-            let timeout = shared.node_timeout();
-            let once = || {
-                shared
-                    .pool
-                    .get(timeout)
-                    .and_then(|mut conn| prim.attempt(&mut conn, &owner, ttl_ms))
-            };
-            // A connection that failed (a restart, an idle timeout) empties the
-            // pool; the attempt is idempotent for this owner, so one more try
-            // on a fresh connection is safe.
-            let attempt = match once() {
-                Err(Error::Io { .. }) => once(),
-                other => other,
-            };
-            attempt.map(|attempt| match attempt {
-                Attempt::Acquired(guard) => Some(guard),
-                Attempt::Busy(_) => None,
-            })
-        }
-        Wait::Until(deadline) => {
-            waiters::wait_for(shared, prim.wait_key(), Some(deadline), None, |c| {
-                prim.attempt(c, &owner, ttl_ms)
-            })
-        }
-        Wait::UntilOrCancel(deadline, cancel) => {
-            waiters::wait_for(shared, prim.wait_key(), Some(deadline), Some(cancel), |c| {
-                prim.attempt(c, &owner, ttl_ms)
-            })
-        }
-        Wait::Cancellable(cancel) => {
-            waiters::wait_for(shared, prim.wait_key(), None, Some(cancel), |c| {
-                prim.attempt(c, &owner, ttl_ms)
-            })
-        }
-    };
-    if let Err(e) = &result
-        && e.is_uncertain()
-    {
-        // The last attempt may have been granted without our hearing of it.
-        shared.release_owner(prim.wait_key(), &owner);
+
+    pub(crate) fn physical_keys(&self) -> &[String] {
+        self.spec.keys()
     }
-    result
+
+    /// One attempt. Blocks for at most the node timeout (plus the connect
+    /// timeout when a connection must be opened; see [Time bounds](Lease#time-bounds)).
+    ///
+    /// Returns `Ok(Some(guard))` when granted, `Ok(None)` when someone else holds
+    /// it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a zero TTL, one above [`MAX_TTL`](crate::MAX_TTL)
+    /// or one not longer than the node timeout plus drift (nothing sent);
+    /// [`Error::BadKey`] when a key holds something the primitive cannot use
+    /// (nothing changed); [`Error::FencingRegression`] for a fencing token not
+    /// above one already seen (the grant is released); [`Error::Timeout`] /
+    /// [`Error::Io`] when no reply came (what it may have set is deleted in the
+    /// background); other transport, permission and server errors as they come.
+    pub fn try_acquire(&self, ttl: Duration) -> Result<Option<LeaseGuard<K>>> {
+        self.run(ttl, Wait::Once)
+    }
+
+    /// Waits up to `wait`; see [Acquiring](Lease#acquiring). A zero wait makes
+    /// exactly one attempt; a wait too long for the clock (`Duration::MAX`)
+    /// has no deadline.
+    ///
+    /// Returns `Ok(None)` when the wait runs out after finding the primitive held.
+    ///
+    /// # Errors
+    /// As [`try_acquire`](Lease::try_acquire); retryable errors only when the
+    /// wait ran out after a failed attempt.
+    pub fn acquire_timeout(&self, ttl: Duration, wait: Duration) -> Result<Option<LeaseGuard<K>>> {
+        let now = Instant::now();
+        match now.checked_add(wait) {
+            Some(deadline) => self.acquire_deadline(ttl, deadline),
+            None => self.run(ttl, Wait::Until(None, None)),
+        }
+    }
+
+    /// Waits until `deadline`; see [`acquire_timeout`](Lease::acquire_timeout).
+    /// A deadline already past makes exactly one attempt.
+    ///
+    /// # Errors
+    /// As [`acquire_timeout`](Lease::acquire_timeout).
+    pub fn acquire_deadline(
+        &self,
+        ttl: Duration,
+        deadline: Instant,
+    ) -> Result<Option<LeaseGuard<K>>> {
+        self.run(ttl, Wait::Until(Some(deadline), None))
+    }
+
+    /// Waits until acquired or `cancel` is cancelled; see [Acquiring](Lease#acquiring).
+    ///
+    /// # Errors
+    /// [`Error::Cancelled`] on cancellation (never turned into "not acquired"; a
+    /// grant to an attempt in flight at that moment is released); permanent
+    /// errors as for [`try_acquire`](Lease::try_acquire). Retryable errors do
+    /// not end this wait.
+    pub fn acquire(&self, ttl: Duration, cancel: &CancelToken) -> Result<LeaseGuard<K>> {
+        self.run(ttl, Wait::Until(None, Some(cancel)))?
+            .ok_or(Error::Cancelled)
+    }
+
+    /// Waits until acquired, `deadline` passes (`Ok(None)`, or the last error
+    /// after a failed attempt), or `cancel` is cancelled (`Err(Cancelled)`) — a
+    /// bounded wait the caller can also abort. A deadline already past makes
+    /// exactly one attempt.
+    ///
+    /// # Errors
+    /// As [`acquire`](Lease::acquire) and [`acquire_timeout`](Lease::acquire_timeout).
+    pub fn acquire_until(
+        &self,
+        ttl: Duration,
+        deadline: Instant,
+        cancel: &CancelToken,
+    ) -> Result<Option<LeaseGuard<K>>> {
+        self.run(ttl, Wait::Until(Some(deadline), Some(cancel)))
+    }
+
+    fn run(&self, ttl: Duration, wait: Wait<'_>) -> Result<Option<LeaseGuard<K>>> {
+        let dep = &self.dep;
+        let ttl_ms = dep.check_ttl(ttl)?;
+        if let Wait::Until(_, Some(cancel)) = wait
+            && cancel.is_cancelled()
+        {
+            return Err(Error::Cancelled);
+        }
+        let owner = OwnerToken::new();
+        let wait = match wait {
+            Wait::Until(Some(deadline), _) if deadline <= Instant::now() => Wait::Once,
+            other => other,
+        };
+        let (result, uncertain) = match wait {
+            Wait::Once => self.once(&owner, ttl_ms),
+            Wait::Until(deadline, cancel) => {
+                let tracking = dep.tracking()?;
+                let keys = self.spec.wait_keys();
+                let w = WaitFor {
+                    keys: &keys,
+                    deadline,
+                    cancel,
+                    node_timeout: dep.node_timeout(),
+                    settle: dep.pool.cfg.connect_timeout,
+                };
+                let waited = waiters::wait_for(&dep.pool, &tracking.registry, &w, |conn, d| {
+                    self.attempt(conn, &owner, ttl_ms, d, true)
+                });
+                if !matches!(waited.result, Ok(Some(_))) {
+                    self.spec.stopped_waiting(dep, &owner);
+                }
+                (waited.result, waited.uncertain)
+            }
+        };
+        let acquired = matches!(result, Ok(Some(_)));
+        if !acquired && !uncertain.is_empty() {
+            dep.clean_up(
+                &uncertain,
+                self.spec.clean_up(&owner),
+                &self.spec.keys()[0],
+                Duration::from_millis(ttl_ms),
+            );
+        }
+        let Some((guard, sent, received)) = result? else {
+            return Ok(None);
+        };
+        if let Err(e) = self.spec.check(dep, guard.grant(), sent, received) {
+            drop(guard);
+            return Err(e);
+        }
+        Ok(Some(guard))
+    }
+
+    /// One attempt on a pooled connection, and once more on a fresh one when
+    /// the pooled one turned out dead (attempts are idempotent for their owner).
+    #[allow(
+        clippy::type_complexity,
+        reason = "a private helper's result and evidence"
+    )]
+    fn once(
+        &self,
+        owner: &OwnerToken,
+        ttl_ms: u64,
+    ) -> (
+        Result<Option<(LeaseGuard<K>, Instant, Instant)>>,
+        Vec<Option<u64>>,
+    ) {
+        let dep = &self.dep;
+        let mut uncertain = Vec::new();
+        let mut deadline = dep.now() + dep.node_timeout();
+        let mut result = Err(Error::Cancelled);
+        for retry in [false, true] {
+            let mut conn = match dep.pool.get(deadline, Connect::Own) {
+                Ok(conn) => conn,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            };
+            let reused = conn.connect_time().is_zero();
+            deadline += conn.connect_time();
+            let conn_id = conn.id();
+            result = self
+                .attempt(&mut conn, owner, ttl_ms, deadline, false)
+                .map(|a| match a {
+                    Attempt::Acquired(g) => Some(g),
+                    Attempt::Busy(_) => None,
+                });
+            match &result {
+                Err(e) if e.is_uncertain() => {
+                    uncertain.push(conn_id);
+                    if reused && !retry && matches!(e, Error::Io { .. }) {
+                        continue;
+                    }
+                }
+                _ => {}
+            }
+            break;
+        }
+        (result, uncertain)
+    }
+
+    #[allow(clippy::type_complexity, reason = "a private helper's result")]
+    fn attempt(
+        &self,
+        conn: &mut crate::conn::Conn,
+        owner: &OwnerToken,
+        ttl_ms: u64,
+        deadline: Instant,
+        waiting: bool,
+    ) -> Result<Attempt<(LeaseGuard<K>, Instant, Instant)>> {
+        let attempt = self
+            .spec
+            .attempt(&self.dep, conn, owner, ttl_ms, deadline, waiting)?;
+        let received = self.dep.now();
+        Ok(match attempt {
+            Attempt::Acquired(g) => {
+                let sent = g.sent;
+                Attempt::Acquired((self.guard(g, ttl_ms), sent, received))
+            }
+            Attempt::Busy(pttl) => Attempt::Busy(pttl),
+        })
+    }
+
+    fn guard(&self, g: Granted<K::Grant>, ttl_ms: u64) -> LeaseGuard<K> {
+        let core = LeaseCore::granted(self.dep.timing, g.sent, Duration::from_millis(ttl_ms));
+        let key = g.ops.keys[0].clone();
+        let cell = Arc::new(Cell::new(key, g.ops, core));
+        LeaseGuard::new(self.dep.clone(), cell, g.grant)
+    }
 }
 
-/// The waiting verbs every single-deployment primitive has (all but
-/// `try_acquire`, whose errors differ): `$Guard` is its guard type, `$prim`
-/// its type name (for doc links) and `$what` names the thing held.
-macro_rules! wait_verbs {
-    ($Guard:ty, $prim:literal, $what:literal) => {
-        #[doc = concat!(
-                    "Waits up to `wait` for the ", $what, ". A zero wait makes exactly one \
-             attempt.\n\n\
-             Blocks until acquired or the wait runs out; it is woken by invalidations \
-             of the key (client tracking) and by a timer at the holder's expiry, and \
-             does not poll unless tracking is unavailable. Returns `Ok(None)` when the \
-             wait runs out.\n\n\
-             # Errors\n\
-             As [`try_acquire`](", $prim, "::try_acquire). Transport errors end the wait."
-                )]
-        pub fn acquire_timeout(
-            &self,
-            ttl: std::time::Duration,
-            wait: std::time::Duration,
-        ) -> $crate::Result<Option<$Guard>> {
-            self.acquire_deadline(ttl, std::time::Instant::now() + wait)
-        }
-
-        #[doc = concat!(
-                    "Waits until `deadline` for the ", $what, "; see \
-             [`acquire_timeout`](", $prim, "::acquire_timeout). A deadline already \
-             past makes exactly one attempt.\n\n\
-             # Errors\n\
-             As [`try_acquire`](", $prim, "::try_acquire)."
-                )]
-        pub fn acquire_deadline(
-            &self,
-            ttl: std::time::Duration,
-            deadline: std::time::Instant,
-        ) -> $crate::Result<Option<$Guard>> {
-            $crate::acquire::acquire(self, ttl, $crate::acquire::Wait::Until(deadline))
-        }
-
-        #[doc = concat!(
-                    "Waits for the ", $what, " until it is acquired or `cancel` is cancelled.\n\n\
-             # Errors\n\
-             [`Error::Cancelled`](crate::Error::Cancelled) on cancellation (never \
-             turned into \"not acquired\"; a ", $what, " granted to an attempt in \
-             flight at that moment is released), otherwise as \
-             [`try_acquire`](", $prim, "::try_acquire)."
-                )]
-        pub fn acquire(
-            &self,
-            ttl: std::time::Duration,
-            cancel: &$crate::CancelToken,
-        ) -> $crate::Result<$Guard> {
-            $crate::acquire::acquire(self, ttl, $crate::acquire::Wait::Cancellable(cancel))?
-                .ok_or($crate::Error::Cancelled)
-        }
-
-        #[doc = concat!(
-                    "Waits for the ", $what, " until it is acquired, `deadline` passes, or \
-             `cancel` is cancelled — a bounded wait that the caller can also abort.\n\n\
-             Returns `Ok(None)` when the deadline passes (a deadline already past \
-             makes exactly one attempt).\n\n\
-             # Errors\n\
-             [`Error::Cancelled`](crate::Error::Cancelled) on cancellation, which is \
-             never turned into \"not acquired\"; otherwise as \
-             [`try_acquire`](", $prim, "::try_acquire)."
-                )]
-        pub fn acquire_until(
-            &self,
-            ttl: std::time::Duration,
-            deadline: std::time::Instant,
-            cancel: &$crate::CancelToken,
-        ) -> $crate::Result<Option<$Guard>> {
-            $crate::acquire::acquire(
-                self,
-                ttl,
-                $crate::acquire::Wait::UntilOrCancel(deadline, cancel),
-            )
-        }
-    };
+impl<K: Kind> fmt::Debug for Lease<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.spec.debug(f)
+    }
 }
-pub(crate) use wait_verbs;

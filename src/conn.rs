@@ -6,6 +6,7 @@
 //! returned to the pool: a reply that arrives late would otherwise be read as the
 //! answer to the next command.
 
+use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -164,13 +165,17 @@ impl ConnConfig {
 
     /// Opens a connection, spending at most `budget` (capped by the connect timeout).
     ///
-    /// The connection is named `name` (`CLIENT SETNAME`, best effort) so that
-    /// `CLIENT LIST` shows what each connection is for.
+    /// One round trip after the handshake names the connection `name`
+    /// (`CLIENT SETNAME`, best effort, so `CLIENT LIST` shows what it is for)
+    /// and learns its id (`CLIENT ID`, so that a command left without a reply
+    /// can be fenced off by killing it). Scripts are not loaded here (`SCRIPT
+    /// LOAD` waits out a `CLIENT PAUSE WRITE`, as during a failover): the first
+    /// use of one on a server that lacks it sends it within the same deadline.
     pub(crate) fn connect(&self, budget: Duration, name: &str) -> Result<Conn> {
         self.open(&self.client, budget, name)
     }
 
-    /// Opens a RESP2 connection for receiving invalidation messages.
+    /// Opens a RESP2 connection for receiving pub/sub messages.
     pub(crate) fn connect_pubsub(&self, budget: Duration, name: &str) -> Result<Conn> {
         self.open(&self.pubsub_client, budget, name)
     }
@@ -183,33 +188,48 @@ impl ConnConfig {
         let inner = client
             .get_connection_with_timeout(budget)
             .map_err(|e| self.connect_error(e, budget))?;
+
         let mut conn = Conn {
             inner,
             addr: self.addr.clone(),
-            timeout: None,
-            tracking: None,
+            id: None,
+            timeout_ms: 0,
             broken: false,
+            attachment: None,
         };
-        // The first command also completes a TLS handshake and surfaces a
+        // The first round trip also completes a TLS handshake and surfaces a
         // server that accepts connections but does not answer, so its transport
         // errors are connect errors.
-        let left = budget
-            .saturating_sub(started.elapsed())
-            .max(Duration::from_millis(1));
-        conn.set_timeout(left)?;
-        let setname = redis::cmd("CLIENT").arg("SETNAME").arg(name).clone();
-        match setname.query::<()>(&mut conn.inner) {
-            Ok(()) => Ok(conn),
-            Err(e) if e.kind() == redis::ErrorKind::Io || e.is_timeout() || e.is_io_error() => {
-                Err(self.connect_error(e, budget))
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        pipe.cmd("CLIENT").arg("SETNAME").arg(name);
+        pipe.cmd("CLIENT").arg("ID");
+        let deadline = started + budget;
+        let values = match conn.pipeline(&pipe, "connection setup", deadline) {
+            Ok(values) => values,
+            Err(Error::Timeout { .. }) => {
+                return Err(self.connect_error(
+                    redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut)),
+                    budget,
+                ));
             }
-            Err(e) if e.code() == Some("NOAUTH") => Err(self.connect_error(e, budget)),
-            Err(e) => {
-                // An ACL without CLIENT SETNAME, or an old server: names are optional.
-                log::debug!("cannot name connection: {e}");
-                Ok(conn)
+            Err(Error::Io { source, .. }) => return Err(self.connect_error(source, budget)),
+            Err(e) => return Err(e),
+        };
+        let mut values = values.into_iter();
+        match values.next() {
+            Some(redis::Value::ServerError(e)) if matches!(e.code(), "NOAUTH" | "WRONGPASS") => {
+                return Err(self.connect_error(redis::RedisError::from(e), budget));
             }
+            // An ACL without CLIENT SETNAME, or an old server: names are optional.
+            Some(redis::Value::ServerError(e)) => log::debug!("cannot name connection: {e:?}"),
+            _ => {}
         }
+        match values.next() {
+            Some(redis::Value::Int(id)) => conn.id = u64::try_from(id).ok(),
+            other => log::debug!("no CLIENT ID for the connection: {other:?}"),
+        }
+        Ok(conn)
     }
 
     fn connect_error(&self, err: redis::RedisError, budget: Duration) -> Error {
@@ -283,10 +303,21 @@ pub(crate) fn redact_url(url: &str) -> String {
 pub(crate) struct Conn {
     inner: redis::Connection,
     addr: Arc<str>,
-    timeout: Option<Duration>,
-    /// Client tracking on this connection, if turned on; dropped with it.
-    pub(crate) tracking: Option<crate::runtime::waiters::Armed>,
+    /// The server's id for it (`CLIENT ID`), when the ACL allows asking.
+    id: Option<u64>,
+    /// The socket timeout now set, in whole milliseconds (0: none yet).
+    timeout_ms: u64,
     broken: bool,
+    /// State a higher layer keeps with this connection and drops with it (the
+    /// waiters keep client-tracking state here, and hear of the close by its drop).
+    pub(crate) attachment: Option<Box<dyn Any + Send>>,
+}
+
+/// The time left until `deadline`, at least 1 ms (the smallest socket timeout).
+pub(crate) fn left(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
 }
 
 impl Conn {
@@ -295,13 +326,22 @@ impl Conn {
         self.broken || !self.inner.is_open()
     }
 
-    fn set_timeout(&mut self, timeout: Duration) -> Result<()> {
-        let timeout = timeout.max(Duration::from_millis(1));
-        if self.timeout != Some(timeout) {
+    /// The server's id for this connection, if known.
+    pub(crate) fn id(&self) -> Option<u64> {
+        self.id
+    }
+
+    /// Sets the socket timeouts to the time left until `deadline`, in whole
+    /// milliseconds rounded down, touching the socket only when that changes.
+    fn set_deadline(&mut self, deadline: Instant) -> Result<Duration> {
+        let left = left(deadline);
+        let ms = (left.as_millis() as u64).max(1);
+        if self.timeout_ms != ms {
+            let timeout = Some(Duration::from_millis(ms));
             let r = self
                 .inner
-                .set_read_timeout(Some(timeout))
-                .and_then(|()| self.inner.set_write_timeout(Some(timeout)));
+                .set_read_timeout(timeout)
+                .and_then(|()| self.inner.set_write_timeout(timeout));
             if let Err(e) = r {
                 self.broken = true;
                 return Err(Error::Io {
@@ -309,9 +349,9 @@ impl Conn {
                     source: e,
                 });
             }
-            self.timeout = Some(timeout);
+            self.timeout_ms = ms;
         }
-        Ok(())
+        Ok(Duration::from_millis(ms))
     }
 
     /// Classifies an error; transport failures mark the connection broken.
@@ -336,61 +376,79 @@ impl Conn {
         Error::Server { op, source: err }
     }
 
-    /// Runs one command with the given timeout.
+    /// Runs one command, finishing by `deadline`.
     pub(crate) fn query<T: FromRedisValue>(
         &mut self,
         cmd: &redis::Cmd,
         op: &'static str,
-        timeout: Duration,
+        deadline: Instant,
     ) -> Result<T> {
-        self.set_timeout(timeout)?;
+        let timeout = self.set_deadline(deadline)?;
         cmd.query(&mut self.inner)
             .map_err(|e| self.fail(e, op, timeout))
     }
 
-    /// Runs a pipeline with the given timeout; each command's own error reply is
-    /// returned in place, transport failures fail the whole call.
+    /// Runs a pipeline, finishing by `deadline`; each command's own error reply
+    /// is returned in place, and the first transport failure fails the whole
+    /// call. (The `redis` crate's own pipeline keeps reading after a read
+    /// timeout, one more timeout per command: n commands on a stalled server
+    /// would block n times the deadline.)
     pub(crate) fn pipeline(
         &mut self,
         pipe: &redis::Pipeline,
         op: &'static str,
-        timeout: Duration,
+        deadline: Instant,
     ) -> Result<Vec<redis::Value>> {
-        self.set_timeout(timeout)?;
-        let values: Vec<redis::Value> = pipe
-            .query(&mut self.inner)
-            .map_err(|e| self.fail(e, op, timeout))?;
+        let timeout = self.set_deadline(deadline)?;
+        let count = pipe.len();
+        let packed = pipe.get_packed_pipeline();
+        if let Err(e) = self.inner.send_packed_command(&packed) {
+            return Err(self.fail(e, op, timeout));
+        }
+        let mut values = Vec::with_capacity(count);
+        while values.len() < count {
+            if Instant::now() >= deadline {
+                self.broken = true;
+                return Err(Error::Timeout { op, after: timeout });
+            }
+            self.set_deadline(deadline)?;
+            match self.inner.recv_response() {
+                // Out-of-band data (RESP3) is not a reply.
+                Ok(redis::Value::Push { .. }) => {}
+                // Error replies come back as values, in their place.
+                Ok(value) => values.push(value),
+                Err(e) => return Err(self.fail(e, op, timeout)),
+            }
+        }
         Ok(values)
     }
 
-    /// Runs a script in one round trip (EVALSHA; EVAL when the server lacks it).
+    /// Runs a script in one round trip (EVALSHA; EVAL in the time left when the
+    /// server does not have it cached), finishing by `deadline`.
     pub(crate) fn script<T: FromRedisValue>(
         &mut self,
         script: &Script,
         keys: &[&str],
         args: &[&str],
         op: &'static str,
-        timeout: Duration,
+        deadline: Instant,
     ) -> Result<T> {
-        match self.query(&script.evalsha(keys, args), op, timeout) {
+        match self.query(&script.evalsha(keys, args), op, deadline) {
             Err(Error::Server { source, .. }) if source.code() == Some("NOSCRIPT") => {
                 log::debug!(
                     "script {} not cached on the server; sending it",
                     script.name
                 );
-                self.query(&script.eval(keys, args), op, timeout)
+                if Instant::now() >= deadline {
+                    return Err(Error::Timeout {
+                        op,
+                        after: Duration::ZERO,
+                    });
+                }
+                self.query(&script.eval(keys, args), op, deadline)
             }
             other => other,
         }
-    }
-
-    /// The server's id for this connection (`CLIENT ID`).
-    pub(crate) fn client_id(&mut self, timeout: Duration) -> Result<u64> {
-        self.query(
-            &redis::cmd("CLIENT").arg("ID").clone(),
-            "CLIENT ID",
-            timeout,
-        )
     }
 
     /// Gives the raw connection for pub/sub use.
@@ -432,21 +490,12 @@ impl Pool {
         state.idle.push(conn);
     }
 
-    /// Takes an idle connection, or opens one while under the limit, or waits for
-    /// one to be returned. Waits at most `budget` for a free slot; opening a
-    /// connection then takes at most `budget` (and the connect timeout) of its
-    /// own, so that a wait for a slot never leaves a connect too little time.
-    pub(crate) fn get(&self, budget: Duration) -> Result<Pooled<'_>> {
-        self.take(Instant::now() + budget, Some(budget))
-    }
-
-    /// As [`get`](Pool::get), but everything, a connect included, is done
-    /// within `budget` (for calls that promise a bound, like a guard's release).
-    pub(crate) fn get_within(&self, budget: Duration) -> Result<Pooled<'_>> {
-        self.take(Instant::now() + budget, None)
-    }
-
-    fn take(&self, deadline: Instant, connect_budget: Option<Duration>) -> Result<Pooled<'_>> {
+    /// Takes an idle connection, or opens one while under the limit, or waits
+    /// until `deadline` for one to be returned. How long opening one may take:
+    /// with [`Connect::Own`] the connect timeout of its own (the caller then
+    /// extends its command deadline by [`Pooled::connect_time`]); with
+    /// [`Connect::Within`] whatever is left until `deadline`.
+    pub(crate) fn get(&self, deadline: Instant, connect: Connect) -> Result<Pooled<'_>> {
         let started = Instant::now();
         let mut state = self.state.lock();
         loop {
@@ -454,17 +503,22 @@ impl Pool {
                 return Ok(Pooled {
                     pool: self,
                     conn: Some(conn),
+                    connect_time: Duration::ZERO,
                 });
             }
             if state.open < self.max {
                 state.open += 1;
                 drop(state);
-                let budget = connect_budget
-                    .unwrap_or_else(|| deadline.saturating_duration_since(Instant::now()));
+                let budget = match connect {
+                    Connect::Own => self.cfg.connect_timeout,
+                    Connect::Within => deadline.saturating_duration_since(Instant::now()),
+                };
+                let opened = Instant::now();
                 return match self.cfg.connect(budget, "respire") {
                     Ok(conn) => Ok(Pooled {
                         pool: self,
                         conn: Some(conn),
+                        connect_time: opened.elapsed(),
                     }),
                     Err(e) => {
                         self.state.lock().open -= 1;
@@ -499,10 +553,27 @@ impl Pool {
     }
 }
 
+/// How a pooled call may spend time opening a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Connect {
+    /// Up to the connect timeout, on top of the call's own deadline.
+    Own,
+    /// Only within the call's deadline (calls with a strict bound: release).
+    Within,
+}
+
 /// A connection borrowed from the pool; returned on drop unless broken.
 pub(crate) struct Pooled<'a> {
     pool: &'a Pool,
     conn: Option<Conn>,
+    connect_time: Duration,
+}
+
+impl Pooled<'_> {
+    /// How long opening this connection took (zero for an idle one).
+    pub(crate) fn connect_time(&self) -> Duration {
+        self.connect_time
+    }
 }
 
 impl std::ops::Deref for Pooled<'_> {

@@ -1,23 +1,19 @@
 //! `Coordinator`: one Redis deployment, its connection pool, its key prefix and the
 //! background threads; the factory for every single-deployment primitive.
 
-use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::Mutex;
-
+use crate::acquire::Lease;
+use crate::clock;
 use crate::conn::{ConnConfig, ConnSettings, Pool, Protocol, redact_url};
+use crate::deployment::Deployment;
 use crate::error::{Error, Result};
-use crate::fenced::FencedLock;
+use crate::fenced::{FencedLock, FencedSpec};
 use crate::keys;
-use crate::lease;
-use crate::lock::Lock;
-use crate::runtime::renewal::{Renewal, RenewalStats};
-use crate::runtime::tracking::Tracking;
-use crate::scripts;
-use crate::token::OwnerToken;
+use crate::lock::{Lock, PlainSpec};
+use crate::runtime::renewal::RenewalStats;
 
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(500);
@@ -36,18 +32,7 @@ const DEFAULT_DRIFT_FACTOR: f64 = 0.01;
 /// TLS setting fails here rather than at the first lock.
 #[derive(Clone)]
 pub struct Coordinator {
-    shared: Arc<Shared>,
-}
-
-pub(crate) struct Shared {
-    pub(crate) pool: Pool,
-    pub(crate) prefix: String,
-    pub(crate) drift_factor: f64,
-    renewal: Renewal,
-    tracking: OnceLock<Tracking>,
-    tracking_init: Mutex<()>,
-    fences: Mutex<HashMap<String, u64>>,
-    keepalive_ok: OnceLock<()>,
+    dep: Arc<Deployment>,
 }
 
 impl Coordinator {
@@ -90,8 +75,8 @@ impl Coordinator {
     /// # Errors
     /// [`Error::InvalidArgument`] for an empty key. Nothing is sent to Redis.
     pub fn lock(&self, key: &str) -> Result<Lock> {
-        let key = keys::physical(&self.shared.prefix, key, "lock key")?;
-        Ok(Lock::new(self.shared.clone(), key))
+        let key = keys::physical(&self.dep.prefix, key, "lock key")?;
+        Ok(Lease::new(self.dep.clone(), Arc::new(PlainSpec::new(key))))
     }
 
     /// A fenced lock: a lease key plus a counter that issues a strictly increasing
@@ -107,179 +92,48 @@ impl Coordinator {
     /// [`Error::CrossSlot`] when the keys land in different slots. Nothing is sent
     /// to Redis.
     pub fn fenced_lock(&self, lease_key: &str, fence_key: &str) -> Result<FencedLock> {
-        let lease = keys::physical(&self.shared.prefix, lease_key, "lease key")?;
-        let fence = keys::physical(&self.shared.prefix, fence_key, "fence key")?;
+        let lease = keys::physical(&self.dep.prefix, lease_key, "lease key")?;
+        let fence = keys::physical(&self.dep.prefix, fence_key, "fence key")?;
         if lease == fence {
             return Err(Error::InvalidArgument(format!(
                 "lease key and fence key are the same key {lease:?}"
             )));
         }
         keys::same_slot(&lease, &fence)?;
-        Ok(FencedLock::new(self.shared.clone(), lease, fence))
+        Ok(Lease::new(
+            self.dep.clone(),
+            Arc::new(FencedSpec::new(lease, fence)),
+        ))
     }
 
     /// The prefix added to every key.
     pub fn key_prefix(&self) -> &str {
-        &self.shared.prefix
+        &self.dep.prefix
     }
 
     /// The longest any one command may take before it counts as failed.
     pub fn node_timeout(&self) -> Duration {
-        self.shared.node_timeout()
+        self.dep.node_timeout()
     }
 
-    /// The renewal thread's counters: round trips, renewals, failures, losses.
+    /// The renewal runtime's counters: round trips, renewals, failures, losses.
     pub fn renewal_stats(&self) -> RenewalStats {
-        self.shared.renewal.stats()
+        self.dep.stats()
     }
 
-    /// The pool, settings and runtime behind this handle (for `RedlockGroup`).
-    pub(crate) fn shared(&self) -> &Arc<Shared> {
-        &self.shared
+    /// The deployment behind this handle.
+    pub(crate) fn deployment(&self) -> &Arc<Deployment> {
+        &self.dep
     }
 }
 
 impl fmt::Debug for Coordinator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Coordinator")
-            .field("addr", &self.shared.pool.cfg.addr)
-            .field("key_prefix", &self.shared.prefix)
-            .field("node_timeout", &self.shared.node_timeout())
+            .field("addr", &self.dep.pool.cfg.addr)
+            .field("key_prefix", &self.dep.prefix)
+            .field("node_timeout", &self.dep.node_timeout())
             .finish_non_exhaustive()
-    }
-}
-
-impl Shared {
-    pub(crate) fn node_timeout(&self) -> Duration {
-        self.pool.cfg.node_timeout
-    }
-
-    pub(crate) fn renewal(&self) -> &Renewal {
-        &self.renewal
-    }
-
-    /// The invalidation subscriber, started on first use.
-    pub(crate) fn tracking(&self) -> Result<&Tracking> {
-        if let Some(t) = self.tracking.get() {
-            return Ok(t);
-        }
-        let _init = self.tracking_init.lock();
-        if let Some(t) = self.tracking.get() {
-            return Ok(t);
-        }
-        let t = Tracking::spawn(self.pool.cfg.clone()).map_err(|source| Error::Thread {
-            name: "respire-tracker",
-            source,
-        })?;
-        Ok(self.tracking.get_or_init(|| t))
-    }
-
-    pub(crate) fn check_ttl(&self, ttl: Duration) -> Result<u64> {
-        lease::check_ttl(ttl, self.drift_factor, self.node_timeout())
-    }
-
-    /// Turns the scripts' BADKEY / BADFENCE / WRONGTYPE replies into [`Error::BadKey`].
-    pub(crate) fn bad_key(&self, err: Error, key: &str) -> Error {
-        bad_key(err, key)
-    }
-
-    /// Keep-alive kills connections whose renewal got no reply, so it needs
-    /// `CLIENT ID` and `CLIENT KILL`. Checked once per coordinator.
-    pub(crate) fn check_keepalive_rights(&self) -> Result<()> {
-        if self.keepalive_ok.get().is_some() {
-            return Ok(());
-        }
-        let timeout = self.node_timeout();
-        let mut conn = self.pool.get(timeout)?;
-        let probe = conn.client_id(timeout).and_then(|_| {
-            // An id no connection has: allowed ⇒ `:0`, denied ⇒ NOPERM.
-            conn.query::<i64>(
-                redis::cmd("CLIENT")
-                    .arg("KILL")
-                    .arg("ID")
-                    .arg(i64::MAX)
-                    .arg("SKIPME")
-                    .arg("yes"),
-                "CLIENT KILL",
-                timeout,
-            )
-        });
-        match probe {
-            Ok(_) => {
-                let _ = self.keepalive_ok.set(());
-                Ok(())
-            }
-            Err(Error::Permission(why)) => Err(Error::Permission(format!(
-                "keep-alive needs the ACL rights to CLIENT ID and CLIENT KILL \
-                 (to cut off a renewal that got no reply): {why}"
-            ))),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Records a fencing token and refuses one that is not above every token this
-    /// coordinator saw before for the same counter.
-    pub(crate) fn note_token(&self, fence_key: &str, token: u64) -> Result<()> {
-        let mut fences = self.fences.lock();
-        let seen = fences.entry(fence_key.to_owned()).or_insert(0);
-        if token <= *seen {
-            let seen = *seen;
-            drop(fences);
-            log::error!(
-                "fencing counter {fence_key:?} went back: issued {token} after {seen}; \
-                 its history was lost (failover, restart without persistence, eviction)"
-            );
-            return Err(Error::FencingRegression {
-                fence_key: fence_key.to_owned(),
-                issued: token,
-                seen,
-            });
-        }
-        *seen = token;
-        Ok(())
-    }
-
-    /// Best-effort delete of a lease that an attempt without a reply may have set.
-    pub(crate) fn release_owner(&self, key: &str, owner: &OwnerToken) {
-        let timeout = self.node_timeout();
-        let result = self.pool.get(timeout).and_then(|mut conn| {
-            conn.script::<i64>(
-                &scripts::LEASE_RELEASE,
-                &[key],
-                &[owner.as_str(), "prefix"],
-                "release",
-                timeout,
-            )
-        });
-        match result {
-            Ok(1) => log::info!("released {key:?}, acquired by an attempt whose reply was lost"),
-            Ok(_) => {}
-            Err(e) => log::warn!(
-                "could not clean up after an unanswered acquire of {key:?} ({e}); \
-                 if it was granted, it ends at its expiry"
-            ),
-        }
-    }
-}
-
-pub(crate) fn bad_key(err: Error, key: &str) -> Error {
-    match err {
-        Error::Server { source, .. }
-            if matches!(source.code(), Some("BADKEY" | "BADFENCE" | "WRONGTYPE")) =>
-        {
-            let detail = source.detail().unwrap_or("has the wrong type").to_owned();
-            let detail = detail
-                .split(" script:")
-                .next()
-                .unwrap_or(&detail)
-                .trim()
-                .to_owned();
-            Error::BadKey {
-                key: key.to_owned(),
-                problem: detail,
-            }
-        }
-        other => other,
     }
 }
 
@@ -413,25 +267,16 @@ impl CoordinatorBuilder {
             #[cfg(feature = "tls")]
             tls: self.tls,
         })?);
-        let mut first = cfg.connect(cfg.connect_timeout, "respire")?;
-        first.query::<String>(&redis::cmd("PING"), "PING", cfg.node_timeout)?;
-        let pool = Pool::new(cfg.clone(), self.pool_size);
+        let first = cfg.connect(cfg.connect_timeout, "respire")?;
+        let pool = Pool::new(cfg, self.pool_size);
         pool.seed(first);
-        let renewal = Renewal::spawn(cfg).map_err(|source| Error::Thread {
-            name: "respire-renewal",
-            source,
-        })?;
         Ok(Coordinator {
-            shared: Arc::new(Shared {
+            dep: Arc::new(Deployment::new(
                 pool,
-                prefix: self.key_prefix,
-                drift_factor: self.drift_factor,
-                renewal,
-                tracking: OnceLock::new(),
-                tracking_init: Mutex::new(()),
-                fences: Mutex::new(HashMap::new()),
-                keepalive_ok: OnceLock::new(),
-            }),
+                self.key_prefix,
+                self.drift_factor,
+                clock::system(),
+            )),
         })
     }
 }

@@ -164,7 +164,7 @@ pub enum Error {
     #[error(
         "quorum not reached: {confirmed} of {} nodes for {op}, {needed} needed ({})",
         nodes.len(),
-        crate::redlock::summarize(nodes)
+        crate::report::summarize(nodes)
     )]
     QuorumNotReached {
         /// What was being done: `"acquire"`, `"extend"` or `"release"`.
@@ -174,7 +174,7 @@ pub enum Error {
         /// The quorum: more than half of the nodes.
         needed: usize,
         /// Every node's answer, in the group's order.
-        nodes: Vec<crate::redlock::NodeReport>,
+        nodes: Vec<crate::report::NodeReport>,
     },
 
     /// The servers given to a Redlock group are not independent: the same server
@@ -225,4 +225,41 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Whether a server error reply means "permission denied".
 pub(crate) fn is_noperm(err: &redis::RedisError) -> bool {
     err.code() == Some("NOPERM")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::{NodeOutcome, NodeReport, summarize};
+
+    #[test]
+    fn summaries_name_every_node() {
+        let nodes = vec![
+            NodeReport {
+                node: "redis://a:1".into(),
+                outcome: NodeOutcome::Granted,
+                latency: None,
+            },
+            NodeReport {
+                node: "redis://b:2".into(),
+                outcome: NodeOutcome::Failed("refused".into()),
+                latency: None,
+            },
+        ];
+        assert_eq!(
+            summarize(&nodes),
+            "redis://a:1: granted; redis://b:2: failed: refused"
+        );
+        let e = Error::QuorumNotReached {
+            op: "acquire",
+            confirmed: 1,
+            needed: 2,
+            nodes,
+        };
+        assert!(
+            e.to_string()
+                .starts_with("quorum not reached: 1 of 2 nodes for acquire, 2 needed"),
+            "{e}"
+        );
+    }
 }

@@ -9,185 +9,160 @@
 //! increments, a restart without persistence, or eviction can issue a token twice.
 
 use std::fmt;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use crate::acquire::{self, Acquirer, Wait};
+use crate::acquire::Lease;
 use crate::conn::Conn;
-use crate::coordinator::Shared;
+use crate::deployment::{Deployment, bad_key};
 use crate::error::{Error, Result};
-use crate::lease::{LeaseCore, lease_guard_methods};
+use crate::guard::LeaseGuard;
+use crate::kind::{Acquire, Fenced, Granted};
+use crate::lock::{busy, string_clean_up};
+use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
 use crate::scripts;
-use crate::token::OwnerToken;
-
-/// A fencing token: strictly greater for every later grant of the same lock, as
-/// long as the counter's history survives on the server.
-///
-/// Pass it with every write to the protected resource, and have the resource
-/// atomically refuse a token lower than the highest it has accepted (equal tokens
-/// are the same holder writing again).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct FencingToken(pub u64);
-
-impl FencingToken {
-    /// The token as a number.
-    pub fn get(self) -> u64 {
-        self.0
-    }
-}
-
-impl fmt::Display for FencingToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&self.0, f)
-    }
-}
+use crate::token::{FencingToken, OwnerToken};
 
 /// A fenced lock on one deployment. Made by
-/// [`Coordinator::fenced_lock`](crate::Coordinator::fenced_lock); cheap to clone.
-#[derive(Clone)]
-pub struct FencedLock {
-    shared: Arc<Shared>,
-    lease: String,
-    fence: String,
-}
+/// [`Coordinator::fenced_lock`](crate::Coordinator::fenced_lock); cheap to
+/// clone. Its verbs are those of every [`Lease`].
+pub type FencedLock = Lease<Fenced>;
 
-impl FencedLock {
-    pub(crate) fn new(shared: Arc<Shared>, lease: String, fence: String) -> Self {
-        FencedLock {
-            shared,
-            lease,
-            fence,
-        }
-    }
+/// A held [`FencedLock`] lease and its fencing token
+/// ([`fencing_token`](LeaseGuard::fencing_token)): a [`LeaseGuard`] with every
+/// guard method. Dropping it releases the lease (best effort, bounded by the
+/// node timeout, never panics).
+pub type FencedGuard = LeaseGuard<Fenced>;
 
+impl Lease<Fenced> {
     /// The physical lease key.
     pub fn lease_key(&self) -> &str {
-        &self.lease
+        &self.physical_keys()[0]
     }
 
     /// The physical fence counter key.
     pub fn fence_key(&self) -> &str {
-        &self.fence
+        &self.physical_keys()[1]
     }
-
-    /// One attempt, one round trip: if the lease is free, the script increments
-    /// the counter and sets the lease with this holder's owner token and the new
-    /// fencing token. Blocks for at most the node timeout.
-    ///
-    /// Returns `Ok(Some(guard))` when granted, `Ok(None)` when someone else holds
-    /// the lease.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for a bad TTL; [`Error::BadKey`] when the lease
-    /// key holds another type or the counter has an expiry, another type, or is not
-    /// an integer (nothing is changed); [`Error::FencingRegression`] when the token
-    /// is not above one this coordinator saw before (the lease is released again);
-    /// [`Error::Timeout`] / [`Error::Io`] when the reply was lost (a lease it may
-    /// have set is deleted again, best effort; the counter may have advanced).
-    pub fn try_acquire(&self, ttl: Duration) -> Result<Option<FencedGuard>> {
-        acquire::acquire(self, ttl, Wait::Once)
-    }
-
-    acquire::wait_verbs!(FencedGuard, "FencedLock", "lease");
 }
 
-impl Acquirer for FencedLock {
-    type Guard = FencedGuard;
+/// The keys and acquire script of a [`FencedLock`].
+pub(crate) struct FencedSpec {
+    /// Lease, fence.
+    keys: [String; 2],
+}
 
-    fn shared(&self) -> &Arc<Shared> {
-        &self.shared
+impl FencedSpec {
+    pub(crate) fn new(lease: String, fence: String) -> Self {
+        FencedSpec {
+            keys: [lease, fence],
+        }
+    }
+}
+
+/// Reads a token the scripts return as a string (or, from older scripts, an
+/// integer).
+pub(crate) fn parse_token(value: &redis::Value, op: &'static str) -> Result<FencingToken> {
+    let parsed = match value {
+        redis::Value::BulkString(b) => std::str::from_utf8(b).ok().and_then(|s| s.parse().ok()),
+        redis::Value::SimpleString(s) => s.parse().ok(),
+        redis::Value::Int(n) => u64::try_from(*n).ok(),
+        _ => None,
+    };
+    match parsed {
+        Some(t) if t > 0 => Ok(FencingToken(t)),
+        _ => Err(Error::UnexpectedReply {
+            op,
+            reply: format!("fencing token {value:?} is not a positive 64-bit integer"),
+        }),
+    }
+}
+
+impl Acquire<FencingToken> for FencedSpec {
+    fn keys(&self) -> &[String] {
+        &self.keys
     }
 
-    fn wait_key(&self) -> &str {
-        &self.lease
+    fn wait_keys(&self) -> Vec<&str> {
+        vec![&self.keys[0]]
     }
 
     fn attempt(
         &self,
+        dep: &Deployment,
         conn: &mut Conn,
         owner: &OwnerToken,
         ttl_ms: u64,
-    ) -> Result<Attempt<FencedGuard>> {
-        let sent = Instant::now();
-        let reply: Vec<i64> = conn
+        deadline: Instant,
+        _waiting: bool,
+    ) -> Result<Attempt<Granted<FencingToken>>> {
+        let [lease, fence] = &self.keys;
+        let sent = dep.now();
+        let reply: Vec<redis::Value> = conn
             .script(
                 &scripts::FENCED_ACQUIRE,
-                &[&self.lease, &self.fence],
+                &[lease, fence],
                 &[owner.as_str(), &ttl_ms.to_string()],
                 "acquire",
-                self.shared.node_timeout(),
+                deadline,
             )
             .map_err(|e| {
                 let key = match &e {
-                    Error::Server { source, .. } if source.code() == Some("BADFENCE") => {
-                        &self.fence
+                    Error::Server { source, .. }
+                        if source.code() == Some("BADFENCE")
+                            || source.to_string().contains("overflow") =>
+                    {
+                        fence
                     }
-                    _ => &self.lease,
+                    _ => lease,
                 };
-                self.shared.bad_key(e, key)
+                match e {
+                    Error::Server { source, .. } if source.to_string().contains("overflow") => {
+                        Error::BadKey {
+                            key: key.clone(),
+                            problem: "is at the largest value a counter can hold; no further \
+                                      fencing token can be issued"
+                                .into(),
+                        }
+                    }
+                    e => bad_key(e, key),
+                }
             })?;
         match reply.as_slice() {
-            [1, token] if *token > 0 => {
-                let token = *token as u64;
-                let guard = FencedGuard {
-                    core: LeaseCore::new(
-                        self.shared.clone(),
-                        self.lease.clone(),
-                        format!("{}:{token}", owner.as_str()),
-                        sent,
-                        ttl_ms,
-                    ),
-                    token: FencingToken(token),
-                };
-                if let Err(e) = self.shared.note_token(&self.fence, token) {
-                    drop(guard);
-                    return Err(e);
-                }
-                Ok(Attempt::Acquired(guard))
+            [redis::Value::Int(1), token] => {
+                let token = parse_token(token, "acquire")?;
+                Ok(Attempt::Acquired(Granted {
+                    grant: token,
+                    ops: Ops::string_value(lease, format!("{}:{token}", owner.as_str())),
+                    sent,
+                }))
             }
-            [0, pttl] => Ok(Attempt::Busy(
-                u64::try_from(*pttl).ok().map(Duration::from_millis),
-            )),
+            [redis::Value::Int(0), redis::Value::Int(pttl)] => Ok(Attempt::Busy(busy(*pttl))),
             other => Err(Error::UnexpectedReply {
                 op: "acquire",
                 reply: format!("{other:?}"),
             }),
         }
     }
-}
 
-impl fmt::Debug for FencedLock {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    fn check(
+        &self,
+        dep: &Deployment,
+        token: &FencingToken,
+        sent: Instant,
+        received: Instant,
+    ) -> Result<()> {
+        dep.note_token(&self.keys[1], token.get(), sent, received)
+    }
+
+    fn clean_up(&self, owner: &OwnerToken) -> redis::Cmd {
+        string_clean_up(&self.keys[0], owner)
+    }
+
+    fn debug(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FencedLock")
-            .field("lease_key", &self.lease)
-            .field("fence_key", &self.fence)
+            .field("lease_key", &self.keys[0])
+            .field("fence_key", &self.keys[1])
             .finish()
-    }
-}
-
-/// A held [`FencedLock`] lease and its fencing token. Dropping it releases the
-/// lease (best effort, bounded by the node timeout, never panics).
-#[must_use = "if unused the lease is released immediately"]
-pub struct FencedGuard {
-    core: LeaseCore,
-    token: FencingToken,
-}
-
-impl FencedGuard {
-    /// The fencing token of this grant. Send it with every write to the protected
-    /// resource.
-    pub fn fencing_token(&self) -> FencingToken {
-        self.token
-    }
-
-    lease_guard_methods!("lease");
-}
-
-impl fmt::Debug for FencedGuard {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut d = f.debug_struct("FencedGuard");
-        self.core.debug_fields(&mut d);
-        d.field("fencing_token", &self.token).finish()
     }
 }

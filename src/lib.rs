@@ -156,31 +156,39 @@
 
 mod acquire;
 mod cancel;
+mod clock;
 mod conn;
 mod coordinator;
+mod core;
+mod deployment;
 mod error;
 mod fenced;
+mod guard;
 mod keys;
-mod lease;
+mod kind;
 mod lock;
 mod redlock;
+mod report;
 mod runtime;
 mod scripts;
+#[cfg(test)]
+mod sim;
 mod token;
 
+pub use acquire::Lease;
 pub use cancel::CancelToken;
 pub use conn::Protocol;
 pub use coordinator::{Coordinator, CoordinatorBuilder};
 pub use error::{Error, Result};
-pub use fenced::{FencedGuard, FencedLock, FencingToken};
+pub use fenced::{FencedGuard, FencedLock};
+pub use guard::{KeepAlive, LeaseGuard, ReleaseOutcome};
 pub use keys::{MAX_TTL, key_slot};
-pub use lease::ReleaseOutcome;
+pub use kind::{Fenced, Kind, Plain};
 pub use lock::{Lock, LockGuard};
-pub use redlock::{
-    NodeOutcome, NodeReport, RedlockAttempt, RedlockGroup, RedlockGuard, RedlockKeepAlive,
-    RedlockOptions,
-};
-pub use runtime::renewal::{KeepAlive, RenewalStats};
+pub use redlock::{RedlockAttempt, RedlockGroup, RedlockGuard, RedlockKeepAlive, RedlockOptions};
+pub use report::{NodeOutcome, NodeReport};
+pub use runtime::renewal::RenewalStats;
+pub use token::FencingToken;
 
 /// The README's examples, compiled as doc tests.
 #[cfg(doctest)]

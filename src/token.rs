@@ -1,6 +1,29 @@
-//! Owner tokens: 128 bits from the operating system's random generator.
+//! Owner tokens (128 bits from the operating system's random generator) and
+//! fencing tokens.
 
 use std::fmt;
+
+/// A fencing token: strictly greater for every later grant from the same
+/// counter, as long as the counter's history survives on the server.
+///
+/// Pass it with every write to the protected resource, and have the resource
+/// atomically refuse a token lower than the highest it has accepted (equal tokens
+/// are the same holder writing again).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FencingToken(pub u64);
+
+impl FencingToken {
+    /// The token as a number.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for FencingToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
 
 /// Identifies one acquisition. Stored as the lease value, so only the holder that
 /// set a key can renew or delete it. Never reused: each acquire call draws a new one.
@@ -16,9 +39,11 @@ impl OwnerToken {
     pub(crate) fn new() -> Self {
         let mut bytes = [0u8; 16];
         getrandom::fill(&mut bytes).expect("the OS random generator failed");
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
         let mut hex = String::with_capacity(32);
         for b in bytes {
-            hex.push_str(&format!("{b:02x}"));
+            hex.push(char::from(DIGITS[usize::from(b >> 4)]));
+            hex.push(char::from(DIGITS[usize::from(b & 0xf)]));
         }
         OwnerToken(hex)
     }

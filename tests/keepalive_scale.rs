@@ -53,8 +53,12 @@ fn ten_thousand_kept_alive_leases_on_three_threads_at_most() {
         .iter()
         .map(|l| l.try_acquire(TTL).unwrap().expect("free key"))
         .collect();
+    // Nobody keeps a lease alive or watches its signal yet: no thread at all.
+    assert_eq!(crate_threads(), Vec::<String>::new());
     let renewals: Vec<_> = guards.iter().map(|g| g.keep_alive().unwrap()).collect();
     let threads_at_start = crate_threads();
+    // The renewal thread (no I/O) and its executor (one connection).
+    assert_eq!(threads_at_start, ["respire-io", "respire-renewal"]);
     let stats_at_start = coord.renewal_stats();
     let cpu_at_start = cpu_time();
     let started = Instant::now();
@@ -101,15 +105,18 @@ fn ten_thousand_kept_alive_leases_on_three_threads_at_most() {
     );
     drop(renewals);
 
-    // The first wait starts the invalidation subscriber: two threads in all.
+    // The first wait starts the invalidation subscriber: three threads in all.
     let waiter = locks[0]
         .acquire_timeout(TTL, Duration::from_millis(20))
         .unwrap();
     assert!(waiter.is_none(), "the lock is still held");
     let threads = crate_threads();
-    assert_eq!(threads, ["respire-renewal", "respire-tracker"]);
+    assert_eq!(
+        threads,
+        ["respire-io", "respire-renewal", "respire-tracker"]
+    );
 
-    // Both stop once the coordinator and every guard are gone.
+    // All stop once the coordinator and every guard are gone.
     drop(guards);
     drop(locks);
     drop(coord);

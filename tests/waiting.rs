@@ -459,7 +459,18 @@ fn waiters_wait_for_a_pooled_connection_instead_of_failing() {
             s.spawn(move || {
                 start.wait();
                 let r = lock.acquire_timeout(LONG_TTL, Duration::from_secs(60));
-                let r = r.map(|g| g.map(|g| g.release().unwrap()));
+                // A release takes at most one node timeout in all, a free
+                // connection included; with one connection shared by ten, it
+                // may find none in time (nothing sent: an error, not "uncertain").
+                let r = r.map(|g| {
+                    g.map(|g| match g.release() {
+                        Ok(outcome) => Ok(outcome),
+                        Err(Error::PoolTimeout(_) | Error::Connect { .. }) => {
+                            Err("no connection for the release in time")
+                        }
+                        Err(e) => panic!("release: {e}"),
+                    })
+                });
                 outcomes.lock().unwrap().push(r.map_err(|e| e.to_string()));
             });
         }
@@ -753,7 +764,7 @@ fn a_token_cancelled_before_the_call_sends_nothing() {
 // ---------------------------------------------------------------------------
 
 #[test]
-fn a_server_killed_during_a_wait_is_an_error_not_a_timeout() {
+fn a_killed_server_ends_a_bounded_wait_with_its_error_and_an_unbounded_wait_rides_it_out() {
     let server = TestServer::start();
     let mut admin = server.client();
     let coord = coordinator(&server.url(), "killed:");
@@ -764,12 +775,12 @@ fn a_server_killed_during_a_wait_is_an_error_not_a_timeout() {
     let cancel = CancelToken::new();
     thread::scope(|s| {
         let bounded = s.spawn(|| {
-            let r = lock.acquire_timeout(LONG_TTL, Duration::from_secs(30));
+            let r = lock.acquire_timeout(LONG_TTL, Duration::from_secs(3));
             (r.map(|g| g.is_some()), Instant::now())
         });
         let unbounded = s.spawn(|| {
             let r = fenced.acquire(LONG_TTL, &cancel);
-            (r.map(|_| true), Instant::now())
+            (r.map(|g| g.fencing_token().get()), Instant::now())
         });
         wait_until(Duration::from_secs(10), "both waiters to attempt", || {
             script_calls(&mut admin) >= 2
@@ -779,25 +790,28 @@ fn a_server_killed_during_a_wait_is_an_error_not_a_timeout() {
         });
         let killed = Instant::now();
         server.kill();
+        // The bounded wait keeps trying until its deadline, then reports the
+        // last failure: never "held by someone else" for a server that is gone.
         let (bounded, b_at) = bounded.join().unwrap();
-        let (unbounded, u_at) = unbounded.join().unwrap();
-        println!(
-            "waiters failed {:?} and {:?} after the kill: {bounded:?} / {unbounded:?}",
-            b_at - killed,
-            u_at - killed
-        );
-        let err = bounded.expect_err("a transport error, not Ok(None)");
+        let err = bounded.expect_err("the last error, not Ok(None)");
         assert!(
             err.is_retryable() && !matches!(err, Error::Cancelled),
             "{err}"
         );
-        let err = unbounded.expect_err("a transport error, not a grant");
-        assert!(
-            err.is_retryable() && !matches!(err, Error::Cancelled),
-            "{err}"
-        );
+        println!("bounded wait: {err} after {:?}", b_at - killed);
         assert!(b_at - killed < Duration::from_secs(10));
-        assert!(u_at - killed < Duration::from_secs(10));
+        // The unbounded one is still waiting; the server comes back without
+        // the holder's lease (no persistence), and it acquires.
+        assert!(!unbounded.is_finished(), "the unbounded wait gave up");
+        server.restart();
+        let restarted = Instant::now();
+        let (unbounded, u_at) = unbounded.join().unwrap();
+        let token = unbounded.expect("the unbounded wait acquires after the restart");
+        println!(
+            "unbounded wait acquired token {token} {:?} after the restart",
+            u_at - restarted
+        );
+        assert!(u_at - restarted < Duration::from_secs(10));
     });
 }
 
@@ -829,7 +843,7 @@ fn an_attempt_whose_reply_was_lost_is_recovered_or_cleaned_up() {
     // With the connection reset after the lost reply, the wait retries on a
     // fresh connection and, the acquire script being idempotent for its owner,
     // gets back the very grant it lost. With the connection left hanging, the
-    // wait ends with an uncertain error and deletes what it may have been granted.
+    // attempt times out, and the wait does the same on a new connection.
     for (fenced_round, reset) in [(false, true), (true, false), (true, true)] {
         let key = if fenced_round {
             "lost:{f}:lease"
@@ -883,13 +897,11 @@ fn an_attempt_whose_reply_was_lost_is_recovered_or_cleaned_up() {
                 assert!(granted);
             } else {
                 // The reply is gone for good but the connection stays open: the
-                // attempt times out, and the clean-up goes out on a new one.
+                // attempt times out, a retryable error; the wait tries again on
+                // a new connection with the same owner and gets the grant back.
                 proxy.set_mode(support::Mode::Pass);
-                let err = waiter
-                    .join()
-                    .unwrap()
-                    .expect_err("the lost reply is an error");
-                assert!(err.is_uncertain(), "{err}");
+                let granted = waiter.join().unwrap().expect("the grant is recovered");
+                assert!(granted);
             }
         });
         // The recovered guard was dropped with the waiter's thread: either way
@@ -1061,9 +1073,15 @@ fn waits_use_tracking_again_after_a_server_restart() {
                 .is_some_and(|id| redirects_to(&server, id))
         });
         server.restart();
-        // The server went away under the waiter: a transport error.
-        let err = waiter.join().unwrap().expect_err("a transport error");
-        assert!(err.is_retryable(), "{err}");
+        // The server went away under the waiter, and came back without the
+        // holder's key (no persistence): the wait rides out the outage and
+        // acquires, on a new connection, tracked by a new subscriber.
+        let guard = waiter
+            .join()
+            .unwrap()
+            .expect("the wait rides out the restart")
+            .expect("the holder's key is gone after the restart");
+        assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
     });
     let mut admin = server.client();
     wait_until(

@@ -1,11 +1,12 @@
-//! The only code that starts threads: the renewal thread and the invalidation
-//! subscriber (one each per `Coordinator`), the Redlock node workers and renewal
-//! thread (per `RedlockGroup`), and the timing rules they follow.
+//! The only code that starts threads: the renewal thread and its executor, the
+//! invalidation subscriber (per deployment), the Redlock node workers and
+//! renewal thread (per `RedlockGroup`), and the lease state they share with the
+//! guards. Everything here drives the pure core (`crate::core`) with real time
+//! and real connections.
 
-pub(crate) mod clock;
+pub(crate) mod lease;
 pub(crate) mod nodes;
-pub(crate) mod redlock_renewal;
 pub(crate) mod renewal;
-pub(crate) mod timer;
+pub(crate) mod scheduler;
 pub(crate) mod tracking;
 pub(crate) mod waiters;

@@ -9,6 +9,15 @@
 //! lease reaches a node after that lease's acquire, even when the acquire was
 //! abandoned unanswered: a late grant is always cleaned up by owner token.
 //!
+//! A command that got no reply may still be applied later, on the connection it
+//! went out on. So before anything else is sent to that node, the worker kills
+//! that connection from its new one (`CLIENT KILL ID`) and waits for the
+//! confirmation: one node's commands are applied in the order they were issued
+//! or not at all, and a release can never be overtaken by the late acquire it
+//! cleans up after. While the kill cannot be confirmed, nothing is sent there.
+//! A release that waited past its deadline behind other jobs is still sent,
+//! with a budget of its own, so a late grant does not outlive its clean-up.
+//!
 //! A node whose command failed at the transport level (refused, reset, no reply)
 //! is rested for a short, growing while: acquires and extensions are answered
 //! "not sent" without touching the network until the next try, so a dead or
@@ -21,8 +30,9 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
 use crate::conn::{Conn, ConnConfig};
+use crate::core::quorum::Vote;
 use crate::error::{Error, Result};
-use crate::redlock::NodeOutcome;
+use crate::report::NodeOutcome;
 use crate::scripts;
 
 /// What one job asks of its node.
@@ -36,21 +46,12 @@ pub(crate) enum Op {
     Release,
 }
 
-/// How a reply counts toward a quorum.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Vote {
-    /// The node did what was asked (release: the lease is gone from it).
-    Yes,
-    /// The node answered, and it will not count.
-    No,
-    /// No usable answer: it failed, timed out or was not asked.
-    Unknown,
-}
-
 /// One node's answer to one job.
 #[derive(Clone, Debug)]
 pub(crate) struct Reply {
     pub(crate) node: usize,
+    /// The job's tag, echoed.
+    pub(crate) tag: u64,
     pub(crate) outcome: NodeOutcome,
     pub(crate) vote: Vote,
     /// From the send to the reply; `None` when nothing was sent.
@@ -82,20 +83,54 @@ impl NodeLease {
         let slots = keys.iter().map(|_| Mutex::new(Slot::default())).collect();
         NodeLease { keys, value, slots }
     }
-
-    pub(crate) fn value(&self) -> &str {
-        &self.value
-    }
 }
 
 /// One node's share of a group operation.
 pub(crate) struct Job {
     pub(crate) op: Op,
     pub(crate) lease: Arc<NodeLease>,
-    /// Not sent after this; the command's own timeout ends here.
+    /// Not sent after this (but a release is); the command's own timeout ends here.
     pub(crate) deadline: Instant,
     /// Where the reply goes; `None` for fire-and-forget clean-up.
     pub(crate) reply: Option<Sender<Reply>>,
+    /// Echoed in the reply, to tell fan-outs sharing one channel apart.
+    pub(crate) tag: u64,
+    /// Counted down when the job is finished, whatever its outcome.
+    pub(crate) done: Option<Arc<Completion>>,
+}
+
+/// Runs a closure once every job of one fan-out is finished, and its decider
+/// has had its say (it holds one count of its own).
+pub(crate) struct Completion {
+    remaining: std::sync::atomic::AtomicUsize,
+    then: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl Completion {
+    /// For `jobs` jobs plus the decider.
+    pub(crate) fn new(jobs: usize) -> Arc<Completion> {
+        Arc::new(Completion {
+            remaining: std::sync::atomic::AtomicUsize::new(jobs + 1),
+            then: Mutex::new(None),
+        })
+    }
+
+    /// Sets what runs at the end (the decider calls this, then [`Completion::finish`]).
+    pub(crate) fn then(&self, f: impl FnOnce() + Send + 'static) {
+        *self.then.lock() = Some(Box::new(f));
+    }
+
+    /// One job, or the decider, is finished.
+    pub(crate) fn finish(&self) {
+        if self
+            .remaining
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel)
+            == 1
+            && let Some(f) = self.then.lock().take()
+        {
+            f();
+        }
+    }
 }
 
 /// The handle on one worker thread; the thread finishes the queued jobs and
@@ -103,6 +138,23 @@ pub(crate) struct Job {
 pub(crate) struct NodeWorker {
     tx: Sender<Job>,
     pub(crate) addr: String,
+    /// Disconnects when the thread ends.
+    ended: Receiver<()>,
+    thread: std::thread::ThreadId,
+}
+
+/// Stops the workers after the jobs already queued (releases of dropped
+/// guards), waiting for them until `deadline`; a worker dropping its own group
+/// is not waited for.
+pub(crate) fn stop(workers: Vec<NodeWorker>, deadline: Instant) {
+    let me = std::thread::current().id();
+    let waits: Vec<(Receiver<()>, std::thread::ThreadId)> =
+        workers.into_iter().map(|w| (w.ended, w.thread)).collect();
+    for (ended, thread) in waits {
+        if thread != me {
+            let _ = ended.recv_deadline(deadline);
+        }
+    }
 }
 
 impl NodeWorker {
@@ -125,11 +177,21 @@ impl NodeWorker {
             failures: 0,
             down_until: None,
             last_error: String::new(),
+            tainted: Vec::new(),
         };
-        std::thread::Builder::new()
+        let (end_tx, ended) = crossbeam_channel::bounded::<()>(0);
+        let handle = std::thread::Builder::new()
             .name(format!("respire-node-{index}"))
-            .spawn(move || worker.run(warm_up))?;
-        Ok(NodeWorker { tx, addr })
+            .spawn(move || {
+                let _end = end_tx;
+                worker.run(warm_up);
+            })?;
+        Ok(NodeWorker {
+            tx,
+            addr,
+            ended,
+            thread: handle.thread().id(),
+        })
     }
 
     /// Queues a job. If the thread is gone (it never panics, so only at
@@ -140,10 +202,14 @@ impl NodeWorker {
             if let Some(reply) = job.reply {
                 let _ = reply.try_send(Reply {
                     node: index,
+                    tag: job.tag,
                     outcome: NodeOutcome::Failed("the node's worker thread stopped".into()),
                     vote: Vote::Unknown,
                     latency: None,
                 });
+            }
+            if let Some(done) = job.done {
+                done.finish();
             }
         }
     }
@@ -196,6 +262,9 @@ struct Worker {
     failures: u32,
     down_until: Option<Instant>,
     last_error: String,
+    /// Connections whose last command got no reply: killed (and the kill
+    /// confirmed) before anything else is sent to the node.
+    tainted: Vec<u64>,
 }
 
 impl Worker {
@@ -205,16 +274,25 @@ impl Worker {
         }
         // After the handle is dropped, the jobs already queued (releases from
         // dropped guards) still run; then `recv` fails and the thread ends.
-        while let Ok(job) = self.rx.recv() {
+        while let Ok(mut job) = self.rx.recv() {
             let started = Instant::now();
+            if matches!(job.op, Op::Release) && started >= job.deadline {
+                // Behind other jobs past its deadline: a release is still worth
+                // sending, so that a late grant does not outlive its clean-up.
+                job.deadline = started + self.cfg.node_timeout;
+            }
             let (outcome, vote, sent) = self.execute(&job);
             if let Some(reply) = job.reply {
                 let _ = reply.try_send(Reply {
                     node: self.index,
+                    tag: job.tag,
                     outcome,
                     vote,
                     latency: sent.then(|| started.elapsed()),
                 });
+            }
+            if let Some(done) = job.done {
+                done.finish();
             }
         }
     }
@@ -270,11 +348,18 @@ impl Worker {
             if let Op::Acquire { .. } = job.op {
                 job.lease.slots[i].lock().sent = true;
             }
-            let timeout = job
-                .deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1));
-            let result = self.run_script(job, timeout);
+            let conn_id = self.conn.as_ref().and_then(Conn::id);
+            let result = self.run_script(job, job.deadline);
+            if result.as_ref().is_err_and(Error::is_uncertain) {
+                match conn_id {
+                    Some(id) => self.tainted.push(id),
+                    None => log::warn!(
+                        "redlock node {}: a command without a reply cannot be fenced off (CLIENT \
+                         ID is denied); a later command may be overtaken by it",
+                        self.cfg.addr
+                    ),
+                }
+            }
             if self.conn.as_ref().is_some_and(Conn::is_broken) {
                 self.conn = None;
             }
@@ -299,7 +384,7 @@ impl Worker {
         unreachable!("the loop returns on its second pass")
     }
 
-    fn run_script(&mut self, job: &Job, timeout: Duration) -> Result<(NodeOutcome, Vote)> {
+    fn run_script(&mut self, job: &Job, deadline: Instant) -> Result<(NodeOutcome, Vote)> {
         let i = self.index;
         let key = job.lease.keys[i].as_str();
         let value = job.lease.value.as_str();
@@ -311,7 +396,7 @@ impl Worker {
                     &[key],
                     &[value, &ttl_ms.to_string()],
                     "acquire",
-                    timeout,
+                    deadline,
                 )?;
                 match reply.as_slice() {
                     [1] => {
@@ -322,7 +407,7 @@ impl Worker {
                         NodeOutcome::HeldByAnother {
                             remaining: u64::try_from(*pttl).ok().map(Duration::from_millis),
                         },
-                        Vote::No,
+                        Vote::Held,
                     )),
                     other => Err(unexpected("acquire", other)),
                 }
@@ -333,12 +418,12 @@ impl Worker {
                     &[key],
                     &[value, &ttl_ms.to_string()],
                     "extend",
-                    timeout,
+                    deadline,
                 )?;
                 match reply {
                     1 => Ok(self.judge_extension(&job.lease)),
                     0 => Ok((NodeOutcome::Missing, Vote::No)),
-                    _ => Ok((NodeOutcome::HeldByAnother { remaining: None }, Vote::No)),
+                    _ => Ok((NodeOutcome::HeldByAnother { remaining: None }, Vote::Held)),
                 }
             }
             Op::Release => {
@@ -347,7 +432,7 @@ impl Worker {
                     &[key],
                     &[value, "exact"],
                     "release",
-                    timeout,
+                    deadline,
                 )?;
                 Ok(match reply {
                     1 => (NodeOutcome::Granted, Vote::Yes),
@@ -405,11 +490,25 @@ impl Worker {
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(1));
         let mut conn = self.cfg.connect(budget, "respire-redlock")?;
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1));
+        // Fence off the connections whose commands got no reply, so nothing
+        // sent from now on can be overtaken by them.
+        while let Some(&old) = self.tainted.last() {
+            let kill = redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("ID")
+                .arg(old)
+                .arg("SKIPME")
+                .arg("yes")
+                .clone();
+            conn.query::<i64>(
+                &kill,
+                "CLIENT KILL (fencing off an unanswered command)",
+                deadline,
+            )?;
+            self.tainted.pop();
+        }
         let asked = Instant::now();
-        let info: String = conn.query(redis::cmd("INFO").arg("server"), "INFO server", left)?;
+        let info: String = conn.query(redis::cmd("INFO").arg("server"), "INFO server", deadline)?;
         let info = parse_info(&info);
         let run_id: Option<Arc<str>> = info.run_id.as_deref().map(Arc::from);
         if let (Some(old), Some(new)) = (&self.run_id, &run_id)

@@ -1,37 +1,145 @@
-//! The renewal runtime: one thread per `Coordinator`, whatever the number of
-//! guards. It keeps a timer heap of leases; kept-alive leases are renewed at half
-//! their TTL, and every renewal due at about the same time goes out in one
-//! pipeline on the thread's own connection. Every lease, kept alive or not, gets
-//! its loss signal fired at its local loss deadline if no renewal was confirmed
-//! by then.
+//! The renewal runtime of one deployment: the renewal thread (`respire-renewal`,
+//! the pure schedule over real time, no I/O) and its executor (`respire-io`, one
+//! connection of its own), both started the first time a guard needs them.
 //!
-//! A renewal that got no reply may still be applied later, so the connection that
-//! sent it is killed (`CLIENT KILL ID` from a second connection) before a new one
-//! is made. No I/O step takes longer than the node timeout, nor runs past the
-//! loss deadline of the leases it is renewing.
+//! The executor sends every renewal due at about the same time as one pipeline.
+//! A renewal with no reply may still be applied later, so before the leases it
+//! carried may be extended again, the connection it went out on is killed
+//! (`CLIENT KILL ID` from a fresh connection) and the kill confirmed; until then
+//! their claims stay taken and they are bounded by the worst case. The same
+//! executor fences off the connections of user calls that got no reply (a
+//! `reset_expiry`, an acquire), retrying the kill while it matters, and deletes
+//! what an unanswered acquire may have set once its connection is dead.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
-use std::fmt;
-use std::marker::PhantomData;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Sender;
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use parking_lot::Mutex;
 
+use crate::clock::Clock;
 use crate::conn::{Conn, ConnConfig};
-use crate::coordinator::Shared;
+use crate::core::lease::{Loss, Refusal, Ticket};
+use crate::core::schedule::{Next, Watched};
+use crate::core::timing;
 use crate::error::Error;
-use crate::lease::LeaseState;
-use crate::runtime::clock;
-use crate::runtime::timer::{self, Timers};
-use crate::scripts;
+use crate::runtime::lease::LeaseCell;
+use crate::runtime::scheduler::{Dispatch, Msg, Scheduler};
+use crate::scripts::Script;
 
-enum Msg {
-    Track(Arc<LeaseState>),
-    Reschedule(u64),
-    Forget(u64),
+/// How a lease is held on the server, for the commands that extend, verify and
+/// release it.
+#[derive(Clone, Copy)]
+pub(crate) enum Shape {
+    /// A string key whose value is the owner (`lease_*.lua`).
+    StringValue,
+    /// A member of a sorted set scored by its expiry (readers, permits).
+    #[allow(
+        dead_code,
+        reason = "the reader/writer lease and the semaphore hold leases this way"
+    )]
+    Member {
+        extend: &'static std::sync::LazyLock<Script>,
+        verify: &'static std::sync::LazyLock<Script>,
+        release: &'static std::sync::LazyLock<Script>,
+    },
+}
+
+impl std::fmt::Debug for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Shape::StringValue => f.write_str("StringValue"),
+            Shape::Member { extend, .. } => write!(f, "Member({})", extend.name),
+        }
+    }
+}
+
+/// The commands of one lease: its keys, its value or member, and its shape.
+#[derive(Clone, Debug)]
+pub(crate) struct Ops {
+    pub(crate) keys: Vec<String>,
+    pub(crate) member: String,
+    pub(crate) shape: Shape,
+}
+
+impl Ops {
+    /// A lease held as a string key whose value is the owner token.
+    pub(crate) fn string_value(key: &str, value: String) -> Ops {
+        Ops {
+            keys: vec![key.to_owned()],
+            member: value,
+            shape: Shape::StringValue,
+        }
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.keys.iter().map(String::as_str).collect()
+    }
+
+    pub(crate) fn extend_script(&self) -> &'static Script {
+        match self.shape {
+            Shape::StringValue => &crate::scripts::LEASE_EXTEND,
+            Shape::Member { extend, .. } => extend,
+        }
+    }
+
+    pub(crate) fn verify_script(&self) -> &'static Script {
+        match self.shape {
+            Shape::StringValue => &crate::scripts::LEASE_VERIFY,
+            Shape::Member { verify, .. } => verify,
+        }
+    }
+
+    pub(crate) fn release_script(&self) -> &'static Script {
+        match self.shape {
+            Shape::StringValue => &crate::scripts::LEASE_RELEASE,
+            Shape::Member { release, .. } => release,
+        }
+    }
+
+    /// `(keys, args)` of the extension to `ttl_ms`.
+    pub(crate) fn extend_args(&self, ttl_ms: u64) -> (Vec<&str>, Vec<String>) {
+        (self.keys(), vec![self.member.clone(), ttl_ms.to_string()])
+    }
+
+    pub(crate) fn verify_args(&self) -> (Vec<&str>, Vec<String>) {
+        (self.keys(), vec![self.member.clone()])
+    }
+
+    pub(crate) fn release_args(&self) -> (Vec<&str>, Vec<String>) {
+        let args = match self.shape {
+            Shape::StringValue => vec![self.member.clone(), "exact".to_owned()],
+            Shape::Member { .. } => vec![self.member.clone()],
+        };
+        (self.keys(), args)
+    }
+
+    pub(crate) fn extend_cmd(&self, ttl_ms: u64) -> redis::Cmd {
+        let (keys, args) = self.extend_args(ttl_ms);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.extend_script().evalsha(&keys, &args)
+    }
+
+    /// The same extension as `EVAL`, for a server that lost the script.
+    pub(crate) fn extend_eval(&self, ttl_ms: u64) -> redis::Cmd {
+        let (keys, args) = self.extend_args(ttl_ms);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.extend_script().eval(&keys, &args)
+    }
+}
+
+/// A single-deployment lease.
+pub(crate) type Cell = LeaseCell<Ops>;
+
+impl Watched for Arc<Cell> {
+    fn id(&self) -> u64 {
+        LeaseCell::id(self)
+    }
+
+    fn poll(&self, now: Instant) -> Next {
+        self.next(now)
+    }
 }
 
 /// Counters of the renewal runtime, for monitoring.
@@ -46,12 +154,14 @@ pub struct RenewalStats {
     pub failures: u64,
     /// Leases whose loss the runtime flagged.
     pub losses: u64,
-    /// Connections killed after a renewal got no reply.
+    /// Connections fenced off after a command on them got no reply: killed, or
+    /// confirmed closed already (`CLIENT KILL ID` found them gone), so that
+    /// nothing sent on them can still be applied.
     pub killed_connections: u64,
 }
 
 #[derive(Default)]
-struct Counters {
+pub(crate) struct Counters {
     round_trips: AtomicU64,
     renewals: AtomicU64,
     failures: AtomicU64,
@@ -59,40 +169,71 @@ struct Counters {
     killed: AtomicU64,
 }
 
-/// The handle a coordinator keeps; the thread stops when it is dropped.
-pub(crate) struct Renewal {
-    tx: Sender<Msg>,
-    counters: Arc<Counters>,
+/// Work for the executor.
+pub(crate) enum Job {
+    /// Renew these leases by their TTL, in one pipeline.
+    Renew(Vec<Arc<Cell>>),
+    /// A user call's extension of `lease` got no reply on connection `conn`:
+    /// kill it, then release the claim.
+    Fence {
+        conn: Option<u64>,
+        lease: Arc<Cell>,
+        ticket: Ticket,
+    },
+    /// Acquire attempts got no reply on connections `conns`: kill them, then
+    /// run `cmd` (delete what they may have set, by owner), until `give_up_at`.
+    Cleanup {
+        conns: Vec<u64>,
+        cmd: redis::Cmd,
+        key: String,
+        give_up_at: Instant,
+    },
 }
 
-impl Renewal {
-    pub(crate) fn spawn(cfg: Arc<ConnConfig>) -> std::io::Result<Renewal> {
-        let (tx, rx) = crossbeam_channel::unbounded();
-        let counters = Arc::new(Counters::default());
-        let worker = Worker {
+/// Which renewals a reply from the executor completed.
+pub(crate) struct Completed(Vec<(u64, Option<Instant>)>);
+
+/// The renewal thread's dispatcher: hands batches to the executor.
+struct ToExecutor {
+    jobs: Sender<Job>,
+}
+
+impl Dispatch for ToExecutor {
+    type Lease = Arc<Cell>;
+    type Reply = Completed;
+
+    fn dispatch(&mut self, batch: Vec<Arc<Cell>>, _now: Instant) -> Vec<(u64, Option<Instant>)> {
+        let _ = self.jobs.send(Job::Renew(batch));
+        Vec::new()
+    }
+
+    fn on_reply(&mut self, reply: Completed, _now: Instant) -> Vec<(u64, Option<Instant>)> {
+        reply.0
+    }
+}
+
+/// The renewal thread and executor of one deployment, started on first use.
+pub(crate) struct Runtime {
+    cfg: Arc<ConnConfig>,
+    clock: Arc<dyn Clock>,
+    counters: Arc<Counters>,
+    executor: OnceLock<Sender<Job>>,
+    scheduler: OnceLock<Scheduler<Arc<Cell>, Completed>>,
+    start: Mutex<()>,
+    this: Weak<Runtime>,
+}
+
+impl Runtime {
+    pub(crate) fn new(cfg: Arc<ConnConfig>, clock: Arc<dyn Clock>) -> Arc<Runtime> {
+        Arc::new_cyclic(|this| Runtime {
             cfg,
-            entries: HashMap::new(),
-            heap: BinaryHeap::new(),
-            conn: None,
-            counters: counters.clone(),
-            script_loaded: false,
-        };
-        std::thread::Builder::new()
-            .name("respire-renewal".into())
-            .spawn(move || timer::run(&rx, worker))?;
-        Ok(Renewal { tx, counters })
-    }
-
-    pub(crate) fn track(&self, state: Arc<LeaseState>) {
-        let _ = self.tx.send(Msg::Track(state));
-    }
-
-    pub(crate) fn reschedule(&self, id: u64) {
-        let _ = self.tx.send(Msg::Reschedule(id));
-    }
-
-    pub(crate) fn forget(&self, id: u64) {
-        let _ = self.tx.send(Msg::Forget(id));
+            clock,
+            counters: Arc::default(),
+            executor: OnceLock::new(),
+            scheduler: OnceLock::new(),
+            start: Mutex::new(()),
+            this: this.clone(),
+        })
     }
 
     pub(crate) fn stats(&self) -> RenewalStats {
@@ -105,378 +246,462 @@ impl Renewal {
             killed_connections: c.killed.load(Ordering::Relaxed),
         }
     }
-}
 
-/// Renews a lease in the background for as long as it lives.
-///
-/// Returned by `keep_alive()` on a guard, which it borrows: it always ends before
-/// the guard does. While it lives, the coordinator's renewal thread extends the
-/// lease at half its TTL (one pipelined round trip for all leases due together),
-/// retries a failed renewal while time remains, and flags the guard lost — setting
-/// `is_lost()` and closing the loss signal — no later than the local deadline
-/// (send time of the last confirmed renewal + TTL − drift − node timeout) when no
-/// renewal could be confirmed, or at once when the key was found deleted or owned
-/// by someone else.
-///
-/// Dropping it stops renewal; the lease then runs out at its current expiry
-/// unless renewed again. It does not block.
-#[must_use = "renewal stops as soon as the KeepAlive is dropped"]
-pub struct KeepAlive<'a> {
-    shared: Arc<Shared>,
-    state: Arc<LeaseState>,
-    _guard: PhantomData<&'a ()>,
-}
-
-pub(crate) fn start<'a>(shared: &Arc<Shared>, state: &Arc<LeaseState>) -> KeepAlive<'a> {
-    state.add_keepalive();
-    shared.renewal().reschedule(state.id);
-    KeepAlive {
-        shared: shared.clone(),
-        state: state.clone(),
-        _guard: PhantomData,
-    }
-}
-
-impl KeepAlive<'_> {
-    /// Whether the lease is lost (same as the guard's `is_lost()`). Does not block.
-    pub fn is_lost(&self) -> bool {
-        self.state.is_lost()
-    }
-}
-
-impl Drop for KeepAlive<'_> {
-    fn drop(&mut self) {
-        self.state.remove_keepalive();
-        self.shared.renewal().reschedule(self.state.id);
-    }
-}
-
-impl fmt::Debug for KeepAlive<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("KeepAlive")
-            .field("key", &self.state.key)
-            .field("lost", &self.state.is_lost())
-            .finish()
-    }
-}
-
-struct Entry {
-    state: Arc<LeaseState>,
-    next_try: Instant,
-    version: u64,
-}
-
-struct Worker {
-    cfg: Arc<ConnConfig>,
-    entries: HashMap<u64, Entry>,
-    heap: BinaryHeap<Reverse<(Instant, u64, u64)>>,
-    conn: Option<(Conn, u64)>,
-    counters: Arc<Counters>,
-    script_loaded: bool,
-}
-
-impl Timers for Worker {
-    type Msg = Msg;
-
-    fn next_due(&self) -> Option<Instant> {
-        self.heap.peek().map(|Reverse((at, _, _))| *at)
-    }
-
-    fn handle(&mut self, msg: Msg) {
-        self.handle_msg(msg);
-    }
-
-    fn process_due(&mut self) {
-        self.run_due();
-    }
-}
-
-impl Worker {
-    fn handle_msg(&mut self, msg: Msg) {
-        match msg {
-            Msg::Track(state) => {
-                let id = state.id;
-                let next_try = clock::renew_at(state.sent(), state.ttl());
-                self.entries.insert(
-                    id,
-                    Entry {
-                        state,
-                        next_try,
-                        version: 0,
-                    },
-                );
-                self.schedule(id);
-            }
-            Msg::Reschedule(id) => {
-                if let Some(e) = self.entries.get_mut(&id) {
-                    e.next_try = clock::renew_at(e.state.sent(), e.state.ttl());
-                    self.schedule(id);
-                }
-            }
-            Msg::Forget(id) => {
-                self.entries.remove(&id);
-            }
+    fn executor(&self) -> Result<&Sender<Job>, Error> {
+        if let Some(tx) = self.executor.get() {
+            return Ok(tx);
         }
+        let _start = self.start.lock();
+        if let Some(tx) = self.executor.get() {
+            return Ok(tx);
+        }
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let worker = Executor {
+            cfg: self.cfg.clone(),
+            clock: self.clock.clone(),
+            counters: self.counters.clone(),
+            runtime: self.this.clone(),
+            conn: None,
+            fences: Vec::new(),
+            cleanups: Vec::new(),
+        };
+        std::thread::Builder::new()
+            .name("respire-io".into())
+            .spawn(move || worker.run(&rx))
+            .map_err(|source| Error::Thread {
+                name: "respire-io",
+                source,
+            })?;
+        Ok(self.executor.get_or_init(|| tx))
     }
 
-    /// Pushes the entry's next event (renewal or loss deadline) on the heap.
-    fn schedule(&mut self, id: u64) {
-        if let Some(e) = self.entries.get_mut(&id) {
-            e.version += 1;
-            let lost_at = e.state.lost_at();
-            let at = if e.state.keepalive_count() > 0 {
-                e.next_try.min(lost_at)
-            } else {
-                lost_at
-            };
-            self.heap.push(Reverse((at, id, e.version)));
+    fn scheduler(&self) -> Result<&Scheduler<Arc<Cell>, Completed>, Error> {
+        if let Some(s) = self.scheduler.get() {
+            return Ok(s);
         }
+        let jobs = self.executor()?.clone();
+        let _start = self.start.lock();
+        if let Some(s) = self.scheduler.get() {
+            return Ok(s);
+        }
+        let s = Scheduler::spawn("respire-renewal", self.clock.clone(), |_replies| {
+            ToExecutor { jobs }
+        })
+        .map_err(|source| Error::Thread {
+            name: "respire-renewal",
+            source,
+        })?;
+        Ok(self.scheduler.get_or_init(|| s))
     }
 
-    fn run_due(&mut self) {
-        let now = Instant::now();
-        let mut batch = Vec::new();
-        let mut again = Vec::new();
-        while let Some(&Reverse((at, id, version))) = self.heap.peek() {
-            if at > now {
-                break;
-            }
-            self.heap.pop();
-            let Some(e) = self.entries.get(&id) else {
-                continue;
-            };
-            if e.version != version {
-                continue;
-            }
-            if e.state.is_done() || e.state.flagged_lost() {
-                self.entries.remove(&id);
-                continue;
-            }
-            if now >= e.state.lost_at() {
-                let why = if e.state.keepalive_count() > 0 {
-                    "no renewal was confirmed before the loss deadline"
-                } else {
-                    "its time ran out without keep-alive"
-                };
-                e.state.mark_lost(why);
-                self.counters.losses.fetch_add(1, Ordering::Relaxed);
-                self.entries.remove(&id);
-                continue;
-            }
-            if e.state.keepalive_count() > 0 && e.next_try <= now {
-                batch.push(id);
-            } else {
-                again.push(id);
-            }
+    /// Has the renewal thread watch `lease` (its loss signal, its keep-alive).
+    pub(crate) fn watch(&self, lease: &Arc<Cell>) -> Result<(), Error> {
+        if lease.watch() {
+            self.scheduler()?.send(Msg::Watch(lease.clone()));
         }
-        // Renewals due soon ride along with this pipeline.
-        while !batch.is_empty() {
-            let Some(&Reverse((_, id, version))) = self.heap.peek() else {
-                break;
-            };
-            let Some(e) = self.entries.get(&id) else {
-                self.heap.pop();
-                continue;
-            };
-            if e.version != version {
-                self.heap.pop();
-                continue;
-            }
-            let due_soon = e.state.keepalive_count() > 0
-                && e.next_try <= now + e.state.ttl() / 8
-                && e.state.lost_at() > now;
-            if !due_soon {
-                break;
-            }
-            self.heap.pop();
-            batch.push(id);
-        }
-        for id in again {
-            self.schedule(id);
-        }
-        // A lease whose holder is running reset_expiry right now is retried
-        // in a moment rather than extended twice at once.
-        let mut claimed = Vec::with_capacity(batch.len());
-        let mut states = Vec::with_capacity(batch.len());
-        for id in batch {
-            let state = self.entries[&id].state.clone();
-            if state.try_begin_extend() {
-                claimed.push(id);
-                states.push(state);
-            } else {
-                self.retry(id, Duration::from_millis(1));
-            }
-        }
-        if !claimed.is_empty() {
-            self.renew(&claimed);
-        }
-        for state in states {
-            state.end_extend();
-        }
-    }
-
-    /// Makes sure the renewal connection is up, finishing by `deadline`.
-    fn ensure_conn(&mut self, deadline: Instant) -> Result<(), Error> {
-        if self.conn.as_ref().is_some_and(|(c, _)| !c.is_broken()) {
-            return Ok(());
-        }
-        self.conn = None;
-        let mut conn = self.cfg.connect(left(deadline), "respire-renewal")?;
-        let id = conn.client_id(left(deadline))?;
-        conn.query::<String>(&scripts::LEASE_EXTEND.load(), "SCRIPT LOAD", left(deadline))?;
-        self.script_loaded = true;
-        self.conn = Some((conn, id));
         Ok(())
     }
 
-    fn renew(&mut self, batch: &[u64]) {
-        let now = Instant::now();
-        let earliest_loss = batch
-            .iter()
-            .filter_map(|id| self.entries.get(id))
-            .map(|e| e.state.lost_at())
-            .min()
-            .unwrap_or(now);
-        // Every I/O step of this renewal shares one deadline: at most a node
-        // timeout, and never past the loss deadline of a lease in the batch, so
-        // that losses are flagged on time.
-        let deadline = (now + self.cfg.node_timeout).min(earliest_loss);
+    /// A watched lease changed.
+    pub(crate) fn touch(&self, lease: &Cell) {
+        if lease.is_watched()
+            && let Some(s) = self.scheduler.get()
+        {
+            s.send(Msg::Touch(lease.id()));
+        }
+    }
+
+    /// A watched lease was released.
+    pub(crate) fn forget(&self, lease: &Cell) {
+        if lease.is_watched()
+            && let Some(s) = self.scheduler.get()
+        {
+            s.send(Msg::Forget(lease.id()));
+        }
+    }
+
+    /// Queues work for the executor (starting it if needed).
+    pub(crate) fn submit(&self, job: Job) {
+        match self.executor() {
+            Ok(tx) => {
+                let _ = tx.send(job);
+            }
+            Err(e) => log::warn!("cannot start the executor for {}: {e}", self.cfg.addr),
+        }
+    }
+
+    fn completed(&self, done: Vec<(u64, Option<Instant>)>) {
+        if let Some(s) = self.scheduler.get()
+            && !done.is_empty()
+        {
+            s.send(Msg::Reply(Completed(done)));
+        }
+    }
+}
+
+struct PendingFence {
+    conn: u64,
+    leases: Vec<(Arc<Cell>, Ticket)>,
+    retry_at: Instant,
+}
+
+struct PendingCleanup {
+    conns: Vec<u64>,
+    cmd: redis::Cmd,
+    key: String,
+    give_up_at: Instant,
+    retry_at: Instant,
+}
+
+struct Executor {
+    cfg: Arc<ConnConfig>,
+    clock: Arc<dyn Clock>,
+    counters: Arc<Counters>,
+    runtime: Weak<Runtime>,
+    conn: Option<Conn>,
+    fences: Vec<PendingFence>,
+    cleanups: Vec<PendingCleanup>,
+}
+
+impl Executor {
+    fn run(mut self, rx: &Receiver<Job>) {
+        loop {
+            let next = self
+                .fences
+                .iter()
+                .map(|f| f.retry_at)
+                .chain(self.cleanups.iter().map(|c| c.retry_at))
+                .min();
+            let job = match next {
+                Some(at) => rx.recv_timeout(at.saturating_duration_since(self.clock.now())),
+                None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            };
+            match job {
+                Ok(job) => self.handle(job),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+            self.retry_pending();
+        }
+    }
+
+    fn handle(&mut self, job: Job) {
+        match job {
+            Job::Renew(batch) => self.renew(batch),
+            Job::Fence {
+                conn,
+                lease,
+                ticket,
+            } => match conn {
+                Some(conn) => {
+                    let now = self.clock.now();
+                    self.fences.push(PendingFence {
+                        conn,
+                        leases: vec![(lease, ticket)],
+                        retry_at: now,
+                    });
+                }
+                None => log::warn!(
+                    "cannot fence off an unanswered extension of {:?}: its connection's id is \
+                     unknown (CLIENT ID denied); it stays bounded by its worst case",
+                    lease.key()
+                ),
+            },
+            Job::Cleanup {
+                conns,
+                cmd,
+                key,
+                give_up_at,
+            } => {
+                let now = self.clock.now();
+                self.cleanups.push(PendingCleanup {
+                    conns,
+                    cmd,
+                    key,
+                    give_up_at,
+                    retry_at: now,
+                });
+            }
+        }
+    }
+
+    /// A connection for the executor's own commands, made within `deadline`.
+    fn ensure_conn(&mut self, deadline: Instant) -> Result<&mut Conn, Error> {
+        if self.conn.as_ref().is_some_and(Conn::is_broken) {
+            self.conn = None;
+        }
+        if self.conn.is_none() {
+            let budget = deadline.saturating_duration_since(self.clock.now());
+            self.conn = Some(self.cfg.connect(budget, "respire-renewal")?);
+        }
+        Ok(self.conn.as_mut().expect("connected above"))
+    }
+
+    /// Kills connection `id` from the executor's connection; Ok once the
+    /// server confirmed it no longer exists.
+    fn kill(&mut self, id: u64, deadline: Instant) -> Result<(), Error> {
+        let conn = self.ensure_conn(deadline)?;
+        let cmd = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("ID")
+            .arg(id)
+            .arg("SKIPME")
+            .arg("yes")
+            .clone();
+        // 1: killed now; 0: no such connection any more (ids are never reused).
+        let r: Result<i64, Error> = conn.query(&cmd, "CLIENT KILL", deadline);
+
+        if r.as_ref().is_err_and(|e| e.is_uncertain()) {
+            self.conn = None;
+        }
+        r.map(|_| {
+            self.counters.killed.fetch_add(1, Ordering::Relaxed);
+        })
+    }
+
+    fn renew(&mut self, batch: Vec<Arc<Cell>>) {
+        let now = self.clock.now();
+        let nt = self.cfg.node_timeout;
+        let mut done = Vec::with_capacity(batch.len());
+        // Every step shares one deadline: a node timeout, and never past the
+        // earliest loss deadline in the batch (a later reply would not count).
+        let earliest = batch.iter().map(|l| l.lost_at()).min().unwrap_or(now);
+        let deadline = (now + nt).min(earliest).max(now + Duration::from_millis(1));
         if let Err(e) = self.ensure_conn(deadline) {
             log::warn!("renewal connection to {} failed: {e}", self.cfg.addr);
-            self.fail_all(batch);
+            self.counters
+                .failures
+                .fetch_add(batch.len() as u64, Ordering::Relaxed);
+            for lease in &batch {
+                done.push((lease.id(), Some(self.retry_at(lease))));
+            }
+            self.report(done);
             return;
         }
         let mut pipe = redis::pipe();
         pipe.ignore_errors();
-        let mut ttls = Vec::with_capacity(batch.len());
-        for id in batch {
-            let e = &self.entries[id];
-            let ttl_ms = e.state.ttl_ms();
-            ttls.push(ttl_ms);
-            pipe.add_command(
-                scripts::LEASE_EXTEND
-                    .evalsha(&[&e.state.key], &[&e.state.value, &ttl_ms.to_string()]),
-            );
+        let mut sent = Vec::with_capacity(batch.len());
+        let send_at = self.clock.now();
+        for lease in batch {
+            let ttl = lease.ttl();
+            match lease.begin_extend(send_at, ttl) {
+                Ok(ticket) => {
+                    let ttl_ms = crate::keys::ttl_ms(ttl).unwrap_or(1);
+                    pipe.add_command(lease.extra().extend_cmd(ttl_ms));
+                    sent.push((lease, ticket));
+                }
+                // Another extension (the holder's reset_expiry) is in flight;
+                // its end plans this lease again.
+                Err(Refusal::Busy) => done.push((lease.id(), None)),
+                Err(Refusal::Lost) => done.push((lease.id(), None)),
+            }
         }
-        let (conn, conn_id) = self.conn.as_mut().expect("connected above");
-        let conn_id = *conn_id;
-        let sent = Instant::now();
+        if sent.is_empty() {
+            self.report(done);
+            return;
+        }
         self.counters.round_trips.fetch_add(1, Ordering::Relaxed);
-        let reply = conn.pipeline(&pipe, "renew", left(deadline));
+        let conn = self.conn.as_mut().expect("connected above");
+        let conn_id = conn.id();
+        let mut reply = conn.pipeline(&pipe, "renew", deadline);
+        // A server that lost the script (restarted, SCRIPT FLUSH) gets it with
+        // EVAL for those leases, in the time left.
+        if let Ok(values) = &mut reply {
+            let missing: Vec<usize> = values
+                .iter()
+                .enumerate()
+                .filter(
+                    |(_, v)| matches!(v, redis::Value::ServerError(e) if e.code() == "NOSCRIPT"),
+                )
+                .map(|(i, _)| i)
+                .collect();
+            if !missing.is_empty() {
+                let mut again = redis::pipe();
+                again.ignore_errors();
+                for &i in &missing {
+                    let lease = &sent[i].0;
+                    let ttl_ms = crate::keys::ttl_ms(lease.ttl()).unwrap_or(1);
+                    again.add_command(lease.extra().extend_eval(ttl_ms));
+                }
+                self.counters.round_trips.fetch_add(1, Ordering::Relaxed);
+                match conn.pipeline(&again, "renew", deadline) {
+                    Ok(evals) => {
+                        for (i, v) in missing.into_iter().zip(evals) {
+                            values[i] = v;
+                        }
+                    }
+                    Err(e) => reply = Err(e),
+                }
+            }
+        }
+        let now = self.clock.now();
         match reply {
             Ok(values) => {
-                let mut reload = false;
-                for ((id, value), ttl_ms) in batch.iter().zip(values).zip(ttls) {
-                    match value {
-                        redis::Value::Int(1) => {
-                            let e = self.entries.get_mut(id).expect("in batch");
-                            e.state.confirm(sent, ttl_ms);
-                            e.next_try = clock::renew_at(sent, Duration::from_millis(ttl_ms));
-                            self.counters.renewals.fetch_add(1, Ordering::Relaxed);
-                            self.schedule(*id);
-                        }
-                        redis::Value::Int(n) => {
-                            let e = self.entries.remove(id).expect("in batch");
-                            e.state.mark_lost(if n == 0 {
-                                "renewal found the key gone (expired or deleted)"
-                            } else {
-                                "renewal found another owner holding the key"
-                            });
-                            self.counters.losses.fetch_add(1, Ordering::Relaxed);
-                        }
-                        redis::Value::ServerError(err) if err.code() == "NOSCRIPT" => {
-                            reload = true;
-                            self.retry(*id, Duration::ZERO);
-                        }
-                        other => {
-                            log::warn!("unexpected renewal reply for lease {id}: {other:?}");
-                            self.retry(*id, retry_of(&self.entries, *id));
-                        }
-                    }
-                }
-                if reload {
-                    self.script_loaded = false;
-                    if let Some((conn, _)) = self.conn.as_mut()
-                        && conn
-                            .query::<String>(
-                                &scripts::LEASE_EXTEND.load(),
-                                "SCRIPT LOAD",
-                                left(deadline),
-                            )
-                            .is_ok()
-                    {
-                        self.script_loaded = true;
-                    }
+                for ((lease, ticket), value) in sent.into_iter().zip(values) {
+                    let retry = self.settle(&lease, ticket, value, now);
+                    done.push((lease.id(), retry));
                 }
             }
             Err(e) => {
                 log::warn!(
                     "renewing {} lease(s) on {} failed: {e}",
-                    batch.len(),
+                    sent.len(),
                     self.cfg.addr
                 );
-                let (conn, _) = self.conn.take().expect("connected above");
-                if e.is_uncertain() {
-                    self.kill(conn, conn_id, earliest_loss);
+                self.counters
+                    .failures
+                    .fetch_add(sent.len() as u64, Ordering::Relaxed);
+                self.conn = None;
+                for (lease, ticket) in &sent {
+                    lease.unanswered(*ticket, now);
+                    done.push((lease.id(), Some(self.retry_at(lease))));
                 }
-                self.fail_all(batch);
+                match conn_id {
+                    Some(id) => self.fences.push(PendingFence {
+                        conn: id,
+                        leases: sent,
+                        retry_at: now,
+                    }),
+                    None => log::warn!(
+                        "cannot fence off renewals that got no reply: the connection's id \
+                         is unknown"
+                    ),
+                }
+                // Fence at once, so the leases can be renewed again in time.
+                self.retry_pending();
+            }
+        }
+        self.report(done);
+    }
+
+    /// Applies one renewal reply; returns when to retry if it failed.
+    fn settle(
+        &self,
+        lease: &Arc<Cell>,
+        ticket: Ticket,
+        value: redis::Value,
+        now: Instant,
+    ) -> Option<Instant> {
+        match value {
+            redis::Value::Int(1) => {
+                if lease.extended(ticket, now) {
+                    self.counters.renewals.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    self.counters.losses.fetch_add(1, Ordering::Relaxed);
+                }
+                None
+            }
+            redis::Value::Int(n) => {
+                lease.refused(
+                    ticket,
+                    now,
+                    if n == 0 { Loss::Gone } else { Loss::TakenOver },
+                );
+                self.counters.losses.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            // An error reply (a refusal, a server busy or loading): the
+            // script did not change the lease.
+            other => {
+                log::warn!("unexpected renewal reply for {:?}: {other:?}", lease.key());
+                lease.not_sent(ticket, now);
+                self.counters.failures.fetch_add(1, Ordering::Relaxed);
+                Some(self.retry_at(lease))
             }
         }
     }
 
-    /// Kills the connection a renewal got no reply on, from a fresh connection, so
-    /// the server does not apply the renewal after we stopped counting on it.
-    fn kill(&mut self, conn: Conn, conn_id: u64, earliest_loss: Instant) {
-        drop(conn);
-        let budget = (self.cfg.node_timeout / 2)
-            .min(earliest_loss.saturating_duration_since(Instant::now()))
-            .max(Duration::from_millis(1));
-        let result = self
-            .cfg
-            .connect(budget, "respire-renewal-kill")
-            .and_then(|mut killer| {
-                killer.query::<i64>(
-                    redis::cmd("CLIENT").arg("KILL").arg("ID").arg(conn_id),
-                    "CLIENT KILL",
-                    budget,
-                )
+    fn retry_at(&self, lease: &Cell) -> Instant {
+        self.clock.now() + timing::retry_delay(lease.ttl())
+    }
+
+    fn report(&self, done: Vec<(u64, Option<Instant>)>) {
+        if let Some(rt) = self.runtime.upgrade() {
+            rt.completed(done);
+        }
+    }
+
+    /// Retries the kills and clean-ups that are due.
+    fn retry_pending(&mut self) {
+        let now = self.clock.now();
+        let nt = self.cfg.node_timeout;
+        let fences = std::mem::take(&mut self.fences);
+        for mut f in fences {
+            // Leases lost or released meanwhile no longer need their claim.
+            f.leases.retain(|(l, _)| !l.is_lost(now));
+            if f.leases.is_empty() {
+                continue;
+            }
+            if f.retry_at > now {
+                self.fences.push(f);
+                continue;
+            }
+            let deadline = self.clock.now() + nt;
+            match self.kill(f.conn, deadline) {
+                Ok(()) => {
+                    let now = self.clock.now();
+                    let rt = self.runtime.upgrade();
+                    for (lease, ticket) in f.leases {
+                        lease.fenced(ticket, now);
+                        if let Some(rt) = &rt {
+                            rt.touch(&lease);
+                        }
+                    }
+                }
+                Err(e) => {
+                    log::warn!(
+                        "could not kill connection {} after a command on it got no reply: {e}; \
+                         retrying",
+                        f.conn
+                    );
+                    f.retry_at = self.clock.now() + Duration::from_millis(50).min(nt);
+                    self.fences.push(f);
+                }
+            }
+        }
+        let cleanups = std::mem::take(&mut self.cleanups);
+        for mut c in cleanups {
+            let now = self.clock.now();
+            if now >= c.give_up_at {
+                log::warn!(
+                    "gave up cleaning up after an unanswered acquire of {:?}; if it was \
+                     granted, it has expired by now",
+                    c.key
+                );
+                continue;
+            }
+            if c.retry_at > now {
+                self.cleanups.push(c);
+                continue;
+            }
+            let deadline = (now + nt).min(c.give_up_at);
+            let mut killed = Ok(());
+            while let Some(&id) = c.conns.last() {
+                match self.kill(id, deadline) {
+                    Ok(()) => {
+                        c.conns.pop();
+                    }
+                    Err(e) => {
+                        killed = Err(e);
+                        break;
+                    }
+                }
+            }
+            let result = killed.and_then(|()| {
+                let conn = self.ensure_conn(deadline)?;
+                conn.query::<redis::Value>(&c.cmd, "clean-up", deadline)
             });
-        match result {
-            Ok(_) => {
-                self.counters.killed.fetch_add(1, Ordering::Relaxed);
+            match result {
+                Ok(v) => log::debug!(
+                    "cleaned up after an unanswered acquire of {:?}: {v:?}",
+                    c.key
+                ),
+                Err(e) => {
+                    log::debug!("clean-up of {:?} failed ({e}); retrying", c.key);
+                    c.retry_at = self.clock.now() + Duration::from_millis(50).min(nt);
+                    self.cleanups.push(c);
+                }
             }
-            Err(e) => log::warn!("could not kill renewal connection {conn_id}: {e}"),
         }
     }
-
-    fn retry(&mut self, id: u64, delay: Duration) {
-        if let Some(e) = self.entries.get_mut(&id) {
-            e.next_try = Instant::now() + delay;
-            self.schedule(id);
-        }
-    }
-
-    fn fail_all(&mut self, batch: &[u64]) {
-        self.counters
-            .failures
-            .fetch_add(batch.len() as u64, Ordering::Relaxed);
-        for id in batch {
-            let delay = retry_of(&self.entries, *id);
-            self.retry(*id, delay);
-        }
-    }
-}
-
-/// The time left until `deadline` (at least 1 ms, the smallest socket timeout).
-fn left(deadline: Instant) -> Duration {
-    deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(1))
-}
-
-fn retry_of(entries: &HashMap<u64, Entry>, id: u64) -> Duration {
-    entries
-        .get(&id)
-        .map(|e| clock::retry_delay(e.state.ttl()))
-        .unwrap_or_default()
 }

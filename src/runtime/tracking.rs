@@ -146,7 +146,9 @@ fn session(
     subscribed: &mut bool,
 ) -> Result<()> {
     let mut conn: Conn = cfg.connect_pubsub(cfg.connect_timeout, "respire-tracking")?;
-    let id = conn.client_id(cfg.node_timeout)?;
+    let id = conn.id().ok_or_else(|| {
+        Error::Permission("CLIENT ID is denied, so no connection can redirect to this one".into())
+    })?;
     let raw = conn.raw();
     let io = |op: &'static str| move |e: redis::RedisError| Error::Io { op, source: e };
     raw.set_read_timeout(Some(cfg.node_timeout.max(READ_TIMEOUT)))

@@ -27,6 +27,15 @@
 //!
 //! While every pooled connection is busy (a burst of waiters woken at once), a
 //! waiter keeps waiting for one rather than failing; nothing has been sent then.
+//!
+//! A wait rides out infrastructure failures that may pass (timeouts, I/O
+//! errors, refused connections, a server loading or failing over): it pauses
+//! for a jittered, growing while (10 ms doubling to 1 s) and tries again, until
+//! its deadline or cancellation. At the deadline it returns the last error if
+//! its last attempt failed (so a deployment that went away is never reported
+//! as "held by someone else"), `Ok(None)` if it saw the lock held. Permanent
+//! errors (authentication, permissions, bad keys or arguments, a fencing
+//! regression) end it at once.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -37,8 +46,7 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 
 use crate::cancel::CancelToken;
-use crate::conn::Conn;
-use crate::coordinator::Shared;
+use crate::conn::{Conn, Connect, Pool};
 use crate::error::{Error, Result};
 
 /// The outcome of one acquire attempt.
@@ -136,17 +144,23 @@ impl Registry {
         }
     }
 
-    fn register(&self, key: &str) -> Waiter<'_> {
+    /// Queues a waiter on every key whose change may free what it waits for.
+    fn register(&self, keys: &[&str]) -> Waiter<'_> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.queues
-            .lock()
-            .entry(key.as_bytes().to_vec())
-            .or_default()
-            .push_back((id, tx));
+        let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_bytes().to_vec()).collect();
+        {
+            let mut queues = self.queues.lock();
+            for key in &keys {
+                queues
+                    .entry(key.clone())
+                    .or_default()
+                    .push_back((id, tx.clone()));
+            }
+        }
         Waiter {
             registry: self,
-            key: key.as_bytes().to_vec(),
+            keys,
             id,
             rx,
         }
@@ -198,24 +212,33 @@ impl Registry {
     }
 }
 
-/// One registered waiter; leaving the queue wakes the next one.
+/// One registered waiter; leaving a queue wakes the next one in it.
 struct Waiter<'a> {
     registry: &'a Registry,
-    key: Vec<u8>,
+    keys: Vec<Vec<u8>>,
     id: u64,
     rx: Receiver<()>,
+}
+
+impl Waiter<'_> {
+    /// First in line on its first key: it keeps the expiry timer.
+    fn is_front(&self) -> bool {
+        self.registry.is_front(&self.keys[0], self.id)
+    }
 }
 
 impl Drop for Waiter<'_> {
     fn drop(&mut self) {
         let mut queues = self.registry.queues.lock();
-        if let Some(queue) = queues.get_mut(&self.key) {
-            let was_front = queue.front().is_some_and(|(id, _)| *id == self.id);
-            queue.retain(|(id, _)| *id != self.id);
-            if queue.is_empty() {
-                queues.remove(&self.key);
-            } else if was_front && let Some((_, tx)) = queue.front() {
-                let _ = tx.try_send(());
+        for key in &self.keys {
+            if let Some(queue) = queues.get_mut(key) {
+                let was_front = queue.front().is_some_and(|(id, _)| *id == self.id);
+                queue.retain(|(id, _)| *id != self.id);
+                if queue.is_empty() {
+                    queues.remove(key);
+                } else if was_front && let Some((_, tx)) = queue.front() {
+                    let _ = tx.try_send(());
+                }
             }
         }
     }
@@ -252,7 +275,7 @@ impl Drop for Armed {
 
 /// Turns on tracking for this connection, redirected to the current subscriber.
 /// Returns whether the connection's reads now arm invalidations.
-fn ensure_tracking(conn: &mut Conn, registry: &Arc<Registry>, timeout: Duration) -> Result<bool> {
+fn ensure_tracking(conn: &mut Conn, registry: &Arc<Registry>, deadline: Instant) -> Result<bool> {
     let Status::Ready {
         redirect,
         generation,
@@ -260,11 +283,11 @@ fn ensure_tracking(conn: &mut Conn, registry: &Arc<Registry>, timeout: Duration)
     else {
         return Ok(false);
     };
-    if conn
-        .tracking
+    let armed = conn
+        .attachment
         .as_ref()
-        .is_some_and(|armed| armed.generation == generation)
-    {
+        .and_then(|a| a.downcast_ref::<Armed>());
+    if armed.is_some_and(|a| a.generation == generation) {
         return Ok(true);
     }
     let cmd = redis::cmd("CLIENT")
@@ -273,16 +296,20 @@ fn ensure_tracking(conn: &mut Conn, registry: &Arc<Registry>, timeout: Duration)
         .arg("REDIRECT")
         .arg(redirect)
         .clone();
-    match conn.query::<()>(&cmd, "CLIENT TRACKING", timeout) {
+    match conn.query::<()>(&cmd, "CLIENT TRACKING", deadline) {
         Ok(()) => {
-            match &mut conn.tracking {
+            match conn
+                .attachment
+                .as_mut()
+                .and_then(|a| a.downcast_mut::<Armed>())
+            {
                 // Re-pointed at a new subscriber: the same connection, still open.
                 Some(armed) => armed.generation = generation,
                 None => {
-                    conn.tracking = Some(Armed {
+                    conn.attachment = Some(Box::new(Armed {
                         generation,
                         registry: Arc::downgrade(registry),
-                    });
+                    }));
                 }
             }
             Ok(true)
@@ -306,79 +333,170 @@ fn ensure_tracking(conn: &mut Conn, registry: &Arc<Registry>, timeout: Duration)
     }
 }
 
+/// What a wait is for and how long it may take.
+pub(crate) struct WaitFor<'a> {
+    /// Every key whose change may free it; the first keeps the expiry timer.
+    pub(crate) keys: &'a [&'a str],
+    /// `None`: no deadline.
+    pub(crate) deadline: Option<Instant>,
+    pub(crate) cancel: Option<&'a CancelToken>,
+    /// The bound on each attempt's commands.
+    pub(crate) node_timeout: Duration,
+    /// How long the subscriber may take to connect before the first attempt.
+    pub(crate) settle: Duration,
+}
+
+/// How a wait ended.
+pub(crate) struct Waited<T> {
+    pub(crate) result: Result<Option<T>>,
+    /// The connections of attempts that got no reply and may have been
+    /// granted (`None`: an id that is not known).
+    pub(crate) uncertain: Vec<Option<u64>>,
+}
+
+/// The pause after the `n`-th failure in a row of a wait: random between half
+/// and all of 10 ms × 2^(n−1), at most 1 s.
+pub(crate) fn failure_pause(n: u32) -> Duration {
+    let ceiling = (Duration::from_millis(10) * (1u32 << n.clamp(1, 8).saturating_sub(1)))
+        .min(Duration::from_secs(1));
+    let mut b = [0u8; 2];
+    let unit = if getrandom::fill(&mut b).is_ok() {
+        f64::from(u16::from_le_bytes(b)) / 65_536.0
+    } else {
+        0.5
+    };
+    ceiling.mul_f64(0.5 + 0.5 * unit)
+}
+
 /// Waits for an acquire to succeed: re-attempts when woken by an invalidation of
-/// `key`, by the PTTL timer, or by polling when tracking is unavailable. Returns
-/// `Ok(None)` when `deadline` passes, `Err(Cancelled)` on cancellation, and any
-/// error an attempt returns.
+/// one of the keys, by the expiry timer, or by polling when tracking is
+/// unavailable; rides out retryable failures (see the module docs). Returns
+/// `Ok(None)` when the deadline passes after a busy attempt, `Err(Cancelled)`
+/// on cancellation, the last error when the deadline passes after a failed
+/// one, and any permanent error at once.
+///
+/// `attempt` runs one acquire on the connection, finishing by the deadline it
+/// is given.
 pub(crate) fn wait_for<T>(
-    shared: &Shared,
-    key: &str,
-    deadline: Option<Instant>,
-    cancel: Option<&CancelToken>,
-    mut attempt: impl FnMut(&mut Conn) -> Result<Attempt<T>>,
+    pool: &Pool,
+    registry: &Arc<Registry>,
+    w: &WaitFor<'_>,
+    mut attempt: impl FnMut(&mut Conn, Instant) -> Result<Attempt<T>>,
+) -> Waited<T> {
+    let mut uncertain = Vec::new();
+    let result = wait_loop(pool, registry, w, &mut uncertain, &mut attempt);
+    Waited { result, uncertain }
+}
+
+fn wait_loop<T>(
+    pool: &Pool,
+    registry: &Arc<Registry>,
+    w: &WaitFor<'_>,
+    uncertain: &mut Vec<Option<u64>>,
+    attempt: &mut impl FnMut(&mut Conn, Instant) -> Result<Attempt<T>>,
 ) -> Result<Option<T>> {
-    let registry = &shared.tracking()?.registry;
-    let settle = Instant::now() + shared.pool.cfg.connect_timeout;
-    registry.await_settled(deadline.map_or(settle, |d| d.min(settle)));
-    let waiter = registry.register(key);
+    let settle = Instant::now() + w.settle;
+    registry.await_settled(w.deadline.map_or(settle, |d| d.min(settle)));
+    let waiter = registry.register(w.keys);
     let never = crossbeam_channel::never();
-    let cancelled = cancel.map_or(&never, |c| c.receiver());
-    let timeout = shared.node_timeout();
-    let mut attempted = false;
-    let mut retried = false;
+    let cancelled = w.cancel.map_or(&never, |c| c.receiver());
+    let is_cancelled = || w.cancel.is_some_and(CancelToken::is_cancelled);
+    let past = |now: Instant| w.deadline.is_some_and(|d| now >= d);
+    let mut last_error: Option<Error> = None;
+    let mut verdict = false;
+    let mut failures = 0u32;
+    let mut warned = false;
     loop {
-        if cancel.is_some_and(CancelToken::is_cancelled) {
+        if is_cancelled() {
             return Err(Error::Cancelled);
         }
-        let mut conn = match shared.pool.get(timeout) {
-            Ok(conn) => conn,
-            // Every pooled connection is busy with other calls (a burst of
-            // waiters woken at once): nothing was sent, so keep waiting for
-            // one while the wait lasts.
-            Err(Error::PoolTimeout(after)) => match deadline {
-                Some(d) if Instant::now() >= d && attempted => return Ok(None),
-                Some(d) if Instant::now() >= d => return Err(Error::PoolTimeout(after)),
-                _ => continue,
-            },
-            Err(e) => return Err(e),
-        };
-        let tracked = match ensure_tracking(&mut conn, registry, timeout) {
-            // The connection was dead (restart, idle timeout, killed): the pool
-            // is emptied, and nothing was attempted yet.
-            Err(Error::Io { .. }) if !retried => {
-                retried = true;
-                continue;
+        let started = Instant::now();
+        let outcome = (|| {
+            let mut deadline = started + w.node_timeout;
+            let mut conn = pool.get(deadline, Connect::Own)?;
+            deadline += conn.connect_time();
+            let tracked = ensure_tracking(&mut conn, registry, deadline)?;
+            let conn_id = conn.id();
+            match attempt(&mut conn, deadline) {
+                Err(e) if e.is_uncertain() => {
+                    uncertain.push(conn_id);
+                    Err(e)
+                }
+                other => other.map(|a| (a, tracked)),
             }
-            other => other?,
-        };
-        attempted = true;
-        let pttl = match attempt(&mut conn) {
+        })();
+        let (pttl, tracked) = match outcome {
             // Cancelled while the attempt was in flight: the caller asked to
             // stop, so what it got is released (by dropping it).
-            Ok(Attempt::Acquired(_)) if cancel.is_some_and(CancelToken::is_cancelled) => {
-                return Err(Error::Cancelled);
+            Ok((Attempt::Acquired(_), _)) if is_cancelled() => return Err(Error::Cancelled),
+            Ok((Attempt::Acquired(t), _)) => return Ok(Some(t)),
+            Ok((Attempt::Busy(pttl), tracked)) => {
+                last_error = None;
+                verdict = true;
+                failures = 0;
+                (pttl, tracked)
             }
-            Ok(Attempt::Acquired(t)) => return Ok(Some(t)),
-            Ok(Attempt::Busy(pttl)) => pttl,
-            // Attempts are idempotent for one owner: one more try on a fresh
-            // connection is safe after a dead one.
-            Err(Error::Io { .. }) if !retried => {
-                retried = true;
+            // Every pooled connection is busy with other calls (a burst of
+            // waiters woken at once): nothing was sent, so keep waiting for
+            // one while the wait lasts; at its end the last verdict stands.
+            Err(Error::PoolTimeout(after)) => {
+                if !past(Instant::now()) {
+                    continue;
+                }
+                return match last_error {
+                    None if verdict => Ok(None),
+                    Some(e) => Err(e),
+                    None => Err(Error::PoolTimeout(after)),
+                };
+            }
+            Err(e) if e.is_retryable() => {
+                failures = failures.saturating_add(1);
+                if !warned {
+                    warned = true;
+                    log::warn!(
+                        "waiting on {:?}: {e}; retrying until the wait ends",
+                        w.keys[0]
+                    );
+                } else {
+                    log::debug!("waiting on {:?}: {e}; retrying", w.keys[0]);
+                }
+                // A dead pooled connection (restart, idle timeout, kill):
+                // attempts are idempotent for their owner, so the first retry
+                // goes out at once on a fresh connection.
+                let pause = if failures == 1 && matches!(e, Error::Io { .. }) {
+                    Duration::ZERO
+                } else {
+                    failure_pause(failures)
+                };
+                last_error = Some(e);
+                let now = Instant::now();
+                if past(now) {
+                    return Err(last_error.take().expect("set above"));
+                }
+                let wake = now + pause;
+                let wake = w.deadline.map_or(wake, |d| d.min(wake));
+                crossbeam_channel::select! {
+                    recv(cancelled) -> _ => return Err(Error::Cancelled),
+                    recv(crossbeam_channel::at(wake)) -> _ => {}
+                }
                 continue;
             }
             Err(e) => return Err(e),
         };
-        retried = false;
-        drop(conn);
         let now = Instant::now();
-        if deadline.is_some_and(|d| now >= d) {
-            return Ok(None);
+        if past(now) {
+            return match last_error {
+                Some(e) => Err(e),
+                None => Ok(None),
+            };
         }
-        let mut wake_at = deadline;
-        if registry.is_front(&waiter.key, waiter.id) {
+        let mut wake_at = w.deadline;
+        if waiter.is_front() {
             if let Some(pttl) = pttl {
-                let at = now + pttl + Duration::from_millis(1);
-                wake_at = Some(wake_at.map_or(at, |w| w.min(at)));
+                let at = now.checked_add(pttl + Duration::from_millis(1));
+                if let Some(at) = at {
+                    wake_at = Some(wake_at.map_or(at, |w| w.min(at)));
+                }
             }
             if !tracked {
                 let at = now + poll_interval();
@@ -393,7 +511,7 @@ pub(crate) fn wait_for<T>(
             recv(waiter.rx) -> _ => {}
             recv(cancelled) -> _ => return Err(Error::Cancelled),
             recv(timer) -> _ => {
-                if deadline.is_some_and(|d| Instant::now() >= d) {
+                if past(Instant::now()) {
                     return Ok(None);
                 }
             }
@@ -408,18 +526,18 @@ mod tests {
     #[test]
     fn invalidation_wakes_only_the_first_and_leaving_passes_it_on() {
         let reg = Registry::new("redis://test".into());
-        let a = reg.register("k");
-        let b = reg.register("k");
-        let other = reg.register("j");
+        let a = reg.register(&["k"]);
+        let b = reg.register(&["k"]);
+        let other = reg.register(&["j"]);
         reg.wake_key(b"k");
         assert!(a.rx.try_recv().is_ok());
         assert!(b.rx.try_recv().is_err());
         assert!(other.rx.try_recv().is_err());
-        assert!(reg.is_front(b"k", a.id));
+        assert!(a.is_front());
         drop(a);
         // The next waiter is woken to re-check and re-arm.
         assert!(b.rx.try_recv().is_ok());
-        assert!(reg.is_front(b"k", b.id));
+        assert!(b.is_front());
         assert_eq!(reg.waiting(), 2);
         drop(b);
         drop(other);
@@ -430,7 +548,7 @@ mod tests {
     #[test]
     fn a_pending_wake_is_kept_until_the_waiter_looks() {
         let reg = Registry::new("redis://test".into());
-        let a = reg.register("k");
+        let a = reg.register(&["k"]);
         reg.wake_key(b"k");
         reg.wake_key(b"k");
         assert!(a.rx.try_recv().is_ok());
@@ -440,9 +558,9 @@ mod tests {
     #[test]
     fn leaving_from_the_middle_does_not_wake_anyone() {
         let reg = Registry::new("redis://test".into());
-        let a = reg.register("k");
-        let b = reg.register("k");
-        let c = reg.register("k");
+        let a = reg.register(&["k"]);
+        let b = reg.register(&["k"]);
+        let c = reg.register(&["k"]);
         drop(b);
         assert!(a.rx.try_recv().is_err());
         assert!(c.rx.try_recv().is_err());
@@ -458,9 +576,9 @@ mod tests {
             redirect: 7,
             generation: 2,
         });
-        let a = reg.register("k");
-        let b = reg.register("k");
-        let other = reg.register("j");
+        let a = reg.register(&["k"]);
+        let b = reg.register(&["k"]);
+        let other = reg.register(&["j"]);
         let armed = |generation| Armed {
             generation,
             registry: Arc::downgrade(&reg),

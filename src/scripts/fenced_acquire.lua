@@ -3,14 +3,19 @@
 -- The counter is never given an expiry, never deleted and never reset here.
 -- Idempotent for one owner: if the lease already holds ARGV[1]:token (an earlier
 -- attempt of the same acquire whose reply was lost), that grant is returned
--- again, with its expiry set anew from now and no new increment.
+-- again, with no new increment and its expiry moved to ttl from now if that is
+-- later (never earlier: a late duplicate of an acquire must not shorten a lease
+-- that was extended since).
 -- KEYS[1]  lease key
 -- KEYS[2]  fence counter key (same cluster slot as the lease)
 -- ARGV[1]  owner value
 -- ARGV[2]  ttl in milliseconds
--- returns  {1, token} when granted; {0, pttl} when held (pttl -1: no expiry)
+-- returns  {1, token} when granted, the token as a string (a Lua number would
+--          print 1e+14 and lose digits above 2^53); {0, pttl} when held (pttl -1:
+--          no expiry)
 -- errors   BADKEY (lease of another type), BADFENCE (counter of another type, with
---          an expiry, or not a non-negative integer); nothing is changed
+--          an expiry, or not a non-negative integer), and INCR's overflow error
+--          at the counter's maximum; nothing is changed
 local ft = redis.call('TYPE', KEYS[2]).ok
 if ft ~= 'none' then
   if ft ~= 'string' then
@@ -20,13 +25,14 @@ if ft ~= 'none' then
     return redis.error_reply('BADFENCE has an expiry; a fencing counter must never expire')
   end
   local v = redis.call('GET', KEYS[2])
-  if not (v == '0' or (string.match(v, '^[1-9]%d*$') and string.len(v) <= 18)) then
+  if not (v == '0' or (string.match(v, '^[1-9]%d*$') and string.len(v) <= 19)) then
     return redis.error_reply('BADFENCE is not a non-negative integer counter')
   end
 end
 local lt = redis.call('TYPE', KEYS[1]).ok
 if lt == 'none' then
-  local token = redis.call('INCR', KEYS[2])
+  redis.call('INCR', KEYS[2])
+  local token = redis.call('GET', KEYS[2])
   redis.call('SET', KEYS[1], ARGV[1] .. ':' .. token, 'PX', ARGV[2])
   return {1, token}
 end
@@ -36,7 +42,10 @@ end
 local mine = ARGV[1] .. ':'
 local held = redis.call('GET', KEYS[1])
 if string.sub(held, 1, string.len(mine)) == mine then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {1, tonumber(string.sub(held, string.len(mine) + 1))}
+  local left = redis.call('PTTL', KEYS[1])
+  if left >= 0 and left < tonumber(ARGV[2]) then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  end
+  return {1, string.sub(held, string.len(mine) + 1)}
 end
 return {0, redis.call('PTTL', KEYS[1])}

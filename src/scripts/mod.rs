@@ -29,13 +29,6 @@ impl Script {
         cmd.arg(self.code).arg(keys.len()).arg(keys).arg(args);
         cmd
     }
-
-    /// `SCRIPT LOAD code`
-    pub(crate) fn load(&self) -> redis::Cmd {
-        let mut cmd = redis::cmd("SCRIPT");
-        cmd.arg("LOAD").arg(self.code);
-        cmd
-    }
 }
 
 macro_rules! script {

@@ -1,0 +1,191 @@
+//! Catching a fencing counter that went back, without false alarms.
+//!
+//! Tokens come from one counter per fence key, possibly shared by several
+//! leases and many threads. Replies can be processed out of order: thread A
+//! gets token 5, thread B token 6, and B's reply is read first. So "lower than
+//! the highest seen" is no regression by itself. What is certain is the grant
+//! order across time: if the reply carrying token `t'` was received before an
+//! attempt was *sent*, the server ran that attempt after it issued `t'`, and
+//! an intact counter must issue more than `t'`. A token not above one received
+//! before its own attempt was sent is a regression.
+//!
+//! Per fence key the book keeps the tokens received within a short horizon
+//! (an attempt's reply arrives within the node timeout of its send) and one
+//! running maximum for everything older; it remembers a bounded number of
+//! fence keys, forgetting the least recently used. A grant whose first attempt
+//! was sent before the horizon (a long wait whose early attempt got no reply
+//! and whose grant came back later) is checked against the recent history
+//! only: the check may then miss a regression, but never reports a false one.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// How many fence keys the book remembers.
+pub(crate) const REMEMBERED_KEYS: usize = 10_000;
+
+#[derive(Debug, Default)]
+struct History {
+    /// The highest token received before `settled_before`.
+    settled: u64,
+    settled_before: Option<Instant>,
+    /// Tokens received since: (received, running maximum).
+    recent: VecDeque<(Instant, u64)>,
+    used: u64,
+}
+
+impl History {
+    fn settle(&mut self, before: Instant) {
+        while let Some(&(at, max)) = self.recent.front() {
+            if at >= before {
+                break;
+            }
+            self.settled = self.settled.max(max);
+            self.settled_before = Some(before);
+            self.recent.pop_front();
+        }
+    }
+
+    /// The highest token received strictly before `sent`. For a send older
+    /// than the settled history, only what is certain counts: nothing, so
+    /// that a grant whose attempt began long ago is never refused falsely.
+    fn seen_before(&self, sent: Instant) -> u64 {
+        let n = self.recent.partition_point(|&(at, _)| at < sent);
+        let settled = match self.settled_before {
+            Some(before) if sent >= before => self.settled,
+            Some(_) => 0,
+            None => self.settled,
+        };
+        match n {
+            0 => settled,
+            n => settled.max(self.recent[n - 1].1),
+        }
+    }
+
+    fn record(&mut self, received: Instant, token: u64) {
+        let max = self.recent.back().map_or(self.settled, |&(_, m)| m);
+        // Replies are recorded as they are processed; keep the deque sorted
+        // even if two threads record out of order by a hair.
+        let at = self
+            .recent
+            .back()
+            .map_or(received, |&(a, _)| a.max(received));
+        self.recent.push_back((at, max.max(token)));
+    }
+}
+
+/// What one coordinator has seen of its fence counters.
+#[derive(Debug)]
+pub(crate) struct FenceBook {
+    keys: HashMap<String, History>,
+    horizon: Duration,
+    capacity: usize,
+    clock: u64,
+}
+
+impl FenceBook {
+    /// `horizon`: the longest time between an attempt's send and the
+    /// processing of its reply (a few node timeouts).
+    pub(crate) fn new(horizon: Duration, capacity: usize) -> Self {
+        FenceBook {
+            keys: HashMap::new(),
+            horizon,
+            capacity: capacity.max(1),
+            clock: 0,
+        }
+    }
+
+    /// Checks a token issued by an attempt sent at `sent` whose reply was
+    /// received at `received`, and records it. `Err(seen)` names the token it
+    /// is not above.
+    pub(crate) fn check(
+        &mut self,
+        key: &str,
+        token: u64,
+        sent: Instant,
+        received: Instant,
+    ) -> Result<(), u64> {
+        self.clock += 1;
+        let clock = self.clock;
+        if !self.keys.contains_key(key) && self.keys.len() >= self.capacity {
+            self.forget_oldest();
+        }
+        let history = self.keys.entry(key.to_owned()).or_default();
+        history.used = clock;
+        if let Some(before) = received.checked_sub(self.horizon) {
+            history.settle(before);
+        }
+        let seen = history.seen_before(sent);
+        history.record(received, token);
+        if token <= seen { Err(seen) } else { Ok(()) }
+    }
+
+    /// Drops the least recently used tenth of the keys.
+    fn forget_oldest(&mut self) {
+        let mut used: Vec<u64> = self.keys.values().map(|h| h.used).collect();
+        let cut = (self.capacity / 10).max(1).min(used.len());
+        used.select_nth_unstable(cut - 1);
+        let limit = used[cut - 1];
+        self.keys.retain(|_, h| h.used > limit);
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.keys.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn out_of_order_replies_of_overlapping_attempts_are_fine() {
+        let t0 = Instant::now();
+        let mut book = FenceBook::new(ms(2_000), 100);
+        // B (token 6) and A (token 5) were in flight at once; B's reply first.
+        assert!(book.check("f", 6, t0 + ms(1), t0 + ms(3)).is_ok());
+        assert!(book.check("f", 5, t0, t0 + ms(4)).is_ok());
+    }
+
+    #[test]
+    fn a_token_not_above_one_received_before_the_send_is_a_regression() {
+        let t0 = Instant::now();
+        let mut book = FenceBook::new(ms(2_000), 100);
+        book.check("f", 220, t0, t0 + ms(1)).unwrap();
+        assert_eq!(book.check("f", 20, t0 + ms(5), t0 + ms(6)), Err(220));
+        // The same token again after it was received is a regression too.
+        let mut book = FenceBook::new(ms(2_000), 100);
+        book.check("f", 7, t0, t0 + ms(1)).unwrap();
+        assert_eq!(book.check("f", 7, t0 + ms(2), t0 + ms(3)), Err(7));
+    }
+
+    #[test]
+    fn old_history_is_settled_but_still_counts() {
+        let t0 = Instant::now();
+        let mut book = FenceBook::new(ms(100), 100);
+        for i in 0..1_000u64 {
+            let at = t0 + ms(i * 10);
+            book.check("f", i + 1, at, at + ms(1)).unwrap();
+        }
+        let h = &book.keys["f"];
+        assert!(h.recent.len() <= 12, "{}", h.recent.len());
+        let late = t0 + ms(20_000);
+        assert_eq!(book.check("f", 3, late, late + ms(1)), Err(1_000));
+    }
+
+    #[test]
+    fn keys_are_bounded() {
+        let t0 = Instant::now();
+        let mut book = FenceBook::new(ms(100), 50);
+        for i in 0..1_000 {
+            book.check(&format!("f{i}"), 1, t0, t0).unwrap();
+        }
+        assert!(book.len() <= 50);
+        // The most recent keys are remembered.
+        assert_eq!(book.check("f999", 1, t0 + ms(1), t0 + ms(1)), Err(1));
+    }
+}

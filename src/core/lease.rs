@@ -1,0 +1,436 @@
+//! The state of one held lease, as pure transitions over events and instants.
+//!
+//! A lease's server-side expiry is set by the last command that touched it: the
+//! grant, or an extension (`PEXPIRE`, or a new score for a reader or permit).
+//! The client never sees that expiry, only when it sent each command and
+//! whether a reply came. `LeaseCore` keeps the bound the client can rely on:
+//!
+//! - A confirmed command sent at `s` with TTL `t` keeps the lease until
+//!   `s + t − drift(t)` (the server ran it at `s` or later).
+//! - A command whose reply has not come (yet) may still be applied, at any
+//!   moment: if it *shortens* the lease it counts from its send time; if it
+//!   *extends* it, it counts for nothing. So the bound is the minimum of the
+//!   two, from the moment it is sent.
+//! - Extensions of one lease never overlap: [`LeaseCore::begin_extend`] claims
+//!   the lease, and the claim is released only when the command's effect is
+//!   known (a reply) or it can no longer be applied (nothing was sent, or the
+//!   connection it was sent on was killed and the kill confirmed:
+//!   [`LeaseCore::fenced`]). A command whose effect stayed unknown keeps
+//!   bounding the lease until a later command is confirmed.
+//! - Loss is permanent. The lease is lost when the server says so (the key is
+//!   gone or has another owner), when its loss deadline — the bound minus one
+//!   node timeout — passes, or when a confirmation arrives only after that
+//!   deadline.
+//!
+//! Nothing here reads a clock or touches a socket; the runtime feeds it events
+//! with the instant they happened, and the simulation in `tests/simulation.rs`
+//! drives it through every interleaving a seed can reach.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use crate::core::timing::Timing;
+
+/// One command's send time and the TTL it sets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Stamp {
+    pub(crate) sent: Instant,
+    pub(crate) ttl: Duration,
+}
+
+/// Names one extension, so a late event for an older one is ignored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Ticket(u64);
+
+/// Why a lease is lost.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Loss {
+    /// The loss deadline passed without a confirmed renewal.
+    Deadline,
+    /// A confirmation came, but only after the loss deadline.
+    LateConfirmation,
+    /// The server no longer has the lease (expired, deleted, lost in a restart).
+    Gone,
+    /// Someone else holds the key.
+    TakenOver,
+    /// Anything else, described.
+    Other(String),
+}
+
+impl fmt::Display for Loss {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Loss::Deadline => f.write_str("no renewal was confirmed before the loss deadline"),
+            Loss::LateConfirmation => {
+                f.write_str("a renewal was confirmed only after the loss deadline")
+            }
+            Loss::Gone => f.write_str("the lease is gone on the server (expired or deleted)"),
+            Loss::TakenOver => f.write_str("another owner holds the key"),
+            Loss::Other(why) => f.write_str(why),
+        }
+    }
+}
+
+/// Why an extension could not begin.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// Another extension of this lease is in flight or unresolved.
+    Busy,
+    /// The lease is lost or finished.
+    Lost,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Pending {
+    ticket: Ticket,
+    stamp: Stamp,
+    /// The reply will never come: the command's effect is unknown.
+    unanswered: bool,
+}
+
+/// The client's knowledge of one lease.
+#[derive(Clone, Debug)]
+pub(crate) struct LeaseCore {
+    timing: Timing,
+    /// The first send: nothing is earlier.
+    origin: Instant,
+    /// The last command known to be applied (the grant or a confirmed extension).
+    base: Stamp,
+    /// A bound left by earlier commands whose effect stayed unknown.
+    floor: Option<Instant>,
+    pending: Option<Pending>,
+    lost: Option<Loss>,
+    finished: bool,
+    tickets: u64,
+}
+
+impl LeaseCore {
+    /// A lease granted by a command sent at `sent` with `ttl`.
+    pub(crate) fn granted(timing: Timing, sent: Instant, ttl: Duration) -> Self {
+        LeaseCore {
+            timing,
+            origin: sent,
+            base: Stamp { sent, ttl },
+            floor: None,
+            pending: None,
+            lost: None,
+            finished: false,
+            tickets: 0,
+        }
+    }
+
+    /// The TTL of the last confirmed command: what renewals use.
+    pub(crate) fn ttl(&self) -> Duration {
+        self.base.ttl
+    }
+
+    /// Until when the lease is certainly held (if not lost).
+    pub(crate) fn valid_until(&self) -> Instant {
+        let t = &self.timing;
+        let mut until = t.valid_until(self.base.sent, self.base.ttl);
+        if let Some(floor) = self.floor {
+            until = until.min(floor);
+        }
+        if let Some(p) = &self.pending {
+            until = until.min(t.valid_until(p.stamp.sent, p.stamp.ttl));
+        }
+        until
+    }
+
+    /// When the holder is told the lease is lost: one node timeout before
+    /// [`valid_until`](LeaseCore::valid_until).
+    pub(crate) fn lost_at(&self) -> Instant {
+        self.timing.lost_at(self.valid_until(), self.origin)
+    }
+
+    /// When a kept-alive lease should next be renewed: at half its TTL, and
+    /// always with a node timeout to spare before the loss deadline.
+    pub(crate) fn renew_at(&self) -> Instant {
+        let half = self.base.sent + self.base.ttl / 2;
+        let spare = self
+            .lost_at()
+            .checked_sub(self.timing.node_timeout)
+            .unwrap_or(self.origin);
+        half.min(spare)
+    }
+
+    /// Whether the lease counts as lost at `now`, without recording anything.
+    pub(crate) fn is_lost(&self, now: Instant) -> bool {
+        self.finished || self.lost.is_some() || now >= self.lost_at()
+    }
+
+    /// Why it was lost, once recorded.
+    pub(crate) fn loss(&self) -> Option<&Loss> {
+        self.lost.as_ref()
+    }
+
+    pub(crate) fn is_finished(&self) -> bool {
+        self.finished
+    }
+
+    /// Records a loss by deadline if `now` is past it; true if this call did.
+    pub(crate) fn observe(&mut self, now: Instant) -> bool {
+        if self.lost.is_none() && !self.finished && now >= self.lost_at() {
+            self.lost = Some(Loss::Deadline);
+            return true;
+        }
+        false
+    }
+
+    /// How long the lease can still be assumed held.
+    pub(crate) fn remaining(&self, now: Instant) -> Duration {
+        if self.finished || self.lost.is_some() {
+            return Duration::ZERO;
+        }
+        self.valid_until().saturating_duration_since(now)
+    }
+
+    /// Whether an extension is in flight or unresolved.
+    pub(crate) fn is_claimed(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// Claims the lease for an extension to `ttl` sent at `now`. From now until
+    /// its outcome is known, the lease is bounded by it if it shortens.
+    pub(crate) fn begin_extend(&mut self, now: Instant, ttl: Duration) -> Result<Ticket, Refusal> {
+        self.observe(now);
+        if self.finished || self.lost.is_some() {
+            return Err(Refusal::Lost);
+        }
+        if self.pending.is_some() {
+            return Err(Refusal::Busy);
+        }
+        self.tickets += 1;
+        let ticket = Ticket(self.tickets);
+        self.pending = Some(Pending {
+            ticket,
+            stamp: Stamp { sent: now, ttl },
+            unanswered: false,
+        });
+        Ok(ticket)
+    }
+
+    fn take(&mut self, ticket: Ticket) -> Option<Pending> {
+        match self.pending {
+            Some(p) if p.ticket == ticket => self.pending.take(),
+            _ => None,
+        }
+    }
+
+    /// The server confirmed the extension at `now`. Returns whether the lease
+    /// is still held: a confirmation after the loss deadline does not revive it.
+    pub(crate) fn extended(&mut self, ticket: Ticket, now: Instant) -> bool {
+        let deadline = self.lost_at();
+        let Some(p) = self.take(ticket) else {
+            return !self.is_lost(now);
+        };
+        if self.finished || self.lost.is_some() {
+            return false;
+        }
+        if now >= deadline {
+            self.lost = Some(Loss::LateConfirmation);
+            return false;
+        }
+        self.base = p.stamp;
+        self.floor = None;
+        self.observe(now);
+        !self.is_lost(now)
+    }
+
+    /// The server answered that the lease is gone or someone else's.
+    pub(crate) fn refused(&mut self, ticket: Ticket, loss: Loss) {
+        if self.take(ticket).is_some() && self.lost.is_none() && !self.finished {
+            self.lost = Some(loss);
+        }
+    }
+
+    /// Nothing was sent (no connection, refused before writing): no effect.
+    pub(crate) fn not_sent(&mut self, ticket: Ticket) {
+        self.take(ticket);
+    }
+
+    /// No reply came. The command may still be applied, so the claim stays
+    /// until [`fenced`](LeaseCore::fenced).
+    pub(crate) fn unanswered(&mut self, ticket: Ticket) {
+        if let Some(p) = &mut self.pending
+            && p.ticket == ticket
+        {
+            p.unanswered = true;
+        }
+    }
+
+    /// The unanswered command can no longer be applied (its connection was
+    /// killed and the kill confirmed). Its possible effect keeps bounding the
+    /// lease until a later extension is confirmed; the claim is released.
+    pub(crate) fn fenced(&mut self, ticket: Ticket) {
+        if let Some(p) = self.take(ticket) {
+            let until = self.timing.valid_until(p.stamp.sent, p.stamp.ttl);
+            self.floor = Some(self.floor.map_or(until, |f| f.min(until)));
+        }
+    }
+
+    /// Records a loss (the server said so, or a background failure).
+    pub(crate) fn mark_lost(&mut self, loss: Loss) -> bool {
+        if self.lost.is_none() && !self.finished {
+            self.lost = Some(loss);
+            return true;
+        }
+        false
+    }
+
+    /// The holder let go (release or drop): the lease counts as lost from now on.
+    pub(crate) fn finish(&mut self) {
+        self.finished = true;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    const T: Timing = Timing {
+        drift_factor: 0.0,
+        node_timeout: Duration::from_millis(100),
+    };
+
+    // drift = 2 ms with factor 0.
+    fn core(t0: Instant, ttl: u64) -> LeaseCore {
+        LeaseCore::granted(T, t0, ms(ttl))
+    }
+
+    #[test]
+    fn a_grant_holds_until_its_send_plus_ttl_minus_drift() {
+        let t0 = Instant::now();
+        let c = core(t0, 1_000);
+        assert_eq!(c.valid_until(), t0 + ms(998));
+        assert_eq!(c.lost_at(), t0 + ms(898));
+        assert!(!c.is_lost(t0 + ms(897)));
+        assert!(c.is_lost(t0 + ms(898)));
+    }
+
+    #[test]
+    fn an_unanswered_shortening_counts_from_its_send() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 60_000);
+        let t = c.begin_extend(t0 + ms(10), ms(1_500)).unwrap();
+        // In flight: already bounded by the shorter TTL.
+        assert_eq!(c.valid_until(), t0 + ms(10 + 1_498));
+        c.unanswered(t);
+        assert_eq!(c.valid_until(), t0 + ms(10 + 1_498));
+        assert!(c.is_lost(t0 + ms(10 + 1_398)));
+        // Fenced: still bounded, but the claim is free again.
+        c.fenced(t);
+        assert!(!c.is_claimed());
+        assert_eq!(c.valid_until(), t0 + ms(10 + 1_498));
+        // A later confirmed extension supersedes it.
+        let t2 = c.begin_extend(t0 + ms(20), ms(60_000)).unwrap();
+        assert!(c.extended(t2, t0 + ms(21)));
+        assert_eq!(c.valid_until(), t0 + ms(20 + 59_998));
+    }
+
+    #[test]
+    fn an_unanswered_extension_counts_for_nothing() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 1_000);
+        let t = c.begin_extend(t0 + ms(500), ms(60_000)).unwrap();
+        c.unanswered(t);
+        assert_eq!(c.valid_until(), t0 + ms(998));
+        c.fenced(t);
+        assert_eq!(c.valid_until(), t0 + ms(998));
+    }
+
+    #[test]
+    fn extensions_never_overlap_until_the_first_is_resolved() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 10_000);
+        let t = c.begin_extend(t0, ms(5_000)).unwrap();
+        assert_eq!(c.begin_extend(t0, ms(5_000)), Err(Refusal::Busy));
+        c.unanswered(t);
+        assert_eq!(c.begin_extend(t0, ms(5_000)), Err(Refusal::Busy));
+        c.fenced(t);
+        assert!(c.begin_extend(t0, ms(5_000)).is_ok());
+    }
+
+    #[test]
+    fn a_confirmation_after_the_deadline_does_not_revive() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 1_000);
+        let t = c.begin_extend(t0 + ms(800), ms(1_000)).unwrap();
+        assert!(!c.extended(t, t0 + ms(898)));
+        assert_eq!(c.loss(), Some(&Loss::LateConfirmation));
+        assert!(c.is_lost(t0 + ms(899)));
+        assert_eq!(c.begin_extend(t0 + ms(900), ms(1_000)), Err(Refusal::Lost));
+    }
+
+    #[test]
+    fn loss_is_permanent() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 1_000);
+        assert!(c.observe(t0 + ms(900)));
+        assert!(!c.observe(t0 + ms(901)));
+        assert_eq!(c.begin_extend(t0 + ms(900), ms(1_000)), Err(Refusal::Lost));
+        assert_eq!(c.remaining(t0 + ms(900)), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_refusal_loses_the_lease() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 1_000);
+        let t = c.begin_extend(t0, ms(1_000)).unwrap();
+        c.refused(t, Loss::TakenOver);
+        assert!(c.is_lost(t0));
+        assert_eq!(c.loss(), Some(&Loss::TakenOver));
+    }
+
+    #[test]
+    fn nothing_sent_has_no_effect() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 10_000);
+        let t = c.begin_extend(t0, ms(1_000)).unwrap();
+        c.not_sent(t);
+        assert_eq!(c.valid_until(), t0 + ms(9_998));
+        assert!(!c.is_claimed());
+    }
+
+    #[test]
+    fn stale_tickets_are_ignored() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 10_000);
+        let t1 = c.begin_extend(t0, ms(1_000)).unwrap();
+        c.not_sent(t1);
+        let t2 = c.begin_extend(t0, ms(20_000)).unwrap();
+        // A late event for the first extension changes nothing.
+        c.fenced(t1);
+        assert!(c.extended(t1, t0 + ms(1)));
+        assert!(c.is_claimed());
+        assert!(c.extended(t2, t0 + ms(1)));
+        assert_eq!(c.valid_until(), t0 + ms(19_998));
+    }
+
+    #[test]
+    fn renewal_comes_at_half_or_a_node_timeout_before_loss() {
+        let t0 = Instant::now();
+        let c = core(t0, 10_000);
+        assert_eq!(c.renew_at(), t0 + ms(5_000));
+        let mut c = core(t0, 10_000);
+        let t = c.begin_extend(t0, ms(1_000)).unwrap();
+        c.unanswered(t);
+        c.fenced(t);
+        // lost_at = 998 − 100; renew a node timeout before that.
+        assert_eq!(c.renew_at(), t0 + ms(798));
+    }
+
+    #[test]
+    fn finishing_counts_as_lost_without_a_loss() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 10_000);
+        c.finish();
+        assert!(c.is_lost(t0));
+        assert!(c.loss().is_none());
+        assert!(!c.mark_lost(Loss::Gone));
+    }
+}

@@ -1,0 +1,461 @@
+//! The guard every single-deployment primitive returns: a held lease, its loss
+//! deadline and loss signal, and the verify / extend / keep-alive / release
+//! operations, the same for every kind.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::Receiver;
+
+use crate::conn::Connect;
+use crate::core::lease::{Loss, Refusal};
+use crate::deployment::{Deployment, bad_key};
+use crate::error::{Error, Result};
+use crate::kind::{Fenced, Kind};
+use crate::runtime::renewal::Cell;
+use crate::token::FencingToken;
+
+/// What a guard's `release` found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ReleaseOutcome {
+    /// The lease was still ours and is now deleted.
+    Released,
+    /// The key was gone: the lease had expired (or was deleted by someone else).
+    Expired,
+    /// Someone else holds the key now: the lease expired and was taken over (or the
+    /// key was overwritten). Their lease was left alone.
+    TakenOver,
+    /// The release was sent but got no answer (timeout or connection failure):
+    /// it may or may not have happened. The lease ends at its expiry at the latest.
+    Uncertain,
+}
+
+/// A held lease of kind `K` on one deployment: [`LockGuard`](crate::LockGuard)
+/// and [`FencedGuard`](crate::FencedGuard) are this type.
+///
+/// Dropping it releases the lease (one best-effort command, bounded by the node
+/// timeout, never panics); [`release`](LeaseGuard::release) does the same and
+/// reports what happened.
+///
+/// # Loss
+///
+/// The guard is *lost* from the moment its loss deadline passes — the send time
+/// of the grant or of the last *confirmed* extension, plus the TTL, minus clock
+/// drift (`ttl × drift_factor + 2 ms`), minus the node timeout — or a command
+/// finds the lease expired or held by someone else. While an extension is in
+/// flight, or after one got no reply, the guard assumes its worst effect: a
+/// shorter TTL counts from its send time, a longer one counts for nothing until
+/// confirmed. Loss is permanent: once [`is_lost`](LeaseGuard::is_lost) returned
+/// true it never returns false again, and the [`lost_signal`](LeaseGuard::lost_signal)
+/// is closed by then.
+#[must_use = "if unused the lease is released immediately"]
+pub struct LeaseGuard<K: Kind> {
+    dep: Arc<Deployment>,
+    cell: Arc<Cell>,
+    grant: K::Grant,
+    _kind: PhantomData<K>,
+}
+
+impl<K: Kind> LeaseGuard<K> {
+    pub(crate) fn new(dep: Arc<Deployment>, cell: Arc<Cell>, grant: K::Grant) -> Self {
+        LeaseGuard {
+            dep,
+            cell,
+            grant,
+            _kind: PhantomData,
+        }
+    }
+
+    pub(crate) fn grant(&self) -> &K::Grant {
+        &self.grant
+    }
+
+    /// The physical key that holds the lease.
+    pub fn key(&self) -> &str {
+        self.cell.key()
+    }
+
+    /// Whether the lease is lost (see [Loss](LeaseGuard#loss)). Reads the lost
+    /// flag and the monotonic clock; does not block or touch the network.
+    pub fn is_lost(&self) -> bool {
+        self.cell.is_lost(self.dep.now())
+    }
+
+    /// A channel that disconnects when the lease is lost or released, for
+    /// `crossbeam_channel::select!`; it never delivers a message.
+    ///
+    /// The first call has the coordinator's renewal thread watch the lease, so
+    /// that the channel closes at the loss deadline even if nobody calls
+    /// [`is_lost`](LeaseGuard::is_lost); that thread never waits on the network.
+    /// If the thread cannot be started, the guard is flagged lost at once.
+    pub fn lost_signal(&self) -> &Receiver<()> {
+        let rx = self.cell.signal(self.dep.now());
+        if let Err(e) = self.dep.runtime().watch(&self.cell) {
+            self.cell.mark_lost(
+                self.dep.now(),
+                Loss::Other(format!("its loss deadline cannot be watched: {e}")),
+            );
+        }
+        rx
+    }
+
+    /// How long the lease can still be assumed held: on the local monotonic
+    /// clock, until the bound described under [Loss](LeaseGuard#loss) (without
+    /// the node-timeout margin). Zero once lost. Does not touch the network.
+    pub fn remaining_estimate(&self) -> Duration {
+        self.cell.remaining(self.dep.now())
+    }
+
+    /// Asks Redis whether the lease still holds this guard's owner token. One
+    /// round trip, at most the node timeout (plus the connect timeout if a
+    /// connection must be opened). Returns `Some(server-side TTL)` when held
+    /// (`Duration::MAX` for a key without expiry), `None` (and flags the guard
+    /// lost) when not. Only says what was true at one instant.
+    ///
+    /// # Errors
+    /// Transport and server errors; the guard is unchanged.
+    pub fn verify_still_held(&self) -> Result<Option<Duration>> {
+        let ops = self.cell.extra();
+        let mut deadline = self.dep.now() + self.dep.node_timeout();
+        let mut conn = self.dep.pool.get(deadline, Connect::Own)?;
+        deadline += conn.connect_time();
+        let (keys, args) = ops.verify_args();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let reply: Vec<i64> = conn
+            .script(ops.verify_script(), &keys, &args, "verify", deadline)
+            .map_err(|e| bad_key(e, self.key()))?;
+        drop(conn);
+        let now = self.dep.now();
+        match reply.as_slice() {
+            [1, pttl] => Ok(Some(
+                u64::try_from(*pttl).map_or(Duration::MAX, Duration::from_millis),
+            )),
+            [0] => {
+                self.cell.mark_lost(now, Loss::Gone);
+                Ok(None)
+            }
+            [-1] => {
+                self.cell.mark_lost(now, Loss::TakenOver);
+                Ok(None)
+            }
+            other => Err(Error::UnexpectedReply {
+                op: "verify",
+                reply: format!("{other:?}"),
+            }),
+        }
+    }
+
+    /// Sets the lease's expiry to `ttl` from now, if it is still held. Never
+    /// re-creates a missing key.
+    ///
+    /// Blocks for one round trip, after waiting (at most a node timeout) for an
+    /// extension of this lease already in flight, such as a keep-alive renewal:
+    /// extensions of one lease never overlap. Returns `true` when confirmed,
+    /// `false` (and flags the guard lost) when the lease expired or was taken
+    /// over, or the confirmation came after the loss deadline: stop the work.
+    ///
+    /// From the moment it is sent, a *shorter* `ttl` bounds the guard; a longer
+    /// one counts only once confirmed.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad TTL (nothing sent);
+    /// [`Error::Timeout`] when an earlier extension's outcome is still unknown
+    /// after a node timeout (nothing sent); transport errors, after which the
+    /// outcome is unknown: the guard keeps assuming the worst of it, and the
+    /// connection it went out on is killed in the background before the lease
+    /// can be extended again.
+    pub fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
+        let ttl_ms = self.dep.check_ttl(ttl)?;
+        let ttl = Duration::from_millis(ttl_ms);
+        let nt = self.dep.node_timeout();
+        let waited = self.dep.now() + nt;
+        let ticket = loop {
+            match self.cell.begin_extend(self.dep.now(), ttl) {
+                Ok(ticket) => break ticket,
+                Err(Refusal::Lost) => return Ok(false),
+                Err(Refusal::Busy) => {
+                    if !self.cell.wait_unclaimed(waited) {
+                        return Err(Error::Timeout {
+                            op: "reset expiry (waiting for an extension in flight)",
+                            after: nt,
+                        });
+                    }
+                }
+            }
+        };
+        // A shorter TTL bounds the lease from now: the renewal thread must know.
+        self.dep.runtime().touch(&self.cell);
+        let now = self.dep.now();
+        let mut deadline = now + nt;
+        let mut conn = match self.dep.pool.get(deadline, Connect::Own) {
+            Ok(conn) => conn,
+            Err(e) => {
+                self.cell.not_sent(ticket, self.dep.now());
+                self.dep.runtime().touch(&self.cell);
+                return Err(e);
+            }
+        };
+        deadline += conn.connect_time();
+        let conn_id = conn.id();
+        let ops = self.cell.extra();
+        let (keys, args) = ops.extend_args(ttl_ms);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let reply: Result<i64> =
+            conn.script(ops.extend_script(), &keys, &args, "reset expiry", deadline);
+        drop(conn);
+        let now = self.dep.now();
+        let result = match reply {
+            Ok(1) => Ok(self.cell.extended(ticket, now)),
+            Ok(0) => {
+                self.cell.refused(ticket, now, Loss::Gone);
+                Ok(false)
+            }
+            Ok(-1) => {
+                self.cell.refused(ticket, now, Loss::TakenOver);
+                Ok(false)
+            }
+            Ok(other) => {
+                // It ran, with an effect we cannot read: the worst of it stands.
+                self.cell.unanswered(ticket, now);
+                self.cell.fenced(ticket, now);
+                Err(Error::UnexpectedReply {
+                    op: "reset expiry",
+                    reply: other.to_string(),
+                })
+            }
+            Err(e) if e.is_uncertain() => {
+                self.cell.unanswered(ticket, now);
+                self.dep.fence(conn_id, &self.cell, ticket);
+                Err(e)
+            }
+            Err(e) => {
+                self.cell.not_sent(ticket, now);
+                Err(bad_key(e, self.key()))
+            }
+        };
+        self.dep.runtime().touch(&self.cell);
+        result
+    }
+
+    /// Renews the lease in the background until the returned [`KeepAlive`] is
+    /// dropped; see there for when loss is flagged. Does not block beyond one
+    /// check of the ACL rights keep-alive needs (one round trip).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the TTL is too short to renew at half of
+    /// it with two node timeouts to spare; [`Error::Permission`] when the ACL
+    /// user may not run the renewal script on the lease's keys (`EVALSHA`,
+    /// `EVAL`), `CLIENT ID` or `CLIENT KILL`; transport errors from that check;
+    /// [`Error::Thread`] when the renewal thread cannot be started.
+    pub fn keep_alive(&self) -> Result<KeepAlive<'_>> {
+        let ttl = self.cell.ttl();
+        let min = self.dep.timing.min_keepalive_ttl();
+        if ttl < min {
+            return Err(Error::InvalidArgument(format!(
+                "ttl {ttl:?} is too short for keep-alive with a node timeout of {:?}: use at \
+                 least {min:?}",
+                self.dep.node_timeout()
+            )));
+        }
+        self.dep.check_keepalive_rights(self.cell.extra())?;
+        self.cell.add_keepalive();
+        if let Err(e) = self.dep.runtime().watch(&self.cell) {
+            self.cell.remove_keepalive();
+            return Err(e);
+        }
+        self.dep.runtime().touch(&self.cell);
+        Ok(KeepAlive {
+            dep: self.dep.clone(),
+            cell: self.cell.clone(),
+            _guard: PhantomData,
+        })
+    }
+
+    /// Releases the lease if this guard still holds it. One round trip; takes
+    /// at most the node timeout in all (getting a connection included). From
+    /// the call on, the guard counts as lost.
+    ///
+    /// Returns what it found: [`ReleaseOutcome::Released`], `Expired`,
+    /// `TakenOver` (the other holder keeps it), or `Uncertain` when the release
+    /// was sent but no reply came (the lease then ends at its expiry at the
+    /// latest).
+    ///
+    /// # Errors
+    /// When nothing could be sent ([`Error::PoolTimeout`], [`Error::Connect`]:
+    /// the lease then ends at its expiry), and server errors such as a missing
+    /// ACL right.
+    pub fn release(mut self) -> Result<ReleaseOutcome> {
+        self.release_once()
+    }
+
+    fn release_once(&mut self) -> Result<ReleaseOutcome> {
+        let start = self.dep.now();
+        self.cell.finish(start);
+        self.dep.runtime().forget(&self.cell);
+        let deadline = start + self.dep.node_timeout();
+        let mut conn = self.dep.pool.get(deadline, Connect::Within)?;
+        let ops = self.cell.extra();
+        let (keys, args) = ops.release_args();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let reply: Result<i64> =
+            conn.script(ops.release_script(), &keys, &args, "release", deadline);
+        match reply {
+            Ok(1) => Ok(ReleaseOutcome::Released),
+            Ok(0) => Ok(ReleaseOutcome::Expired),
+            Ok(_) => Ok(ReleaseOutcome::TakenOver),
+            Err(e) if e.is_uncertain() => {
+                log::warn!(
+                    "release of {:?} is uncertain ({e}); it ends at its expiry at the latest",
+                    self.key()
+                );
+                Ok(ReleaseOutcome::Uncertain)
+            }
+            Err(e) => Err(bad_key(e, self.key())),
+        }
+    }
+}
+
+impl LeaseGuard<Fenced> {
+    /// The fencing token of this grant. Send it with every write to the
+    /// protected resource.
+    pub fn fencing_token(&self) -> FencingToken {
+        *self.grant()
+    }
+}
+
+impl<K: Kind> Drop for LeaseGuard<K> {
+    fn drop(&mut self) {
+        if self.cell.is_finished() {
+            return;
+        }
+        match self.release_once() {
+            Ok(outcome) => log::debug!("dropped lease {:?}: {outcome:?}", self.key()),
+            Err(e) => log::warn!("dropping lease {:?}: release failed: {e}", self.key()),
+        }
+    }
+}
+
+impl<K: Kind> fmt::Debug for LeaseGuard<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct(K::GUARD);
+        d.field("key", &self.key());
+        if !K::GRANT.is_empty() {
+            d.field(K::GRANT, &self.grant);
+        }
+        d.field("lost", &self.is_lost())
+            .field("remaining_estimate", &self.remaining_estimate())
+            .finish()
+    }
+}
+
+/// Renews a lease in the background for as long as it lives.
+///
+/// Returned by `keep_alive()` on a guard, which it borrows: it always ends
+/// before the guard does. While it lives, the coordinator's renewal thread
+/// extends the lease by its TTL at half the TTL (one pipelined round trip for
+/// all leases due together), retries a failed renewal while time remains, and
+/// the guard is flagged lost — `is_lost()` true and the loss signal closed —
+/// at the loss deadline when no renewal was confirmed by then, or at once when
+/// the key was found deleted or owned by someone else. A renewal that got no
+/// reply is assumed applied or not, whichever is worse, and its connection is
+/// killed before the lease is extended again.
+///
+/// Dropping it stops renewal; the lease then runs out at its current expiry
+/// unless renewed again. It does not block.
+#[must_use = "renewal stops as soon as the KeepAlive is dropped"]
+pub struct KeepAlive<'a> {
+    dep: Arc<Deployment>,
+    cell: Arc<Cell>,
+    _guard: PhantomData<&'a ()>,
+}
+
+impl KeepAlive<'_> {
+    /// Whether the lease is lost (same as the guard's `is_lost()`). Does not block.
+    pub fn is_lost(&self) -> bool {
+        self.cell.is_lost(self.dep.now())
+    }
+}
+
+impl Drop for KeepAlive<'_> {
+    fn drop(&mut self) {
+        self.cell.remove_keepalive();
+        self.dep.runtime().touch(&self.cell);
+    }
+}
+
+impl fmt::Debug for KeepAlive<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeepAlive")
+            .field("key", &self.cell.key())
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::manual::ManualClock;
+    use crate::conn::{ConnConfig, ConnSettings, Pool, Protocol};
+    use crate::core::lease::LeaseCore;
+    use crate::kind::Plain;
+    use std::time::Instant;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    /// A deployment on a port nothing listens on, read through a manual clock.
+    fn deployment(clock: Arc<ManualClock>) -> Arc<Deployment> {
+        let cfg = ConnConfig::new(ConnSettings {
+            url: "redis://127.0.0.1:1".into(),
+            username: None,
+            password: None,
+            database: None,
+            protocol: Protocol::Resp2,
+            connect_timeout: ms(100),
+            node_timeout: ms(100),
+            #[cfg(feature = "tls")]
+            tls: Default::default(),
+        })
+        .unwrap();
+        Arc::new(Deployment::new(
+            Pool::new(Arc::new(cfg), 1),
+            String::new(),
+            0.0,
+            clock,
+        ))
+    }
+
+    #[test]
+    fn loss_follows_the_injected_clock_without_sleeping() {
+        let clock = Arc::new(ManualClock::new());
+        let dep = deployment(clock.clone());
+        let t0: Instant = crate::clock::Clock::now(&*clock);
+        let core = LeaseCore::granted(dep.timing, t0, ms(1_000));
+        let ops = crate::runtime::renewal::Ops::string_value("k", "o".into());
+        let cell = Arc::new(Cell::new("k".into(), ops, core));
+        let guard: LeaseGuard<Plain> = LeaseGuard::new(dep, cell, ());
+        // Valid until 1000 − 2 (drift) ms; lost a node timeout (100 ms) before.
+        assert_eq!(guard.remaining_estimate(), ms(998));
+        clock.advance(ms(897));
+        assert!(!guard.is_lost());
+        assert_eq!(guard.remaining_estimate(), ms(101));
+        clock.advance(ms(1));
+        assert!(guard.is_lost());
+        assert_eq!(guard.remaining_estimate(), Duration::ZERO);
+        // The signal asked for after the loss is closed already.
+        assert!(
+            guard
+                .lost_signal()
+                .try_recv()
+                .unwrap_err()
+                .is_disconnected()
+        );
+        // Dropping it tries one release on the unreachable server and goes on.
+        drop(guard);
+    }
+}

@@ -1,0 +1,108 @@
+//! What tells the single-deployment primitives apart: the acquire script, the
+//! keys, what a grant carries, and how the lease is held on the server.
+//!
+//! Every primitive is a [`Lease<K>`](crate::Lease) handle with the same acquire
+//! verbs and every grant a [`LeaseGuard<K>`](crate::LeaseGuard) with the same
+//! guard API (after `lock_api`'s `Mutex<R, T>`); the kind `K` only adds its own
+//! accessors, such as [`LeaseGuard::<Fenced>::fencing_token`](crate::LeaseGuard::fencing_token).
+
+use std::fmt;
+use std::time::Instant;
+
+use crate::conn::Conn;
+use crate::deployment::Deployment;
+use crate::error::Result;
+use crate::runtime::renewal::Ops;
+use crate::runtime::waiters::Attempt;
+use crate::token::{FencingToken, OwnerToken};
+
+/// A kind of single-deployment lease. Implemented by the marker types of this
+/// crate only ([`Plain`], [`Fenced`]).
+pub trait Kind: sealed::Sealed + Send + Sync + 'static {
+    /// What a grant carries beside the lease itself.
+    #[doc(hidden)]
+    type Grant: Clone + Send + Sync + fmt::Debug + 'static;
+    /// The guard's name, for `Debug`.
+    #[doc(hidden)]
+    const GUARD: &'static str;
+    /// The grant's name, for `Debug` (empty: nothing to show).
+    #[doc(hidden)]
+    const GRANT: &'static str;
+}
+
+mod sealed {
+    #[allow(
+        unreachable_pub,
+        reason = "a sealed supertrait: public, but nameable only here"
+    )]
+    pub trait Sealed {}
+}
+
+/// The kind of a plain mutex ([`Lock`](crate::Lock)): one key, no fencing.
+#[derive(Debug)]
+pub enum Plain {}
+
+/// The kind of a fenced lease ([`FencedLock`](crate::FencedLock)): every grant
+/// carries a [`FencingToken`].
+#[derive(Debug)]
+pub enum Fenced {}
+
+impl sealed::Sealed for Plain {}
+impl sealed::Sealed for Fenced {}
+
+impl Kind for Plain {
+    type Grant = ();
+    const GUARD: &'static str = "LockGuard";
+    const GRANT: &'static str = "";
+}
+
+impl Kind for Fenced {
+    type Grant = FencingToken;
+    const GUARD: &'static str = "FencedGuard";
+    const GRANT: &'static str = "fencing_token";
+}
+
+/// One grant, as an attempt returns it.
+pub(crate) struct Granted<G> {
+    pub(crate) grant: G,
+    /// The commands that extend, verify and release it.
+    pub(crate) ops: Ops,
+    /// When the granting command was sent.
+    pub(crate) sent: Instant,
+}
+
+/// One primitive's acquire logic and keys, behind a [`Lease<K>`](crate::Lease).
+pub(crate) trait Acquire<G>: Send + Sync {
+    /// The physical keys, in the primitive's order.
+    fn keys(&self) -> &[String];
+    /// Every key whose change may free it; the first holds the lease.
+    fn wait_keys(&self) -> Vec<&str>;
+    /// Runs the acquire script once for `owner`, finishing by `deadline`.
+    /// `waiting` is true inside a wait (a writer then records its intent).
+    fn attempt(
+        &self,
+        dep: &Deployment,
+        conn: &mut Conn,
+        owner: &OwnerToken,
+        ttl_ms: u64,
+        deadline: Instant,
+        waiting: bool,
+    ) -> Result<Attempt<Granted<G>>>;
+    /// Checks a grant once its reply arrived at `received` (a fencing
+    /// regression is an error, and the grant is then released).
+    fn check(
+        &self,
+        _dep: &Deployment,
+        _granted: &G,
+        _sent: Instant,
+        _received: Instant,
+    ) -> Result<()> {
+        Ok(())
+    }
+    /// The command that deletes whatever an unanswered attempt of `owner` set.
+    fn clean_up(&self, owner: &OwnerToken) -> redis::Cmd;
+    /// A wait of `owner` ended without the lease (a writer withdraws its intent).
+    fn stopped_waiting(&self, _dep: &Deployment, _owner: &OwnerToken) {}
+    /// The type's name and fields, for `Debug`.
+    fn debug(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result;
+}

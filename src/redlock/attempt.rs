@@ -1,0 +1,174 @@
+//! One Redlock acquire attempt and the evidence it returns.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::Group;
+use super::guard::RedlockGuard;
+use super::options::validity;
+use crate::core::quorum::AcquireVerdict;
+use crate::error::{Error, Result};
+use crate::report::{NodeOutcome, NodeReport};
+use crate::runtime::nodes::{NodeLease, Op};
+use crate::token::OwnerToken;
+
+impl Group {
+    pub(super) fn attempt(this: &Arc<Group>, key: &str, ttl: Duration) -> Result<RedlockAttempt> {
+        let ttl_ms = this.check_ttl(ttl)?;
+        if key.is_empty() {
+            return Err(Error::InvalidArgument("redlock key is empty".into()));
+        }
+        let keys = this
+            .nodes
+            .iter()
+            .map(|c| format!("{}{key}", c.key_prefix()))
+            .collect();
+        let owner = OwnerToken::new();
+        let lease = Arc::new(NodeLease::new(keys, owner.as_str().to_owned()));
+        let targets = this.all();
+        let sent = Instant::now();
+        let deadline = sent + this.options.node_timeout;
+        let (replies, tally) = this.fan_out(
+            Op::Acquire { ttl_ms },
+            &lease,
+            &targets,
+            deadline,
+            None,
+            |t| t.decided(),
+        );
+        let elapsed = sent.elapsed();
+        let nodes = this.reports(replies, &targets, deadline, &NodeOutcome::Abandoned);
+        let ttl = Duration::from_millis(ttl_ms);
+        let validity = validity(ttl, elapsed, this.options.drift_factor);
+        let verdict = tally.acquire();
+        let granted = verdict == AcquireVerdict::Granted;
+        let guard = if granted && !validity.is_zero() {
+            Some(RedlockGuard::new(
+                this,
+                key,
+                lease,
+                sent,
+                ttl,
+                nodes.clone(),
+            ))
+        } else {
+            this.clean_up(&lease);
+            None
+        };
+        Ok(RedlockAttempt {
+            guard,
+            nodes,
+            elapsed,
+            validity: if granted { validity } else { Duration::ZERO },
+            quorum: this.quorum,
+            granted: tally.yes,
+            verdict,
+        })
+    }
+}
+
+/// The result of one [`RedlockGroup::attempt`](crate::RedlockGroup::attempt): the guard if a quorum granted,
+/// and what every node answered.
+#[must_use = "if unused, an acquired lock is released immediately"]
+pub struct RedlockAttempt {
+    guard: Option<RedlockGuard>,
+    nodes: Vec<NodeReport>,
+    elapsed: Duration,
+    validity: Duration,
+    quorum: usize,
+    granted: usize,
+    verdict: AcquireVerdict,
+}
+
+impl RedlockAttempt {
+    /// Whether the lock was acquired.
+    pub fn is_acquired(&self) -> bool {
+        self.guard.is_some()
+    }
+
+    /// Whether any node reported another holder.
+    pub fn is_contended(&self) -> bool {
+        self.nodes
+            .iter()
+            .any(|n| matches!(n.outcome, NodeOutcome::HeldByAnother { .. }))
+    }
+
+    /// The guard, when acquired.
+    pub fn guard(&self) -> Option<&RedlockGuard> {
+        self.guard.as_ref()
+    }
+
+    /// Takes the guard out, when acquired.
+    pub fn into_guard(self) -> Option<RedlockGuard> {
+        self.guard
+    }
+
+    /// Every node's answer, in the group's order.
+    pub fn nodes(&self) -> &[NodeReport] {
+        &self.nodes
+    }
+
+    /// How many nodes granted before the outcome was decided.
+    pub fn granted(&self) -> usize {
+        self.granted
+    }
+
+    /// How many nodes had to grant.
+    pub fn quorum(&self) -> usize {
+        self.quorum
+    }
+
+    /// From the first send to the decision, on the local monotonic clock.
+    pub fn elapsed(&self) -> Duration {
+        self.elapsed
+    }
+
+    /// `ttl − elapsed − (ttl × drift + 2 ms)` at the decision; zero when no
+    /// quorum granted.
+    pub fn validity(&self) -> Duration {
+        self.validity
+    }
+
+    /// What [`RedlockGroup::try_acquire`](crate::RedlockGroup::try_acquire) returns for this attempt: the guard,
+    /// `None` on contention (the nodes another owner holds are enough on their
+    /// own to keep a quorum from forming), or the error that kept a quorum
+    /// from forming (nodes down, slow or failing, even when some node also
+    /// reported another holder).
+    ///
+    /// # Errors
+    /// As [`RedlockGroup::try_acquire`](crate::RedlockGroup::try_acquire).
+    pub fn into_result(self) -> Result<Option<RedlockGuard>> {
+        if self.guard.is_some() {
+            return Ok(self.guard);
+        }
+        if self.verdict == AcquireVerdict::Contended {
+            return Ok(None);
+        }
+        if self.granted >= self.quorum {
+            return Err(Error::Timeout {
+                op: "acquire (the attempt used up the lease's validity)",
+                after: self.elapsed,
+            });
+        }
+        Err(Error::QuorumNotReached {
+            op: "acquire",
+            confirmed: self.granted,
+            needed: self.quorum,
+            nodes: self.nodes,
+        })
+    }
+}
+
+impl fmt::Debug for RedlockAttempt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedlockAttempt")
+            .field("acquired", &self.is_acquired())
+            .field("granted", &self.granted)
+            .field("quorum", &self.quorum)
+            .field("elapsed", &self.elapsed)
+            .field("validity", &self.validity)
+            .field("nodes", &self.nodes)
+            .finish()
+    }
+}

@@ -1,0 +1,622 @@
+//! The Redlock guard, its extensions and its renewal.
+//!
+//! A guard's bounds are a `core::lease` like every other lease's: the validity
+//! of the grant counts from the first send, an extension is claimed so that two
+//! never overlap (a user's `extend` waits for a keep-alive renewal in flight,
+//! and the other way round), a quorum's confirmation moves the bound, and an
+//! extension that reached no verdict bounds the lock by its worst case — a
+//! shorter TTL from its send time — until every node's share of it is
+//! finished. Each node runs one lease's commands in order and fences off the
+//! connection of a command that got no reply before sending another, so the
+//! next extension cannot be overtaken on any node.
+//!
+//! The renewal thread (`respire-redlock`, started by the first guard that
+//! needs it) hands due extensions to the node workers and counts their
+//! answers as they come; it never waits on a node, so loss signals close on
+//! time whatever the nodes do.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
+
+use super::Group;
+use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket};
+use crate::core::quorum::{ExtendVerdict, Tally, Vote};
+use crate::core::schedule::{Next, Watched};
+use crate::core::timing::{self, Timing};
+use crate::error::{Error, Result};
+use crate::report::{NodeOutcome, NodeReport, summarize};
+use crate::runtime::lease::LeaseCell;
+use crate::runtime::nodes::{Completion, NodeLease, Op, Reply};
+use crate::runtime::scheduler::{Dispatch, Scheduler};
+
+/// One Redlock lease, shared by its guard and the renewal thread.
+pub(super) struct RedlockLease {
+    group: Arc<Group>,
+    cell: LeaseCell<Arc<NodeLease>>,
+    evidence: Mutex<Vec<NodeReport>>,
+}
+
+impl RedlockLease {
+    fn nodes(&self) -> &Arc<NodeLease> {
+        self.cell.extra()
+    }
+}
+
+impl Watched for Arc<RedlockLease> {
+    fn id(&self) -> u64 {
+        self.cell.id()
+    }
+
+    fn poll(&self, now: Instant) -> Next {
+        self.cell.next(now)
+    }
+}
+
+/// A held Redlock lock. Dropping it releases the lock on every node (once,
+/// best effort, waiting at most the node timeout, never panicking);
+/// [`release`](RedlockGuard::release) does the same and reports the result.
+///
+/// # Loss
+///
+/// The lock is lost when its loss deadline passes — the first send of the
+/// grant or of the last confirmed extension, plus the TTL, minus drift, minus
+/// the node timeout — or when a quorum no longer holds it. While an extension
+/// is in flight, or after one reached no verdict, the guard assumes its worst
+/// effect (a shorter TTL counts from its send time; a longer one only once a
+/// quorum confirmed it). Loss is permanent, and the loss signal is closed by
+/// the time `is_lost()` returns true.
+#[must_use = "if unused the lock is released immediately"]
+pub struct RedlockGuard {
+    inner: Arc<RedlockLease>,
+    /// Per node, once a release confirmed it: whether it deleted the key then.
+    released: Vec<Option<bool>>,
+    /// The result of the release that reached a quorum.
+    outcome: Option<bool>,
+}
+
+impl RedlockGuard {
+    pub(super) fn new(
+        group: &Arc<Group>,
+        key: &str,
+        nodes: Arc<NodeLease>,
+        sent: Instant,
+        ttl: Duration,
+        evidence: Vec<NodeReport>,
+    ) -> RedlockGuard {
+        let core = LeaseCore::granted(group.timing(), sent, ttl);
+        RedlockGuard {
+            inner: Arc::new(RedlockLease {
+                group: group.clone(),
+                cell: LeaseCell::new(key.to_owned(), nodes, core),
+                evidence: Mutex::new(evidence),
+            }),
+            released: vec![None; group.len()],
+            outcome: None,
+        }
+    }
+
+    /// The key (without the nodes' prefixes).
+    pub fn key(&self) -> &str {
+        self.inner.cell.key()
+    }
+
+    /// How long the lock can still be assumed held: the TTL of the grant (or
+    /// last confirmed extension) minus the time since it was *sent* and minus
+    /// clock drift, on the local monotonic clock. Zero once lost or released.
+    /// Does not touch the network.
+    pub fn remaining_estimate(&self) -> Duration {
+        self.inner.cell.remaining(Instant::now())
+    }
+
+    /// Whether the lock is lost (see [Loss](RedlockGuard#loss)) or released.
+    /// Does not block.
+    pub fn is_lost(&self) -> bool {
+        self.inner.cell.is_lost(Instant::now())
+    }
+
+    /// A channel that disconnects when the lock is lost or released, for
+    /// `crossbeam_channel::select!`. It never delivers a message.
+    ///
+    /// The first call has the group's renewal thread watch the lock, so that
+    /// the channel closes at the loss deadline; that thread never waits on a
+    /// node. If it cannot be started, the guard is flagged lost at once.
+    pub fn lost_signal(&self) -> &Receiver<()> {
+        let rx = self.inner.cell.signal(Instant::now());
+        if let Err(e) = self.inner.group.renewal.watch(&self.inner) {
+            self.inner.cell.mark_lost(
+                Instant::now(),
+                Loss::Other(format!("its loss deadline cannot be watched: {e}")),
+            );
+        }
+        rx
+    }
+
+    /// Every node's answer to the last operation on this lock (the acquire,
+    /// an extension, or a release).
+    pub fn last_evidence(&self) -> Vec<NodeReport> {
+        self.inner.evidence.lock().clone()
+    }
+
+    /// Sets the lock's expiry to `ttl` from now on every node that still holds
+    /// it. Never re-creates a missing key.
+    ///
+    /// Waits (at most a node timeout) for an extension of this lock already in
+    /// flight, such as a keep-alive renewal: extensions of one lock never
+    /// overlap. Then blocks until a quorum confirmed, too few nodes are left,
+    /// or the node timeout (or the current validity, if sooner) runs out. Only
+    /// nodes that granted the lock and have not restarted since (same
+    /// `run_id`) count. Returns `true` with a new validity counted from the
+    /// send, or `false` (and flags the lock lost) when no quorum holds it any
+    /// more or no quorum confirmed within the current validity: stop the work.
+    ///
+    /// From the moment it is sent, a *shorter* `ttl` bounds the guard; a
+    /// longer one counts only once a quorum confirmed it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a TTL the group refuses;
+    /// [`Error::Timeout`] when an earlier extension is still unresolved after
+    /// a node timeout; [`Error::QuorumNotReached`] when no verdict was reached
+    /// because nodes failed or did not answer, while validity remains (the
+    /// lock is not flagged lost, but it is bounded by the worst case of this
+    /// extension; retrying may work).
+    pub fn extend(&self, ttl: Duration) -> Result<bool> {
+        let group = &self.inner.group;
+        let ttl_ms = group.check_ttl(ttl)?;
+        let ttl = Duration::from_millis(ttl_ms);
+        let cell = &self.inner.cell;
+        let nt = group.options.node_timeout;
+        let waited = Instant::now() + nt;
+        let ticket = loop {
+            match cell.begin_extend(Instant::now(), ttl) {
+                Ok(ticket) => break ticket,
+                Err(Refusal::Lost) => return Ok(false),
+                Err(Refusal::Busy) => {
+                    if !cell.wait_unclaimed(waited) {
+                        return Err(Error::Timeout {
+                            op: "extend (waiting for an extension in flight)",
+                            after: nt,
+                        });
+                    }
+                }
+            }
+        };
+        group.renewal.touch(&self.inner);
+        let now = Instant::now();
+        let deadline = (now + nt).min(cell.valid_until());
+        let targets = group.all();
+        let done = Completion::new(targets.len());
+        let (replies, tally) = group.fan_out(
+            Op::Extend { ttl_ms },
+            self.inner.nodes(),
+            &targets,
+            deadline,
+            Some(&done),
+            Tally::decided,
+        );
+        let nodes = group.reports(replies, &targets, deadline, &NodeOutcome::Abandoned);
+        *self.inner.evidence.lock() = nodes.clone();
+        let verdict = settle(&self.inner, ticket, &tally, &nodes, Instant::now());
+        if verdict == ExtendVerdict::Unknown {
+            // Released once every node's share is finished: from then on, each
+            // node runs a later extension after this one or not at all.
+            let lease = self.inner.clone();
+            done.then(move || {
+                lease.cell.fenced(ticket, Instant::now());
+                lease.group.renewal.touch(&lease);
+            });
+        }
+        done.finish();
+        group.renewal.touch(&self.inner);
+        match verdict {
+            ExtendVerdict::Confirmed => Ok(!cell.is_lost(Instant::now())),
+            ExtendVerdict::Refused => Ok(false),
+            ExtendVerdict::Unknown if cell.is_lost(Instant::now()) => Ok(false),
+            ExtendVerdict::Unknown => Err(Error::QuorumNotReached {
+                op: "extend",
+                confirmed: tally.yes,
+                needed: tally.quorum,
+                nodes,
+            }),
+        }
+    }
+
+    /// Extends the lock in the background until the returned
+    /// [`RedlockKeepAlive`] is dropped: the group's renewal thread extends it
+    /// by its TTL at half the TTL, retries a failed extension while time
+    /// remains, and flags the lock lost — at its loss deadline — when no
+    /// extension reached a quorum by then, or at once when a quorum no longer
+    /// holds it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the TTL is too short to renew at half
+    /// of it with two node timeouts to spare; [`Error::Thread`] when the
+    /// renewal thread cannot be started.
+    pub fn keep_alive(&self) -> Result<RedlockKeepAlive<'_>> {
+        let cell = &self.inner.cell;
+        let group = &self.inner.group;
+        let min = group.timing().min_keepalive_ttl();
+        if cell.ttl() < min {
+            return Err(Error::InvalidArgument(format!(
+                "ttl {:?} is too short for keep-alive with a node timeout of {:?}: use at \
+                 least {min:?}",
+                cell.ttl(),
+                group.options.node_timeout
+            )));
+        }
+        cell.add_keepalive();
+        if let Err(e) = group.renewal.watch(&self.inner) {
+            cell.remove_keepalive();
+            return Err(e);
+        }
+        group.renewal.touch(&self.inner);
+        Ok(RedlockKeepAlive {
+            inner: self.inner.clone(),
+            _guard: PhantomData,
+        })
+    }
+
+    /// Releases the lock on every node that has not confirmed yet (deleting it
+    /// only where it still holds this guard's owner token).
+    ///
+    /// From the first call on, the guard no longer reports ownership
+    /// (`is_lost()` is true). Blocks until the result is decided or the node
+    /// timeout runs out. Returns `true` when a quorum confirmed and the lock
+    /// was still held on a quorum (deleted there now), `false` when a quorum
+    /// confirmed but the lock had already expired or been taken over on some
+    /// of them: it lapsed before the release. After a result, further calls
+    /// return it again without I/O. A node that had not answered by then still
+    /// gets the release in the background, after any command of this lock
+    /// still queued for it (so a late grant is deleted too).
+    ///
+    /// # Errors
+    /// [`Error::QuorumNotReached`] when fewer than a quorum confirmed (nodes
+    /// failed or did not answer): call `release` again to retry the nodes that
+    /// have not confirmed; otherwise the lock ends at its expiry.
+    pub fn release(&mut self) -> Result<bool> {
+        let group = &self.inner.group;
+        self.inner.cell.finish(Instant::now());
+        group.renewal.forget(&self.inner);
+        if let Some(outcome) = self.outcome {
+            return Ok(outcome);
+        }
+        let quorum = group.quorum;
+        let targets: Vec<usize> = (0..self.released.len())
+            .filter(|&i| self.released[i].is_none())
+            .collect();
+        let prior_yes = self.released.iter().flatten().count();
+        let prior_deleted = self.released.iter().filter(|r| **r == Some(true)).count();
+        let deadline = Instant::now() + group.options.node_timeout;
+        let (replies, _) = group.fan_out(
+            Op::Release,
+            self.inner.nodes(),
+            &targets,
+            deadline,
+            None,
+            |c| {
+                let yes = prior_yes + c.yes;
+                let deleted = prior_deleted + c.changed;
+                deleted >= quorum
+                    || (yes >= quorum && deleted + c.outstanding < quorum)
+                    || yes + c.outstanding < quorum
+            },
+        );
+        for reply in replies.iter().flatten() {
+            if reply.vote == Vote::Yes {
+                self.released[reply.node] = Some(reply.outcome == NodeOutcome::Granted);
+            }
+        }
+        let skipped = NodeOutcome::NotSent("confirmed by an earlier release".into());
+        let nodes = group.reports(replies, &targets, deadline, &skipped);
+        *self.inner.evidence.lock() = nodes.clone();
+        let yes = self.released.iter().flatten().count();
+        let deleted = self.released.iter().filter(|r| **r == Some(true)).count();
+        if yes >= quorum {
+            let outcome = deleted >= quorum;
+            self.outcome = Some(outcome);
+            return Ok(outcome);
+        }
+        Err(Error::QuorumNotReached {
+            op: "release",
+            confirmed: yes,
+            needed: quorum,
+            nodes,
+        })
+    }
+}
+
+/// Applies an extension's verdict to the lease; returns it.
+fn settle(
+    lease: &RedlockLease,
+    ticket: Ticket,
+    tally: &Tally,
+    nodes: &[NodeReport],
+    now: Instant,
+) -> ExtendVerdict {
+    let verdict = tally.extend();
+    match verdict {
+        ExtendVerdict::Confirmed => {
+            lease.cell.extended(ticket, now);
+        }
+        ExtendVerdict::Refused => lease.cell.refused(
+            ticket,
+            now,
+            Loss::Other(format!(
+                "no quorum holds it any more ({})",
+                summarize(nodes)
+            )),
+        ),
+        ExtendVerdict::Unknown => lease.cell.unanswered(ticket, now),
+    }
+    verdict
+}
+
+impl Drop for RedlockGuard {
+    fn drop(&mut self) {
+        if self.outcome.is_some() {
+            return;
+        }
+        match self.release() {
+            Ok(held) => log::debug!(
+                "dropped redlock {:?} (still held until then: {held})",
+                self.key()
+            ),
+            Err(e) => log::warn!(
+                "dropping redlock {:?}: {e}; it ends at its expiry at the latest",
+                self.key()
+            ),
+        }
+    }
+}
+
+impl fmt::Debug for RedlockGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedlockGuard")
+            .field("key", &self.key())
+            .field("lost", &self.is_lost())
+            .field("remaining_estimate", &self.remaining_estimate())
+            .finish()
+    }
+}
+
+/// Extends a [`RedlockGuard`] in the background for as long as it lives.
+///
+/// Returned by [`RedlockGuard::keep_alive`], which it borrows: it always ends
+/// before the guard does. Dropping it stops the extensions (the lock then runs
+/// out at its current validity unless extended again); it does not block.
+#[must_use = "extensions stop as soon as the RedlockKeepAlive is dropped"]
+pub struct RedlockKeepAlive<'a> {
+    inner: Arc<RedlockLease>,
+    _guard: PhantomData<&'a ()>,
+}
+
+impl RedlockKeepAlive<'_> {
+    /// Whether the lock is lost (same as the guard's `is_lost()`). Does not block.
+    pub fn is_lost(&self) -> bool {
+        self.inner.cell.is_lost(Instant::now())
+    }
+}
+
+impl Drop for RedlockKeepAlive<'_> {
+    fn drop(&mut self) {
+        self.inner.cell.remove_keepalive();
+        self.inner.group.renewal.touch(&self.inner);
+    }
+}
+
+impl fmt::Debug for RedlockKeepAlive<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedlockKeepAlive")
+            .field("key", &self.inner.cell.key())
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
+impl Group {
+    pub(super) fn timing(&self) -> Timing {
+        Timing {
+            drift_factor: self.options.drift_factor,
+            node_timeout: self.options.node_timeout,
+        }
+    }
+}
+
+type GroupScheduler = Scheduler<Arc<RedlockLease>, Reply>;
+
+/// The group's renewal thread, started on first use.
+pub(crate) struct GroupRenewal {
+    group: Weak<Group>,
+    scheduler: OnceLock<GroupScheduler>,
+    start: Mutex<()>,
+}
+
+impl GroupRenewal {
+    pub(super) fn new(group: Weak<Group>) -> Self {
+        GroupRenewal {
+            group,
+            scheduler: OnceLock::new(),
+            start: Mutex::new(()),
+        }
+    }
+
+    fn scheduler(&self) -> Result<&GroupScheduler> {
+        if let Some(s) = self.scheduler.get() {
+            return Ok(s);
+        }
+        let _start = self.start.lock();
+        if let Some(s) = self.scheduler.get() {
+            return Ok(s);
+        }
+        let group = self.group.clone();
+        let s = Scheduler::spawn("respire-redlock", crate::clock::system(), move |_replies| {
+            let (tx, rx) = crossbeam_channel::unbounded();
+            ToNodes {
+                group,
+                tx,
+                rx,
+                in_flight: HashMap::new(),
+            }
+        })
+        .map_err(|source| Error::Thread {
+            name: "respire-redlock",
+            source,
+        })?;
+        Ok(self.scheduler.get_or_init(|| s))
+    }
+
+    fn watch(&self, lease: &Arc<RedlockLease>) -> Result<()> {
+        if lease.cell.watch() {
+            self.scheduler()?
+                .send(crate::runtime::scheduler::Msg::Watch(lease.clone()));
+        }
+        Ok(())
+    }
+
+    fn touch(&self, lease: &RedlockLease) {
+        if lease.cell.is_watched()
+            && let Some(s) = self.scheduler.get()
+        {
+            s.send(crate::runtime::scheduler::Msg::Touch(lease.cell.id()));
+        }
+    }
+
+    fn forget(&self, lease: &RedlockLease) {
+        if lease.cell.is_watched()
+            && let Some(s) = self.scheduler.get()
+        {
+            s.send(crate::runtime::scheduler::Msg::Forget(lease.cell.id()));
+        }
+    }
+}
+
+/// One renewal in flight: its answers so far.
+struct InFlight {
+    lease: Arc<RedlockLease>,
+    ticket: Ticket,
+    tally: Tally,
+    replies: Vec<Option<Reply>>,
+    verdict: Option<ExtendVerdict>,
+    deadline: Instant,
+}
+
+/// The renewal thread's dispatcher: extensions go to the node workers, whose
+/// answers come back on `rx` and are counted as they arrive.
+struct ToNodes {
+    group: Weak<Group>,
+    tx: Sender<Reply>,
+    rx: Receiver<Reply>,
+    in_flight: HashMap<u64, InFlight>,
+}
+
+impl Dispatch for ToNodes {
+    type Lease = Arc<RedlockLease>;
+    type Reply = Reply;
+
+    fn dispatch(
+        &mut self,
+        batch: Vec<Arc<RedlockLease>>,
+        now: Instant,
+    ) -> Vec<(u64, Option<Instant>)> {
+        let mut done = Vec::new();
+        let Some(group) = self.group.upgrade() else {
+            return done;
+        };
+        for lease in batch {
+            let id = lease.cell.id();
+            let ttl = lease.cell.ttl();
+            let Ok(ttl_ms) = group.check_ttl(ttl) else {
+                done.push((id, None));
+                continue;
+            };
+            let ticket = match lease.cell.begin_extend(now, ttl) {
+                Ok(ticket) => ticket,
+                // The holder's own extend is in flight; its end plans this
+                // lease again. Lost: nothing more to do.
+                Err(_) => {
+                    done.push((id, None));
+                    continue;
+                }
+            };
+            let deadline = (now + group.options.node_timeout).min(lease.cell.lost_at());
+            let targets = group.all();
+            let route = super::fanout::Route {
+                reply: Some(&self.tx),
+                tag: id,
+                done: None,
+            };
+            group.send(
+                Op::Extend { ttl_ms },
+                lease.nodes(),
+                &targets,
+                deadline,
+                &route,
+            );
+            self.in_flight.insert(
+                id,
+                InFlight {
+                    lease,
+                    ticket,
+                    tally: Tally::new(group.len(), targets.len()),
+                    replies: vec![None; group.len()],
+                    verdict: None,
+                    deadline,
+                },
+            );
+        }
+        done
+    }
+
+    fn replies(&self) -> Receiver<Reply> {
+        self.rx.clone()
+    }
+
+    fn on_reply(&mut self, reply: Reply, now: Instant) -> Vec<(u64, Option<Instant>)> {
+        let mut done = Vec::new();
+        let id = reply.tag;
+        let Some(f) = self.in_flight.get_mut(&id) else {
+            return done;
+        };
+        f.tally
+            .add(reply.vote, reply.outcome == NodeOutcome::Granted);
+        let node = reply.node;
+        f.replies[node] = Some(reply);
+        if f.verdict.is_none() && (f.tally.decided() || f.tally.outstanding == 0) {
+            let group = &f.lease.group;
+            let targets = group.all();
+            let nodes = group.reports(
+                f.replies.clone(),
+                &targets,
+                f.deadline,
+                &NodeOutcome::Abandoned,
+            );
+            *f.lease.evidence.lock() = nodes.clone();
+            let verdict = settle(&f.lease, f.ticket, &f.tally, &nodes, now);
+            if verdict == ExtendVerdict::Unknown {
+                log::warn!(
+                    "extending redlock {:?} reached no verdict ({}); retrying while time remains",
+                    f.lease.cell.key(),
+                    summarize(&nodes)
+                );
+            }
+            f.verdict = Some(verdict);
+            let retry = (verdict == ExtendVerdict::Unknown)
+                .then(|| now + timing::retry_delay(f.lease.cell.ttl()));
+            done.push((id, retry));
+        }
+        if f.tally.outstanding == 0 {
+            let f = self.in_flight.remove(&id).expect("present");
+            if f.verdict == Some(ExtendVerdict::Unknown) {
+                // Every node's share is finished: later extensions run after it.
+                f.lease.cell.fenced(f.ticket, now);
+                done.push((id, Some(now + timing::retry_delay(f.lease.cell.ttl()))));
+            }
+        }
+        done
+    }
+}

@@ -1,0 +1,186 @@
+//! The settings of a Redlock group and the checks that refuse unsound ones.
+
+use std::time::Duration;
+
+use crate::core::timing;
+use crate::error::{Error, Result};
+use crate::keys;
+
+/// Settings of a [`RedlockGroup`](crate::RedlockGroup). Build it with struct update syntax:
+///
+/// ```
+/// use std::time::Duration;
+/// use respire_coordination::RedlockOptions;
+///
+/// let options = RedlockOptions {
+///     node_timeout: Duration::from_millis(20),
+///     ..RedlockOptions::default()
+/// };
+/// assert_eq!(options.drift_factor, 0.01);
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct RedlockOptions {
+    /// The longest one node may take to answer one command (including a
+    /// reconnect). It must be well below every TTL used: a TTL is refused
+    /// unless the node timeout plus drift is under half of it. Defaults to
+    /// 50 ms.
+    pub node_timeout: Duration,
+    /// The fraction of each TTL written off for clock-rate differences between
+    /// this host and the servers (plus 2 ms). Must be in `0.0..1.0` (and not
+    /// NaN). Defaults to 0.01.
+    pub drift_factor: f64,
+    /// When set, no acquire is sent to a server that started less than this
+    /// long ago (from `uptime_in_seconds` in `INFO server`, read on every new
+    /// connection, counted as if the server started up to a second later), so that a node restarted without its data cannot grant
+    /// a lock that another client may still hold. Set it above your longest
+    /// TTL. Defaults to `None`.
+    pub restart_delay: Option<Duration>,
+    /// The first pause of the bounded waits between attempts; each pause is
+    /// random between half and all of a ceiling that starts here and doubles.
+    /// Defaults to 10 ms.
+    pub retry_base: Duration,
+    /// The largest ceiling of the pauses between attempts. Defaults to 200 ms.
+    pub retry_max: Duration,
+}
+
+impl Default for RedlockOptions {
+    fn default() -> Self {
+        RedlockOptions {
+            node_timeout: Duration::from_millis(50),
+            drift_factor: 0.01,
+            restart_delay: None,
+            retry_base: Duration::from_millis(10),
+            retry_max: Duration::from_millis(200),
+        }
+    }
+}
+
+/// Refuses a node count or options that cannot make a sound group.
+pub(super) fn check_options(nodes: usize, options: &RedlockOptions) -> Result<()> {
+    if nodes < 3 {
+        return Err(Error::InvalidArgument(format!(
+            "a redlock group needs at least 3 nodes, got {nodes}: with fewer, one failure \
+             stops it or one node decides alone"
+        )));
+    }
+    if nodes.is_multiple_of(2) {
+        return Err(Error::InvalidArgument(format!(
+            "a redlock group needs an odd number of nodes, got {nodes}: its quorum of {} \
+             tolerates no more failures than {} nodes do",
+            nodes / 2 + 1,
+            nodes - 1
+        )));
+    }
+    let f = options.drift_factor;
+    if f.is_nan() || !(0.0..1.0).contains(&f) {
+        return Err(Error::InvalidArgument(format!(
+            "drift factor {f} must be at least 0 and below 1"
+        )));
+    }
+    if options.node_timeout.is_zero() {
+        return Err(Error::InvalidArgument("node timeout is zero".into()));
+    }
+    Ok(())
+}
+
+/// Refuses a TTL the node timeout is not well below: a worst-case attempt
+/// (one that waits out the node timeout) must keep at least half the lease.
+pub(super) fn check_ttl(ttl: Duration, options: &RedlockOptions) -> Result<u64> {
+    let ms = keys::ttl_ms(ttl)?;
+    let ttl = Duration::from_millis(ms);
+    let drift = timing::drift(ttl, options.drift_factor);
+    if options.node_timeout + drift >= ttl / 2 {
+        return Err(Error::InvalidArgument(format!(
+            "node timeout {:?} is not well below ttl {ttl:?}: node timeout plus drift \
+             ({drift:?}) must be under half the ttl, so that an attempt that waits out a \
+             slow node keeps most of its validity",
+            options.node_timeout
+        )));
+    }
+    Ok(ms)
+}
+
+/// `ttl − elapsed − (ttl × drift + 2 ms)`, or zero.
+pub(super) fn validity(ttl: Duration, elapsed: Duration, drift_factor: f64) -> Duration {
+    ttl.saturating_sub(elapsed + timing::drift(ttl, drift_factor))
+}
+
+/// The pause before retry number `tries` (from 1): random between half and all
+/// of `base × 2^(tries − 1)`, capped at `max`. `unit` is in `0.0..1.0`.
+pub(super) fn retry_pause(tries: u32, base: Duration, max: Duration, unit: f64) -> Duration {
+    let shift = tries.clamp(1, 16) - 1;
+    let ceiling = base.saturating_mul(1u32 << shift).min(max);
+    ceiling.mul_f64(0.5 + 0.5 * unit.clamp(0.0, 1.0))
+}
+
+/// A random number in `0.0..1.0` from the OS generator (0.5 if it fails).
+pub(super) fn random_unit() -> f64 {
+    let mut b = [0u8; 4];
+    if getrandom::fill(&mut b).is_err() {
+        return 0.5;
+    }
+    f64::from(u32::from_le_bytes(b)) / (f64::from(u32::MAX) + 1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn validity_is_ttl_minus_elapsed_minus_drift() {
+        assert_eq!(validity(ms(10_000), ms(30), 0.01), ms(10_000 - 30 - 102));
+        assert_eq!(validity(ms(100), ms(99), 0.01), Duration::ZERO);
+    }
+
+    #[test]
+    fn options_are_checked() {
+        let ok = RedlockOptions::default();
+        assert!(check_options(3, &ok).is_ok());
+        assert!(check_options(5, &ok).is_ok());
+        for n in [0, 1, 2, 4, 6] {
+            assert!(check_options(n, &ok).is_err(), "{n} nodes");
+        }
+        for f in [-0.01, f64::NAN, 1.0, 2.0, f64::INFINITY] {
+            let o = RedlockOptions {
+                drift_factor: f,
+                ..RedlockOptions::default()
+            };
+            assert!(check_options(3, &o).is_err(), "drift {f}");
+        }
+        let zero = RedlockOptions {
+            node_timeout: Duration::ZERO,
+            ..RedlockOptions::default()
+        };
+        assert!(check_options(3, &zero).is_err());
+    }
+
+    #[test]
+    fn the_node_timeout_must_be_well_below_the_ttl() {
+        let o = RedlockOptions {
+            node_timeout: ms(200),
+            ..RedlockOptions::default()
+        };
+        assert!(check_ttl(ms(300), &o).is_err());
+        assert!(check_ttl(ms(400), &o).is_err());
+        assert!(check_ttl(ms(500), &o).is_ok());
+        assert!(check_ttl(Duration::ZERO, &o).is_err());
+    }
+
+    #[test]
+    fn retry_pauses_are_jittered_and_bounded() {
+        let (base, max) = (ms(10), ms(200));
+        assert_eq!(retry_pause(1, base, max, 0.0), ms(5));
+        assert_eq!(retry_pause(1, base, max, 1.0), ms(10));
+        assert_eq!(retry_pause(3, base, max, 0.0), ms(20));
+        assert_eq!(retry_pause(30, base, max, 1.0), ms(200));
+        let seen: std::collections::HashSet<_> = (0..100)
+            .map(|_| retry_pause(2, base, max, random_unit()))
+            .collect();
+        assert!(seen.len() > 10);
+        assert!(seen.iter().all(|d| *d >= ms(10) && *d <= ms(20)));
+    }
+}

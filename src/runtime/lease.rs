@@ -1,0 +1,304 @@
+//! One lease as the guard and the runtime share it: the pure `LeaseCore` behind a
+//! lock, the loss signal, and the keep-alive count.
+//!
+//! The lock is never held across I/O or a wait. Every change reads the instant
+//! it happens at from the caller (which reads the deployment's clock), and every
+//! observation that finds the lease lost records the loss and closes the loss
+//! signal before it returns, so `is_lost()` never turns false again and the
+//! signal is closed by the time anyone sees `is_lost()` true.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket};
+use crate::core::schedule::Next;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+struct State {
+    core: LeaseCore,
+    /// Dropped (closing the signal) when the lease is lost or finished.
+    signal: Option<Sender<()>>,
+    keepalives: usize,
+    warned: bool,
+}
+
+/// A lease shared by its guard and the runtime; `X` is what the runtime needs
+/// to renew it (the commands for one deployment, the node keys of a group).
+pub(crate) struct LeaseCell<X> {
+    id: u64,
+    key: String,
+    extra: X,
+    state: Mutex<State>,
+    claim_freed: Condvar,
+    signal: OnceLock<Receiver<()>>,
+    watched: AtomicBool,
+}
+
+impl<X> LeaseCell<X> {
+    pub(crate) fn new(key: String, extra: X, core: LeaseCore) -> Self {
+        LeaseCell {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            key,
+            extra,
+            state: Mutex::new(State {
+                core,
+                signal: None,
+                keepalives: 0,
+                warned: false,
+            }),
+            claim_freed: Condvar::new(),
+            signal: OnceLock::new(),
+            watched: AtomicBool::new(false),
+        }
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    pub(crate) fn key(&self) -> &str {
+        &self.key
+    }
+
+    pub(crate) fn extra(&self) -> &X {
+        &self.extra
+    }
+
+    /// Records a loss the core reports at `now` and closes the signal.
+    fn settle(&self, s: &mut State, now: Instant) {
+        s.core.observe(now);
+        if s.core.is_lost(now) {
+            if let Some(loss) = s.core.loss()
+                && !s.warned
+                && !s.core.is_finished()
+            {
+                s.warned = true;
+                log::warn!("lease {:?} lost: {loss}", self.key);
+            }
+            s.signal.take();
+        }
+    }
+
+    fn lock(&self, now: Instant) -> MutexGuard<'_, State> {
+        let mut s = self.state.lock();
+        self.settle(&mut s, now);
+        s
+    }
+
+    /// Lost at `now` (permanently, once true).
+    pub(crate) fn is_lost(&self, now: Instant) -> bool {
+        self.lock(now).core.is_lost(now)
+    }
+
+    pub(crate) fn remaining(&self, now: Instant) -> Duration {
+        self.lock(now).core.remaining(now)
+    }
+
+    pub(crate) fn ttl(&self) -> Duration {
+        self.state.lock().core.ttl()
+    }
+
+    pub(crate) fn lost_at(&self) -> Instant {
+        self.state.lock().core.lost_at()
+    }
+
+    pub(crate) fn valid_until(&self) -> Instant {
+        self.state.lock().core.valid_until()
+    }
+
+    /// The loss signal: a channel that never delivers and disconnects on loss
+    /// or finish. Made on first use.
+    pub(crate) fn signal(&self, now: Instant) -> &Receiver<()> {
+        self.signal.get_or_init(|| {
+            let (tx, rx) = crossbeam_channel::bounded(0);
+            let mut s = self.lock(now);
+            if !s.core.is_lost(now) {
+                s.signal = Some(tx);
+            }
+            rx
+        })
+    }
+
+    /// Marks the lease watched by the renewal thread; true the first time.
+    pub(crate) fn watch(&self) -> bool {
+        !self.watched.swap(true, Ordering::AcqRel)
+    }
+
+    pub(crate) fn is_watched(&self) -> bool {
+        self.watched.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn add_keepalive(&self) {
+        self.state.lock().keepalives += 1;
+    }
+
+    pub(crate) fn remove_keepalive(&self) {
+        let mut s = self.state.lock();
+        s.keepalives = s.keepalives.saturating_sub(1);
+    }
+
+    /// Claims the lease for an extension sent at `now` (see
+    /// [`LeaseCore::begin_extend`]).
+    pub(crate) fn begin_extend(&self, now: Instant, ttl: Duration) -> Result<Ticket, Refusal> {
+        let mut s = self.lock(now);
+        let r = s.core.begin_extend(now, ttl);
+        self.settle(&mut s, now);
+        r
+    }
+
+    /// Waits until no extension of this lease is claimed, or `until`; true if free.
+    pub(crate) fn wait_unclaimed(&self, until: Instant) -> bool {
+        let mut s = self.state.lock();
+        while s.core.is_claimed() {
+            if self.claim_freed.wait_until(&mut s, until).timed_out() {
+                return !s.core.is_claimed();
+            }
+        }
+        true
+    }
+
+    fn change(&self, now: Instant, f: impl FnOnce(&mut LeaseCore)) {
+        let mut s = self.state.lock();
+        let claimed = s.core.is_claimed();
+        f(&mut s.core);
+        self.settle(&mut s, now);
+        if claimed && !s.core.is_claimed() {
+            self.claim_freed.notify_all();
+        }
+    }
+
+    /// The extension was confirmed at `now`; whether the lease is still held.
+    pub(crate) fn extended(&self, ticket: Ticket, now: Instant) -> bool {
+        let mut held = false;
+        self.change(now, |c| held = c.extended(ticket, now));
+        held
+    }
+
+    pub(crate) fn refused(&self, ticket: Ticket, now: Instant, loss: Loss) {
+        self.change(now, |c| c.refused(ticket, loss));
+    }
+
+    pub(crate) fn not_sent(&self, ticket: Ticket, now: Instant) {
+        self.change(now, |c| c.not_sent(ticket));
+    }
+
+    pub(crate) fn unanswered(&self, ticket: Ticket, now: Instant) {
+        self.change(now, |c| c.unanswered(ticket));
+    }
+
+    pub(crate) fn fenced(&self, ticket: Ticket, now: Instant) {
+        self.change(now, |c| c.fenced(ticket));
+    }
+
+    pub(crate) fn mark_lost(&self, now: Instant, loss: Loss) {
+        self.change(now, |c| {
+            c.mark_lost(loss);
+        });
+    }
+
+    /// The holder let go: lost from now on, without a warning; the signal closes.
+    pub(crate) fn finish(&self, now: Instant) {
+        self.change(now, LeaseCore::finish);
+    }
+
+    pub(crate) fn is_finished(&self) -> bool {
+        self.state.lock().core.is_finished()
+    }
+
+    /// What the renewal schedule should do next with this lease.
+    pub(crate) fn next(&self, now: Instant) -> Next {
+        let s = self.lock(now);
+        if s.core.is_lost(now) {
+            return Next::Gone;
+        }
+        let renew = (s.keepalives > 0 && !s.core.is_claimed())
+            .then(|| (s.core.renew_at(), s.core.ttl() / 8));
+        Next::Wait {
+            lost_at: s.core.lost_at(),
+            renew,
+        }
+    }
+}
+
+#[cfg(test)]
+impl<X> LeaseCell<X> {
+    /// Whether the lease counts as lost at `now`, recording nothing.
+    pub(crate) fn peek_lost(&self, now: Instant) -> bool {
+        self.state.lock().core.is_lost(now)
+    }
+
+    /// Whether the loss signal was made and is closed.
+    pub(crate) fn signal_closed(&self) -> bool {
+        self.signal.get().is_some() && self.state.lock().signal.is_none()
+    }
+}
+
+impl<X> std::fmt::Debug for LeaseCell<X> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseCell")
+            .field("id", &self.id)
+            .field("key", &self.key)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::timing::Timing;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn cell(t0: Instant) -> LeaseCell<()> {
+        let timing = Timing {
+            drift_factor: 0.0,
+            node_timeout: ms(100),
+        };
+        LeaseCell::new("k".into(), (), LeaseCore::granted(timing, t0, ms(1_000)))
+    }
+
+    #[test]
+    fn the_signal_is_closed_once_is_lost_is_seen_true() {
+        let t0 = Instant::now();
+        let c = cell(t0);
+        let rx = c.signal(t0).clone();
+        assert!(rx.try_recv().unwrap_err().is_empty());
+        assert!(c.is_lost(t0 + ms(898)));
+        assert!(rx.try_recv().unwrap_err().is_disconnected());
+        // Permanent, even if a confirmation arrives.
+        assert_eq!(c.begin_extend(t0 + ms(10), ms(1_000)), Err(Refusal::Lost));
+        assert!(c.is_lost(t0 + ms(10)));
+    }
+
+    #[test]
+    fn a_signal_asked_for_after_the_loss_is_closed_at_once() {
+        let t0 = Instant::now();
+        let c = cell(t0);
+        assert!(c.is_lost(t0 + ms(900)));
+        assert!(
+            c.signal(t0 + ms(900))
+                .try_recv()
+                .unwrap_err()
+                .is_disconnected()
+        );
+    }
+
+    #[test]
+    fn waiting_for_a_claim_wakes_when_it_is_released() {
+        let t0 = Instant::now();
+        let c = std::sync::Arc::new(cell(t0));
+        let ticket = c.begin_extend(t0, ms(1_000)).unwrap();
+        let c2 = c.clone();
+        let waiter =
+            std::thread::spawn(move || c2.wait_unclaimed(Instant::now() + Duration::from_secs(10)));
+        c.not_sent(ticket, t0);
+        assert!(waiter.join().unwrap());
+    }
+}

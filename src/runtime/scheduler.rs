@@ -1,0 +1,138 @@
+//! The renewal thread: one per deployment or Redlock group, started the first
+//! time a guard needs it (its holder asked for the loss signal or a
+//! keep-alive). It runs the pure `Schedule` over real time and never does I/O:
+//! due renewals go to a [`Dispatch`] (a connection's worker thread, or the
+//! nodes of a group), whose replies come back as messages. So a guard's loss
+//! signal closes at its deadline even while a renewal is blocked on a socket.
+//!
+//! It stops when its handle is dropped (the last coordinator clone, group
+//! clone or guard is gone).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::clock::Clock;
+use crate::core::schedule::{Schedule, Watched};
+
+/// Where a renewal thread sends due renewals; implemented per deployment kind.
+pub(crate) trait Dispatch: Send + 'static {
+    type Lease: Watched + Clone + Send + 'static;
+    type Reply: Send + 'static;
+    /// Starts renewing `batch`; must not block on I/O. Replies arrive as
+    /// [`Msg::Reply`] through the sender given to [`Scheduler::spawn`]'s
+    /// `make`, or on [`Dispatch::replies`]. Returns the renewals it completed
+    /// at once (nothing to send): (lease id, when to retry).
+    fn dispatch(&mut self, batch: Vec<Self::Lease>, now: Instant) -> Vec<(u64, Option<Instant>)>;
+    /// A channel of replies of its own (the nodes of a group answer there).
+    fn replies(&self) -> Receiver<Self::Reply> {
+        crossbeam_channel::never()
+    }
+    /// Handles a reply; returns the renewals it completed: (lease id, when to
+    /// retry if it failed).
+    fn on_reply(&mut self, reply: Self::Reply, now: Instant) -> Vec<(u64, Option<Instant>)>;
+}
+
+/// What the renewal thread hears.
+pub(crate) enum Msg<L, R> {
+    /// Start watching a lease.
+    Watch(L),
+    /// A watched lease changed; plan it again.
+    Touch(u64),
+    /// A lease was released.
+    Forget(u64),
+    /// An executor's reply.
+    Reply(R),
+}
+
+/// The handle; dropping it stops the thread.
+pub(crate) struct Scheduler<L, R> {
+    tx: Sender<Msg<L, R>>,
+    _stop: Sender<()>,
+}
+
+impl<L: Send + 'static, R: Send + 'static> Scheduler<L, R> {
+    /// Starts the thread. `make` builds the dispatcher, given a sender its
+    /// executors reply on.
+    pub(crate) fn spawn<D>(
+        name: &str,
+        clock: Arc<dyn Clock>,
+        make: impl FnOnce(Sender<Msg<L, R>>) -> D,
+    ) -> std::io::Result<Self>
+    where
+        D: Dispatch<Lease = L, Reply = R>,
+        L: Watched + Clone,
+    {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let (stop_tx, stop_rx) = crossbeam_channel::bounded(0);
+        let dispatch = make(tx.clone());
+        std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || run(&rx, &stop_rx, &*clock, dispatch))?;
+        Ok(Scheduler { tx, _stop: stop_tx })
+    }
+
+    pub(crate) fn send(&self, msg: Msg<L, R>) {
+        let _ = self.tx.send(msg);
+    }
+}
+
+fn run<D: Dispatch>(
+    rx: &Receiver<Msg<D::Lease, D::Reply>>,
+    stop: &Receiver<()>,
+    clock: &dyn Clock,
+    mut dispatch: D,
+) {
+    let mut schedule: Schedule<D::Lease> = Schedule::default();
+    let replies = dispatch.replies();
+    loop {
+        let timer = match schedule.next_due() {
+            Some(at) => crossbeam_channel::at(at),
+            None => crossbeam_channel::never(),
+        };
+        crossbeam_channel::select! {
+            recv(rx) -> msg => match msg {
+                Ok(msg) => {
+                    handle(&mut schedule, &mut dispatch, msg, clock.now());
+                    while let Ok(msg) = rx.try_recv() {
+                        handle(&mut schedule, &mut dispatch, msg, clock.now());
+                    }
+                }
+                Err(_) => return,
+            },
+            recv(replies) -> reply => {
+                if let Ok(reply) = reply {
+                    handle(&mut schedule, &mut dispatch, Msg::Reply(reply), clock.now());
+                }
+            },
+            recv(stop) -> _ => return,
+            recv(timer) -> _ => {}
+        }
+        let now = clock.now();
+        let batch = schedule.due(now);
+        if !batch.is_empty() {
+            for (id, retry_at) in dispatch.dispatch(batch, now) {
+                schedule.completed(id, now, retry_at);
+            }
+        }
+    }
+}
+
+fn handle<D: Dispatch>(
+    schedule: &mut Schedule<D::Lease>,
+    dispatch: &mut D,
+    msg: Msg<D::Lease, D::Reply>,
+    now: Instant,
+) {
+    match msg {
+        Msg::Watch(lease) => schedule.watch(lease, now),
+        Msg::Touch(id) => schedule.touch(id, now),
+        Msg::Forget(id) => schedule.forget(id),
+        Msg::Reply(reply) => {
+            for (id, retry_at) in dispatch.on_reply(reply, now) {
+                schedule.completed(id, now, retry_at);
+            }
+        }
+    }
+}

@@ -1,0 +1,1077 @@
+//! Single-deployment leases: two processes, three user threads, two lease keys
+//! sharing one fence counter, each process with its renewal schedule and
+//! executor, against one model server.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{Net, Queue, Rng, Stats, instant};
+use crate::core::fences::FenceBook;
+use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket};
+use crate::core::schedule::{Next, Schedule, Watched};
+use crate::core::timing::{Timing, retry_delay};
+use crate::runtime::lease::LeaseCell;
+
+type ConnId = u64;
+
+/// What a model lease knows of itself.
+struct Meta {
+    key: usize,
+    value: String,
+}
+
+type Cell = LeaseCell<Meta>;
+
+impl Watched for Arc<Cell> {
+    fn id(&self) -> u64 {
+        LeaseCell::id(self)
+    }
+    fn poll(&self, now: Instant) -> Next {
+        self.next(now)
+    }
+}
+
+struct Entry {
+    value: String,
+    /// Server time (ns) at which it expires.
+    expire: f64,
+}
+
+/// One Redis server: keys, a fence counter, a clock running at `rate`.
+struct Server {
+    rate: f64,
+    keys: Vec<Option<Entry>>,
+    fence: u64,
+    issued: HashSet<u64>,
+    went_back: bool,
+    /// Whether each key's last lease ended by expiry (not a release).
+    expired: Vec<bool>,
+    takeovers: u64,
+    killed: HashSet<ConnId>,
+    /// Per connection, the last delivery and the last reply (order is kept
+    /// per connection only).
+    last_in: HashMap<ConnId, Duration>,
+    last_out: HashMap<ConnId, Duration>,
+}
+
+impl Server {
+    fn now(&self, t: Duration) -> f64 {
+        t.as_nanos() as f64 * self.rate
+    }
+
+    fn live(&mut self, key: usize, t: Duration) -> Option<&Entry> {
+        let now = self.now(t);
+        if self.keys[key].as_ref().is_some_and(|e| e.expire <= now) {
+            self.keys[key] = None;
+            self.expired[key] = true;
+        }
+        self.keys[key].as_ref()
+    }
+
+    fn apply(&mut self, req: &Req, t: Duration) -> Result<Resp, String> {
+        let now = self.now(t);
+        Ok(match req {
+            Req::Acquire { key, owner, ttl } => {
+                let mine = format!("{owner}:");
+                match self.live(*key, t) {
+                    Some(e) if e.value.starts_with(&mine) => {
+                        // The owner's own grant again: the expiry only ever moves later.
+                        let token = e.value[mine.len()..].parse().expect("token");
+                        let e = self.keys[*key].as_mut().expect("live");
+                        e.expire = e.expire.max(now + ttl.as_nanos() as f64);
+                        Resp::Granted(token)
+                    }
+                    Some(_) => Resp::Busy,
+                    None => {
+                        if std::mem::take(&mut self.expired[*key]) {
+                            self.takeovers += 1;
+                        }
+                        self.fence += 1;
+                        let token = self.fence;
+                        if !self.issued.insert(token) && !self.went_back {
+                            return Err(format!("token {token} issued twice by an intact counter"));
+                        }
+                        self.keys[*key] = Some(Entry {
+                            value: format!("{owner}:{token}"),
+                            expire: now + ttl.as_nanos() as f64,
+                        });
+                        Resp::Granted(token)
+                    }
+                }
+            }
+            Req::Extend { items } => {
+                let mut out = Vec::with_capacity(items.len());
+                for (key, value, ttl) in items {
+                    out.push(match self.live(*key, t) {
+                        None => 0,
+                        Some(e) if e.value == *value => {
+                            self.keys[*key].as_mut().expect("live").expire =
+                                now + ttl.as_nanos() as f64;
+                            1
+                        }
+                        Some(_) => -1,
+                    });
+                }
+                Resp::Ints(out)
+            }
+            Req::Verify { key, value } => Resp::Ints(vec![match self.live(*key, t) {
+                None => 0,
+                Some(e) if e.value == *value => 1,
+                Some(_) => -1,
+            }]),
+            Req::Release { key, value } => {
+                if self.live(*key, t).is_some_and(|e| e.value == *value) {
+                    self.keys[*key] = None;
+                }
+                Resp::Done
+            }
+            Req::ReleasePrefix { key, owner } => {
+                let mine = format!("{owner}:");
+                if let Some(e) = self.live(*key, t)
+                    && e.value.starts_with(&mine)
+                {
+                    if e.value.split(':').next() != Some(owner.as_str()) {
+                        return Err(format!("clean-up of {owner} deleted {}", e.value));
+                    }
+                    self.keys[*key] = None;
+                }
+                Resp::Done
+            }
+            Req::Kill { target } => {
+                self.killed.insert(*target);
+                Resp::Done
+            }
+        })
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Req {
+    Acquire {
+        key: usize,
+        owner: String,
+        ttl: Duration,
+    },
+    Extend {
+        items: Vec<(usize, String, Duration)>,
+    },
+    Verify {
+        key: usize,
+        value: String,
+    },
+    Release {
+        key: usize,
+        value: String,
+    },
+    ReleasePrefix {
+        key: usize,
+        owner: String,
+    },
+    Kill {
+        target: ConnId,
+    },
+}
+
+#[derive(Clone, Debug)]
+enum Resp {
+    Granted(u64),
+    Busy,
+    Ints(Vec<i64>),
+    Done,
+}
+
+/// What a request was for, on the client side.
+enum Purpose {
+    Acquire,
+    Reset { ticket: Ticket },
+    Verify,
+    Release,
+    Renew { tickets: Vec<(Arc<Cell>, Ticket)> },
+    Kill,
+    CleanupRelease,
+}
+
+struct Pending {
+    who: Who,
+    purpose: Purpose,
+    sent: Instant,
+    conn: ConnId,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Who {
+    User(usize),
+    Exec(usize),
+}
+
+enum Ev {
+    Deliver { id: u64, conn: ConnId, req: Req },
+    Reply { id: u64, resp: Resp },
+    Timeout { id: u64 },
+    UserNext(usize),
+    SchedWake(usize),
+    ExecNext(usize),
+    CounterBack,
+}
+
+impl Ev {
+    fn name(&self) -> String {
+        match self {
+            Ev::Deliver { id, req, .. } => format!("deliver {id} {req:?}"),
+            Ev::Reply { id, resp } => format!("reply {id} {resp:?}"),
+            Ev::Timeout { id } => format!("timeout {id}"),
+            Ev::UserNext(u) => format!("user {u}"),
+            Ev::SchedWake(p) => format!("wake {p}"),
+            Ev::ExecNext(p) => format!("exec {p}"),
+            Ev::CounterBack => "counter back".into(),
+        }
+    }
+}
+
+struct Guard {
+    cell: Arc<Cell>,
+    value: String,
+    key: usize,
+    keepalive: bool,
+    signal: bool,
+}
+
+/// A user thread's acquire in progress: its owner, the attempts that got
+/// no reply, how many attempts are left.
+struct Acquiring {
+    owner: String,
+    ttl: Duration,
+    uncertain: Vec<ConnId>,
+    /// When the first attempt that got no reply was sent: a grant returned
+    /// later to the same owner may date from then.
+    first_uncertain: Option<Instant>,
+    tries: u32,
+}
+
+struct User {
+    proc: usize,
+    key: usize,
+    conn: ConnId,
+    busy: bool,
+    guard: Option<Guard>,
+    acquiring: Option<Acquiring>,
+    owners: u64,
+    /// A reset_expiry waiting for a claim, since when.
+    claim_wait: Option<(Duration, Duration)>,
+}
+
+enum Job {
+    Renew(Vec<Arc<Cell>>),
+    Fence(ConnId, Arc<Cell>, Ticket),
+    Cleanup(Vec<ConnId>, usize, String, Duration),
+}
+
+/// Leases whose claims wait for a connection to be killed.
+type Claims = Vec<(Arc<Cell>, Ticket)>;
+
+struct Exec {
+    conn: ConnId,
+    busy: bool,
+    queue: VecDeque<Job>,
+    fences: Vec<(ConnId, Claims)>,
+    cleanups: Vec<(Vec<ConnId>, usize, String, Duration)>,
+    retry_at: Duration,
+    /// What the kill in flight is for: a fence (index 0) or a clean-up.
+    killing_cleanup: bool,
+}
+
+struct Proc {
+    fences: FenceBook,
+    accepted: Vec<(u64, Instant)>,
+    sched: Schedule<Arc<Cell>>,
+    wake: Option<Duration>,
+    exec: Exec,
+}
+
+struct World {
+    rng: Rng,
+    origin: Instant,
+    now: Duration,
+    timing: Timing,
+    net: Net,
+    server: Server,
+    queue: Queue<Ev>,
+    procs: Vec<Proc>,
+    users: Vec<User>,
+    pending: HashMap<u64, Pending>,
+    next_id: u64,
+    next_conn: ConnId,
+    ttls: Vec<Duration>,
+    stats: Stats,
+    steps_left: u32,
+    trace: bool,
+}
+
+/// Lease keys 0 and 1 share one fence counter. Users 0 (process 0) and 2
+/// (process 1) contend for key 0; user 1 (process 0) holds key 1.
+const USERS: [(usize, usize); 3] = [(0, 0), (0, 1), (1, 0)];
+
+pub(crate) fn case(seed: u64) -> Result<Stats, String> {
+    let mut rng = Rng::new(seed);
+    let node_timeout = Duration::from_millis(10 + rng.below(190));
+    let drift_factor = [0.0, 0.01, 0.05][rng.below(3) as usize];
+    let timing = Timing {
+        drift_factor,
+        node_timeout,
+    };
+    let net = Net::random(&mut rng, node_timeout);
+    // The server's clock runs fast or slow within the drift factor.
+    let rate = 1.0 + drift_factor * (2.0 * rng.unit() - 1.0) * 0.999;
+    let usable = (0..)
+        .map(|i| node_timeout + Duration::from_millis(5 + i * 7))
+        .find(|t| timing.usable_ttl(*t))
+        .expect("some ttl is usable");
+    let keepalive = timing.min_keepalive_ttl() + Duration::from_millis(1);
+    let mut ttls = vec![usable, usable * 2, keepalive, keepalive * 2, keepalive * 4];
+    ttls.retain(|t| timing.usable_ttl(*t));
+    let mut w = World {
+        origin: Instant::now(),
+        now: Duration::ZERO,
+        timing,
+        net,
+        server: Server {
+            rate,
+            keys: vec![None, None],
+            fence: rng.below(3) * 99_999_999_999_998,
+            issued: HashSet::new(),
+            went_back: false,
+            expired: vec![false, false],
+            takeovers: 0,
+            killed: HashSet::new(),
+            last_in: HashMap::new(),
+            last_out: HashMap::new(),
+        },
+        queue: Queue::new(),
+        procs: Vec::new(),
+        users: Vec::new(),
+        pending: HashMap::new(),
+        next_id: 0,
+        next_conn: 0,
+        ttls,
+        stats: Stats::default(),
+        steps_left: 40 + rng.below(40) as u32,
+        trace: std::env::var_os("RESPIRE_SIM_TRACE").is_some(),
+        rng,
+    };
+    for _ in 0..2 {
+        let conn = w.conn();
+        w.procs.push(Proc {
+            fences: FenceBook::new(node_timeout * 4, 100),
+            accepted: Vec::new(),
+            sched: Schedule::default(),
+            wake: None,
+            exec: Exec {
+                conn,
+                busy: false,
+                queue: VecDeque::new(),
+                fences: Vec::new(),
+                cleanups: Vec::new(),
+                retry_at: Duration::ZERO,
+                killing_cleanup: false,
+            },
+        });
+    }
+    for (i, &(proc, key)) in USERS.iter().enumerate() {
+        let conn = w.conn();
+        w.users.push(User {
+            proc,
+            key,
+            conn,
+            busy: false,
+            guard: None,
+            acquiring: None,
+            owners: 0,
+            claim_wait: None,
+        });
+        let at = w.rng.micros(0, 2_000);
+        w.queue.push(at, Ev::UserNext(i));
+    }
+    if w.rng.chance(0.1) {
+        let at = w.rng.micros(1_000, 3_000_000);
+        w.queue.push(at, Ev::CounterBack);
+    }
+    while let Some(t) = w.queue.peek_time() {
+        // Every event at this instant, then the invariants.
+        while w.queue.peek_time() == Some(t) {
+            let (at, ev) = w.queue.pop().expect("peeked");
+            w.now = at;
+            w.stats.events += 1;
+            if w.stats.events > 1_000_000 {
+                return Err(format!("the schedule did not end at {at:?}"));
+            }
+            if w.trace {
+                eprintln!("{at:?} {}", ev.name());
+            }
+            w.handle(ev)?;
+        }
+        w.check()?;
+        if w.steps_left == 0 && w.users.iter().all(|u| !u.busy) {
+            break;
+        }
+        if w.now > Duration::from_secs(600) || w.stats.events > 1_000_000 {
+            return Err(format!(
+                "the schedule did not end: {:?} simulated, {} events",
+                w.now, w.stats.events
+            ));
+        }
+    }
+    w.stats.takeovers = w.server.takeovers;
+    Ok(w.stats)
+}
+
+impl World {
+    fn at(&self) -> Instant {
+        instant(self.origin, self.now)
+    }
+
+    fn conn(&mut self) -> ConnId {
+        self.next_conn += 1;
+        self.next_conn
+    }
+
+    /// Sends `req` on `conn` for `who`; arranges delivery, reply and timeout.
+    fn send(&mut self, who: Who, conn: ConnId, req: Req, purpose: Purpose) {
+        let id = self.next_id;
+        self.next_id += 1;
+        let sent = self.at();
+        if self.trace {
+            eprintln!("  send {id} by {who:?} on conn {conn}: {req:?}");
+        }
+        self.pending.insert(
+            id,
+            Pending {
+                who,
+                purpose,
+                sent,
+                conn,
+            },
+        );
+        let lose = self.net.p_lose_request;
+        if let Some(d) = self.net.hop(&mut self.rng, lose) {
+            let last = self.server.last_in.get(&conn).copied().unwrap_or_default();
+            let at = (self.now + d).max(last);
+            self.server.last_in.insert(conn, at);
+            self.queue.push(at, Ev::Deliver { id, conn, req });
+        }
+        let deadline = self.now + self.timing.node_timeout;
+        self.queue.push(deadline, Ev::Timeout { id });
+    }
+
+    fn handle(&mut self, ev: Ev) -> Result<(), String> {
+        match ev {
+            Ev::Deliver { id, conn, req } => {
+                if self.server.killed.contains(&conn) {
+                    return Ok(());
+                }
+                let resp = self.server.apply(&req, self.now)?;
+                let lose = self.net.p_lose_reply;
+                if let Some(d) = self.net.hop(&mut self.rng, lose) {
+                    let last = self.server.last_out.get(&conn).copied().unwrap_or_default();
+                    let at = (self.now + d).max(last);
+                    self.server.last_out.insert(conn, at);
+                    self.queue.push(at, Ev::Reply { id, resp });
+                }
+            }
+            Ev::Reply { id, resp } => {
+                // A reply after the client gave up is read by nobody.
+                if let Some(p) = self.pending.remove(&id) {
+                    self.replied(p, Some(resp))?;
+                }
+            }
+            Ev::Timeout { id } => {
+                if let Some(p) = self.pending.remove(&id) {
+                    self.stats.unanswered += 1;
+                    self.replied(p, None)?;
+                }
+            }
+            Ev::UserNext(u) => self.user_step(u)?,
+            Ev::SchedWake(p) => {
+                // An earlier wake-up that was overtaken leaves the armed one alone.
+                if self.procs[p].wake == Some(self.now) {
+                    self.procs[p].wake = None;
+                }
+                let now = self.at();
+                let batch = self.procs[p].sched.due(now);
+
+                if !batch.is_empty() {
+                    self.procs[p].exec.queue.push_back(Job::Renew(batch));
+                }
+                self.exec_kick(p);
+                self.arm(p);
+            }
+            Ev::ExecNext(p) => {
+                self.exec_kick(p);
+                self.arm(p);
+            }
+            Ev::CounterBack => {
+                self.server.fence = self.server.fence.saturating_sub(1 + self.rng.below(5));
+                self.server.went_back = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps one wake-up pending at the schedule's next due time.
+    fn arm(&mut self, p: usize) {
+        if let Some(at) = self.procs[p].sched.next_due() {
+            let at = at.saturating_duration_since(self.origin).max(self.now);
+            if self.procs[p].wake.is_none_or(|w| at < w) {
+                self.procs[p].wake = Some(at);
+                self.queue.push(at, Ev::SchedWake(p));
+            }
+        }
+    }
+
+    fn touch(&mut self, p: usize, cell: &Arc<Cell>) {
+        if cell.is_watched() {
+            let now = self.at();
+            self.procs[p].sched.touch(cell.id(), now);
+            self.arm(p);
+        }
+    }
+
+    fn watch(&mut self, p: usize, cell: &Arc<Cell>) {
+        if cell.watch() {
+            let now = self.at();
+            self.procs[p].sched.watch(cell.clone(), now);
+        }
+        self.arm(p);
+    }
+
+    fn think(&mut self, u: usize) {
+        let ttl = self.ttls[0];
+        let pause = self.rng.micros(0, (ttl.as_micros() as u64) * 2 / 3);
+        self.queue.push(self.now + pause, Ev::UserNext(u));
+    }
+
+    fn user_step(&mut self, u: usize) -> Result<(), String> {
+        if self.users[u].busy {
+            return Ok(());
+        }
+        let now = self.at();
+        let p = self.users[u].proc;
+        // A reset_expiry waiting for a claim in flight.
+        if let Some((since, ttl)) = self.users[u].claim_wait {
+            return self.reset_expiry(u, ttl, since);
+        }
+        if let Some(g) = &self.users[u].guard {
+            if g.cell.is_lost(now) {
+                self.stats.losses += 1;
+                return self.release(u);
+            }
+        } else {
+            if self.steps_left == 0 {
+                return Ok(());
+            }
+            self.steps_left -= 1;
+            let a = self.users[u].acquiring.get_or_insert_with(|| Acquiring {
+                owner: String::new(),
+                ttl: Duration::ZERO,
+                uncertain: Vec::new(),
+                first_uncertain: None,
+                tries: 0,
+            });
+            if a.owner.is_empty() {
+                let n = self.users[u].owners;
+                self.users[u].owners += 1;
+                let ttl = self.ttls[self.rng.below(self.ttls.len() as u64) as usize];
+                let a = self.users[u].acquiring.as_mut().expect("set");
+                a.owner = format!("u{u}o{n}");
+                a.ttl = ttl;
+                a.tries = 1 + self.rng.below(4) as u32;
+            }
+            let a = self.users[u].acquiring.as_ref().expect("set");
+            let req = Req::Acquire {
+                key: self.users[u].key,
+                owner: a.owner.clone(),
+                ttl: a.ttl,
+            };
+            self.users[u].busy = true;
+            let conn = self.users[u].conn;
+            self.send(Who::User(u), conn, req, Purpose::Acquire);
+            return Ok(());
+        }
+        if self.steps_left > 0 {
+            self.steps_left -= 1;
+        } else {
+            return self.release(u);
+        }
+        let op = self.rng.below(10);
+        let (cell, key, value, ttl) = {
+            let g = self.users[u].guard.as_ref().expect("holding");
+            (g.cell.clone(), g.key, g.value.clone(), g.cell.ttl())
+        };
+        match op {
+            0..=2 => {
+                // reset_expiry, longer or shorter.
+                let ttl = self.ttls[self.rng.below(self.ttls.len() as u64) as usize];
+                return self.reset_expiry(u, ttl, self.now);
+            }
+            3 => {
+                let g = self.users[u].guard.as_mut().expect("holding");
+                if !g.keepalive && ttl >= self.timing.min_keepalive_ttl() {
+                    g.keepalive = true;
+                    cell.add_keepalive();
+                    self.watch(p, &cell);
+                    self.touch(p, &cell);
+                }
+            }
+            4 => {
+                let g = self.users[u].guard.as_mut().expect("holding");
+                if g.keepalive {
+                    g.keepalive = false;
+                    cell.remove_keepalive();
+                    self.touch(p, &cell);
+                }
+            }
+            5 => {
+                self.users[u].busy = true;
+                let conn = self.users[u].conn;
+                self.send(
+                    Who::User(u),
+                    conn,
+                    Req::Verify { key, value },
+                    Purpose::Verify,
+                );
+                return Ok(());
+            }
+            6 => {
+                let _ = cell.signal(now);
+                self.users[u].guard.as_mut().expect("holding").signal = true;
+                self.watch(p, &cell);
+            }
+            7 => return self.release(u),
+            _ => {}
+        }
+        self.think(u);
+        Ok(())
+    }
+
+    /// The guard's reset_expiry: wait for the claim (at most a node timeout),
+    /// claim, send; the worst case while unanswered.
+    fn reset_expiry(&mut self, u: usize, ttl: Duration, since: Duration) -> Result<(), String> {
+        let now = self.at();
+        let p = self.users[u].proc;
+        let Some(g) = &self.users[u].guard else {
+            self.users[u].claim_wait = None;
+            return Ok(());
+        };
+        let (cell, key, value) = (g.cell.clone(), g.key, g.value.clone());
+        match cell.begin_extend(now, ttl) {
+            Err(Refusal::Lost) => {
+                self.users[u].claim_wait = None;
+                self.think(u);
+            }
+            Err(Refusal::Busy) => {
+                if self.now >= since + self.timing.node_timeout {
+                    // Err(Timeout) to the caller; nothing sent.
+                    self.users[u].claim_wait = None;
+                    self.think(u);
+                } else {
+                    self.users[u].claim_wait = Some((since, ttl));
+                    self.queue
+                        .push(self.now + Duration::from_millis(1), Ev::UserNext(u));
+                }
+            }
+            Ok(ticket) => {
+                self.users[u].claim_wait = None;
+                self.stats.extensions += 1;
+                self.touch(p, &cell);
+                self.users[u].busy = true;
+                let conn = self.users[u].conn;
+                let items = vec![(key, value, ttl)];
+                self.send(
+                    Who::User(u),
+                    conn,
+                    Req::Extend { items },
+                    Purpose::Reset { ticket },
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn release(&mut self, u: usize) -> Result<(), String> {
+        let now = self.at();
+        let p = self.users[u].proc;
+        let Some(g) = self.users[u].guard.take() else {
+            return Ok(());
+        };
+        g.cell.finish(now);
+        self.procs[p].sched.forget(g.cell.id());
+        self.users[u].busy = true;
+        let conn = self.users[u].conn;
+        let req = Req::Release {
+            key: g.key,
+            value: g.value,
+        };
+        self.send(Who::User(u), conn, req, Purpose::Release);
+        Ok(())
+    }
+
+    fn replied(&mut self, p: Pending, resp: Option<Resp>) -> Result<(), String> {
+        let now = self.at();
+        match p.who {
+            Who::User(u) => {
+                self.users[u].busy = false;
+                let proc = self.users[u].proc;
+                if resp.is_none() {
+                    // The pooled connection is broken; the next call opens another.
+                    self.users[u].conn = self.conn();
+                }
+                match p.purpose {
+                    Purpose::Acquire => self.acquired(u, p, resp)?,
+                    Purpose::Reset { ticket } => {
+                        let cell = self.users[u].guard.as_ref().map(|g| g.cell.clone());
+                        if let Some(cell) = cell {
+                            match resp {
+                                Some(Resp::Ints(v)) => match v[0] {
+                                    1 => {
+                                        cell.extended(ticket, now);
+                                    }
+                                    0 => cell.refused(ticket, now, Loss::Gone),
+                                    _ => cell.refused(ticket, now, Loss::TakenOver),
+                                },
+                                None => {
+                                    cell.unanswered(ticket, now);
+                                    self.procs[proc].exec.queue.push_back(Job::Fence(
+                                        p.conn,
+                                        cell.clone(),
+                                        ticket,
+                                    ));
+                                    self.exec_kick(proc);
+                                }
+                                other => return Err(format!("reset reply {other:?}")),
+                            }
+                            self.touch(proc, &cell);
+                        }
+                        self.think(u);
+                    }
+                    Purpose::Verify => {
+                        if let (Some(g), Some(Resp::Ints(v))) = (&self.users[u].guard, resp) {
+                            match v[0] {
+                                0 => g.cell.mark_lost(now, Loss::Gone),
+                                -1 => g.cell.mark_lost(now, Loss::TakenOver),
+                                _ => {}
+                            }
+                        }
+                        self.think(u);
+                    }
+                    Purpose::Release => self.think(u),
+                    _ => return Err("user purpose".into()),
+                }
+            }
+            Who::Exec(proc) => self.exec_replied(proc, p, resp)?,
+        }
+        Ok(())
+    }
+
+    fn acquired(&mut self, u: usize, p: Pending, resp: Option<Resp>) -> Result<(), String> {
+        let now = self.at();
+        let proc = self.users[u].proc;
+        match resp {
+            Some(Resp::Granted(token)) => {
+                self.stats.grants += 1;
+                let a = self.users[u].acquiring.take().expect("acquiring");
+                let key = self.users[u].key;
+                // The grant may date from the owner's first unanswered attempt.
+                let sent = a.first_uncertain.map_or(p.sent, |f| f.min(p.sent));
+                // The fence book, against the definition: a regression is a
+                // token not above one whose reply came before this send.
+                let expected = self.procs[proc]
+                    .accepted
+                    .iter()
+                    .any(|&(t, r)| r < sent && t >= token);
+                let checked = self.procs[proc].fences.check("fence", token, sent, now);
+                // The book may miss a regression only for a grant whose first
+                // attempt is older than its horizon; it never reports a false one.
+                let blind = sent + self.timing.node_timeout * 4 < now;
+                if checked.is_err() && !expected || checked.is_ok() && expected && !blind {
+                    return Err(format!(
+                        "fence book said {checked:?} for token {token} (sent {:?}); a \
+                         regression was {}expected",
+                        p.sent.duration_since(self.origin),
+                        if expected { "" } else { "not " }
+                    ));
+                }
+                if checked.is_err() && !self.server.went_back {
+                    return Err(format!(
+                        "false fencing regression for token {token} sent at {:?} received at \
+                         {:?} by user {u}; accepted before: {:?}",
+                        sent.duration_since(self.origin),
+                        self.now,
+                        self.procs[proc]
+                            .accepted
+                            .iter()
+                            .map(|(t, r)| (*t, r.duration_since(self.origin)))
+                            .collect::<Vec<_>>()
+                    ));
+                }
+                self.procs[proc].accepted.push((token, now));
+                let value = format!("{}:{token}", a.owner);
+                if checked.is_err() {
+                    self.stats.regressions += 1;
+                    // Refused: the grant is released again.
+                    self.users[u].busy = true;
+                    let conn = self.users[u].conn;
+                    self.send(
+                        Who::User(u),
+                        conn,
+                        Req::Release { key, value },
+                        Purpose::Release,
+                    );
+                    return Ok(());
+                }
+                let core = LeaseCore::granted(self.timing, p.sent, a.ttl);
+                let cell = Arc::new(LeaseCell::new(
+                    format!("k{key}"),
+                    Meta {
+                        key,
+                        value: value.clone(),
+                    },
+                    core,
+                ));
+                self.users[u].guard = Some(Guard {
+                    cell,
+                    value,
+                    key,
+                    keepalive: false,
+                    signal: false,
+                });
+                self.think(u);
+            }
+            Some(Resp::Busy) | None => {
+                let a = self.users[u].acquiring.as_mut().expect("acquiring");
+                if resp.is_none() {
+                    a.uncertain.push(p.conn);
+                    a.first_uncertain.get_or_insert(p.sent);
+                }
+                a.tries = a.tries.saturating_sub(1);
+                if a.tries == 0 {
+                    // The wait ends without the lease: clean up after the
+                    // attempts that got no reply.
+                    let a = self.users[u].acquiring.take().expect("acquiring");
+                    if !a.uncertain.is_empty() {
+                        let key = self.users[u].key;
+                        let give_up = self.now + a.ttl + self.timing.node_timeout;
+                        self.procs[proc].exec.queue.push_back(Job::Cleanup(
+                            a.uncertain,
+                            key,
+                            a.owner,
+                            give_up,
+                        ));
+                        self.exec_kick(proc);
+                    }
+                    self.think(u);
+                } else {
+                    let pause = self.rng.micros(0, 20_000);
+                    self.queue.push(self.now + pause, Ev::UserNext(u));
+                }
+            }
+            other => return Err(format!("acquire reply {other:?}")),
+        }
+        Ok(())
+    }
+
+    /// The executor: one request at a time; kills first, then clean-ups,
+    /// then renewals.
+    fn exec_kick(&mut self, p: usize) {
+        let now = self.at();
+        loop {
+            if self.procs[p].exec.busy {
+                return;
+            }
+            let exec = &mut self.procs[p].exec;
+            exec.fences.iter_mut().for_each(|(_, leases)| {
+                leases.retain(|(l, _)| !l.is_lost(now));
+            });
+            exec.fences.retain(|(_, leases)| !leases.is_empty());
+            let ready = exec.retry_at <= self.now;
+            if ready && let Some((target, _)) = exec.fences.first() {
+                let target = *target;
+                exec.busy = true;
+                exec.killing_cleanup = false;
+                let conn = exec.conn;
+                self.send(Who::Exec(p), conn, Req::Kill { target }, Purpose::Kill);
+                return;
+            }
+            let t = self.now;
+            exec.cleanups.retain(|c| c.3 > t);
+            if ready && let Some((conns, key, owner, _)) = exec.cleanups.first() {
+                let conn = exec.conn;
+                exec.busy = true;
+                if let Some(&target) = conns.last() {
+                    exec.killing_cleanup = true;
+                    self.send(Who::Exec(p), conn, Req::Kill { target }, Purpose::Kill);
+                } else {
+                    let req = Req::ReleasePrefix {
+                        key: *key,
+                        owner: owner.clone(),
+                    };
+                    self.send(Who::Exec(p), conn, req, Purpose::CleanupRelease);
+                }
+                return;
+            }
+            let Some(job) = exec.queue.pop_front() else {
+                if !ready && (!exec.fences.is_empty() || !exec.cleanups.is_empty()) {
+                    let at = exec.retry_at;
+                    self.queue.push(at, Ev::ExecNext(p));
+                }
+                return;
+            };
+            match job {
+                Job::Fence(conn, lease, ticket) => {
+                    exec.fences.push((conn, vec![(lease, ticket)]));
+                }
+                Job::Cleanup(conns, key, owner, give_up) => {
+                    exec.cleanups.push((conns, key, owner, give_up));
+                }
+                Job::Renew(batch) => {
+                    let mut tickets = Vec::new();
+                    let mut items = Vec::new();
+                    let mut skipped = Vec::new();
+                    for lease in batch {
+                        let ttl = lease.ttl();
+                        match lease.begin_extend(now, ttl) {
+                            Ok(ticket) => {
+                                let m = lease.extra();
+                                items.push((m.key, m.value.clone(), ttl));
+                                tickets.push((lease, ticket));
+                            }
+                            Err(_) => skipped.push(lease.id()),
+                        }
+                    }
+                    for id in skipped {
+                        self.procs[p].sched.completed(id, now, None);
+                    }
+                    if !tickets.is_empty() {
+                        self.stats.extensions += tickets.len() as u64;
+                        let exec = &mut self.procs[p].exec;
+                        exec.busy = true;
+                        let conn = exec.conn;
+                        self.send(
+                            Who::Exec(p),
+                            conn,
+                            Req::Extend { items },
+                            Purpose::Renew { tickets },
+                        );
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    fn exec_replied(&mut self, p: usize, pend: Pending, resp: Option<Resp>) -> Result<(), String> {
+        let now = self.at();
+        self.procs[p].exec.busy = false;
+        if resp.is_none() {
+            self.procs[p].exec.conn = self.conn();
+        }
+        match pend.purpose {
+            Purpose::Renew { tickets } => match resp {
+                Some(Resp::Ints(v)) => {
+                    for ((lease, ticket), r) in tickets.into_iter().zip(v) {
+                        match r {
+                            1 => {
+                                lease.extended(ticket, now);
+                            }
+                            0 => lease.refused(ticket, now, Loss::Gone),
+                            _ => lease.refused(ticket, now, Loss::TakenOver),
+                        }
+                        self.procs[p].sched.completed(lease.id(), now, None);
+                    }
+                }
+                None => {
+                    let retry = now + retry_delay(self.ttls[0]);
+                    for (lease, ticket) in &tickets {
+                        lease.unanswered(*ticket, now);
+                        self.procs[p].sched.completed(lease.id(), now, Some(retry));
+                    }
+                    self.procs[p].exec.fences.push((pend.conn, tickets));
+                    self.procs[p].exec.retry_at = self.now;
+                }
+                other => return Err(format!("renew reply {other:?}")),
+            },
+            Purpose::Kill => {
+                let exec = &mut self.procs[p].exec;
+                if resp.is_some() {
+                    if exec.killing_cleanup {
+                        if let Some(c) = exec.cleanups.first_mut() {
+                            c.0.pop();
+                        }
+                    } else if !exec.fences.is_empty() {
+                        let (_, leases) = exec.fences.remove(0);
+                        self.stats.fences += 1;
+                        for (lease, ticket) in leases {
+                            lease.fenced(ticket, now);
+                            self.touch(p, &lease);
+                        }
+                    }
+                } else {
+                    exec.retry_at =
+                        self.now + Duration::from_millis(50).min(self.timing.node_timeout);
+                }
+            }
+            Purpose::CleanupRelease => {
+                let exec = &mut self.procs[p].exec;
+                if resp.is_some() {
+                    if !exec.cleanups.is_empty() {
+                        exec.cleanups.remove(0);
+                    }
+                } else {
+                    exec.retry_at =
+                        self.now + Duration::from_millis(50).min(self.timing.node_timeout);
+                }
+            }
+            _ => return Err("executor purpose".into()),
+        }
+        self.exec_kick(p);
+        self.arm(p);
+        Ok(())
+    }
+
+    /// The invariants, at the end of an instant.
+    fn check(&mut self) -> Result<(), String> {
+        let now = self.at();
+        let t = self.now;
+        for u in 0..self.users.len() {
+            let Some(g) = &self.users[u].guard else {
+                continue;
+            };
+            self.stats.checks += 1;
+            let lost = g.cell.peek_lost(now);
+            let (key, value) = (g.key, g.value.clone());
+            if g.signal && lost && !g.cell.signal_closed() {
+                return Err(format!(
+                    "user {u}: is_lost() is true at {t:?} but the loss signal is still open"
+                ));
+            }
+            if lost {
+                continue;
+            }
+            let held = match self.server.live(key, t) {
+                Some(e) if e.value == value => true,
+                Some(_) => false,
+                None => false,
+            };
+            if !held {
+                let server = self.server.keys[key]
+                    .as_ref()
+                    .map(|e| (e.value.clone(), e.expire / self.server.rate / 1e6));
+                return Err(format!(
+                    "user {u} believes it holds {value} at {t:?} (valid until {:?}), but the \
+                     server has {server:?} (value, expiry ms)",
+                    g.cell.valid_until().duration_since(self.origin)
+                ));
+            }
+        }
+        Ok(())
+    }
+}
