@@ -195,6 +195,11 @@ pub use token::FencingToken;
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+/// The migration guide's examples, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../MIGRATING.md")]
+struct MigratingDoctests;
+
 #[allow(dead_code, reason = "compile-time check only")]
 fn _ensure_send_sync() {
     fn check<T: Send + Sync>() {}

@@ -12,9 +12,26 @@ use support::{TestServer, shared_server, unique_prefix, wait_until};
 
 const BIN: &str = env!("CARGO_BIN_EXE_respire-lock");
 
+/// Every environment variable the tool reads.
+const ENV_VARS: [&str; 9] = [
+    "REDIS_URL",
+    "RESPIRE_LOCK_REDLOCK",
+    "RESPIRE_LOCK_WAIT",
+    "RESPIRE_LOCK_TTL",
+    "RESPIRE_LOCK_KILL_AFTER",
+    "RESPIRE_LOCK_PREFIX",
+    "RESPIRE_LOCK_NODE_TIMEOUT",
+    "RESPIRE_LOCK_VERBOSE",
+    "RESPIRE_LOCK_JSON",
+];
+
+/// The tool with `args`, and none of its environment variables set.
 fn respire_lock(args: &[&str]) -> Command {
     let mut cmd = Command::new(BIN);
-    cmd.args(args).env_remove("REDIS_URL");
+    cmd.args(args);
+    for var in ENV_VARS {
+        cmd.env_remove(var);
+    }
     cmd
 }
 
@@ -312,4 +329,604 @@ fn redlock_mode_takes_a_quorum_and_releases_it() {
     let two = urls[..2].join(",");
     let out = run(&["run", "--redlock", &two, "job", "--", "true"]);
     assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
+}
+
+/// The JSON objects of `--json` output, one per line; panics on anything else.
+fn json_lines(bytes: &[u8]) -> Vec<serde_json::Value> {
+    text(bytes)
+        .lines()
+        .map(|line| {
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line:?}"))
+        })
+        .collect()
+}
+
+/// The event of that name; panics if there is not exactly one.
+fn event<'a>(events: &'a [serde_json::Value], name: &str) -> &'a serde_json::Value {
+    let found: Vec<_> = events.iter().filter(|e| e["event"] == name).collect();
+    assert_eq!(found.len(), 1, "one {name:?} event in {events:#?}");
+    found[0]
+}
+
+/// Asserts a usage error: status 64, nothing on stdout, and on stderr exactly
+/// one line naming the problem (containing each of `names`) and one hint line.
+#[track_caller]
+fn assert_usage_error(out: &Output, names: &[&str], hint: &str) {
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 2, "{stderr}");
+    assert!(lines[0].starts_with("respire-lock: "), "{stderr}");
+    for name in names {
+        assert!(lines[0].contains(name), "{name:?} not named in {stderr}");
+    }
+    assert!(lines[1].starts_with("hint: "), "{stderr}");
+    assert!(lines[1].contains(hint), "{hint:?} not in {stderr}");
+}
+
+#[test]
+fn help_and_version_on_every_subcommand() {
+    for sub in [
+        None,
+        Some("run"),
+        Some("status"),
+        Some("doctor"),
+        Some("completions"),
+    ] {
+        for flag in ["-h", "--help"] {
+            let mut args: Vec<&str> = sub.into_iter().collect();
+            args.push(flag);
+            let out = run(&args);
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "{args:?}: {}",
+                text(&out.stderr)
+            );
+            let usage = match sub {
+                Some(sub) => format!("Usage: respire-lock {sub}"),
+                None => "Usage: respire-lock".into(),
+            };
+            assert!(
+                text(&out.stdout).contains(&usage),
+                "{args:?}: {}",
+                text(&out.stdout)
+            );
+        }
+    }
+    // Long help documents the environment, exit codes and JSON fields.
+    let help = text(&run(&["run", "--help"]).stdout);
+    for var in &ENV_VARS[..] {
+        assert!(help.contains(var), "{var} missing from run --help");
+    }
+    for word in [
+        "75  not acquired",
+        "acquired      lease_key, token",
+        "released      outcome",
+    ] {
+        assert!(help.contains(word), "{word:?} missing from run --help");
+    }
+    let out = run(&["help", "status"]);
+    assert!(out.status.success());
+    assert!(text(&out.stdout).contains("Usage: respire-lock status"));
+
+    let version = format!("respire-lock {}", env!("CARGO_PKG_VERSION"));
+    for args in [&["--version"][..], &["-V"]] {
+        let out = run(args);
+        assert_eq!(out.status.code(), Some(0));
+        assert_eq!(text(&out.stdout).trim(), version);
+    }
+}
+
+#[test]
+fn usage_errors_are_one_line_and_a_hint() {
+    let hint = "try 'respire-lock run --help'";
+    assert_usage_error(
+        &run(&["run", "--bogus", "job", "--", "true"]),
+        &["--bogus"],
+        hint,
+    );
+    // A close misspelling gets a suggestion in the hint.
+    let out = run(&["run", "--wiat", "1s", "job", "--", "true"]);
+    assert_usage_error(&out, &["--wiat"], "'--wait'");
+    assert_usage_error(
+        &run(&["run", "--ttl", "10parsecs", "job", "--", "true"]),
+        &["--ttl", "10parsecs"],
+        hint,
+    );
+    assert_usage_error(
+        &run(&["run", "--wait", "soon", "job", "--", "true"]),
+        &["--wait", "soon"],
+        hint,
+    );
+    assert_usage_error(
+        &run(&["run", "--ttl", "0s", "job", "--", "true"]),
+        &["--ttl"],
+        hint,
+    );
+    assert_usage_error(
+        &run(&["run", "--ttl", "100y", "job", "--", "true"]),
+        &["--ttl", "100y"],
+        hint,
+    );
+    assert_usage_error(&run(&["run", "job"]), &["<CMD>"], hint);
+    assert_usage_error(&run(&["run", "{job}", "--", "true"]), &["braces"], hint);
+    assert_usage_error(
+        &run(&["run", "--prefix", "a{", "job", "--", "true"]),
+        &["--prefix"],
+        hint,
+    );
+    assert_usage_error(
+        &run(&[
+            "run",
+            "--url",
+            "redis://a",
+            "--redlock",
+            "redis://b,redis://c,redis://d",
+            "job",
+            "--",
+            "true",
+        ]),
+        &["--url", "--redlock"],
+        hint,
+    );
+    assert_usage_error(
+        &run(&["frobnicate"]),
+        &["frobnicate"],
+        "try 'respire-lock --help'",
+    );
+    assert_usage_error(&run(&[]), &["no command"], "try 'respire-lock --help'");
+    assert_usage_error(
+        &run(&["status"]),
+        &["<KEY>"],
+        "try 'respire-lock status --help'",
+    );
+    assert_usage_error(
+        &run(&["status", "job"]),
+        &["--url", "REDIS_URL"],
+        "status --help",
+    );
+    assert_usage_error(&run(&["doctor"]), &["REDIS_URL"], "doctor --help");
+    assert_usage_error(
+        &run(&["completions", "tcsh"]),
+        &["tcsh"],
+        "try 'respire-lock completions --help'",
+    );
+    // Values from the environment are checked the same way.
+    let out = respire_lock(&["run", "job", "--", "true"])
+        .env("RESPIRE_LOCK_TTL", "soon")
+        .output()
+        .unwrap();
+    assert_usage_error(&out, &["soon", "--ttl"], hint);
+}
+
+#[test]
+fn a_wait_too_long_for_the_clock_waits_forever() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-huge-wait");
+    // On a free key: acquired at once.
+    let out = run(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &prefix,
+        "--wait",
+        "10000000000000000000s",
+        "job",
+        "--",
+        "true",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+
+    // On a held key: waits (no panic, no deadline) until the holder releases.
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
+    let held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    let mut waiting = respire_lock(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &prefix,
+        "--wait",
+        "10000000000000000000s",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        "echo $RESPIRE_FENCING_TOKEN",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        waiting.try_wait().unwrap().is_none(),
+        "it should still be waiting"
+    );
+    drop(held);
+    let out = waiting.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "3");
+}
+
+#[test]
+fn status_reports_holder_token_and_ttl() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-status");
+    let status = |json: bool| {
+        let mut args = vec!["status", "--url", &url, "--prefix", &prefix];
+        if json {
+            args.push("--json");
+        }
+        args.push("job");
+        let out = run(&args);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    // Never taken.
+    assert_eq!(
+        status(false).trim(),
+        "job: free (no fencing token issued yet)"
+    );
+    let free: serde_json::Value = serde_json::from_str(&status(true)).unwrap();
+    assert_eq!(free["held"], false);
+    assert_eq!(free["token"], serde_json::Value::Null);
+    assert_eq!(free["last_token"], serde_json::Value::Null);
+
+    // Held, by the library with the keys `run` uses.
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
+    let guard = lock.try_acquire(Duration::from_secs(20)).unwrap().unwrap();
+    let token = guard.fencing_token().get();
+    let line = status(false);
+    assert!(
+        line.starts_with(&format!("job: held by fencing token {token}, expires in ")),
+        "{line}"
+    );
+    let held: serde_json::Value = serde_json::from_str(&status(true)).unwrap();
+    assert_eq!(held["key"], "job");
+    assert_eq!(held["lease_key"], format!("{prefix}{{job}}:lease"));
+    assert_eq!(held["fence_key"], format!("{prefix}{{job}}:fence"));
+    assert_eq!(held["held"], true);
+    assert_eq!(held["token"], token);
+    assert_eq!(held["last_token"], token);
+    let ttl = held["ttl_ms"].as_u64().unwrap();
+    assert!(ttl > 0 && ttl <= 20_000, "{ttl}");
+
+    // Released: free again, and the counter remembers the last token.
+    guard.release().unwrap();
+    assert_eq!(
+        status(false).trim(),
+        format!("job: free (last fencing token issued: {token})")
+    );
+    let free: serde_json::Value = serde_json::from_str(&status(true)).unwrap();
+    assert_eq!(free["held"], false);
+    assert_eq!(free["ttl_ms"], serde_json::Value::Null);
+    assert_eq!(free["last_token"], token);
+
+    // No server there: unavailable.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let out = run(&[
+        "status",
+        "--url",
+        &format!("redis://127.0.0.1:{port}"),
+        "job",
+    ]);
+    assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
+}
+
+#[test]
+fn json_events_of_a_run() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-json");
+    let out = run(&[
+        "run", "--url", &url, "--prefix", &prefix, "--ttl", "5s", "--json", "job", "--", "sh",
+        "-c", "exit 3",
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    let events = json_lines(&out.stderr);
+    let names: Vec<&str> = events
+        .iter()
+        .map(|e| e["event"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["acquired", "started", "exited", "released"]);
+    for e in &events {
+        assert_eq!(e["key"], "job");
+        let time = e["time"].as_str().unwrap();
+        assert!(time.ends_with('Z') && time.contains('T'), "{time}");
+    }
+    let acquired = event(&events, "acquired");
+    assert_eq!(acquired["lease_key"], format!("{prefix}{{job}}:lease"));
+    assert_eq!(acquired["token"], 1);
+    assert_eq!(acquired["ttl_ms"], 5000);
+    assert_eq!(acquired["mode"], "fenced");
+    let started = event(&events, "started");
+    assert!(started["pid"].as_u64().unwrap() > 0);
+    assert_eq!(
+        started["command"],
+        serde_json::json!(["sh", "-c", "exit 3"])
+    );
+    let exited = event(&events, "exited");
+    assert_eq!(exited["code"], 3);
+    assert_eq!(exited["signal"], serde_json::Value::Null);
+    let released = event(&events, "released");
+    assert_eq!(released["outcome"], "released");
+    assert_eq!(released["detail"], serde_json::Value::Null);
+
+    // Not acquired, and an error, are events too.
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
+    let _held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    let out = run(&[
+        "run", "--url", &url, "--prefix", &prefix, "--wait", "0", "--json", "job", "--", "true",
+    ]);
+    assert_eq!(out.status.code(), Some(75));
+    let events = json_lines(&out.stderr);
+    assert_eq!(event(&events, "not_acquired")["exit_code"], 75);
+    let out = run(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &prefix,
+        "--json",
+        "other",
+        "--",
+        "/nonexistent/cmd",
+    ]);
+    assert_eq!(out.status.code(), Some(70));
+    let events = json_lines(&out.stderr);
+    let error = event(&events, "error");
+    assert_eq!(error["exit_code"], 70);
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap()
+            .contains("/nonexistent/cmd")
+    );
+}
+
+#[test]
+fn json_events_of_a_lost_lease_and_kill_after_from_the_environment() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-json-lost");
+    let lease_key = format!("{prefix}{{job}}:lease");
+    // The command ignores SIGTERM, so only the SIGKILL after RESPIRE_LOCK_KILL_AFTER stops it.
+    let child = respire_lock(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &prefix,
+        "--ttl",
+        "1s",
+        "--node-timeout",
+        "100ms",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        "trap '' TERM; exec sleep 30",
+    ])
+    .env("RESPIRE_LOCK_JSON", "1")
+    .env("RESPIRE_LOCK_KILL_AFTER", "300ms")
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut admin = shared_server().client();
+    wait_until(Duration::from_secs(10), "the lease to be taken", || {
+        admin.exists::<_, bool>(&lease_key).unwrap()
+    });
+    let _: () = admin.set(&lease_key, "intruder").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(76), "{}", text(&out.stderr));
+    let events = json_lines(&out.stderr);
+    let names: Vec<&str> = events
+        .iter()
+        .map(|e| e["event"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["acquired", "started", "lost", "exited", "released", "error"]
+    );
+    let lost = event(&events, "lost");
+    assert_eq!(lost["cause"], "taken_over");
+    assert!(
+        lost["reason"].as_str().unwrap().contains("another owner"),
+        "{lost}"
+    );
+    // SIGTERM was ignored: SIGKILL (9) ended it.
+    let exited = event(&events, "exited");
+    assert_eq!(exited["signal"], 9, "{exited}");
+    assert_eq!(exited["code"], serde_json::Value::Null);
+    assert_eq!(event(&events, "released")["outcome"], "taken_over");
+    assert_eq!(event(&events, "error")["exit_code"], 76);
+    let value: String = admin.get(&lease_key).unwrap();
+    assert_eq!(value, "intruder", "the new holder's key was touched");
+}
+
+#[test]
+fn completions_bash_is_valid_shell() {
+    let out = run(&["completions", "bash"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let script = text(&out.stdout);
+    assert!(script.contains("respire-lock"), "{script}");
+    for word in ["run", "status", "doctor", "--kill-after", "--node-timeout"] {
+        assert!(script.contains(word), "{word} not completed");
+    }
+    let path = std::env::temp_dir().join(format!(
+        "respire-lock-completion-{}.bash",
+        std::process::id()
+    ));
+    std::fs::write(&path, &out.stdout).unwrap();
+    let check = Command::new("bash").arg("-n").arg(&path).output().unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert!(check.status.success(), "bash -n: {}", text(&check.stderr));
+    for shell in ["zsh", "fish", "elvish", "powershell"] {
+        let out = run(&["completions", shell]);
+        assert!(out.status.success() && !out.stdout.is_empty(), "{shell}");
+    }
+}
+
+#[test]
+fn every_option_from_the_environment() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-env");
+    // URL and prefix (strings) and the TTL (a duration) from the environment; the
+    // command asks `status`, with the same environment, what the server holds.
+    let script = format!("{BIN} status --json job; echo token=$RESPIRE_FENCING_TOKEN");
+    let out = respire_lock(&["run", "job", "--", "sh", "-c", &script])
+        .env("REDIS_URL", &url)
+        .env("RESPIRE_LOCK_PREFIX", &prefix)
+        .env("RESPIRE_LOCK_TTL", "7s")
+        .env("RESPIRE_LOCK_VERBOSE", "true")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        !text(&out.stderr).contains("throwaway"),
+        "REDIS_URL was not used"
+    );
+    assert!(
+        text(&out.stderr).contains("acquired \"job\" with fencing token 1"),
+        "{}",
+        text(&out.stderr)
+    );
+    let stdout = text(&out.stdout);
+    let mut lines = stdout.lines();
+    let status: serde_json::Value = serde_json::from_str(lines.next().unwrap()).unwrap();
+    assert_eq!(status["lease_key"], format!("{prefix}{{job}}:lease"));
+    assert_eq!(status["token"], 1);
+    let ttl = status["ttl_ms"].as_u64().unwrap();
+    assert!(
+        ttl > 0 && ttl <= 7_000,
+        "ttl {ttl} is not from RESPIRE_LOCK_TTL=7s"
+    );
+    assert_eq!(lines.next(), Some("token=1"));
+
+    // A flag from the environment: RESPIRE_LOCK_JSON (and "0" turns it off).
+    let json = |value: &str| {
+        respire_lock(&[
+            "run", "--url", &url, "--prefix", &prefix, "job", "--", "true",
+        ])
+        .env("RESPIRE_LOCK_JSON", value)
+        .output()
+        .unwrap()
+    };
+    let on = json("yes");
+    assert!(on.status.success());
+    assert_eq!(event(&json_lines(&on.stderr), "acquired")["token"], 2);
+    let off = json("0");
+    assert!(off.status.success());
+    assert!(off.stderr.is_empty(), "{}", text(&off.stderr));
+    assert_usage_error(&json("maybe"), &["maybe", "--json"], "run --help");
+
+    // The wait from the environment is bounded; the command line beats it.
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
+    let _held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    let waited = |args: &[&str]| {
+        let mut all = vec!["run", "--url", &url, "--prefix", &prefix];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["job", "--", "true"]);
+        let started = Instant::now();
+        let out = respire_lock(&all)
+            .env("RESPIRE_LOCK_WAIT", "400ms")
+            .output()
+            .unwrap();
+        (out.status.code(), started.elapsed())
+    };
+    let (code, elapsed) = waited(&[]);
+    assert_eq!(code, Some(75));
+    assert!(elapsed >= Duration::from_millis(400), "{elapsed:?}");
+    let (code, _) = waited(&["--wait", "0"]);
+    assert_eq!(code, Some(75));
+
+    // The node timeout from the environment is checked like the option.
+    let out = respire_lock(&["run", "--url", &url, "job", "--", "true"])
+        .env("RESPIRE_LOCK_NODE_TIMEOUT", "0s")
+        .output()
+        .unwrap();
+    assert_usage_error(&out, &["--node-timeout"], "run --help");
+
+    // RESPIRE_LOCK_REDLOCK: an even group is refused; --url on the command line beats it.
+    let out = respire_lock(&["run", "job", "--", "true"])
+        .env("RESPIRE_LOCK_REDLOCK", format!("{url},{url}"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
+    let out = respire_lock(&[
+        "run", "--url", &url, "--prefix", &prefix, "--wait", "0", "free", "--", "true",
+    ])
+    .env("RESPIRE_LOCK_REDLOCK", format!("{url},{url}"))
+    .output()
+    .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
+fn doctor_reports_a_denied_invalidation_channel() {
+    let server = TestServer::builder()
+        .acl_user("user app on >pw ~* resetchannels +@all")
+        .acl_user("user all on >pw ~* &* +@all")
+        .start();
+    let out = run(&["doctor", &server.url_for_user("app", "pw")]);
+    let report = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    assert!(
+        report.contains("FAIL  acl: channel __redis__:invalidate denied"),
+        "{report}"
+    );
+    let out = run(&["doctor", "--url", &server.url_for_user("all", "pw")]);
+    let report = text(&out.stdout);
+    assert!(
+        report.contains("ok    acl: channel __redis__:invalidate allowed"),
+        "{report}"
+    );
+
+    // --json, with the URL from the environment.
+    let out = respire_lock(&["doctor", "--json"])
+        .env("REDIS_URL", server.url_for_user("app", "pw"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["ok"], false);
+    let findings = report["findings"].as_array().unwrap();
+    let channel = findings
+        .iter()
+        .find(|f| {
+            f["message"]
+                .as_str()
+                .unwrap()
+                .contains("__redis__:invalidate")
+        })
+        .unwrap();
+    assert_eq!(channel["level"], "fail");
+    assert_eq!(channel["check"], "acl");
+    assert!(
+        findings
+            .iter()
+            .any(|f| f["check"] == "persistence" && f["level"] == "fail")
+    );
 }

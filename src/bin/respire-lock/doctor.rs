@@ -1,0 +1,321 @@
+//! `respire-lock doctor`: what on a deployment weakens the guarantees.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use respire_coordination::Coordinator;
+
+use crate::args::{DoctorArgs, EXIT_USAGE, Usage};
+use crate::json::{self, Object};
+use crate::{EXIT_UNAVAILABLE, say, show};
+
+/// The channel the invalidation subscriber listens on.
+const CHANNEL: &str = "__redis__:invalidate";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Level {
+    Ok,
+    Warn,
+    Fail,
+}
+
+/// What `doctor` found about one aspect of the deployment.
+struct Finding {
+    level: Level,
+    /// Which check: "version", "persistence", "eviction", "replication",
+    /// "cluster" or "acl".
+    check: &'static str,
+    message: String,
+}
+
+impl Finding {
+    fn new(level: Level, check: &'static str, message: impl Into<String>) -> Finding {
+        Finding {
+            level,
+            check,
+            message: message.into(),
+        }
+    }
+}
+
+pub(crate) fn main(args: DoctorArgs) -> ExitCode {
+    let Some(url) = args.positional_url.or(args.url) else {
+        Usage::new(
+            "doctor needs a Redis deployment to check: give URL, --url or set REDIS_URL",
+            Some("doctor"),
+        )
+        .print();
+        return ExitCode::from(EXIT_USAGE);
+    };
+    let findings = match diagnose(&url) {
+        Ok(f) => f,
+        Err(e) => {
+            say(&format!("respire-lock: {e}"));
+            return ExitCode::from(EXIT_UNAVAILABLE);
+        }
+    };
+    let failed = findings.iter().any(|f| f.level == Level::Fail);
+    if args.json {
+        let items = findings.iter().map(|f| {
+            Object::new()
+                .str(
+                    "level",
+                    match f.level {
+                        Level::Ok => "ok",
+                        Level::Warn => "warn",
+                        Level::Fail => "fail",
+                    },
+                )
+                .str("check", f.check)
+                .str("message", &f.message)
+                .finish()
+        });
+        show(
+            &Object::new()
+                .bool("ok", !failed)
+                .raw("findings", &json::array(items))
+                .finish(),
+        );
+    } else {
+        let lines: Vec<String> = findings
+            .iter()
+            .map(|f| {
+                let level = match f.level {
+                    Level::Ok => "ok",
+                    Level::Warn => "warn",
+                    Level::Fail => "FAIL",
+                };
+                format!("{level:<6}{}", f.message)
+            })
+            .collect();
+        show(&lines.join("\n"));
+    }
+    if failed {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn diagnose(url: &str) -> Result<Vec<Finding>, Box<dyn std::error::Error>> {
+    // Checks that the library can connect at all (auth, TLS) first.
+    Coordinator::builder(url).build()?;
+    let client = redis::Client::open(url)?;
+    let timeout = Duration::from_secs(2);
+    let mut conn = client.get_connection_with_timeout(timeout)?;
+    conn.set_read_timeout(Some(timeout))?;
+    let mut out = Vec::new();
+    let info = |conn: &mut redis::Connection, section: &str| -> String {
+        redis::cmd("INFO")
+            .arg(section)
+            .query(conn)
+            .unwrap_or_default()
+    };
+    let field = |text: &str, name: &str| -> Option<String> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}:")))
+            .map(|v| v.trim().to_owned())
+    };
+    let config = |conn: &mut redis::Connection, name: &str| -> Option<String> {
+        let pair: Vec<String> = redis::cmd("CONFIG").arg("GET").arg(name).query(conn).ok()?;
+        pair.get(1).cloned()
+    };
+
+    let server = info(&mut conn, "server");
+    let version = field(&server, "redis_version").unwrap_or_else(|| "unknown".into());
+    let major: u32 = version
+        .split('.')
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    if major >= 6 {
+        out.push(Finding::new(
+            Level::Ok,
+            "version",
+            format!("redis {version}: client tracking and RESP3 supported"),
+        ));
+    } else {
+        out.push(Finding::new(
+            Level::Warn,
+            "version",
+            format!("redis {version}: no client tracking; waiters will poll"),
+        ));
+    }
+
+    let persistence = match (
+        config(&mut conn, "appendonly"),
+        config(&mut conn, "appendfsync"),
+    ) {
+        (Some(aof), Some(fsync)) if aof == "yes" && fsync == "always" => Finding::new(
+            Level::Ok,
+            "persistence",
+            "persistence: appendonly yes, appendfsync always: the fence counter survives a crash",
+        ),
+        (Some(aof), Some(fsync)) if aof == "yes" => Finding::new(
+            Level::Warn,
+            "persistence",
+            format!(
+                "persistence: appendfsync {fsync}: a crash can lose the last fence increments, \
+                 and tokens can then repeat; use appendfsync always"
+            ),
+        ),
+        (Some(_), _) => Finding::new(
+            Level::Fail,
+            "persistence",
+            "persistence: appendonly no: a restart loses the fence counter (tokens repeat) \
+             and every lease",
+        ),
+        _ => Finding::new(
+            Level::Warn,
+            "persistence",
+            "persistence: cannot read CONFIG (ACL?); check appendonly yes / appendfsync always",
+        ),
+    };
+    out.push(persistence);
+
+    let eviction = match config(&mut conn, "maxmemory-policy") {
+        Some(p) if p == "noeviction" => Finding::new(
+            Level::Ok,
+            "eviction",
+            "eviction: noeviction: keys are never evicted",
+        ),
+        Some(p) if p.starts_with("allkeys") => Finding::new(
+            Level::Fail,
+            "eviction",
+            format!("eviction: {p} can evict the fence counter (tokens then restart) and leases"),
+        ),
+        Some(p) => Finding::new(
+            Level::Warn,
+            "eviction",
+            format!("eviction: {p} can evict leases (they carry expiries) before they expire"),
+        ),
+        None => Finding::new(
+            Level::Warn,
+            "eviction",
+            "eviction: cannot read maxmemory-policy (ACL?)",
+        ),
+    };
+    out.push(eviction);
+
+    let replication = info(&mut conn, "replication");
+    let replication = match field(&replication, "role").as_deref() {
+        Some("master") => {
+            let replicas: u32 = field(&replication, "connected_slaves")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            if replicas > 0 {
+                Finding::new(
+                    Level::Warn,
+                    "replication",
+                    format!(
+                        "replication: {replicas} replica(s), asynchronous: a failover can lose \
+                         grants and fence increments (two holders, repeated tokens)"
+                    ),
+                )
+            } else {
+                Finding::new(Level::Ok, "replication", "replication: standalone primary")
+            }
+        }
+        Some(role) => Finding::new(
+            Level::Fail,
+            "replication",
+            format!("replication: this server is a {role}: locks must be taken on the primary"),
+        ),
+        None => Finding::new(
+            Level::Warn,
+            "replication",
+            "replication: cannot read INFO replication",
+        ),
+    };
+    out.push(replication);
+    if field(&info(&mut conn, "cluster"), "cluster_enabled").as_deref() == Some("1") {
+        out.push(Finding::new(
+            Level::Warn,
+            "cluster",
+            "cluster mode: this tool's keys share the hash tag {KEY}; the library's single-node \
+             connections do not follow MOVED redirects",
+        ));
+    }
+
+    // ACL rights, each tried harmlessly.
+    let rights: [(&str, &[&str]); 4] = [
+        ("CLIENT ID", &["CLIENT", "ID"]),
+        (
+            "CLIENT KILL",
+            &["CLIENT", "KILL", "ID", "9223372036854775807"],
+        ),
+        ("EVAL", &["EVAL", "return 1", "0"]),
+        ("CLIENT TRACKING", &["CLIENT", "TRACKING", "OFF"]),
+    ];
+    for (what, args) in rights {
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        match cmd.query::<redis::Value>(&mut conn) {
+            Err(e) if e.code() == Some("NOPERM") => out.push(Finding::new(
+                Level::Fail,
+                "acl",
+                format!(
+                    "acl: {what} denied: {}",
+                    match what {
+                        "CLIENT TRACKING" => "waiters fall back to polling",
+                        "EVAL" => "no primitive works",
+                        _ => "keep-alive cannot run",
+                    }
+                ),
+            )),
+            _ => out.push(Finding::new(
+                Level::Ok,
+                "acl",
+                format!("acl: {what} allowed"),
+            )),
+        }
+    }
+    let mut sub = client.get_connection_with_timeout(timeout)?;
+    sub.set_read_timeout(Some(timeout))?;
+    sub.set_write_timeout(Some(timeout))?;
+    out.push(match subscribe(&mut sub) {
+        Subscribed::Yes => {
+            Finding::new(Level::Ok, "acl", format!("acl: channel {CHANNEL} allowed"))
+        }
+        Subscribed::Denied(e) => Finding::new(
+            Level::Fail,
+            "acl",
+            format!("acl: channel {CHANNEL} denied: waiters fall back to polling ({e})"),
+        ),
+        Subscribed::Failed(e) => Finding::new(
+            Level::Warn,
+            "acl",
+            format!("acl: cannot tell whether channel {CHANNEL} is allowed: {e}"),
+        ),
+    });
+    Ok(out)
+}
+
+/// What a `SUBSCRIBE` to the invalidation channel got.
+enum Subscribed {
+    Yes,
+    /// The server refused it (`NOPERM`).
+    Denied(String),
+    /// Any other error or reply.
+    Failed(String),
+}
+
+/// Subscribes `conn` to the invalidation channel and reads the reply itself:
+/// the `redis` crate's `PubSub::subscribe` takes an error reply, such as the
+/// `NOPERM` of an ACL without the channel, for success.
+fn subscribe(conn: &mut redis::Connection) -> Subscribed {
+    let cmd = redis::cmd("SUBSCRIBE").arg(CHANNEL).get_packed_command();
+    if let Err(e) = conn.send_packed_command(&cmd) {
+        return Subscribed::Failed(e.to_string());
+    }
+    match conn.recv_response().and_then(|reply| reply.extract_error()) {
+        Ok(redis::Value::Array(reply)) if matches!(reply.first(), Some(redis::Value::BulkString(kind)) if kind == b"subscribe") => {
+            Subscribed::Yes
+        }
+        Ok(other) => Subscribed::Failed(format!("unexpected reply {other:?}")),
+        Err(e) if e.code() == Some("NOPERM") => Subscribed::Denied(e.to_string()),
+        Err(e) => Subscribed::Failed(e.to_string()),
+    }
+}

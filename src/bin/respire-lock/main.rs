@@ -1,0 +1,93 @@
+//! `respire-lock`: `flock(1)` for a fleet.
+//!
+//! - `respire-lock run [OPTIONS] KEY -- CMD [ARGS...]` takes a fenced lease on
+//!   KEY, runs CMD with the fencing token in `RESPIRE_FENCING_TOKEN`, keeps the
+//!   lease alive while CMD runs, stops CMD (SIGTERM, then SIGKILL) if the lease is
+//!   lost, releases the lease when CMD exits or when it is itself told to stop
+//!   (SIGINT, SIGTERM), and exits with CMD's status.
+//! - `respire-lock status KEY` reports whether KEY is held, the holder's fencing
+//!   token and the lease's remaining time-to-live.
+//! - `respire-lock doctor URL` reports what on a deployment weakens the guarantees.
+//! - `respire-lock completions SHELL` prints a shell completion script.
+//!
+//! Every option can also come from an environment variable; `--help` on each
+//! subcommand lists them.
+
+mod args;
+mod doctor;
+mod json;
+mod run;
+mod status;
+
+use std::ffi::OsString;
+use std::io::Write as _;
+use std::process::ExitCode;
+
+use clap::{CommandFactory, FromArgMatches};
+
+use args::{Cli, Command, EXIT_USAGE, Usage};
+
+/// Redis could not be reached or refused an operation.
+const EXIT_UNAVAILABLE: u8 = 69;
+/// The command could not be started.
+const EXIT_CANNOT_RUN: u8 = 70;
+/// The lease is held by someone else and the wait ran out.
+const EXIT_NOT_ACQUIRED: u8 = 75;
+/// The command was stopped because the lease was lost.
+const EXIT_LEASE_LOST: u8 = 76;
+
+fn main() -> ExitCode {
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let parsed = Cli::command()
+        .try_get_matches_from(&argv)
+        .and_then(|matches| Cli::from_arg_matches(&matches).map(|cli| (cli, matches)));
+    let (cli, matches) = match parsed {
+        Ok(parsed) => parsed,
+        Err(e) => return clap_error(&e, &argv),
+    };
+    match cli.command {
+        Command::Run(args) => {
+            let sub = matches
+                .subcommand_matches("run")
+                .expect("the run subcommand was parsed");
+            run::main(args, sub)
+        }
+        Command::Status(args) => status::main(args),
+        Command::Doctor(args) => doctor::main(args),
+        Command::Completions { shell } => {
+            let mut out = std::io::stdout().lock();
+            clap_complete::generate(shell, &mut Cli::command(), "respire-lock", &mut out);
+            match out.flush() {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(_) => ExitCode::from(EXIT_CANNOT_RUN),
+            }
+        }
+    }
+}
+
+/// Help and version go to stdout with status 0; every other parse error is a
+/// usage error: one line naming the problem, one line with a hint, status 64.
+fn clap_error(err: &clap::Error, argv: &[OsString]) -> ExitCode {
+    use clap::error::ErrorKind;
+    match err.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = err.print();
+            ExitCode::SUCCESS
+        }
+        _ => {
+            Usage::from_clap(err, argv).print();
+            ExitCode::from(EXIT_USAGE)
+        }
+    }
+}
+
+/// Writes lines to stderr; a closed stderr is not worth a panic.
+fn say(text: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{text}");
+}
+
+/// Writes lines to stdout (the report of `status` and `doctor`); a closed pipe
+/// is not worth a panic.
+fn show(text: &str) {
+    let _ = writeln!(std::io::stdout().lock(), "{text}");
+}
