@@ -1,8 +1,10 @@
 //! Real-server test harness shared by the integration tests and the benches.
 //!
 //! Everything here drives real processes and sockets: [`TestServer`] runs a
-//! `redis-server` on a free local port in a throwaway directory, [`FaultProxy`]
-//! sits between a client and a server to delay, drop or cut traffic, and
+//! `redis-server` on a free local port in a throwaway directory,
+//! [`TestCluster`] joins six of them into a Redis Cluster, [`TestSentinel`]
+//! runs a primary and a replica under three sentinels, [`FaultProxy`] sits
+//! between a client and a server to delay, drop or cut traffic, and
 //! [`wait_until`] waits for a condition with a deadline instead of sleeping.
 //!
 //! Use it with `mod support;` from a file in `tests/`, or with
@@ -11,7 +13,9 @@
 // Every test binary compiles this whole module but uses only part of it.
 #![allow(dead_code)]
 
+mod cluster;
 mod proxy;
+mod sentinel;
 mod server;
 mod tls;
 
@@ -22,7 +26,13 @@ use std::time::{Duration, Instant};
 
 // Each test binary names only the items it needs.
 #[allow(unused_imports)]
+pub(crate) use cluster::{
+    ClusterView, NodeEntry, SLOTS, SlotMigration, TestCluster, TestClusterBuilder,
+};
+#[allow(unused_imports)]
 pub(crate) use proxy::{FaultProxy, Mode};
+#[allow(unused_imports)]
+pub(crate) use sentinel::{SwitchEvent, SwitchWatcher, TestSentinel, TestSentinelBuilder};
 #[allow(unused_imports)]
 pub(crate) use server::{TestServer, TestServerBuilder, TlsAuthClients};
 #[allow(unused_imports)]
@@ -37,6 +47,28 @@ pub(crate) use tls::TlsFiles;
 pub(crate) fn shared_server() -> &'static TestServer {
     static SERVER: OnceLock<TestServer> = OnceLock::new();
     SERVER.get_or_init(TestServer::start)
+}
+
+/// The cluster shared by every test of this binary that leaves its slots and
+/// roles as they are.
+///
+/// Started on first use and never dropped; the nodes' watchdogs kill them as
+/// soon as the test process exits. Start a fresh [`TestCluster`] for anything
+/// that migrates slots, fails nodes over, pauses or kills them.
+pub(crate) fn shared_cluster() -> &'static TestCluster {
+    static CLUSTER: OnceLock<TestCluster> = OnceLock::new();
+    CLUSTER.get_or_init(TestCluster::start)
+}
+
+/// The Sentinel deployment shared by every test of this binary that leaves
+/// its roles as they are.
+///
+/// Started on first use and never dropped, like [`shared_cluster`]. Start a
+/// fresh [`TestSentinel`] for anything that fails over, pauses or kills a
+/// process.
+pub(crate) fn shared_sentinel() -> &'static TestSentinel {
+    static SENTINEL: OnceLock<TestSentinel> = OnceLock::new();
+    SENTINEL.get_or_init(TestSentinel::start)
 }
 
 /// A key prefix no other call in this process returns: `t:<test_name>:<n>:`.

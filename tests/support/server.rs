@@ -28,9 +28,17 @@ const COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
 const LOG_TAIL_LINES: usize = 60;
 /// What redis-server logs once it has loaded its data and listens.
 const READY_LINE: &str = "Ready to accept connections";
+/// What redis-server logs in Sentinel mode once it listens (it never logs
+/// [`READY_LINE`]).
+const SENTINEL_READY_LINE: &str = "Sentinel ID is";
+/// How far above the client port a cluster node's bus port is. The usual
+/// +10000 lands in the ephemeral port range, where other sockets take it.
+const CLUSTER_BUS_OFFSET: u16 = 100;
 const LOG_FILE: &str = "redis.log";
 const STDERR_FILE: &str = "stderr.log";
 const ACL_FILE: &str = "users.acl";
+const CLUSTER_CONFIG_FILE: &str = "nodes.conf";
+const SENTINEL_CONFIG_FILE: &str = "sentinel.conf";
 
 /// Whether a TLS server asks clients for a certificate (`tls-auth-clients`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +70,8 @@ pub(crate) struct TestServerBuilder {
     acl_users: Vec<String>,
     requirepass: Option<String>,
     extra_args: Vec<String>,
+    cluster_node_timeout: Option<Duration>,
+    sentinel_config: Option<String>,
 }
 
 impl TestServerBuilder {
@@ -113,6 +123,28 @@ impl TestServerBuilder {
         self
     }
 
+    /// Runs the server as a Redis Cluster node (`--cluster-enabled yes`) with
+    /// this `cluster-node-timeout`. Its cluster bus listens on
+    /// [`TestServer::port`] + 100 (see [`TestServer::cluster_bus_port`]),
+    /// which `start` checks is free too; the node keeps its cluster state in
+    /// `nodes.conf` in its directory, so [`TestServer::restart`] brings back
+    /// the same node. The node starts alone; [`super::TestCluster`] joins
+    /// nodes into a cluster. Defaults to a standalone server.
+    pub(crate) fn cluster_node(mut self, node_timeout: Duration) -> Self {
+        self.cluster_node_timeout = Some(node_timeout);
+        self
+    }
+
+    /// Runs the process as a Redis Sentinel (`redis-server sentinel.conf
+    /// --sentinel`) with `config` as its configuration file, written to
+    /// `sentinel.conf` in its directory. Sentinel rewrites that file as it
+    /// learns the deployment, so [`TestServer::restart`] brings back what it
+    /// knew. Defaults to a plain server.
+    pub(crate) fn sentinel(mut self, config: impl Into<String>) -> Self {
+        self.sentinel_config = Some(config.into());
+        self
+    }
+
     /// Starts the server and waits until it is ready.
     ///
     /// # Panics
@@ -127,6 +159,10 @@ impl TestServerBuilder {
     fn command_line(&self, port: u16, dir: &Path, tls: Option<&TlsFiles>) -> Vec<String> {
         let path = |p: &Path| p.display().to_string();
         let mut args: Vec<String> = Vec::new();
+        if self.sentinel_config.is_some() {
+            args.push(path(&dir.join(SENTINEL_CONFIG_FILE)));
+            args.push("--sentinel".to_owned());
+        }
         let mut push = |name: &str, value: &str| {
             args.push(format!("--{name}"));
             args.push(value.to_owned());
@@ -154,6 +190,15 @@ impl TestServerBuilder {
         push("dir", &path(dir));
         push("logfile", &path(&dir.join(LOG_FILE)));
         push("daemonize", "no");
+        if let Some(node_timeout) = self.cluster_node_timeout {
+            push("cluster-enabled", "yes");
+            push("cluster-port", &(port + CLUSTER_BUS_OFFSET).to_string());
+            push("cluster-config-file", &path(&dir.join(CLUSTER_CONFIG_FILE)));
+            push(
+                "cluster-node-timeout",
+                &node_timeout.as_millis().to_string(),
+            );
+        }
         if self.acl_users.is_empty() {
             if let Some(password) = &self.requirepass {
                 push("requirepass", password);
@@ -165,6 +210,33 @@ impl TestServerBuilder {
         }
         args.extend(self.extra_args.iter().cloned());
         args
+    }
+
+    /// The line the server logs once it is ready.
+    fn ready_line(&self) -> &'static str {
+        if self.sentinel_config.is_some() {
+            SENTINEL_READY_LINE
+        } else {
+            READY_LINE
+        }
+    }
+
+    /// A port that was free a moment ago and, for a cluster node, whose bus
+    /// port was free as well.
+    fn pick_port(&self) -> u16 {
+        if self.cluster_node_timeout.is_none() {
+            return free_port();
+        }
+        for _ in 0..PORT_ATTEMPTS * 5 {
+            let port = free_port();
+            let Some(bus) = port.checked_add(CLUSTER_BUS_OFFSET) else {
+                continue;
+            };
+            if TcpListener::bind((Ipv4Addr::LOCALHOST, bus)).is_ok() {
+                return port;
+            }
+        }
+        panic!("no free port whose cluster bus port (+{CLUSTER_BUS_OFFSET}) is free too");
     }
 
     /// The ACL file's contents, one `user` rule a line.
@@ -197,8 +269,10 @@ impl TestServerBuilder {
 /// [`super::shared_server`]).
 pub(crate) struct TestServer {
     port: u16,
+    cluster_bus_port: Option<u16>,
     dir: PathBuf,
     command_line: Vec<String>,
+    ready_line: &'static str,
     tls: Option<TlsFiles>,
     requirepass: Option<String>,
     process: Mutex<Process>,
@@ -269,16 +343,29 @@ impl TestServer {
             fs::write(&acl, builder.acl_file())
                 .unwrap_or_else(|e| panic!("cannot write {}: {e}", acl.display()));
         }
+        let ready_line = builder.ready_line();
         let mut last_error = String::new();
         for _ in 0..PORT_ATTEMPTS {
-            let port = free_port();
+            let port = builder.pick_port();
+            if let Some(config) = &builder.sentinel_config {
+                // Written afresh for each port: a failed launch may have rewritten it.
+                let file = dir.join(SENTINEL_CONFIG_FILE);
+                fs::write(&file, config)
+                    .unwrap_or_else(|e| panic!("cannot write {}: {e}", file.display()));
+            }
+            // A node that failed to launch may have saved its state for another port.
+            let _ = fs::remove_file(dir.join(CLUSTER_CONFIG_FILE));
             let command_line = builder.command_line(port, &dir, tls.as_ref());
-            match launch(&command_line, &dir, port, tls.is_some()) {
+            match launch(&command_line, &dir, port, tls.is_some(), ready_line) {
                 Ok(process) => {
                     return TestServer {
                         port,
+                        cluster_bus_port: builder
+                            .cluster_node_timeout
+                            .map(|_| port + CLUSTER_BUS_OFFSET),
                         dir,
                         command_line,
+                        ready_line,
                         tls,
                         requirepass: builder.requirepass,
                         process: Mutex::new(process),
@@ -298,6 +385,12 @@ impl TestServer {
     /// The TCP port the server listens on (TLS only for a TLS server).
     pub(crate) fn port(&self) -> u16 {
         self.port
+    }
+
+    /// The cluster bus port of a [`TestServerBuilder::cluster_node`], `None`
+    /// for any other server.
+    pub(crate) fn cluster_bus_port(&self) -> Option<u16> {
+        self.cluster_bus_port
     }
 
     /// `127.0.0.1:port`.
@@ -442,7 +535,13 @@ impl TestServer {
         process.stop();
         let started = Instant::now();
         loop {
-            match launch(&self.command_line, &self.dir, self.port, self.tls.is_some()) {
+            match launch(
+                &self.command_line,
+                &self.dir,
+                self.port,
+                self.tls.is_some(),
+                self.ready_line,
+            ) {
                 Ok(new) => {
                     *process = new;
                     return;
@@ -544,6 +643,7 @@ fn launch(
     dir: &Path,
     port: u16,
     tls: bool,
+    ready_line: &str,
 ) -> Result<Process, LaunchError> {
     let log = dir.join(LOG_FILE);
     let log_offset = fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
@@ -595,7 +695,7 @@ fn launch(
                 LaunchError::Failed(details)
             });
         }
-        if logged_ready(&log, log_offset) && answers(port, tls) {
+        if logged_ready(&log, log_offset, ready_line) && answers(port, tls) {
             return Ok(process);
         }
         if started.elapsed() > READY_DEADLINE {
@@ -609,10 +709,10 @@ fn launch(
     }
 }
 
-fn logged_ready(log: &Path, offset: u64) -> bool {
+fn logged_ready(log: &Path, offset: u64, ready_line: &str) -> bool {
     let text = read_lossy(log);
     text.get(offset as usize..)
-        .is_some_and(|new| new.contains(READY_LINE))
+        .is_some_and(|new| new.contains(ready_line))
 }
 
 /// Whether a plain server answers `PING` with anything but `-LOADING`

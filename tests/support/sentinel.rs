@@ -1,0 +1,746 @@
+//! A Sentinel deployment of real processes on loopback: a primary, its
+//! replica and three sentinels watching them, tuned so that a failover takes
+//! one to two seconds.
+//!
+//! The two data servers keep their indexes in [`TestSentinel::servers`]
+//! while their roles change; [`TestSentinel::primary`] asks the sentinels
+//! which one is the primary now.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::fmt::Write as _;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use super::{TestServer, TestServerBuilder};
+
+/// Sentinels in a [`TestSentinel`]; two of them are a quorum and a majority.
+const SENTINELS: usize = 3;
+const QUORUM: usize = 2;
+const DEFAULT_SERVICE: &str = "respire";
+/// Default `down-after-milliseconds`: how long the primary may not answer
+/// before a sentinel deems it down.
+const DEFAULT_DOWN_AFTER: Duration = Duration::from_millis(1_000);
+/// Default `failover-timeout`; a failed attempt is retried after twice this.
+const DEFAULT_FAILOVER_TIMEOUT: Duration = Duration::from_millis(2_000);
+/// How long the deployment may take to form, or to settle after a change.
+const SETTLE_DEADLINE: Duration = Duration::from_secs(30);
+/// Connect, read and write timeout of the connections that watch the processes.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+const PROBE_INTERVAL: Duration = Duration::from_millis(10);
+/// How often a [`SwitchWatcher`] thread looks at its stop flag.
+const WATCH_POLL: Duration = Duration::from_millis(50);
+const SWITCH_CHANNEL: &str = "+switch-master";
+
+/// Options for a [`TestSentinel`]; start with [`TestSentinel::builder`].
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `start` is called"]
+pub(crate) struct TestSentinelBuilder {
+    service: String,
+    down_after: Duration,
+    failover_timeout: Duration,
+}
+
+impl TestSentinelBuilder {
+    /// The name the sentinels monitor the primary under. Defaults to
+    /// `"respire"`.
+    pub(crate) fn service(mut self, name: impl Into<String>) -> Self {
+        self.service = name.into();
+        self
+    }
+
+    /// `sentinel down-after-milliseconds`. Defaults to 1 second.
+    pub(crate) fn down_after(mut self, down_after: Duration) -> Self {
+        self.down_after = down_after;
+        self
+    }
+
+    /// `sentinel failover-timeout`. Defaults to 2 seconds.
+    pub(crate) fn failover_timeout(mut self, failover_timeout: Duration) -> Self {
+        self.failover_timeout = failover_timeout;
+        self
+    }
+
+    /// Starts the primary, the replica and the sentinels, and waits until the
+    /// replica is in sync and every sentinel sees the primary, the replica
+    /// and the two other sentinels.
+    ///
+    /// # Panics
+    ///
+    /// Panics, with the logs, if a process does not start or the deployment
+    /// does not form within 30 seconds.
+    pub(crate) fn start(self) -> TestSentinel {
+        let started = Instant::now();
+        let no_sync_delay = ["--repl-diskless-sync-delay", "0"];
+        let primary = TestServer::builder().args(no_sync_delay).start();
+        let replica = TestServer::builder()
+            .args(no_sync_delay)
+            .args(["--replicaof", "127.0.0.1", &primary.port().to_string()])
+            .start();
+        let config = self.config(primary.port());
+        let sentinels: Vec<TestServer> = thread::scope(|scope| {
+            let starting: Vec<_> = (0..SENTINELS)
+                .map(|_| {
+                    let builder = TestServerBuilder::default().sentinel(config.clone());
+                    scope.spawn(move || builder.start())
+                })
+                .collect();
+            starting
+                .into_iter()
+                .map(|s| s.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .collect()
+        });
+        let mut deployment = TestSentinel {
+            service: self.service,
+            servers: vec![primary, replica],
+            sentinels,
+            startup: Duration::ZERO,
+        };
+        deployment.wait_settled(0);
+        deployment.startup = started.elapsed();
+        deployment
+    }
+
+    fn config(&self, primary_port: u16) -> String {
+        let service = &self.service;
+        let mut config = String::new();
+        let _ = writeln!(
+            config,
+            "sentinel monitor {service} 127.0.0.1 {primary_port} {QUORUM}"
+        );
+        let _ = writeln!(
+            config,
+            "sentinel down-after-milliseconds {service} {}",
+            self.down_after.as_millis()
+        );
+        let _ = writeln!(
+            config,
+            "sentinel failover-timeout {service} {}",
+            self.failover_timeout.as_millis()
+        );
+        let _ = writeln!(config, "sentinel parallel-syncs {service} 1");
+        config
+    }
+}
+
+/// A primary and a replica (`redis-server` on free loopback ports) watched by
+/// three sentinels (`redis-server sentinel.conf --sentinel`) with a quorum of
+/// two.
+///
+/// Every process is a [`TestServer`], killed on drop and by its supervisor
+/// when the test process exits. Pause, resume, kill or restart any of them
+/// through [`TestSentinel::primary`], [`TestSentinel::replica`],
+/// [`TestSentinel::server`] and [`TestSentinel::sentinel`]. A restarted data
+/// server comes back empty with its start-time `--replicaof` (none for
+/// server 0); the sentinels reconfigure it.
+pub(crate) struct TestSentinel {
+    service: String,
+    servers: Vec<TestServer>,
+    sentinels: Vec<TestServer>,
+    startup: Duration,
+}
+
+impl TestSentinel {
+    /// Starts a deployment with default options; see [`TestSentinel::builder`].
+    ///
+    /// # Panics
+    ///
+    /// Panics, with the logs, if the deployment does not form.
+    pub(crate) fn start() -> TestSentinel {
+        TestSentinel::builder().start()
+    }
+
+    /// Options for another service name or other failover timings.
+    pub(crate) fn builder() -> TestSentinelBuilder {
+        TestSentinelBuilder {
+            service: DEFAULT_SERVICE.to_owned(),
+            down_after: DEFAULT_DOWN_AFTER,
+            failover_timeout: DEFAULT_FAILOVER_TIMEOUT,
+        }
+    }
+
+    /// How long [`TestSentinelBuilder::start`] took.
+    pub(crate) fn startup_time(&self) -> Duration {
+        self.startup
+    }
+
+    /// The name the sentinels monitor the primary under.
+    pub(crate) fn service(&self) -> &str {
+        &self.service
+    }
+
+    /// The two data servers; server 0 started as the primary.
+    pub(crate) fn servers(&self) -> &[TestServer] {
+        &self.servers
+    }
+
+    /// Data server `index` (0 or 1).
+    pub(crate) fn server(&self, index: usize) -> &TestServer {
+        &self.servers[index]
+    }
+
+    /// The three sentinels.
+    pub(crate) fn sentinels(&self) -> &[TestServer] {
+        &self.sentinels
+    }
+
+    /// Sentinel `index` (0 to 2).
+    pub(crate) fn sentinel(&self, index: usize) -> &TestServer {
+        &self.sentinels[index]
+    }
+
+    /// `redis://127.0.0.1:PORT` of every sentinel.
+    pub(crate) fn sentinel_urls(&self) -> Vec<String> {
+        self.sentinels.iter().map(TestServer::url).collect()
+    }
+
+    /// The pid of every process: the data servers, then the sentinels.
+    pub(crate) fn pids(&self) -> Vec<u32> {
+        self.servers
+            .iter()
+            .chain(&self.sentinels)
+            .map(TestServer::pid)
+            .collect()
+    }
+
+    /// What sentinel `index` answers to `SENTINEL GET-MASTER-ADDR-BY-NAME`
+    /// for the service; `None` if it knows no such service.
+    ///
+    /// # Panics
+    ///
+    /// Panics if the sentinel does not answer.
+    pub(crate) fn primary_addr_by(&self, index: usize) -> Option<SocketAddr> {
+        let reply: Option<(String, u16)> = redis::cmd("SENTINEL")
+            .arg("GET-MASTER-ADDR-BY-NAME")
+            .arg(&self.service)
+            .query(&mut self.sentinels[index].client())
+            .unwrap_or_else(|e| panic!("GET-MASTER-ADDR-BY-NAME on sentinel {index}: {e}"));
+        reply.map(|(ip, port)| addr(&ip, port))
+    }
+
+    /// The primary address each sentinel reports, in sentinel order; `None`
+    /// for a sentinel that is not live, does not answer within a second or
+    /// knows no primary.
+    pub(crate) fn primary_addrs(&self) -> Vec<Option<SocketAddr>> {
+        let mut probe = Probe::new(self);
+        (0..SENTINELS).map(|i| probe.primary_addr(i)).collect()
+    }
+
+    /// The index of the data server most live sentinels report as the
+    /// primary (the lower index on a tie).
+    ///
+    /// # Panics
+    ///
+    /// Panics if no live sentinel names one of the two servers.
+    pub(crate) fn primary_index(&self) -> usize {
+        let mut votes = [0_usize; 2];
+        for addr in self.primary_addrs().into_iter().flatten() {
+            if let Some(i) = self.server_at(addr) {
+                votes[i] += 1;
+            }
+        }
+        assert!(
+            votes.iter().any(|&v| v > 0),
+            "no live sentinel names a primary\n{}",
+            self.describe()
+        );
+        usize::from(votes[1] > votes[0])
+    }
+
+    /// The data server the sentinels report as the primary; see
+    /// [`TestSentinel::primary_index`].
+    pub(crate) fn primary(&self) -> &TestServer {
+        &self.servers[self.primary_index()]
+    }
+
+    /// The data server that is not [`TestSentinel::primary`].
+    pub(crate) fn replica(&self) -> &TestServer {
+        &self.servers[1 - self.primary_index()]
+    }
+
+    /// Runs `SENTINEL FAILOVER` on the first live sentinel and waits until
+    /// every live sentinel reports the other data server as the primary and
+    /// `ROLE` on it says `master`. Returns how long that took. The demoted
+    /// primary keeps acting as a primary until the sentinels reconfigure
+    /// it, about ten seconds later; see [`TestSentinel::wait_replica_of`].
+    ///
+    /// # Panics
+    ///
+    /// Panics if no sentinel is live, the sentinel refuses (such as
+    /// `NOGOODSLAVE` while the old primary has not been reconfigured yet) or
+    /// the switch is not complete within 30 seconds.
+    pub(crate) fn failover(&self) -> Duration {
+        let old = self.primary_index();
+        let sentinel = (0..SENTINELS)
+            .find(|&i| is_live(&self.sentinels[i]))
+            .expect("a live sentinel");
+        let started = Instant::now();
+        let () = redis::cmd("SENTINEL")
+            .arg("FAILOVER")
+            .arg(&self.service)
+            .query(&mut self.sentinels[sentinel].client())
+            .unwrap_or_else(|e| {
+                panic!(
+                    "SENTINEL FAILOVER on sentinel {sentinel}: {e}\n{}",
+                    self.describe()
+                )
+            });
+        self.wait_primary(1 - old, SETTLE_DEADLINE);
+        started.elapsed()
+    }
+
+    /// Waits until every live sentinel reports data server `index` as the
+    /// primary and `ROLE` on it says `master`, and returns how long that took.
+    ///
+    /// # Panics
+    ///
+    /// Panics if that is not so within `deadline`.
+    pub(crate) fn wait_primary(&self, index: usize, deadline: Duration) -> Duration {
+        let started = Instant::now();
+        let expected = self.servers[index].addr();
+        let mut probe = Probe::new(self);
+        self.wait(
+            deadline,
+            &format!("server {index} to be the primary"),
+            || {
+                probe.role(&self.servers[index]).as_deref() == Some("master")
+                    && (0..SENTINELS)
+                        .filter(|&i| is_live(&self.sentinels[i]))
+                        .all(|i| probe.primary_addr(i) == Some(expected))
+            },
+        );
+        started.elapsed()
+    }
+
+    /// Waits until `ROLE` on data server `index` says it replicates the
+    /// primary (the other server) with its link connected, and returns how
+    /// long that took. After a failover the sentinels reconfigure the old
+    /// primary only after it has reported itself a primary for a while.
+    ///
+    /// # Panics
+    ///
+    /// Panics if that is not so within `deadline`.
+    pub(crate) fn wait_replica_of(&self, index: usize, deadline: Duration) -> Duration {
+        let started = Instant::now();
+        let primary_port = self.servers[1 - index].port();
+        let mut probe = Probe::new(self);
+        self.wait(
+            deadline,
+            &format!("server {index} to replicate port {primary_port}"),
+            || {
+                probe.role_reply(&self.servers[index]).is_some_and(|role| {
+                    role.len() >= 4
+                        && text(&role[0]) == "slave"
+                        && redis::from_redis_value_ref::<u16>(&role[2]).ok() == Some(primary_port)
+                        && text(&role[3]) == "connected"
+                })
+            },
+        );
+        started.elapsed()
+    }
+
+    /// Subscribes to `+switch-master` on every live sentinel and records each
+    /// message from then on; see [`SwitchWatcher`].
+    ///
+    /// # Panics
+    ///
+    /// Panics if a subscription cannot be made within 5 seconds.
+    pub(crate) fn watch_switches(&self) -> SwitchWatcher {
+        SwitchWatcher::start(self)
+    }
+
+    /// Runs `CLIENT PAUSE <for> WRITE` on the current replica: it keeps
+    /// answering reads but holds back every write, including the ones its
+    /// primary replicates to it, until the pause ends or
+    /// [`TestSentinel::unpause_replica`]. Returns the replica's index.
+    pub(crate) fn pause_replica_writes(&self, duration: Duration) -> usize {
+        let index = 1 - self.primary_index();
+        let () = redis::cmd("CLIENT")
+            .arg("PAUSE")
+            .arg(duration.as_millis() as u64)
+            .arg("WRITE")
+            .query(&mut self.servers[index].client())
+            .expect("CLIENT PAUSE WRITE on the replica");
+        index
+    }
+
+    /// Ends a [`TestSentinel::pause_replica_writes`] with `CLIENT UNPAUSE` on
+    /// data server `index`.
+    pub(crate) fn unpause_replica(&self, index: usize) {
+        let () = redis::cmd("CLIENT")
+            .arg("UNPAUSE")
+            .query(&mut self.servers[index].client())
+            .expect("CLIENT UNPAUSE");
+    }
+
+    /// Waits until the replica is in sync with data server `primary` and every
+    /// sentinel reports it as the primary, knows one healthy replica and the
+    /// two other sentinels.
+    fn wait_settled(&self, primary: usize) {
+        let replica = 1 - primary;
+        let expected = self.servers[primary].addr();
+        let mut probe = Probe::new(self);
+        self.wait(SETTLE_DEADLINE, "the sentinel deployment to form", || {
+            probe.replica_link_up(&self.servers[replica])
+                && (0..SENTINELS).all(|i| {
+                    probe.primary_addr(i) == Some(expected)
+                        && probe.master_fields(i).is_some_and(|fields| {
+                            fields.get("flags").map(String::as_str) == Some("master")
+                                && fields.get("num-slaves").map(String::as_str) == Some("1")
+                                && fields.get("num-other-sentinels").map(String::as_str)
+                                    == Some("2")
+                        })
+                })
+        });
+    }
+
+    fn server_at(&self, addr: SocketAddr) -> Option<usize> {
+        self.servers.iter().position(|server| server.addr() == addr)
+    }
+
+    #[track_caller]
+    fn wait(&self, deadline: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+        let started = Instant::now();
+        loop {
+            if cond() {
+                return;
+            }
+            if started.elapsed() >= deadline {
+                panic!(
+                    "timed out after {deadline:?} waiting for {what}\n{}",
+                    self.describe()
+                );
+            }
+            thread::sleep(PROBE_INTERVAL);
+        }
+    }
+
+    /// Each process's port, state and view, for failure messages.
+    fn describe(&self) -> String {
+        let mut text_out = String::new();
+        let mut probe = Probe::new(self);
+        for (i, server) in self.servers.iter().enumerate() {
+            let role = probe.role_reply(server).map(|role| format!("{role:?}"));
+            let _ = writeln!(
+                text_out,
+                "server {i} port {} ({}): ROLE {}",
+                server.port(),
+                state(server),
+                role.unwrap_or_else(|| "no answer".into())
+            );
+        }
+        for (i, sentinel) in self.sentinels.iter().enumerate() {
+            let _ = writeln!(
+                text_out,
+                "sentinel {i} port {} ({}): primary {:?}, {:?}",
+                sentinel.port(),
+                state(sentinel),
+                probe.primary_addr(i),
+                probe.master_fields(i)
+            );
+        }
+        text_out
+    }
+}
+
+impl std::fmt::Debug for TestSentinel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestSentinel")
+            .field("service", &self.service)
+            .field(
+                "servers",
+                &self
+                    .servers
+                    .iter()
+                    .map(TestServer::port)
+                    .collect::<Vec<_>>(),
+            )
+            .field(
+                "sentinels",
+                &self
+                    .sentinels
+                    .iter()
+                    .map(TestServer::port)
+                    .collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+/// One `+switch-master` message: `<service> <old ip> <old port> <new ip> <new port>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SwitchEvent {
+    /// The index of the sentinel that published it.
+    pub(crate) sentinel: usize,
+    /// When the watcher received it.
+    pub(crate) at: Instant,
+    /// The service name.
+    pub(crate) service: String,
+    /// The primary before the switch.
+    pub(crate) old: SocketAddr,
+    /// The primary after the switch.
+    pub(crate) new: SocketAddr,
+}
+
+/// Records `+switch-master` messages from every sentinel that was live when
+/// it started, one thread and one RESP2 subscriber connection (with a short
+/// read timeout) per sentinel. A thread ends when its sentinel closes the
+/// connection (killed or restarted); dropping the watcher stops the others.
+pub(crate) struct SwitchWatcher {
+    events: Arc<Mutex<Vec<SwitchEvent>>>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl SwitchWatcher {
+    fn start(deployment: &TestSentinel) -> SwitchWatcher {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let mut threads = Vec::new();
+        for (index, sentinel) in deployment.sentinels.iter().enumerate() {
+            if !is_live(sentinel) {
+                continue;
+            }
+            let client = sentinel.redis_client();
+            let (events, stop, ready) = (events.clone(), stop.clone(), ready_tx.clone());
+            let thread = thread::Builder::new()
+                .name(format!("switch-watch-{index}"))
+                .spawn(move || watch(index, &client, &events, &stop, &ready))
+                .expect("spawn a switch watcher thread");
+            threads.push(thread);
+        }
+        drop(ready_tx);
+        for _ in 0..threads.len() {
+            match ready_rx.recv_timeout(Duration::from_secs(5)) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => panic!("cannot subscribe to {SWITCH_CHANNEL}: {e}"),
+                Err(e) => panic!("a switch watcher did not subscribe in time: {e}"),
+            }
+        }
+        SwitchWatcher {
+            events,
+            stop,
+            threads,
+        }
+    }
+
+    /// Every message received so far, in arrival order.
+    pub(crate) fn events(&self) -> Vec<SwitchEvent> {
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Waits until at least `count` messages have arrived and returns all of
+    /// them.
+    ///
+    /// # Panics
+    ///
+    /// Panics if fewer have arrived by `deadline`.
+    #[track_caller]
+    pub(crate) fn wait_for(&self, count: usize, deadline: Duration) -> Vec<SwitchEvent> {
+        super::wait_until(
+            deadline,
+            &format!("{count} {SWITCH_CHANNEL} messages"),
+            || self.events.lock().unwrap_or_else(|e| e.into_inner()).len() >= count,
+        );
+        self.events()
+    }
+}
+
+impl Drop for SwitchWatcher {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for SwitchWatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SwitchWatcher")
+            .field("events", &self.events())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The body of a [`SwitchWatcher`] thread for sentinel `index`.
+fn watch(
+    index: usize,
+    client: &redis::Client,
+    events: &Mutex<Vec<SwitchEvent>>,
+    stop: &AtomicBool,
+    ready: &mpsc::Sender<redis::RedisResult<()>>,
+) {
+    let subscribe = || -> redis::RedisResult<redis::Connection> {
+        let con = client.get_connection_with_timeout(PROBE_TIMEOUT)?;
+        con.set_write_timeout(Some(PROBE_TIMEOUT))?;
+        con.set_read_timeout(Some(PROBE_TIMEOUT))?;
+        Ok(con)
+    };
+    let mut con = match subscribe() {
+        Ok(con) => con,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let mut pubsub = con.as_pubsub();
+    if let Err(e) = pubsub.subscribe(SWITCH_CHANNEL) {
+        let _ = ready.send(Err(e));
+        return;
+    }
+    if pubsub.set_read_timeout(Some(WATCH_POLL)).is_err() {
+        return;
+    }
+    let _ = ready.send(Ok(()));
+    while !stop.load(Ordering::Relaxed) {
+        match pubsub.get_message() {
+            Ok(message) => {
+                let at = Instant::now();
+                let Ok(payload) = message.get_payload::<String>() else {
+                    continue;
+                };
+                if let Some(event) = parse_switch(index, at, &payload) {
+                    events.lock().unwrap_or_else(|e| e.into_inner()).push(event);
+                }
+            }
+            Err(e) if e.is_timeout() => {}
+            Err(_) => return,
+        }
+    }
+}
+
+/// Parses a `+switch-master` payload.
+fn parse_switch(sentinel: usize, at: Instant, payload: &str) -> Option<SwitchEvent> {
+    let fields: Vec<&str> = payload.split_whitespace().collect();
+    let [service, old_ip, old_port, new_ip, new_port] = fields[..] else {
+        return None;
+    };
+    Some(SwitchEvent {
+        sentinel,
+        at,
+        service: service.to_owned(),
+        old: addr(old_ip, old_port.parse().ok()?),
+        new: addr(new_ip, new_port.parse().ok()?),
+    })
+}
+
+fn addr(ip: &str, port: u16) -> SocketAddr {
+    let ip: Ipv4Addr = ip
+        .parse()
+        .unwrap_or_else(|_| panic!("not an IPv4 address: {ip}"));
+    SocketAddr::from((ip, port))
+}
+
+fn is_live(server: &TestServer) -> bool {
+    server.is_running() && !server.is_paused()
+}
+
+fn state(server: &TestServer) -> &'static str {
+    if !server.is_running() {
+        "killed"
+    } else if server.is_paused() {
+        "paused"
+    } else {
+        "live"
+    }
+}
+
+fn text(value: &redis::Value) -> String {
+    redis::from_redis_value_ref(value).unwrap_or_default()
+}
+
+/// Reused connections to the processes of a deployment; a process that is not
+/// live or does not answer is skipped.
+struct Probe<'a> {
+    deployment: &'a TestSentinel,
+    connections: HashMap<u16, redis::Connection>,
+}
+
+impl<'a> Probe<'a> {
+    fn new(deployment: &'a TestSentinel) -> Probe<'a> {
+        Probe {
+            deployment,
+            connections: HashMap::new(),
+        }
+    }
+
+    fn query<T: redis::FromRedisValue>(
+        &mut self,
+        server: &TestServer,
+        cmd: &redis::Cmd,
+    ) -> Option<T> {
+        let port = server.port();
+        if !is_live(server) {
+            self.connections.remove(&port);
+            return None;
+        }
+        let con = match self.connections.entry(port) {
+            Entry::Occupied(entry) => entry.into_mut(),
+            Entry::Vacant(entry) => {
+                let con = server
+                    .redis_client()
+                    .get_connection_with_timeout(PROBE_TIMEOUT)
+                    .ok()?;
+                con.set_read_timeout(Some(PROBE_TIMEOUT)).ok()?;
+                con.set_write_timeout(Some(PROBE_TIMEOUT)).ok()?;
+                entry.insert(con)
+            }
+        };
+        match cmd.query(con) {
+            Ok(value) => Some(value),
+            Err(_) => {
+                // A timed-out reply may still arrive: never reuse the connection.
+                self.connections.remove(&port);
+                None
+            }
+        }
+    }
+
+    fn primary_addr(&mut self, sentinel: usize) -> Option<SocketAddr> {
+        let deployment = self.deployment;
+        let reply: Option<(String, u16)> = self.query(
+            &deployment.sentinels[sentinel],
+            redis::cmd("SENTINEL")
+                .arg("GET-MASTER-ADDR-BY-NAME")
+                .arg(&deployment.service),
+        )?;
+        reply.map(|(ip, port)| addr(&ip, port))
+    }
+
+    /// `SENTINEL MASTER <service>` as field → value.
+    fn master_fields(&mut self, sentinel: usize) -> Option<HashMap<String, String>> {
+        let deployment = self.deployment;
+        self.query(
+            &deployment.sentinels[sentinel],
+            redis::cmd("SENTINEL")
+                .arg("MASTER")
+                .arg(&deployment.service),
+        )
+    }
+
+    fn role_reply(&mut self, server: &TestServer) -> Option<Vec<redis::Value>> {
+        self.query(server, &redis::cmd("ROLE"))
+    }
+
+    fn role(&mut self, server: &TestServer) -> Option<String> {
+        self.role_reply(server)
+            .and_then(|role| role.first().map(text))
+    }
+
+    fn replica_link_up(&mut self, server: &TestServer) -> bool {
+        self.query::<String>(server, redis::cmd("INFO").arg("replication"))
+            .is_some_and(|info| {
+                info.lines()
+                    .any(|line| line.trim() == "master_link_status:up")
+            })
+    }
+}
