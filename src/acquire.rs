@@ -14,7 +14,9 @@ use crate::deployment::Deployment;
 use crate::error::{Error, Result};
 use crate::guard::LeaseGuard;
 use crate::kind::{Acquire, Granted, Kind};
+use crate::replication::Replication;
 use crate::runtime::renewal::Cell;
+use crate::runtime::topology::Uncertain;
 use crate::runtime::waiters::{self, Attempt, WaitFor};
 use crate::token::OwnerToken;
 
@@ -184,16 +186,15 @@ impl<K: Kind> Lease<K> {
         let (result, uncertain) = match wait {
             Wait::Once => self.once(&owner, ttl_ms),
             Wait::Until(deadline, cancel) => {
-                let tracking = dep.tracking()?;
                 let keys = self.spec.wait_keys();
                 let w = WaitFor {
                     keys: &keys,
                     deadline,
                     cancel,
-                    node_timeout: dep.node_timeout(),
-                    settle: dep.pool.cfg.connect_timeout,
+                    node_timeout: dep.node_timeout() + dep.replication.timeout(),
+                    settle: dep.connect_timeout,
                 };
-                let waited = waiters::wait_for(&dep.pool, &tracking.registry, &w, |conn, d| {
+                let waited = waiters::wait_for(&*dep.topology, &w, |conn, d| {
                     self.attempt(conn, &owner, ttl_ms, d, true)
                 });
                 if !matches!(waited.result, Ok(Some(_))) {
@@ -214,6 +215,22 @@ impl<K: Kind> Lease<K> {
         let Some((guard, sent, received)) = result? else {
             return Ok(None);
         };
+        if let Replication::Require { replicas, .. } = dep.replication {
+            let acknowledged = guard.replicas_acknowledged().unwrap_or(0);
+            if acknowledged < replicas {
+                let key = guard.key().to_owned();
+                log::warn!(
+                    "{key:?} was granted with {acknowledged} of {replicas} required replica \
+                     acknowledgement(s); releasing it"
+                );
+                drop(guard);
+                return Err(Error::NotReplicated {
+                    key,
+                    acknowledged,
+                    required: replicas,
+                });
+            }
+        }
         if let Err(e) = self.spec.check(dep, guard.grant(), sent, received) {
             drop(guard);
             return Err(e);
@@ -233,37 +250,31 @@ impl<K: Kind> Lease<K> {
         ttl_ms: u64,
     ) -> (
         Result<Option<(LeaseGuard<K>, Instant, Instant)>>,
-        Vec<Option<u64>>,
+        Vec<Uncertain>,
     ) {
         let dep = &self.dep;
         let mut uncertain = Vec::new();
-        let mut deadline = dep.now() + dep.node_timeout();
+        let deadline = dep.now() + dep.node_timeout() + dep.replication.timeout();
         let mut result = Err(Error::Cancelled);
         for retry in [false, true] {
-            let mut conn = match dep.pool.get(deadline, Connect::Own) {
-                Ok(conn) => conn,
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
-            };
-            let reused = conn.connect_time().is_zero();
-            deadline += conn.connect_time();
-            let conn_id = conn.id();
-            result = self
-                .attempt(&mut conn, owner, ttl_ms, deadline, false)
-                .map(|a| match a {
-                    Attempt::Acquired(g) => Some(g),
-                    Attempt::Busy(_) => None,
-                });
-            match &result {
-                Err(e) if e.is_uncertain() => {
-                    uncertain.push(conn_id);
-                    if reused && !retry && matches!(e, Error::Io { .. }) {
-                        continue;
-                    }
-                }
-                _ => {}
+            let mut reused = false;
+            let (r, lost) = dep.on_key(
+                &self.spec.keys()[0],
+                deadline,
+                Connect::Own,
+                |conn, deadline| {
+                    reused = !conn.is_fresh();
+                    self.attempt(conn, owner, ttl_ms, deadline, false)
+                },
+            );
+            result = r.map(|a| match a {
+                Attempt::Acquired(g) => Some(g),
+                Attempt::Busy(_) => None,
+            });
+            let dead_pooled = reused && matches!(result, Err(Error::Io { .. }));
+            uncertain.extend(lost);
+            if dead_pooled && !retry {
+                continue;
             }
             break;
         }
@@ -279,24 +290,38 @@ impl<K: Kind> Lease<K> {
         deadline: Instant,
         waiting: bool,
     ) -> Result<Attempt<(LeaseGuard<K>, Instant, Instant)>> {
+        let replication = self.dep.replication;
+        match replication {
+            Replication::Off => {}
+            Replication::Report { timeout } => {
+                conn.wait_after_next(conn.replicas().unwrap_or(1), timeout)
+            }
+            Replication::Require { replicas, timeout } => conn.wait_after_next(replicas, timeout),
+        }
         let attempt = self
             .spec
-            .attempt(&self.dep, conn, owner, ttl_ms, deadline, waiting)?;
+            .attempt(&self.dep, conn, owner, ttl_ms, deadline, waiting);
+        let acknowledged = match replication {
+            Replication::Off => None,
+            _ => Some(conn.take_waited().unwrap_or(0)),
+        };
+        let attempt = attempt?;
         let received = self.dep.now();
         Ok(match attempt {
             Attempt::Acquired(g) => {
                 let sent = g.sent;
-                Attempt::Acquired((self.guard(g, ttl_ms), sent, received))
+                Attempt::Acquired((self.guard(g, ttl_ms, acknowledged), sent, received))
             }
             Attempt::Busy(pttl) => Attempt::Busy(pttl),
         })
     }
 
-    fn guard(&self, g: Granted<K::Grant>, ttl_ms: u64) -> LeaseGuard<K> {
+    fn guard(&self, g: Granted<K::Grant>, ttl_ms: u64, acknowledged: Option<u32>) -> LeaseGuard<K> {
         let core = LeaseCore::granted(self.dep.timing, g.sent, Duration::from_millis(ttl_ms));
         let key = g.ops.keys[0].clone();
         let cell = Arc::new(Cell::new(key, g.ops, core));
-        LeaseGuard::new(self.dep.clone(), cell, g.grant)
+        self.dep.granted(&cell);
+        LeaseGuard::new(self.dep.clone(), cell, g.grant, acknowledged)
     }
 }
 

@@ -1,4 +1,5 @@
-//! `Coordinator`: one Redis deployment, its connection pool, its key prefix and the
+//! `Coordinator`: one Redis deployment (a standalone server, a Sentinel
+//! deployment or a Redis Cluster), its connection pools, its key prefix and the
 //! background threads; the factory for every single-deployment primitive.
 
 use std::fmt;
@@ -7,45 +8,88 @@ use std::time::Duration;
 
 use crate::acquire::Lease;
 use crate::clock;
-use crate::conn::{ConnConfig, ConnSettings, Pool, Protocol, redact_url};
+use crate::conn::{ConnConfig, ConnSettings, Protocol, RoleCheck, redact_url};
+use crate::core::timing::Timing;
 use crate::deployment::Deployment;
 use crate::error::{Error, Result};
 use crate::fenced::{FencedLock, FencedSpec};
 use crate::keys;
 use crate::lock::{Lock, PlainSpec};
+use crate::replication::Replication;
 use crate::runtime::renewal::RenewalStats;
+use crate::runtime::topology::{MIN_REFRESH, Settings, Topology};
 
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(500);
 const DEFAULT_POOL_SIZE: usize = 8;
 const DEFAULT_DRIFT_FACTOR: f64 = 0.01;
+const DEFAULT_REFRESH: Duration = Duration::from_secs(1);
+const DEFAULT_PORT: u16 = 6379;
+const DEFAULT_SENTINEL_PORT: u16 = 26379;
 
-/// A handle to one Redis deployment (a standalone server, or the primary of a
-/// replicated one) for coordination.
+/// A handle to one Redis deployment for coordination: a standalone server (or
+/// the primary of a replicated one), a Sentinel deployment, or a Redis Cluster.
 ///
-/// Cheap to clone: clones share one connection pool, one renewal thread and one
-/// invalidation subscriber. It is `Send + Sync`; use one per deployment for the
-/// whole program. The background threads stop when the last clone and the last
-/// guard made from it are dropped.
+/// Cheap to clone: clones share the connection pools, the renewal thread and
+/// the invalidation subscribers. It is `Send + Sync`; use one per deployment
+/// for the whole program. The background threads stop when the last clone and
+/// the last guard made from it are dropped.
 ///
-/// Creating a `Coordinator` connects once, so a wrong address, password, user or
-/// TLS setting fails here rather than at the first lock.
+/// Creating a `Coordinator` connects once, so a wrong address, password, user
+/// or TLS setting fails here rather than at the first lock.
+///
+/// # Topologies
+///
+/// Every primitive works the same way on all three; see the crate
+/// documentation's *Topologies* section for what each guarantees.
+///
+/// - [`connect`](Coordinator::connect) / [`builder`](Coordinator::builder):
+///   one server, or a topology URL (`redis+cluster://h1,h2/`,
+///   `redis+sentinel://s1,s2/service`).
+/// - [`cluster`](Coordinator::cluster) / [`cluster_builder`](Coordinator::cluster_builder):
+///   a Redis Cluster, from seed URLs.
+/// - [`sentinel`](Coordinator::sentinel) / [`sentinel_builder`](Coordinator::sentinel_builder):
+///   the primary that Sentinel names for a service.
 #[derive(Clone)]
 pub struct Coordinator {
     dep: Arc<Deployment>,
+}
+
+/// What a builder connects to.
+#[derive(Clone)]
+enum Target {
+    /// A URL: one server, or a `redis+cluster://` / `redis+sentinel://` list.
+    Url(String),
+    Cluster(Vec<String>),
+    Sentinel {
+        sentinels: Vec<String>,
+        service: String,
+    },
 }
 
 impl Coordinator {
     /// Connects with default settings.
     ///
     /// Accepts `redis://[user[:password]@]host[:port][/db]`, `rediss://…` (TLS,
-    /// with the `tls` feature) and `unix:///path/to/socket[?db=N]`. Blocks for at
-    /// most the connect timeout (2 s).
+    /// with the `tls` feature) and `unix:///path/to/socket[?db=N]` for one
+    /// server; `redis+cluster://[user[:password]@]host[:port],host[:port]…[/]`
+    /// for a Redis Cluster (the hosts are seeds; the credentials are every
+    /// node's); and `redis+sentinel://[user[:password]@]host[:port],…/service[/db]`
+    /// for a Sentinel deployment (the hosts are sentinels, port 26379 by
+    /// default; the credentials are the data nodes'; give the sentinels' own
+    /// with [`sentinel_username`](CoordinatorBuilder::sentinel_username) and
+    /// [`sentinel_password`](CoordinatorBuilder::sentinel_password)).
+    /// `rediss+cluster://` and `rediss+sentinel://` use TLS throughout.
+    ///
+    /// Blocks for at most the connect timeout (2 s) for one server; see
+    /// [`cluster`](Coordinator::cluster) and [`sentinel`](Coordinator::sentinel)
+    /// for the topologies.
     ///
     /// # Errors
     /// [`Error::Config`] for a URL that does not parse, [`Error::Connect`] when the
     /// server cannot be reached in time, [`Error::Auth`] for refused credentials,
-    /// [`Error::Tls`] when the TLS handshake fails.
+    /// [`Error::Tls`] when the TLS handshake fails, and for topologies as
+    /// [`cluster`](Coordinator::cluster) and [`sentinel`](Coordinator::sentinel).
     pub fn connect(url: &str) -> Result<Coordinator> {
         Coordinator::builder(url).build()
     }
@@ -53,20 +97,59 @@ impl Coordinator {
     /// Starts configuring a coordinator for the deployment at `url` (see
     /// [`connect`](Coordinator::connect) for the URL forms).
     pub fn builder(url: &str) -> CoordinatorBuilder {
-        CoordinatorBuilder {
-            url: url.to_owned(),
-            key_prefix: String::new(),
-            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
-            node_timeout: DEFAULT_NODE_TIMEOUT,
-            pool_size: DEFAULT_POOL_SIZE,
-            protocol: Protocol::Resp2,
-            drift_factor: DEFAULT_DRIFT_FACTOR,
-            username: None,
-            password: None,
-            database: None,
-            #[cfg(feature = "tls")]
-            tls: Default::default(),
-        }
+        CoordinatorBuilder::new(Target::Url(url.to_owned()))
+    }
+
+    /// Connects to a Redis Cluster with default settings; see
+    /// [`cluster_builder`](Coordinator::cluster_builder).
+    ///
+    /// # Errors
+    /// As [`CoordinatorBuilder::build`].
+    pub fn cluster(seeds: &[&str]) -> Result<Coordinator> {
+        Coordinator::cluster_builder(seeds).build()
+    }
+
+    /// Starts configuring a coordinator for the Redis Cluster that `seeds`
+    /// (`redis://` or `rediss://` URLs of any of its nodes) belong to.
+    ///
+    /// Building reads the slot map (`CLUSTER SHARDS`, or `CLUSTER SLOTS`
+    /// before Redis 7) from the first seed that answers, each within the
+    /// connect timeout, and starts the `respire-topology` thread that
+    /// refreshes it. Every node is reached with the first seed's scheme, user,
+    /// password and TLS settings (or the builder's). Each primary gets its own
+    /// pool of [`pool_size`](CoordinatorBuilder::pool_size) connections, its
+    /// own invalidation subscriber and its own renewal executor.
+    pub fn cluster_builder(seeds: &[&str]) -> CoordinatorBuilder {
+        CoordinatorBuilder::new(Target::Cluster(
+            seeds.iter().map(|s| (*s).to_owned()).collect(),
+        ))
+    }
+
+    /// Connects to the primary that Sentinel names for `service`, with default
+    /// settings; see [`sentinel_builder`](Coordinator::sentinel_builder).
+    ///
+    /// # Errors
+    /// As [`CoordinatorBuilder::build`].
+    pub fn sentinel(sentinels: &[&str], service: &str) -> Result<Coordinator> {
+        Coordinator::sentinel_builder(sentinels, service).build()
+    }
+
+    /// Starts configuring a coordinator for the primary that the sentinels at
+    /// `sentinels` (`redis://` or `rediss://` URLs; a URL's user and password
+    /// are that sentinel's) name for `service`.
+    ///
+    /// Building asks the sentinels in turn (each within the connect timeout)
+    /// for the primary, connects to it and checks `ROLE`, then starts one
+    /// `respire-sentinel` thread per sentinel (following `+switch-master`)
+    /// and the `respire-topology` thread (asking every sentinel again every
+    /// refresh interval). The data nodes are reached with the builder's user,
+    /// password, database and TLS settings; the sentinels with their URLs' and
+    /// the `sentinel_*` settings.
+    pub fn sentinel_builder(sentinels: &[&str], service: &str) -> CoordinatorBuilder {
+        CoordinatorBuilder::new(Target::Sentinel {
+            sentinels: sentinels.iter().map(|s| (*s).to_owned()).collect(),
+            service: service.to_owned(),
+        })
     }
 
     /// A plain mutex on one key (`SET NX PX`, compare-and-delete). No fencing: use
@@ -116,9 +199,26 @@ impl Coordinator {
         self.dep.node_timeout()
     }
 
+    /// The replication guard every grant goes through.
+    pub fn replication(&self) -> Replication {
+        self.dep.replication
+    }
+
     /// The renewal runtime's counters: round trips, renewals, failures, losses.
     pub fn renewal_stats(&self) -> RenewalStats {
         self.dep.stats()
+    }
+
+    /// The primaries this coordinator uses now, as `redis://host:port`: the
+    /// standalone server, the current Sentinel primary, or every cluster
+    /// primary in the slot map. Does not block on the network.
+    pub fn primaries(&self) -> Vec<String> {
+        self.dep
+            .topology
+            .primaries()
+            .iter()
+            .map(|n| n.addr().to_owned())
+            .collect()
     }
 
     /// The deployment behind this handle.
@@ -130,17 +230,18 @@ impl Coordinator {
 impl fmt::Debug for Coordinator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Coordinator")
-            .field("addr", &self.dep.pool.cfg.addr)
+            .field("deployment", &self.dep.topology.describe())
             .field("key_prefix", &self.dep.prefix)
             .field("node_timeout", &self.dep.node_timeout())
             .finish_non_exhaustive()
     }
 }
 
-/// Settings for a [`Coordinator`]; see [`Coordinator::builder`].
+/// Settings for a [`Coordinator`]; see [`Coordinator::builder`],
+/// [`Coordinator::cluster_builder`] and [`Coordinator::sentinel_builder`].
 #[must_use = "call build() to connect"]
 pub struct CoordinatorBuilder {
-    url: String,
+    target: Target,
     key_prefix: String,
     connect_timeout: Duration,
     node_timeout: Duration,
@@ -150,11 +251,42 @@ pub struct CoordinatorBuilder {
     username: Option<String>,
     password: Option<String>,
     database: Option<i64>,
+    refresh: Duration,
+    replication: Replication,
+    sentinel_username: Option<String>,
+    sentinel_password: Option<String>,
+    node_tls: Option<bool>,
     #[cfg(feature = "tls")]
     tls: crate::conn::TlsMaterial,
+    #[cfg(feature = "tls")]
+    sentinel_tls: Option<crate::conn::TlsMaterial>,
 }
 
 impl CoordinatorBuilder {
+    fn new(target: Target) -> Self {
+        CoordinatorBuilder {
+            target,
+            key_prefix: String::new(),
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            node_timeout: DEFAULT_NODE_TIMEOUT,
+            pool_size: DEFAULT_POOL_SIZE,
+            protocol: Protocol::Resp2,
+            drift_factor: DEFAULT_DRIFT_FACTOR,
+            username: None,
+            password: None,
+            database: None,
+            refresh: DEFAULT_REFRESH,
+            replication: Replication::Off,
+            sentinel_username: None,
+            sentinel_password: None,
+            node_tls: None,
+            #[cfg(feature = "tls")]
+            tls: Default::default(),
+            #[cfg(feature = "tls")]
+            sentinel_tls: None,
+        }
+    }
+
     /// A prefix added to every key this coordinator touches, such as `"app:"`. It
     /// may not contain `{` or `}`, which would change the keys' cluster slots.
     /// Defaults to no prefix.
@@ -178,8 +310,9 @@ impl CoordinatorBuilder {
         self
     }
 
-    /// The most command connections the pool opens (the renewal thread and the
-    /// invalidation subscriber have their own). Defaults to 8.
+    /// The most command connections the pool opens — per primary of a
+    /// cluster — (the renewal executors and the invalidation subscribers have
+    /// their own). Defaults to 8.
     pub fn pool_size(mut self, size: usize) -> Self {
         self.pool_size = size;
         self
@@ -199,25 +332,69 @@ impl CoordinatorBuilder {
         self
     }
 
-    /// The ACL user, overriding the URL's. Defaults to the URL's user, else `default`.
+    /// The ACL user of the data servers, overriding the URL's. Defaults to the
+    /// URL's user (for a cluster, the first seed's), else `default`.
     pub fn username(mut self, user: &str) -> Self {
         self.username = Some(user.to_owned());
         self
     }
 
-    /// The password, overriding the URL's. Defaults to the URL's password, else none.
+    /// The password of the data servers, overriding the URL's. Defaults to the
+    /// URL's password (for a cluster, the first seed's), else none.
     pub fn password(mut self, password: &str) -> Self {
         self.password = Some(password.to_owned());
         self
     }
 
     /// The database number, overriding the URL's. Defaults to the URL's, else 0.
+    /// A Redis Cluster has database 0 only.
     pub fn database(mut self, db: i64) -> Self {
         self.database = Some(db);
         self
     }
 
-    /// The CA certificate (PEM) that signs the server's certificate, for
+    /// How often a Cluster coordinator reads the slot map again, and a
+    /// Sentinel coordinator asks every sentinel for the primary, besides
+    /// doing so at once after a `MOVED` or a `+switch-master`. It bounds how
+    /// long a change nobody is told of (a slot forcibly reassigned, a missed
+    /// message) goes unnoticed. At least 10 ms. Defaults to 1 s; unused for a
+    /// standalone server.
+    pub fn topology_refresh(mut self, interval: Duration) -> Self {
+        self.refresh = interval;
+        self
+    }
+
+    /// Whether every grant waits for replicas to acknowledge it (`WAIT`
+    /// pipelined after the acquire script); see [`Replication`]. Defaults to
+    /// [`Replication::Off`].
+    pub fn replication(mut self, replication: Replication) -> Self {
+        self.replication = replication;
+        self
+    }
+
+    /// The ACL user for the sentinels, overriding the sentinel URLs'.
+    /// Defaults to each URL's user, else `default`. Sentinel deployments only.
+    pub fn sentinel_username(mut self, user: &str) -> Self {
+        self.sentinel_username = Some(user.to_owned());
+        self
+    }
+
+    /// The password for the sentinels, overriding the sentinel URLs'.
+    /// Defaults to each URL's password, else none. Sentinel deployments only.
+    pub fn sentinel_password(mut self, password: &str) -> Self {
+        self.sentinel_password = Some(password.to_owned());
+        self
+    }
+
+    /// Whether the data servers of a Sentinel deployment are reached over TLS.
+    /// Defaults to what the first sentinel URL uses (`rediss://` or not).
+    /// Sentinel deployments only.
+    pub fn node_tls(mut self, tls: bool) -> Self {
+        self.node_tls = Some(tls);
+        self
+    }
+
+    /// The CA certificate (PEM) that signs the data servers' certificates, for
     /// `rediss://`. Defaults to the system's trust store.
     #[cfg(feature = "tls")]
     pub fn tls_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
@@ -225,8 +402,8 @@ impl CoordinatorBuilder {
         self
     }
 
-    /// A client certificate and its private key (PEM), for servers that require
-    /// mutual TLS. Defaults to none.
+    /// A client certificate and its private key (PEM), for data servers that
+    /// require mutual TLS. Defaults to none.
     #[cfg(feature = "tls")]
     pub fn tls_client_cert_pem(
         mut self,
@@ -237,14 +414,52 @@ impl CoordinatorBuilder {
         self
     }
 
-    /// Checks the settings, connects once (blocking for at most the connect
-    /// timeout), and starts the renewal thread.
+    /// The CA certificate (PEM) that signs the sentinels' certificates.
+    /// Defaults to the data servers' ([`tls_ca_pem`](Self::tls_ca_pem)).
+    /// Sentinel deployments only.
+    #[cfg(feature = "tls")]
+    pub fn sentinel_tls_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.sentinel_tls.get_or_insert_with(Default::default).ca = Some(pem.into());
+        self
+    }
+
+    /// A client certificate and key (PEM) for sentinels that require mutual
+    /// TLS. Defaults to the data servers'
+    /// ([`tls_client_cert_pem`](Self::tls_client_cert_pem)). Sentinel
+    /// deployments only.
+    #[cfg(feature = "tls")]
+    pub fn sentinel_tls_client_cert_pem(
+        mut self,
+        cert: impl Into<Vec<u8>>,
+        key: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.sentinel_tls
+            .get_or_insert_with(Default::default)
+            .client = Some((cert.into(), key.into()));
+        self
+    }
+
+    /// Checks the settings and connects once.
+    ///
+    /// Blocks for at most: the connect timeout for one server; the connect
+    /// timeout plus the node timeout per seed tried for a cluster (the first
+    /// that answers ends it); for Sentinel, the connect timeout plus the node
+    /// timeout per sentinel tried, plus the connect timeout to the primary.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a key prefix with braces, a drift factor
-    /// outside `0.0..0.5` or a pool size of 0; [`Error::Config`] for a bad URL or
-    /// zero timeouts; [`Error::Connect`], [`Error::Auth`], [`Error::Tls`] when the
-    /// first connection fails.
+    /// - [`Error::InvalidArgument`] for a key prefix with braces, a drift
+    ///   factor outside `0.0..0.5`, a pool size of 0, a refresh interval under
+    ///   10 ms, a replication guard with a zero timeout or `replicas`, no seed
+    ///   or sentinel, seeds with different schemes, a service name that is
+    ///   empty, a database other than 0 for a cluster, or `sentinel_*` /
+    ///   `node_tls` settings for a deployment that is not a Sentinel one.
+    /// - [`Error::Config`] for a URL that does not parse or zero timeouts.
+    /// - [`Error::Connect`], [`Error::Auth`], [`Error::Tls`] when the first
+    ///   connection fails (auth and TLS failures end the search at once).
+    /// - [`Error::Topology`] when no seed gives a slot map (a seed not in
+    ///   cluster mode, a cluster not formed), no sentinel knows the service, a
+    ///   URL names something that is not a sentinel, or the named primary is
+    ///   not one (`ROLE`).
     pub fn build(self) -> Result<Coordinator> {
         keys::check_prefix(&self.key_prefix)?;
         if !(0.0..0.5).contains(&self.drift_factor) {
@@ -256,35 +471,386 @@ impl CoordinatorBuilder {
         if self.pool_size == 0 {
             return Err(Error::InvalidArgument("pool size is 0".into()));
         }
-        let cfg = Arc::new(ConnConfig::new(ConnSettings {
-            url: self.url,
-            username: self.username,
-            password: self.password,
+        if self.refresh < MIN_REFRESH {
+            return Err(Error::InvalidArgument(format!(
+                "topology refresh interval {:?} is under {MIN_REFRESH:?}",
+                self.refresh
+            )));
+        }
+        match self.replication {
+            Replication::Off => {}
+            Replication::Report { timeout } | Replication::Require { timeout, .. }
+                if timeout < Duration::from_millis(1) =>
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "replication timeout {timeout:?} is under 1 ms (WAIT 0 would block forever)"
+                )));
+            }
+            Replication::Require { replicas: 0, .. } => {
+                return Err(Error::InvalidArgument(
+                    "Replication::Require needs at least 1 replica; use Off".into(),
+                ));
+            }
+            _ => {}
+        }
+        let target = match &self.target {
+            Target::Url(url) => parse_target(url)?,
+            other => ParsedTarget::from(other),
+        };
+        if !matches!(target, ParsedTarget::Sentinel { .. })
+            && (self.sentinel_username.is_some()
+                || self.sentinel_password.is_some()
+                || self.node_tls.is_some()
+                || self.has_sentinel_tls())
+        {
+            return Err(Error::InvalidArgument(
+                "sentinel_username, sentinel_password, sentinel_tls_* and node_tls apply to \
+                 Sentinel deployments only"
+                    .into(),
+            ));
+        }
+        let settings = Settings {
+            pool_size: self.pool_size,
+            refresh: self.refresh,
+            clock: clock::system(),
+        };
+        let role = match self.replication {
+            Replication::Off => RoleCheck::None,
+            _ => RoleCheck::Learn,
+        };
+        let topology = match target {
+            ParsedTarget::Standalone(url) => {
+                let cfg = Arc::new(ConnConfig::new(self.data_settings(url, role, None))?);
+                let first = cfg.connect(cfg.connect_timeout, "respire")?;
+                Topology::standalone(cfg, Some(first), &settings)
+            }
+            ParsedTarget::Cluster { seeds, auth } => {
+                if seeds.is_empty() {
+                    return Err(Error::InvalidArgument("no cluster seed given".into()));
+                }
+                if let Some(db) = self.database
+                    && db != 0
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "database {db}: a Redis Cluster has database 0 only"
+                    )));
+                }
+                let scheme = |u: &str| u.split("://").next().unwrap_or("").to_owned();
+                let first = scheme(&seeds[0]);
+                if let Some(other) = seeds.iter().find(|u| scheme(u) != first) {
+                    return Err(Error::InvalidArgument(format!(
+                        "cluster seeds use different schemes: {} and {}",
+                        redact_url(&seeds[0]),
+                        redact_url(other)
+                    )));
+                }
+                let cfgs = seeds
+                    .into_iter()
+                    .map(|url| {
+                        let cfg = ConnConfig::new(self.data_settings(url, role, auth.clone()))?;
+                        if cfg.host_port().is_none() {
+                            return Err(Error::InvalidArgument(format!(
+                                "cluster seed {} is not a TCP address",
+                                cfg.addr
+                            )));
+                        }
+                        Ok(Arc::new(cfg))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                // A cluster seed with a database in its URL is refused too.
+                if let Some(db) = cfgs.iter().find_map(|c| c.database().filter(|d| *d != 0)) {
+                    return Err(Error::InvalidArgument(format!(
+                        "database {db}: a Redis Cluster has database 0 only"
+                    )));
+                }
+                Topology::cluster(cfgs, &settings)?
+            }
+            ParsedTarget::Sentinel {
+                sentinels,
+                service,
+                auth,
+                database,
+            } => {
+                if sentinels.is_empty() {
+                    return Err(Error::InvalidArgument("no sentinel given".into()));
+                }
+                if service.is_empty() {
+                    return Err(Error::InvalidArgument(
+                        "the Sentinel service name is empty".into(),
+                    ));
+                }
+                let sentinel_cfgs = sentinels
+                    .iter()
+                    .map(|url| ConnConfig::new(self.sentinel_settings(url)).map(Arc::new))
+                    .collect::<Result<Vec<_>>>()?;
+                let tls = self.node_tls.unwrap_or(sentinel_cfgs[0].tls);
+                let scheme = if tls { "rediss" } else { "redis" };
+                // The data nodes' settings; each primary's address replaces
+                // this placeholder before anything connects.
+                let mut s = self.data_settings(
+                    format!("{scheme}://127.0.0.1:{DEFAULT_PORT}"),
+                    RoleCheck::Primary,
+                    auth,
+                );
+                if s.database.is_none() {
+                    s.database = database;
+                }
+                let template = Arc::new(ConnConfig::new(s)?);
+                Topology::sentinel(sentinel_cfgs, &service, template, &settings)?
+            }
+        };
+        let timing = Timing {
+            drift_factor: self.drift_factor,
+            node_timeout: self.node_timeout,
+        };
+        Ok(Coordinator {
+            dep: Arc::new(Deployment::new(
+                topology,
+                self.key_prefix,
+                timing,
+                self.connect_timeout,
+                self.replication,
+                settings.clock,
+            )),
+        })
+    }
+
+    #[cfg(feature = "tls")]
+    fn has_sentinel_tls(&self) -> bool {
+        self.sentinel_tls.is_some()
+    }
+
+    #[cfg(not(feature = "tls"))]
+    fn has_sentinel_tls(&self) -> bool {
+        false
+    }
+
+    /// Connection settings for a data server at `url`; `auth` is user info
+    /// from a topology URL, which the builder's own settings override.
+    fn data_settings(&self, url: String, role: RoleCheck, auth: Option<Auth>) -> ConnSettings {
+        let (user, pass) = auth.map_or((None, None), |a| (a.user, a.password));
+        ConnSettings {
+            url,
+            username: self.username.clone().or(user),
+            password: self.password.clone().or(pass),
             database: self.database,
             protocol: self.protocol,
             connect_timeout: self.connect_timeout,
             node_timeout: self.node_timeout,
+            role,
             #[cfg(feature = "tls")]
-            tls: self.tls,
-        })?);
-        let first = cfg.connect(cfg.connect_timeout, "respire")?;
-        let pool = Pool::new(cfg, self.pool_size);
-        pool.seed(first);
-        Ok(Coordinator {
-            dep: Arc::new(Deployment::new(
-                pool,
-                self.key_prefix,
-                self.drift_factor,
-                clock::system(),
-            )),
-        })
+            tls: self.tls.clone(),
+        }
     }
+
+    /// Connection settings for the sentinel at `url`.
+    fn sentinel_settings(&self, url: &str) -> ConnSettings {
+        ConnSettings {
+            url: url.to_owned(),
+            username: self.sentinel_username.clone(),
+            password: self.sentinel_password.clone(),
+            database: None,
+            protocol: Protocol::Resp2,
+            connect_timeout: self.connect_timeout,
+            node_timeout: self.node_timeout,
+            role: RoleCheck::None,
+            #[cfg(feature = "tls")]
+            tls: self
+                .sentinel_tls
+                .clone()
+                .unwrap_or_else(|| self.tls.clone()),
+        }
+    }
+}
+
+/// User info from a topology URL.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Auth {
+    user: Option<String>,
+    password: Option<String>,
+}
+
+/// A builder's target with topology URLs taken apart.
+#[derive(Debug, PartialEq, Eq)]
+enum ParsedTarget {
+    Standalone(String),
+    Cluster {
+        seeds: Vec<String>,
+        auth: Option<Auth>,
+    },
+    Sentinel {
+        sentinels: Vec<String>,
+        service: String,
+        auth: Option<Auth>,
+        database: Option<i64>,
+    },
+}
+
+impl From<&Target> for ParsedTarget {
+    fn from(t: &Target) -> Self {
+        match t {
+            Target::Url(url) => ParsedTarget::Standalone(url.clone()),
+            Target::Cluster(seeds) => ParsedTarget::Cluster {
+                seeds: seeds.clone(),
+                auth: None,
+            },
+            Target::Sentinel { sentinels, service } => ParsedTarget::Sentinel {
+                sentinels: sentinels.clone(),
+                service: service.clone(),
+                auth: None,
+                database: None,
+            },
+        }
+    }
+}
+
+/// Decodes `%XX` escapes in URL user info.
+fn percent_decode(s: &str) -> Result<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = s
+                .get(i + 1..i + 3)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| Error::Config(format!("bad %-escape in {:?}", redact_url(s))))?;
+            out.push(hex);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| Error::Config("user info is not UTF-8".into()))
+}
+
+/// Splits `host[:port],host[:port]…` (`[v6]:port` too) into `host:port` items.
+fn host_list(list: &str, default_port: u16, url: &str) -> Result<Vec<String>> {
+    let bad = |why: &str| Error::Config(format!("{}: {why}", redact_url(url)));
+    if list.trim().is_empty() {
+        return Err(bad("no host given"));
+    }
+    list.split(',')
+        .map(|item| {
+            let item = item.trim();
+            let (host, port) = if let Some(rest) = item.strip_prefix('[') {
+                let (host, after) = rest.split_once(']').ok_or_else(|| bad("unclosed '['"))?;
+                let port = match after.strip_prefix(':') {
+                    Some(p) => Some(p),
+                    None if after.is_empty() => None,
+                    None => return Err(bad("junk after ']'")),
+                };
+                (format!("[{host}]"), port)
+            } else {
+                match item.rsplit_once(':') {
+                    Some((h, p)) => (h.to_owned(), Some(p)),
+                    None => (item.to_owned(), None),
+                }
+            };
+            if host.is_empty() || host == "[]" {
+                return Err(bad("an empty host"));
+            }
+            let port = match port {
+                Some(p) => p
+                    .parse::<u16>()
+                    .ok()
+                    .filter(|p| *p > 0)
+                    .ok_or_else(|| bad(&format!("bad port {p:?}")))?,
+                None => default_port,
+            };
+            Ok(format!("{host}:{port}"))
+        })
+        .collect()
+}
+
+/// Reads `redis+cluster://` and `redis+sentinel://` URLs; any other URL is one
+/// server's.
+fn parse_target(url: &str) -> Result<ParsedTarget> {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Ok(ParsedTarget::Standalone(url.to_owned()));
+    };
+    let (tls, kind) = match scheme.to_ascii_lowercase().as_str() {
+        "redis+cluster" => (false, "cluster"),
+        "rediss+cluster" => (true, "cluster"),
+        "redis+sentinel" => (false, "sentinel"),
+        "rediss+sentinel" => (true, "sentinel"),
+        _ => return Ok(ParsedTarget::Standalone(url.to_owned())),
+    };
+    let bad = |why: &str| Error::Config(format!("{}: {why}", redact_url(url)));
+    let (authority, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i + 1..]),
+        None => (rest, ""),
+    };
+    if path.contains(['?', '#']) || authority.contains(['?', '#']) {
+        return Err(bad("query strings and fragments are not supported"));
+    }
+    let (auth, hosts) = match authority.rsplit_once('@') {
+        Some((info, hosts)) => {
+            let (user, password) = match info.split_once(':') {
+                Some((u, p)) => (u, Some(percent_decode(p)?)),
+                None => (info, None),
+            };
+            let user = (!user.is_empty())
+                .then(|| percent_decode(user))
+                .transpose()?;
+            (Some(Auth { user, password }), hosts)
+        }
+        None => (None, authority),
+    };
+    let base = if tls { "rediss" } else { "redis" };
+    if kind == "cluster" {
+        if !path.is_empty() && path != "0" {
+            return Err(bad("a Redis Cluster URL has no path (database 0 only)"));
+        }
+        let seeds = host_list(hosts, DEFAULT_PORT, url)?
+            .into_iter()
+            .map(|h| format!("{base}://{h}"))
+            .collect();
+        return Ok(ParsedTarget::Cluster { seeds, auth });
+    }
+    let mut parts = path.split('/').filter(|p| !p.is_empty());
+    let service = parts
+        .next()
+        .ok_or_else(|| bad("no service name: redis+sentinel://host,host/service"))?
+        .to_owned();
+    let database = match parts.next() {
+        Some(db) => Some(
+            db.parse::<i64>()
+                .map_err(|_| bad(&format!("bad database {db:?}")))?,
+        ),
+        None => None,
+    };
+    if parts.next().is_some() {
+        return Err(bad("too many path segments: /service[/db]"));
+    }
+    let sentinels = host_list(hosts, DEFAULT_SENTINEL_PORT, url)?
+        .into_iter()
+        .map(|h| format!("{base}://{h}"))
+        .collect();
+    Ok(ParsedTarget::Sentinel {
+        sentinels,
+        service,
+        auth,
+        database,
+    })
 }
 
 impl fmt::Debug for CoordinatorBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let target = match &self.target {
+            Target::Url(url) => redact_url(url),
+            Target::Cluster(seeds) => format!(
+                "cluster {:?}",
+                seeds.iter().map(|s| redact_url(s)).collect::<Vec<_>>()
+            ),
+            Target::Sentinel { sentinels, service } => format!(
+                "sentinel {:?} service {service:?}",
+                sentinels.iter().map(|s| redact_url(s)).collect::<Vec<_>>()
+            ),
+        };
         f.debug_struct("CoordinatorBuilder")
-            .field("url", &redact_url(&self.url))
+            .field("target", &target)
             .field("key_prefix", &self.key_prefix)
             .field("connect_timeout", &self.connect_timeout)
             .field("node_timeout", &self.node_timeout)
@@ -294,6 +860,141 @@ impl fmt::Debug for CoordinatorBuilder {
             .field("username", &self.username)
             .field("password", &self.password.as_ref().map(|_| "***"))
             .field("database", &self.database)
+            .field("topology_refresh", &self.refresh)
+            .field("replication", &self.replication)
+            .field("sentinel_username", &self.sentinel_username)
+            .field(
+                "sentinel_password",
+                &self.sentinel_password.as_ref().map(|_| "***"),
+            )
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn auth(user: Option<&str>, password: Option<&str>) -> Option<Auth> {
+        Some(Auth {
+            user: user.map(str::to_owned),
+            password: password.map(str::to_owned),
+        })
+    }
+
+    #[test]
+    fn topology_urls_are_taken_apart() {
+        assert_eq!(
+            parse_target("redis://h:1/2").unwrap(),
+            ParsedTarget::Standalone("redis://h:1/2".into())
+        );
+        assert_eq!(
+            parse_target("redis+cluster://a:7000,b,[::1]:7002/").unwrap(),
+            ParsedTarget::Cluster {
+                seeds: vec![
+                    "redis://a:7000".into(),
+                    "redis://b:6379".into(),
+                    "redis://[::1]:7002".into()
+                ],
+                auth: None
+            }
+        );
+        assert_eq!(
+            parse_target("rediss+cluster://app:p%40ss@a:7000").unwrap(),
+            ParsedTarget::Cluster {
+                seeds: vec!["rediss://a:7000".into()],
+                auth: auth(Some("app"), Some("p@ss")),
+            }
+        );
+        assert_eq!(
+            parse_target("redis+sentinel://:pw@s1,s2:5000/mymaster/3").unwrap(),
+            ParsedTarget::Sentinel {
+                sentinels: vec!["redis://s1:26379".into(), "redis://s2:5000".into()],
+                service: "mymaster".into(),
+                auth: auth(None, Some("pw")),
+                database: Some(3),
+            }
+        );
+    }
+
+    #[test]
+    fn bad_topology_urls_are_refused_with_a_reason() {
+        for (url, why) in [
+            ("redis+cluster:///", "no host"),
+            ("redis+cluster://a:7000/5", "no path"),
+            ("redis+cluster://a:x", "bad port"),
+            ("redis+cluster://a:0", "bad port"),
+            ("redis+cluster://a,,b", "empty host"),
+            ("redis+cluster://[::1", "unclosed"),
+            ("redis+sentinel://s1,s2", "no service name"),
+            ("redis+sentinel://s1/", "no service name"),
+            ("redis+sentinel://s1/svc/x", "bad database"),
+            ("redis+sentinel://s1/svc/1/2", "too many"),
+            ("redis+sentinel://s1/svc?x=1", "query"),
+            ("redis+cluster://u:%zz@a", "escape"),
+        ] {
+            let err = parse_target(url).unwrap_err();
+            assert!(
+                matches!(&err, Error::Config(m) if m.contains(why)),
+                "{url}: {err}"
+            );
+        }
+        // Passwords are not shown.
+        let err = parse_target("redis+cluster://u:secret@a:x").unwrap_err();
+        assert!(!err.to_string().contains("secret"), "{err}");
+    }
+
+    #[test]
+    fn bad_builder_settings_are_refused_before_connecting() {
+        let refused = |b: CoordinatorBuilder, why: &str| {
+            let err = b.build().unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument(m) if m.contains(why)),
+                "{err}"
+            );
+        };
+        refused(Coordinator::cluster_builder(&[]), "no cluster seed");
+        refused(Coordinator::sentinel_builder(&[], "s"), "no sentinel");
+        refused(
+            Coordinator::sentinel_builder(&["redis://127.0.0.1:1"], ""),
+            "service name is empty",
+        );
+        refused(
+            Coordinator::cluster_builder(&["redis://127.0.0.1:1", "rediss://127.0.0.1:2"]),
+            "different schemes",
+        );
+        refused(
+            Coordinator::cluster_builder(&["redis://127.0.0.1:1"]).database(2),
+            "database 0 only",
+        );
+        refused(
+            Coordinator::cluster_builder(&["redis://127.0.0.1:1/2"]),
+            "database 0 only",
+        );
+        refused(
+            Coordinator::builder("redis://127.0.0.1:1").sentinel_password("x"),
+            "Sentinel deployments only",
+        );
+        refused(
+            Coordinator::builder("redis://127.0.0.1:1").node_tls(true),
+            "Sentinel deployments only",
+        );
+        refused(
+            Coordinator::builder("redis://127.0.0.1:1").topology_refresh(Duration::from_millis(1)),
+            "refresh interval",
+        );
+        refused(
+            Coordinator::builder("redis://127.0.0.1:1").replication(Replication::Report {
+                timeout: Duration::ZERO,
+            }),
+            "under 1 ms",
+        );
+        refused(
+            Coordinator::builder("redis://127.0.0.1:1").replication(Replication::Require {
+                replicas: 0,
+                timeout: Duration::from_millis(10),
+            }),
+            "at least 1 replica",
+        );
     }
 }

@@ -1,7 +1,13 @@
 //! One Redis deployment as every single-deployment primitive sees it: its
-//! connection pool, key prefix, timing settings and clock, the renewal runtime,
-//! the invalidation subscriber, and the fencing tokens seen so far. A
+//! servers (a standalone server, a Sentinel primary, or the primaries of a
+//! cluster, each with its pool, subscriber and executor), key prefix, timing
+//! settings and clock, the renewal thread, the replication guard, and the
+//! fencing tokens seen so far (across failovers and slot moves). A
 //! `Coordinator` is a cheap handle on one of these.
+//!
+//! Every command a primitive sends goes through [`Deployment::on_key`], which
+//! picks the server that holds the key and follows the deployment when it
+//! changes.
 
 use std::fmt;
 use std::sync::{Arc, OnceLock};
@@ -10,49 +16,64 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::clock::Clock;
-use crate::conn::{Connect, Pool};
+use crate::conn::{Conn, Connect};
 use crate::core::fences::{FenceBook, REMEMBERED_KEYS};
 use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::keys;
-use crate::runtime::renewal::{Cell, Job, Ops, RenewalStats, Runtime};
-use crate::runtime::tracking::Tracking;
+use crate::replication::Replication;
+use crate::runtime::node::{Job, Node};
+use crate::runtime::renewal::{Cell, Ops, Renewal, RenewalStats};
+use crate::runtime::topology::{Topology, Uncertain};
 
 pub(crate) struct Deployment {
-    pub(crate) pool: Pool,
+    pub(crate) topology: Arc<Topology>,
     pub(crate) prefix: String,
     pub(crate) timing: Timing,
     pub(crate) clock: Arc<dyn Clock>,
-    runtime: Arc<Runtime>,
-    tracking: OnceLock<Tracking>,
-    tracking_init: Mutex<()>,
+    pub(crate) replication: Replication,
+    /// The connect timeout (the bound on opening a connection).
+    pub(crate) connect_timeout: Duration,
     fences: Mutex<FenceBook>,
     keepalive_ok: OnceLock<()>,
 }
 
 impl Deployment {
     pub(crate) fn new(
-        pool: Pool,
+        topology: Arc<Topology>,
         prefix: String,
-        drift_factor: f64,
+        timing: Timing,
+        connect_timeout: Duration,
+        replication: Replication,
         clock: Arc<dyn Clock>,
     ) -> Self {
-        let cfg = pool.cfg.clone();
-        let timing = Timing {
-            drift_factor,
-            node_timeout: cfg.node_timeout,
-        };
         Deployment {
-            runtime: Runtime::new(cfg, clock.clone()),
-            pool,
+            topology,
             prefix,
             timing,
             clock,
-            tracking: OnceLock::new(),
-            tracking_init: Mutex::new(()),
+            replication,
+            connect_timeout,
             fences: Mutex::new(FenceBook::new(timing.node_timeout * 4, REMEMBERED_KEYS)),
             keepalive_ok: OnceLock::new(),
         }
+    }
+
+    /// Runs `f` on a connection to the server that holds `key` now, following
+    /// redirections and failovers, finishing by `deadline` (plus the connect
+    /// timeout per connection opened with [`Connect::Own`]). `f` gets the
+    /// deadline to use. Returns where a command that got no reply went.
+    pub(crate) fn on_key<T>(
+        &self,
+        key: &str,
+        deadline: Instant,
+        connect: Connect,
+        mut f: impl FnMut(&mut Conn, Instant) -> Result<T>,
+    ) -> (Result<T>, Option<Uncertain>) {
+        self.topology
+            .run(key, deadline, connect, &mut |_node: &Node, conn, d| {
+                f(conn, d)
+            })
     }
 
     pub(crate) fn node_timeout(&self) -> Duration {
@@ -63,28 +84,19 @@ impl Deployment {
         self.clock.now()
     }
 
-    pub(crate) fn runtime(&self) -> &Runtime {
-        &self.runtime
+    /// The renewal thread (watch, touch, forget a lease).
+    pub(crate) fn runtime(&self) -> &Renewal {
+        self.topology.renewal_thread()
     }
 
     pub(crate) fn stats(&self) -> RenewalStats {
-        self.runtime.stats()
+        self.topology.stats()
     }
 
-    /// The invalidation subscriber, started on first use.
-    pub(crate) fn tracking(&self) -> Result<&Tracking> {
-        if let Some(t) = self.tracking.get() {
-            return Ok(t);
-        }
-        let _init = self.tracking_init.lock();
-        if let Some(t) = self.tracking.get() {
-            return Ok(t);
-        }
-        let t = Tracking::spawn(self.pool.cfg.clone()).map_err(|source| Error::Thread {
-            name: "respire-tracker",
-            source,
-        })?;
-        Ok(self.tracking.get_or_init(|| t))
+    /// Remembers a new grant, so that it is verified after a failover or a
+    /// slot move (Cluster and Sentinel deployments only).
+    pub(crate) fn granted(&self, cell: &Arc<Cell>) {
+        self.topology.register(cell);
     }
 
     /// Validates a TTL against the crate's limits and this deployment's
@@ -130,10 +142,14 @@ impl Deployment {
     /// `CLIENT ID` and `CLIENT KILL`. Probed once per coordinator (and the
     /// script on every lease's keys), changing nothing.
     pub(crate) fn check_keepalive_rights(&self, ops: &Ops) -> Result<()> {
-        let start = self.now();
-        let mut deadline = start + self.node_timeout();
-        let mut conn = self.pool.get(deadline, Connect::Own)?;
-        deadline += conn.connect_time();
+        let deadline = self.now() + self.node_timeout();
+        self.on_key(&ops.keys[0], deadline, Connect::Own, |conn, deadline| {
+            self.probe_keepalive(conn, ops, deadline)
+        })
+        .0
+    }
+
+    fn probe_keepalive(&self, conn: &mut Conn, ops: &Ops, deadline: Instant) -> Result<()> {
         let (keys, _) = ops.extend_args(1);
         // Not this lease's value: the script finds another owner and changes
         // nothing, but it runs with the same rights as a renewal.
@@ -164,7 +180,8 @@ impl Deployment {
                     .into(),
             ));
         }
-        // An id no connection has: allowed ⇒ `:0`, denied ⇒ NOPERM.
+        // An id no connection has: allowed ⇒ `:0`, denied ⇒ NOPERM. (Every
+        // node of a cluster is assumed to have the same ACL.)
         let kill = redis::cmd("CLIENT")
             .arg("KILL")
             .arg("ID")
@@ -185,43 +202,49 @@ impl Deployment {
         }
     }
 
-    /// Hands the fencing-off of an unanswered extension to the executor.
+    /// Hands the fencing-off of an unanswered extension to the executor of
+    /// the server it went to.
     pub(crate) fn fence(
         &self,
-        conn: Option<u64>,
+        sent: Uncertain,
         lease: &Arc<Cell>,
         ticket: crate::core::lease::Ticket,
     ) {
-        self.runtime.submit(Job::Fence {
-            conn,
+        sent.node.submit(Job::Fence {
+            conn: sent.conn,
             lease: lease.clone(),
             ticket,
         });
     }
 
-    /// Hands the clean-up after unanswered acquire attempts to the executor:
-    /// every connection they went out on is killed first (so that the clean-up
-    /// cannot be overtaken by a late grant), then `cmd` runs. Gives up once
-    /// whatever they may have set has expired.
-    pub(crate) fn clean_up(
-        &self,
-        conns: &[Option<u64>],
-        cmd: redis::Cmd,
-        key: &str,
-        ttl: Duration,
-    ) {
-        if conns.iter().any(Option::is_none) {
+    /// Hands the clean-up after unanswered acquire attempts to the executors
+    /// of the servers they went to: every connection they went out on is
+    /// killed first (so that the clean-up cannot be overtaken by a late
+    /// grant), then `cmd` runs there. Gives up once whatever they may have set
+    /// has expired.
+    pub(crate) fn clean_up(&self, sent: &[Uncertain], cmd: redis::Cmd, key: &str, ttl: Duration) {
+        if sent.iter().any(|u| u.conn.is_none()) {
             log::debug!(
                 "an unanswered acquire of {key:?} went out on a connection whose id is \
                  unknown; its clean-up may be overtaken"
             );
         }
-        self.runtime.submit(Job::Cleanup {
-            conns: conns.iter().flatten().copied().collect(),
-            cmd,
-            key: key.to_owned(),
-            give_up_at: self.now() + ttl + self.node_timeout(),
-        });
+        let give_up_at = self.now() + ttl + self.node_timeout();
+        let mut by_node: Vec<(&Arc<Node>, Vec<u64>)> = Vec::new();
+        for u in sent {
+            match by_node.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &u.node)) {
+                Some((_, conns)) => conns.extend(u.conn),
+                None => by_node.push((&u.node, u.conn.into_iter().collect())),
+            }
+        }
+        for (node, conns) in by_node {
+            node.submit(Job::Cleanup {
+                conns,
+                cmd: cmd.clone(),
+                key: key.to_owned(),
+                give_up_at,
+            });
+        }
     }
 }
 
@@ -250,7 +273,7 @@ pub(crate) fn bad_key(err: Error, key: &str) -> Error {
 impl fmt::Debug for Deployment {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Deployment")
-            .field("addr", &self.pool.cfg.addr)
+            .field("addr", &self.topology.describe())
             .field("key_prefix", &self.prefix)
             .field("node_timeout", &self.timing.node_timeout)
             .finish_non_exhaustive()

@@ -181,6 +181,30 @@ pub enum Error {
     /// twice, a primary and its replica, or nodes of a Redis Cluster.
     #[error("redlock nodes are not independent: {0}")]
     NotIndependent(String),
+
+    /// A Redis Cluster or Sentinel deployment could not be resolved, or changed
+    /// under the call: no seed or sentinel answered usefully, the sentinels do
+    /// not know the service, a seed is not a cluster node, no node serves a
+    /// key's slot, a server that was the primary is not any more, or a
+    /// redirection could not be followed within the node timeout. Nothing is
+    /// held; once the deployment settles, trying again may succeed.
+    #[error("topology: {0}")]
+    Topology(String),
+
+    /// The replication guard's `Require` mode: fewer replicas acknowledged a
+    /// grant within the timeout than required, so a failover could lose it.
+    /// The grant was released again.
+    #[error(
+        "{key:?} was granted, but only {acknowledged} of the {required} required replica(s) acknowledged it; it was released"
+    )]
+    NotReplicated {
+        /// The physical key that was granted.
+        key: String,
+        /// How many replicas acknowledged the grant (`WAIT`'s answer).
+        acknowledged: u32,
+        /// How many were required.
+        required: u32,
+    },
 }
 
 impl Error {
@@ -195,18 +219,30 @@ impl Error {
     }
 
     /// True when trying the same call again later may succeed: timeouts, I/O and
-    /// connect failures, a Redlock quorum not reached, and server replies that say the server is busy, loading or
-    /// failing over. Misuse, permissions, bad keys and cancellation are not.
+    /// connect failures, a Redlock quorum not reached, a topology being
+    /// resolved or changing, and server replies that say the server is busy,
+    /// loading, failing over or moving a slot. Misuse, permissions, bad keys,
+    /// a missing replica acknowledgement and cancellation are not.
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Timeout { .. }
             | Error::Io { .. }
             | Error::Connect { .. }
             | Error::PoolTimeout(_)
-            | Error::QuorumNotReached { .. } => true,
+            | Error::QuorumNotReached { .. }
+            | Error::Topology(_) => true,
             Error::Server { source, .. } => matches!(
                 source.code(),
-                Some("BUSY" | "LOADING" | "TRYAGAIN" | "MASTERDOWN" | "CLUSTERDOWN" | "READONLY")
+                Some(
+                    "BUSY"
+                        | "LOADING"
+                        | "TRYAGAIN"
+                        | "MASTERDOWN"
+                        | "CLUSTERDOWN"
+                        | "READONLY"
+                        | "MOVED"
+                        | "ASK"
+                )
             ),
             _ => false,
         }

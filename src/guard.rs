@@ -56,21 +56,36 @@ pub struct LeaseGuard<K: Kind> {
     dep: Arc<Deployment>,
     cell: Arc<Cell>,
     grant: K::Grant,
+    acknowledged: Option<u32>,
     _kind: PhantomData<K>,
 }
 
 impl<K: Kind> LeaseGuard<K> {
-    pub(crate) fn new(dep: Arc<Deployment>, cell: Arc<Cell>, grant: K::Grant) -> Self {
+    pub(crate) fn new(
+        dep: Arc<Deployment>,
+        cell: Arc<Cell>,
+        grant: K::Grant,
+        acknowledged: Option<u32>,
+    ) -> Self {
         LeaseGuard {
             dep,
             cell,
             grant,
+            acknowledged,
             _kind: PhantomData,
         }
     }
 
     pub(crate) fn grant(&self) -> &K::Grant {
         &self.grant
+    }
+
+    /// How many replicas acknowledged the grant within the replication
+    /// guard's timeout (`WAIT`'s answer, pipelined after the grant), or `None`
+    /// when the coordinator's [`Replication`](crate::Replication) is `Off`.
+    /// Does not block. Says nothing of later extensions.
+    pub fn replicas_acknowledged(&self) -> Option<u32> {
+        self.acknowledged
     }
 
     /// The physical key that holds the lease.
@@ -119,15 +134,16 @@ impl<K: Kind> LeaseGuard<K> {
     /// Transport and server errors; the guard is unchanged.
     pub fn verify_still_held(&self) -> Result<Option<Duration>> {
         let ops = self.cell.extra();
-        let mut deadline = self.dep.now() + self.dep.node_timeout();
-        let mut conn = self.dep.pool.get(deadline, Connect::Own)?;
-        deadline += conn.connect_time();
+        let deadline = self.dep.now() + self.dep.node_timeout();
         let (keys, args) = ops.verify_args();
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let reply: Vec<i64> = conn
-            .script(ops.verify_script(), &keys, &args, "verify", deadline)
+        let reply: Vec<i64> = self
+            .dep
+            .on_key(self.key(), deadline, Connect::Own, |conn, deadline| {
+                conn.script(ops.verify_script(), &keys, &args, "verify", deadline)
+            })
+            .0
             .map_err(|e| bad_key(e, self.key()))?;
-        drop(conn);
         let now = self.dep.now();
         match reply.as_slice() {
             [1, pttl] => Ok(Some(
@@ -188,24 +204,15 @@ impl<K: Kind> LeaseGuard<K> {
         };
         // A shorter TTL bounds the lease from now: the renewal thread must know.
         self.dep.runtime().touch(&self.cell);
-        let now = self.dep.now();
-        let mut deadline = now + nt;
-        let mut conn = match self.dep.pool.get(deadline, Connect::Own) {
-            Ok(conn) => conn,
-            Err(e) => {
-                self.cell.not_sent(ticket, self.dep.now());
-                self.dep.runtime().touch(&self.cell);
-                return Err(e);
-            }
-        };
-        deadline += conn.connect_time();
-        let conn_id = conn.id();
+        let deadline = self.dep.now() + nt;
         let ops = self.cell.extra();
         let (keys, args) = ops.extend_args(ttl_ms);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let reply: Result<i64> =
-            conn.script(ops.extend_script(), &keys, &args, "reset expiry", deadline);
-        drop(conn);
+        let (reply, lost): (Result<i64>, _) =
+            self.dep
+                .on_key(self.key(), deadline, Connect::Own, |conn, deadline| {
+                    conn.script(ops.extend_script(), &keys, &args, "reset expiry", deadline)
+                });
         let now = self.dep.now();
         let result = match reply {
             Ok(1) => Ok(self.cell.extended(ticket, now)),
@@ -228,7 +235,11 @@ impl<K: Kind> LeaseGuard<K> {
             }
             Err(e) if e.is_uncertain() => {
                 self.cell.unanswered(ticket, now);
-                self.dep.fence(conn_id, &self.cell, ticket);
+                match lost {
+                    Some(sent) => self.dep.fence(sent, &self.cell, ticket),
+                    // Unreachable: a command without a reply went somewhere.
+                    None => self.cell.fenced(ticket, now),
+                }
                 Err(e)
             }
             Err(e) => {
@@ -296,12 +307,15 @@ impl<K: Kind> LeaseGuard<K> {
         self.cell.finish(start);
         self.dep.runtime().forget(&self.cell);
         let deadline = start + self.dep.node_timeout();
-        let mut conn = self.dep.pool.get(deadline, Connect::Within)?;
         let ops = self.cell.extra();
         let (keys, args) = ops.release_args();
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let reply: Result<i64> =
-            conn.script(ops.release_script(), &keys, &args, "release", deadline);
+        let reply: Result<i64> = self
+            .dep
+            .on_key(self.key(), deadline, Connect::Within, |conn, deadline| {
+                conn.script(ops.release_script(), &keys, &args, "release", deadline)
+            })
+            .0;
         match reply {
             Ok(1) => Ok(ReleaseOutcome::Released),
             Ok(0) => Ok(ReleaseOutcome::Expired),
@@ -399,9 +413,11 @@ impl fmt::Debug for KeepAlive<'_> {
 mod tests {
     use super::*;
     use crate::clock::manual::ManualClock;
-    use crate::conn::{ConnConfig, ConnSettings, Pool, Protocol};
+    use crate::conn::{ConnConfig, ConnSettings, Protocol, RoleCheck};
     use crate::core::lease::LeaseCore;
+    use crate::core::timing::Timing;
     use crate::kind::Plain;
+    use crate::runtime::topology::{Settings, Topology};
     use std::time::Instant;
 
     fn ms(n: u64) -> Duration {
@@ -418,14 +434,26 @@ mod tests {
             protocol: Protocol::Resp2,
             connect_timeout: ms(100),
             node_timeout: ms(100),
+            role: RoleCheck::None,
             #[cfg(feature = "tls")]
             tls: Default::default(),
         })
         .unwrap();
+        let settings = Settings {
+            pool_size: 1,
+            refresh: ms(1_000),
+            clock: clock.clone(),
+        };
+        let topology = Topology::standalone(Arc::new(cfg), None, &settings);
         Arc::new(Deployment::new(
-            Pool::new(Arc::new(cfg), 1),
+            topology,
             String::new(),
-            0.0,
+            Timing {
+                drift_factor: 0.0,
+                node_timeout: ms(100),
+            },
+            ms(100),
+            crate::Replication::Off,
             clock,
         ))
     }
@@ -438,7 +466,7 @@ mod tests {
         let core = LeaseCore::granted(dep.timing, t0, ms(1_000));
         let ops = crate::runtime::renewal::Ops::string_value("k", "o".into());
         let cell = Arc::new(Cell::new("k".into(), ops, core));
-        let guard: LeaseGuard<Plain> = LeaseGuard::new(dep, cell, ());
+        let guard: LeaseGuard<Plain> = LeaseGuard::new(dep, cell, (), None);
         // Valid until 1000 − 2 (drift) ms; lost a node timeout (100 ms) before.
         assert_eq!(guard.remaining_estimate(), ms(998));
         clock.advance(ms(897));

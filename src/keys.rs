@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 pub const MAX_TTL: Duration = Duration::from_millis(1 << 40);
 
 /// The number of hash slots in Redis Cluster.
-const SLOTS: u16 = 16384;
+pub(crate) const SLOTS: u16 = 16384;
 
 /// CRC16/XMODEM, the checksum Redis Cluster uses for key slots.
 fn crc16(data: &[u8]) -> u16 {

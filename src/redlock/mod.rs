@@ -172,30 +172,39 @@ impl RedlockGroup {
     pub fn new(nodes: Vec<Coordinator>, options: RedlockOptions) -> Result<RedlockGroup> {
         check_options(nodes.len(), &options)?;
         let mut infos = Vec::with_capacity(nodes.len());
+        let mut cfgs = Vec::with_capacity(nodes.len());
         for node in &nodes {
             let dep = node.deployment();
+            let Some(server) = dep.topology.standalone_node() else {
+                let what = if dep.topology.is_cluster() {
+                    "a Redis Cluster deployment (cluster nodes share failover and slot \
+                     ownership)"
+                } else {
+                    "a Sentinel deployment (its primary moves on failover)"
+                };
+                return Err(Error::NotIndependent(format!(
+                    "{} is {what}; use standalone servers that fail independently",
+                    dep.topology.describe()
+                )));
+            };
             let deadline = Instant::now() + options.node_timeout;
-            let mut conn = dep.pool.get(deadline, crate::conn::Connect::Own)?;
+            let mut conn = server.pool.get(deadline, crate::conn::Connect::Own)?;
             let deadline = deadline + conn.connect_time();
             let info: String = conn.query(&redis::cmd("INFO"), "INFO", deadline)?;
-            infos.push((dep.pool.cfg.addr.to_string(), nodes::parse_info(&info)));
+            infos.push((server.addr().to_owned(), nodes::parse_info(&info)));
+            cfgs.push(server.cfg.clone());
         }
         check_independent(&infos)?;
         let thread_error = |source| Error::Thread {
             name: "respire-node",
             source,
         };
-        let workers = nodes
-            .iter()
+        let workers = cfgs
+            .into_iter()
             .enumerate()
-            .map(|(i, node)| {
-                NodeWorker::spawn(
-                    i,
-                    node.deployment().pool.cfg.clone(),
-                    options.restart_delay,
-                    options.node_timeout,
-                )
-                .map_err(thread_error)
+            .map(|(i, cfg)| {
+                NodeWorker::spawn(i, cfg, options.restart_delay, options.node_timeout)
+                    .map_err(thread_error)
             })
             .collect::<Result<Vec<_>>>()?;
         let quorum = nodes.len() / 2 + 1;

@@ -1,12 +1,15 @@
-//! The only code that starts threads: the renewal thread and its executor, the
-//! invalidation subscriber (per deployment), the Redlock node workers and
-//! renewal thread (per `RedlockGroup`), and the lease state they share with the
-//! guards. Everything here drives the pure core (`crate::core`) with real time
-//! and real connections.
+//! The only code that starts threads: the renewal thread, the per-server
+//! executors and invalidation subscribers, the topology followers of Cluster
+//! and Sentinel deployments, the Redlock node workers and renewal thread (per
+//! `RedlockGroup`), and the lease state they share with the guards. Everything
+//! here drives the pure core (`crate::core`) with real time and real
+//! connections.
 
 pub(crate) mod lease;
+pub(crate) mod node;
 pub(crate) mod nodes;
 pub(crate) mod renewal;
 pub(crate) mod scheduler;
+pub(crate) mod topology;
 pub(crate) mod tracking;
 pub(crate) mod waiters;

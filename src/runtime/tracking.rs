@@ -1,5 +1,6 @@
-//! The invalidation subscriber: one thread per `Coordinator`, started by the first
-//! wait. It holds one RESP2 connection subscribed to `__redis__:invalidate`; the
+//! The invalidation subscriber: one thread per server a `Coordinator` waits on
+//! (the standalone server, the current Sentinel primary, each cluster primary),
+//! started by the first wait there. It holds one RESP2 connection subscribed to `__redis__:invalidate`; the
 //! command connections waiters use turn on `CLIENT TRACKING … REDIRECT <its id>`,
 //! so every key a waiter's attempt read produces one message here when it next
 //! changes. Messages are hints: the woken waiter re-runs its acquire script.
@@ -23,28 +24,33 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use crate::conn::{Conn, ConnConfig};
 use crate::error::{Error, Result, is_noperm};
-use crate::runtime::waiters::{Registry, Status};
+use crate::runtime::waiters::{Registry, Status, Tracker};
 
 const CHANNEL: &str = "__redis__:invalidate";
 const READ_TIMEOUT: Duration = Duration::from_millis(250);
 const PING_EVERY: Duration = Duration::from_secs(5);
 
-/// The handle a coordinator keeps; dropping it stops the thread.
+/// The handle a server's node keeps; dropping it stops the thread.
 pub(crate) struct Tracking {
-    pub(crate) registry: Arc<Registry>,
+    pub(crate) tracker: Arc<Tracker>,
     _stop: Sender<()>,
 }
 
 impl Tracking {
-    pub(crate) fn spawn(cfg: Arc<ConnConfig>) -> std::io::Result<Tracking> {
-        let registry = Arc::new(Registry::new(cfg.addr.to_string()));
+    /// Starts the subscriber of the server `cfg` reaches; its invalidations
+    /// wake the deployment's waiters in `registry`.
+    pub(crate) fn spawn(
+        cfg: Arc<ConnConfig>,
+        registry: Arc<Registry>,
+    ) -> std::io::Result<Tracking> {
+        let tracker = Arc::new(Tracker::new());
         let (stop_tx, stop_rx) = crossbeam_channel::bounded(0);
-        let reg = registry.clone();
+        let t = tracker.clone();
         std::thread::Builder::new()
             .name("respire-tracker".into())
-            .spawn(move || run(&cfg, &reg, &stop_rx))?;
+            .spawn(move || run(&cfg, &t, &registry, &stop_rx))?;
         Ok(Tracking {
-            registry,
+            tracker,
             _stop: stop_tx,
         })
     }
@@ -54,7 +60,7 @@ fn stopped(stop: &Receiver<()>) -> bool {
     matches!(stop.try_recv(), Err(TryRecvError::Disconnected))
 }
 
-fn run(cfg: &ConnConfig, registry: &Registry, stop: &Receiver<()>) {
+fn run(cfg: &ConnConfig, tracker: &Tracker, registry: &Registry, stop: &Receiver<()>) {
     let mut generation = 0;
     let mut backoff = Duration::from_millis(50);
     loop {
@@ -63,8 +69,8 @@ fn run(cfg: &ConnConfig, registry: &Registry, stop: &Receiver<()>) {
         }
         generation += 1;
         let mut subscribed = false;
-        let result = session(cfg, registry, stop, generation, &mut subscribed);
-        registry.set_status(Status::Down);
+        let result = session(cfg, tracker, registry, stop, generation, &mut subscribed);
+        tracker.set_status(Status::Down);
         let finished = match &result {
             // The coordinator is gone, or tracking was refused to a waiter's
             // connection (already logged).
@@ -72,7 +78,7 @@ fn run(cfg: &ConnConfig, registry: &Registry, stop: &Receiver<()>) {
             Err(e) if refused_for_good(e) => {
                 // Permanent: waiters poll from now on, and this thread and its
                 // connection are not needed any more.
-                registry.deny(&format!("cannot subscribe to {CHANNEL}: {e}"));
+                tracker.deny(registry, &format!("cannot subscribe to {CHANNEL}: {e}"));
                 true
             }
             Err(e) => {
@@ -140,6 +146,7 @@ fn refused_for_good(err: &Error) -> bool {
 /// is gone (`Ok`).
 fn session(
     cfg: &ConnConfig,
+    tracker: &Tracker,
     registry: &Registry,
     stop: &Receiver<()>,
     generation: u64,
@@ -160,7 +167,7 @@ fn session(
         .set_read_timeout(Some(READ_TIMEOUT))
         .map_err(io("setting socket timeouts"))?;
     *subscribed = true;
-    registry.set_status(Status::Ready {
+    tracker.set_status(Status::Ready {
         redirect: id,
         generation,
     });
@@ -188,7 +195,7 @@ fn session(
             Err(e) if e.is_timeout() => {
                 // Stop when the coordinator is gone, or when waiters poll for
                 // good because their connections may not turn tracking on.
-                if stopped(stop) || registry.is_denied() {
+                if stopped(stop) || tracker.is_denied() {
                     return Ok(());
                 }
                 if last_heard.elapsed() >= PING_EVERY {

@@ -46,7 +46,7 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 
 use crate::cancel::CancelToken;
-use crate::conn::{Conn, Connect, Pool};
+use crate::conn::Conn;
 use crate::error::{Error, Result};
 
 /// The outcome of one acquire attempt.
@@ -57,7 +57,7 @@ pub(crate) enum Attempt<T> {
     Busy(Option<Duration>),
 }
 
-/// Whether invalidations can be relied on right now.
+/// Whether invalidations from one server can be relied on right now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Status {
     /// The subscriber is connecting for the first time.
@@ -68,31 +68,33 @@ pub(crate) enum Status {
     Down,
 }
 
-/// Waiters by key, and the subscriber's status.
 /// The waiters on one key, first in line first: (waiter id, its wake-up channel).
 type Queue = VecDeque<(u64, Sender<()>)>;
 
+/// Waiters by key, for a whole deployment: every server's invalidation
+/// subscriber wakes them (a key lives on one server at a time).
 pub(crate) struct Registry {
     /// The deployment, for log messages.
     addr: String,
     queues: Mutex<HashMap<Vec<u8>, Queue>>,
-    status: Mutex<Status>,
-    status_changed: Condvar,
-    denied: AtomicBool,
     warned: AtomicBool,
     next_id: AtomicU64,
 }
 
-impl Registry {
-    pub(crate) fn new(addr: String) -> Self {
-        Registry {
-            addr,
-            queues: Mutex::new(HashMap::new()),
+/// The invalidation subscriber of one server, as its command connections see
+/// it: whether it is subscribed, and the id they redirect to.
+pub(crate) struct Tracker {
+    status: Mutex<Status>,
+    status_changed: Condvar,
+    denied: AtomicBool,
+}
+
+impl Tracker {
+    pub(crate) fn new() -> Self {
+        Tracker {
             status: Mutex::new(Status::Starting),
             status_changed: Condvar::new(),
             denied: AtomicBool::new(false),
-            warned: AtomicBool::new(false),
-            next_id: AtomicU64::new(1),
         }
     }
 
@@ -109,7 +111,7 @@ impl Registry {
     }
 
     /// Waits (bounded) for the subscriber's first connection attempt to settle.
-    fn await_settled(&self, until: Instant) {
+    pub(crate) fn await_settled(&self, until: Instant) {
         let mut status = self.status.lock();
         while *status == Status::Starting {
             if self
@@ -122,15 +124,26 @@ impl Registry {
         }
     }
 
-    /// Tracking is refused for good (ACL or server): poll from now on.
-    pub(crate) fn deny(&self, why: &str) {
+    /// Tracking is refused for good on this server (ACL or server): poll.
+    pub(crate) fn deny(&self, registry: &Registry, why: &str) {
         self.denied.store(true, Ordering::Release);
-        self.fallback(why);
+        registry.fallback(why);
     }
 
     /// Whether tracking was refused for good.
     pub(crate) fn is_denied(&self) -> bool {
         self.denied.load(Ordering::Acquire)
+    }
+}
+
+impl Registry {
+    pub(crate) fn new(addr: String) -> Self {
+        Registry {
+            addr,
+            queues: Mutex::new(HashMap::new()),
+            warned: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+        }
     }
 
     /// Logs, once per coordinator, that waiters poll because of `why`.
@@ -175,23 +188,19 @@ impl Registry {
         }
     }
 
-    /// A command connection whose tracking redirected to the subscriber of
-    /// `generation` closed: the server forgot the keys it tracked, so every
-    /// first waiter re-checks (and re-arms).
-    fn tracked_connection_closed(&self, generation: u64) {
-        if matches!(self.status(), Status::Ready { generation: g, .. } if g == generation) {
-            log::debug!(
-                "a tracked connection to {} closed; waiters re-check",
-                self.addr
-            );
-            self.wake_all();
-        }
+    /// Every key may have changed (reconnect, FLUSHALL, a new primary): wake
+    /// every first waiter.
+    pub(crate) fn wake_all(&self) {
+        self.wake_where(|_| true);
     }
 
-    /// Every key may have changed (reconnect, FLUSHALL): wake every first waiter.
-    pub(crate) fn wake_all(&self) {
-        for queue in self.queues.lock().values() {
-            if let Some((_, tx)) = queue.front() {
+    /// Wakes the first waiter of every key `changed` says may have changed
+    /// (the keys of slots that moved to another server).
+    pub(crate) fn wake_where(&self, changed: impl Fn(&[u8]) -> bool) {
+        for (key, queue) in self.queues.lock().iter() {
+            if changed(key)
+                && let Some((_, tx)) = queue.front()
+            {
                 let _ = tx.try_send(());
             }
         }
@@ -262,24 +271,38 @@ fn poll_interval() -> Duration {
 /// waiter re-checks, and so re-arms its key on a connection that is open.
 pub(crate) struct Armed {
     generation: u64,
+    tracker: Weak<Tracker>,
     registry: Weak<Registry>,
 }
 
 impl Drop for Armed {
     fn drop(&mut self) {
-        if let Some(registry) = self.registry.upgrade() {
-            registry.tracked_connection_closed(self.generation);
+        if let (Some(tracker), Some(registry)) = (self.tracker.upgrade(), self.registry.upgrade())
+            && matches!(tracker.status(), Status::Ready { generation, .. } if generation == self.generation)
+        {
+            // The server forgot the keys this connection tracked: every first
+            // waiter re-checks, and so re-arms on an open connection.
+            log::debug!(
+                "a tracked connection to {} closed; waiters re-check",
+                registry.addr
+            );
+            registry.wake_all();
         }
     }
 }
 
-/// Turns on tracking for this connection, redirected to the current subscriber.
-/// Returns whether the connection's reads now arm invalidations.
-fn ensure_tracking(conn: &mut Conn, registry: &Arc<Registry>, deadline: Instant) -> Result<bool> {
+/// Turns on tracking for this connection, redirected to the current subscriber
+/// of its server. Returns whether the connection's reads now arm invalidations.
+pub(crate) fn ensure_tracking(
+    conn: &mut Conn,
+    tracker: &Arc<Tracker>,
+    registry: &Arc<Registry>,
+    deadline: Instant,
+) -> Result<bool> {
     let Status::Ready {
         redirect,
         generation,
-    } = registry.status()
+    } = tracker.status()
     else {
         return Ok(false);
     };
@@ -308,6 +331,7 @@ fn ensure_tracking(conn: &mut Conn, registry: &Arc<Registry>, deadline: Instant)
                 None => {
                     conn.attachment = Some(Box::new(Armed {
                         generation,
+                        tracker: Arc::downgrade(tracker),
                         registry: Arc::downgrade(registry),
                     }));
                 }
@@ -315,7 +339,7 @@ fn ensure_tracking(conn: &mut Conn, registry: &Arc<Registry>, deadline: Instant)
             Ok(true)
         }
         Err(Error::Permission(why)) => {
-            registry.deny(&format!("the ACL denies CLIENT TRACKING ({why})"));
+            tracker.deny(registry, &format!("the ACL denies CLIENT TRACKING ({why})"));
             Ok(false)
         }
         Err(Error::Server { source, .. }) => {
@@ -325,7 +349,7 @@ fn ensure_tracking(conn: &mut Conn, registry: &Arc<Registry>, deadline: Instant)
                 // command; it is reconnecting and will wake every waiter.
                 log::debug!("{why}");
             } else {
-                registry.deny(&why);
+                tracker.deny(registry, &why);
             }
             Ok(false)
         }
@@ -347,11 +371,34 @@ pub(crate) struct WaitFor<'a> {
 }
 
 /// How a wait ended.
-pub(crate) struct Waited<T> {
+pub(crate) struct Waited<T, U> {
     pub(crate) result: Result<Option<T>>,
     /// The connections of attempts that got no reply and may have been
-    /// granted (`None`: an id that is not known).
-    pub(crate) uncertain: Vec<Option<u64>>,
+    /// granted.
+    pub(crate) uncertain: Vec<U>,
+}
+
+/// What a [`Route`] runs on a connection: it gets the server's subscriber.
+pub(crate) type OnTracked<'a, T> = dyn FnMut(&Arc<Tracker>, &mut Conn, Instant) -> Result<T> + 'a;
+
+/// How a wait reaches the server that holds its key: routing, redirections,
+/// and that server's invalidation subscriber.
+pub(crate) trait Route {
+    /// Where an attempt that got no reply went (server and connection id).
+    type Uncertain;
+    /// The subscriber of the server that holds `key` now, started if needed.
+    fn tracker(&self, key: &str) -> Result<Arc<Tracker>>;
+    /// The deployment's waiters.
+    fn registry(&self) -> &Arc<Registry>;
+    /// Runs `f` on a connection to the server that holds `key`, following
+    /// redirections, within `deadline` (plus the connect timeout when it
+    /// opens a connection). `f` gets that server's subscriber.
+    fn attempt<T>(
+        &self,
+        key: &str,
+        deadline: Instant,
+        f: &mut OnTracked<'_, T>,
+    ) -> (Result<T>, Option<Self::Uncertain>);
 }
 
 /// The pause after the `n`-th failure in a row of a wait: random between half
@@ -377,26 +424,27 @@ pub(crate) fn failure_pause(n: u32) -> Duration {
 ///
 /// `attempt` runs one acquire on the connection, finishing by the deadline it
 /// is given.
-pub(crate) fn wait_for<T>(
-    pool: &Pool,
-    registry: &Arc<Registry>,
+pub(crate) fn wait_for<R: Route, T>(
+    route: &R,
     w: &WaitFor<'_>,
     mut attempt: impl FnMut(&mut Conn, Instant) -> Result<Attempt<T>>,
-) -> Waited<T> {
+) -> Waited<T, R::Uncertain> {
     let mut uncertain = Vec::new();
-    let result = wait_loop(pool, registry, w, &mut uncertain, &mut attempt);
+    let result = wait_loop(route, w, &mut uncertain, &mut attempt);
     Waited { result, uncertain }
 }
 
-fn wait_loop<T>(
-    pool: &Pool,
-    registry: &Arc<Registry>,
+fn wait_loop<R: Route, T>(
+    route: &R,
     w: &WaitFor<'_>,
-    uncertain: &mut Vec<Option<u64>>,
+    uncertain: &mut Vec<R::Uncertain>,
     attempt: &mut impl FnMut(&mut Conn, Instant) -> Result<Attempt<T>>,
 ) -> Result<Option<T>> {
+    let registry = route.registry();
     let settle = Instant::now() + w.settle;
-    registry.await_settled(w.deadline.map_or(settle, |d| d.min(settle)));
+    if let Ok(tracker) = route.tracker(w.keys[0]) {
+        tracker.await_settled(w.deadline.map_or(settle, |d| d.min(settle)));
+    }
     let waiter = registry.register(w.keys);
     let never = crossbeam_channel::never();
     let cancelled = w.cancel.map_or(&never, |c| c.receiver());
@@ -411,20 +459,17 @@ fn wait_loop<T>(
             return Err(Error::Cancelled);
         }
         let started = Instant::now();
-        let outcome = (|| {
-            let mut deadline = started + w.node_timeout;
-            let mut conn = pool.get(deadline, Connect::Own)?;
-            deadline += conn.connect_time();
-            let tracked = ensure_tracking(&mut conn, registry, deadline)?;
-            let conn_id = conn.id();
-            match attempt(&mut conn, deadline) {
-                Err(e) if e.is_uncertain() => {
-                    uncertain.push(conn_id);
-                    Err(e)
-                }
-                other => other.map(|a| (a, tracked)),
-            }
-        })();
+        let (outcome, lost) = route.attempt(
+            w.keys[0],
+            started + w.node_timeout,
+            &mut |tracker, conn, deadline| {
+                let tracked = ensure_tracking(conn, tracker, registry, deadline)?;
+                attempt(conn, deadline).map(|a| (a, tracked))
+            },
+        );
+        if let Some(lost) = lost {
+            uncertain.push(lost);
+        }
         let (pttl, tracked) = match outcome {
             // Cancelled while the attempt was in flight: the caller asked to
             // stop, so what it got is released (by dropping it).
@@ -572,7 +617,8 @@ mod tests {
     #[test]
     fn closing_a_connection_with_current_tracking_wakes_every_first_waiter() {
         let reg = Arc::new(Registry::new("redis://test".into()));
-        reg.set_status(Status::Ready {
+        let tracker = Arc::new(Tracker::new());
+        tracker.set_status(Status::Ready {
             redirect: 7,
             generation: 2,
         });
@@ -581,6 +627,7 @@ mod tests {
         let other = reg.register(&["j"]);
         let armed = |generation| Armed {
             generation,
+            tracker: Arc::downgrade(&tracker),
             registry: Arc::downgrade(&reg),
         };
         // Tracking that went to an earlier subscriber was re-armed already.
@@ -591,6 +638,16 @@ mod tests {
         assert!(a.rx.try_recv().is_ok());
         assert!(b.rx.try_recv().is_err());
         assert!(other.rx.try_recv().is_ok());
+    }
+
+    #[test]
+    fn a_slot_change_wakes_only_the_keys_it_names() {
+        let reg = Registry::new("redis://test".into());
+        let a = reg.register(&["{a}k"]);
+        let b = reg.register(&["{b}k"]);
+        reg.wake_where(|key| key.starts_with(b"{a}"));
+        assert!(a.rx.try_recv().is_ok());
+        assert!(b.rx.try_recv().is_err());
     }
 
     #[test]

@@ -17,6 +17,9 @@ use redis::{ConnectionAddr, ConnectionInfo, ConnectionLike, FromRedisValue, Into
 use crate::error::{Error, Result, is_noperm};
 use crate::scripts::Script;
 
+pub(crate) mod cluster;
+pub(crate) mod sentinel;
+
 /// Which RESP version the command connections speak.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -36,7 +39,7 @@ pub(crate) struct TlsMaterial {
     pub(crate) client: Option<(Vec<u8>, Vec<u8>)>,
 }
 
-/// Everything needed to open a connection to one deployment.
+/// Everything needed to open a connection to one server.
 pub(crate) struct ConnConfig {
     client: redis::Client,
     /// RESP2 always: invalidations are received as pub/sub messages.
@@ -45,6 +48,25 @@ pub(crate) struct ConnConfig {
     pub(crate) tls: bool,
     pub(crate) connect_timeout: Duration,
     pub(crate) node_timeout: Duration,
+    /// Ask `ROLE` in the setup round trip and refuse a server that is not a
+    /// primary (a Sentinel deployment's data nodes), or learn its replicas
+    /// (the replication guard).
+    pub(crate) role: RoleCheck,
+    /// The settings it was made from, to reach other servers of the same
+    /// deployment (cluster nodes, a new primary) the same way.
+    settings: ConnSettings,
+}
+
+/// Whether the setup round trip asks `ROLE`, and what it does with the answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub(crate) enum RoleCheck {
+    /// No `ROLE` (a standalone server without the replication guard).
+    #[default]
+    None,
+    /// Learn how many replicas the server has (for `WAIT`).
+    Learn,
+    /// Learn them, and refuse a server that is not a primary.
+    Primary,
 }
 
 impl fmt::Debug for ConnConfig {
@@ -59,6 +81,7 @@ impl fmt::Debug for ConnConfig {
 }
 
 /// Settings the builder collects for [`ConnConfig::new`].
+#[derive(Clone)]
 pub(crate) struct ConnSettings {
     pub(crate) url: String,
     pub(crate) username: Option<String>,
@@ -67,6 +90,7 @@ pub(crate) struct ConnSettings {
     pub(crate) protocol: Protocol,
     pub(crate) connect_timeout: Duration,
     pub(crate) node_timeout: Duration,
+    pub(crate) role: RoleCheck,
     #[cfg(feature = "tls")]
     pub(crate) tls: TlsMaterial,
 }
@@ -119,6 +143,12 @@ impl ConnConfig {
         let info = info.set_redis_settings(redis_info).set_tcp_settings(tcp);
         let client = Self::client(info, tls, &s)?;
         let pubsub_client = Self::client(pubsub_info, tls, &s)?;
+        // What the URL said is kept as settings, for the other servers of
+        // the deployment (reached by address, without the URL's user info).
+        let mut s = s;
+        s.username = redis_settings_username(&client);
+        s.password = redis_settings_password(&client);
+        s.database = Some(redis_info_db(&client));
         Ok(ConnConfig {
             client,
             pubsub_client,
@@ -126,7 +156,43 @@ impl ConnConfig {
             tls,
             connect_timeout: s.connect_timeout,
             node_timeout: s.node_timeout,
+            role: s.role,
+            settings: s,
         })
+    }
+
+    /// The same settings (credentials, TLS, timeouts, database) for the server
+    /// at `host:port` of the same deployment.
+    pub(crate) fn for_addr(&self, host: &str, port: u16, role: RoleCheck) -> Result<Self> {
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        let host = if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]")
+        } else {
+            host.to_owned()
+        };
+        let mut s = self.settings.clone();
+        s.url = format!("{scheme}://{host}:{port}");
+        s.role = role;
+        ConnConfig::new(s)
+    }
+
+    /// The database number it selects.
+    pub(crate) fn database(&self) -> Option<i64> {
+        self.settings.database
+    }
+
+    /// The host and port this configuration connects to, when it is TCP.
+    pub(crate) fn host_port(&self) -> Option<(String, u16)> {
+        let info: ConnectionInfo = self.settings.url.as_str().into_connection_info().ok()?;
+        match info.addr() {
+            ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => Some((
+                host.trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .to_owned(),
+                *port,
+            )),
+            _ => None,
+        }
     }
 
     #[cfg(feature = "tls")]
@@ -195,6 +261,11 @@ impl ConnConfig {
             id: None,
             timeout_ms: 0,
             broken: false,
+            asking: false,
+            wait: None,
+            waited: None,
+            replicas: None,
+            fresh: true,
             attachment: None,
         };
         // The first round trip also completes a TLS handshake and surfaces a
@@ -204,6 +275,10 @@ impl ConnConfig {
         pipe.ignore_errors();
         pipe.cmd("CLIENT").arg("SETNAME").arg(name);
         pipe.cmd("CLIENT").arg("ID");
+        let ask_role = self.role != RoleCheck::None;
+        if ask_role {
+            pipe.cmd("ROLE");
+        }
         let deadline = started + budget;
         let values = match conn.pipeline(&pipe, "connection setup", deadline) {
             Ok(values) => values,
@@ -228,6 +303,20 @@ impl ConnConfig {
         match values.next() {
             Some(redis::Value::Int(id)) => conn.id = u64::try_from(id).ok(),
             other => log::debug!("no CLIENT ID for the connection: {other:?}"),
+        }
+        if ask_role {
+            match values.next().map(|v| sentinel::parse_role(&v)) {
+                Some(sentinel::Role::Primary { replicas }) => conn.replicas = Some(replicas),
+                Some(role) if self.role == RoleCheck::Primary => {
+                    return Err(Error::Topology(format!(
+                        "{} is not the primary (ROLE says {role}); the deployment is being \
+                         looked up again",
+                        self.addr
+                    )));
+                }
+                // An ACL without ROLE: the replica count is unknown.
+                other => log::debug!("no usable ROLE for {}: {other:?}", self.addr),
+            }
         }
         Ok(conn)
     }
@@ -269,6 +358,26 @@ impl ConnConfig {
     }
 }
 
+fn redis_settings_username(client: &redis::Client) -> Option<String> {
+    client
+        .get_connection_info()
+        .redis_settings()
+        .username()
+        .map(str::to_owned)
+}
+
+fn redis_settings_password(client: &redis::Client) -> Option<String> {
+    client
+        .get_connection_info()
+        .redis_settings()
+        .password()
+        .map(str::to_owned)
+}
+
+fn redis_info_db(client: &redis::Client) -> i64 {
+    client.get_connection_info().redis_settings().db()
+}
+
 fn describe_addr(addr: &ConnectionAddr, db: i64) -> String {
     let base = match addr {
         ConnectionAddr::Tcp(host, port) => format!("redis://{host}:{port}"),
@@ -308,6 +417,16 @@ pub(crate) struct Conn {
     /// The socket timeout now set, in whole milliseconds (0: none yet).
     timeout_ms: u64,
     broken: bool,
+    /// Send `ASKING` before the next script (an `ASK` redirection's target).
+    asking: bool,
+    /// Pipeline `WAIT replicas timeout` after the next script.
+    wait: Option<(u32, Duration)>,
+    /// What that `WAIT` answered.
+    waited: Option<u32>,
+    /// How many replicas `ROLE` listed when the connection was made.
+    replicas: Option<u32>,
+    /// Not yet returned to a pool: just opened.
+    fresh: bool,
     /// State a higher layer keeps with this connection and drops with it (the
     /// waiters keep client-tracking state here, and hear of the close by its drop).
     pub(crate) attachment: Option<Box<dyn Any + Send>>,
@@ -321,6 +440,12 @@ pub(crate) fn left(deadline: Instant) -> Duration {
 }
 
 impl Conn {
+    /// Whether the connection was just opened (never idle in a pool, where
+    /// the server may have closed it meanwhile).
+    pub(crate) fn is_fresh(&self) -> bool {
+        self.fresh
+    }
+
     /// Whether a transport failure made this connection unusable.
     pub(crate) fn is_broken(&self) -> bool {
         self.broken || !self.inner.is_open()
@@ -433,6 +558,9 @@ impl Conn {
         op: &'static str,
         deadline: Instant,
     ) -> Result<T> {
+        if self.asking || self.wait.is_some() {
+            return self.wrapped_script(script, keys, args, op, deadline);
+        }
         match self.query(&script.evalsha(keys, args), op, deadline) {
             Err(Error::Server { source, .. }) if source.code() == Some("NOSCRIPT") => {
                 log::debug!(
@@ -449,6 +577,93 @@ impl Conn {
             }
             other => other,
         }
+    }
+
+    /// Sends `ASKING` right before the next script, in the same round trip (the
+    /// target of an `ASK` redirection serves a slot it is importing only then).
+    pub(crate) fn ask_next(&mut self) {
+        self.asking = true;
+    }
+
+    /// Pipelines `WAIT replicas timeout` after the next script, in the same
+    /// round trip; [`Conn::take_waited`] then tells what it answered. The
+    /// caller's deadline must leave room for `timeout`.
+    pub(crate) fn wait_after_next(&mut self, replicas: u32, timeout: Duration) {
+        self.wait = Some((replicas, timeout));
+        self.waited = None;
+    }
+
+    /// How many replicas acknowledged the script's writes, if a `WAIT` was
+    /// pipelined after it and answered.
+    pub(crate) fn take_waited(&mut self) -> Option<u32> {
+        self.wait = None;
+        self.waited.take()
+    }
+
+    /// How many replicas `ROLE` listed when this connection was made (`None`
+    /// when it was not asked or not allowed).
+    pub(crate) fn replicas(&self) -> Option<u32> {
+        self.replicas
+    }
+
+    /// [`Conn::script`] with `ASKING` before and/or `WAIT` after it, in one
+    /// pipeline; a server without the script gets `EVAL` the same way.
+    fn wrapped_script<T: FromRedisValue>(
+        &mut self,
+        script: &Script,
+        keys: &[&str],
+        args: &[&str],
+        op: &'static str,
+        deadline: Instant,
+    ) -> Result<T> {
+        let asking = std::mem::take(&mut self.asking);
+        let wait = self.wait.take();
+        let mut cmd = script.evalsha(keys, args);
+        for sha in [true, false] {
+            let mut pipe = redis::pipe();
+            if asking {
+                pipe.cmd("ASKING");
+            }
+            pipe.add_command(cmd.clone());
+            if let Some((replicas, timeout)) = wait {
+                let ms = (timeout.as_millis() as u64).max(1);
+                pipe.cmd("WAIT").arg(replicas).arg(ms);
+            }
+            let timeout = left(deadline);
+            let mut values = self.pipeline(&pipe, op, deadline)?.into_iter();
+            if asking {
+                values.next();
+            }
+            let reply = values.next().unwrap_or(redis::Value::Nil);
+            if let Some(redis::Value::Int(n)) = values.next() {
+                self.waited = u32::try_from(n).ok();
+            }
+            match reply {
+                redis::Value::ServerError(e) if sha && e.code() == "NOSCRIPT" => {
+                    log::debug!(
+                        "script {} not cached on the server; sending it",
+                        script.name
+                    );
+                    if Instant::now() >= deadline {
+                        return Err(Error::Timeout {
+                            op,
+                            after: Duration::ZERO,
+                        });
+                    }
+                    cmd = script.eval(keys, args);
+                }
+                redis::Value::ServerError(e) => {
+                    return Err(self.fail(redis::RedisError::from(e), op, timeout));
+                }
+                value => {
+                    return T::from_redis_value(value).map_err(|e| Error::UnexpectedReply {
+                        op,
+                        reply: e.to_string(),
+                    });
+                }
+            }
+        }
+        unreachable!("the second pass sends EVAL and returns")
     }
 
     /// Gives the raw connection for pub/sub use.
@@ -468,6 +683,9 @@ pub(crate) struct Pool {
 struct PoolState {
     idle: Vec<Conn>,
     open: usize,
+    /// The server is no longer the deployment's primary: nothing is handed out
+    /// or kept any more.
+    closed: bool,
 }
 
 impl Pool {
@@ -478,13 +696,15 @@ impl Pool {
             state: Mutex::new(PoolState {
                 idle: Vec::new(),
                 open: 0,
+                closed: false,
             }),
             freed: Condvar::new(),
         }
     }
 
     /// Puts a freshly made connection in the pool (used by the first connect).
-    pub(crate) fn seed(&self, conn: Conn) {
+    pub(crate) fn seed(&self, mut conn: Conn) {
+        conn.fresh = false;
         let mut state = self.state.lock();
         state.open += 1;
         state.idle.push(conn);
@@ -499,6 +719,12 @@ impl Pool {
         let started = Instant::now();
         let mut state = self.state.lock();
         loop {
+            if state.closed {
+                return Err(Error::Topology(format!(
+                    "{} is no longer the deployment's primary",
+                    self.cfg.addr
+                )));
+            }
             if let Some(conn) = state.idle.pop() {
                 return Ok(Pooled {
                     pool: self,
@@ -533,9 +759,26 @@ impl Pool {
         }
     }
 
-    fn put(&self, conn: Conn) {
+    /// Closes the idle connections and every one returned from now on, and
+    /// refuses to hand out more (the server stopped being the primary).
+    pub(crate) fn close(&self) {
         let mut state = self.state.lock();
-        if conn.is_broken() {
+        state.closed = true;
+        let idle = std::mem::take(&mut state.idle);
+        state.open -= idle.len();
+        drop(state);
+        drop(idle);
+        self.freed.notify_all();
+    }
+
+    fn put(&self, mut conn: Conn) {
+        conn.fresh = false;
+        let mut state = self.state.lock();
+        if state.closed {
+            state.open -= 1;
+            drop(state);
+            drop(conn);
+        } else if conn.is_broken() {
             // A connection that failed usually means the server restarted, failed
             // over or stalled: the idle ones are likely dead too, and a reply
             // arriving late on any of them must not be read as the next answer.

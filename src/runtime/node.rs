@@ -1,0 +1,798 @@
+//! One server of a deployment — the standalone server, the current Sentinel
+//! primary, or one cluster primary — with everything the crate keeps per
+//! server: its command pool, its invalidation subscriber (client ids are
+//! per server, and `CLIENT TRACKING … REDIRECT` resolves them locally) and
+//! its executor (`respire-io`, one connection of its own), each started the
+//! first time it is needed.
+//!
+//! The executor sends every renewal due at about the same time as one
+//! pipeline. A renewal with no reply may still be applied later, so before the
+//! leases it carried may be extended again, the connection it went out on is
+//! killed (`CLIENT KILL ID` from a fresh connection to the same server) and
+//! the kill confirmed; until then their claims stay taken and they are bounded
+//! by the worst case. The same executor fences off the connections of user
+//! calls that got no reply (a `reset_expiry`, an acquire), retrying the kill
+//! while it matters, deletes what an unanswered acquire may have set once its
+//! connection is dead, and re-verifies leases after the deployment's topology
+//! changed under them. A renewal answered with `MOVED` is planned again for
+//! the new owner; one answered with `ASK` goes to the target's executor with
+//! `ASKING`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use parking_lot::Mutex;
+
+use crate::clock::Clock;
+use crate::conn::cluster::{NodeAddr, Redirect, redirect_of};
+use crate::conn::{Conn, ConnConfig, Pool};
+use crate::core::lease::{Loss, Refusal, Ticket};
+use crate::core::timing;
+use crate::error::{Error, Result};
+use crate::runtime::renewal::{Cell, Counters, Renewal};
+use crate::runtime::tracking::Tracking;
+use crate::runtime::waiters::{Registry, Tracker};
+
+/// What an executor needs of the deployment around it.
+pub(crate) trait Directory: Send + Sync {
+    /// The deployment's renewal thread.
+    fn renewal(&self) -> &Renewal;
+    /// A `MOVED` reply from a node on `host`: `slot` is served by `addr` now.
+    /// Returns that node.
+    fn moved(&self, slot: u16, addr: &NodeAddr) -> Option<Arc<Node>>;
+    /// The node at `addr` (the target of an `ASK`).
+    fn node_at(&self, addr: &NodeAddr) -> Option<Arc<Node>>;
+    /// A reply suggests the deployment changed (`READONLY`, a server that is
+    /// not the primary): look it up again soon.
+    fn suspect(&self);
+}
+
+/// Work for a node's executor.
+pub(crate) enum Job {
+    /// Renew these leases by their TTL, in one pipeline (`asking`: each with
+    /// `ASKING` before it, for a slot this node is importing).
+    Renew {
+        leases: Vec<Arc<Cell>>,
+        asking: bool,
+    },
+    /// Check that these leases are still held here (the deployment changed
+    /// under them); a missing one is flagged lost at once.
+    Verify {
+        leases: Vec<Arc<Cell>>,
+        asking: bool,
+        hops: u8,
+    },
+    /// A user call's extension of `lease` got no reply on connection `conn`
+    /// of this node: kill it, then release the claim.
+    Fence {
+        conn: Option<u64>,
+        lease: Arc<Cell>,
+        ticket: Ticket,
+    },
+    /// Acquire attempts got no reply on connections `conns` of this node:
+    /// kill them, then run `cmd` (delete what they may have set, by owner),
+    /// until `give_up_at`.
+    Cleanup {
+        conns: Vec<u64>,
+        cmd: redis::Cmd,
+        key: String,
+        give_up_at: Instant,
+    },
+}
+
+/// One server and the crate's pool, subscriber and executor for it.
+pub(crate) struct Node {
+    pub(crate) cfg: Arc<ConnConfig>,
+    pub(crate) pool: Pool,
+    /// The server's host, for redirections that name none.
+    pub(crate) host: String,
+    dir: Weak<dyn Directory>,
+    clock: Arc<dyn Clock>,
+    counters: Arc<Counters>,
+    registry: Arc<Registry>,
+    io: OnceLock<Sender<Job>>,
+    tracking: OnceLock<Tracking>,
+    start: Mutex<()>,
+    retired: AtomicBool,
+}
+
+impl Node {
+    pub(crate) fn new(
+        cfg: Arc<ConnConfig>,
+        pool_size: usize,
+        dir: Weak<dyn Directory>,
+        clock: Arc<dyn Clock>,
+        counters: Arc<Counters>,
+        registry: Arc<Registry>,
+    ) -> Node {
+        let host = cfg.host_port().map(|(h, _)| h).unwrap_or_default();
+        Node {
+            pool: Pool::new(cfg.clone(), pool_size),
+            cfg,
+            host,
+            dir,
+            clock,
+            counters,
+            registry,
+            io: OnceLock::new(),
+            tracking: OnceLock::new(),
+            start: Mutex::new(()),
+            retired: AtomicBool::new(false),
+        }
+    }
+
+    /// The server's address, for messages.
+    pub(crate) fn addr(&self) -> &str {
+        &self.cfg.addr
+    }
+
+    /// This server's invalidation subscriber, started on first use.
+    pub(crate) fn tracker(&self) -> Result<Arc<Tracker>> {
+        if let Some(t) = self.tracking.get() {
+            return Ok(t.tracker.clone());
+        }
+        let _start = self.start.lock();
+        if let Some(t) = self.tracking.get() {
+            return Ok(t.tracker.clone());
+        }
+        let t = Tracking::spawn(self.cfg.clone(), self.registry.clone()).map_err(|source| {
+            Error::Thread {
+                name: "respire-tracker",
+                source,
+            }
+        })?;
+        Ok(self.tracking.get_or_init(|| t).tracker.clone())
+    }
+
+    /// Whether this server's subscriber was started (waiters have used it).
+    pub(crate) fn tracking_started(&self) -> bool {
+        self.tracking.get().is_some()
+    }
+
+    fn executor(&self) -> Result<&Sender<Job>> {
+        if let Some(tx) = self.io.get() {
+            return Ok(tx);
+        }
+        let _start = self.start.lock();
+        if let Some(tx) = self.io.get() {
+            return Ok(tx);
+        }
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let worker = Executor {
+            cfg: self.cfg.clone(),
+            host: self.host.clone(),
+            clock: self.clock.clone(),
+            counters: self.counters.clone(),
+            dir: self.dir.clone(),
+            conn: None,
+            fences: Vec::new(),
+            cleanups: Vec::new(),
+        };
+        std::thread::Builder::new()
+            .name("respire-io".into())
+            .spawn(move || worker.run(&rx))
+            .map_err(|source| Error::Thread {
+                name: "respire-io",
+                source,
+            })?;
+        Ok(self.io.get_or_init(|| tx))
+    }
+
+    /// Queues work for this node's executor (starting it if needed); false
+    /// when it cannot be started.
+    pub(crate) fn submit(&self, job: Job) -> bool {
+        match self.executor() {
+            Ok(tx) => tx.send(job).is_ok(),
+            Err(e) => {
+                log::warn!("cannot start the executor for {}: {e}", self.cfg.addr);
+                false
+            }
+        }
+    }
+
+    /// The server stopped being the deployment's primary (or a cluster
+    /// primary): its pooled connections are closed and no more are made.
+    pub(crate) fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+        self.pool.close();
+    }
+
+    /// Whether [`Node::retire`] was called.
+    pub(crate) fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("addr", &self.cfg.addr)
+            .field("retired", &self.is_retired())
+            .finish_non_exhaustive()
+    }
+}
+
+struct PendingFence {
+    conn: u64,
+    leases: Vec<(Arc<Cell>, Ticket)>,
+    retry_at: Instant,
+}
+
+struct PendingCleanup {
+    conns: Vec<u64>,
+    cmd: redis::Cmd,
+    key: String,
+    give_up_at: Instant,
+    retry_at: Instant,
+    /// Whether it may still follow a redirection to another node.
+    may_move: bool,
+}
+
+struct Executor {
+    cfg: Arc<ConnConfig>,
+    host: String,
+    clock: Arc<dyn Clock>,
+    counters: Arc<Counters>,
+    dir: Weak<dyn Directory>,
+    conn: Option<Conn>,
+    fences: Vec<PendingFence>,
+    cleanups: Vec<PendingCleanup>,
+}
+
+/// The redirection an error reply in a pipeline carries.
+fn redirection(value: &redis::Value, host: &str) -> Option<Redirect> {
+    match value {
+        redis::Value::ServerError(e) => redirect_of(e.code(), e.details(), host),
+        _ => None,
+    }
+}
+
+fn is_code(value: &redis::Value, code: &str) -> bool {
+    matches!(value, redis::Value::ServerError(e) if e.code() == code)
+}
+
+impl Executor {
+    fn run(mut self, rx: &Receiver<Job>) {
+        loop {
+            let next = self
+                .fences
+                .iter()
+                .map(|f| f.retry_at)
+                .chain(self.cleanups.iter().map(|c| c.retry_at))
+                .min();
+            let job = match next {
+                Some(at) => rx.recv_timeout(at.saturating_duration_since(self.clock.now())),
+                None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            };
+            match job {
+                Ok(job) => self.handle(job),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+            self.retry_pending();
+        }
+    }
+
+    fn handle(&mut self, job: Job) {
+        match job {
+            Job::Renew { leases, asking } => self.renew(leases, asking),
+            Job::Verify {
+                leases,
+                asking,
+                hops,
+            } => self.verify(leases, asking, hops),
+            Job::Fence {
+                conn,
+                lease,
+                ticket,
+            } => match conn {
+                Some(conn) => {
+                    let now = self.clock.now();
+                    self.fences.push(PendingFence {
+                        conn,
+                        leases: vec![(lease, ticket)],
+                        retry_at: now,
+                    });
+                }
+                None => log::warn!(
+                    "cannot fence off an unanswered extension of {:?}: its connection's id is \
+                     unknown (CLIENT ID denied); it stays bounded by its worst case",
+                    lease.key()
+                ),
+            },
+            Job::Cleanup {
+                conns,
+                cmd,
+                key,
+                give_up_at,
+            } => {
+                let now = self.clock.now();
+                self.cleanups.push(PendingCleanup {
+                    conns,
+                    cmd,
+                    key,
+                    give_up_at,
+                    retry_at: now,
+                    may_move: true,
+                });
+            }
+        }
+    }
+
+    /// A connection for the executor's own commands, made within `deadline`.
+    fn ensure_conn(&mut self, deadline: Instant) -> Result<&mut Conn> {
+        if self.conn.as_ref().is_some_and(Conn::is_broken) {
+            self.conn = None;
+        }
+        if self.conn.is_none() {
+            let budget = deadline.saturating_duration_since(self.clock.now());
+            match self.cfg.connect(budget, "respire-renewal") {
+                Ok(conn) => self.conn = Some(conn),
+                Err(e) => {
+                    if matches!(e, Error::Topology(_))
+                        && let Some(dir) = self.dir.upgrade()
+                    {
+                        dir.suspect();
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(self.conn.as_mut().expect("connected above"))
+    }
+
+    /// Runs `cmds` as one pipeline (each after `ASKING` when `asking`) and
+    /// returns their replies in order.
+    fn send(
+        &mut self,
+        cmds: &[redis::Cmd],
+        asking: bool,
+        op: &'static str,
+        deadline: Instant,
+    ) -> Result<Vec<redis::Value>> {
+        let mut pipe = redis::pipe();
+        for cmd in cmds {
+            if asking {
+                pipe.cmd("ASKING");
+            }
+            pipe.add_command(cmd.clone());
+        }
+        Counters::add(&self.counters.round_trips, 1);
+        let conn = self.conn.as_mut().expect("connected by the caller");
+        let values = conn.pipeline(&pipe, op, deadline)?;
+        Ok(if asking {
+            values.into_iter().skip(1).step_by(2).collect()
+        } else {
+            values
+        })
+    }
+
+    /// Kills connection `id` from the executor's connection; Ok once the
+    /// server confirmed it no longer exists.
+    fn kill(&mut self, id: u64, deadline: Instant) -> Result<()> {
+        let conn = self.ensure_conn(deadline)?;
+        let cmd = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("ID")
+            .arg(id)
+            .arg("SKIPME")
+            .arg("yes")
+            .clone();
+        // 1: killed now; 0: no such connection any more (ids are never reused).
+        let r: Result<i64> = conn.query(&cmd, "CLIENT KILL", deadline);
+
+        if r.as_ref().is_err_and(|e| e.is_uncertain()) {
+            self.conn = None;
+        }
+        r.map(|_| Counters::add(&self.counters.killed, 1))
+    }
+
+    fn renew(&mut self, batch: Vec<Arc<Cell>>, asking: bool) {
+        let now = self.clock.now();
+        let nt = self.cfg.node_timeout;
+        let mut done = Vec::with_capacity(batch.len());
+        // Every step shares one deadline: a node timeout, and never past the
+        // earliest loss deadline in the batch (a later reply would not count).
+        let earliest = batch.iter().map(|l| l.lost_at()).min().unwrap_or(now);
+        let deadline = (now + nt).min(earliest).max(now + Duration::from_millis(1));
+        if let Err(e) = self.ensure_conn(deadline) {
+            log::warn!("renewal connection to {} failed: {e}", self.cfg.addr);
+            Counters::add(&self.counters.failures, batch.len() as u64);
+            for lease in &batch {
+                done.push((lease.id(), Some(self.retry_at(lease))));
+            }
+            self.report(done);
+            return;
+        }
+        let mut cmds = Vec::with_capacity(batch.len());
+        let mut sent = Vec::with_capacity(batch.len());
+        let send_at = self.clock.now();
+        for lease in batch {
+            let ttl = lease.ttl();
+            match lease.begin_extend(send_at, ttl) {
+                Ok(ticket) => {
+                    let ttl_ms = crate::keys::ttl_ms(ttl).unwrap_or(1);
+                    cmds.push(lease.extra().extend_cmd(ttl_ms));
+                    sent.push((lease, ticket));
+                }
+                // Another extension (the holder's reset_expiry) is in flight;
+                // its end plans this lease again.
+                Err(Refusal::Busy) => done.push((lease.id(), None)),
+                Err(Refusal::Lost) => done.push((lease.id(), None)),
+            }
+        }
+        if sent.is_empty() {
+            self.report(done);
+            return;
+        }
+        let conn_id = self.conn.as_ref().and_then(Conn::id);
+        let mut reply = self.send(&cmds, asking, "renew", deadline);
+        // A server that lost the script (restarted, SCRIPT FLUSH) gets it with
+        // EVAL for those leases, in the time left.
+        if let Ok(values) = &mut reply {
+            let missing: Vec<usize> = values
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| is_code(v, "NOSCRIPT"))
+                .map(|(i, _)| i)
+                .collect();
+            if !missing.is_empty() {
+                let again: Vec<redis::Cmd> = missing
+                    .iter()
+                    .map(|&i| {
+                        let lease = &sent[i].0;
+                        let ttl_ms = crate::keys::ttl_ms(lease.ttl()).unwrap_or(1);
+                        lease.extra().extend_eval(ttl_ms)
+                    })
+                    .collect();
+                match self.send(&again, asking, "renew", deadline) {
+                    Ok(evals) => {
+                        for (i, v) in missing.into_iter().zip(evals) {
+                            values[i] = v;
+                        }
+                    }
+                    Err(e) => reply = Err(e),
+                }
+            }
+        }
+        let now = self.clock.now();
+        match reply {
+            Ok(values) => {
+                let mut forward: Vec<(NodeAddr, Vec<Arc<Cell>>)> = Vec::new();
+                for ((lease, ticket), value) in sent.into_iter().zip(values) {
+                    match redirection(&value, &self.host) {
+                        // Not run: the slot is served elsewhere now. The map is
+                        // updated and the renewal planned again at once.
+                        Some(Redirect::Moved { slot, addr }) => {
+                            lease.not_sent(ticket, now);
+                            if let Some(dir) = self.dir.upgrade() {
+                                dir.moved(slot, &addr);
+                            }
+                            done.push((lease.id(), Some(now + Duration::from_millis(2))));
+                        }
+                        // Not run: the key was migrated; ask the target.
+                        Some(Redirect::Ask { addr }) if !asking => {
+                            lease.not_sent(ticket, now);
+                            match forward.iter_mut().find(|(a, _)| *a == addr) {
+                                Some((_, leases)) => leases.push(lease),
+                                None => forward.push((addr, vec![lease])),
+                            }
+                        }
+                        _ => {
+                            let retry = self.settle(&lease, ticket, value, now);
+                            done.push((lease.id(), retry));
+                        }
+                    }
+                }
+                self.forward_asking(forward, &mut done);
+            }
+            Err(e) => {
+                log::warn!(
+                    "renewing {} lease(s) on {} failed: {e}",
+                    sent.len(),
+                    self.cfg.addr
+                );
+                Counters::add(&self.counters.failures, sent.len() as u64);
+                self.conn = None;
+                for (lease, ticket) in &sent {
+                    lease.unanswered(*ticket, now);
+                    done.push((lease.id(), Some(self.retry_at(lease))));
+                }
+                match conn_id {
+                    Some(id) => self.fences.push(PendingFence {
+                        conn: id,
+                        leases: sent,
+                        retry_at: now,
+                    }),
+                    None => log::warn!(
+                        "cannot fence off renewals that got no reply: the connection's id \
+                         is unknown"
+                    ),
+                }
+                // Fence at once, so the leases can be renewed again in time.
+                self.retry_pending();
+            }
+        }
+        self.report(done);
+    }
+
+    /// Hands renewals answered with `ASK` to the executors of their targets;
+    /// those report them. Any that cannot be handed over are retried.
+    fn forward_asking(
+        &self,
+        forward: Vec<(NodeAddr, Vec<Arc<Cell>>)>,
+        done: &mut Vec<(u64, Option<Instant>)>,
+    ) {
+        let dir = self.dir.upgrade();
+        for (addr, leases) in forward {
+            let target = dir.as_ref().and_then(|d| d.node_at(&addr));
+            let ids: Vec<(u64, Option<Instant>)> = leases
+                .iter()
+                .map(|l| (l.id(), Some(self.retry_at(l))))
+                .collect();
+            let handed = target.is_some_and(|node| {
+                node.submit(Job::Renew {
+                    leases,
+                    asking: true,
+                })
+            });
+            if !handed {
+                done.extend(ids);
+            }
+        }
+    }
+
+    /// Applies one renewal reply; returns when to retry if it failed.
+    fn settle(
+        &self,
+        lease: &Arc<Cell>,
+        ticket: Ticket,
+        value: redis::Value,
+        now: Instant,
+    ) -> Option<Instant> {
+        match value {
+            redis::Value::Int(1) => {
+                if lease.extended(ticket, now) {
+                    Counters::add(&self.counters.renewals, 1);
+                } else {
+                    Counters::add(&self.counters.losses, 1);
+                }
+                None
+            }
+            redis::Value::Int(n) => {
+                lease.refused(
+                    ticket,
+                    now,
+                    if n == 0 { Loss::Gone } else { Loss::TakenOver },
+                );
+                Counters::add(&self.counters.losses, 1);
+                None
+            }
+            // An error reply (a refusal, a server busy, loading, read-only or
+            // migrating): the script did not change the lease.
+            other => {
+                log::warn!("unexpected renewal reply for {:?}: {other:?}", lease.key());
+                if is_code(&other, "READONLY")
+                    && let Some(dir) = self.dir.upgrade()
+                {
+                    dir.suspect();
+                }
+                lease.not_sent(ticket, now);
+                Counters::add(&self.counters.failures, 1);
+                Some(self.retry_at(lease))
+            }
+        }
+    }
+
+    /// Checks leases after the deployment changed under them: gone or taken
+    /// over here ⇒ lost now. No reply ⇒ nothing learned (their deadlines
+    /// still bound them).
+    fn verify(&mut self, leases: Vec<Arc<Cell>>, asking: bool, hops: u8) {
+        let now = self.clock.now();
+        let leases: Vec<Arc<Cell>> = leases
+            .into_iter()
+            .filter(|l| !l.is_finished() && !l.is_lost(now))
+            .collect();
+        if leases.is_empty() {
+            return;
+        }
+        let deadline = now + self.cfg.node_timeout;
+        if let Err(e) = self.ensure_conn(deadline) {
+            log::debug!(
+                "cannot re-verify {} lease(s) on {}: {e}",
+                leases.len(),
+                self.cfg.addr
+            );
+            return;
+        }
+        let cmds: Vec<redis::Cmd> = leases.iter().map(|l| l.extra().verify_cmd(false)).collect();
+        let mut values = match self.send(&cmds, asking, "verify", deadline) {
+            Ok(values) => values,
+            Err(e) => {
+                log::debug!("re-verifying leases on {} failed: {e}", self.cfg.addr);
+                if e.is_uncertain() {
+                    self.conn = None;
+                }
+                return;
+            }
+        };
+        let missing: Vec<usize> = (0..values.len())
+            .filter(|&i| is_code(&values[i], "NOSCRIPT"))
+            .collect();
+        if !missing.is_empty() {
+            let again: Vec<redis::Cmd> = missing
+                .iter()
+                .map(|&i| leases[i].extra().verify_cmd(true))
+                .collect();
+            if let Ok(evals) = self.send(&again, asking, "verify", deadline) {
+                for (i, v) in missing.into_iter().zip(evals) {
+                    values[i] = v;
+                }
+            }
+        }
+        let now = self.clock.now();
+        let dir = self.dir.upgrade();
+        let mut elsewhere: Vec<(Arc<Node>, bool, Vec<Arc<Cell>>)> = Vec::new();
+        for (lease, value) in leases.into_iter().zip(values) {
+            let redirect = redirection(&value, &self.host);
+            let target = match (&redirect, &dir) {
+                (Some(Redirect::Moved { slot, addr }), Some(dir)) => {
+                    dir.moved(*slot, addr).map(|n| (n, false))
+                }
+                (Some(Redirect::Ask { addr }), Some(dir)) => dir.node_at(addr).map(|n| (n, true)),
+                _ => None,
+            };
+            if let Some((node, ask)) = target {
+                if hops < 2 {
+                    match elsewhere
+                        .iter_mut()
+                        .find(|(n, a, _)| Arc::ptr_eq(n, &node) && *a == ask)
+                    {
+                        Some((_, _, list)) => list.push(lease),
+                        None => elsewhere.push((node, ask, vec![lease])),
+                    }
+                }
+                continue;
+            }
+            let loss = match &value {
+                redis::Value::Array(v) => match v.first() {
+                    Some(redis::Value::Int(0)) => Some(Loss::Gone),
+                    Some(redis::Value::Int(-1)) => Some(Loss::TakenOver),
+                    _ => None,
+                },
+                _ => None,
+            };
+            if let Some(loss) = loss {
+                log::warn!(
+                    "lease {:?} is not held on {} after the deployment changed",
+                    lease.key(),
+                    self.cfg.addr
+                );
+                lease.mark_lost(now, loss);
+                Counters::add(&self.counters.losses, 1);
+                if let Some(dir) = &dir {
+                    dir.renewal().touch(&lease);
+                }
+            }
+        }
+        for (node, asking, leases) in elsewhere {
+            node.submit(Job::Verify {
+                leases,
+                asking,
+                hops: hops + 1,
+            });
+        }
+    }
+
+    fn retry_at(&self, lease: &Cell) -> Instant {
+        self.clock.now() + timing::retry_delay(lease.ttl())
+    }
+
+    fn report(&self, done: Vec<(u64, Option<Instant>)>) {
+        if let Some(dir) = self.dir.upgrade() {
+            dir.renewal().completed(done);
+        }
+    }
+
+    /// Retries the kills and clean-ups that are due.
+    fn retry_pending(&mut self) {
+        let now = self.clock.now();
+        let nt = self.cfg.node_timeout;
+        let fences = std::mem::take(&mut self.fences);
+        for mut f in fences {
+            // Leases lost or released meanwhile no longer need their claim.
+            f.leases.retain(|(l, _)| !l.is_lost(now));
+            if f.leases.is_empty() {
+                continue;
+            }
+            if f.retry_at > now {
+                self.fences.push(f);
+                continue;
+            }
+            let deadline = self.clock.now() + nt;
+            match self.kill(f.conn, deadline) {
+                Ok(()) => {
+                    let now = self.clock.now();
+                    let dir = self.dir.upgrade();
+                    for (lease, ticket) in f.leases {
+                        lease.fenced(ticket, now);
+                        if let Some(dir) = &dir {
+                            dir.renewal().touch(&lease);
+                        }
+                    }
+                }
+                Err(e) => {
+                    log::warn!(
+                        "could not kill connection {} on {} after a command on it got no \
+                         reply: {e}; retrying",
+                        f.conn,
+                        self.cfg.addr
+                    );
+                    f.retry_at = self.clock.now() + Duration::from_millis(50).min(nt);
+                    self.fences.push(f);
+                }
+            }
+        }
+        let cleanups = std::mem::take(&mut self.cleanups);
+        for mut c in cleanups {
+            let now = self.clock.now();
+            if now >= c.give_up_at {
+                log::warn!(
+                    "gave up cleaning up after an unanswered acquire of {:?}; if it was \
+                     granted, it has expired by now",
+                    c.key
+                );
+                continue;
+            }
+            if c.retry_at > now {
+                self.cleanups.push(c);
+                continue;
+            }
+            let deadline = (now + nt).min(c.give_up_at);
+            let mut killed = Ok(());
+            while let Some(&id) = c.conns.last() {
+                match self.kill(id, deadline) {
+                    Ok(()) => {
+                        c.conns.pop();
+                    }
+                    Err(e) => {
+                        killed = Err(e);
+                        break;
+                    }
+                }
+            }
+            let result = killed.and_then(|()| {
+                let conn = self.ensure_conn(deadline)?;
+                conn.query::<redis::Value>(&c.cmd, "clean-up", deadline)
+            });
+            match result {
+                Ok(v) => log::debug!(
+                    "cleaned up after an unanswered acquire of {:?}: {v:?}",
+                    c.key
+                ),
+                Err(e) => {
+                    // The key's slot is served elsewhere now: clean up there
+                    // (the connections here are dead already).
+                    if c.may_move
+                        && let Some(Redirect::Moved { slot, addr }) =
+                            crate::conn::cluster::redirect(&e, &self.host)
+                        && let Some(node) = self.dir.upgrade().and_then(|d| d.moved(slot, &addr))
+                    {
+                        node.submit(Job::Cleanup {
+                            conns: Vec::new(),
+                            cmd: c.cmd,
+                            key: c.key,
+                            give_up_at: c.give_up_at,
+                        });
+                        continue;
+                    }
+                    log::debug!("clean-up of {:?} failed ({e}); retrying", c.key);
+                    c.retry_at = self.clock.now() + Duration::from_millis(50).min(nt);
+                    self.cleanups.push(c);
+                }
+            }
+        }
+    }
+}
