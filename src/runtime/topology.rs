@@ -995,6 +995,12 @@ impl Route for Topology {
     ) -> (Result<T>, Option<Uncertain>) {
         self.run(key, deadline, Connect::Own, &mut |node, conn, deadline| {
             let tracker = node.tracker()?;
+            // A server waited on for the first time (a slot moved to it, a
+            // new primary): give its subscriber a moment to connect, so the
+            // attempt arms tracking instead of polling once (at most half
+            // the attempt's time).
+            let now = Instant::now();
+            tracker.await_settled(now + deadline.saturating_duration_since(now) / 2);
             f(&tracker, conn, deadline)
         })
     }
