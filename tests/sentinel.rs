@@ -1,0 +1,550 @@
+//! The primitives on a real Sentinel deployment (a primary, a replica, three
+//! sentinels): finding the primary, following `+switch-master`, what a
+//! failover does to leases granted but never replicated and to fencing
+//! tokens, the replication guard, separate credentials for sentinels and
+//! data nodes, and time bounds with a sentinel or the primary stopped.
+//!
+//! Tests that leave roles as they are share one deployment; each that fails
+//! over or stops a process starts its own. Run with `--nocapture` to see the
+//! measured figures (lines starting with `figure`).
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use respire_coordination::{
+    Coordinator, Error, RedlockGroup, RedlockOptions, ReleaseOutcome, Replication,
+};
+use support::{TestSentinel, TestServer, shared_sentinel, unique_prefix, wait_until};
+
+fn figure(name: &str, value: Duration) {
+    println!("figure {name} = {:.1} ms", value.as_secs_f64() * 1000.0);
+}
+
+fn urls(deployment: &TestSentinel) -> Vec<String> {
+    deployment.sentinel_urls()
+}
+
+fn connect(deployment: &TestSentinel) -> Coordinator {
+    builder(deployment)
+        .build()
+        .expect("connect through sentinel")
+}
+
+fn builder(deployment: &TestSentinel) -> respire_coordination::CoordinatorBuilder {
+    let urls = urls(deployment);
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    Coordinator::sentinel_builder(&urls, deployment.service())
+}
+
+/// A fenced lock with keys unique to this call.
+fn fenced(coord: &Coordinator, name: &str) -> respire_coordination::FencedLock {
+    let tag = format!("{{{}}}", unique_prefix(name));
+    coord
+        .fenced_lock(&format!("{tag}:lease"), &format!("{tag}:fence"))
+        .unwrap()
+}
+
+fn role_is_master(server: &TestServer) -> bool {
+    let mut con = server.client();
+    let role: Vec<redis::Value> = redis::cmd("ROLE").query(&mut con).unwrap_or_default();
+    matches!(role.first(), Some(redis::Value::BulkString(r)) if r == b"master")
+}
+
+/// Runs `SENTINEL FAILOVER` and waits until the switch is complete, while
+/// `on_promoted` runs as soon as `ROLE` on the other server says `master`
+/// (before the sentinels announce it).
+fn failover_with(deployment: &TestSentinel, on_promoted: impl FnOnce(&TestServer)) -> Duration {
+    let new = deployment.replica();
+    thread::scope(|s| {
+        let switching = s.spawn(|| deployment.failover());
+        wait_until(Duration::from_secs(20), "the replica's promotion", || {
+            role_is_master(new)
+        });
+        on_promoted(new);
+        switching.join().unwrap()
+    })
+}
+
+// ---------------------------------------------------------------------------
+// On the shared deployment
+
+#[test]
+fn the_primitives_work_through_sentinel() {
+    let deployment = shared_sentinel();
+    let coord = connect(deployment);
+    let primary = deployment.primary();
+    assert_eq!(
+        coord.primaries(),
+        vec![format!("redis://127.0.0.1:{}", primary.port())]
+    );
+    let lock = fenced(&coord, "basic");
+    let g = lock.try_acquire(Duration::from_secs(10)).unwrap().unwrap();
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(g.key())
+        .query(&mut primary.client())
+        .unwrap();
+    assert!(exists);
+    assert!(lock.try_acquire(Duration::from_secs(10)).unwrap().is_none());
+    assert!(g.verify_still_held().unwrap().is_some());
+    let first = g.fencing_token();
+    assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
+    let g = lock
+        .acquire_timeout(Duration::from_secs(10), Duration::from_secs(1))
+        .unwrap()
+        .unwrap();
+    assert!(g.fencing_token() > first);
+    // The URL form reaches the same primary.
+    let hosts: Vec<String> = deployment
+        .sentinels()
+        .iter()
+        .map(|s| format!("127.0.0.1:{}", s.port()))
+        .collect();
+    let url = format!(
+        "redis+sentinel://{}/{}",
+        hosts.join(","),
+        deployment.service()
+    );
+    let other = Coordinator::connect(&url).unwrap();
+    assert_eq!(other.primaries(), coord.primaries());
+    assert!(
+        other
+            .fenced_lock(lock.lease_key(), lock.fence_key())
+            .unwrap()
+            .try_acquire(Duration::from_secs(10))
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[test]
+fn unknown_services_and_non_sentinels_are_refused() {
+    let deployment = shared_sentinel();
+    let urls = urls(deployment);
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let err = Coordinator::sentinel(&urls, "no-such-service").unwrap_err();
+    assert!(
+        matches!(&err, Error::Topology(m) if m.contains("no sentinel knows the service")),
+        "{err}"
+    );
+    let plain = support::shared_server();
+    let err = Coordinator::sentinel(&[&plain.url()], "respire").unwrap_err();
+    assert!(
+        matches!(&err, Error::Topology(m) if m.contains("is not a sentinel")),
+        "{err}"
+    );
+    let dead = TestServer::start();
+    let dead_url = dead.url();
+    drop(dead);
+    // A dead sentinel first: the next one answers.
+    let c = Coordinator::sentinel(&[&dead_url, urls[1]], deployment.service()).unwrap();
+    assert_eq!(c.primaries().len(), 1);
+    let err = Coordinator::sentinel(&[&dead_url], "respire").unwrap_err();
+    assert!(
+        matches!(&err, Error::Topology(m) if m.contains("refused")),
+        "{err}"
+    );
+}
+
+#[test]
+fn replication_report_and_require() {
+    let deployment = shared_sentinel();
+    let report = builder(deployment)
+        .replication(Replication::Report {
+            timeout: Duration::from_millis(500),
+        })
+        .build()
+        .unwrap();
+    assert_eq!(
+        report.replication(),
+        Replication::Report {
+            timeout: Duration::from_millis(500)
+        }
+    );
+    let g = fenced(&report, "report")
+        .try_acquire(Duration::from_secs(5))
+        .unwrap()
+        .unwrap();
+    assert_eq!(g.replicas_acknowledged(), Some(1));
+    let require_one = builder(deployment)
+        .replication(Replication::Require {
+            replicas: 1,
+            timeout: Duration::from_millis(500),
+        })
+        .build()
+        .unwrap();
+    let g = fenced(&require_one, "require1")
+        .try_acquire(Duration::from_secs(5))
+        .unwrap()
+        .unwrap();
+    assert_eq!(g.replicas_acknowledged(), Some(1));
+    // Two replicas cannot acknowledge: there is one.
+    let require_two = builder(deployment)
+        .replication(Replication::Require {
+            replicas: 2,
+            timeout: Duration::from_millis(50),
+        })
+        .build()
+        .unwrap();
+    let lock = fenced(&require_two, "require2");
+    let err = lock.try_acquire(Duration::from_secs(5)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::NotReplicated {
+                acknowledged: 1,
+                required: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(!err.is_retryable());
+    // The grant was released again.
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(lock.lease_key())
+        .query(&mut deployment.primary().client())
+        .unwrap();
+    assert!(!exists);
+    // A wait ends with the same error rather than retrying.
+    let err = lock
+        .acquire_timeout(Duration::from_secs(5), Duration::from_secs(5))
+        .unwrap_err();
+    assert!(matches!(err, Error::NotReplicated { .. }), "{err}");
+}
+
+#[test]
+fn redlock_refuses_sentinel_coordinators() {
+    let deployment = shared_sentinel();
+    let nodes = vec![
+        connect(deployment),
+        connect(deployment),
+        connect(deployment),
+    ];
+    let err = RedlockGroup::new(nodes, RedlockOptions::default()).unwrap_err();
+    assert!(
+        matches!(&err, Error::NotIndependent(m) if m.contains("Sentinel")),
+        "{err}"
+    );
+}
+
+#[test]
+fn sentinels_and_data_nodes_take_separate_credentials() {
+    let primary = TestServer::builder().requirepass("data-pw").start();
+    let config = format!(
+        "sentinel monitor creds 127.0.0.1 {} 1\nsentinel auth-pass creds data-pw\n",
+        primary.port()
+    );
+    let sentinel = TestServer::builder()
+        .sentinel(config)
+        .requirepass("sentinel-pw")
+        .start();
+    let bare = format!("redis://127.0.0.1:{}", sentinel.port());
+    let coord = Coordinator::sentinel_builder(&[&bare], "creds")
+        .sentinel_password("sentinel-pw")
+        .password("data-pw")
+        .build()
+        .unwrap();
+    let g = coord
+        .lock("k")
+        .unwrap()
+        .try_acquire(Duration::from_secs(5))
+        .unwrap()
+        .unwrap();
+    assert!(g.verify_still_held().unwrap().is_some());
+    drop(g);
+    // The sentinel's password in its URL does the same.
+    let with_url = format!("redis://:sentinel-pw@127.0.0.1:{}", sentinel.port());
+    Coordinator::sentinel_builder(&[&with_url], "creds")
+        .password("data-pw")
+        .build()
+        .unwrap();
+    // The data password is not the sentinel's, nor the other way round.
+    let err = Coordinator::sentinel_builder(&[&bare], "creds")
+        .sentinel_password("data-pw")
+        .password("data-pw")
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, Error::Auth { .. }), "{err}");
+    let err = Coordinator::sentinel_builder(&[&bare], "creds")
+        .sentinel_password("sentinel-pw")
+        .password("sentinel-pw")
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, Error::Auth { .. }), "{err}");
+    // The URL form: user info is the data nodes'.
+    let url = format!(
+        "redis+sentinel://:data-pw@127.0.0.1:{}/creds",
+        sentinel.port()
+    );
+    Coordinator::builder(&url)
+        .sentinel_password("sentinel-pw")
+        .build()
+        .unwrap();
+}
+
+// ---------------------------------------------------------------------------
+// Failover
+
+/// What the load loop saw: (when the call returned, its token or error).
+type Calls = Arc<Mutex<Vec<(Instant, Result<u64, String>)>>>;
+
+#[test]
+fn the_coordinator_follows_a_switch_and_the_old_primary_grants_nothing_after() {
+    let deployment = TestSentinel::start();
+    let coord = connect(&deployment);
+    let lock = fenced(&coord, "switch");
+    let fence_key = lock.fence_key().to_owned();
+    let calls: Calls = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let looping = {
+        let (lock, calls, stop) = (lock.clone(), calls.clone(), stop.clone());
+        thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let r = lock.try_acquire(Duration::from_secs(10));
+                let now = Instant::now();
+                let r = match r {
+                    Ok(Some(g)) => {
+                        let token = g.fencing_token().get();
+                        let _ = g.release();
+                        Ok(token)
+                    }
+                    Ok(None) => Err("held".to_owned()),
+                    Err(e) => Err(e.to_string()),
+                };
+                calls.lock().unwrap().push((now, r));
+                thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    wait_until(Duration::from_secs(5), "grants before the switch", || {
+        calls.lock().unwrap().len() > 20
+    });
+    let watcher = deployment.watch_switches();
+    // Once promoted, and before the sentinels announce it, the new primary's
+    // counter jumps: every token it issues is above a million, every token the
+    // old primary issues below.
+    let took = failover_with(&deployment, |new| {
+        let _: i64 = redis::cmd("INCRBY")
+            .arg(&fence_key)
+            .arg(1_000_000)
+            .query(&mut new.client())
+            .unwrap();
+    });
+    figure("SENTINEL FAILOVER until every sentinel agrees", took);
+    let events = watcher.wait_for(1, Duration::from_secs(10));
+    let switched = events[0].at;
+    wait_until(Duration::from_secs(5), "a grant by the new primary", || {
+        calls
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(_, r)| matches!(r, Ok(t) if *t > 1_000_000))
+    });
+    thread::sleep(Duration::from_millis(500));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    looping.join().unwrap();
+    let calls = calls.lock().unwrap().clone();
+    let first_new = calls
+        .iter()
+        .position(|(_, r)| matches!(r, Ok(t) if *t > 1_000_000))
+        .unwrap();
+    let first_new_at = calls[first_new].0;
+    figure(
+        "first grant by the new primary after +switch-master",
+        first_new_at.saturating_duration_since(switched),
+    );
+    assert!(
+        first_new_at < switched + Duration::from_secs(2),
+        "the switch was followed {:?} after +switch-master",
+        first_new_at - switched
+    );
+    // Nothing granted by the old primary once the new one granted, and no
+    // regression was ever seen.
+    for (at, r) in &calls[first_new..] {
+        match r {
+            Ok(t) => assert!(*t > 1_000_000, "the old primary granted {t} at {at:?}"),
+            Err(e) => assert!(!e.contains("went back"), "{e}"),
+        }
+    }
+    let errors: Vec<&String> = calls.iter().filter_map(|(_, r)| r.as_ref().err()).collect();
+    println!(
+        "calls: {}, errors around the switch: {errors:?}",
+        calls.len()
+    );
+}
+
+#[test]
+fn a_lease_never_replicated_is_lost_at_the_switch_and_the_counter_regression_is_caught() {
+    let deployment = TestSentinel::start();
+    let plain = connect(&deployment);
+    let guarded = builder(&deployment)
+        .replication(Replication::Require {
+            replicas: 1,
+            timeout: Duration::from_millis(200),
+        })
+        .build()
+        .unwrap();
+    let lock = fenced(&plain, "unreplicated");
+    let guarded_lock = fenced(&guarded, "guarded");
+    // One grant each while the replica follows.
+    let t0 = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    let seen = t0.fencing_token().get();
+    drop(t0);
+    let t0 = guarded_lock
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    assert_eq!(t0.replicas_acknowledged(), Some(1));
+    drop(t0);
+    let replica = deployment.pause_replica_writes(Duration::from_secs(30));
+    let g = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    assert_eq!(g.fencing_token().get(), seen + 1);
+    let signal = g.lost_signal().clone();
+    // The guarded coordinator refuses a grant no replica acknowledged.
+    let err = guarded_lock
+        .try_acquire(Duration::from_secs(30))
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::NotReplicated {
+                acknowledged: 0,
+                required: 1,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let watcher = deployment.watch_switches();
+    let flagged = Arc::new(Mutex::new(None));
+    let waiting = {
+        let flagged = flagged.clone();
+        thread::spawn(move || {
+            let lost = signal.recv_timeout(Duration::from_secs(30));
+            *flagged.lock().unwrap() = Some((lost.is_err(), Instant::now()));
+        })
+    };
+    failover_with(&deployment, |_| {});
+    // The new primary holds writes back while paused; let them through.
+    deployment.unpause_replica(replica);
+    let switched = watcher.wait_for(1, Duration::from_secs(10))[0].at;
+    waiting.join().unwrap();
+    let (closed, at) = flagged.lock().unwrap().expect("watched");
+    assert!(closed, "the loss signal did not close");
+    assert!(g.is_lost());
+    figure(
+        "unreplicated lease flagged lost after +switch-master",
+        at.saturating_duration_since(switched),
+    );
+    assert!(
+        at < switched + Duration::from_secs(5),
+        "flagged {:?} after the switch, not at once",
+        at - switched
+    );
+    // The new primary's counter went back to `seen`: the plain coordinator
+    // saw seen + 1 and refuses the repeat.
+    let err = lock
+        .acquire_timeout(Duration::from_secs(30), Duration::from_secs(5))
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::FencingRegression { issued, seen: s, .. } if issued == seen + 1 && s == seen + 1),
+        "{err}"
+    );
+    // The guarded coordinator never accepted the grant its primary lost: it
+    // sees no regression, and refuses again because the new primary has no
+    // replica yet (the old one is reconfigured about ten seconds after the
+    // switch).
+    let err = guarded_lock
+        .acquire_timeout(Duration::from_secs(30), Duration::from_secs(5))
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::NotReplicated {
+                acknowledged: 0,
+                required: 1,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    drop(g);
+}
+
+#[test]
+fn calls_keep_their_bounds_with_a_sentinel_or_the_primary_stopped() {
+    let deployment = TestSentinel::builder()
+        // No failover while the primary is stopped on purpose.
+        .down_after(Duration::from_secs(60))
+        .start();
+    let nt = Duration::from_millis(200);
+    let ct = Duration::from_millis(300);
+    let slack = Duration::from_millis(300);
+    let make = || builder(&deployment).node_timeout(nt).connect_timeout(ct);
+
+    // A stopped sentinel first in the list: building tries it (connect
+    // timeout), then the next.
+    deployment.sentinel(0).pause();
+    let started = Instant::now();
+    let coord = make().build().unwrap();
+    let took = started.elapsed();
+    figure("build with the first sentinel stopped", took);
+    assert!(took < (ct + nt) + ct + slack, "{took:?}");
+    let lock = fenced(&coord, "bounds");
+    for _ in 0..20 {
+        let started = Instant::now();
+        let g = lock.try_acquire(Duration::from_secs(5)).unwrap().unwrap();
+        assert!(started.elapsed() < nt + ct + slack);
+        let started = Instant::now();
+        g.release().unwrap();
+        assert!(started.elapsed() < nt + slack);
+    }
+    deployment.sentinel(0).resume();
+
+    // The primary stopped: every call ends within its bound, with an error.
+    // Short, so that it is gone soon after the primary resumes, whatever its
+    // unanswered release did.
+    let held = lock.try_acquire(Duration::from_secs(2)).unwrap().unwrap();
+    deployment.primary().pause();
+    let started = Instant::now();
+    let err = lock.try_acquire(Duration::from_secs(5)).unwrap_err();
+    let took = started.elapsed();
+    figure("try_acquire with the primary stopped", took);
+    assert!(err.is_retryable(), "{err}");
+    assert!(took < nt + ct + slack, "{took:?}");
+    let started = Instant::now();
+    let r = lock.acquire_timeout(Duration::from_secs(5), Duration::from_millis(500));
+    let took = started.elapsed();
+    figure("acquire_timeout(500 ms) with the primary stopped", took);
+    assert!(r.is_err(), "{r:?}");
+    assert!(
+        took < Duration::from_millis(500) + nt + ct + slack,
+        "{took:?}"
+    );
+    let started = Instant::now();
+    assert!(held.verify_still_held().is_err());
+    assert!(started.elapsed() < nt + ct + slack);
+    let started = Instant::now();
+    let outcome = held.release();
+    let took = started.elapsed();
+    figure("release with the primary stopped", took);
+    assert!(took < nt + slack, "{took:?}");
+    assert!(
+        matches!(outcome, Ok(ReleaseOutcome::Uncertain) | Err(_)),
+        "{outcome:?}"
+    );
+    // Building a new coordinator names the primary, which does not answer.
+    let started = Instant::now();
+    let err = make().build().unwrap_err();
+    let took = started.elapsed();
+    assert!(took < (ct + nt) + ct + slack, "{took:?}: {err}");
+    deployment.primary().resume();
+    let g = lock
+        .acquire_timeout(Duration::from_secs(5), Duration::from_secs(10))
+        .unwrap()
+        .unwrap();
+    drop(g);
+}
