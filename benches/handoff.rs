@@ -10,9 +10,15 @@
 //! from sending the release to holding the lock, next to the raw round trip of
 //! `PING` measured in the same run on one connection.
 //!
-//! `cargo bench --bench handoff` runs 4 × 200 acquisitions; without `--bench`
-//! (as under `cargo test --benches`) it runs 4 × 10. `HANDOFF_ROUNDS` and
-//! `HANDOFF_PROCESSES` override the counts.
+//! Without `REDIS_URL` it runs twice in the same run: against a throwaway
+//! standalone server, then against a throwaway Redis Cluster of three
+//! primaries (one replica each), through a `redis+cluster://` coordinator,
+//! and prints the cluster's median and p99 as ratios to the standalone ones.
+//!
+//! `cargo bench --bench handoff` runs 4 × 200 acquisitions per deployment;
+//! without `--bench` (as under `cargo test --benches`) it runs 4 × 10.
+//! `HANDOFF_ROUNDS` and `HANDOFF_PROCESSES` override the counts;
+//! `HANDOFF_TOPOLOGY=standalone` or `cluster` runs only one of them.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -47,14 +53,72 @@ fn main() -> Result<()> {
     if processes < 2 || rounds == 0 {
         return Err("need at least 2 processes and 1 round".into());
     }
-    let (url, _server) = match std::env::var("REDIS_URL") {
-        Ok(url) => (url, None),
-        Err(_) => {
-            let server = support::TestServer::start();
-            (server.url(), Some(server))
+    if let Ok(url) = std::env::var("REDIS_URL") {
+        parent("given", &url, &url, processes, rounds)?;
+        return Ok(());
+    }
+    let only = std::env::var("HANDOFF_TOPOLOGY").unwrap_or_default();
+    let mut standalone = None;
+    if only.is_empty() || only == "standalone" {
+        let server = support::TestServer::start();
+        standalone = Some(parent(
+            "standalone",
+            &server.url(),
+            &server.url(),
+            processes,
+            rounds,
+        )?);
+    }
+    if only.is_empty() || only == "cluster" {
+        let cluster = support::TestCluster::start();
+        let hosts: Vec<String> = cluster
+            .nodes()
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .collect();
+        let url = format!("redis+cluster://{}/", hosts.join(","));
+        // The raw round trip to the primary that holds the lock's slot.
+        let owner = cluster.node(cluster.primary_for_key("handoff:{job}:lease"));
+        let primaries = cluster.primaries().len();
+        // The same server through a standalone coordinator: what the cluster
+        // node itself costs (replication to its replica, cluster mode), apart
+        // from the routing.
+        let direct = parent(
+            "standalone coordinator on the cluster node that owns the slot",
+            &owner.url(),
+            &owner.url(),
+            processes,
+            rounds,
+        )?;
+        let stats = parent(
+            &format!("cluster of {primaries} primaries"),
+            &url,
+            &owner.url(),
+            processes,
+            rounds,
+        )?;
+        println!(
+            "cluster coordinator / standalone coordinator on the same node: median {:.2}x, p99 \
+             {:.2}x",
+            stats.median / direct.median,
+            stats.p99 / direct.p99
+        );
+        if let Some(base) = standalone {
+            println!(
+                "cluster / standalone (same run): median {:.2}x, p99 {:.2}x",
+                stats.median / base.median,
+                stats.p99 / base.p99
+            );
         }
-    };
-    parent(&url, processes, rounds)
+    }
+    Ok(())
+}
+
+/// One deployment's hand-off figures, in microseconds.
+#[derive(Clone, Copy)]
+struct Stats {
+    median: f64,
+    p99: f64,
 }
 
 /// Nanoseconds since the Unix epoch: a clock every process on the host shares.
@@ -137,9 +201,9 @@ struct Grant {
     token: u64,
 }
 
-fn parent(url: &str, processes: usize, rounds: usize) -> Result<()> {
+fn parent(what: &str, url: &str, ping_url: &str, processes: usize, rounds: usize) -> Result<Stats> {
     let exe = std::env::current_exe()?;
-    let rtt_before = ping_rtt_us(url)?;
+    let rtt_before = ping_rtt_us(ping_url)?;
     let mut children: Vec<Child> = (0..processes)
         .map(|i| {
             Command::new(&exe)
@@ -191,7 +255,7 @@ fn parent(url: &str, processes: usize, rounds: usize) -> Result<()> {
         }
     }
     let took = started.elapsed();
-    let rtt_after = ping_rtt_us(url)?;
+    let rtt_after = ping_rtt_us(ping_url)?;
 
     grants.sort_by_key(|g| g.acquired);
     if grants.len() != processes * rounds {
@@ -227,7 +291,9 @@ fn parent(url: &str, processes: usize, rounds: usize) -> Result<()> {
     for g in &grants {
         per_process[g.process] += 1;
     }
-    println!("hand-off latency: {processes} processes x {rounds} acquisitions of one fenced lock");
+    println!(
+        "hand-off latency ({what}): {processes} processes x {rounds} acquisitions of one fenced lock"
+    );
     println!(
         "  {} grants in {:.2} s; {} hand-offs to a waiting process ({not_waiting} grants to a process \
          that called after the release, {same_process} to the releasing process, not counted)",
@@ -247,5 +313,5 @@ fn parent(url: &str, processes: usize, rounds: usize) -> Result<()> {
         "  release confirmed -> next process holds it: median {med_confirm:.1} us, p99 {p99_confirm:.1} us ({:.2}x)",
         med_confirm / rtt
     );
-    Ok(())
+    Ok(Stats { median: med, p99 })
 }

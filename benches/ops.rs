@@ -2,7 +2,9 @@
 //! raw round trip of `PING` measured in the same run: `try_acquire` + `release`
 //! of a `Lock` and a `FencedLock` (two round trips each), `verify_still_held`
 //! (one), and an uncontended `acquire_timeout` + `release` (two, plus the
-//! waiter registry).
+//! waiter registry). Then, on a primary with one replica, the fenced
+//! `try_acquire` + `release` with the replication guard `Off` and in `Report`
+//! mode (`WAIT` for the replica pipelined after every grant).
 //!
 //! After criterion's own report, prints each operation's median time per
 //! iteration and its ratio to the `PING` round trip.
@@ -14,7 +16,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, black_box};
-use respire_coordination::Coordinator;
+use respire_coordination::{Coordinator, Replication};
 
 const TTL: Duration = Duration::from_secs(30);
 
@@ -102,6 +104,41 @@ fn main() {
         black_box(guard.release().unwrap());
     });
 
+    // A primary with one replica, for the replication guard.
+    let primary = support::TestServer::start();
+    let replica = support::TestServer::builder()
+        .args(["--replicaof", "127.0.0.1", &primary.port().to_string()])
+        .start();
+    support::wait_until(Duration::from_secs(30), "the replica in sync", || {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut replica.client())
+            .unwrap_or_default();
+        info.contains("master_link_status:up")
+    });
+    let off = Coordinator::builder(&primary.url())
+        .key_prefix("bench:")
+        .build()
+        .unwrap();
+    let off_lock = off.fenced_lock("{r}:lease", "{r}:fence").unwrap();
+    bench(&mut c, "replicated: FencedLock, Off", || {
+        let guard = off_lock.try_acquire(TTL).unwrap().expect("uncontended");
+        black_box(guard.release().unwrap());
+    });
+    let report = Coordinator::builder(&primary.url())
+        .key_prefix("bench:")
+        .replication(Replication::Report {
+            timeout: Duration::from_millis(100),
+        })
+        .build()
+        .unwrap();
+    let report_lock = report.fenced_lock("{r}:lease", "{r}:fence").unwrap();
+    bench(&mut c, "replicated: FencedLock, Report", || {
+        let guard = report_lock.try_acquire(TTL).unwrap().expect("uncontended");
+        assert_eq!(guard.replicas_acknowledged(), Some(1));
+        black_box(guard.release().unwrap());
+    });
+
     c.final_summary();
 
     let Some(rtt) = median_us("raw PING round trip") else {
@@ -114,9 +151,17 @@ fn main() {
         "FencedLock try_acquire + release",
         "verify_still_held",
         "uncontended acquire_timeout + release",
+        "replicated: FencedLock, Off",
+        "replicated: FencedLock, Report",
     ] {
         if let Some(t) = median_us(name) {
             println!("  {name:<40} {t:>8.1} us  {:>5.2}x", t / rtt);
         }
+    }
+    if let (Some(off), Some(report)) = (
+        median_us("replicated: FencedLock, Off"),
+        median_us("replicated: FencedLock, Report"),
+    ) {
+        println!("Report / Off on a replicated primary: {:.2}x", report / off);
     }
 }

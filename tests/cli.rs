@@ -930,3 +930,108 @@ fn doctor_reports_a_denied_invalidation_channel() {
             .any(|f| f["check"] == "persistence" && f["level"] == "fail")
     );
 }
+
+// ---------------------------------------------------------------------------
+// Cluster and Sentinel deployments
+
+fn cluster_url() -> String {
+    let hosts: Vec<String> = support::shared_cluster()
+        .nodes()
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port()))
+        .collect();
+    format!("redis+cluster://{}/", hosts.join(","))
+}
+
+#[test]
+fn run_takes_a_lease_on_a_cluster() {
+    let prefix = unique_prefix("cli-cluster");
+    let out = run(&[
+        "run",
+        "--url",
+        &cluster_url(),
+        "--prefix",
+        &prefix,
+        "--ttl",
+        "5s",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        "echo token=$RESPIRE_FENCING_TOKEN",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "token=1");
+}
+
+#[test]
+fn doctor_reports_every_primary_of_a_cluster() {
+    let cluster = support::shared_cluster();
+    let out = run(&["doctor", &cluster_url()]);
+    let report = text(&out.stdout);
+    // Nodes without an append-only file fail the persistence check.
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    assert!(
+        report.contains("ok    topology: Redis Cluster, 3 primaries"),
+        "{report}"
+    );
+    for primary in cluster.primaries() {
+        let port = cluster.node(primary).port();
+        for line in [
+            format!("FAIL  127.0.0.1:{port}: persistence: appendonly no"),
+            format!("warn  127.0.0.1:{port}: replication: 1 replica(s), asynchronous"),
+        ] {
+            assert!(report.contains(&line), "{line:?} not in\n{report}");
+        }
+    }
+    assert!(
+        report.contains("warn  failover: a promoted replica"),
+        "{report}"
+    );
+    assert!(report.contains("acl: CLIENT KILL allowed"), "{report}");
+    // A plain URL to one node says how to reach the whole cluster.
+    let out = run(&["doctor", &cluster.seed_urls()[0]]);
+    let report = text(&out.stdout);
+    assert!(report.contains("connect with redis+cluster://"), "{report}");
+}
+
+#[test]
+fn doctor_reports_a_sentinel_deployment() {
+    let deployment = support::shared_sentinel();
+    let hosts: Vec<String> = deployment
+        .sentinels()
+        .iter()
+        .map(|s| format!("127.0.0.1:{}", s.port()))
+        .collect();
+    let url = format!(
+        "redis+sentinel://{}/{}",
+        hosts.join(","),
+        deployment.service()
+    );
+    let out = run(&["doctor", &url]);
+    let report = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    for line in [
+        "ok    sentinel: 3 of 3 sentinel(s) answer; quorum 2; 1 replica(s)".to_owned(),
+        format!(
+            "ok    topology: Sentinel service \"{}\", primary 127.0.0.1:{}",
+            deployment.service(),
+            deployment.primary().port()
+        ),
+        "warn  primary: replication: 1 replica(s), asynchronous".to_owned(),
+        "FAIL  primary: persistence: appendonly no".to_owned(),
+        "warn  failover: after a switch the old primary keeps accepting writes".to_owned(),
+    ] {
+        assert!(report.contains(&line), "{line:?} not in\n{report}");
+    }
+    let out = run(&[
+        "doctor",
+        &format!("redis+sentinel://{}/nobody", hosts.join(",")),
+    ]);
+    assert_eq!(out.status.code(), Some(69), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stderr).contains("no sentinel knows the service"),
+        "{}",
+        text(&out.stderr)
+    );
+}

@@ -87,6 +87,8 @@ pub(crate) struct Tracker {
     status: Mutex<Status>,
     status_changed: Condvar,
     denied: AtomicBool,
+    /// The first connection attempt has settled (status left `Starting`).
+    settled: AtomicBool,
 }
 
 impl Tracker {
@@ -95,11 +97,15 @@ impl Tracker {
             status: Mutex::new(Status::Starting),
             status_changed: Condvar::new(),
             denied: AtomicBool::new(false),
+            settled: AtomicBool::new(false),
         }
     }
 
     pub(crate) fn set_status(&self, status: Status) {
         *self.status.lock() = status;
+        if status != Status::Starting {
+            self.settled.store(true, Ordering::Release);
+        }
         self.status_changed.notify_all();
     }
 
@@ -112,6 +118,9 @@ impl Tracker {
 
     /// Waits (bounded) for the subscriber's first connection attempt to settle.
     pub(crate) fn await_settled(&self, until: Instant) {
+        if self.settled.load(Ordering::Acquire) {
+            return;
+        }
         let mut status = self.status.lock();
         while *status == Status::Starting {
             if self

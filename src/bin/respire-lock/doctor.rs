@@ -23,7 +23,7 @@ enum Level {
 struct Finding {
     level: Level,
     /// Which check: "version", "persistence", "eviction", "replication",
-    /// "cluster" or "acl".
+    /// "cluster", "acl", "topology", "sentinel" or "failover".
     check: &'static str,
     message: String,
 }
@@ -98,13 +98,200 @@ pub(crate) fn main(args: DoctorArgs) -> ExitCode {
 }
 
 fn diagnose(url: &str) -> Result<Vec<Finding>, Box<dyn std::error::Error>> {
-    // Checks that the library can connect at all (auth, TLS) first.
-    Coordinator::builder(url).build()?;
+    // Checks that the library can connect at all (auth, TLS, the topology)
+    // first.
+    let coord = Coordinator::builder(url).build()?;
+    let mut out = Vec::new();
+    match Topology::of(url) {
+        Topology::Standalone => node_checks(url, "", false, true, &mut out)?,
+        Topology::Cluster { scheme, userinfo } => {
+            let primaries = coord.primaries();
+            out.push(Finding::new(
+                Level::Ok,
+                "topology",
+                format!(
+                    "topology: Redis Cluster, {} primaries; each lease lives on its slot's \
+                     primary, and slot moves and failovers are followed",
+                    primaries.len()
+                ),
+            ));
+            for (i, primary) in primaries.iter().enumerate() {
+                let addr = primary.split("://").nth(1).unwrap_or(primary);
+                let node = format!("{scheme}://{userinfo}{addr}");
+                node_checks(&node, &format!("{addr}: "), true, i == 0, &mut out)?;
+            }
+            out.push(Finding::new(
+                Level::Warn,
+                "failover",
+                "failover: a promoted replica has only the grants and fence increments it had \
+                 received; the rest are lost, so a lease can be granted twice and a token \
+                 issued twice (this tool then reports a fencing regression); use \
+                 Replication::Require in the library to refuse grants no replica acknowledged",
+            ));
+        }
+        Topology::Sentinel {
+            scheme,
+            userinfo,
+            sentinels,
+            service,
+        } => {
+            out.push(sentinel_checks(&sentinels, &service));
+            let primary = coord.primaries().pop().unwrap_or_default();
+            let addr = primary.split("://").nth(1).unwrap_or(&primary).to_owned();
+            out.push(Finding::new(
+                Level::Ok,
+                "topology",
+                format!(
+                    "topology: Sentinel service {service:?}, primary {addr}; switches are \
+                     followed"
+                ),
+            ));
+            let node = format!("{scheme}://{userinfo}{addr}");
+            node_checks(&node, "primary: ", true, true, &mut out)?;
+            out.push(Finding::new(
+                Level::Warn,
+                "failover",
+                "failover: after a switch the old primary keeps accepting writes until Sentinel \
+                 reconfigures it (seconds later) and then discards them; grants and fence \
+                 increments the new primary never received are lost, so a token can be issued \
+                 twice (this tool then reports a fencing regression, and such leases are \
+                 flagged lost at the switch); use Replication::Require in the library to refuse \
+                 grants no replica acknowledged",
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// What `doctor` was pointed at.
+enum Topology {
+    Standalone,
+    /// `redis+cluster://`: the data nodes' scheme and `user:password@`.
+    Cluster {
+        scheme: String,
+        userinfo: String,
+    },
+    /// `redis+sentinel://`: also the sentinels (`host:port`) and the service.
+    Sentinel {
+        scheme: String,
+        userinfo: String,
+        sentinels: Vec<String>,
+        service: String,
+    },
+}
+
+impl Topology {
+    /// Takes a URL apart (the library has already accepted it).
+    fn of(url: &str) -> Topology {
+        let Some((scheme, rest)) = url.split_once("://") else {
+            return Topology::Standalone;
+        };
+        let (data, kind) = match scheme.to_ascii_lowercase().as_str() {
+            "redis+cluster" => ("redis", "cluster"),
+            "rediss+cluster" => ("rediss", "cluster"),
+            "redis+sentinel" => ("redis", "sentinel"),
+            "rediss+sentinel" => ("rediss", "sentinel"),
+            _ => return Topology::Standalone,
+        };
+        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((info, hosts)) => (format!("{info}@"), hosts),
+            None => (String::new(), authority),
+        };
+        if kind == "cluster" {
+            return Topology::Cluster {
+                scheme: data.to_owned(),
+                userinfo,
+            };
+        }
+        let sentinels = hosts
+            .split(',')
+            .map(|h| {
+                if h.contains(':') && !h.ends_with(']') {
+                    h.to_owned()
+                } else {
+                    format!("{h}:26379")
+                }
+            })
+            .collect();
+        Topology::Sentinel {
+            scheme: data.to_owned(),
+            userinfo,
+            sentinels,
+            service: path.split('/').next().unwrap_or("").to_owned(),
+        }
+    }
+}
+
+/// Asks every sentinel about `service`: how many answer, the quorum, the
+/// replicas and sentinels they know.
+fn sentinel_checks(sentinels: &[String], service: &str) -> Finding {
+    let timeout = Duration::from_secs(2);
+    let mut answered = Vec::new();
+    for host in sentinels {
+        let fields = (|| -> Result<Vec<String>, Box<dyn std::error::Error>> {
+            let client = redis::Client::open(format!("redis://{host}"))?;
+            let mut conn = client.get_connection_with_timeout(timeout)?;
+            conn.set_read_timeout(Some(timeout))?;
+            Ok(redis::cmd("SENTINEL")
+                .arg("MASTER")
+                .arg(service)
+                .query(&mut conn)?)
+        })();
+        if let Ok(fields) = fields {
+            let get = |name: &str| {
+                fields
+                    .chunks_exact(2)
+                    .find(|kv| kv[0] == name)
+                    .map(|kv| kv[1].clone())
+                    .unwrap_or_default()
+            };
+            answered.push((get("quorum"), get("num-slaves"), get("num-other-sentinels")));
+        }
+    }
+    let Some((quorum, replicas, others)) = answered.first().cloned() else {
+        return Finding::new(
+            Level::Fail,
+            "sentinel",
+            format!(
+                "sentinel: none of {} sentinel(s) answers for {service:?}",
+                sentinels.len()
+            ),
+        );
+    };
+    let level = if answered.len() * 2 > sentinels.len() && replicas != "0" {
+        Level::Ok
+    } else {
+        Level::Warn
+    };
+    Finding::new(
+        level,
+        "sentinel",
+        format!(
+            "sentinel: {} of {} sentinel(s) answer; quorum {quorum}; {replicas} replica(s); each \
+             knows {others} other sentinel(s)",
+            answered.len(),
+            sentinels.len()
+        ),
+    )
+}
+
+/// The checks of one data server at `url`; every message starts with
+/// `prefix` (the server, when there are several). `topology`: the server is
+/// part of a cluster or Sentinel deployment the coordinator follows; `acl`:
+/// also check the ACL rights (the same on every node).
+fn node_checks(
+    url: &str,
+    prefix: &str,
+    topology: bool,
+    acl: bool,
+    out: &mut Vec<Finding>,
+) -> Result<(), Box<dyn std::error::Error>> {
     let client = redis::Client::open(url)?;
     let timeout = Duration::from_secs(2);
     let mut conn = client.get_connection_with_timeout(timeout)?;
     conn.set_read_timeout(Some(timeout))?;
-    let mut out = Vec::new();
+    let start = out.len();
     let info = |conn: &mut redis::Connection, section: &str| -> String {
         redis::cmd("INFO")
             .arg(section)
@@ -203,7 +390,13 @@ fn diagnose(url: &str) -> Result<Vec<Finding>, Box<dyn std::error::Error>> {
             let replicas: u32 = field(&replication, "connected_slaves")
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(0);
-            if replicas > 0 {
+            if topology && replicas == 0 {
+                Finding::new(
+                    Level::Warn,
+                    "replication",
+                    "replication: no replica: nothing can take over if this primary fails",
+                )
+            } else if replicas > 0 {
                 Finding::new(
                     Level::Warn,
                     "replication",
@@ -228,13 +421,17 @@ fn diagnose(url: &str) -> Result<Vec<Finding>, Box<dyn std::error::Error>> {
         ),
     };
     out.push(replication);
-    if field(&info(&mut conn, "cluster"), "cluster_enabled").as_deref() == Some("1") {
+    if !topology && field(&info(&mut conn, "cluster"), "cluster_enabled").as_deref() == Some("1") {
         out.push(Finding::new(
             Level::Warn,
             "cluster",
-            "cluster mode: this tool's keys share the hash tag {KEY}; the library's single-node \
-             connections do not follow MOVED redirects",
+            "cluster mode: this server is one node of a Redis Cluster; connect with \
+             redis+cluster://HOST:PORT,HOST:PORT/ so that slot moves and failovers are followed",
         ));
+    }
+    if !acl {
+        prefix_messages(&mut out[start..], prefix);
+        return Ok(());
     }
 
     // ACL rights, each tried harmlessly.
@@ -290,7 +487,14 @@ fn diagnose(url: &str) -> Result<Vec<Finding>, Box<dyn std::error::Error>> {
             format!("acl: cannot tell whether channel {CHANNEL} is allowed: {e}"),
         ),
     });
-    Ok(out)
+    prefix_messages(&mut out[start..], prefix);
+    Ok(())
+}
+
+fn prefix_messages(findings: &mut [Finding], prefix: &str) {
+    for f in findings {
+        f.message = format!("{prefix}{}", f.message);
+    }
 }
 
 /// What a `SUBSCRIBE` to the invalidation channel got.
