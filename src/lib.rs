@@ -30,6 +30,9 @@
 //! | Plain mutual exclusion, for efficiency only | [`Lock`] → [`LockGuard`] | one key, `SET NX PX`, compare-and-delete |
 //! | A majority across independent deployments | [`RedlockGroup`] → [`RedlockGuard`] | an odd number ≥ 3 of independent standalone servers; no fencing, no consensus |
 //!
+//! The single-deployment primitives work on a standalone server, a Sentinel
+//! deployment or a Redis Cluster alike; see [Topologies](#topologies-standalone-sentinel-cluster).
+//!
 //! # Fencing
 //!
 //! A lease cannot stop a holder that paused (a GC pause, swapping, `SIGSTOP`) or
@@ -88,6 +91,77 @@
 //! Releasing reports a [`ReleaseOutcome`]: `Released`, `Expired`, `TakenOver`, or
 //! `Uncertain` when no reply came (the lease then ends at its expiry).
 //!
+//! # Topologies: standalone, Sentinel, Cluster
+//!
+//! A [`Coordinator`] speaks to one deployment of one of three shapes, and every
+//! primitive works the same on each:
+//!
+//! ```no_run
+//! use respire_coordination::Coordinator;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let one = Coordinator::connect("redis://10.0.0.1:6379")?;
+//! let failover = Coordinator::sentinel(
+//!     &["redis://10.0.0.5:26379", "redis://10.0.0.6:26379", "redis://10.0.0.7:26379"],
+//!     "locks",
+//! )?;
+//! let sharded = Coordinator::cluster(&["redis://10.0.1.1:7000", "redis://10.0.1.2:7000"])?;
+//! // The same as URLs: "redis+sentinel://10.0.0.5,10.0.0.6,10.0.0.7/locks",
+//! // "redis+cluster://10.0.1.1:7000,10.0.1.2:7000/".
+//! # let _ = (one, failover, sharded);
+//! # Ok(()) }
+//! ```
+//!
+//! This crate follows the topology itself, over plain connections, so that
+//! every step keeps the node timeout as its bound (the `redis` crate's sync
+//! cluster client retries a read timeout on one socket up to 16 times, and its
+//! sync Sentinel client does not follow `+switch-master`).
+//!
+//! **Cluster.** The keys of one primitive must share a slot (a common hash tag,
+//! checked when the primitive is made). Each command goes to the primary that
+//! owns its slot in the slot map (`CLUSTER SHARDS`, or `CLUSTER SLOTS` before
+//! Redis 7), read at start, again every
+//! [`topology_refresh`](CoordinatorBuilder::topology_refresh) (1 s) and at once
+//! after a `MOVED`. A `MOVED` reply updates the map and the command is tried
+//! once more on the new owner; `ASK` is followed with `ASKING`; `TRYAGAIN` (a
+//! two-key script while a slot's keys are split between two nodes during a
+//! migration) is tried again after pauses of 2 ms doubling to 50 ms, within the
+//! call's deadline — and a wait rides it out like any retryable error. Each
+//! primary has its own connection pool, invalidation subscriber (client ids
+//! are per node) and renewal executor, so a slow primary delays nobody else's
+//! renewals.
+//!
+//! **Sentinel.** The coordinator asks the sentinels for the primary, checks
+//! `ROLE` on every connection it opens to it, follows `+switch-master` on every
+//! sentinel, and asks every sentinel again each refresh interval (a majority
+//! wins). On a switch the old primary's pool is closed, the new primary gets a
+//! subscriber, and a call whose reply came from the old primary while it was
+//! being retired is run once more on the new one: nothing is granted by a
+//! demoted primary after the switch is seen.
+//!
+//! **When keys may have moved** — a slot changed owner, a new primary — every
+//! waiter on them is woken (the old owner may never send an invalidation; a
+//! forced slot takeover deletes keys without one) and re-arms tracking on the
+//! new server, and every live guard on them is verified there: one whose lease
+//! is not there is flagged lost and its loss signal closed at once, not at its
+//! loss deadline.
+//!
+//! **What a failover does to safety.** Replication is asynchronous: a promoted
+//! replica lacks the grants and fence increments it had not received, so a
+//! lease can be granted twice and a fencing token issued twice. The
+//! coordinator's fencing check spans the switch (a repeated token is
+//! [`Error::FencingRegression`]), and the replication guard
+//! ([`CoordinatorBuilder::replication`], [`Replication`]) pipelines `WAIT`
+//! after every grant: `Report` tells each guard how many replicas acknowledged
+//! ([`LeaseGuard::replicas_acknowledged`]), `Require` refuses a grant too few
+//! acknowledged ([`Error::NotReplicated`]). `respire-lock doctor` reports
+//! replicas and persistence on every primary.
+//!
+//! **Time bounds** are those of a standalone server: one attempt takes at most
+//! the node timeout (plus the connect timeout per connection it opens, a
+//! redirection's target included), a release at most the node timeout in all.
+//! [`CoordinatorBuilder::build`] documents how long connecting may take.
+//!
 //! # Redlock
 //!
 //! [`RedlockGroup`] takes a lock on a majority of independent standalone
@@ -121,13 +195,19 @@
 //!
 //! # Threads this crate starts
 //!
-//! Per [`Coordinator`]: one renewal thread (`respire-renewal`), started with the
-//! coordinator, and one invalidation subscriber (`respire-tracker`), started by
-//! the first wait. Per [`RedlockGroup`]: one worker per node (`respire-node-N`,
-//! one connection each) and one renewal thread (`respire-redlock`). No thread or
-//! connection is created per guard or per waiter. These threads never wait on a
-//! lock held across network I/O, and stop when the last handle (coordinator,
-//! group or guard) that needs them is dropped. A failure in a background thread
+//! Per [`Coordinator`]: one renewal thread (`respire-renewal`, no I/O), started
+//! by the first guard that asks for its loss signal or a keep-alive; per
+//! server it uses (the standalone server, the Sentinel primary, each cluster
+//! primary) one executor (`respire-io`: renewals, fencing, clean-ups,
+//! re-verification) and one invalidation subscriber (`respire-tracker`), each
+//! started the first time it is needed. A Cluster coordinator also runs
+//! `respire-topology` (the slot map) from the start; a Sentinel coordinator
+//! runs `respire-topology` and one `respire-sentinel-N` per sentinel. Per
+//! [`RedlockGroup`]: one worker per node (`respire-node-N`, one connection
+//! each) and one renewal thread (`respire-redlock`). No thread or connection
+//! is created per guard or per waiter. These threads never wait on a lock
+//! held across network I/O, and stop when the last handle (coordinator, group
+//! or guard) that needs them is dropped. A failure in a background thread
 //! flags leases lost and logs; it never panics.
 //!
 //! # Guarantees and limits
@@ -136,7 +216,9 @@
 //!   do not pause longer than the loss margin; fencing covers the rest, for
 //!   resources that check tokens.
 //! - One Redis deployment is one authority: asynchronous replication means a
-//!   failover can lose a grant, and then two holders can exist.
+//!   failover can lose a grant, and then two holders can exist (see
+//!   [Topologies](#topologies-standalone-sentinel-cluster) for what the
+//!   coordinator does about it).
 //! - The counter and lease keys must not be evicted: use `noeviction` (or a
 //!   `volatile-*` policy, which can still drop leases).
 //! - Keep-alive needs the ACL rights to `CLIENT ID` and `CLIENT KILL`.
@@ -216,5 +298,6 @@ fn _ensure_send_sync() {
     check::<RedlockAttempt>();
     check::<RedlockKeepAlive<'static>>();
     check::<CancelToken>();
+    check::<Replication>();
     check::<Error>();
 }
