@@ -243,6 +243,7 @@ impl Deployment {
                 cmd: cmd.clone(),
                 key: key.to_owned(),
                 give_up_at,
+                hops: 0,
             });
         }
     }

@@ -79,6 +79,8 @@ pub(crate) enum Job {
         cmd: redis::Cmd,
         key: String,
         give_up_at: Instant,
+        /// How many times it followed a `MOVED` already.
+        hops: u8,
     },
 }
 
@@ -226,8 +228,7 @@ struct PendingCleanup {
     key: String,
     give_up_at: Instant,
     retry_at: Instant,
-    /// Whether it may still follow a redirection to another node.
-    may_move: bool,
+    hops: u8,
 }
 
 struct Executor {
@@ -307,6 +308,7 @@ impl Executor {
                 cmd,
                 key,
                 give_up_at,
+                hops,
             } => {
                 let now = self.clock.now();
                 self.cleanups.push(PendingCleanup {
@@ -315,7 +317,7 @@ impl Executor {
                     key,
                     give_up_at,
                     retry_at: now,
-                    may_move: true,
+                    hops,
                 });
             }
         }
@@ -775,9 +777,8 @@ impl Executor {
                 Err(e) => {
                     // The key's slot is served elsewhere now: clean up there
                     // (the connections here are dead already).
-                    if c.may_move
-                        && let Some(Redirect::Moved { slot, addr }) =
-                            crate::conn::cluster::redirect(&e, &self.host)
+                    if let Some(Redirect::Moved { slot, addr }) =
+                        crate::conn::cluster::redirect(&e, &self.host)
                         && let Some(node) = self.dir.upgrade().and_then(|d| d.moved(slot, &addr))
                     {
                         node.submit(Job::Cleanup {
@@ -785,6 +786,7 @@ impl Executor {
                             cmd: c.cmd,
                             key: c.key,
                             give_up_at: c.give_up_at,
+                            hops: c.hops + 1,
                         });
                         continue;
                     }
