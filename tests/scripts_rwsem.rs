@@ -644,6 +644,72 @@ fn retries_of_the_same_acquire_get_the_same_grant_with_a_fresh_expiry() {
 }
 
 #[test]
+fn a_late_duplicate_acquire_never_shortens_what_was_granted_or_extended() {
+    let mut c = shared_server().client();
+    let k = RwKeys::new("rw_late_dup");
+
+    // The writer: granted with 1 s, extended to 60 s; then the duplicate of the
+    // first acquire (1 s) arrives late.
+    let token = k.write(&mut c, "w1", 1_000, 0).token().to_owned();
+    let value = format!("w1:{token}");
+    assert_eq!(
+        int(scripts()
+            .lease_extend
+            .ok(&mut c, &[&k.w], &[&value, "60000"])),
+        1
+    );
+    let before = pexpiretime(&mut c, &k.w);
+    assert_eq!(
+        k.write(&mut c, "w1", 1_000, 0),
+        Grant::Granted(token.clone())
+    );
+    assert_eq!(
+        pexpiretime(&mut c, &k.w),
+        before,
+        "the writer was shortened"
+    );
+    assert!(c.pttl::<_, i64>(&k.w).unwrap() > 50_000);
+    // A longer duplicate still lengthens it.
+    k.write(&mut c, "w1", 120_000, 0).token();
+    assert!(pexpiretime(&mut c, &k.w) > before + 50_000);
+    assert_eq!(k.release_writer(&mut c, "w1", &token), 1);
+
+    // A reader: the same story with its own score.
+    k.read(&mut c, "r1", 1_000, "writer").token();
+    assert_eq!(k.read_extend(&mut c, "r1", 60_000), 1);
+    let before = zscore(&mut c, &k.r, "r1").unwrap();
+    k.read(&mut c, "r1", 1_000, "writer").token();
+    assert_eq!(
+        zscore(&mut c, &k.r, "r1").unwrap(),
+        before,
+        "the reader was shortened"
+    );
+    assert_eq!(pexpiretime(&mut c, &k.r), before);
+    k.read(&mut c, "r1", 120_000, "reader").token();
+    let longer = zscore(&mut c, &k.r, "r1").unwrap();
+    assert!(longer > before + 50_000, "{before} → {longer}");
+    assert_eq!(pexpiretime(&mut c, &k.r), longer);
+
+    // A permit.
+    let s = SemKeys::new("sem_late_dup");
+    let first = s.acquire(&mut c, "p", 1_000, 2);
+    let member = SemKeys::member("p", &first);
+    assert_eq!(s.extend(&mut c, &member, 60_000), 1);
+    let before = zscore(&mut c, &s.permits, &member).unwrap();
+    assert_eq!(s.acquire(&mut c, "p", 1_000, 2), first);
+    assert_eq!(
+        zscore(&mut c, &s.permits, &member).unwrap(),
+        before,
+        "the permit was shortened"
+    );
+    assert_eq!(pexpiretime(&mut c, &s.permits), before);
+    assert_eq!(s.acquire(&mut c, "p", 120_000, 2), first);
+    let longer = zscore(&mut c, &s.permits, &member).unwrap();
+    assert!(longer > before + 50_000, "{before} → {longer}");
+    assert_eq!(c.hget::<_, _, String>(&s.meta, "fence").unwrap(), "1");
+}
+
+#[test]
 fn a_waiting_writers_intent_holds_back_new_readers_until_it_withdraws() {
     let mut c = shared_server().client();
     let k = RwKeys::new("rw_intent");

@@ -2,7 +2,9 @@
 -- a writer holds the lease or (writer preference) a waiting writer's unexpired
 -- intent holds new readers back. Expired readers and intents are pruned first.
 -- Idempotent for one owner: an owner already in the reader set (an earlier
--- attempt whose reply was lost) is granted again with its expiry set anew.
+-- attempt whose reply was lost) is granted again, its expiry moved to ttl from
+-- now if that is later (never earlier: a late duplicate of an acquire must not
+-- shorten a reader that was extended since).
 -- Times are the server's (TIME). The reader and intent sets carry their own key
 -- expiry at their highest score, so a set nobody prunes any more disappears.
 -- Every key whose change could free a busy attempt is read after the script's
@@ -92,7 +94,7 @@ if wt == 'string' then
 end
 local expiry = string.format('%d', now + ttl)
 if redis.call('ZSCORE', KEYS[2], owner) then
-  redis.call('ZADD', KEYS[2], 'XX', expiry, owner)
+  redis.call('ZADD', KEYS[2], 'XX', 'GT', expiry, owner)
   keep_expiry(KEYS[2])
   return {1, epoch}
 end

@@ -5,8 +5,10 @@
 -- back under writer preference; current readers are not revoked.
 -- The counter is never given an expiry, never deleted and never reset here.
 -- Idempotent for one owner: if the lease already holds ARGV[1]:token (an earlier
--- attempt whose reply was lost), that grant is returned again, with its expiry
--- set anew from now and no new increment.
+-- attempt whose reply was lost), that grant is returned again, with no new
+-- increment and its expiry moved to ttl from now if that is later (never
+-- earlier: a late duplicate of an acquire must not shorten a lease that was
+-- extended since).
 -- Times are the server's (TIME). The reader and intent sets carry their own key
 -- expiry at their highest score. Every key whose change could free a busy
 -- attempt is read after the script's last write to it, which arms client
@@ -107,7 +109,10 @@ if wt == 'string' then
   local mine = owner .. ':'
   local held = redis.call('GET', KEYS[1])
   if string.sub(held, 1, string.len(mine)) == mine then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    local left = redis.call('PTTL', KEYS[1])
+    if left >= 0 and left < ttl then
+      redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    end
     drop_intent()
     return {1, string.sub(held, string.len(mine) + 1)}
   end

@@ -5,8 +5,9 @@
 -- refused. After the capacity was lowered, existing permits stay until released
 -- or expired and new ones wait until fewer than the capacity remain.
 -- Idempotent for one owner: an unexpired permit of ARGV[1] (an earlier attempt
--- whose reply was lost) is returned again, with its expiry set anew from now and
--- no new increment.
+-- whose reply was lost) is returned again, with no new increment and its expiry
+-- moved to ttl from now if that is later (never earlier: a late duplicate of an
+-- acquire must not shorten a permit that was extended since).
 -- The permit set carries its own key expiry at its highest score. A busy attempt
 -- reads both keys after its last write to them, which arms client tracking.
 -- KEYS[1]  permit set (sorted set: owner:slot:token -> expiry in ms)
@@ -106,7 +107,7 @@ local used = {}
 for i = 1, #held, 2 do
   local who, slot, token = string.match(held[i], '^([^:]*):(%d+):(%d+)$')
   if who == owner then
-    redis.call('ZADD', KEYS[1], 'XX', expiry, held[i])
+    redis.call('ZADD', KEYS[1], 'XX', 'GT', expiry, held[i])
     keep_expiry()
     return {1, tonumber(slot), token}
   end
