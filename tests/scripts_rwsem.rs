@@ -86,6 +86,7 @@ struct Scripts {
     read_release: Lua,
     write_acquire: Lua,
     write_withdraw: Lua,
+    write_clean_up: Lua,
     lease_extend: Lua,
     lease_verify: Lua,
     lease_release: Lua,
@@ -106,6 +107,7 @@ fn scripts() -> &'static Scripts {
         read_release: lua!("rw_read_release"),
         write_acquire: lua!("rw_write_acquire"),
         write_withdraw: lua!("rw_write_withdraw"),
+        write_clean_up: lua!("rw_write_clean_up"),
         lease_extend: lua!("lease_extend"),
         lease_verify: lua!("lease_verify"),
         lease_release: lua!("lease_release"),
@@ -774,6 +776,67 @@ fn a_waiting_writers_intent_holds_back_new_readers_until_it_withdraws() {
 }
 
 #[test]
+fn a_retrying_writer_refreshes_its_intent_only_once_a_quarter_of_it_passed() {
+    let mut c = shared_server().client();
+    let k = RwKeys::new("rw_intent_refresh");
+    k.read(&mut c, "r1", 30_000, "writer").token();
+    k.write(&mut c, "w1", 10_000, 10_000).hint();
+    let first = zscore(&mut c, &k.q, "w1").unwrap();
+    // At once again: three quarters and more are left, so nothing is written
+    // (the readers waiting on the intent set are not woken).
+    k.write(&mut c, "w1", 10_000, 10_000).hint();
+    assert_eq!(zscore(&mut c, &k.q, "w1").unwrap(), first);
+    // A longer intent leaves less than three quarters of it: refreshed.
+    k.write(&mut c, "w1", 10_000, 40_000).hint();
+    let refreshed = zscore(&mut c, &k.q, "w1").unwrap();
+    assert!(refreshed > first + 25_000, "{first} → {refreshed}");
+    assert_eq!(pexpiretime(&mut c, &k.q), refreshed);
+    // A short intent recorded a while ago is refreshed.
+    k.write(&mut c, "w2", 10_000, 200).hint();
+    let short = zscore(&mut c, &k.q, "w2").unwrap();
+    thread::sleep(Duration::from_millis(80));
+    k.write(&mut c, "w2", 10_000, 200).hint();
+    assert!(zscore(&mut c, &k.q, "w2").unwrap() > short);
+}
+
+#[test]
+fn the_writer_clean_up_deletes_only_what_this_owner_set() {
+    let mut c = shared_server().client();
+    let s = scripts();
+    let k = RwKeys::new("rw_write_clean_up");
+    let clean = |c: &mut redis::Connection, owner: &str| {
+        int(s.write_clean_up.ok(c, &[&k.w, &k.q], &[owner]))
+    };
+    assert_eq!(clean(&mut c, "nobody"), 0, "nothing there");
+    k.read(&mut c, "r1", 30_000, "writer").token();
+    k.write(&mut c, "w1", 10_000, 10_000).hint();
+    k.write(&mut c, "w2", 10_000, 10_000).hint();
+    assert_eq!(clean(&mut c, "w1"), 1, "the intent");
+    assert!(zscore(&mut c, &k.q, "w1").is_none());
+    assert!(
+        zscore(&mut c, &k.q, "w2").is_some(),
+        "another writer's intent"
+    );
+    assert_eq!(k.read_release(&mut c, "r1"), 1);
+    let token = k.write(&mut c, "w2", 10_000, 10_000).token().to_owned();
+    assert_eq!(clean(&mut c, "w1"), 0, "another writer's lease");
+    assert!(c.exists::<_, bool>(&k.w).unwrap());
+    assert_eq!(clean(&mut c, "w2"), 1, "its own lease");
+    assert!(!c.exists::<_, bool>(&k.w).unwrap());
+    assert_eq!(
+        c.get::<_, String>(&k.fence).unwrap(),
+        token,
+        "the counter stays"
+    );
+    // A reader's release takes the same 'exact' mode as a permit's, and no other.
+    k.read(&mut c, "r2", 30_000, "writer").token();
+    let e = s.read_release.err(&mut c, &[&k.r], &["r2", "prefix"]);
+    assert_eq!(e.code(), Some("BADARG"));
+    assert!(zscore(&mut c, &k.r, "r2").is_some());
+    assert_eq!(int(s.read_release.ok(&mut c, &[&k.r], &["r2", "exact"])), 1);
+}
+
+#[test]
 fn an_abandoned_intent_expires_by_itself() {
     let mut c = shared_server().client();
     let k = RwKeys::new("rw_intent_expiry");
@@ -1165,6 +1228,12 @@ fn every_wrong_key_of_the_reader_writer_lease_is_refused_and_nothing_changes() {
             keys: &[2],
             args: &["livew"],
         },
+        Run {
+            name: "write_clean_up",
+            script: &s.write_clean_up,
+            keys: &[0, 2],
+            args: &["livew"],
+        },
     ];
     let own_ops: &[&str] = &["read_extend", "read_verify", "read_release"];
     let mut cases = vec![
@@ -1203,6 +1272,18 @@ fn every_wrong_key_of_the_reader_writer_lease_is_refused_and_nothing_changes() {
             replace(2, "string"),
             ("BADKEY", "KEYS[1] holds a string"),
             &["withdraw"],
+        ),
+        Refusal::new(
+            "writer lease is a list",
+            replace(0, "list"),
+            ("BADKEY", "KEYS[1] holds a list"),
+            &["write_clean_up"],
+        ),
+        Refusal::new(
+            "intent set is a hash",
+            replace(2, "hash"),
+            ("BADKEY", "KEYS[2] holds a hash"),
+            &["write_clean_up"],
         ),
         Refusal::new(
             "fence is a hash",

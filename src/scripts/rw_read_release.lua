@@ -3,11 +3,16 @@
 -- deletes the set (which wakes waiting writers).
 -- KEYS[1]  reader set (sorted set: reader owner -> expiry in ms)
 -- ARGV[1]  owner
+-- ARGV[2]  'exact' or absent (a reader's member is its owner: there is no other
+--          mode; accepted so that every member release takes the same ARGV)
 -- returns  1 removed while unexpired; 0 it had expired (removed now) or was gone
 -- errors   BADARG (bad ARGV), BADKEY KEYS[1] (a key of another type); nothing is
 --          changed
 if ARGV[1] == nil or ARGV[1] == '' then
   return redis.error_reply('BADARG owner must be non-empty')
+end
+if ARGV[2] ~= nil and ARGV[2] ~= 'exact' then
+  return redis.error_reply("BADARG mode must be 'exact'")
 end
 local rt = redis.call('TYPE', KEYS[1]).ok
 if rt == 'none' then return 0 end

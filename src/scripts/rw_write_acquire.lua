@@ -1,8 +1,10 @@
 -- Take the write lease if no writer holds it and no unexpired reader remains:
 -- increment the persistent counter, set the lease to owner:token and drop the
 -- owner's intent. Expired readers and intents are pruned first. When busy and
--- ARGV[3] > 0, record (or refresh) the owner's intent, which holds new readers
--- back under writer preference; current readers are not revoked.
+-- ARGV[3] > 0, record the owner's intent, or refresh it once a quarter of its
+-- lifetime has passed (so that a writer retrying often does not wake the
+-- readers it holds back each time); the intent holds new readers back under
+-- writer preference; current readers are not revoked.
 -- The counter is never given an expiry, never deleted and never reset here.
 -- Idempotent for one owner: if the lease already holds ARGV[1]:token (an earlier
 -- attempt whose reply was lost), that grant is returned again, with no new
@@ -129,7 +131,12 @@ else
   wait = math.ceil(tonumber(last[2])) - now
 end
 if intent > 0 then
-  redis.call('ZADD', KEYS[3], string.format('%d', now + intent), owner)
-  keep_expiry(KEYS[3])
+  -- Refreshed only once a quarter of it has passed: every write to the intent
+  -- set wakes the readers waiting on it.
+  local score = redis.call('ZSCORE', KEYS[3], owner)
+  if not score or tonumber(score) - now < intent * 3 / 4 then
+    redis.call('ZADD', KEYS[3], string.format('%d', now + intent), owner)
+    keep_expiry(KEYS[3])
+  end
 end
 return {0, wait}
