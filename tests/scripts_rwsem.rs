@@ -343,11 +343,12 @@ impl RwKeys {
     }
 }
 
-/// The two keys of one semaphore.
+/// The three keys of one semaphore.
 struct SemKeys {
     prefix: String,
     permits: String,
     meta: String,
+    slots: String,
 }
 
 impl SemKeys {
@@ -357,8 +358,14 @@ impl SemKeys {
         SemKeys {
             permits: format!("{base}:permits"),
             meta: format!("{base}:meta"),
+            slots: format!("{base}:slots"),
             prefix,
         }
+    }
+
+    /// Permits, meta, slots: the keys of acquire, extend, release and status.
+    fn all(&self) -> [&str; 3] {
+        [&self.permits, &self.meta, &self.slots]
     }
 
     fn acquire(
@@ -370,7 +377,7 @@ impl SemKeys {
     ) -> PermitReply {
         permit(scripts().sem_acquire.ok(
             conn,
-            &[&self.permits, &self.meta],
+            &self.all(),
             &[owner, &ttl.to_string(), &cap.to_string()],
         ))
     }
@@ -383,13 +390,19 @@ impl SemKeys {
     fn release(&self, conn: &mut redis::Connection, member: &str) -> i64 {
         int(scripts()
             .sem_release
-            .ok(conn, &[&self.permits], &[member, "exact"]))
+            .ok(conn, &self.all(), &[member, "exact"]))
+    }
+
+    fn release_owner(&self, conn: &mut redis::Connection, owner: &str) -> i64 {
+        int(scripts()
+            .sem_release
+            .ok(conn, &self.all(), &[owner, "prefix"]))
     }
 
     fn extend(&self, conn: &mut redis::Connection, member: &str, ttl: u64) -> i64 {
         int(scripts()
             .sem_extend
-            .ok(conn, &[&self.permits], &[member, &ttl.to_string()]))
+            .ok(conn, &self.all(), &[member, &ttl.to_string()]))
     }
 
     fn verify(&self, conn: &mut redis::Connection, member: &str) -> Option<i64> {
@@ -403,11 +416,32 @@ impl SemKeys {
     }
 
     fn status(&self, conn: &mut redis::Connection) -> Status {
-        status(
-            scripts()
-                .sem_status
-                .ok(conn, &[&self.permits, &self.meta], &[]),
-        )
+        status(scripts().sem_status.ok(conn, &self.all(), &[]))
+    }
+
+    /// The slots the bitmap marks taken, and the holders the hash indexes
+    /// (owner → slot:token): both must match the permit set.
+    fn check_index(&self, conn: &mut redis::Connection) {
+        let members: Vec<String> = conn.zrange(&self.permits, 0, -1).unwrap();
+        let mut slots = BTreeSet::new();
+        let mut holders = BTreeMap::new();
+        for m in &members {
+            let (owner, slot, token) = parse_member(m);
+            slots.insert(slot);
+            holders.insert(format!("holder:{owner}"), format!("{slot}:{token}"));
+        }
+        let bitmap: Vec<u8> = conn.get(&self.slots).unwrap_or_default();
+        let marked: BTreeSet<i64> = (0..bitmap.len() * 8)
+            .filter(|i| bitmap[i / 8] & (0x80 >> (i % 8)) != 0)
+            .map(|i| i as i64)
+            .collect();
+        assert_eq!(marked, slots, "the slot bitmap is out of step");
+        let fields: BTreeMap<String, String> = conn.hgetall(&self.meta).unwrap();
+        let indexed: BTreeMap<String, String> = fields
+            .into_iter()
+            .filter(|(f, _)| f.starts_with("holder:"))
+            .collect();
+        assert_eq!(indexed, holders, "the holder index is out of step");
     }
 }
 
@@ -704,7 +738,6 @@ fn a_late_duplicate_acquire_never_shortens_what_was_granted_or_extended() {
         before,
         "the permit was shortened"
     );
-    assert_eq!(pexpiretime(&mut c, &s.permits), before);
     assert_eq!(s.acquire(&mut c, "p", 120_000, 2), first);
     let longer = zscore(&mut c, &s.permits, &member).unwrap();
     assert!(longer > before + 50_000, "{before} → {longer}");
@@ -1043,12 +1076,17 @@ fn a_counter_at_its_maximum_refuses_a_new_token_and_changes_nothing() {
     let before = snapshot(&mut c, &s.prefix);
     let e = scripts()
         .sem_acquire
-        .err(&mut c, &[&s.permits, &s.meta], &["p1", "10000", "3"]);
+        .err(&mut c, &s.all(), &["p1", "10000", "3"]);
     assert_eq!(e.code(), Some("BADFENCE"), "{e}");
     assert_eq!(snapshot(&mut c, &s.prefix), before);
     let now = server_ms(&mut c);
+    // A holder of the last token, as an acquire leaves it: the member, its
+    // index entry and its slot bit.
     c.zadd::<_, _, _, ()>(&s.permits, "p0:1:9223372036854775807", now + 60_000)
         .unwrap();
+    c.hset::<_, _, _, ()>(&s.meta, "holder:p0", "1:9223372036854775807")
+        .unwrap();
+    c.setbit::<_, ()>(&s.slots, 1, true).unwrap();
     assert_eq!(
         s.acquire(&mut c, "p0", 10_000, 3),
         PermitReply::Granted {
@@ -1059,7 +1097,7 @@ fn a_counter_at_its_maximum_refuses_a_new_token_and_changes_nothing() {
     );
     let e = scripts()
         .sem_acquire
-        .err(&mut c, &[&s.permits, &s.meta], &["p1", "10000", "3"]);
+        .err(&mut c, &s.all(), &["p1", "10000", "3"]);
     assert_eq!(e.code(), Some("BADFENCE"), "{e}");
 }
 
@@ -1420,12 +1458,12 @@ fn permits_take_the_lowest_free_slot_up_to_the_capacity() {
     );
     assert_eq!(c.hget::<_, _, String>(&k.meta, "capacity").unwrap(), "3");
     assert_eq!(c.pttl::<_, i64>(&k.meta).unwrap(), -1, "meta never expires");
-    let top = zscore(&mut c, &k.permits, &SemKeys::member("d", &d)).unwrap();
     assert_eq!(
         pexpiretime(&mut c, &k.permits),
-        top,
-        "the set's own expiry is its highest score"
+        -1,
+        "the permit set has no key expiry: its index must not outlive it"
     );
+    k.check_index(&mut c);
 
     // Full: the hint is when the earliest permit would be gone by itself.
     let hint = k.acquire(&mut c, "e", 10_000, 3).hint();
@@ -1476,20 +1514,21 @@ fn permits_take_the_lowest_free_slot_up_to_the_capacity() {
         }
     );
 
+    k.check_index(&mut c);
+
     // Release by owner alone, after an acquire whose reply was lost.
-    assert_eq!(
-        int(scripts()
-            .sem_release
-            .ok(&mut c, &[&k.permits], &["f", "prefix"])),
-        1
-    );
-    assert_eq!(
-        int(scripts()
-            .sem_release
-            .ok(&mut c, &[&k.permits], &["f", "prefix"])),
-        0
-    );
+    assert_eq!(k.release_owner(&mut c, "f"), 1);
+    assert_eq!(k.release_owner(&mut c, "f"), 0);
     assert_eq!(k.status(&mut c).holders.len(), 2);
+    k.check_index(&mut c);
+    // The last permit out deletes the set and the bitmap; the hash keeps
+    // only the capacity and the counter.
+    assert_eq!(k.release(&mut c, &SemKeys::member("d", &d)), 1);
+    assert_eq!(k.release(&mut c, &SemKeys::member("e", &e)), 1);
+    assert!(!c.exists::<_, bool>(&k.permits).unwrap());
+    assert!(!c.exists::<_, bool>(&k.slots).unwrap());
+    let fields: Vec<String> = c.hkeys(&k.meta).unwrap();
+    assert_eq!(fields.len(), 2, "{fields:?}");
 }
 
 #[test]
@@ -1504,9 +1543,9 @@ fn a_retried_acquire_gets_the_same_permit_with_a_fresh_expiry_and_no_new_token()
     assert_eq!(k.acquire(&mut c, "p", 60_000, 2), first);
     let after = zscore(&mut c, &k.permits, &member).unwrap();
     assert!(after > before + 50_000, "{before} → {after}");
-    assert_eq!(pexpiretime(&mut c, &k.permits), after);
     assert_eq!(c.hget::<_, _, String>(&k.meta, "fence").unwrap(), "2");
     assert_eq!(k.status(&mut c).holders.len(), 2);
+    k.check_index(&mut c);
 }
 
 #[test]
@@ -1523,10 +1562,9 @@ fn a_different_capacity_is_refused_and_nothing_changes() {
         ("1", "CAPMISMATCH 3 1"),
         ("10000", "CAPMISMATCH 3 10000"),
     ] {
-        let e =
-            scripts()
-                .sem_acquire
-                .err(&mut c, &[&k.permits, &k.meta], &["b", "10000", requested]);
+        let e = scripts()
+            .sem_acquire
+            .err(&mut c, &k.all(), &["b", "10000", requested]);
         assert_eq!(e.code(), Some("CAPMISMATCH"), "{e}");
         assert_eq!(
             format!(
@@ -1545,7 +1583,7 @@ fn a_different_capacity_is_refused_and_nothing_changes() {
     // The idempotent retry of a holder is refused too when it disagrees.
     let e = scripts()
         .sem_acquire
-        .err(&mut c, &[&k.permits, &k.meta], &["a", "10000", "4"]);
+        .err(&mut c, &k.all(), &["a", "10000", "4"]);
     assert_eq!(e.code(), Some("CAPMISMATCH"));
     assert_eq!(snapshot(&mut c, &k.prefix), before);
 }
@@ -1593,6 +1631,7 @@ fn lowering_the_capacity_drains_and_raising_it_admits_at_once() {
     assert_eq!(k.acquire(&mut c, "f", 10_000, 3).granted().0, 1);
     assert_eq!(k.acquire(&mut c, "g", 10_000, 3).granted().0, 2);
     assert!(k.acquire(&mut c, "h", 10_000, 3).hint() > 0);
+    k.check_index(&mut c);
 }
 
 #[test]
@@ -1615,6 +1654,7 @@ fn an_expired_permit_never_comes_back_and_frees_its_slot() {
     assert_eq!(k.extend(&mut c, &short, 60_000), 0);
     assert!(k.verify(&mut c, &long).is_some());
     assert_eq!(k.extend(&mut c, &long, 60_000), 1);
+    k.check_index(&mut c);
     assert_eq!(
         k.acquire(&mut c, "x", 10_000, 2),
         PermitReply::Granted {
@@ -1622,6 +1662,7 @@ fn an_expired_permit_never_comes_back_and_frees_its_slot() {
             token: "3".into()
         }
     );
+    k.check_index(&mut c);
 }
 
 #[test]
@@ -1653,14 +1694,25 @@ fn status_and_release_prune_expired_permits() {
         1,
         "release pruned the other expired permit"
     );
+    k.check_index(&mut c);
     let st = k.status(&mut c);
     assert_eq!((st.capacity, st.holders.len()), (3, 1));
     assert_eq!(st.holders[0].0, long);
+    k.check_index(&mut c);
 }
 
 #[test]
 fn every_wrong_key_of_the_semaphore_is_refused_and_nothing_changes() {
     const META_USERS: &[&str] = &["acquire", "retry", "set_capacity", "status"];
+    const META_TYPE_USERS: &[&str] = &[
+        "acquire",
+        "retry",
+        "set_capacity",
+        "status",
+        "extend",
+        "release",
+        "release_prefix",
+    ];
     let mut c = shared_server().client();
     let s = scripts();
     fn baseline(c: &mut redis::Connection, k: &[&str]) {
@@ -1672,11 +1724,15 @@ fn every_wrong_key_of_the_semaphore_is_refused_and_nothing_changes() {
             )
             .unwrap();
         let _: () = c
-            .hset_multiple(k[1], &[("capacity", "3"), ("fence", "2")])
+            .hset_multiple(
+                k[1],
+                &[("capacity", "3"), ("fence", "2"), ("holder:live", "1:2")],
+            )
             .unwrap();
+        let _: () = c.setbit(k[2], 1, true).unwrap();
     }
     fn names(p: &str) -> Vec<String> {
-        ["permits", "meta"]
+        ["permits", "meta", "slots"]
             .iter()
             .map(|s| format!("{p}{{sem}}:{s}"))
             .collect()
@@ -1688,13 +1744,13 @@ fn every_wrong_key_of_the_semaphore_is_refused_and_nothing_changes() {
         Run {
             name: "acquire",
             script: &s.sem_acquire,
-            keys: &[0, 1],
+            keys: &[0, 1, 2],
             args: &["o", "1000", "3"],
         },
         Run {
             name: "retry",
             script: &s.sem_acquire,
-            keys: &[0, 1],
+            keys: &[0, 1, 2],
             args: &["live", "1000", "3"],
         },
         Run {
@@ -1706,13 +1762,13 @@ fn every_wrong_key_of_the_semaphore_is_refused_and_nothing_changes() {
         Run {
             name: "status",
             script: &s.sem_status,
-            keys: &[0, 1],
+            keys: &[0, 1, 2],
             args: &[],
         },
         Run {
             name: "extend",
             script: &s.sem_extend,
-            keys: &[0],
+            keys: &[0, 1, 2],
             args: &["live:1:2", "1000"],
         },
         Run {
@@ -1724,13 +1780,13 @@ fn every_wrong_key_of_the_semaphore_is_refused_and_nothing_changes() {
         Run {
             name: "release",
             script: &s.sem_release,
-            keys: &[0],
+            keys: &[0, 1, 2],
             args: &["live:1:2", "exact"],
         },
         Run {
             name: "release_prefix",
             script: &s.sem_release,
-            keys: &[0],
+            keys: &[0, 1, 2],
             args: &["live", "prefix"],
         },
     ];
@@ -1768,7 +1824,7 @@ fn every_wrong_key_of_the_semaphore_is_refused_and_nothing_changes() {
                 let _: () = c.set(k[1], "3").unwrap();
             },
             ("BADKEY", "holds a string, not a semaphore hash"),
-            META_USERS,
+            META_TYPE_USERS,
         ),
         Refusal::new(
             "meta is a zset",
@@ -1777,7 +1833,23 @@ fn every_wrong_key_of_the_semaphore_is_refused_and_nothing_changes() {
                 let _: () = c.zadd(k[1], "capacity", 3).unwrap();
             },
             ("BADKEY", "holds a zset, not a semaphore hash"),
-            META_USERS,
+            META_TYPE_USERS,
+        ),
+        Refusal::new(
+            "slots is a hash",
+            |c, k| {
+                let _: () = c.del(k[2]).unwrap();
+                let _: () = c.hset(k[2], "f", "v").unwrap();
+            },
+            ("BADKEY", "KEYS[3] holds a hash, not a slot bitmap"),
+            &[
+                "acquire",
+                "retry",
+                "status",
+                "extend",
+                "release",
+                "release_prefix",
+            ],
         ),
         Refusal::new(
             "meta has a TTL",
@@ -1838,9 +1910,7 @@ fn every_wrong_key_of_the_semaphore_is_refused_and_nothing_changes() {
     // The key named in the error is the script's own KEYS index.
     let k = SemKeys::new("sem_refuse_index");
     c.set::<_, _, ()>(&k.meta, "x").unwrap();
-    let e = s
-        .sem_acquire
-        .err(&mut c, &[&k.permits, &k.meta], &["o", "1000", "3"]);
+    let e = s.sem_acquire.err(&mut c, &k.all(), &["o", "1000", "3"]);
     assert!(e.detail().unwrap().starts_with("KEYS[2] "), "{e}");
     let e = s
         .sem_set_capacity

@@ -4,24 +4,31 @@
 -- The capacity is stored beside the permits on first use; a different one is
 -- refused. After the capacity was lowered, existing permits stay until released
 -- or expired and new ones wait until fewer than the capacity remain.
+-- Every step costs O(log n) or less, whatever the number of permits: the meta
+-- hash indexes each holder (field holder:<owner> = slot:token) and the slot
+-- bitmap marks the slots taken, so neither the owner's permit nor the lowest
+-- free slot needs a scan. Both are kept in step with the permit set by every
+-- script that removes a permit; a bitmap found out of step (keys changed by
+-- hand) is rebuilt from the permit set.
 -- Idempotent for one owner: an unexpired permit of ARGV[1] (an earlier attempt
 -- whose reply was lost) is returned again, with no new increment and its expiry
 -- moved to ttl from now if that is later (never earlier: a late duplicate of an
 -- acquire must not shorten a permit that was extended since).
--- The permit set carries its own key expiry at its highest score. A busy attempt
--- reads both keys after its last write to them, which arms client tracking.
+-- A busy attempt reads both the permit set and the meta hash after its last
+-- write to them, which arms client tracking.
 -- KEYS[1]  permit set (sorted set: owner:slot:token -> expiry in ms)
--- KEYS[2]  meta hash {capacity, fence}, never expires
+-- KEYS[2]  meta hash {capacity, fence, holder:<owner>}, never expires
+-- KEYS[3]  slot bitmap (string: bit n set while slot n is taken)
 -- ARGV[1]  owner (non-empty, no colon)
 -- ARGV[2]  ttl in milliseconds (positive integer)
 -- ARGV[3]  capacity (integer 1..10000)
 -- returns  {1, slot, token} granted, slot an integer, token a string;
 --          {0, wait_ms} all slots taken: ms until enough permits have expired by
 --          themselves for one to be free
--- errors   BADARG (bad ARGV); BADKEY KEYS[1] / KEYS[2] (a key of another type,
---          a stored capacity that is not a positive integer); BADFENCE KEYS[2]
---          (meta with an expiry, a fence field that is not a non-negative
---          integer, or at 9223372036854775807 when a new token is needed);
+-- errors   BADARG (bad ARGV); BADKEY KEYS[n] (a key of another type, a stored
+--          capacity that is not a positive integer); BADFENCE KEYS[2] (meta with
+--          an expiry, a fence field that is not a non-negative integer, or at
+--          9223372036854775807 when a new token is needed);
 --          CAPMISMATCH <stored> <requested>; nothing is changed
 local owner, cap = ARGV[1], ARGV[3]
 if owner == nil or owner == '' or string.find(owner, ':', 1, true) then
@@ -40,6 +47,10 @@ end
 local pt = redis.call('TYPE', KEYS[1]).ok
 if pt ~= 'none' and pt ~= 'zset' then
   return redis.error_reply('BADKEY KEYS[1] holds a ' .. pt .. ', not a sorted set of permits')
+end
+local st = redis.call('TYPE', KEYS[3]).ok
+if st ~= 'none' and st ~= 'string' then
+  return redis.error_reply('BADKEY KEYS[3] holds a ' .. st .. ', not a slot bitmap')
 end
 local mt = redis.call('TYPE', KEYS[2]).ok
 local stored
@@ -65,12 +76,9 @@ if mt ~= 'none' then
       -- Only a retry of a holder's own unexpired permit needs no new token.
       local t = redis.call('TIME')
       local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-      local live = pt == 'zset' and redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. string.format('%d', now), '+inf') or {}
-      local retry = false
-      for _, m in ipairs(live) do
-        if string.sub(m, 1, string.len(owner) + 1) == owner .. ':' then retry = true end
-      end
-      if not retry then
+      local mine = redis.call('HGET', KEYS[2], 'holder:' .. owner)
+      local score = mine and pt == 'zset' and redis.call('ZSCORE', KEYS[1], owner .. ':' .. mine)
+      if not (score and math.ceil(tonumber(score)) > now) then
         return redis.error_reply('BADFENCE KEYS[2] has a fence field at its maximum that cannot issue another token')
       end
     end
@@ -84,44 +92,65 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
--- Sets the permit set's own expiry to its highest score; writes only on a change.
-local function keep_expiry()
-  local top = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
-  if #top == 0 then return end
-  local at = math.ceil(tonumber(top[2]))
-  if at > now and at < 2^53 and redis.call('PEXPIRETIME', KEYS[1]) ~= at then
-    redis.call('PEXPIREAT', KEYS[1], string.format('%d', at))
+-- Removes one permit with its index entry and its slot bit.
+local function forget(member)
+  redis.call('ZREM', KEYS[1], member)
+  local who, slot, token = string.match(member, '^([^:]*):(%d+):(%d+)$')
+  if who then
+    if redis.call('HGET', KEYS[2], 'holder:' .. who) == slot .. ':' .. token then
+      redis.call('HDEL', KEYS[2], 'holder:' .. who)
+    end
+    redis.call('SETBIT', KEYS[3], slot, 0)
   end
 end
-if pt == 'zset' and redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now)) > 0 then
-  keep_expiry()
+if pt == 'zset' then
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now))) do
+    forget(m)
+  end
+  if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[3]) end
+elseif st == 'string' then
+  -- No permit at all: no slot is taken.
+  redis.call('DEL', KEYS[3])
 end
 if not stored then
   redis.call('HSET', KEYS[2], 'capacity', cap)
 end
 
 local expiry = string.format('%d', now + ttl)
-local held = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
-local count = #held / 2
-local used = {}
-for i = 1, #held, 2 do
-  local who, slot, token = string.match(held[i], '^([^:]*):(%d+):(%d+)$')
-  if who == owner then
-    redis.call('ZADD', KEYS[1], 'XX', 'GT', expiry, held[i])
-    keep_expiry()
+local mine = redis.call('HGET', KEYS[2], 'holder:' .. owner)
+if mine then
+  local member = owner .. ':' .. mine
+  if redis.call('ZSCORE', KEYS[1], member) then
+    redis.call('ZADD', KEYS[1], 'XX', 'GT', expiry, member)
+    local slot, token = string.match(mine, '^(%d+):(%d+)$')
     return {1, tonumber(slot), token}
   end
-  if slot then used[tonumber(slot)] = true end
+  -- An index entry whose permit is gone (keys changed by hand).
+  redis.call('HDEL', KEYS[2], 'holder:' .. owner)
 end
+
+local count = redis.call('ZCARD', KEYS[1])
 if count >= capn then
-  -- Re-read the capacity: a raised capacity could free this attempt.
+  -- The (count - capacity + 1)-th earliest expiry frees a slot. Re-read the
+  -- capacity: a raised capacity could free this attempt.
+  local at = redis.call('ZRANGE', KEYS[1], count - capn, count - capn, 'WITHSCORES')
   redis.call('HGET', KEYS[2], 'capacity')
-  return {0, math.ceil(tonumber(held[2 * (count - capn) + 2])) - now}
+  return {0, math.ceil(tonumber(at[2])) - now}
 end
-local slot = 0
-while used[slot] do slot = slot + 1 end
+local slot = redis.call('BITPOS', KEYS[3], 0)
+if slot < 0 or slot >= capn then
+  -- Fewer permits than the capacity, so a slot below it is free: the bitmap is
+  -- out of step with the permit set. Rebuild it.
+  redis.call('DEL', KEYS[3])
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+    local s = string.match(m, '^[^:]*:(%d+):%d+$')
+    if s then redis.call('SETBIT', KEYS[3], s, 1) end
+  end
+  slot = redis.call('BITPOS', KEYS[3], 0)
+end
 redis.call('HINCRBY', KEYS[2], 'fence', 1)
 local token = redis.call('HGET', KEYS[2], 'fence')
 redis.call('ZADD', KEYS[1], expiry, owner .. ':' .. slot .. ':' .. token)
-keep_expiry()
+redis.call('HSET', KEYS[2], 'holder:' .. owner, slot .. ':' .. token)
+redis.call('SETBIT', KEYS[3], slot, 1)
 return {1, slot, token}

@@ -1,10 +1,9 @@
 -- Store a semaphore's capacity on purpose (the only way to change it). Lowering
 -- it drains: existing permits stay until released or expired, and new ones wait
 -- until fewer than the new capacity remain. Raising it wakes waiters (they track
--- the meta hash). Expired permits are pruned, and the permit set's own expiry is
--- kept at its highest score.
--- KEYS[1]  meta hash {capacity, fence}, never expires
--- KEYS[2]  permit set (sorted set: owner:slot:token -> expiry in ms)
+-- the meta hash). Permits are left alone: every acquire prunes expired ones.
+-- KEYS[1]  meta hash {capacity, fence, holder:<owner>}, never expires
+-- KEYS[2]  permit set (sorted set: owner:slot:token -> expiry in ms), checked only
 -- ARGV[1]  the new capacity (integer 1..10000)
 -- returns  the previous capacity, or -1 if none was stored
 -- errors   BADARG (bad ARGV); BADKEY KEYS[1] / KEYS[2] (a key of another type, a
@@ -44,17 +43,6 @@ if pt ~= 'none' and pt ~= 'zset' then
 end
 -- No writes above this line.
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if pt == 'zset' and redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('%d', now)) > 0 then
-  local top = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
-  if #top > 0 then
-    local at = math.ceil(tonumber(top[2]))
-    if at > now and at < 2^53 and redis.call('PEXPIRETIME', KEYS[2]) ~= at then
-      redis.call('PEXPIREAT', KEYS[2], string.format('%d', at))
-    end
-  end
-end
 if stored ~= cap then
   redis.call('HSET', KEYS[1], 'capacity', cap)
 end

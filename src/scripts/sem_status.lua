@@ -1,6 +1,8 @@
--- Prune expired permits (server TIME) and report the semaphore's state.
+-- Prune expired permits (server TIME, with their index entries and slot bits)
+-- and report the semaphore's state.
 -- KEYS[1]  permit set (sorted set: owner:slot:token -> expiry in ms)
--- KEYS[2]  meta hash {capacity, fence}, never expires
+-- KEYS[2]  meta hash {capacity, fence, holder:<owner>}, never expires
+-- KEYS[3]  slot bitmap
 -- returns  {capacity or -1 if none stored, count, member1, remaining_ms1,
 --          member2, remaining_ms2, ...}: the unexpired permits, soonest to expire
 --          first, each with the ms left until it expires
@@ -36,20 +38,28 @@ if mt ~= 'none' then
 end
 -- No writes above this line.
 
+local st = redis.call('TYPE', KEYS[3]).ok
+if st ~= 'none' and st ~= 'string' then
+  return redis.error_reply('BADKEY KEYS[3] holds a ' .. st .. ', not a slot bitmap')
+end
+-- No writes above this line.
+
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local reply = {-1, 0}
 if stored then reply[1] = tonumber(stored) end
 if pt ~= 'zset' then return reply end
-if redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now)) > 0 then
-  local top = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
-  if #top > 0 then
-    local at = math.ceil(tonumber(top[2]))
-    if at > now and at < 2^53 and redis.call('PEXPIRETIME', KEYS[1]) ~= at then
-      redis.call('PEXPIREAT', KEYS[1], string.format('%d', at))
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now))) do
+  redis.call('ZREM', KEYS[1], m)
+  local who, slot, token = string.match(m, '^([^:]*):(%d+):(%d+)$')
+  if who then
+    if redis.call('HGET', KEYS[2], 'holder:' .. who) == slot .. ':' .. token then
+      redis.call('HDEL', KEYS[2], 'holder:' .. who)
     end
+    redis.call('SETBIT', KEYS[3], slot, 0)
   end
 end
+if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[3]) end
 local held = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 reply[2] = #held / 2
 for i = 1, #held, 2 do
