@@ -170,7 +170,9 @@ mod lock;
 mod redlock;
 mod report;
 mod runtime;
+mod rwlease;
 mod scripts;
+mod semaphore;
 #[cfg(test)]
 mod sim;
 mod token;
@@ -183,11 +185,13 @@ pub use error::{Error, Result};
 pub use fenced::{FencedGuard, FencedLock};
 pub use guard::{KeepAlive, LeaseGuard, ReleaseOutcome};
 pub use keys::{MAX_TTL, key_slot};
-pub use kind::{Fenced, Kind, Plain};
+pub use kind::{Fenced, Kind, Plain, Read, Slot, Write};
 pub use lock::{Lock, LockGuard};
 pub use redlock::{RedlockAttempt, RedlockGroup, RedlockGuard, RedlockKeepAlive, RedlockOptions};
 pub use report::{NodeOutcome, NodeReport};
 pub use runtime::renewal::RenewalStats;
+pub use rwlease::{Preference, ReadGuard, ReadLease, ReadWriteLease, WriteGuard, WriteLease};
+pub use semaphore::{Permit, PermitHolder, Semaphore};
 pub use token::FencingToken;
 
 /// The README's examples, compiled as doc tests.
@@ -208,6 +212,13 @@ fn _ensure_send_sync() {
     check::<LockGuard>();
     check::<FencedLock>();
     check::<FencedGuard>();
+    check::<ReadWriteLease>();
+    check::<ReadLease>();
+    check::<ReadGuard>();
+    check::<WriteLease>();
+    check::<WriteGuard>();
+    check::<Semaphore>();
+    check::<Permit>();
     check::<KeepAlive<'static>>();
     check::<RedlockGroup>();
     check::<RedlockGuard>();

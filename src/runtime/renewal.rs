@@ -34,11 +34,8 @@ use crate::scripts::Script;
 pub(crate) enum Shape {
     /// A string key whose value is the owner (`lease_*.lua`).
     StringValue,
-    /// A member of a sorted set scored by its expiry (readers, permits).
-    #[allow(
-        dead_code,
-        reason = "the reader/writer lease and the semaphore hold leases this way"
-    )]
+    /// A member of a sorted set scored by its expiry (readers, permits). Extend
+    /// takes `(member, ttl_ms)`, verify `(member)`, release `(member, 'exact')`.
     Member {
         extend: &'static std::sync::LazyLock<Script>,
         verify: &'static std::sync::LazyLock<Script>,
@@ -70,6 +67,26 @@ impl Ops {
             keys: vec![key.to_owned()],
             member: value,
             shape: Shape::StringValue,
+        }
+    }
+
+    /// A lease held as `member` of the sorted set `keys[0]`, scored by its
+    /// expiry; the scripts take every key in `keys`.
+    pub(crate) fn member(
+        keys: Vec<String>,
+        member: String,
+        extend: &'static std::sync::LazyLock<Script>,
+        verify: &'static std::sync::LazyLock<Script>,
+        release: &'static std::sync::LazyLock<Script>,
+    ) -> Ops {
+        Ops {
+            keys,
+            member,
+            shape: Shape::Member {
+                extend,
+                verify,
+                release,
+            },
         }
     }
 
@@ -108,11 +125,7 @@ impl Ops {
     }
 
     pub(crate) fn release_args(&self) -> (Vec<&str>, Vec<String>) {
-        let args = match self.shape {
-            Shape::StringValue => vec![self.member.clone(), "exact".to_owned()],
-            Shape::Member { .. } => vec![self.member.clone()],
-        };
-        (self.keys(), args)
+        (self.keys(), vec![self.member.clone(), "exact".to_owned()])
     }
 
     pub(crate) fn extend_cmd(&self, ttl_ms: u64) -> redis::Cmd {

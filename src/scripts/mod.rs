@@ -45,64 +45,19 @@ script!(LEASE_RELEASE, "lease_release.lua");
 script!(LEASE_EXTEND, "lease_extend.lua");
 script!(LEASE_VERIFY, "lease_verify.lua");
 
-// The reader/writer lease and the semaphore, whose primitives are built on them next.
-script!(
-    #[allow(dead_code, reason = "no primitive yet")]
-    RW_READ_ACQUIRE,
-    "rw_read_acquire.lua"
-);
-script!(
-    #[allow(dead_code, reason = "no primitive yet")]
-    RW_READ_EXTEND,
-    "rw_read_extend.lua"
-);
-script!(
-    #[allow(dead_code, reason = "no primitive yet")]
-    RW_READ_VERIFY,
-    "rw_read_verify.lua"
-);
-script!(
-    #[allow(dead_code, reason = "no primitive yet")]
-    RW_READ_RELEASE,
-    "rw_read_release.lua"
-);
-script!(
-    #[allow(dead_code, reason = "no primitive yet")]
-    RW_WRITE_ACQUIRE,
-    "rw_write_acquire.lua"
-);
-script!(
-    #[allow(dead_code, reason = "no primitive yet")]
-    RW_WRITE_WITHDRAW,
-    "rw_write_withdraw.lua"
-);
-script!(
-    #[allow(dead_code, reason = "no primitive yet")]
-    SEM_ACQUIRE,
-    "sem_acquire.lua"
-);
-script!(
-    #[allow(dead_code, reason = "no primitive yet")]
-    SEM_EXTEND,
-    "sem_extend.lua"
-);
-script!(
-    #[allow(dead_code, reason = "no primitive yet")]
-    SEM_VERIFY,
-    "sem_verify.lua"
-);
-script!(
-    #[allow(dead_code, reason = "no primitive yet")]
-    SEM_RELEASE,
-    "sem_release.lua"
-);
-script!(
-    #[allow(dead_code, reason = "no primitive yet")]
-    SEM_SET_CAPACITY,
-    "sem_set_capacity.lua"
-);
-script!(
-    #[allow(dead_code, reason = "no primitive yet")]
-    SEM_STATUS,
-    "sem_status.lua"
-);
+// The reader/writer lease.
+script!(RW_READ_ACQUIRE, "rw_read_acquire.lua");
+script!(RW_READ_EXTEND, "rw_read_extend.lua");
+script!(RW_READ_VERIFY, "rw_read_verify.lua");
+script!(RW_READ_RELEASE, "rw_read_release.lua");
+script!(RW_WRITE_ACQUIRE, "rw_write_acquire.lua");
+script!(RW_WRITE_WITHDRAW, "rw_write_withdraw.lua");
+script!(RW_WRITE_CLEAN_UP, "rw_write_clean_up.lua");
+
+// The semaphore.
+script!(SEM_ACQUIRE, "sem_acquire.lua");
+script!(SEM_EXTEND, "sem_extend.lua");
+script!(SEM_VERIFY, "sem_verify.lua");
+script!(SEM_RELEASE, "sem_release.lua");
+script!(SEM_SET_CAPACITY, "sem_set_capacity.lua");
+script!(SEM_STATUS, "sem_status.lua");
