@@ -1,0 +1,124 @@
+//! The child side: one implementation of one case, in a process of its own.
+//!
+//! The driver runs `respire-compare child CASE IMPL name=value...`; the child
+//! measures and prints one line `RESULT name=value ...` on stdout.
+
+use std::error::Error;
+use std::time::{Duration, Instant};
+
+use crate::plan::{Case, Figures, Sizes};
+use crate::stats::quantile;
+use crate::{handoff, idle, quorum_cases, single};
+
+pub(crate) type Res<T> = Result<T, Box<dyn Error + Send + Sync>>;
+
+/// What a child is told: where the servers are, its key prefix and the sizes.
+pub(crate) struct Ctx {
+    /// The five servers, directly.
+    pub(crate) urls: Vec<String>,
+    /// The same five servers, each behind a proxy that delays 10 ms each way.
+    pub(crate) slow_urls: Vec<String>,
+    /// A prefix no other child uses.
+    pub(crate) prefix: String,
+    pub(crate) sizes: Sizes,
+}
+
+impl Ctx {
+    /// `prefix` + `name`.
+    pub(crate) fn key(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+}
+
+/// Runs the child named by `args` (after `child`) and prints its result.
+pub(crate) fn main(args: &[String]) -> Res<()> {
+    let [case, imp, rest @ ..] = args else {
+        return Err("usage: respire-compare child CASE IMPL name=value...".into());
+    };
+    let case = Case::parse(case).ok_or_else(|| format!("unknown case {case:?}"))?;
+    if case.find(imp).is_none() {
+        return Err(format!("case {} has no implementation {imp:?}", case.name()).into());
+    }
+    let mut ctx = Ctx {
+        urls: Vec::new(),
+        slow_urls: Vec::new(),
+        prefix: String::new(),
+        sizes: Sizes::full(),
+    };
+    for arg in rest {
+        let (name, value) = arg
+            .split_once('=')
+            .ok_or_else(|| format!("expected name=value, got {arg:?}"))?;
+        match name {
+            "urls" => ctx.urls = value.split(',').map(str::to_owned).collect(),
+            "slow-urls" => ctx.slow_urls = value.split(',').map(str::to_owned).collect(),
+            "prefix" => ctx.prefix = value.to_owned(),
+            _ => ctx.sizes.set(name, value)?,
+        }
+    }
+    if ctx.urls.len() != 5 || ctx.slow_urls.len() != 5 || ctx.prefix.is_empty() {
+        return Err("a child needs urls=5 URLs, slow-urls=5 URLs and a prefix".into());
+    }
+    let figures = match case {
+        Case::Single => single::run(imp, &ctx)?,
+        Case::Redlock => quorum_cases::run_local(imp, &ctx)?,
+        Case::Handoff => handoff::run(imp, &ctx)?,
+        Case::Slow => quorum_cases::run_slow(imp, &ctx)?,
+        Case::Idle => idle::run(imp, &ctx)?,
+    };
+    let line: Vec<String> = figures.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    println!("RESULT {}", line.join(" "));
+    Ok(())
+}
+
+/// A plain connection with 10 s timeouts, so that a broken server fails the
+/// child instead of hanging it.
+pub(crate) fn connect(url: &str) -> Res<redis::Connection> {
+    let timeout = Duration::from_secs(10);
+    let conn = redis::Client::open(url)?.get_connection_with_timeout(timeout)?;
+    conn.set_read_timeout(Some(timeout))?;
+    conn.set_write_timeout(Some(timeout))?;
+    Ok(conn)
+}
+
+/// A tokio runtime as `#[tokio::main]` makes one: multi-threaded, one worker
+/// per core, timers and I/O on.
+pub(crate) fn runtime() -> Res<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}
+
+/// Runs `op` `warm` times untimed, then `n` times timed; microseconds each.
+pub(crate) fn time_each(warm: usize, n: usize, mut op: impl FnMut() -> Res<()>) -> Res<Vec<f64>> {
+    for _ in 0..warm {
+        op()?;
+    }
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        let start = Instant::now();
+        op()?;
+        samples.push(micros(start.elapsed()));
+    }
+    Ok(samples)
+}
+
+pub(crate) fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+/// `p50`, `p99` (microseconds) and `n` of `samples`, under `prefix`.
+pub(crate) fn latency(figures: &mut Figures, prefix: &str, mut samples: Vec<f64>) {
+    figures.insert(format!("{prefix}n"), samples.len() as f64);
+    if let Some(p50) = quantile(&mut samples, 0.5) {
+        figures.insert(format!("{prefix}p50"), p50);
+    }
+    if let Some(p99) = quantile(&mut samples, 0.99) {
+        figures.insert(format!("{prefix}p99"), p99);
+    }
+}
+
+/// The untimed warm-up before `n` timed operations.
+pub(crate) fn warm_up(n: usize) -> usize {
+    (n / 10).max(20)
+}

@@ -1,0 +1,369 @@
+//! The driver: starts five `redis-server`s and five delaying proxies, runs
+//! every implementation of every case in a child process per round, and
+//! renders the report.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::child::Res;
+use crate::plan::{Case, Figures, Impl, Sizes};
+use crate::report;
+use crate::support::{FaultProxy, Mode, TestServer};
+
+/// Each proxy delays 10 ms each way: a 20 ms round trip.
+const LINK_DELAY: Duration = Duration::from_millis(10);
+/// A child still running after this long is killed and counted as failed.
+const CHILD_DEADLINE: Duration = Duration::from_secs(300);
+
+const USAGE: &str = "usage: respire-compare [--quick] [--rounds N] [--cases LIST] \
+[--pairs N] [--redlock-pairs N] [--contenders N] [--handoff-ms N] [--hold-ms N] \
+[--slow-attempts N] [--waiters N] [--idle-ms N] [--markdown PATH]";
+
+/// What the command line asks for.
+pub(crate) struct Options {
+    pub(crate) sizes: Sizes,
+    pub(crate) quick: bool,
+    pub(crate) cases: Vec<Case>,
+    markdown: Option<PathBuf>,
+}
+
+fn parse(args: &[String]) -> Result<Options, String> {
+    let quick = args.iter().any(|a| a == "--quick");
+    let mut options = Options {
+        sizes: if quick { Sizes::quick() } else { Sizes::full() },
+        quick,
+        cases: Case::ALL.to_vec(),
+        markdown: None,
+    };
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let Some(name) = arg.strip_prefix("--") else {
+            return Err(format!("unexpected argument {arg:?}\n{USAGE}"));
+        };
+        if name == "quick" {
+            continue;
+        }
+        if name == "help" {
+            return Err(USAGE.into());
+        }
+        let value = it
+            .next()
+            .ok_or_else(|| format!("--{name} needs a value\n{USAGE}"))?;
+        match name {
+            "markdown" => options.markdown = Some(PathBuf::from(value)),
+            "cases" => {
+                options.cases = value
+                    .split(',')
+                    .map(|c| Case::parse(c).ok_or_else(|| format!("unknown case {c:?}")))
+                    .collect::<Result<_, _>>()?;
+                options.cases.sort();
+                options.cases.dedup();
+            }
+            _ => options.sizes.set(name, value)?,
+        }
+    }
+    Ok(options)
+}
+
+/// What one child run gave.
+#[derive(Debug, Default)]
+pub(crate) struct Run {
+    /// The round it ran in (from 0).
+    pub(crate) round: usize,
+    pub(crate) figures: Option<Figures>,
+    pub(crate) notes: Vec<String>,
+    pub(crate) error: Option<String>,
+    pub(crate) secs: f64,
+    /// The run of the baseline it was paired with (an index into the
+    /// baseline's runs), for an implementation that is not its own baseline.
+    pub(crate) baseline_run: Option<usize>,
+}
+
+/// Every run by case and implementation name, in the order they ran.
+pub(crate) type Results = BTreeMap<(Case, &'static str), Vec<Run>>;
+
+/// The runs of one round of one case, in order: each implementation right
+/// next to its baseline (the pair's order flipping from one pair and round
+/// to the next), so that each ratio divides two runs taken a moment apart;
+/// the pairs in an order rotated by one place each round. A case without
+/// baselines runs each implementation once, in a rotated order.
+fn schedule(case: Case, round: usize) -> Vec<(&'static Impl, Option<&'static Impl>)> {
+    let paired: Vec<&'static Impl> = case
+        .impls()
+        .iter()
+        .filter(|i| i.baseline.is_some_and(|b| b != i.name))
+        .collect();
+    let mut order = if paired.is_empty() {
+        case.impls().iter().map(|i| (i, None)).collect::<Vec<_>>()
+    } else {
+        paired
+            .into_iter()
+            .map(|i| (i, i.baseline.and_then(|b| case.find(b))))
+            .collect()
+    };
+    let turn = round % order.len();
+    order.rotate_left(turn);
+    order
+}
+
+/// Facts about the run the report states.
+pub(crate) struct RunInfo {
+    pub(crate) wall: Duration,
+    pub(crate) redis_version: String,
+}
+
+pub(crate) fn main(args: &[String]) -> Res<()> {
+    let options = parse(args)?;
+    let started = Instant::now();
+    let servers: Vec<TestServer> = (0..5).map(|_| TestServer::start()).collect();
+    let proxies: Vec<FaultProxy> = servers
+        .iter()
+        .map(|s| {
+            let proxy = FaultProxy::start(s.addr());
+            proxy.set_mode(Mode::Delay(LINK_DELAY));
+            proxy
+        })
+        .collect();
+    let urls: Vec<String> = servers.iter().map(TestServer::url).collect();
+    let slow_urls: Vec<String> = proxies.iter().map(FaultProxy::url).collect();
+    let mut admin: Vec<redis::Connection> = servers.iter().map(TestServer::client).collect();
+    let info: String = redis::cmd("INFO").arg("server").query(&mut admin[0])?;
+    let redis_version = info
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .unwrap_or("unknown")
+        .trim()
+        .to_owned();
+    let exe = std::env::current_exe()?;
+    let sizes = &options.sizes;
+    eprintln!(
+        "5 redis-servers {redis_version} on {}; proxies with {LINK_DELAY:?} each way on {}",
+        urls.join(","),
+        slow_urls.join(",")
+    );
+    let mut results = Results::new();
+    let mut run_one =
+        |results: &mut Results, case: Case, imp: &'static Impl, round: usize| -> Res<usize> {
+            for conn in &mut admin {
+                redis::cmd("FLUSHALL").query::<()>(conn)?;
+            }
+            let runs = results.entry((case, imp.name)).or_default();
+            let prefix = format!("r{round}:{}:{}:", imp.name, runs.len());
+            let mut args = vec![
+                "child".to_owned(),
+                case.name().to_owned(),
+                imp.name.to_owned(),
+                format!("urls={}", urls.join(",")),
+                format!("slow-urls={}", slow_urls.join(",")),
+                format!("prefix={prefix}"),
+            ];
+            args.extend(
+                sizes
+                    .to_pairs()
+                    .into_iter()
+                    .map(|(k, v)| format!("{k}={v}")),
+            );
+            let mut run = run_child(&exe, &args);
+            run.round = round;
+            eprintln!(
+                "round {}/{} {:<8} {:<14} {:>6.1} s  {}",
+                round + 1,
+                sizes.rounds,
+                case.name(),
+                imp.name,
+                run.secs,
+                match (&run.figures, &run.error) {
+                    (_, Some(e)) => format!("FAILED: {e}"),
+                    (Some(f), None) => summary(f),
+                    (None, None) => "no result".into(),
+                }
+            );
+            runs.push(run);
+            Ok(runs.len() - 1)
+        };
+    for round in 0..sizes.rounds {
+        for &case in &options.cases {
+            for (k, (imp, baseline)) in schedule(case, round).into_iter().enumerate() {
+                let Some(baseline) = baseline else {
+                    run_one(&mut results, case, imp, round)?;
+                    continue;
+                };
+                let (own, base) = if (round + k) % 2 == 0 {
+                    let base = run_one(&mut results, case, baseline, round)?;
+                    (run_one(&mut results, case, imp, round)?, base)
+                } else {
+                    let own = run_one(&mut results, case, imp, round)?;
+                    (own, run_one(&mut results, case, baseline, round)?)
+                };
+                if let Some(run) = results.get_mut(&(case, imp.name)) {
+                    run[own].baseline_run = Some(base);
+                }
+            }
+        }
+    }
+    for conn in &mut admin {
+        redis::cmd("FLUSHALL").query::<()>(conn)?;
+    }
+    drop(proxies);
+    drop(servers);
+    let info = RunInfo {
+        wall: started.elapsed(),
+        redis_version,
+    };
+    let markdown = report::render(&options, &results, &info);
+    match &options.markdown {
+        Some(path) => std::fs::write(path, markdown)?,
+        None => print!("{markdown}"),
+    }
+    eprintln!("done in {:.0} s", info.wall.as_secs_f64());
+    Ok(())
+}
+
+/// The headline figures of a run, for the progress line.
+fn summary(f: &Figures) -> String {
+    [
+        "p50",
+        "p99",
+        "reacquired",
+        "success",
+        "acquire_ms_p50",
+        "per_s",
+    ]
+    .iter()
+    .filter_map(|k| f.get(*k).map(|v| format!("{k}={v:.2}")))
+    .collect::<Vec<_>>()
+    .join(" ")
+}
+
+/// Runs one child to completion (or kills it at the deadline) and parses
+/// its `RESULT` and `NOTE` lines.
+fn run_child(exe: &PathBuf, args: &[String]) -> Run {
+    let started = Instant::now();
+    let mut run = Run::default();
+    let spawned = Command::new(exe)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => {
+            run.error = Some(format!("cannot start the child: {e}"));
+            return run;
+        }
+    };
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut stderr = child.stderr.take().expect("piped stderr");
+    let out = thread::spawn(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .collect::<Vec<_>>()
+    });
+    let err = thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break Ok(status),
+            Ok(None) if started.elapsed() > CHILD_DEADLINE => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break Err(format!("killed after {CHILD_DEADLINE:?}"));
+            }
+            Ok(None) => thread::sleep(Duration::from_millis(20)),
+            Err(e) => break Err(format!("cannot wait for the child: {e}")),
+        }
+    };
+    let lines = out.join().unwrap_or_default();
+    let stderr = err.join().unwrap_or_default();
+    run.secs = started.elapsed().as_secs_f64();
+    for line in &lines {
+        if let Some(rest) = line.strip_prefix("RESULT ") {
+            let mut figures = Figures::new();
+            for kv in rest.split_whitespace() {
+                if let Some((k, v)) = kv.split_once('=')
+                    && let Ok(v) = v.parse()
+                {
+                    figures.insert(k.to_owned(), v);
+                }
+            }
+            run.figures = Some(figures);
+        } else if let Some(note) = line.strip_prefix("NOTE ") {
+            run.notes.push(note.to_owned());
+        }
+    }
+    let last_stderr = || {
+        let tail: Vec<&str> = stderr.lines().rev().take(3).collect();
+        tail.into_iter().rev().collect::<Vec<_>>().join(" / ")
+    };
+    match status {
+        Ok(status) if status.success() && run.figures.is_some() => {}
+        Ok(status) => {
+            run.figures = None;
+            run.error = Some(format!("{status}: {}", last_stderr()));
+        }
+        Err(e) => {
+            run.figures = None;
+            run.error = Some(format!("{e}: {}", last_stderr()));
+        }
+    }
+    run
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn quick_then_overrides() {
+        let o = parse(&args("--rounds 3 --quick --cases idle,single")).unwrap();
+        assert!(o.quick);
+        assert_eq!(o.sizes.rounds, 3);
+        assert_eq!(o.sizes.pairs, Sizes::quick().pairs);
+        assert_eq!(o.cases, vec![Case::Single, Case::Idle]);
+    }
+
+    #[test]
+    fn every_implementation_runs_next_to_its_baseline_every_round() {
+        for case in Case::ALL {
+            for round in 0..3 {
+                let runs = schedule(case, round);
+                for imp in case.impls() {
+                    let own = imp.baseline.is_some_and(|b| b != imp.name);
+                    let alone = imp.baseline.is_none();
+                    let count = runs.iter().filter(|(i, _)| i.name == imp.name).count();
+                    if own || alone {
+                        assert_eq!(count, 1, "{} {}", case.name(), imp.name);
+                    }
+                }
+                for (imp, base) in &runs {
+                    assert_eq!(
+                        base.map(|b| b.name),
+                        imp.baseline.filter(|b| *b != imp.name)
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_arguments_are_refused() {
+        assert!(parse(&args("--rounds")).is_err());
+        assert!(parse(&args("--rounds 0")).is_err());
+        assert!(parse(&args("--cases nope")).is_err());
+        assert!(parse(&args("stray")).is_err());
+        assert!(parse(&args("--frobs 2")).is_err());
+    }
+}
