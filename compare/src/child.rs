@@ -1,9 +1,15 @@
 //! The child side: one implementation of one case, in a process of its own.
 //!
-//! The driver runs `respire-compare child CASE IMPL name=value...`; the child
-//! measures and prints one line `RESULT name=value ...` on stdout.
+//! The driver runs `respire-compare child CASE IMPL name=value...`. A child
+//! that is compared with a baseline runs in lockstep with the baseline's
+//! child: after its set-up and warm-up it prints `READY`, then runs one turn
+//! (a block of its measurement) for each `GO` line on stdin, printing `DONE`
+//! after each, and stops at `END`; the driver hands turns to the two in
+//! alternation, so both are measured over the same stretches of time, never
+//! at once. Then the child prints one line `RESULT name=value ...`.
 
 use std::error::Error;
+use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
 use crate::plan::{Case, Figures, Sizes};
@@ -89,17 +95,51 @@ pub(crate) fn runtime() -> Res<tokio::runtime::Runtime> {
         .build()?)
 }
 
-/// Runs `op` `warm` times untimed, then `n` times timed; microseconds each.
-pub(crate) fn time_each(warm: usize, n: usize, mut op: impl FnMut() -> Res<()>) -> Res<Vec<f64>> {
+/// Prints `READY`, then runs `turn` once per `GO` on stdin (printing `DONE`
+/// after each) until `END`.
+pub(crate) fn lockstep(mut turn: impl FnMut() -> Res<()>) -> Res<()> {
+    let say = |word: &str| -> Res<()> {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{word}")?;
+        Ok(out.flush()?)
+    };
+    say("READY")?;
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if std::io::stdin().lock().read_line(&mut line)? == 0 {
+            return Err("stdin closed before END".into());
+        }
+        match line.trim() {
+            "GO" => {
+                turn()?;
+                say("DONE")?;
+            }
+            "END" => return Ok(()),
+            other => return Err(format!("unexpected line {other:?} on stdin").into()),
+        }
+    }
+}
+
+/// Runs `op` `warm` times untimed, then `per_turn` times timed in each turn;
+/// microseconds each.
+pub(crate) fn time_each(
+    warm: usize,
+    per_turn: usize,
+    mut op: impl FnMut() -> Res<()>,
+) -> Res<Vec<f64>> {
     for _ in 0..warm {
         op()?;
     }
-    let mut samples = Vec::with_capacity(n);
-    for _ in 0..n {
-        let start = Instant::now();
-        op()?;
-        samples.push(micros(start.elapsed()));
-    }
+    let mut samples = Vec::new();
+    lockstep(|| {
+        for _ in 0..per_turn {
+            let start = Instant::now();
+            op()?;
+            samples.push(micros(start.elapsed()));
+        }
+        Ok(())
+    })?;
     Ok(samples)
 }
 

@@ -3,11 +3,13 @@
 //! renders the report.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use crate::child::Res;
 use crate::plan::{Case, Figures, Impl, Sizes};
@@ -16,7 +18,8 @@ use crate::support::{FaultProxy, Mode, TestServer};
 
 /// Each proxy delays 10 ms each way: a 20 ms round trip.
 const LINK_DELAY: Duration = Duration::from_millis(10);
-/// A child still running after this long is killed and counted as failed.
+/// A child (or a pair in lockstep) still running after this long is killed
+/// and counted as failed.
 const CHILD_DEADLINE: Duration = Duration::from_secs(300);
 
 const USAGE: &str = "usage: respire-compare [--quick] [--rounds N] [--cases LIST] \
@@ -146,62 +149,66 @@ pub(crate) fn main(args: &[String]) -> Res<()> {
         slow_urls.join(",")
     );
     let mut results = Results::new();
-    let mut run_one =
-        |results: &mut Results, case: Case, imp: &'static Impl, round: usize| -> Res<usize> {
-            for conn in &mut admin {
-                redis::cmd("FLUSHALL").query::<()>(conn)?;
+    let child_args = |case: Case, imp: &Impl, prefix: String| {
+        let mut args = vec![
+            "child".to_owned(),
+            case.name().to_owned(),
+            imp.name.to_owned(),
+            format!("urls={}", urls.join(",")),
+            format!("slow-urls={}", slow_urls.join(",")),
+            format!("prefix={prefix}"),
+        ];
+        args.extend(
+            sizes
+                .to_pairs()
+                .into_iter()
+                .map(|(k, v)| format!("{k}={v}")),
+        );
+        args
+    };
+    let record = |results: &mut Results, case: Case, imp: &'static Impl, run: Run| {
+        eprintln!(
+            "round {}/{} {:<8} {:<14} {:>6.1} s  {}",
+            run.round + 1,
+            sizes.rounds,
+            case.name(),
+            imp.name,
+            run.secs,
+            match (&run.figures, &run.error) {
+                (_, Some(e)) => format!("FAILED: {e}"),
+                (Some(f), None) => summary(f),
+                (None, None) => "no result".into(),
             }
-            let runs = results.entry((case, imp.name)).or_default();
-            let prefix = format!("r{round}:{}:{}:", imp.name, runs.len());
-            let mut args = vec![
-                "child".to_owned(),
-                case.name().to_owned(),
-                imp.name.to_owned(),
-                format!("urls={}", urls.join(",")),
-                format!("slow-urls={}", slow_urls.join(",")),
-                format!("prefix={prefix}"),
-            ];
-            args.extend(
-                sizes
-                    .to_pairs()
-                    .into_iter()
-                    .map(|(k, v)| format!("{k}={v}")),
-            );
-            let mut run = run_child(&exe, &args);
-            run.round = round;
-            eprintln!(
-                "round {}/{} {:<8} {:<14} {:>6.1} s  {}",
-                round + 1,
-                sizes.rounds,
-                case.name(),
-                imp.name,
-                run.secs,
-                match (&run.figures, &run.error) {
-                    (_, Some(e)) => format!("FAILED: {e}"),
-                    (Some(f), None) => summary(f),
-                    (None, None) => "no result".into(),
-                }
-            );
-            runs.push(run);
-            Ok(runs.len() - 1)
-        };
+        );
+        let runs = results.entry((case, imp.name)).or_default();
+        runs.push(run);
+        runs.len() - 1
+    };
     for round in 0..sizes.rounds {
         for &case in &options.cases {
             for (k, (imp, baseline)) in schedule(case, round).into_iter().enumerate() {
+                for conn in &mut admin {
+                    redis::cmd("FLUSHALL").query::<()>(conn)?;
+                }
+                let prefix = |imp: &Impl| format!("r{round}:{k}:{}:", imp.name);
                 let Some(baseline) = baseline else {
-                    run_one(&mut results, case, imp, round)?;
+                    let mut run =
+                        Stepper::spawn(&exe, &child_args(case, imp, prefix(imp))).finish();
+                    run.round = round;
+                    record(&mut results, case, imp, run);
                     continue;
                 };
-                let (own, base) = if (round + k) % 2 == 0 {
-                    let base = run_one(&mut results, case, baseline, round)?;
-                    (run_one(&mut results, case, imp, round)?, base)
-                } else {
-                    let own = run_one(&mut results, case, imp, round)?;
-                    (own, run_one(&mut results, case, baseline, round)?)
-                };
-                if let Some(run) = results.get_mut(&(case, imp.name)) {
-                    run[own].baseline_run = Some(base);
-                }
+                let (mut base, mut own) = lockstep_pair(
+                    &exe,
+                    &child_args(case, baseline, prefix(baseline)),
+                    &child_args(case, imp, prefix(imp)),
+                    sizes.blocks_for(case),
+                    (round + k) % 2 == 0,
+                );
+                (base.round, own.round) = (round, round);
+                let base = record(&mut results, case, baseline, base);
+                own.baseline_run = Some(base);
+                record(&mut results, case, imp, own);
             }
         }
     }
@@ -239,53 +246,107 @@ fn summary(f: &Figures) -> String {
     .join(" ")
 }
 
-/// Runs one child to completion (or kills it at the deadline) and parses
-/// its `RESULT` and `NOTE` lines.
-fn run_child(exe: &PathBuf, args: &[String]) -> Run {
-    let started = Instant::now();
-    let mut run = Run::default();
-    let spawned = Command::new(exe)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn();
-    let mut child = match spawned {
-        Ok(child) => child,
-        Err(e) => {
-            run.error = Some(format!("cannot start the child: {e}"));
-            return run;
-        }
-    };
-    let stdout = child.stdout.take().expect("piped stdout");
-    let mut stderr = child.stderr.take().expect("piped stderr");
-    let out = thread::spawn(move || {
-        BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-            .collect::<Vec<_>>()
-    });
-    let err = thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text);
-        text
-    });
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break Ok(status),
-            Ok(None) if started.elapsed() > CHILD_DEADLINE => {
-                let _ = child.kill();
-                let _ = child.wait();
-                break Err(format!("killed after {CHILD_DEADLINE:?}"));
+/// Runs a baseline's child and an implementation's child in lockstep: both
+/// set up (one after the other), then take `turns` turns each, one child at a
+/// time, `baseline_first` deciding who starts; the order flips every turn
+/// (ABBA…) so that a drift in the machine's speed hits both alike. A child
+/// that fails drops out; the other finishes its turns.
+fn lockstep_pair(
+    exe: &PathBuf,
+    baseline: &[String],
+    own: &[String],
+    turns: usize,
+    baseline_first: bool,
+) -> (Run, Run) {
+    let deadline = Instant::now() + CHILD_DEADLINE;
+    let mut b = Stepper::spawn(exe, baseline);
+    b.expect("READY", deadline);
+    let mut x = Stepper::spawn(exe, own);
+    x.expect("READY", deadline);
+    for turn in 0..turns {
+        let order = if (turn % 2 == 0) == baseline_first {
+            [&mut b, &mut x]
+        } else {
+            [&mut x, &mut b]
+        };
+        for child in order {
+            if child.send("GO") {
+                child.expect("DONE", deadline);
             }
-            Ok(None) => thread::sleep(Duration::from_millis(20)),
-            Err(e) => break Err(format!("cannot wait for the child: {e}")),
         }
-    };
-    let lines = out.join().unwrap_or_default();
-    let stderr = err.join().unwrap_or_default();
-    run.secs = started.elapsed().as_secs_f64();
-    for line in &lines {
+    }
+    for child in [&mut b, &mut x] {
+        child.send("END");
+    }
+    (b.finish(), x.finish())
+}
+
+/// A running child: its stdin, its stdout lines as they come, its stderr.
+struct Stepper {
+    child: Option<Child>,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    stderr: Option<thread::JoinHandle<String>>,
+    run: Run,
+    started: Instant,
+}
+
+impl Stepper {
+    fn spawn(exe: &PathBuf, args: &[String]) -> Stepper {
+        let started = Instant::now();
+        let (tx, lines) = crossbeam_channel::unbounded();
+        let mut stepper = Stepper {
+            child: None,
+            stdin: None,
+            lines,
+            stderr: None,
+            run: Run::default(),
+            started,
+        };
+        let spawned = Command::new(exe)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                stepper.run.error = Some(format!("cannot start the child: {e}"));
+                return stepper;
+            }
+        };
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut stderr = child.stderr.take().expect("piped stderr");
+        thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        stepper.stderr = Some(thread::spawn(move || {
+            let mut text = String::new();
+            let _ = stderr.read_to_string(&mut text);
+            text
+        }));
+        stepper.stdin = child.stdin.take();
+        stepper.child = Some(child);
+        stepper
+    }
+
+    fn alive(&self) -> bool {
+        self.child.is_some() && self.run.error.is_none()
+    }
+
+    fn fail(&mut self, why: String) {
+        if self.run.error.is_none() {
+            self.run.error = Some(why);
+        }
+    }
+
+    /// Keeps what a `RESULT` or `NOTE` line says.
+    fn take(&mut self, line: &str) {
         if let Some(rest) = line.strip_prefix("RESULT ") {
             let mut figures = Figures::new();
             for kv in rest.split_whitespace() {
@@ -295,27 +356,82 @@ fn run_child(exe: &PathBuf, args: &[String]) -> Run {
                     figures.insert(k.to_owned(), v);
                 }
             }
-            run.figures = Some(figures);
+            self.run.figures = Some(figures);
         } else if let Some(note) = line.strip_prefix("NOTE ") {
-            run.notes.push(note.to_owned());
+            self.run.notes.push(note.to_owned());
         }
     }
-    let last_stderr = || {
-        let tail: Vec<&str> = stderr.lines().rev().take(3).collect();
-        tail.into_iter().rev().collect::<Vec<_>>().join(" / ")
-    };
-    match status {
-        Ok(status) if status.success() && run.figures.is_some() => {}
-        Ok(status) => {
-            run.figures = None;
-            run.error = Some(format!("{status}: {}", last_stderr()));
+
+    /// Writes `word` to the child's stdin; whether it could.
+    fn send(&mut self, word: &str) -> bool {
+        if !self.alive() {
+            return false;
         }
-        Err(e) => {
-            run.figures = None;
-            run.error = Some(format!("{e}: {}", last_stderr()));
+        let sent = self.stdin.as_mut().is_some_and(|stdin| {
+            writeln!(stdin, "{word}")
+                .and_then(|()| stdin.flush())
+                .is_ok()
+        });
+        if !sent {
+            self.fail(format!("could not send {word}"));
+        }
+        sent
+    }
+
+    /// Reads lines until `word`; marks the child failed if it ends first or
+    /// `deadline` passes.
+    fn expect(&mut self, word: &str, deadline: Instant) {
+        while self.alive() {
+            match self.lines.recv_deadline(deadline) {
+                Ok(line) if line == word => return,
+                Ok(line) => self.take(&line),
+                Err(RecvTimeoutError::Timeout) => self.fail(format!("no {word} by the deadline")),
+                Err(RecvTimeoutError::Disconnected) => self.fail(format!("ended before {word}")),
+            }
         }
     }
-    run
+
+    /// Waits for the child to end (killing it at the deadline) and returns
+    /// what it gave.
+    fn finish(mut self) -> Run {
+        let deadline = self.started + CHILD_DEADLINE;
+        drop(self.stdin.take());
+        if let Some(mut child) = self.child.take() {
+            loop {
+                match self.lines.recv_deadline(deadline) {
+                    Ok(line) => self.take(&line),
+                    Err(RecvTimeoutError::Disconnected) => break,
+                    Err(RecvTimeoutError::Timeout) => {
+                        let _ = child.kill();
+                        self.fail(format!("killed after {CHILD_DEADLINE:?}"));
+                        break;
+                    }
+                }
+            }
+            match child.wait() {
+                Ok(status) if status.success() => {
+                    if self.run.figures.is_none() {
+                        self.fail("no RESULT line".into());
+                    }
+                }
+                Ok(status) => self.fail(status.to_string()),
+                Err(e) => self.fail(format!("cannot wait for the child: {e}")),
+            }
+        }
+        let stderr = self
+            .stderr
+            .take()
+            .and_then(|h| h.join().ok())
+            .unwrap_or_default();
+        if let Some(e) = self.run.error.take() {
+            let tail: Vec<&str> = stderr.lines().rev().take(3).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            self.run.error = Some(format!("{e}: {}", tail.join(" / ")));
+            self.run.figures = None;
+        }
+        self.run.secs = self.started.elapsed().as_secs_f64();
+        self.run
+    }
 }
 
 #[cfg(test)]

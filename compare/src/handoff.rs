@@ -1,9 +1,9 @@
 //! Case 3: hand-off of one key between contenders, each with its own client
 //! (coordinator, manager or connection), as threads of one process.
 //!
-//! Every contender loops until the end of the run: acquire (its library's
-//! blocking wait), hold, release, and at once acquire again, so the releaser
-//! competes with the waiters it just freed. Grants are ordered by the time
+//! In each turn every contender loops until the turn's end: acquire (its
+//! library's blocking wait), hold, release, and at once acquire again, so
+//! the releaser competes with the waiters it just freed. Grants are ordered by the time
 //! they were acquired; for each that went to another contender which was
 //! already waiting, the hand-off is the time from the previous holder's
 //! release returning (confirmed) to the next holder's acquire returning. A
@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use respire_coordination::{CancelToken, Coordinator, ReleaseOutcome};
 use rlock::{AcquireOptions, RenewalMode};
 
-use crate::child::{Ctx, Res, latency, runtime};
-use crate::plan::Figures;
+use crate::child::{Ctx, Res, latency, lockstep, runtime};
+use crate::plan::{Case, Figures};
 use crate::single::{expect, owner};
 use crate::tracking::TrackingWaiter;
 
@@ -62,14 +62,13 @@ fn cycles(
     Ok(grants)
 }
 
-/// Runs `contend` on one thread per state, all until the same end.
+/// One turn: `contend` on one thread per state, all until the same end.
 fn threads<S: Send>(
-    mut states: Vec<S>,
+    states: &mut [S],
     run_for: Duration,
-    contend: impl Fn(usize, &mut S, Instant) -> Res<Vec<Grant>> + Sync,
+    contend: &(impl Fn(usize, &mut S, Instant) -> Res<Vec<Grant>> + Sync),
 ) -> Res<(Vec<Grant>, Instant)> {
     let end = Instant::now() + run_for;
-    let contend = &contend;
     let results: Vec<Res<Vec<Grant>>> = thread::scope(|s| {
         let handles: Vec<_> = states
             .iter_mut()
@@ -91,13 +90,32 @@ fn threads<S: Send>(
     Ok((grants, end))
 }
 
+/// How long one turn runs.
+fn turn_length(ctx: &Ctx) -> Duration {
+    ctx.sizes.handoff / ctx.sizes.blocks_for(Case::Handoff) as u32
+}
+
+/// Runs a turn of `contend` over `states` for every turn the driver gives.
+fn turns<S: Send>(
+    ctx: &Ctx,
+    mut states: Vec<S>,
+    contend: impl Fn(usize, &mut S, Instant) -> Res<Vec<Grant>> + Sync,
+) -> Res<Tally> {
+    let mut tally = Tally::default();
+    lockstep(|| {
+        let (grants, end) = threads(&mut states, turn_length(ctx), &contend)?;
+        tally.add(grants, end);
+        Ok(())
+    })?;
+    Ok(tally)
+}
+
 pub(crate) fn run(imp: &str, ctx: &Ctx) -> Res<Figures> {
     let url = ctx.urls[0].as_str();
     let n = ctx.sizes.contenders;
     let hold = ctx.sizes.hold;
-    let run_for = ctx.sizes.handoff;
     let key = ctx.key("handoff");
-    let (grants, end) = match imp {
+    let tally = match imp {
         "raw-tracking" => {
             let mut states = Vec::new();
             for who in 0..n {
@@ -106,7 +124,7 @@ pub(crate) fn run(imp: &str, ctx: &Ctx) -> Res<Figures> {
                 expect(warm.release("warm")?, "warm-up release")?;
                 states.push(TrackingWaiter::connect(url, key.clone(), TTL)?);
             }
-            threads(states, run_for, |who, waiter, end| {
+            turns(ctx, states, |who, waiter, end| {
                 let mut i = 0;
                 let mut value = String::new();
                 cycles(who, end, hold, |step| match step {
@@ -130,7 +148,7 @@ pub(crate) fn run(imp: &str, ctx: &Ctx) -> Res<Figures> {
                 let lock = coord.lock("handoff")?;
                 states.push((coord, lock));
             }
-            threads(states, run_for, |who, (_coord, lock), end| {
+            turns(ctx, states, |who, (_coord, lock), end| {
                 let cancel = CancelToken::new();
                 let mut held = None;
                 cycles(who, end, hold, |step| match step {
@@ -159,7 +177,7 @@ pub(crate) fn run(imp: &str, ctx: &Ctx) -> Res<Figures> {
                     .release()?;
                 states.push(manager);
             }
-            threads(states, run_for, |who, manager, end| {
+            turns(ctx, states, |who, manager, end| {
                 let mut held = None;
                 cycles(who, end, hold, |step| match step {
                     Step::Acquire => {
@@ -178,7 +196,7 @@ pub(crate) fn run(imp: &str, ctx: &Ctx) -> Res<Figures> {
                 drop(manager.acquire(warm.as_bytes(), TTL.as_millis() as usize)?);
                 states.push(manager);
             }
-            threads(states, run_for, |who, manager, end| {
+            turns(ctx, states, |who, manager, end| {
                 let manager = &*manager;
                 let mut held = None;
                 cycles(who, end, hold, |step| {
@@ -196,14 +214,14 @@ pub(crate) fn run(imp: &str, ctx: &Ctx) -> Res<Figures> {
         "rslock" => rslock_run(url, ctx, &key)?,
         other => return Err(format!("no such implementation {other:?}").into()),
     };
-    Ok(analyze(grants, end))
+    Ok(tally.figures())
 }
 
 /// rslock's contenders: one lock manager each, as tasks of one runtime.
-fn rslock_run(url: &str, ctx: &Ctx, key: &str) -> Res<(Vec<Grant>, Instant)> {
+fn rslock_run(url: &str, ctx: &Ctx, key: &str) -> Res<Tally> {
     let rt = runtime()?;
     let hold = ctx.sizes.hold;
-    rt.block_on(async {
+    let mut managers = rt.block_on(async {
         let mut managers = Vec::new();
         for who in 0..ctx.sizes.contenders {
             let manager = rslock::LockManager::new(vec![url]);
@@ -211,39 +229,51 @@ fn rslock_run(url: &str, ctx: &Ctx, key: &str) -> Res<(Vec<Grant>, Instant)> {
             manager.acquire(warm.as_str(), TTL).await?.release().await;
             managers.push(manager);
         }
-        let end = Instant::now() + ctx.sizes.handoff;
-        let tasks: Vec<_> = managers
-            .into_iter()
-            .enumerate()
-            .map(|(who, manager)| {
-                let key = key.to_owned();
-                tokio::spawn(async move {
-                    let mut grants = Vec::new();
-                    while Instant::now() < end {
-                        let called = Instant::now();
-                        let guard = manager.acquire(key.as_str(), TTL).await?;
-                        let acquired = Instant::now();
-                        tokio::time::sleep(hold).await;
-                        let release_sent = Instant::now();
-                        guard.release().await;
-                        grants.push(Grant {
-                            who,
-                            called,
-                            acquired,
-                            release_sent,
-                            released: Instant::now(),
-                        });
-                    }
-                    Res::Ok(grants)
+        Res::Ok(managers)
+    })?;
+    let mut tally = Tally::default();
+    lockstep(|| {
+        let end = Instant::now() + turn_length(ctx);
+        let (grants, back) = rt.block_on(async {
+            let tasks: Vec<_> = managers
+                .drain(..)
+                .enumerate()
+                .map(|(who, manager)| {
+                    let key = key.to_owned();
+                    tokio::spawn(async move {
+                        let mut grants = Vec::new();
+                        while Instant::now() < end {
+                            let called = Instant::now();
+                            let guard = manager.acquire(key.as_str(), TTL).await?;
+                            let acquired = Instant::now();
+                            tokio::time::sleep(hold).await;
+                            let release_sent = Instant::now();
+                            guard.release().await;
+                            grants.push(Grant {
+                                who,
+                                called,
+                                acquired,
+                                release_sent,
+                                released: Instant::now(),
+                            });
+                        }
+                        Res::Ok((manager, grants))
+                    })
                 })
-            })
-            .collect();
-        let mut grants = Vec::new();
-        for task in tasks {
-            grants.extend(task.await??);
-        }
-        Res::Ok((grants, end))
-    })
+                .collect();
+            let (mut grants, mut back) = (Vec::new(), Vec::new());
+            for task in tasks {
+                let (manager, mine) = task.await??;
+                back.push(manager);
+                grants.extend(mine);
+            }
+            Res::Ok((grants, back))
+        })?;
+        managers = back;
+        tally.add(grants, end);
+        Ok(())
+    })?;
+    Ok(tally)
 }
 
 /// Signed microseconds from `from` to `to`.
@@ -255,38 +285,62 @@ fn signed_micros(from: Instant, to: Instant) -> f64 {
     }
 }
 
-fn analyze(mut grants: Vec<Grant>, end: Instant) -> Figures {
-    // Grants after the end were taken while the others were leaving.
-    grants.retain(|g| g.acquired <= end);
-    grants.sort_by_key(|g| g.acquired);
-    let (mut handoffs, mut from_sent) = (Vec::new(), Vec::new());
-    let (mut reacquired, mut overlaps, mut late_callers) = (0, 0, 0);
-    for pair in grants.windows(2) {
-        let (prev, next) = (&pair[0], &pair[1]);
-        if next.acquired < prev.release_sent {
-            overlaps += 1;
-        }
-        if next.who == prev.who {
-            reacquired += 1;
-        } else if next.called < prev.release_sent {
-            handoffs.push(signed_micros(prev.released, next.acquired));
-            from_sent.push(signed_micros(prev.release_sent, next.acquired));
-        } else {
-            late_callers += 1;
+/// What the turns of one run add up to.
+#[derive(Default)]
+struct Tally {
+    /// Release confirmed → next holder, microseconds (signed).
+    handoffs: Vec<f64>,
+    /// Release sent → next holder, microseconds.
+    from_sent: Vec<f64>,
+    grants: usize,
+    successions: usize,
+    reacquired: usize,
+    overlaps: usize,
+    late_callers: usize,
+    turns: usize,
+}
+
+impl Tally {
+    /// Adds one turn's grants (those acquired after `end`, taken while the
+    /// others were leaving, left out).
+    fn add(&mut self, mut grants: Vec<Grant>, end: Instant) {
+        grants.retain(|g| g.acquired <= end);
+        grants.sort_by_key(|g| g.acquired);
+        self.turns += 1;
+        self.grants += grants.len();
+        self.successions += grants.len().saturating_sub(1);
+        for pair in grants.windows(2) {
+            let (prev, next) = (&pair[0], &pair[1]);
+            if next.acquired < prev.release_sent {
+                self.overlaps += 1;
+            }
+            if next.who == prev.who {
+                self.reacquired += 1;
+            } else if next.called < prev.release_sent {
+                self.handoffs
+                    .push(signed_micros(prev.released, next.acquired));
+                self.from_sent
+                    .push(signed_micros(prev.release_sent, next.acquired));
+            } else {
+                self.late_callers += 1;
+            }
         }
     }
-    let successions = grants.len().saturating_sub(1);
-    let mut figures = Figures::new();
-    figures.insert("grants".into(), grants.len() as f64);
-    figures.insert("overlaps".into(), f64::from(overlaps));
-    figures.insert("late_callers".into(), f64::from(late_callers));
-    if successions > 0 {
-        figures.insert(
-            "reacquired".into(),
-            f64::from(reacquired) / successions as f64,
-        );
+
+    fn figures(self) -> Figures {
+        let mut figures = Figures::new();
+        figures.insert("grants".into(), self.grants as f64);
+        figures.insert("turns".into(), self.turns as f64);
+        figures.insert("overlaps".into(), self.overlaps as f64);
+        figures.insert("late_callers".into(), self.late_callers as f64);
+        if self.successions > 0 {
+            figures.insert(
+                "reacquired".into(),
+                self.reacquired as f64 / self.successions as f64,
+            );
+        }
+        latency(&mut figures, "", self.handoffs);
+        latency(&mut figures, "sent_", self.from_sent);
+        figures
     }
-    latency(&mut figures, "", handoffs);
-    latency(&mut figures, "sent_", from_sent);
-    figures
 }

@@ -223,6 +223,9 @@ const IDLE: &[Impl] = &[
 pub(crate) struct Sizes {
     /// Alternations: every implementation of every case runs once per round.
     pub(crate) rounds: usize,
+    /// How many turns an implementation and its baseline take, in lockstep,
+    /// within one round (fewer in the hand-off; see [`Sizes::blocks_for`]).
+    pub(crate) blocks: usize,
     /// Acquire + release pairs per child, single node.
     pub(crate) pairs: usize,
     /// Acquire + release pairs per child, Redlock over 5 local nodes.
@@ -245,6 +248,7 @@ impl Sizes {
     pub(crate) fn full() -> Sizes {
         Sizes {
             rounds: 5,
+            blocks: 20,
             pairs: 5_000,
             redlock_pairs: 2_000,
             contenders: 8,
@@ -259,6 +263,7 @@ impl Sizes {
     pub(crate) fn quick() -> Sizes {
         Sizes {
             rounds: 2,
+            blocks: 5,
             pairs: 500,
             redlock_pairs: 200,
             contenders: 8,
@@ -275,6 +280,7 @@ impl Sizes {
         let ms = |d: Duration| d.as_millis().to_string();
         vec![
             ("rounds", self.rounds.to_string()),
+            ("blocks", self.blocks.to_string()),
             ("pairs", self.pairs.to_string()),
             ("redlock-pairs", self.redlock_pairs.to_string()),
             ("contenders", self.contenders.to_string()),
@@ -299,6 +305,7 @@ impl Sizes {
         let ms = || count().map(|n| Duration::from_millis(n as u64));
         match name {
             "rounds" => self.rounds = count()?,
+            "blocks" => self.blocks = count()?,
             "pairs" => self.pairs = count()?,
             "redlock-pairs" => self.redlock_pairs = count()?,
             "contenders" => {
@@ -318,6 +325,29 @@ impl Sizes {
     }
 }
 
+/// The shortest turn of the hand-off: shorter ones would cut the pollers'
+/// waits (up to 200 ms) into pieces.
+const MIN_HANDOFF_TURN: Duration = Duration::from_millis(200);
+
+impl Sizes {
+    /// How many turns `case` takes per run: `blocks`, except that a hand-off
+    /// turn is at least 200 ms.
+    pub(crate) fn blocks_for(&self, case: Case) -> usize {
+        match case {
+            Case::Handoff => {
+                let most = (self.handoff.as_millis() / MIN_HANDOFF_TURN.as_millis()) as usize;
+                self.blocks.min(most).max(1)
+            }
+            _ => self.blocks,
+        }
+    }
+
+    /// How many of `total` operations each of `case`'s turns does.
+    pub(crate) fn per_block(&self, case: Case, total: usize) -> usize {
+        total.div_ceil(self.blocks_for(case))
+    }
+}
+
 /// What one child measured: named figures.
 pub(crate) type Figures = BTreeMap<String, f64>;
 
@@ -333,6 +363,16 @@ mod tests {
             sizes.set(name, &value).unwrap();
         }
         assert_eq!(sizes, full);
+    }
+
+    #[test]
+    fn hand_off_turns_are_long_enough() {
+        let mut sizes = Sizes::full();
+        assert_eq!(sizes.blocks_for(Case::Single), 20);
+        assert_eq!(sizes.blocks_for(Case::Handoff), 10);
+        sizes.handoff = Duration::from_millis(100);
+        assert_eq!(sizes.blocks_for(Case::Handoff), 1);
+        assert_eq!(sizes.per_block(Case::Single, 5_001), 251);
     }
 
     #[test]

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use respire_coordination::{RedlockGroup, RedlockOptions};
 
-use crate::child::{Ctx, Res, latency, micros, runtime, warm_up};
-use crate::plan::Figures;
+use crate::child::{Ctx, Res, latency, lockstep, micros, runtime, warm_up};
+use crate::plan::{Case, Figures};
 use crate::quorum::QuorumWorkers;
 use crate::single::{expect, owner};
 
@@ -18,23 +18,30 @@ const TTL_MS: u64 = 10_000;
 /// script loads).
 const SLOW_WARM_UP: usize = 2;
 
-/// Times `n` pairs after `warm` untimed ones; `op` returns how long its
-/// acquire took. Microseconds: (pairs, acquires).
+/// Times `per_turn` pairs a turn after `warm` untimed ones; `op` (given a
+/// number no other call gets) returns how long its acquire took.
+/// Microseconds: (pairs, acquires).
 fn time_pairs(
     warm: usize,
-    n: usize,
+    per_turn: usize,
     mut op: impl FnMut(u64) -> Res<Duration>,
 ) -> Res<(Vec<f64>, Vec<f64>)> {
-    let (mut pairs, mut acquires) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    for i in 0..warm + n {
-        let start = Instant::now();
-        let acquired = op(i as u64)?;
-        let took = start.elapsed();
-        if i >= warm {
-            pairs.push(micros(took));
+    let mut i = 0;
+    for _ in 0..warm {
+        i += 1;
+        op(i)?;
+    }
+    let (mut pairs, mut acquires) = (Vec::new(), Vec::new());
+    lockstep(|| {
+        for _ in 0..per_turn {
+            i += 1;
+            let start = Instant::now();
+            let acquired = op(i)?;
+            pairs.push(micros(start.elapsed()));
             acquires.push(micros(acquired));
         }
-    }
+        Ok(())
+    })?;
     Ok((pairs, acquires))
 }
 
@@ -46,8 +53,8 @@ fn group(urls: &[String], options: RedlockOptions) -> Res<RedlockGroup> {
 /// Case 2: acquire + release pairs over the five local servers.
 pub(crate) fn run_local(imp: &str, ctx: &Ctx) -> Res<Figures> {
     let urls = &ctx.urls;
-    let n = ctx.sizes.redlock_pairs;
-    let warm = warm_up(n);
+    let warm = warm_up(ctx.sizes.redlock_pairs);
+    let n = ctx.sizes.per_block(Case::Redlock, ctx.sizes.redlock_pairs);
     let (pairs, acquires) = match imp {
         "raw-quorum" => {
             let mut workers = QuorumWorkers::start(urls, RedlockOptions::default().node_timeout)?;
@@ -79,20 +86,24 @@ pub(crate) fn run_local(imp: &str, ctx: &Ctx) -> Res<Figures> {
             let rt = runtime()?;
             let manager = rslock::LockManager::new(urls.clone());
             let key = ctx.key("rslock");
-            rt.block_on(async {
-                let (mut pairs, mut acquires) = (Vec::with_capacity(n), Vec::with_capacity(n));
-                for i in 0..warm + n {
-                    let start = Instant::now();
-                    let lock = manager.lock(key.as_str(), TTL).await?;
-                    let acquired = start.elapsed();
-                    manager.unlock(&lock).await;
-                    if i >= warm {
+            let (mut pairs, mut acquires) = (Vec::new(), Vec::new());
+            // Timed inside the runtime, as an async caller would see it.
+            let run = |count: usize, pairs: &mut Vec<f64>, acquires: &mut Vec<f64>| {
+                rt.block_on(async {
+                    for _ in 0..count {
+                        let start = Instant::now();
+                        let lock = manager.lock(key.as_str(), TTL).await?;
+                        let acquired = start.elapsed();
+                        manager.unlock(&lock).await;
                         pairs.push(micros(start.elapsed()));
                         acquires.push(micros(acquired));
                     }
-                }
-                Res::Ok((pairs, acquires))
-            })?
+                    Res::Ok(())
+                })
+            };
+            run(warm, &mut Vec::new(), &mut Vec::new())?;
+            lockstep(|| run(n, &mut pairs, &mut acquires))?;
+            (pairs, acquires)
         }
         "redlock" => {
             let manager = redlock::RedLock::new(urls.clone());
@@ -121,21 +132,26 @@ struct Attempt {
     ok: bool,
 }
 
-/// Runs `attempt` (given a fresh key each time) `SLOW_WARM_UP` times untimed
-/// and `n` times timed. An attempt returns how long its acquire took when it
+/// Runs `attempt` (given a fresh key each time) `SLOW_WARM_UP` times untimed,
+/// then a share of the timed attempts in each turn. An attempt returns how long its acquire took when it
 /// acquired (and then releases what it got), `None` when it did not; a
 /// failed attempt is timed from the call to its return. The first few
 /// distinct errors are printed as notes.
-fn attempts(ctx: &Ctx, mut attempt: impl FnMut(&str) -> Res<Option<Duration>>) -> Vec<Attempt> {
-    let n = ctx.sizes.slow_attempts;
+fn attempts(
+    ctx: &Ctx,
+    mut attempt: impl FnMut(&str) -> Res<Option<Duration>>,
+) -> Res<Vec<Attempt>> {
+    let per_turn = ctx.sizes.per_block(Case::Slow, ctx.sizes.slow_attempts);
     let mut notes: Vec<String> = Vec::new();
-    let mut out = Vec::with_capacity(n);
-    for i in 0..SLOW_WARM_UP + n {
+    let mut out = Vec::new();
+    let mut i = 0;
+    let mut one = |timed: bool, out: &mut Vec<Attempt>| {
+        i += 1;
         let key = ctx.key(&format!("slow:{i}"));
         let start = Instant::now();
         let result = attempt(&key);
         let failed_after = start.elapsed();
-        let timed = match result {
+        let outcome = match result {
             Ok(Some(took)) => Attempt { took, ok: true },
             Ok(None) => Attempt {
                 took: failed_after,
@@ -153,11 +169,20 @@ fn attempts(ctx: &Ctx, mut attempt: impl FnMut(&str) -> Res<Option<Duration>>) -
                 }
             }
         };
-        if i >= SLOW_WARM_UP {
-            out.push(timed);
+        if timed {
+            out.push(outcome);
         }
+    };
+    for _ in 0..SLOW_WARM_UP {
+        one(false, &mut out);
     }
-    out
+    lockstep(|| {
+        for _ in 0..per_turn {
+            one(true, &mut out);
+        }
+        Ok(())
+    })?;
+    Ok(out)
 }
 
 /// Case 4: single attempts over five nodes, each 20 ms away.
@@ -223,7 +248,7 @@ pub(crate) fn run_slow(imp: &str, ctx: &Ctx) -> Res<Figures> {
             })
         }
         other => return Err(format!("no such implementation {other:?}").into()),
-    };
+    }?;
     let ms = |a: &Attempt| a.took.as_secs_f64() * 1e3;
     let (ok, failed): (Vec<&Attempt>, Vec<&Attempt>) = runs.iter().partition(|a| a.ok);
     let mut figures = Figures::new();

@@ -417,15 +417,17 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
     let _ = write!(
         out,
         "## How the figures were taken\n\n\
-         - {} rounds{}. In each round every implementation of every case ran once, each in a \
-         process of its own, right before or after a run of its raw baseline (the order \
-         flipping from one pair to the next), the pairs in an order rotated by one place each \
-         round; a baseline thus ran once for each implementation compared with it.\n\
+         - {} rounds{}. In each round every implementation of every case ran once, in a process \
+         of its own, paired with a run of its raw baseline in another process: both set up, \
+         then took {} turns each (the hand-off {}), one process at a time, in the order \
+         ABBA…, so that both were measured over the same stretches of time and never at once. \
+         The pairs ran in an order rotated by one place each round; a baseline thus ran once \
+         for each implementation compared with it.\n\
          - Five `redis-server` {} on loopback, started by the program (no persistence), the same \
-         for every implementation; `FLUSHALL` before each run. Case 4 reaches them through five \
+         for every implementation; `FLUSHALL` before each pair. Case 4 reaches them through five \
          proxies in the driver that delay every byte 10 ms each way (a 20 ms round trip).\n\
-         - A ratio is a figure divided by that of the baseline run next to it in the same \
-         round; the tables show the median of those per-round ratios and the median over all \
+         - A ratio is a figure divided by that of the baseline run paired with it; the tables \
+         show the median of those per-round ratios and the median over all \
          runs of the absolute figure. A dash marks a figure not measured, or a ratio of \
          figures that are not both positive.\n\
          - Sizes: {} pairs per run (case 1), {} (case 2), each after a tenth as many untimed; \
@@ -434,6 +436,8 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
          - Wall time of the run: {:.0} s.\n",
         s.rounds,
         if options.quick { " (`--quick`)" } else { "" },
+        s.blocks,
+        s.blocks_for(Case::Handoff),
         info.redis_version,
         s.pairs,
         s.redlock_pairs,
@@ -510,14 +514,18 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
                      One key on one server; {} contenders, each a thread with its own client \
                      (coordinator, manager or connections) in one process, so that every wake-up \
                      goes through Redis as it would between processes while all grants are \
-                     stamped on one clock. Each loops for {} ms: its library's blocking acquire, \
-                     hold {} ms, release, and at once acquire again. A hand-off is the time from \
-                     the releaser's release returning to the next holder's acquire returning, \
-                     for a grant that went to a contender already waiting; a grant that went \
-                     back to the releaser counts as re-acquired.",
+                     stamped on one clock. In each of {} turns of {} ms, each contender loops: \
+                     its library's blocking acquire, hold {} ms, release, and at once acquire \
+                     again (grants after the turn's end, taken while the others leave, are left \
+                     out). A hand-off is the time from the releaser's release returning to the \
+                     next holder's acquire returning, for a grant that went to a contender \
+                     already waiting; a grant that went back to the releaser counts as \
+                     re-acquired. How often that happens, and how late the woken waiters run, \
+                     depends on how busy the machine is.",
                     s.contenders,
                     s.contenders,
-                    s.handoff.as_millis(),
+                    s.blocks_for(case),
+                    (s.handoff / s.blocks_for(case) as u32).as_millis(),
                     s.hold.as_millis()
                 );
                 handoff_case(&mut out, results, case);

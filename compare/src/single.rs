@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 use respire_coordination::{Coordinator, ReleaseOutcome};
 use rlock::{AcquireOptions, RenewalMode};
 
-use crate::child::{Ctx, Res, connect, latency, micros, runtime, time_each, warm_up};
-use crate::plan::Figures;
+use crate::child::{Ctx, Res, connect, latency, lockstep, micros, runtime, time_each, warm_up};
+use crate::plan::{Case, Figures};
 
 const TTL: Duration = Duration::from_secs(30);
 /// Compare-and-delete: the release every Redis lock recipe uses.
@@ -27,8 +27,8 @@ pub(crate) fn owner(i: u64) -> String {
 
 pub(crate) fn run(imp: &str, ctx: &Ctx) -> Res<Figures> {
     let url = ctx.urls[0].as_str();
-    let n = ctx.sizes.pairs;
-    let warm = warm_up(n);
+    let warm = warm_up(ctx.sizes.pairs);
+    let n = ctx.sizes.per_block(Case::Single, ctx.sizes.pairs);
     let samples = match imp {
         "raw-pair" => {
             let mut conn = connect(url)?;
@@ -127,18 +127,22 @@ pub(crate) fn run(imp: &str, ctx: &Ctx) -> Res<Figures> {
             let rt = runtime()?;
             let manager = rslock::LockManager::new(vec![url]);
             let key = ctx.key("rslock");
-            rt.block_on(async {
-                let mut samples = Vec::with_capacity(n);
-                for i in 0..warm + n {
-                    let start = Instant::now();
-                    let lock = manager.lock(key.as_str(), TTL).await?;
-                    manager.unlock(&lock).await;
-                    if i >= warm {
+            let mut samples = Vec::new();
+            // Timed inside the runtime, as an async caller would see it.
+            let pairs = |count: usize, samples: &mut Vec<f64>| {
+                rt.block_on(async {
+                    for _ in 0..count {
+                        let start = Instant::now();
+                        let lock = manager.lock(key.as_str(), TTL).await?;
+                        manager.unlock(&lock).await;
                         samples.push(micros(start.elapsed()));
                     }
-                }
-                Res::Ok(samples)
-            })?
+                    Res::Ok(())
+                })
+            };
+            pairs(warm, &mut Vec::new())?;
+            lockstep(|| pairs(n, &mut samples))?;
+            samples
         }
         "redlock" => {
             let manager = redlock::RedLock::new(vec![url]);
