@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use crate::child::Res;
-use crate::plan::{Case, Figures, Impl, Sizes};
+use crate::plan::{Case, Cpus, Figures, Impl, Section, Sizes};
 use crate::report;
 use crate::support::{FaultProxy, Mode, TestServer};
 
@@ -24,7 +24,7 @@ const CHILD_DEADLINE: Duration = Duration::from_secs(300);
 
 const USAGE: &str = "usage: respire-compare [--quick] [--rounds N] [--cases LIST] \
 [--pairs N] [--redlock-pairs N] [--contenders N] [--handoff-ms N] [--hold-ms N] \
-[--slow-attempts N] [--waiters N] [--idle-ms N] [--markdown PATH]";
+[--slow-attempts N] [--waiters N] [--idle-ms N] [--blocks N] [--markdown PATH]";
 
 /// What the command line asks for.
 pub(crate) struct Options {
@@ -32,6 +32,37 @@ pub(crate) struct Options {
     pub(crate) quick: bool,
     pub(crate) cases: Vec<Case>,
     markdown: Option<PathBuf>,
+}
+
+/// Pins every thread of process `pid` to the CPUs in `list`.
+fn pin(pid: u32, list: &str) -> Res<()> {
+    let status = Command::new("taskset")
+        .arg("-a")
+        .arg("-pc")
+        .arg(list)
+        .arg(pid.to_string())
+        .stdout(Stdio::null())
+        .status()
+        .map_err(|e| format!("cannot run taskset: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("taskset -a -pc {list} {pid} failed: {status}").into())
+    }
+}
+
+/// Starts children pinned to some CPUs.
+struct Launcher {
+    exe: PathBuf,
+    cpus: String,
+}
+
+impl Launcher {
+    fn command(&self, args: &[String]) -> Command {
+        let mut cmd = Command::new("taskset");
+        cmd.arg("-c").arg(&self.cpus).arg(&self.exe).args(args);
+        cmd
+    }
 }
 
 fn parse(args: &[String]) -> Result<Options, String> {
@@ -87,7 +118,7 @@ pub(crate) struct Run {
 }
 
 /// Every run by case and implementation name, in the order they ran.
-pub(crate) type Results = BTreeMap<(Case, &'static str), Vec<Run>>;
+pub(crate) type Results = BTreeMap<(Section, &'static str), Vec<Run>>;
 
 /// The runs of one round of one case, in order: each implementation right
 /// next to its baseline (the pair's order flipping from one pair and round
@@ -117,11 +148,13 @@ fn schedule(case: Case, round: usize) -> Vec<(&'static Impl, Option<&'static Imp
 pub(crate) struct RunInfo {
     pub(crate) wall: Duration,
     pub(crate) redis_version: String,
+    pub(crate) cpus: usize,
 }
 
 pub(crate) fn main(args: &[String]) -> Res<()> {
     let options = parse(args)?;
     let started = Instant::now();
+    let cpus = thread::available_parallelism().map_or(1, |n| n.get());
     let servers: Vec<TestServer> = (0..5).map(|_| TestServer::start()).collect();
     let proxies: Vec<FaultProxy> = servers
         .iter()
@@ -141,7 +174,10 @@ pub(crate) fn main(args: &[String]) -> Res<()> {
         .unwrap_or("unknown")
         .trim()
         .to_owned();
-    let exe = std::env::current_exe()?;
+    let mut exe = Launcher {
+        exe: std::env::current_exe()?,
+        cpus: "0".to_owned(),
+    };
     let sizes = &options.sizes;
     eprintln!(
         "5 redis-servers {redis_version} on {}; proxies with {LINK_DELAY:?} each way on {}",
@@ -166,12 +202,16 @@ pub(crate) fn main(args: &[String]) -> Res<()> {
         );
         args
     };
-    let record = |results: &mut Results, case: Case, imp: &'static Impl, run: Run| {
+    let record = |results: &mut Results, sec: Section, imp: &'static Impl, run: Run| {
         eprintln!(
-            "round {}/{} {:<8} {:<14} {:>6.1} s  {}",
+            "round {}/{} {:<8} {:<3} {:<14} {:>6.1} s  {}",
             run.round + 1,
             sizes.rounds,
-            case.name(),
+            sec.case.name(),
+            match sec.cpus {
+                Cpus::One => "1",
+                Cpus::Two => "2",
+            },
             imp.name,
             run.secs,
             match (&run.figures, &run.error) {
@@ -180,12 +220,19 @@ pub(crate) fn main(args: &[String]) -> Res<()> {
                 (None, None) => "no result".into(),
             }
         );
-        let runs = results.entry((case, imp.name)).or_default();
+        let runs = results.entry((sec, imp.name)).or_default();
         runs.push(run);
         runs.len() - 1
     };
+    let sections = Section::all(&options.cases, cpus);
     for round in 0..sizes.rounds {
-        for &case in &options.cases {
+        for &sec in &sections {
+            let case = sec.case;
+            let (server_cpus, child_cpus) = sec.cpus.lists(cpus);
+            for server in &servers {
+                pin(server.pid(), &server_cpus)?;
+            }
+            exe.cpus = child_cpus;
             for (k, (imp, baseline)) in schedule(case, round).into_iter().enumerate() {
                 for conn in &mut admin {
                     redis::cmd("FLUSHALL").query::<()>(conn)?;
@@ -195,7 +242,7 @@ pub(crate) fn main(args: &[String]) -> Res<()> {
                     let mut run =
                         Stepper::spawn(&exe, &child_args(case, imp, prefix(imp))).finish();
                     run.round = round;
-                    record(&mut results, case, imp, run);
+                    record(&mut results, sec, imp, run);
                     continue;
                 };
                 let (mut base, mut own) = lockstep_pair(
@@ -206,9 +253,9 @@ pub(crate) fn main(args: &[String]) -> Res<()> {
                     (round + k) % 2 == 0,
                 );
                 (base.round, own.round) = (round, round);
-                let base = record(&mut results, case, baseline, base);
+                let base = record(&mut results, sec, baseline, base);
                 own.baseline_run = Some(base);
-                record(&mut results, case, imp, own);
+                record(&mut results, sec, imp, own);
             }
         }
     }
@@ -220,6 +267,7 @@ pub(crate) fn main(args: &[String]) -> Res<()> {
     let info = RunInfo {
         wall: started.elapsed(),
         redis_version,
+        cpus,
     };
     let markdown = report::render(&options, &results, &info);
     match &options.markdown {
@@ -252,7 +300,7 @@ fn summary(f: &Figures) -> String {
 /// (ABBA…) so that a drift in the machine's speed hits both alike. A child
 /// that fails drops out; the other finishes its turns.
 fn lockstep_pair(
-    exe: &PathBuf,
+    exe: &Launcher,
     baseline: &[String],
     own: &[String],
     turns: usize,
@@ -292,7 +340,7 @@ struct Stepper {
 }
 
 impl Stepper {
-    fn spawn(exe: &PathBuf, args: &[String]) -> Stepper {
+    fn spawn(exe: &Launcher, args: &[String]) -> Stepper {
         let started = Instant::now();
         let (tx, lines) = crossbeam_channel::unbounded();
         let mut stepper = Stepper {
@@ -303,8 +351,8 @@ impl Stepper {
             run: Run::default(),
             started,
         };
-        let spawned = Command::new(exe)
-            .args(args)
+        let spawned = exe
+            .command(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

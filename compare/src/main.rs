@@ -7,7 +7,7 @@
 //! respire-compare [--quick] [--rounds N] [--cases single,redlock,handoff,slow,idle]
 //!                 [--pairs N] [--redlock-pairs N] [--contenders N] [--handoff-ms N]
 //!                 [--hold-ms N] [--slow-attempts N] [--waiters N] [--idle-ms N]
-//!                 [--markdown PATH]
+//!                 [--blocks N] [--markdown PATH]
 //! ```
 //!
 //! Each implementation's measurement runs in a child process of its own (the

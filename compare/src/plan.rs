@@ -58,6 +58,95 @@ impl Case {
     }
 }
 
+/// How the servers and the measured processes share the CPUs. On a small
+/// virtual machine the scheduler otherwise puts a process that talks to a
+/// local server either on the server's CPU (a round trip of ~8 µs here) or
+/// on another (~60 µs: the other CPU has to wake up) and keeps it there for
+/// its life, so that two runs of the same code can differ eightfold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Cpus {
+    /// Servers and measured processes all pinned to CPU 0: round trips cost
+    /// CPU time only, so client-side overhead shows at its largest.
+    One,
+    /// Servers pinned to the last CPU, measured processes to the others:
+    /// every round trip crosses CPUs, as a network hop would.
+    Two,
+}
+
+impl Cpus {
+    /// What the report calls it.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Cpus::One => "servers and client on one CPU",
+            Cpus::Two => "servers and client on different CPUs",
+        }
+    }
+
+    /// `taskset` lists for (servers, measured processes) on a machine with
+    /// `cpus` CPUs.
+    pub(crate) fn lists(self, cpus: usize) -> (String, String) {
+        match self {
+            Cpus::Two if cpus >= 2 => {
+                let last = cpus - 1;
+                let rest = if last == 1 {
+                    "0".to_owned()
+                } else {
+                    format!("0-{}", last - 1)
+                };
+                (last.to_string(), rest)
+            }
+            _ => ("0".to_owned(), "0".to_owned()),
+        }
+    }
+}
+
+/// One case under one placement: one section of the report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Section {
+    pub(crate) case: Case,
+    pub(crate) cpus: Cpus,
+}
+
+impl Section {
+    pub(crate) fn impls(self) -> &'static [Impl] {
+        self.case.impls()
+    }
+
+    pub(crate) fn find(self, name: &str) -> Option<&'static Impl> {
+        self.case.find(name)
+    }
+
+    /// The sections a run of `cases` has on a machine with `cpus` CPUs: the
+    /// uncontended cases under both placements (one shows client-side
+    /// overhead at its largest, the other with cross-CPU round trips), the
+    /// others with the servers on their own CPU; everything on one CPU when
+    /// there is only one.
+    pub(crate) fn all(cases: &[Case], cpus: usize) -> Vec<Section> {
+        let mut sections = Vec::new();
+        for &case in cases {
+            let both = matches!(case, Case::Single | Case::Redlock);
+            if cpus < 2 {
+                sections.push(Section {
+                    case,
+                    cpus: Cpus::One,
+                });
+                continue;
+            }
+            if both {
+                sections.push(Section {
+                    case,
+                    cpus: Cpus::One,
+                });
+            }
+            sections.push(Section {
+                case,
+                cpus: Cpus::Two,
+            });
+        }
+        sections
+    }
+}
+
 /// One implementation of one case.
 #[derive(Debug)]
 pub(crate) struct Impl {
@@ -373,6 +462,29 @@ mod tests {
         sizes.handoff = Duration::from_millis(100);
         assert_eq!(sizes.blocks_for(Case::Handoff), 1);
         assert_eq!(sizes.per_block(Case::Single, 5_001), 251);
+    }
+
+    #[test]
+    fn placements() {
+        assert_eq!(Cpus::Two.lists(2), ("1".to_owned(), "0".to_owned()));
+        assert_eq!(Cpus::Two.lists(4), ("3".to_owned(), "0-2".to_owned()));
+        assert_eq!(Cpus::Two.lists(1), ("0".to_owned(), "0".to_owned()));
+        assert_eq!(Cpus::One.lists(4), ("0".to_owned(), "0".to_owned()));
+        let two = Section::all(&Case::ALL, 2);
+        assert_eq!(two.len(), 7);
+        assert!(two.contains(&Section {
+            case: Case::Single,
+            cpus: Cpus::One
+        }));
+        assert!(!two.contains(&Section {
+            case: Case::Idle,
+            cpus: Cpus::One
+        }));
+        assert!(
+            Section::all(&Case::ALL, 1)
+                .iter()
+                .all(|s| s.cpus == Cpus::One)
+        );
     }
 
     #[test]

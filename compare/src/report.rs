@@ -6,10 +6,10 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use crate::driver::{Options, Results, Run, RunInfo};
-use crate::plan::{Case, Impl};
+use crate::plan::{Case, Impl, Section};
 use crate::stats::median;
 
-fn runs<'a>(results: &'a Results, case: Case, name: &str) -> &'a [Run] {
+fn runs<'a>(results: &'a Results, case: Section, name: &str) -> &'a [Run] {
     results
         .iter()
         .find(|((c, n), _)| *c == case && *n == name)
@@ -21,7 +21,7 @@ fn value(run: &Run, metric: &str) -> Option<f64> {
 }
 
 /// `metric` of every run of `name` (`None` where it failed or has none).
-fn values(results: &Results, case: Case, name: &str, metric: &str) -> Vec<Option<f64>> {
+fn values(results: &Results, case: Section, name: &str, metric: &str) -> Vec<Option<f64>> {
     runs(results, case, name)
         .iter()
         .map(|r| value(r, metric))
@@ -30,7 +30,7 @@ fn values(results: &Results, case: Case, name: &str, metric: &str) -> Vec<Option
 
 /// Per run of `imp`: `metric` divided by that of the baseline run it was
 /// paired with (1 for a baseline's own runs).
-fn ratios(results: &Results, case: Case, imp: &Impl, metric: &str) -> Vec<Option<f64>> {
+fn ratios(results: &Results, case: Section, imp: &Impl, metric: &str) -> Vec<Option<f64>> {
     let Some(baseline) = imp.baseline else {
         return Vec::new();
     };
@@ -85,7 +85,7 @@ fn baseline_label(imp: &Impl) -> String {
 /// paired with, then its value and that run's in `unit`; with no unit, a
 /// share in percent. A baseline's own cell is the median of its runs that
 /// round.
-fn rounds_table(out: &mut String, results: &Results, case: Case, metric: &str, unit: &str) {
+fn rounds_table(out: &mut String, results: &Results, case: Section, metric: &str, unit: &str) {
     let rounds = case
         .impls()
         .iter()
@@ -148,7 +148,7 @@ const NOTES_SHOWN: usize = 2;
 const NOTE_CHARS: usize = 400;
 
 /// Lists failed runs and the first distinct notes children printed.
-fn problems(out: &mut String, results: &Results, case: Case) {
+fn problems(out: &mut String, results: &Results, case: Section) {
     let mut lines = Vec::new();
     for imp in case.impls() {
         let mut notes: Vec<&str> = Vec::new();
@@ -193,7 +193,7 @@ fn problems(out: &mut String, results: &Results, case: Case) {
     }
 }
 
-fn implementations(out: &mut String, case: Case) {
+fn implementations(out: &mut String, case: Section) {
     out.push_str("\nImplementations:\n\n");
     for imp in case.impls() {
         let _ = writeln!(
@@ -207,7 +207,7 @@ fn implementations(out: &mut String, case: Case) {
 }
 
 /// The table for cases measured as latency pairs (1 and 2).
-fn latency_case(out: &mut String, results: &Results, case: Case, acquire_column: bool) {
+fn latency_case(out: &mut String, results: &Results, case: Section, acquire_column: bool) {
     out.push_str("\n| implementation | p50 × baseline | p99 × baseline | p50 µs | p99 µs |");
     out.push_str(if acquire_column {
         " acquire p50 µs |\n|---|---|---|---|---|---|\n"
@@ -242,7 +242,7 @@ fn latency_case(out: &mut String, results: &Results, case: Case, acquire_column:
     problems(out, results, case);
 }
 
-fn handoff_case(out: &mut String, results: &Results, case: Case) {
+fn handoff_case(out: &mut String, results: &Results, case: Section) {
     out.push_str(
         "\n| implementation | p50 × baseline | p99 × baseline | p50 µs | p99 µs \
          | from release sent: p50 × baseline | p99 × baseline | p50 µs | p99 µs \
@@ -294,7 +294,7 @@ fn handoff_case(out: &mut String, results: &Results, case: Case) {
     problems(out, results, case);
 }
 
-fn slow_case(out: &mut String, results: &Results, case: Case) {
+fn slow_case(out: &mut String, results: &Results, case: Section) {
     out.push_str(
         "\n| implementation | acquired | acquire p50 × baseline | acquire p50 ms \
          | failed attempt p50 ms |\n|---|---|---|---|---|\n",
@@ -332,7 +332,7 @@ fn slow_case(out: &mut String, results: &Results, case: Case) {
     problems(out, results, case);
 }
 
-fn idle_case(out: &mut String, results: &Results, case: Case) {
+fn idle_case(out: &mut String, results: &Results, case: Section) {
     out.push_str(
         "\n| implementation | commands per s | per waiter per s | busiest commands (per s) \
          | a freed key's waiter held it after (ms) |\n|---|---|---|---|---|\n",
@@ -381,34 +381,40 @@ fn idle_case(out: &mut String, results: &Results, case: Case) {
     problems(out, results, case);
 }
 
-/// One target: `imp`'s median per-round ratio of `metric`, against `bound`.
+/// One target: `name`'s median per-round ratio of `metric` in `sec` (or
+/// its median share, for a share), against `bound`.
 fn target(
     out: &mut String,
     results: &Results,
-    (case, name, metric): (Case, &str, &str),
+    (sec, name, metric): (Section, &str, &str),
     what: &str,
     bound: f64,
 ) {
-    let Some(imp) = case.find(name) else { return };
-    if runs(results, case, name).is_empty() {
+    let Some(imp) = sec.find(name) else { return };
+    if runs(results, sec, name).is_empty() {
         return;
     }
-    let measured = if metric == "reacquired" {
-        med(&values(results, case, name, metric))
+    let share = metric == "reacquired";
+    let measured = if share {
+        med(&values(results, sec, name, metric))
     } else {
-        med(&ratios(results, case, imp, metric))
+        med(&ratios(results, sec, imp, metric))
     };
     let verdict = match measured {
         Some(m) if m <= bound => "met",
         Some(_) => "not met",
         None => "not measured",
     };
-    let shown = if metric == "reacquired" {
+    let shown = if share {
         percent(measured)
     } else {
         ratio(measured)
     };
-    let _ = writeln!(out, "| {what} | {shown} | {verdict} |");
+    let _ = writeln!(
+        out,
+        "| {what} ({}) | {shown} | {verdict} |",
+        sec.cpus.label()
+    );
 }
 
 pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> String {
@@ -423,6 +429,13 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
          ABBA…, so that both were measured over the same stretches of time and never at once. \
          The pairs ran in an order rotated by one place each round; a baseline thus ran once \
          for each implementation compared with it.\n\
+         - Placement, so that no run depends on where the scheduler happens to put it (on \
+         this kind of machine a process that talks to a local server lands either on the \
+         server's CPU or on another, and stays there, which can change a round trip \
+         eightfold): each section says whether the servers and the measured processes were \
+         pinned to one CPU together (round trips cost CPU time only: client-side overhead at \
+         its largest) or to different CPUs (every round trip crosses CPUs, as a network hop \
+         would; a measured process's own threads share its CPUs). {} CPUs here.\n\
          - Five `redis-server` {} on loopback, started by the program (no persistence), the same \
          for every implementation; `FLUSHALL` before each pair. Case 4 reaches them through five \
          proxies in the driver that delay every byte 10 ms each way (a 20 ms round trip).\n\
@@ -438,6 +451,7 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
         if options.quick { " (`--quick`)" } else { "" },
         s.blocks,
         s.blocks_for(Case::Handoff),
+        info.cpus,
         info.redis_version,
         s.pairs,
         s.redlock_pairs,
@@ -449,48 +463,57 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
         s.idle_window.as_millis(),
         info.wall.as_secs_f64(),
     );
+    let sections = Section::all(&options.cases, info.cpus);
     out.push_str("\n## Targets\n\n| target | measured | |\n|---|---|---|\n");
-    target(
-        &mut out,
-        results,
-        (Case::Single, "lock", "p50"),
-        "`Lock` acquire + release p50 ≤ 1.05× the raw pair",
-        1.05,
-    );
-    target(
-        &mut out,
-        results,
-        (Case::Single, "fenced", "p50"),
-        "`FencedLock` acquire + release p50 ≤ 1.05× the raw fenced pair",
-        1.05,
-    );
-    target(
-        &mut out,
-        results,
-        (Case::Redlock, "group", "p50"),
-        "`RedlockGroup` over 5 local nodes p50 ≤ 1.1× the raw quorum workers",
-        1.1,
-    );
-    target(
-        &mut out,
-        results,
-        (Case::Handoff, "lock", "p99"),
-        "hand-off p99 ≤ 1.1× the raw tracking waiter",
-        1.1,
-    );
-    target(
-        &mut out,
-        results,
-        (Case::Handoff, "lock", "reacquired"),
-        "the releaser re-acquires ≤ 30 % of grants",
-        0.3,
-    );
-    for &case in &options.cases {
-        match case {
+    let targets: [(Case, &str, &str, &str, f64); 5] = [
+        (
+            Case::Single,
+            "lock",
+            "p50",
+            "`Lock` acquire + release p50 ≤ 1.05× the raw pair",
+            1.05,
+        ),
+        (
+            Case::Single,
+            "fenced",
+            "p50",
+            "`FencedLock` acquire + release p50 ≤ 1.05× the raw fenced pair",
+            1.05,
+        ),
+        (
+            Case::Redlock,
+            "group",
+            "p50",
+            "`RedlockGroup` over 5 local nodes p50 ≤ 1.1× the raw quorum workers",
+            1.1,
+        ),
+        (
+            Case::Handoff,
+            "lock",
+            "p99",
+            "hand-off p99 ≤ 1.1× the raw tracking waiter",
+            1.1,
+        ),
+        (
+            Case::Handoff,
+            "lock",
+            "reacquired",
+            "the releaser re-acquires ≤ 30 % of grants",
+            0.3,
+        ),
+    ];
+    for (case, name, metric, what, bound) in targets {
+        for &sec in sections.iter().filter(|sec| sec.case == case) {
+            target(&mut out, results, (sec, name, metric), what, bound);
+        }
+    }
+    for &case in &sections {
+        let cpus = case.cpus.label();
+        match case.case {
             Case::Single => {
                 let _ = writeln!(
                     out,
-                    "\n## 1. Uncontended, one node\n\n\
+                    "\n## 1. Uncontended, one node ({cpus})\n\n\
                      {} acquire + release pairs per run on one key, one after another; p50 and \
                      p99 of the pair's time.",
                     s.pairs
@@ -500,7 +523,7 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
             Case::Redlock => {
                 let _ = writeln!(
                     out,
-                    "\n## 2. Uncontended Redlock, 5 local nodes\n\n\
+                    "\n## 2. Uncontended Redlock, 5 local nodes ({cpus})\n\n\
                      {} acquire + release pairs per run on one key over the five servers \
                      directly; p50 and p99 of the pair's time, and the acquire's p50.",
                     s.redlock_pairs
@@ -510,7 +533,7 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
             Case::Handoff => {
                 let _ = writeln!(
                     out,
-                    "\n## 3. Hand-off between {} contenders\n\n\
+                    "\n## 3. Hand-off between {} contenders ({cpus})\n\n\
                      One key on one server; {} contenders, each a thread with its own client \
                      (coordinator, manager or connections) in one process, so that every wake-up \
                      goes through Redis as it would between processes while all grants are \
@@ -521,11 +544,11 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
                      next holder's acquire returning, for a grant that went to a contender \
                      already waiting; a grant that went back to the releaser counts as \
                      re-acquired. How often that happens, and how late the woken waiters run, \
-                     depends on how busy the machine is.",
+                     depends on where the threads run and how busy the machine is.",
                     s.contenders,
                     s.contenders,
-                    s.blocks_for(case),
-                    (s.handoff / s.blocks_for(case) as u32).as_millis(),
+                    s.blocks_for(Case::Handoff),
+                    (s.handoff / s.blocks_for(Case::Handoff) as u32).as_millis(),
                     s.hold.as_millis()
                 );
                 handoff_case(&mut out, results, case);
@@ -533,7 +556,7 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
             Case::Slow => {
                 let _ = writeln!(
                     out,
-                    "\n## 4. Redlock over 20 ms links\n\n\
+                    "\n## 4. Redlock over 20 ms links ({cpus})\n\n\
                      Five nodes, each behind a proxy that delays 10 ms each way. {} single \
                      acquire calls per run, each on a fresh key (released when acquired); the \
                      acquire's p50 over the calls that acquired, the share that did, and how \
@@ -545,7 +568,7 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
             Case::Idle => {
                 let _ = writeln!(
                     out,
-                    "\n## 5. Idle cost of {} blocked waiters\n\n\
+                    "\n## 5. Idle cost of {} blocked waiters ({cpus})\n\n\
                      One held key per waiter (held for 10 minutes), one waiter each, all in one \
                      process; once every waiter has made its first attempt and 500 ms have \
                      passed, the commands Redis ran over {} ms (`INFO commandstats`, `INFO` left \
