@@ -278,8 +278,11 @@ fn handoff_case(out: &mut String, results: &Results, case: Section) {
         out,
         "\nA negative time means the next holder's acquire returned before the releaser's \
          release call did (the releaser's thread had not run yet); no ratio is shown where \
-         either figure is not positive. Grants acquired before the previous holder had sent \
-         its release (mutual exclusion broken, by the shared clock): {overlaps} in all runs."
+         either figure is not positive. Where the releaser re-acquired nearly every grant, \
+         the few hand-offs are those where a waiter's retry happened to come just after a \
+         release: their times say nothing of how long the waiters waited (until the turn \
+         ended, mostly). Grants acquired before the previous holder had sent its release \
+         (mutual exclusion broken, by the shared clock): {overlaps} in all runs."
     );
     implementations(out, case);
     out.push_str(
