@@ -306,15 +306,21 @@ impl<K: Kind> LeaseGuard<K> {
         self.dep.runtime().forget(&self.cell);
         let deadline = start + self.dep.node_timeout();
         let ops = self.cell.extra();
-        let (keys, args) = ops.release_args();
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let keys = ops.key_refs();
+        let args = ops.release_arg_refs();
         let mut reply = Err(Error::Cancelled);
         // A pooled connection the server closed (a restart): once more on a
         // fresh one within the same bound (deleting by owner is idempotent).
         for retry in [false, true] {
             let mut conn = self.dep.pool.get(deadline, Connect::Within)?;
             let reused = conn.connect_time().is_zero();
-            reply = conn.script::<i64>(ops.release_script(), &keys, &args, "release", deadline);
+            reply = conn.script::<i64>(
+                ops.release_script(),
+                &keys,
+                args.as_slice(),
+                "release",
+                deadline,
+            );
             if !(reused && !retry && matches!(reply, Err(Error::Io { .. }))) {
                 break;
             }

@@ -551,3 +551,53 @@ fn a_stalled_server_fails_a_whole_renewal_batch_within_one_node_timeout() {
     server.resume();
     drop(renewals);
 }
+
+#[test]
+fn c_redlock_loss_signals_close_on_time_while_an_extension_hangs_on_the_nodes() {
+    use respire_coordination::{RedlockGroup, RedlockOptions};
+    let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
+    let proxies: Vec<FaultProxy> = servers
+        .iter()
+        .map(|s| FaultProxy::start(s.addr()))
+        .collect();
+    let urls: Vec<String> = proxies.iter().map(FaultProxy::url).collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let nt = ms(500);
+    let group = RedlockGroup::connect(
+        &urls,
+        RedlockOptions {
+            node_timeout: nt,
+            ..RedlockOptions::default()
+        },
+    )
+    .unwrap();
+    // A kept-alive lock whose extension, due at 2 s, will hang for a node
+    // timeout on blackholed nodes...
+    let kept = group
+        .try_acquire("kept", Duration::from_secs(4))
+        .unwrap()
+        .unwrap();
+    let _renewal = kept.keep_alive().unwrap();
+    // ...and a short one whose deadline falls inside that hang.
+    thread::sleep(ms(1_120));
+    let sent = Instant::now();
+    let short = group.try_acquire("short", ms(1_500)).unwrap().unwrap();
+    let signal = short.lost_signal().clone();
+    thread::sleep(ms(450));
+    for p in &proxies {
+        p.set_mode(Mode::Blackhole);
+    }
+    assert!(signal.recv_timeout(Duration::from_secs(5)).is_err());
+    let closed = sent.elapsed();
+    // 1.5 s − drift (17 ms) − node timeout.
+    let deadline = ms(1_500) - ms(17) - nt;
+    println!("c (redlock): signal closed {closed:?} after the send; deadline {deadline:?}");
+    assert!(
+        closed >= deadline.saturating_sub(ms(5)),
+        "early: {closed:?}"
+    );
+    assert!(closed < deadline + ms(100), "late: {closed:?}");
+    for p in &proxies {
+        p.set_mode(Mode::Pass);
+    }
+}
