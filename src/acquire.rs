@@ -53,7 +53,9 @@ use crate::token::OwnerToken;
 /// One attempt takes at most the node timeout, plus the connect timeout when it
 /// has to open a connection (the first call, or after the server closed the
 /// pooled ones); a script the server lost from its cache is sent again within
-/// the same bound.
+/// the same bound. A wait returns by its deadline plus at most one attempt's
+/// bound (an attempt started just before the deadline is finished, so that its
+/// grant is not left behind); cancellation interrupts it between attempts.
 pub struct Lease<K: Kind> {
     dep: Arc<Deployment>,
     spec: Arc<dyn Acquire<K::Grant>>,
