@@ -315,8 +315,12 @@ impl Acquire<FencingToken> for ReadSpec {
         ttl_ms: u64,
         deadline: Instant,
         _waiting: bool,
+        _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<FencingToken>>> {
         let [w, r, q, fence] = &self.keys;
+        // A repeated grant to this owner (an earlier attempt's whose reply was
+        // lost) has its expiry moved to ttl from now if that is later, so it
+        // holds for ttl from this send at least: `sent` stands.
         let sent = dep.now();
         let reply: Vec<redis::Value> = conn
             .script(
@@ -389,12 +393,16 @@ impl Acquire<FencingToken> for WriteSpec {
         ttl_ms: u64,
         deadline: Instant,
         waiting: bool,
+        _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<FencingToken>>> {
         let [w, r, q, fence] = &self.keys;
         let intent = match self.preference {
             Preference::Writer if waiting => intent_ms(ttl_ms, self.node_timeout),
             _ => 0,
         };
+        // A repeated grant to this owner (an earlier attempt's whose reply was
+        // lost) has its expiry moved to ttl from now if that is later, so it
+        // holds for ttl from this send at least: `sent` stands.
         let sent = dep.now();
         let reply: Vec<redis::Value> = conn
             .script(

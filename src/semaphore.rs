@@ -372,9 +372,13 @@ impl Acquire<(u32, FencingToken)> for SemSpec {
         ttl_ms: u64,
         deadline: Instant,
         _waiting: bool,
+        _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<(u32, FencingToken)>>> {
         let [permits, meta, slots] = &self.keys;
         let capacity = self.capacity.load(Ordering::Relaxed);
+        // A repeated grant to this owner (an earlier attempt's whose reply was
+        // lost) has its expiry moved to ttl from now if that is later, so it
+        // holds for ttl from this send at least: `sent` stands.
         let sent = dep.now();
         let reply: Vec<redis::Value> = conn
             .script(

@@ -124,8 +124,21 @@ impl Ops {
         (self.keys(), vec![self.member.clone()])
     }
 
-    pub(crate) fn release_args(&self) -> (Vec<&str>, Vec<String>) {
-        (self.keys(), vec![self.member.clone(), "exact".to_owned()])
+    /// The keys, borrowed.
+    pub(crate) fn key_refs(&self) -> Vec<&str> {
+        self.keys()
+    }
+
+    /// The release's arguments, borrowed (no allocation on the release path).
+    pub(crate) fn release_arg_refs(&self) -> Args<'_> {
+        match self.shape {
+            // Every shape releases its exact value (rw_read_release and
+            // sem_release take the mode too).
+            Shape::StringValue | Shape::Member { .. } => Args {
+                items: [&self.member, "exact"],
+                len: 2,
+            },
+        }
     }
 
     pub(crate) fn extend_cmd(&self, ttl_ms: u64) -> redis::Cmd {
@@ -139,6 +152,18 @@ impl Ops {
         let (keys, args) = self.extend_args(ttl_ms);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         self.extend_script().eval(&keys, &args)
+    }
+}
+
+/// Up to two borrowed script arguments.
+pub(crate) struct Args<'a> {
+    items: [&'a str; 2],
+    len: usize,
+}
+
+impl<'a> Args<'a> {
+    pub(crate) fn as_slice(&self) -> &[&'a str] {
+        &self.items[..self.len]
     }
 }
 
