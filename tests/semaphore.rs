@@ -218,11 +218,21 @@ fn the_capacity_is_stored_and_a_disagreeing_participant_changes_nothing() {
     assert_eq!(fresh.capacity(), 4);
 }
 
+/// Connections with client tracking on: a waiter's, once its first attempt ran.
+fn tracking_clients(server: &support::TestServer) -> usize {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(&mut server.client())
+        .unwrap();
+    list.lines().filter(|l| l.contains("flags=t")).count()
+}
+
 #[test]
 fn lowering_the_capacity_drains_and_raising_it_wakes_a_waiter() {
     let _timed = timed();
-    let prefix = unique_prefix("resize");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    // A server of its own, so that its tracked connections are the waiter's.
+    let server = support::TestServer::start();
+    let coord = coordinator(&server.url(), "");
     let sem = coord.semaphore("{r}", 2).unwrap();
     let ttl = Duration::from_secs(10);
     let a = sem.try_acquire(ttl).unwrap().unwrap();
@@ -245,9 +255,9 @@ fn lowering_the_capacity_drains_and_raising_it_wakes_a_waiter() {
             let p = sem.acquire_timeout(ttl, Duration::from_secs(5)).unwrap();
             (p, Instant::now())
         });
-        // Time for the waiter's first (busy) attempt. Should it come later,
-        // it finds the raised capacity at once and the check below still holds.
-        thread::sleep(ms(100));
+        wait_until(Duration::from_secs(5), "the waiter's first attempt", || {
+            tracking_clients(&server) > 0
+        });
         let raised = Instant::now();
         assert_eq!(sem.set_capacity(3).unwrap(), Some(1));
         let (p, at) = waiter.join().unwrap();
@@ -599,4 +609,61 @@ fn every_refusal_is_clear_and_changes_nothing() {
             "{what}: something changed"
         );
     }
+}
+
+/// The commands the reader/writer lease and the semaphore add to the ACL
+/// minimum of the locks (README, "Connecting").
+const RW_SEM_COMMANDS: &str = "+time +exists +zadd +zrem +zscore +zcard +zrange +zrangebyscore \
+     +zremrangebyscore +pexpireat +pexpiretime +hget +hmget +hset +hdel +hincrby +setbit +bitpos";
+
+#[test]
+fn a_least_privilege_acl_user_can_use_both_primitives() {
+    let server = support::TestServer::builder()
+        .acl_user(format!(
+            "user sharer on >pw resetkeys ~app:* resetchannels &__redis__:invalidate -@all \
+             +ping +hello +auth +select +client|id +client|kill +client|tracking \
+             +client|setname +subscribe +eval +evalsha +type +get +set +pttl +pexpire +del \
+             +incr {RW_SEM_COMMANDS}"
+        ))
+        .start();
+    let coord = Coordinator::builder(&server.url_for_user("sharer", "pw"))
+        .key_prefix("app:")
+        .node_timeout(NODE_TIMEOUT)
+        .build()
+        .unwrap();
+    let ttl = Duration::from_secs(2);
+    let sem = coord.semaphore("{s}", 1).unwrap();
+    let p = sem.try_acquire(ttl).unwrap().unwrap();
+    let renewal = p.keep_alive().unwrap();
+    assert!(p.verify_still_held().unwrap().is_some());
+    assert!(p.reset_expiry(ttl).unwrap());
+    assert_eq!(sem.available().unwrap(), 0);
+    assert_eq!(sem.holders().unwrap().len(), 1);
+    drop(renewal);
+    thread::scope(|s| {
+        let waiter = s.spawn(|| sem.acquire_timeout(ttl, Duration::from_secs(10)));
+        wait_until(Duration::from_secs(5), "the waiter to register", || {
+            tracking_clients(&server) > 0
+        });
+        assert_eq!(p.release().unwrap(), ReleaseOutcome::Released);
+        assert!(waiter.join().unwrap().unwrap().is_some());
+    });
+    assert_eq!(sem.set_capacity(2).unwrap(), Some(1));
+
+    let rw = coord.read_write_lease("{rw}").unwrap();
+    let r = rw.read().try_acquire(ttl).unwrap().unwrap();
+    let renewal = r.keep_alive().unwrap();
+    assert!(r.verify_still_held().unwrap().is_some());
+    drop(renewal);
+    thread::scope(|s| {
+        // Times out behind the reader: records, then withdraws, its intent.
+        let w = s.spawn(|| rw.write().acquire_timeout(ttl, ms(300)));
+        assert!(w.join().unwrap().unwrap().is_none());
+    });
+    assert_eq!(r.release().unwrap(), ReleaseOutcome::Released);
+    let w = rw.write().try_acquire(ttl).unwrap().unwrap();
+    let renewal = w.keep_alive().unwrap();
+    assert_eq!(w.fencing_token().get(), 1);
+    drop(renewal);
+    assert_eq!(w.release().unwrap(), ReleaseOutcome::Released);
 }
