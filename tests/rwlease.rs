@@ -951,3 +951,62 @@ fn every_refusal_is_clear_and_changes_nothing() {
         );
     }
 }
+
+#[test]
+fn what_an_unanswered_acquire_may_have_set_is_deleted_afterwards() {
+    let server = support::TestServer::start();
+    let proxy = support::FaultProxy::start(server.addr());
+    let coord = Coordinator::builder(&proxy.url())
+        .node_timeout(NODE_TIMEOUT)
+        .connect_timeout(ms(300))
+        .build()
+        .unwrap();
+    let rw = coord.read_write_lease("{lost}").unwrap();
+    let ttl = Duration::from_secs(30);
+    // Load the scripts and open the pooled connection.
+    drop(rw.read().try_acquire(ttl).unwrap().unwrap());
+    drop(rw.write().try_acquire(ttl).unwrap().unwrap());
+    let mut c = server.client();
+
+    // A reader and a writer granted on the server, their replies lost.
+    for (what, key) in [("reader", rw.readers_key()), ("writer", rw.writer_key())] {
+        // A pooled connection opened while replies get through.
+        drop(rw.read().try_acquire(ttl).unwrap().unwrap());
+        proxy.set_mode(support::Mode::DropServerToClient);
+        let e = if what == "reader" {
+            rw.read().try_acquire(ttl).unwrap_err()
+        } else {
+            rw.write().try_acquire(ttl).unwrap_err()
+        };
+        assert!(e.is_uncertain(), "{what}: {e}");
+        assert!(
+            c.exists::<_, bool>(key).unwrap(),
+            "{what}: granted on the server"
+        );
+        proxy.set_mode(support::Mode::Pass);
+        wait_until(Duration::from_secs(10), "the clean-up", || {
+            !c.exists::<_, bool>(key).unwrap()
+        });
+    }
+
+    // A waiting writer's intent, recorded by attempts whose replies were lost.
+    let reader = rw.read().try_acquire(ttl).unwrap().unwrap();
+    assert!(reader.verify_still_held().unwrap().is_some());
+    proxy.set_mode(support::Mode::DropServerToClient);
+    let e = rw.write().acquire_timeout(ttl, ms(500)).unwrap_err();
+    assert!(e.is_uncertain(), "{e}");
+    assert_eq!(
+        c.zcard::<_, u64>(rw.intents_key()).unwrap(),
+        1,
+        "the intent"
+    );
+    proxy.set_mode(support::Mode::Pass);
+    wait_until(Duration::from_secs(10), "the intent's clean-up", || {
+        c.zcard::<_, u64>(rw.intents_key()).unwrap() == 0
+    });
+    assert!(
+        reader.verify_still_held().unwrap().is_some(),
+        "the reader stays"
+    );
+    assert!(coord.renewal_stats().killed_connections >= 3);
+}

@@ -667,3 +667,36 @@ fn a_least_privilege_acl_user_can_use_both_primitives() {
     drop(renewal);
     assert_eq!(w.release().unwrap(), ReleaseOutcome::Released);
 }
+
+#[test]
+fn a_permit_whose_grant_got_no_reply_is_released_afterwards() {
+    let server = support::TestServer::start();
+    let proxy = support::FaultProxy::start(server.addr());
+    let coord = Coordinator::builder(&proxy.url())
+        .node_timeout(NODE_TIMEOUT)
+        .connect_timeout(ms(300))
+        .build()
+        .unwrap();
+    let sem = coord.semaphore("{lost}", 2).unwrap();
+    let ttl = Duration::from_secs(30);
+    drop(sem.try_acquire(ttl).unwrap().unwrap());
+    let mut c = server.client();
+    proxy.set_mode(support::Mode::DropServerToClient);
+    let e = sem.try_acquire(ttl).unwrap_err();
+    assert!(e.is_uncertain(), "{e}");
+    assert_eq!(c.zcard::<_, u64>(sem.permits_key()).unwrap(), 1, "granted");
+    proxy.set_mode(support::Mode::Pass);
+    wait_until(Duration::from_secs(10), "the clean-up", || {
+        !c.exists::<_, bool>(sem.permits_key()).unwrap()
+    });
+    // Its index entry and slot went with it: both permits are free.
+    assert_eq!(sem.available().unwrap(), 2);
+    let a = sem.try_acquire(ttl).unwrap().unwrap();
+    assert_eq!(a.slot(), 0);
+    let fields: Vec<String> = c.hkeys(sem.meta_key()).unwrap();
+    assert_eq!(
+        fields.len(),
+        3,
+        "capacity, fence and one holder: {fields:?}"
+    );
+}
