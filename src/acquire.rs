@@ -18,8 +18,11 @@ use crate::runtime::renewal::Cell;
 use crate::runtime::waiters::{self, Attempt, WaitFor};
 use crate::token::OwnerToken;
 
-/// A single-deployment primitive of kind `K`: [`Lock`](crate::Lock) and
-/// [`FencedLock`](crate::FencedLock) are this type. Cheap to clone.
+/// A single-deployment primitive of kind `K`: [`Lock`](crate::Lock),
+/// [`FencedLock`](crate::FencedLock), the two sides of a
+/// [`ReadWriteLease`](crate::ReadWriteLease) ([`ReadLease`](crate::ReadLease),
+/// [`WriteLease`](crate::WriteLease)) and [`Semaphore`](crate::Semaphore) are
+/// this type. Cheap to clone.
 ///
 /// # Acquiring
 ///
@@ -35,9 +38,9 @@ use crate::token::OwnerToken;
 ///   ([`Error::Cancelled`]).
 /// - [`acquire_until`](Lease::acquire_until): both.
 ///
-/// Waits are woken by invalidations of the key (client tracking) and by a
-/// timer at the holder's expiry, and do not poll unless tracking is
-/// unavailable. They ride out failures that may pass — timeouts, I/O errors,
+/// Waits are woken by invalidations of the keys whose change may free them
+/// (client tracking) and by a timer at the earliest expiry that could free
+/// them, and do not poll unless tracking is unavailable. They ride out failures that may pass — timeouts, I/O errors,
 /// refused connections, a server loading or failing over — with jittered
 /// pauses (10 ms doubling to 1 s) until their deadline or cancellation, and
 /// then return the last error if the last attempt failed, never a silent
@@ -92,6 +95,14 @@ impl<K: Kind> Lease<K> {
 
     pub(crate) fn physical_keys(&self) -> &[String] {
         self.spec.keys()
+    }
+
+    pub(crate) fn deployment(&self) -> &Arc<Deployment> {
+        &self.dep
+    }
+
+    pub(crate) fn spec(&self) -> &dyn Acquire<K::Grant> {
+        &*self.spec
     }
 
     /// One attempt. Blocks for at most the node timeout (plus the connect

@@ -11,7 +11,7 @@ use crossbeam_channel::Receiver;
 
 use crate::conn::Connect;
 use crate::core::lease::{Loss, Refusal};
-use crate::deployment::{Deployment, bad_key};
+use crate::deployment::{Deployment, bad_key_in};
 use crate::error::{Error, Result};
 use crate::kind::{Fenced, Kind};
 use crate::runtime::renewal::Cell;
@@ -33,8 +33,9 @@ pub enum ReleaseOutcome {
     Uncertain,
 }
 
-/// A held lease of kind `K` on one deployment: [`LockGuard`](crate::LockGuard)
-/// and [`FencedGuard`](crate::FencedGuard) are this type.
+/// A held lease of kind `K` on one deployment: [`LockGuard`](crate::LockGuard),
+/// [`FencedGuard`](crate::FencedGuard), [`ReadGuard`](crate::ReadGuard),
+/// [`WriteGuard`](crate::WriteGuard) and [`Permit`](crate::Permit) are this type.
 ///
 /// Dropping it releases the lease (one best-effort command, bounded by the node
 /// timeout, never panics); [`release`](LeaseGuard::release) does the same and
@@ -131,7 +132,7 @@ impl<K: Kind> LeaseGuard<K> {
             deadline += conn.connect_time();
             reply = conn
                 .script::<Vec<i64>>(ops.verify_script(), &keys, &args, "verify", deadline)
-                .map_err(|e| bad_key(e, self.key()));
+                .map_err(|e| bad_key_in(e, &keys));
             if !(reused && !retry && matches!(reply, Err(Error::Io { .. }))) {
                 break;
             }
@@ -242,7 +243,7 @@ impl<K: Kind> LeaseGuard<K> {
             }
             Err(e) => {
                 self.cell.not_sent(ticket, now);
-                Err(bad_key(e, self.key()))
+                Err(bad_key_in(e, &keys))
             }
         };
         self.dep.runtime().touch(&self.cell);
@@ -336,7 +337,7 @@ impl<K: Kind> LeaseGuard<K> {
                 );
                 Ok(ReleaseOutcome::Uncertain)
             }
-            Err(e) => Err(bad_key(e, self.key())),
+            Err(e) => Err(bad_key_in(e, &keys)),
         }
     }
 }

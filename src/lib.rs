@@ -28,6 +28,8 @@
 //! |---|---|---|
 //! | One Redis deployment is the authority, and the protected resource can reject stale writers | [`FencedLock`] → [`FencedGuard`] | lease key + persistent counter; every grant carries a strictly increasing [`FencingToken`] |
 //! | Plain mutual exclusion, for efficiency only | [`Lock`] → [`LockGuard`] | one key, `SET NX PX`, compare-and-delete |
+//! | Many readers or one writer on one deployment | [`ReadWriteLease`] → [`ReadGuard`] / [`WriteGuard`] | writers fenced like [`FencedLock`]; a waiting writer's expiring intent holds back new readers (no starvation); each reader expires by its own score; readers get the last write token |
+//! | At most N holders | [`Semaphore`] → [`Permit`] | capacity stored beside the permits (a disagreeing participant gets [`Error::CapacityMismatch`]); every permit expires on the server's clock; each permit holds a slot `0..N` with a fencing token |
 //! | A majority across independent deployments | [`RedlockGroup`] → [`RedlockGuard`] | an odd number ≥ 3 of independent standalone servers; no fencing, no consensus |
 //!
 //! # Fencing
@@ -43,6 +45,68 @@
 //! (`allkeys-*` policies) can issue a token twice. Never expire, evict, reset or
 //! delete the counter. A [`Coordinator`] refuses a token not above one it already
 //! saw for the same counter ([`Error::FencingRegression`]).
+//!
+//! # Reader/writer leases
+//!
+//! [`Coordinator::read_write_lease`] takes a base key with a hash tag
+//! (`"{catalog}"`) and keeps four keys under it: the writer's lease, the
+//! readers (a sorted set, each reader scored by its own expiry on the server's
+//! clock), the intents of waiting writers, and the write counter. Readers share;
+//! a writer excludes everyone and carries a fencing token from the counter, as a
+//! [`FencedLock`] does; each reader learns the *write epoch*, the last writer's
+//! token. A writer that waits records an intent that expires by itself, is
+//! refreshed while it waits and is withdrawn when it stops waiting: it holds
+//! back readers that arrive after it (current readers finish), so a stream of
+//! overlapping readers cannot starve writers. [`Preference::Reader`] turns that
+//! off. There is no upgrade, downgrade or reentrancy; [`ReadWriteLease`] says why.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use respire_coordination::Coordinator;
+//!
+//! # fn main() -> Result<(), respire_coordination::Error> {
+//! let coord = Coordinator::connect("redis://127.0.0.1:6379")?;
+//! let rw = coord.read_write_lease("{catalog}")?;
+//! let ttl = Duration::from_secs(30);
+//! if let Some(read) = rw.read().acquire_timeout(ttl, Duration::from_secs(5))? {
+//!     // read; data stamped with a token above read.write_epoch() is newer
+//! }
+//! if let Some(write) = rw.write().acquire_timeout(ttl, Duration::from_secs(5))? {
+//!     // write, sending write.fencing_token() with every write
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! # Semaphores
+//!
+//! [`Coordinator::semaphore`] admits at most `capacity` holders. The capacity is
+//! stored beside the permits by the first acquire, and a participant that
+//! declares another gets [`Error::CapacityMismatch`] (nothing changes);
+//! [`set_capacity`](Lease::set_capacity) changes it on purpose, and lowering it
+//! drains rather than revokes. Every permit expires by its own score on the
+//! server's clock, so a crashed holder frees its permit at its expiry while the
+//! others renew. Each permit holds the lowest free slot in `0..capacity` and a
+//! fencing token; a resource that keeps the highest token per slot never
+//! accepts more than `capacity` writers, even from paused holders.
+//! [`available`](Lease::available) and [`holders`](Lease::holders) prune expired
+//! permits first.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use respire_coordination::Coordinator;
+//!
+//! # fn main() -> Result<(), respire_coordination::Error> {
+//! let coord = Coordinator::connect("redis://127.0.0.1:6379")?;
+//! let exports = coord.semaphore("{exports}", 4)?;
+//! if let Some(permit) = exports.acquire_timeout(Duration::from_secs(60), Duration::from_secs(5))? {
+//!     let _renewal = permit.keep_alive()?;
+//!     // export, sending (permit.slot(), permit.fencing_token()) with every write
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! A [`RedlockGroup`] offers neither: a reader set or a permit set needs one
+//! authority that orders every change.
 //!
 //! # Waiting and cancellation
 //!
@@ -64,7 +128,11 @@
 //! invalidations and wakes the waiter of the changed key, and a timer wakes it at
 //! the holder's expiry (Redis reports expiries late). Within one process, waiters
 //! on one key are woken one at a time in arrival order; across processes, there
-//! is no fairness: each change starts a race. If tracking is unavailable (an ACL
+//! is no fairness: each change starts a race. A wait on several keys (a reader
+//! on the writer's lease and the intents, a writer on the writer's lease and
+//! the readers, a permit on the permits and the capacity) is woken by a change
+//! of any of them, and its timer is set at the earliest expiry that could free
+//! it. If tracking is unavailable (an ACL
 //! that denies it, a disconnected subscriber), waiters fall back to polling every
 //! 50–150 ms, logged once.
 //!
@@ -203,7 +271,9 @@ mod lock;
 mod redlock;
 mod report;
 mod runtime;
+mod rwlease;
 mod scripts;
+mod semaphore;
 #[cfg(test)]
 mod sim;
 mod token;
@@ -216,11 +286,13 @@ pub use error::{Error, Result};
 pub use fenced::{FencedGuard, FencedLock};
 pub use guard::{KeepAlive, LeaseGuard, ReleaseOutcome};
 pub use keys::{MAX_TTL, key_slot};
-pub use kind::{Fenced, Kind, Plain};
+pub use kind::{Fenced, Kind, Plain, Read, Slot, Write};
 pub use lock::{Lock, LockGuard};
 pub use redlock::{RedlockAttempt, RedlockGroup, RedlockGuard, RedlockKeepAlive, RedlockOptions};
 pub use report::{NodeOutcome, NodeReport};
 pub use runtime::renewal::RenewalStats;
+pub use rwlease::{Preference, ReadGuard, ReadLease, ReadWriteLease, WriteGuard, WriteLease};
+pub use semaphore::{Permit, PermitHolder, Semaphore};
 pub use token::FencingToken;
 
 /// The README's examples, compiled as doc tests.
@@ -241,6 +313,13 @@ fn _ensure_send_sync() {
     check::<LockGuard>();
     check::<FencedLock>();
     check::<FencedGuard>();
+    check::<ReadWriteLease>();
+    check::<ReadLease>();
+    check::<ReadGuard>();
+    check::<WriteLease>();
+    check::<WriteGuard>();
+    check::<Semaphore>();
+    check::<Permit>();
     check::<KeepAlive<'static>>();
     check::<RedlockGroup>();
     check::<RedlockGuard>();

@@ -34,11 +34,8 @@ use crate::scripts::Script;
 pub(crate) enum Shape {
     /// A string key whose value is the owner (`lease_*.lua`).
     StringValue,
-    /// A member of a sorted set scored by its expiry (readers, permits).
-    #[allow(
-        dead_code,
-        reason = "the reader/writer lease and the semaphore hold leases this way"
-    )]
+    /// A member of a sorted set scored by its expiry (readers, permits). Extend
+    /// takes `(member, ttl_ms)`, verify `(member)`, release `(member, 'exact')`.
     Member {
         extend: &'static std::sync::LazyLock<Script>,
         verify: &'static std::sync::LazyLock<Script>,
@@ -70,6 +67,26 @@ impl Ops {
             keys: vec![key.to_owned()],
             member: value,
             shape: Shape::StringValue,
+        }
+    }
+
+    /// A lease held as `member` of the sorted set `keys[0]`, scored by its
+    /// expiry; the scripts take every key in `keys`.
+    pub(crate) fn member(
+        keys: Vec<String>,
+        member: String,
+        extend: &'static std::sync::LazyLock<Script>,
+        verify: &'static std::sync::LazyLock<Script>,
+        release: &'static std::sync::LazyLock<Script>,
+    ) -> Ops {
+        Ops {
+            keys,
+            member,
+            shape: Shape::Member {
+                extend,
+                verify,
+                release,
+            },
         }
     }
 
@@ -115,13 +132,11 @@ impl Ops {
     /// The release's arguments, borrowed (no allocation on the release path).
     pub(crate) fn release_arg_refs(&self) -> Args<'_> {
         match self.shape {
-            Shape::StringValue => Args {
+            // Every shape releases its exact value (rw_read_release and
+            // sem_release take the mode too).
+            Shape::StringValue | Shape::Member { .. } => Args {
                 items: [&self.member, "exact"],
                 len: 2,
-            },
-            Shape::Member { .. } => Args {
-                items: [&self.member, ""],
-                len: 1,
             },
         }
     }

@@ -11,6 +11,7 @@
 // Every test binary compiles this whole module but uses only part of it.
 #![allow(dead_code)]
 
+mod child;
 mod proxy;
 mod server;
 mod tls;
@@ -21,6 +22,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 // Each test binary names only the items it needs.
+#[allow(unused_imports)]
+pub(crate) use child::{ChildProc, block_on_stdin, env};
 #[allow(unused_imports)]
 pub(crate) use proxy::{FaultProxy, Mode};
 #[allow(unused_imports)]
