@@ -20,8 +20,11 @@ use crate::runtime::topology::Uncertain;
 use crate::runtime::waiters::{self, Attempt, WaitFor};
 use crate::token::OwnerToken;
 
-/// A single-deployment primitive of kind `K`: [`Lock`](crate::Lock) and
-/// [`FencedLock`](crate::FencedLock) are this type. Cheap to clone.
+/// A single-deployment primitive of kind `K`: [`Lock`](crate::Lock),
+/// [`FencedLock`](crate::FencedLock), the two sides of a
+/// [`ReadWriteLease`](crate::ReadWriteLease) ([`ReadLease`](crate::ReadLease),
+/// [`WriteLease`](crate::WriteLease)) and [`Semaphore`](crate::Semaphore) are
+/// this type. Cheap to clone.
 ///
 /// # Acquiring
 ///
@@ -37,9 +40,9 @@ use crate::token::OwnerToken;
 ///   ([`Error::Cancelled`]).
 /// - [`acquire_until`](Lease::acquire_until): both.
 ///
-/// Waits are woken by invalidations of the key (client tracking) and by a
-/// timer at the holder's expiry, and do not poll unless tracking is
-/// unavailable. They ride out failures that may pass — timeouts, I/O errors,
+/// Waits are woken by invalidations of the keys whose change may free them
+/// (client tracking) and by a timer at the earliest expiry that could free
+/// them, and do not poll unless tracking is unavailable. They ride out failures that may pass — timeouts, I/O errors,
 /// refused connections, a server loading or failing over — with jittered
 /// pauses (10 ms doubling to 1 s) until their deadline or cancellation, and
 /// then return the last error if the last attempt failed, never a silent
@@ -55,7 +58,9 @@ use crate::token::OwnerToken;
 /// One attempt takes at most the node timeout, plus the connect timeout when it
 /// has to open a connection (the first call, or after the server closed the
 /// pooled ones); a script the server lost from its cache is sent again within
-/// the same bound.
+/// the same bound. A wait returns by its deadline plus at most one attempt's
+/// bound (an attempt started just before the deadline is finished, so that its
+/// grant is not left behind); cancellation interrupts it between attempts.
 pub struct Lease<K: Kind> {
     dep: Arc<Deployment>,
     spec: Arc<dyn Acquire<K::Grant>>,
@@ -92,6 +97,14 @@ impl<K: Kind> Lease<K> {
 
     pub(crate) fn physical_keys(&self) -> &[String] {
         self.spec.keys()
+    }
+
+    pub(crate) fn deployment(&self) -> &Arc<Deployment> {
+        &self.dep
+    }
+
+    pub(crate) fn spec(&self) -> &dyn Acquire<K::Grant> {
+        &*self.spec
     }
 
     /// One attempt. Blocks for at most the node timeout (plus the connect
@@ -194,8 +207,14 @@ impl<K: Kind> Lease<K> {
                     node_timeout: dep.node_timeout() + dep.replication.timeout(),
                     settle: dep.connect_timeout,
                 };
+                let mut uncertain_since = None;
                 let waited = waiters::wait_for(&*dep.topology, &w, |conn, d| {
-                    self.attempt(conn, &owner, ttl_ms, d, true)
+                    let started = dep.now();
+                    let r = self.attempt(conn, &owner, ttl_ms, d, true, uncertain_since);
+                    if r.as_ref().is_err_and(Error::is_uncertain) {
+                        uncertain_since.get_or_insert(started);
+                    }
+                    r
                 });
                 if !matches!(waited.result, Ok(Some(_))) {
                     self.spec.stopped_waiting(dep, &owner);
@@ -254,23 +273,29 @@ impl<K: Kind> Lease<K> {
     ) {
         let dep = &self.dep;
         let mut uncertain = Vec::new();
+        let mut uncertain_since = None;
         let deadline = dep.now() + dep.node_timeout() + dep.replication.timeout();
         let mut result = Err(Error::Cancelled);
         for retry in [false, true] {
             let mut reused = false;
+            let mut started = dep.now();
             let (r, lost) = dep.on_key(
                 &self.spec.keys()[0],
                 deadline,
                 Connect::Own,
                 |conn, deadline| {
                     reused = !conn.is_fresh();
-                    self.attempt(conn, owner, ttl_ms, deadline, false)
+                    started = dep.now();
+                    self.attempt(conn, owner, ttl_ms, deadline, false, uncertain_since)
                 },
             );
             result = r.map(|a| match a {
                 Attempt::Acquired(g) => Some(g),
                 Attempt::Busy(_) => None,
             });
+            if result.as_ref().is_err_and(Error::is_uncertain) {
+                uncertain_since.get_or_insert(started);
+            }
             let dead_pooled = reused && matches!(result, Err(Error::Io { .. }));
             uncertain.extend(lost);
             if dead_pooled && !retry {
@@ -289,6 +314,7 @@ impl<K: Kind> Lease<K> {
         ttl_ms: u64,
         deadline: Instant,
         waiting: bool,
+        uncertain_since: Option<Instant>,
     ) -> Result<Attempt<(LeaseGuard<K>, Instant, Instant)>> {
         let replication = self.dep.replication;
         match replication {
@@ -298,9 +324,15 @@ impl<K: Kind> Lease<K> {
             }
             Replication::Require { replicas, timeout } => conn.wait_after_next(replicas, timeout),
         }
-        let attempt = self
-            .spec
-            .attempt(&self.dep, conn, owner, ttl_ms, deadline, waiting);
+        let attempt = self.spec.attempt(
+            &self.dep,
+            conn,
+            owner,
+            ttl_ms,
+            deadline,
+            waiting,
+            uncertain_since,
+        );
         let acknowledged = match replication {
             Replication::Off => None,
             _ => Some(conn.take_waited().unwrap_or(0)),
@@ -309,7 +341,10 @@ impl<K: Kind> Lease<K> {
         let received = self.dep.now();
         Ok(match attempt {
             Attempt::Acquired(g) => {
-                let sent = g.sent;
+                // A token is checked against the history from the earliest
+                // attempt that may have drawn it (a repeated grant to this
+                // owner returns the token an unanswered attempt drew).
+                let sent = uncertain_since.map_or(g.sent, |t| t.min(g.sent));
                 Attempt::Acquired((self.guard(g, ttl_ms, acknowledged), sent, received))
             }
             Attempt::Busy(pttl) => Attempt::Busy(pttl),

@@ -18,6 +18,8 @@ use crate::lock::{Lock, PlainSpec};
 use crate::replication::Replication;
 use crate::runtime::renewal::RenewalStats;
 use crate::runtime::topology::{MIN_REFRESH, Settings, Topology};
+use crate::rwlease::{Preference, ReadWriteLease};
+use crate::semaphore::Semaphore;
 
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(500);
@@ -187,6 +189,47 @@ impl Coordinator {
             self.dep.clone(),
             Arc::new(FencedSpec::new(lease, fence)),
         ))
+    }
+
+    /// A reader/writer lease with writer preference: many readers or one
+    /// fenced writer, and a waiting writer holds new readers back (see
+    /// [`ReadWriteLease`]). Its four keys are `base:w`, `base:r`, `base:q` and
+    /// `base:fence`, after the key prefix.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a base key without a non-empty hash tag
+    /// (`{reports}`, `{reports}:daily`): the keys must share a cluster slot,
+    /// and the crate does not wrap a key in braces behind the caller's back.
+    /// Nothing is sent to Redis.
+    pub fn read_write_lease(&self, base: &str) -> Result<ReadWriteLease> {
+        ReadWriteLease::new(&self.dep, base, Preference::Writer)
+    }
+
+    /// A reader/writer lease with the given [`Preference`]; see
+    /// [`read_write_lease`](Coordinator::read_write_lease). Every participant
+    /// of one lease should use the same preference.
+    ///
+    /// # Errors
+    /// As [`read_write_lease`](Coordinator::read_write_lease).
+    pub fn read_write_lease_with(
+        &self,
+        base: &str,
+        preference: Preference,
+    ) -> Result<ReadWriteLease> {
+        ReadWriteLease::new(&self.dep, base, preference)
+    }
+
+    /// A semaphore of `capacity` permits (see [`Semaphore`]). Its keys are
+    /// `base:permits`, `base:meta` and `base:slots`, after the key prefix. Every participant
+    /// must declare the same capacity: the first acquire stores it, and an
+    /// acquire that declares another gets [`Error::CapacityMismatch`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a capacity of 0 or above
+    /// [`Semaphore::MAX_CAPACITY`] (10,000), or a base key without a non-empty
+    /// hash tag. Nothing is sent to Redis.
+    pub fn semaphore(&self, base: &str, capacity: u32) -> Result<Semaphore> {
+        crate::semaphore::semaphore(&self.dep, base, capacity)
     }
 
     /// The prefix added to every key.

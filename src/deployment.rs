@@ -36,6 +36,8 @@ pub(crate) struct Deployment {
     pub(crate) connect_timeout: Duration,
     fences: Mutex<FenceBook>,
     keepalive_ok: OnceLock<()>,
+    /// Renewal scripts whose rights were probed.
+    probed: Mutex<Vec<&'static str>>,
 }
 
 impl Deployment {
@@ -56,6 +58,7 @@ impl Deployment {
             connect_timeout,
             fences: Mutex::new(FenceBook::new(timing.node_timeout * 4, REMEMBERED_KEYS)),
             keepalive_ok: OnceLock::new(),
+            probed: Mutex::new(Vec::new()),
         }
     }
 
@@ -138,18 +141,29 @@ impl Deployment {
     }
 
     /// Keep-alive needs to renew the lease and to cut off a renewal that got
-    /// no reply: `EVALSHA`/`EVAL` of the renewal script on the lease's keys,
-    /// `CLIENT ID` and `CLIENT KILL`. Probed once per coordinator (and the
-    /// script on every lease's keys), changing nothing.
+    /// no reply: `EVALSHA`/`EVAL` of the renewal script, `CLIENT ID` and
+    /// `CLIENT KILL`. Probed once per coordinator (the script once per kind of
+    /// lease; the acquire already showed the rights to write the key), changing
+    /// nothing.
     pub(crate) fn check_keepalive_rights(&self, ops: &Ops) -> Result<()> {
+        let name = ops.extend_script().name;
+        if self.keepalive_ok.get().is_some() && self.probed.lock().contains(&name) {
+            return Ok(());
+        }
         let deadline = self.now() + self.node_timeout();
         self.on_key(&ops.keys[0], deadline, Connect::Own, |conn, deadline| {
-            self.probe_keepalive(conn, ops, deadline)
+            self.probe_keepalive(conn, ops, name, deadline)
         })
         .0
     }
 
-    fn probe_keepalive(&self, conn: &mut Conn, ops: &Ops, deadline: Instant) -> Result<()> {
+    fn probe_keepalive(
+        &self,
+        conn: &mut Conn,
+        ops: &Ops,
+        name: &'static str,
+        deadline: Instant,
+    ) -> Result<()> {
         let (keys, _) = ops.extend_args(1);
         // Not this lease's value: the script finds another owner and changes
         // nothing, but it runs with the same rights as a renewal.
@@ -170,6 +184,12 @@ impl Deployment {
                 other => other,
             });
         script?;
+        {
+            let mut probed = self.probed.lock();
+            if !probed.contains(&name) {
+                probed.push(name);
+            }
+        }
         if self.keepalive_ok.get().is_some() {
             return Ok(());
         }
@@ -249,25 +269,55 @@ impl Deployment {
     }
 }
 
-/// Turns the scripts' BADKEY / BADFENCE / WRONGTYPE replies into [`Error::BadKey`].
+/// Turns the scripts' BADKEY / BADFENCE / WRONGTYPE replies into [`Error::BadKey`]
+/// on `key`; see [`bad_key_in`].
 pub(crate) fn bad_key(err: Error, key: &str) -> Error {
+    bad_key_in(err, &[key])
+}
+
+/// Turns the scripts' BADKEY / BADFENCE / WRONGTYPE replies into [`Error::BadKey`],
+/// and BADARG into [`Error::InvalidArgument`]. A detail that starts with
+/// `KEYS[n] ` names the script's `n`-th key: the error names `keys[n − 1]` and
+/// the prefix is dropped; otherwise it names `keys[0]`.
+pub(crate) fn bad_key_in(err: Error, keys: &[&str]) -> Error {
     match err {
         Error::Server { source, .. }
-            if matches!(source.code(), Some("BADKEY" | "BADFENCE" | "WRONGTYPE")) =>
+            if matches!(
+                source.code(),
+                Some("BADKEY" | "BADFENCE" | "WRONGTYPE" | "BADARG")
+            ) =>
         {
-            let detail = source.detail().unwrap_or("has the wrong type").to_owned();
-            let detail = detail
-                .split(" script:")
-                .next()
-                .unwrap_or(&detail)
-                .trim()
-                .to_owned();
+            let detail = source.detail().unwrap_or("has the wrong type");
+            let detail = detail.split(" script:").next().unwrap_or(detail).trim();
+            let (index, detail) = script_key(detail);
+            if source.code() == Some("BADARG") {
+                return Error::InvalidArgument(format!("refused by the server: {detail}"));
+            }
+            let key = index
+                .and_then(|n| keys.get(n))
+                .or(keys.first())
+                .copied()
+                .unwrap_or_default();
             Error::BadKey {
                 key: key.to_owned(),
-                problem: detail,
+                problem: detail.to_owned(),
             }
         }
         other => other,
+    }
+}
+
+/// Splits a `KEYS[n] ` prefix off a script's error detail: the key's index
+/// (from 0) and the rest.
+fn script_key(detail: &str) -> (Option<usize>, &str) {
+    let parsed = detail.strip_prefix("KEYS[").and_then(|rest| {
+        let (n, rest) = rest.split_once("] ")?;
+        let n: usize = n.parse().ok()?;
+        Some((n.checked_sub(1)?, rest))
+    });
+    match parsed {
+        Some((i, rest)) => (Some(i), rest),
+        None => (None, detail),
     }
 }
 
@@ -278,5 +328,64 @@ impl fmt::Debug for Deployment {
             .field("key_prefix", &self.prefix)
             .field("node_timeout", &self.timing.node_timeout)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server(code_and_detail: &str) -> Error {
+        let reply = format!("-{code_and_detail}\r\n");
+        let source = redis::parse_redis_value(reply.as_bytes())
+            .unwrap()
+            .extract_error()
+            .unwrap_err();
+        Error::Server {
+            op: "acquire",
+            source,
+        }
+    }
+
+    #[test]
+    fn a_script_error_names_the_key_it_is_about() {
+        let keys = ["{b}:w", "{b}:r", "{b}:q", "{b}:fence"];
+        let e = bad_key_in(
+            server("BADFENCE KEYS[4] has an expiry; a fencing counter must never expire"),
+            &keys,
+        );
+        match e {
+            Error::BadKey { key, problem } => {
+                assert_eq!(key, "{b}:fence");
+                assert_eq!(
+                    problem,
+                    "has an expiry; a fencing counter must never expire"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = bad_key_in(server("BADKEY KEYS[2] holds a hash, not a set"), &keys);
+        assert!(
+            matches!(&e, Error::BadKey { key, problem } if key == "{b}:r" && problem == "holds a hash, not a set"),
+            "{e:?}"
+        );
+        // Without an index, or an index out of range: the first key.
+        let e = bad_key(server("BADKEY holds a list, not a lock"), "k");
+        assert!(
+            matches!(&e, Error::BadKey { key, problem } if key == "k" && problem == "holds a list, not a lock"),
+            "{e:?}"
+        );
+        let e = bad_key_in(server("BADKEY KEYS[9] holds a list"), &keys);
+        assert!(
+            matches!(&e, Error::BadKey { key, .. } if key == "{b}:w"),
+            "{e:?}"
+        );
+        let e = bad_key_in(server("BADARG ttl must be positive"), &keys);
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("ttl must be positive")),
+            "{e:?}"
+        );
+        let e = bad_key_in(server("OTHER something"), &keys);
+        assert!(matches!(e, Error::Server { .. }));
     }
 }

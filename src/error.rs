@@ -130,6 +130,19 @@ pub enum Error {
         seen: u64,
     },
 
+    /// A semaphore's stored capacity differs from the one this handle declares:
+    /// every participant must declare the same capacity, and only
+    /// [`set_capacity`](crate::Lease::set_capacity) changes it. Nothing was changed.
+    #[error(
+        "semaphore capacity mismatch: {stored} is stored, {requested} was declared; every participant must declare the same capacity (set_capacity changes it); nothing was changed"
+    )]
+    CapacityMismatch {
+        /// The capacity stored beside the permits.
+        stored: u32,
+        /// The capacity this handle declared.
+        requested: u32,
+    },
+
     /// The server's reply did not have the expected shape.
     #[error("unexpected reply to {op}: {reply}")]
     UnexpectedReply {

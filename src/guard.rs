@@ -11,7 +11,7 @@ use crossbeam_channel::Receiver;
 
 use crate::conn::Connect;
 use crate::core::lease::{Loss, Refusal};
-use crate::deployment::{Deployment, bad_key};
+use crate::deployment::{Deployment, bad_key_in};
 use crate::error::{Error, Result};
 use crate::kind::{Fenced, Kind};
 use crate::runtime::renewal::Cell;
@@ -33,8 +33,9 @@ pub enum ReleaseOutcome {
     Uncertain,
 }
 
-/// A held lease of kind `K` on one deployment: [`LockGuard`](crate::LockGuard)
-/// and [`FencedGuard`](crate::FencedGuard) are this type.
+/// A held lease of kind `K` on one deployment: [`LockGuard`](crate::LockGuard),
+/// [`FencedGuard`](crate::FencedGuard), [`ReadGuard`](crate::ReadGuard),
+/// [`WriteGuard`](crate::WriteGuard) and [`Permit`](crate::Permit) are this type.
 ///
 /// Dropping it releases the lease (one best-effort command, bounded by the node
 /// timeout, never panics); [`release`](LeaseGuard::release) does the same and
@@ -134,16 +135,27 @@ impl<K: Kind> LeaseGuard<K> {
     /// Transport and server errors; the guard is unchanged.
     pub fn verify_still_held(&self) -> Result<Option<Duration>> {
         let ops = self.cell.extra();
-        let deadline = self.dep.now() + self.dep.node_timeout();
         let (keys, args) = ops.verify_args();
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let reply: Vec<i64> = self
-            .dep
-            .on_key(self.key(), deadline, Connect::Own, |conn, deadline| {
-                conn.script(ops.verify_script(), &keys, &args, "verify", deadline)
-            })
-            .0
-            .map_err(|e| bad_key(e, self.key()))?;
+        let deadline = self.dep.now() + self.dep.node_timeout();
+        let mut reply = Err(Error::Cancelled);
+        // A pooled connection the server closed (a restart): once more on a
+        // fresh one, which is safe for a read.
+        for retry in [false, true] {
+            let mut reused = false;
+            reply = self
+                .dep
+                .on_key(self.key(), deadline, Connect::Own, |conn, deadline| {
+                    reused = !conn.is_fresh();
+                    conn.script::<Vec<i64>>(ops.verify_script(), &keys, &args, "verify", deadline)
+                })
+                .0
+                .map_err(|e| bad_key_in(e, &keys));
+            if !(reused && !retry && matches!(reply, Err(Error::Io { .. }))) {
+                break;
+            }
+        }
+        let reply = reply?;
         let now = self.dep.now();
         match reply.as_slice() {
             [1, pttl] => Ok(Some(
@@ -244,7 +256,7 @@ impl<K: Kind> LeaseGuard<K> {
             }
             Err(e) => {
                 self.cell.not_sent(ticket, now);
-                Err(bad_key(e, self.key()))
+                Err(bad_key_in(e, &keys))
             }
         };
         self.dep.runtime().touch(&self.cell);
@@ -308,14 +320,30 @@ impl<K: Kind> LeaseGuard<K> {
         self.dep.runtime().forget(&self.cell);
         let deadline = start + self.dep.node_timeout();
         let ops = self.cell.extra();
-        let (keys, args) = ops.release_args();
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let reply: Result<i64> = self
-            .dep
-            .on_key(self.key(), deadline, Connect::Within, |conn, deadline| {
-                conn.script(ops.release_script(), &keys, &args, "release", deadline)
-            })
-            .0;
+        let keys = ops.key_refs();
+        let args = ops.release_arg_refs();
+        let mut reply = Err(Error::Cancelled);
+        // A pooled connection the server closed (a restart): once more on a
+        // fresh one within the same bound (deleting by owner is idempotent).
+        for retry in [false, true] {
+            let mut reused = false;
+            reply = self
+                .dep
+                .on_key(self.key(), deadline, Connect::Within, |conn, deadline| {
+                    reused = !conn.is_fresh();
+                    conn.script::<i64>(
+                        ops.release_script(),
+                        &keys,
+                        args.as_slice(),
+                        "release",
+                        deadline,
+                    )
+                })
+                .0;
+            if !(reused && !retry && matches!(reply, Err(Error::Io { .. }))) {
+                break;
+            }
+        }
         match reply {
             Ok(1) => Ok(ReleaseOutcome::Released),
             Ok(0) => Ok(ReleaseOutcome::Expired),
@@ -327,7 +355,7 @@ impl<K: Kind> LeaseGuard<K> {
                 );
                 Ok(ReleaseOutcome::Uncertain)
             }
-            Err(e) => Err(bad_key(e, self.key())),
+            Err(e) => Err(bad_key_in(e, &keys)),
         }
     }
 }

@@ -65,6 +65,22 @@ pub(crate) fn physical(prefix: &str, key: &str, what: &str) -> Result<String> {
     Ok(format!("{prefix}{key}"))
 }
 
+/// Checks a multi-key primitive's base key and returns its physical form
+/// (prefix + base). The base must carry a non-empty hash tag, so that every key
+/// derived from it (`base:suffix`) lands in one cluster slot; a key without one
+/// is refused rather than wrapped in braces behind the caller's back.
+pub(crate) fn physical_base(prefix: &str, base: &str, what: &str) -> Result<String> {
+    if base.is_empty() {
+        return Err(Error::InvalidArgument(format!("{what} is empty")));
+    }
+    if hash_tag(base.as_bytes()).len() == base.len() {
+        return Err(Error::InvalidArgument(format!(
+            "{what} {base:?} has no hash tag: the keys made from it must share a cluster slot,              so name it with a non-empty {{tag}}, such as \"{{{base}}}\""
+        )));
+    }
+    Ok(format!("{prefix}{base}"))
+}
+
 /// Checks that physical keys that one script touches share a cluster slot.
 pub(crate) fn same_slot(first: &str, second: &str) -> Result<()> {
     let (a, b) = (key_slot(first.as_bytes()), key_slot(second.as_bytes()));
@@ -144,6 +160,21 @@ mod tests {
         assert_eq!(ttl_ms(Duration::from_micros(1)).unwrap(), 1);
         assert_eq!(ttl_ms(Duration::from_micros(1500)).unwrap(), 2);
         assert_eq!(ttl_ms(Duration::from_secs(30)).unwrap(), 30_000);
+    }
+
+    #[test]
+    fn a_base_key_needs_a_non_empty_hash_tag() {
+        assert_eq!(
+            physical_base("app:", "{jobs}", "base").unwrap(),
+            "app:{jobs}"
+        );
+        assert_eq!(physical_base("", "x{jobs}y", "base").unwrap(), "x{jobs}y");
+        for bad in ["", "jobs", "{}jobs", "jobs{}", "{jobs", "jobs}", "}jobs{"] {
+            let e = physical_base("app:", bad, "base").unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{bad:?}: {e}");
+        }
+        let e = physical_base("", "jobs", "semaphore base key").unwrap_err();
+        assert!(e.to_string().contains("\"{jobs}\""), "{e}");
     }
 
     #[test]

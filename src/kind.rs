@@ -17,7 +17,7 @@ use crate::runtime::waiters::Attempt;
 use crate::token::{FencingToken, OwnerToken};
 
 /// A kind of single-deployment lease. Implemented by the marker types of this
-/// crate only ([`Plain`], [`Fenced`]).
+/// crate only ([`Plain`], [`Fenced`], [`Read`], [`Write`], [`Slot`]).
 pub trait Kind: sealed::Sealed + Send + Sync + 'static {
     /// What a grant carries beside the lease itself.
     #[doc(hidden)]
@@ -47,8 +47,27 @@ pub enum Plain {}
 #[derive(Debug)]
 pub enum Fenced {}
 
+/// The kind of a read lease of a [`ReadWriteLease`](crate::ReadWriteLease)
+/// ([`ReadLease`](crate::ReadLease)): every grant carries the write epoch, the
+/// fencing token of the last writer.
+#[derive(Debug)]
+pub enum Read {}
+
+/// The kind of the write lease of a [`ReadWriteLease`](crate::ReadWriteLease)
+/// ([`WriteLease`](crate::WriteLease)): every grant carries a [`FencingToken`].
+#[derive(Debug)]
+pub enum Write {}
+
+/// The kind of a [`Semaphore`](crate::Semaphore): every grant (a
+/// [`Permit`](crate::Permit)) carries a slot and a [`FencingToken`].
+#[derive(Debug)]
+pub enum Slot {}
+
 impl sealed::Sealed for Plain {}
 impl sealed::Sealed for Fenced {}
+impl sealed::Sealed for Read {}
+impl sealed::Sealed for Write {}
+impl sealed::Sealed for Slot {}
 
 impl Kind for Plain {
     type Grant = ();
@@ -60,6 +79,24 @@ impl Kind for Fenced {
     type Grant = FencingToken;
     const GUARD: &'static str = "FencedGuard";
     const GRANT: &'static str = "fencing_token";
+}
+
+impl Kind for Read {
+    type Grant = FencingToken;
+    const GUARD: &'static str = "ReadGuard";
+    const GRANT: &'static str = "write_epoch";
+}
+
+impl Kind for Write {
+    type Grant = FencingToken;
+    const GUARD: &'static str = "WriteGuard";
+    const GRANT: &'static str = "fencing_token";
+}
+
+impl Kind for Slot {
+    type Grant = (u32, FencingToken);
+    const GUARD: &'static str = "Permit";
+    const GRANT: &'static str = "slot_and_fencing_token";
 }
 
 /// One grant, as an attempt returns it.
@@ -79,6 +116,10 @@ pub(crate) trait Acquire<G>: Send + Sync {
     fn wait_keys(&self) -> Vec<&str>;
     /// Runs the acquire script once for `owner`, finishing by `deadline`.
     /// `waiting` is true inside a wait (a writer then records its intent).
+    /// `uncertain_since` is when the owner's first attempt that got no reply
+    /// went out: a grant found already in place (that attempt's, or a later
+    /// one's, whose reply was lost) dates from then at the earliest.
+    #[allow(clippy::too_many_arguments, reason = "one attempt's whole context")]
     fn attempt(
         &self,
         dep: &Deployment,
@@ -87,6 +128,7 @@ pub(crate) trait Acquire<G>: Send + Sync {
         ttl_ms: u64,
         deadline: Instant,
         waiting: bool,
+        uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<G>>>;
     /// Checks a grant once its reply arrived at `received` (a fencing
     /// regression is an error, and the grant is then released).
@@ -105,4 +147,9 @@ pub(crate) trait Acquire<G>: Send + Sync {
     fn stopped_waiting(&self, _dep: &Deployment, _owner: &OwnerToken) {}
     /// The type's name and fields, for `Debug`.
     fn debug(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result;
+    /// The spec itself, for the methods of one kind of [`Lease<K>`](crate::Lease)
+    /// that need more than its keys (a semaphore's capacity).
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }

@@ -28,6 +28,8 @@
 //! |---|---|---|
 //! | One Redis deployment is the authority, and the protected resource can reject stale writers | [`FencedLock`] → [`FencedGuard`] | lease key + persistent counter; every grant carries a strictly increasing [`FencingToken`] |
 //! | Plain mutual exclusion, for efficiency only | [`Lock`] → [`LockGuard`] | one key, `SET NX PX`, compare-and-delete |
+//! | Many readers or one writer on one deployment | [`ReadWriteLease`] → [`ReadGuard`] / [`WriteGuard`] | writers fenced like [`FencedLock`]; a waiting writer's expiring intent holds back new readers (no starvation); each reader expires by its own score; readers get the last write token |
+//! | At most N holders | [`Semaphore`] → [`Permit`] | capacity stored beside the permits (a disagreeing participant gets [`Error::CapacityMismatch`]); every permit expires on the server's clock; each permit holds a slot `0..N` with a fencing token |
 //! | A majority across independent deployments | [`RedlockGroup`] → [`RedlockGuard`] | an odd number ≥ 3 of independent standalone servers; no fencing, no consensus |
 //!
 //! The single-deployment primitives work on a standalone server, a Sentinel
@@ -47,49 +49,141 @@
 //! delete the counter. A [`Coordinator`] refuses a token not above one it already
 //! saw for the same counter ([`Error::FencingRegression`]).
 //!
+//! # Reader/writer leases
+//!
+//! [`Coordinator::read_write_lease`] takes a base key with a hash tag
+//! (`"{catalog}"`) and keeps four keys under it: the writer's lease, the
+//! readers (a sorted set, each reader scored by its own expiry on the server's
+//! clock), the intents of waiting writers, and the write counter. Readers share;
+//! a writer excludes everyone and carries a fencing token from the counter, as a
+//! [`FencedLock`] does; each reader learns the *write epoch*, the last writer's
+//! token. A writer that waits records an intent that expires by itself, is
+//! refreshed while it waits and is withdrawn when it stops waiting: it holds
+//! back readers that arrive after it (current readers finish), so a stream of
+//! overlapping readers cannot starve writers. [`Preference::Reader`] turns that
+//! off. There is no upgrade, downgrade or reentrancy; [`ReadWriteLease`] says why.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use respire_coordination::Coordinator;
+//!
+//! # fn main() -> Result<(), respire_coordination::Error> {
+//! let coord = Coordinator::connect("redis://127.0.0.1:6379")?;
+//! let rw = coord.read_write_lease("{catalog}")?;
+//! let ttl = Duration::from_secs(30);
+//! if let Some(read) = rw.read().acquire_timeout(ttl, Duration::from_secs(5))? {
+//!     // read; data stamped with a token above read.write_epoch() is newer
+//! }
+//! if let Some(write) = rw.write().acquire_timeout(ttl, Duration::from_secs(5))? {
+//!     // write, sending write.fencing_token() with every write
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! # Semaphores
+//!
+//! [`Coordinator::semaphore`] admits at most `capacity` holders. The capacity is
+//! stored beside the permits by the first acquire, and a participant that
+//! declares another gets [`Error::CapacityMismatch`] (nothing changes);
+//! [`set_capacity`](Lease::set_capacity) changes it on purpose, and lowering it
+//! drains rather than revokes. Every permit expires by its own score on the
+//! server's clock, so a crashed holder frees its permit at its expiry while the
+//! others renew. Each permit holds the lowest free slot in `0..capacity` and a
+//! fencing token; a resource that keeps the highest token per slot never
+//! accepts more than `capacity` writers, even from paused holders.
+//! [`available`](Lease::available) and [`holders`](Lease::holders) prune expired
+//! permits first.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use respire_coordination::Coordinator;
+//!
+//! # fn main() -> Result<(), respire_coordination::Error> {
+//! let coord = Coordinator::connect("redis://127.0.0.1:6379")?;
+//! let exports = coord.semaphore("{exports}", 4)?;
+//! if let Some(permit) = exports.acquire_timeout(Duration::from_secs(60), Duration::from_secs(5))? {
+//!     let _renewal = permit.keep_alive()?;
+//!     // export, sending (permit.slot(), permit.fencing_token()) with every write
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! A [`RedlockGroup`] offers neither: a reader set or a permit set needs one
+//! authority that orders every change.
+//!
 //! # Waiting and cancellation
 //!
-//! Every primitive has the same verbs:
+//! Every primitive has the same verbs (they are methods of [`Lease`], the type
+//! every single-deployment primitive is):
 //!
 //! - `try_acquire(ttl)`: one attempt, `Ok(None)` when held by someone else.
 //! - `acquire_timeout(ttl, wait)` / `acquire_deadline(ttl, deadline)`: a bounded
-//!   wait, `Ok(None)` when it runs out; a zero wait is exactly one attempt.
+//!   wait, `Ok(None)` when it runs out; a zero wait is exactly one attempt, and
+//!   `Duration::MAX` waits without end.
 //! - `acquire(ttl, &cancel)`: waits until acquired; [`Error::Cancelled`] when the
 //!   [`CancelToken`] is cancelled.
 //! - `acquire_until(ttl, deadline, &cancel)`: both: `Ok(None)` at the deadline,
 //!   `Err(Cancelled)` on cancellation (a caller's cancellation is never turned
 //!   into "not acquired").
 //!
-//! Contention is never an error; `Err` means misuse or infrastructure, and
-//! transport errors are not turned into "not acquired". Waiters do not poll: one
-//! subscriber thread per coordinator receives `CLIENT TRACKING` invalidations and
-//! wakes the waiter of the changed key, and a timer wakes it at the holder's
-//! expiry (Redis reports expiries late). Within one process, waiters on one key
-//! are woken one at a time in arrival order; across processes, there is no
-//! fairness: each change starts a race. If tracking is unavailable (an ACL that
-//! denies it, a disconnected subscriber), waiters fall back to polling every
+//! Contention is never an error; `Err` means misuse or infrastructure. Waiters do
+//! not poll: one subscriber thread per coordinator receives `CLIENT TRACKING`
+//! invalidations and wakes the waiter of the changed key, and a timer wakes it at
+//! the holder's expiry (Redis reports expiries late). Within one process, waiters
+//! on one key are woken one at a time in arrival order; across processes, there
+//! is no fairness: each change starts a race. A wait on several keys (a reader
+//! on the writer's lease and the intents, a writer on the writer's lease and
+//! the readers, a permit on the permits and the capacity) is woken by a change
+//! of any of them, and its timer is set at the earliest expiry that could free
+//! it. If tracking is unavailable (an ACL
+//! that denies it, a disconnected subscriber), waiters fall back to polling every
 //! 50–150 ms, logged once.
 //!
-//! A command that got no reply may still be applied. When the last attempt of a
-//! wait got no reply, the wait deletes whatever that attempt may have acquired
-//! (best effort) before returning the error. Cancellation cannot recall a command
-//! Redis already accepted.
+//! **Failures during a wait.** One rule for every wait of every primitive,
+//! [`RedlockGroup`]'s included: a wait rides out failures that may pass —
+//! timeouts, I/O errors, refused connections, a quorum not reached, a server
+//! loading or failing over ([`Error::is_retryable`]) — with jittered pauses that
+//! grow to a ceiling, until its deadline or cancellation. At its deadline it
+//! returns the *last error* if its last attempt failed, so a deployment that went
+//! away is never reported as "held by someone else"; `Ok(None)` only if the last
+//! attempt found the lock held. Permanent errors (authentication, permissions, bad
+//! keys or arguments, independence, a fencing regression) end a wait at once.
+//! `try_acquire` makes one attempt and returns its error.
+//!
+//! A command that got no reply may still be applied. When attempts of a wait got
+//! no reply and the wait ends without the lock, the connections they went out on
+//! are killed and then whatever they may have set is deleted, in the background
+//! (so the clean-up cannot be overtaken by a late grant). Cancellation cannot
+//! recall a command Redis already accepted; a grant that arrives for an attempt in
+//! flight when the wait is cancelled is released.
+//!
+//! **Time bounds.** One attempt takes at most the node timeout, plus the connect
+//! timeout when it has to open a connection; a script the server lost from its
+//! cache (a restart) is sent again within the same bound. A guard's `release` and
+//! its `Drop` take at most the node timeout in all.
 //!
 //! # Lease loss
 //!
 //! A guard is *lost* when its local loss deadline passes — the send time of the
-//! grant or last confirmed renewal, plus the TTL, minus clock drift
+//! grant or last *confirmed* renewal, plus the TTL, minus clock drift
 //! (`ttl × drift_factor + 2 ms`), minus the node timeout — or when a renewal,
 //! verification or extension finds the key expired or owned by someone else.
-//! `is_lost()` reads the flag and the monotonic clock and is exact; `lost_signal()`
-//! is a channel for `select!` that the renewal thread closes at that moment.
-//! `keep_alive()` renews at half the TTL and retries failed renewals while time
-//! remains. Because the deadline is computed from the *send* time on the local
-//! monotonic clock, a server that stops answering (paused, partitioned) makes the
-//! guard lost before the lease can expire on the server, whatever the sockets say.
+//! While an extension is in flight, or after one got no reply, the guard assumes
+//! the worst of it: a shorter TTL counts from its send time, a longer one counts
+//! for nothing until confirmed; extensions of one lease never overlap, and one
+//! whose reply never came keeps the lease bounded by its worst case until the
+//! connection it went out on has been killed. Loss is permanent. `is_lost()`
+//! reads the flag and the monotonic clock and is exact; `lost_signal()` is a
+//! channel for `select!` that the renewal thread closes at that moment, and that
+//! thread never waits on the network. `keep_alive()` renews at half the TTL and
+//! retries failed renewals while time remains. Because the deadline is computed
+//! from the *send* time on the local monotonic clock, a server that stops
+//! answering (paused, partitioned) makes the guard lost before the lease can
+//! expire on the server, whatever the sockets say.
 //!
 //! Releasing reports a [`ReleaseOutcome`]: `Released`, `Expired`, `TakenOver`, or
-//! `Uncertain` when no reply came (the lease then ends at its expiry).
+//! `Uncertain` when it was sent but no reply came (the lease then ends at its
+//! expiry). A release that could not be sent at all is an error.
 //!
 //! # Topologies: standalone, Sentinel, Cluster
 //!
@@ -195,20 +289,24 @@
 //!
 //! # Threads this crate starts
 //!
-//! Per [`Coordinator`]: one renewal thread (`respire-renewal`, no I/O), started
-//! by the first guard that asks for its loss signal or a keep-alive; per
-//! server it uses (the standalone server, the Sentinel primary, each cluster
-//! primary) one executor (`respire-io`: renewals, fencing, clean-ups,
-//! re-verification) and one invalidation subscriber (`respire-tracker`), each
-//! started the first time it is needed. A Cluster coordinator also runs
-//! `respire-topology` (the slot map) from the start; a Sentinel coordinator
-//! runs `respire-topology` and one `respire-sentinel-N` per sentinel. Per
-//! [`RedlockGroup`]: one worker per node (`respire-node-N`, one connection
-//! each) and one renewal thread (`respire-redlock`). No thread or connection
-//! is created per guard or per waiter. These threads never wait on a lock
-//! held across network I/O, and stop when the last handle (coordinator, group
-//! or guard) that needs them is dropped. A failure in a background thread
-//! flags leases lost and logs; it never panics.
+//! None until needed. Per [`Coordinator`]: a renewal thread (`respire-renewal`,
+//! which runs the timer heap of watched leases and does no I/O), started by
+//! the first `lost_signal()` or `keep_alive()`; per server it uses (the
+//! standalone server, the Sentinel primary, each cluster primary) one executor
+//! (`respire-io`, one connection of its own: renewal pipelines, killing
+//! connections whose command got no reply, clean-ups, re-verification after a
+//! topology change), started by the first renewal or clean-up there, and one
+//! invalidation subscriber (`respire-tracker`), started by the first wait
+//! there. A Cluster coordinator also runs `respire-topology` (the slot map)
+//! from the start; a Sentinel coordinator runs `respire-topology` and one
+//! `respire-sentinel-N` per sentinel. A guard that nobody keeps alive or
+//! watches involves no thread of its own. Per [`RedlockGroup`]: one worker per
+//! node (`respire-node-N`, one connection each) and a renewal thread
+//! (`respire-redlock`, on first need). No thread or connection is created per
+//! guard or per waiter. These threads never wait on a lock held across network
+//! I/O, and stop when the last handle (coordinator, group or guard) that needs
+//! them is dropped. A failure in a background thread flags leases lost and logs;
+//! it never panics.
 //!
 //! # Guarantees and limits
 //!
@@ -221,7 +319,9 @@
 //!   coordinator does about it).
 //! - The counter and lease keys must not be evicted: use `noeviction` (or a
 //!   `volatile-*` policy, which can still drop leases).
-//! - Keep-alive needs the ACL rights to `CLIENT ID` and `CLIENT KILL`.
+//! - Keep-alive needs the ACL rights to run the renewal script on the lease's
+//!   keys (`EVALSHA`, `EVAL`), `CLIENT ID` and `CLIENT KILL` (checked by
+//!   `keep_alive()` itself).
 //! - A [`RedlockGroup`] survives a minority of failed nodes, but a node that
 //!   restarts without its data can hand out a held lock again; it gives no
 //!   fencing token.
@@ -253,7 +353,9 @@ mod redlock;
 mod replication;
 mod report;
 mod runtime;
+mod rwlease;
 mod scripts;
+mod semaphore;
 #[cfg(test)]
 mod sim;
 mod token;
@@ -266,12 +368,14 @@ pub use error::{Error, Result};
 pub use fenced::{FencedGuard, FencedLock};
 pub use guard::{KeepAlive, LeaseGuard, ReleaseOutcome};
 pub use keys::{MAX_TTL, key_slot};
-pub use kind::{Fenced, Kind, Plain};
+pub use kind::{Fenced, Kind, Plain, Read, Slot, Write};
 pub use lock::{Lock, LockGuard};
 pub use redlock::{RedlockAttempt, RedlockGroup, RedlockGuard, RedlockKeepAlive, RedlockOptions};
 pub use replication::Replication;
 pub use report::{NodeOutcome, NodeReport};
 pub use runtime::renewal::RenewalStats;
+pub use rwlease::{Preference, ReadGuard, ReadLease, ReadWriteLease, WriteGuard, WriteLease};
+pub use semaphore::{Permit, PermitHolder, Semaphore};
 pub use token::FencingToken;
 
 /// The README's examples, compiled as doc tests.
@@ -292,6 +396,13 @@ fn _ensure_send_sync() {
     check::<LockGuard>();
     check::<FencedLock>();
     check::<FencedGuard>();
+    check::<ReadWriteLease>();
+    check::<ReadLease>();
+    check::<ReadGuard>();
+    check::<WriteLease>();
+    check::<WriteGuard>();
+    check::<Semaphore>();
+    check::<Permit>();
     check::<KeepAlive<'static>>();
     check::<RedlockGroup>();
     check::<RedlockGuard>();

@@ -123,14 +123,19 @@ fn builder(cluster: &TestCluster) -> respire_coordination::CoordinatorBuilder {
     Coordinator::cluster_builder(&seeds)
 }
 
-/// The sum of `EVALSHA` and `EVAL` calls node `index` has served.
+/// Acquire attempts and releases node `index` has served: a `Lock` attempt
+/// is one `SET … NX`, a fenced attempt or a release one `EVALSHA` (`EVAL`).
 fn script_calls(cluster: &TestCluster, index: usize) -> u64 {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query(&mut cluster.node(index).client())
         .unwrap();
     info.lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter(|l| {
+            ["cmdstat_evalsha:", "cmdstat_eval:", "cmdstat_set:"]
+                .iter()
+                .any(|p| l.starts_with(p))
+        })
         .filter_map(|l| {
             l.split(['=', ','])
                 .nth(1)
@@ -188,6 +193,67 @@ fn every_primitive_works_on_every_primary() {
             assert_eq!(g.replicas_acknowledged(), None);
             g.release().unwrap();
         }
+    }
+}
+
+#[test]
+fn read_write_leases_and_semaphores_work_on_every_primary() {
+    let cluster = shared_cluster();
+    let coord = coordinator(cluster);
+    let other = coordinator(cluster);
+    for (primary, tag) in tags_per_primary(cluster, "rwsem") {
+        let rw = coord.read_write_lease(&format!("{tag}:rw")).unwrap();
+        let r1 = rw
+            .read()
+            .try_acquire(Duration::from_secs(10))
+            .unwrap()
+            .unwrap();
+        let r2 = other
+            .read_write_lease(&format!("{tag}:rw"))
+            .unwrap()
+            .read()
+            .try_acquire(Duration::from_secs(10))
+            .unwrap()
+            .unwrap();
+        assert!(
+            rw.write()
+                .try_acquire(Duration::from_secs(10))
+                .unwrap()
+                .is_none()
+        );
+        drop((r1, r2));
+        let w = rw
+            .write()
+            .try_acquire(Duration::from_secs(10))
+            .unwrap()
+            .unwrap();
+        let token = w.fencing_token();
+        drop(w);
+        let r = rw
+            .read()
+            .try_acquire(Duration::from_secs(10))
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.write_epoch(), token);
+        // The keys are on the slot's primary.
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{tag}*"))
+            .query(&mut cluster.node(primary).client())
+            .unwrap();
+        assert!(!keys.is_empty(), "no keys of {tag} on node {primary}");
+        drop(r);
+
+        let sem = coord.semaphore(&format!("{tag}:sem"), 2).unwrap();
+        let p1 = sem.try_acquire(Duration::from_secs(10)).unwrap().unwrap();
+        let p2 = sem.try_acquire(Duration::from_secs(10)).unwrap().unwrap();
+        assert_ne!(p1.slot(), p2.slot());
+        assert!(p2.fencing_token() > p1.fencing_token());
+        assert!(sem.try_acquire(Duration::from_secs(10)).unwrap().is_none());
+        assert_eq!(sem.available().unwrap(), 0);
+        assert_eq!(sem.holders().unwrap().len(), 2);
+        drop(p1);
+        assert_eq!(sem.available().unwrap(), 1);
+        drop(p2);
     }
 }
 
@@ -405,6 +471,19 @@ fn child_waiters() {
     writeln!(out.lock().unwrap(), "fallbacks {fallbacks}").unwrap();
 }
 
+/// Child processes killed when the test ends, also when it fails: a waiter
+/// left behind would hold the harness's output pipe open.
+struct Reap(Vec<std::process::Child>);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 #[test]
 fn waiters_follow_a_migrated_slot() {
     let cluster = TestCluster::start();
@@ -423,25 +502,28 @@ fn waiters_follow_a_migrated_slot() {
         .unwrap();
     let before = script_calls(&cluster, a);
     let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<_> = (0..2)
-        .map(|_| {
-            Command::new(&exe)
-                .args([
-                    "--exact",
-                    "child_waiters",
-                    "--ignored",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env(CHILD_ENV, cluster.seed_urls().join(","))
-                .env("RESPIRE_CLUSTER_KEY", &key)
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
+    let mut children = Reap(
+        (0..2)
+            .map(|_| {
+                Command::new(&exe)
+                    .args([
+                        "--exact",
+                        "child_waiters",
+                        "--ignored",
+                        "--nocapture",
+                        "--test-threads=1",
+                    ])
+                    .env(CHILD_ENV, cluster.seed_urls().join(","))
+                    .env("RESPIRE_CLUSTER_KEY", &key)
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect(),
+    );
     let lines: Arc<Mutex<Vec<String>>> = Arc::default();
     let readers: Vec<_> = children
+        .0
         .iter_mut()
         .map(|c| {
             let out = BufReader::new(c.stdout.take().unwrap());
@@ -470,7 +552,7 @@ fn waiters_follow_a_migrated_slot() {
     );
     let released = wall_ns();
     guard.release().unwrap();
-    for c in &mut children {
+    for c in &mut children.0 {
         assert!(c.wait().unwrap().success());
     }
     for r in readers {

@@ -120,6 +120,39 @@ fn the_primitives_work_through_sentinel() {
 }
 
 #[test]
+fn read_write_leases_and_semaphores_work_through_sentinel() {
+    let deployment = shared_sentinel();
+    let coord = connect(deployment);
+    let tag = format!("{{{}}}", unique_prefix("rwsem"));
+    let rw = coord.read_write_lease(&format!("{tag}:rw")).unwrap();
+    let r = rw
+        .read()
+        .try_acquire(Duration::from_secs(10))
+        .unwrap()
+        .unwrap();
+    assert!(
+        rw.write()
+            .try_acquire(Duration::from_secs(10))
+            .unwrap()
+            .is_none()
+    );
+    drop(r);
+    let w = rw
+        .write()
+        .try_acquire(Duration::from_secs(10))
+        .unwrap()
+        .unwrap();
+    assert!(w.verify_still_held().unwrap().is_some());
+    drop(w);
+    let sem = coord.semaphore(&format!("{tag}:sem"), 1).unwrap();
+    let p = sem.try_acquire(Duration::from_secs(10)).unwrap().unwrap();
+    assert!(sem.try_acquire(Duration::from_secs(10)).unwrap().is_none());
+    assert_eq!(sem.available().unwrap(), 0);
+    drop(p);
+    assert_eq!(sem.set_capacity(2).unwrap(), Some(1));
+}
+
+#[test]
 fn unknown_services_and_non_sentinels_are_refused() {
     let deployment = shared_sentinel();
     let urls = urls(deployment);

@@ -518,7 +518,46 @@ impl Conn {
     /// call. (The `redis` crate's own pipeline keeps reading after a read
     /// timeout, one more timeout per command: n commands on a stalled server
     /// would block n times the deadline.)
+    ///
+    /// After [`Conn::ask_next`], every command goes after its own `ASKING`;
+    /// after [`Conn::wait_after_next`], `WAIT` follows the last one (their
+    /// replies are not returned).
     pub(crate) fn pipeline(
+        &mut self,
+        pipe: &redis::Pipeline,
+        op: &'static str,
+        deadline: Instant,
+    ) -> Result<Vec<redis::Value>> {
+        if !self.asking && self.wait.is_none() {
+            return self.raw_pipeline(pipe, op, deadline);
+        }
+        let asking = std::mem::take(&mut self.asking);
+        let wait = self.wait.take();
+        let mut wrapped = redis::pipe();
+        for cmd in pipe.cmd_iter() {
+            if asking {
+                wrapped.cmd("ASKING");
+            }
+            wrapped.add_command(cmd.clone());
+        }
+        if let Some((replicas, timeout)) = wait {
+            let ms = (timeout.as_millis() as u64).max(1);
+            wrapped.cmd("WAIT").arg(replicas).arg(ms);
+        }
+        let mut values = self.raw_pipeline(&wrapped, op, deadline)?;
+        if wait.is_some()
+            && let Some(redis::Value::Int(n)) = values.pop()
+        {
+            self.waited = u32::try_from(n).ok();
+        }
+        Ok(if asking {
+            values.into_iter().skip(1).step_by(2).collect()
+        } else {
+            values
+        })
+    }
+
+    fn raw_pipeline(
         &mut self,
         pipe: &redis::Pipeline,
         op: &'static str,
@@ -630,7 +669,7 @@ impl Conn {
                 pipe.cmd("WAIT").arg(replicas).arg(ms);
             }
             let timeout = left(deadline);
-            let mut values = self.pipeline(&pipe, op, deadline)?.into_iter();
+            let mut values = self.raw_pipeline(&pipe, op, deadline)?.into_iter();
             if asking {
                 values.next();
             }

@@ -26,11 +26,8 @@ use crate::scripts::Script;
 pub(crate) enum Shape {
     /// A string key whose value is the owner (`lease_*.lua`).
     StringValue,
-    /// A member of a sorted set scored by its expiry (readers, permits).
-    #[allow(
-        dead_code,
-        reason = "the reader/writer lease and the semaphore hold leases this way"
-    )]
+    /// A member of a sorted set scored by its expiry (readers, permits). Extend
+    /// takes `(member, ttl_ms)`, verify `(member)`, release `(member, 'exact')`.
     Member {
         extend: &'static std::sync::LazyLock<Script>,
         verify: &'static std::sync::LazyLock<Script>,
@@ -62,6 +59,26 @@ impl Ops {
             keys: vec![key.to_owned()],
             member: value,
             shape: Shape::StringValue,
+        }
+    }
+
+    /// A lease held as `member` of the sorted set `keys[0]`, scored by its
+    /// expiry; the scripts take every key in `keys`.
+    pub(crate) fn member(
+        keys: Vec<String>,
+        member: String,
+        extend: &'static std::sync::LazyLock<Script>,
+        verify: &'static std::sync::LazyLock<Script>,
+        release: &'static std::sync::LazyLock<Script>,
+    ) -> Ops {
+        Ops {
+            keys,
+            member,
+            shape: Shape::Member {
+                extend,
+                verify,
+                release,
+            },
         }
     }
 
@@ -99,12 +116,21 @@ impl Ops {
         (self.keys(), vec![self.member.clone()])
     }
 
-    pub(crate) fn release_args(&self) -> (Vec<&str>, Vec<String>) {
-        let args = match self.shape {
-            Shape::StringValue => vec![self.member.clone(), "exact".to_owned()],
-            Shape::Member { .. } => vec![self.member.clone()],
-        };
-        (self.keys(), args)
+    /// The keys, borrowed.
+    pub(crate) fn key_refs(&self) -> Vec<&str> {
+        self.keys()
+    }
+
+    /// The release's arguments, borrowed (no allocation on the release path).
+    pub(crate) fn release_arg_refs(&self) -> Args<'_> {
+        match self.shape {
+            // Every shape releases its exact value (rw_read_release and
+            // sem_release take the mode too).
+            Shape::StringValue | Shape::Member { .. } => Args {
+                items: [&self.member, "exact"],
+                len: 2,
+            },
+        }
     }
 
     pub(crate) fn extend_cmd(&self, ttl_ms: u64) -> redis::Cmd {
@@ -129,6 +155,18 @@ impl Ops {
         } else {
             self.verify_script().evalsha(&keys, &args)
         }
+    }
+}
+
+/// Up to two borrowed script arguments.
+pub(crate) struct Args<'a> {
+    items: [&'a str; 2],
+    len: usize,
+}
+
+impl<'a> Args<'a> {
+    pub(crate) fn as_slice(&self) -> &[&'a str] {
+        &self.items[..self.len]
     }
 }
 

@@ -13,7 +13,9 @@
 //! PTTL timer bounds the delay, since every lease this crate sets expires.
 //!
 //! Within one process, waiters on one key form a queue. An invalidation wakes the
-//! first only; when it leaves the queue (acquired, timed out, cancelled, failed)
+//! first only (the first of each *class*: waiters that wait on the same list of
+//! keys, such as a reader/writer lease's readers, and its writers, which can be
+//! free to go while the others are not); when it leaves the queue (acquired, timed out, cancelled, failed)
 //! it wakes the next, which re-arms tracking with its own attempt. Only the first
 //! also sleeps on a timer at the PTTL its attempt read, because expiry
 //! notifications can come seconds late. So a release wakes one waiter per
@@ -68,8 +70,36 @@ pub(crate) enum Status {
     Down,
 }
 
-/// The waiters on one key, first in line first: (waiter id, its wake-up channel).
-type Queue = VecDeque<(u64, Sender<()>)>;
+/// One waiter in the queue of one key.
+struct Entry {
+    id: u64,
+    /// Waiters with the same class wait on the same keys; a wake-up of a key
+    /// goes to the first waiter of each class in its queue.
+    class: u64,
+    tx: Sender<()>,
+}
+
+/// The waiters on one key, first in line first.
+type Queue = VecDeque<Entry>;
+
+/// Wakes the first waiter of each class in `queue`.
+fn wake_firsts(queue: &Queue) {
+    let mut woken: Vec<u64> = Vec::new();
+    for e in queue {
+        if !woken.contains(&e.class) {
+            woken.push(e.class);
+            let _ = e.tx.try_send(());
+        }
+    }
+}
+
+/// The class of a waiter on `keys`: the same for every waiter on the same keys.
+fn class_of(keys: &[Vec<u8>]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    keys.hash(&mut h);
+    h.finish()
+}
 
 /// Waiters by key, for a whole deployment: every server's invalidation
 /// subscriber wakes them (a key lives on one server at a time).
@@ -171,29 +201,30 @@ impl Registry {
         let (tx, rx) = crossbeam_channel::bounded(1);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_bytes().to_vec()).collect();
+        let class = class_of(&keys);
         {
             let mut queues = self.queues.lock();
             for key in &keys {
-                queues
-                    .entry(key.clone())
-                    .or_default()
-                    .push_back((id, tx.clone()));
+                queues.entry(key.clone()).or_default().push_back(Entry {
+                    id,
+                    class,
+                    tx: tx.clone(),
+                });
             }
         }
         Waiter {
             registry: self,
             keys,
             id,
+            class,
             rx,
         }
     }
 
-    /// An invalidation for `key`: wake the first waiter on it.
+    /// An invalidation for `key`: wake the first waiter of each class on it.
     pub(crate) fn wake_key(&self, key: &[u8]) {
-        if let Some(queue) = self.queues.lock().get(key)
-            && let Some((_, tx)) = queue.front()
-        {
-            let _ = tx.try_send(());
+        if let Some(queue) = self.queues.lock().get(key) {
+            wake_firsts(queue);
         }
     }
 
@@ -203,24 +234,23 @@ impl Registry {
         self.wake_where(|_| true);
     }
 
-    /// Wakes the first waiter of every key `changed` says may have changed
-    /// (the keys of slots that moved to another server).
+    /// Wakes the first waiter (of each class) of every key `changed` says
+    /// may have changed (the keys of slots that moved to another server).
     pub(crate) fn wake_where(&self, changed: impl Fn(&[u8]) -> bool) {
         for (key, queue) in self.queues.lock().iter() {
-            if changed(key)
-                && let Some((_, tx)) = queue.front()
-            {
-                let _ = tx.try_send(());
+            if changed(key) {
+                wake_firsts(queue);
             }
         }
     }
 
-    fn is_front(&self, key: &[u8], id: u64) -> bool {
+    /// Whether waiter `id` is the first of its class on `key`.
+    fn is_front(&self, key: &[u8], id: u64, class: u64) -> bool {
         self.queues
             .lock()
             .get(key)
-            .and_then(|q| q.front())
-            .is_some_and(|(front, _)| *front == id)
+            .and_then(|q| q.iter().find(|e| e.class == class))
+            .is_some_and(|e| e.id == id)
     }
 
     /// How many waiters are registered (all keys).
@@ -235,13 +265,14 @@ struct Waiter<'a> {
     registry: &'a Registry,
     keys: Vec<Vec<u8>>,
     id: u64,
+    class: u64,
     rx: Receiver<()>,
 }
 
 impl Waiter<'_> {
-    /// First in line on its first key: it keeps the expiry timer.
+    /// First of its class in line on its first key: it keeps the expiry timer.
     fn is_front(&self) -> bool {
-        self.registry.is_front(&self.keys[0], self.id)
+        self.registry.is_front(&self.keys[0], self.id, self.class)
     }
 }
 
@@ -250,12 +281,16 @@ impl Drop for Waiter<'_> {
         let mut queues = self.registry.queues.lock();
         for key in &self.keys {
             if let Some(queue) = queues.get_mut(key) {
-                let was_front = queue.front().is_some_and(|(id, _)| *id == self.id);
-                queue.retain(|(id, _)| *id != self.id);
+                let was_front = queue
+                    .iter()
+                    .find(|e| e.class == self.class)
+                    .is_some_and(|e| e.id == self.id);
+                queue.retain(|e| e.id != self.id);
                 if queue.is_empty() {
                     queues.remove(key);
-                } else if was_front && let Some((_, tx)) = queue.front() {
-                    let _ = tx.try_send(());
+                } else if was_front && let Some(next) = queue.iter().find(|e| e.class == self.class)
+                {
+                    let _ = next.tx.try_send(());
                 }
             }
         }
@@ -657,6 +692,37 @@ mod tests {
         reg.wake_where(|key| key.starts_with(b"{a}"));
         assert!(a.rx.try_recv().is_ok());
         assert!(b.rx.try_recv().is_err());
+    }
+
+    #[test]
+    fn waiters_on_other_keys_queue_apart_on_the_key_they_share() {
+        let reg = Registry::new("redis://test".into());
+        // Readers wait on [w, q], writers on [w, r]: both on w.
+        let r1 = reg.register(&["w", "q"]);
+        let w1 = reg.register(&["w", "r"]);
+        let r2 = reg.register(&["w", "q"]);
+        let w2 = reg.register(&["w", "r"]);
+        assert!(r1.is_front() && w1.is_front());
+        assert!(!r2.is_front() && !w2.is_front());
+        // A change of w wakes the first of each class, not the second reader.
+        reg.wake_key(b"w");
+        assert!(r1.rx.try_recv().is_ok());
+        assert!(w1.rx.try_recv().is_ok());
+        assert!(r2.rx.try_recv().is_err());
+        assert!(w2.rx.try_recv().is_err());
+        // A change of r concerns the writers only.
+        reg.wake_key(b"r");
+        assert!(w1.rx.try_recv().is_ok());
+        assert!(r1.rx.try_recv().is_err());
+        // The first writer leaving passes the turn to the next writer only.
+        drop(w1);
+        assert!(w2.rx.try_recv().is_ok());
+        assert!(w2.is_front());
+        assert!(r2.rx.try_recv().is_err());
+        drop(r1);
+        assert!(r2.rx.try_recv().is_ok());
+        drop((r2, w2));
+        assert!(reg.queues.lock().is_empty());
     }
 
     #[test]

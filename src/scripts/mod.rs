@@ -32,7 +32,8 @@ impl Script {
 }
 
 macro_rules! script {
-    ($ident:ident, $file:literal) => {
+    ($(#[$attr:meta])* $ident:ident, $file:literal) => {
+        $(#[$attr])*
         pub(crate) static $ident: LazyLock<Script> =
             LazyLock::new(|| Script::new($file, include_str!($file)));
     };
@@ -43,3 +44,20 @@ script!(FENCED_ACQUIRE, "fenced_acquire.lua");
 script!(LEASE_RELEASE, "lease_release.lua");
 script!(LEASE_EXTEND, "lease_extend.lua");
 script!(LEASE_VERIFY, "lease_verify.lua");
+
+// The reader/writer lease.
+script!(RW_READ_ACQUIRE, "rw_read_acquire.lua");
+script!(RW_READ_EXTEND, "rw_read_extend.lua");
+script!(RW_READ_VERIFY, "rw_read_verify.lua");
+script!(RW_READ_RELEASE, "rw_read_release.lua");
+script!(RW_WRITE_ACQUIRE, "rw_write_acquire.lua");
+script!(RW_WRITE_WITHDRAW, "rw_write_withdraw.lua");
+script!(RW_WRITE_CLEAN_UP, "rw_write_clean_up.lua");
+
+// The semaphore.
+script!(SEM_ACQUIRE, "sem_acquire.lua");
+script!(SEM_EXTEND, "sem_extend.lua");
+script!(SEM_VERIFY, "sem_verify.lua");
+script!(SEM_RELEASE, "sem_release.lua");
+script!(SEM_SET_CAPACITY, "sem_set_capacity.lua");
+script!(SEM_STATUS, "sem_status.lua");

@@ -13,6 +13,7 @@
 // Every test binary compiles this whole module but uses only part of it.
 #![allow(dead_code)]
 
+mod child;
 mod cluster;
 mod proxy;
 mod sentinel;
@@ -25,6 +26,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 // Each test binary names only the items it needs.
+#[allow(unused_imports)]
+pub(crate) use child::{ChildProc, block_on_stdin, env};
 #[allow(unused_imports)]
 pub(crate) use cluster::{
     ClusterView, NodeEntry, SLOTS, SlotMigration, TestCluster, TestClusterBuilder,

@@ -1,0 +1,1012 @@
+//! The reader/writer lease against real redis-server processes: exclusion
+//! between 16 threads, writer preference against readers in two processes,
+//! reader preference, intents withdrawn and left behind by a killed process,
+//! per-reader expiry while others renew, and every refusal.
+
+mod support;
+
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use redis::Commands;
+use respire_coordination::{
+    CancelToken, Coordinator, Error, MAX_TTL, Preference, ReadWriteLease, ReleaseOutcome,
+};
+use support::{ChildProc, block_on_stdin, env, shared_server, unique_prefix, wait_until};
+
+/// Set in a copy of this binary that plays one role for a test.
+const CHILD_ENV: &str = "RESPIRE_RW_CHILD";
+
+const NODE_TIMEOUT: Duration = Duration::from_millis(200);
+
+fn coordinator(url: &str, prefix: &str) -> Coordinator {
+    Coordinator::builder(url)
+        .key_prefix(prefix)
+        .node_timeout(NODE_TIMEOUT)
+        .build()
+        .expect("connect")
+}
+
+/// The tests that measure time take turns, so they do not measure each other.
+fn timed() -> MutexGuard<'static, ()> {
+    static TIMED: Mutex<()> = Mutex::new(());
+    TIMED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// The server's clock in ms, and the local instant it was read at.
+fn server_now(c: &mut redis::Connection) -> (i64, Instant) {
+    let before = Instant::now();
+    let (secs, micros): (i64, i64) = redis::cmd("TIME").query(c).unwrap();
+    let after = Instant::now();
+    (secs * 1000 + micros / 1000, before + (after - before) / 2)
+}
+
+/// The local instant at which server time `at_ms` comes, from one reading.
+fn local_instant(at_ms: i64, (now_ms, now): (i64, Instant)) -> Instant {
+    if at_ms >= now_ms {
+        now + ms((at_ms - now_ms) as u64)
+    } else {
+        now - ms((now_ms - at_ms) as u64)
+    }
+}
+
+/// Members of a sorted set with their scores.
+fn members(c: &mut redis::Connection, key: &str) -> Vec<(String, i64)> {
+    let v: Vec<(String, f64)> = c.zrange_withscores(key, 0, -1).unwrap();
+    v.into_iter().map(|(m, s)| (m, s as i64)).collect()
+}
+
+/// Every key under `prefix`: name, serialized value, absolute expiry.
+fn snapshot(c: &mut redis::Connection, prefix: &str) -> Vec<(String, Vec<u8>, i64)> {
+    let mut keys: Vec<String> = c.keys(format!("{prefix}*")).unwrap();
+    keys.sort();
+    keys.into_iter()
+        .map(|k| {
+            let dump: Vec<u8> = redis::cmd("DUMP").arg(&k).query(c).unwrap();
+            let at: i64 = redis::cmd("PEXPIRETIME").arg(&k).query(c).unwrap();
+            (k, dump, at)
+        })
+        .collect()
+}
+
+fn preference(name: &str) -> Preference {
+    match name {
+        "writer" => Preference::Writer,
+        "reader" => Preference::Reader,
+        other => panic!("unknown preference {other}"),
+    }
+}
+
+// ---------------------------------------------------------------------------
+
+#[derive(Default)]
+struct Inside {
+    readers: u32,
+    writer: bool,
+    last_token: u64,
+    max_readers: u32,
+    reads: u64,
+    writes: Vec<u64>,
+}
+
+#[test]
+fn sixteen_threads_of_readers_and_writers_never_overlap_a_writer() {
+    let _timed = timed();
+    let prefix = unique_prefix("mixed");
+    let coords = [
+        coordinator(&shared_server().url(), &prefix),
+        coordinator(&shared_server().url(), &prefix),
+    ];
+    let rws: Vec<ReadWriteLease> = coords
+        .iter()
+        .map(|c| c.read_write_lease("{mixed}").unwrap())
+        .collect();
+    let inside = Mutex::new(Inside::default());
+    let ttl = Duration::from_secs(10);
+    let wait = Duration::from_secs(60);
+    let started = Instant::now();
+    thread::scope(|s| {
+        for t in 0..16u64 {
+            let rw = &rws[(t % 2) as usize];
+            let inside = &inside;
+            s.spawn(move || {
+                let mut x = t.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                for _ in 0..150 {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let hold = Duration::from_micros(x % 2_000);
+                    if x % 4 == 0 {
+                        let g = rw.write().acquire_timeout(ttl, wait).unwrap().unwrap();
+                        {
+                            let mut i = inside.lock().unwrap();
+                            assert!(!i.writer, "two writers at once");
+                            assert_eq!(i.readers, 0, "a writer among readers");
+                            let token = g.fencing_token().get();
+                            assert!(token > i.last_token, "token {token} after {}", i.last_token);
+                            i.last_token = token;
+                            i.writer = true;
+                            i.writes.push(token);
+                        }
+                        thread::sleep(hold);
+                        inside.lock().unwrap().writer = false;
+                        assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
+                    } else {
+                        let g = rw.read().acquire_timeout(ttl, wait).unwrap().unwrap();
+                        {
+                            let mut i = inside.lock().unwrap();
+                            assert!(!i.writer, "a reader beside a writer");
+                            assert_eq!(
+                                g.write_epoch().get(),
+                                i.last_token,
+                                "the write epoch is not the last writer's token"
+                            );
+                            i.readers += 1;
+                            i.reads += 1;
+                            i.max_readers = i.max_readers.max(i.readers);
+                        }
+                        thread::sleep(hold);
+                        inside.lock().unwrap().readers -= 1;
+                        assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
+                    }
+                }
+            });
+        }
+    });
+    let i = inside.into_inner().unwrap();
+    assert_eq!(i.reads + i.writes.len() as u64, 16 * 150);
+    assert!(!i.writes.is_empty());
+    assert!(i.max_readers >= 2, "readers never overlapped");
+    assert!(i.writes.windows(2).all(|w| w[0] < w[1]));
+    let fence: u64 = shared_server()
+        .client()
+        .get(format!("{prefix}{{mixed}}:fence"))
+        .unwrap();
+    assert_eq!(fence, *i.writes.last().unwrap());
+    assert_eq!(fence, i.writes.len() as u64, "a token was skipped");
+    println!(
+        "16 threads on 2 coordinators: {} reads (up to {} at once), {} writes with tokens \
+         1..={fence} in grant order, in {:?}",
+        i.reads,
+        i.max_readers,
+        i.writes.len(),
+        started.elapsed()
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Writer preference against overlapping readers in two processes.
+
+const READERS_PER_PROCESS: u64 = 4;
+const READ_HOLD: Duration = Duration::from_millis(50);
+
+/// Readers that each hold for 50 ms and come straight back, started
+/// `offset_ms + i × 12.5 ms` apart so that together they always hold the lease,
+/// until `stop`. Returns how many reads they made.
+fn run_readers(
+    rw: &ReadWriteLease,
+    offset_us: u64,
+    stop: &AtomicBool,
+    started: &AtomicUsize,
+) -> u64 {
+    thread::scope(|s| {
+        let handles: Vec<_> = (0..READERS_PER_PROCESS)
+            .map(|i| {
+                let read = rw.read();
+                s.spawn(move || {
+                    thread::sleep(Duration::from_micros(offset_us + i * 12_500));
+                    let mut reads = 0u64;
+                    let mut first = true;
+                    while !stop.load(Ordering::Relaxed) {
+                        let Some(g) = read
+                            .acquire_timeout(Duration::from_secs(5), ms(500))
+                            .unwrap()
+                        else {
+                            continue;
+                        };
+                        if first {
+                            started.fetch_add(1, Ordering::SeqCst);
+                            first = false;
+                        }
+                        reads += 1;
+                        thread::sleep(READ_HOLD);
+                        g.release().unwrap();
+                    }
+                    reads
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).sum()
+    })
+}
+
+/// The child's half of the readers: runs until its stdin closes.
+fn readers_child() {
+    let coord = coordinator(&env("RESPIRE_RW_URL"), &env("RESPIRE_RW_PREFIX"));
+    let rw = coord
+        .read_write_lease_with("{starve}", preference(&env("RESPIRE_RW_PREF")))
+        .unwrap();
+    let stop = AtomicBool::new(false);
+    let started = AtomicUsize::new(0);
+    let reads = thread::scope(|s| {
+        let h = s.spawn(|| run_readers(&rw, 6_250, &stop, &started));
+        wait_until(Duration::from_secs(10), "the child's readers", || {
+            started.load(Ordering::SeqCst) == READERS_PER_PROCESS as usize
+        });
+        println!("@@ready");
+        std::io::stdout().flush().unwrap();
+        block_on_stdin();
+        stop.store(true, Ordering::Relaxed);
+        h.join().unwrap()
+    });
+    println!("@@reads {reads}");
+}
+
+/// Eight readers, four here and four in a child process, always holding the
+/// lease between them; `body` runs with them going and gets the parent's
+/// stop flag. Returns what `body` returned.
+fn with_readers_in_two_processes<T>(
+    test: &str,
+    pref: &str,
+    body: impl FnOnce(&ReadWriteLease, &dyn Fn()) -> T,
+) -> T {
+    let prefix = unique_prefix(test);
+    let coord = coordinator(&shared_server().url(), &prefix);
+    let rw = coord
+        .read_write_lease_with("{starve}", preference(pref))
+        .unwrap();
+    let child = Mutex::new(Some(ChildProc::spawn(
+        CHILD_ENV,
+        test,
+        "readers",
+        &[
+            ("RESPIRE_RW_URL", shared_server().url()),
+            ("RESPIRE_RW_PREFIX", prefix.clone()),
+            ("RESPIRE_RW_PREF", pref.to_owned()),
+        ],
+    )));
+    child.lock().unwrap().as_mut().unwrap().expect("ready");
+    let stop = AtomicBool::new(false);
+    let started = AtomicUsize::new(0);
+    let readers_key = rw.readers_key().to_owned();
+    thread::scope(|s| {
+        let readers = s.spawn(|| run_readers(&rw, 0, &stop, &started));
+        wait_until(Duration::from_secs(10), "the parent's readers", || {
+            started.load(Ordering::SeqCst) == READERS_PER_PROCESS as usize
+        });
+        // The readers overlap: sampled every millisecond for 300 ms, the
+        // reader set is never empty.
+        let mut c = shared_server().client();
+        let t = Instant::now();
+        let mut samples = 0;
+        while t.elapsed() < ms(300) {
+            let n: u64 = c.zcard(&readers_key).unwrap();
+            assert!(n > 0, "no reader held the lease at {:?}", t.elapsed());
+            samples += 1;
+            thread::sleep(ms(1));
+        }
+        assert!(samples > 100);
+        let stop_all = || {
+            stop.store(true, Ordering::Relaxed);
+            if let Some(child) = child.lock().unwrap().take() {
+                let out = child.finish();
+                assert!(out.contains("@@reads "), "{out}");
+            }
+        };
+        let result = body(&rw, &stop_all);
+        stop_all();
+        let reads = readers.join().unwrap();
+        assert!(reads > 0);
+        result
+    })
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+#[test]
+fn a_writer_is_not_starved_by_readers_in_two_processes() {
+    const TEST: &str = "a_writer_is_not_starved_by_readers_in_two_processes";
+    if std::env::var(CHILD_ENV).as_deref() == Ok("readers") {
+        return readers_child();
+    }
+    let _timed = timed();
+    let mut waits = with_readers_in_two_processes(TEST, "writer", |rw, _| {
+        let mut c = shared_server().client();
+        let write = rw.write();
+        let mut waits = Vec::new();
+        let mut last = 0;
+        for trial in 0..100u64 {
+            // Each trial starts with readers holding the lease.
+            wait_until(Duration::from_secs(5), "readers back in", || {
+                c.zcard::<_, u64>(rw.readers_key()).unwrap() >= 2
+            });
+            thread::sleep(Duration::from_micros((trial * 7_919) % 20_000));
+            let start = Instant::now();
+            let g = write
+                .acquire_timeout(Duration::from_secs(5), Duration::from_secs(10))
+                .unwrap()
+                .expect("the writer got in");
+            waits.push(start.elapsed());
+            assert!(g.fencing_token().get() > last);
+            last = g.fencing_token().get();
+            thread::sleep(ms(2));
+            assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
+        }
+        waits
+    });
+    waits.sort();
+    let (p50, p99, max) = (percentile(&waits, 0.5), percentile(&waits, 0.99), waits[99]);
+    println!(
+        "writer preference, 8 readers in 2 processes holding {READ_HOLD:?} each: writer wait \
+         over 100 trials p50 {p50:?}, p99 {p99:?}, max {max:?}"
+    );
+    assert!(p99 <= ms(200), "p99 {p99:?}");
+}
+
+#[test]
+fn with_reader_preference_the_writer_waits_until_the_readers_stop() {
+    const TEST: &str = "with_reader_preference_the_writer_waits_until_the_readers_stop";
+    if std::env::var(CHILD_ENV).as_deref() == Ok("readers") {
+        return readers_child();
+    }
+    let _timed = timed();
+    let (got_in, after_stop) = with_readers_in_two_processes(TEST, "reader", |rw, stop_all| {
+        let write = rw.write();
+        let ttl = Duration::from_secs(5);
+        // Ten bounded waits while the readers keep overlapping.
+        let mut got_in = 0;
+        for _ in 0..10 {
+            if let Some(g) = write.acquire_timeout(ttl, ms(200)).unwrap() {
+                got_in += 1;
+                drop(g);
+            }
+        }
+        // One more wait, while the readers stop.
+        thread::scope(|s| {
+            let waiting = s.spawn(|| {
+                let start = Instant::now();
+                let g = write.acquire_timeout(ttl, Duration::from_secs(10)).unwrap();
+                (
+                    g.expect("the writer got in once the readers stopped"),
+                    start,
+                    Instant::now(),
+                )
+            });
+            thread::sleep(ms(300));
+            let stopping = Instant::now();
+            stop_all();
+            let stopped = Instant::now();
+            let (_g, start, granted) = waiting.join().unwrap();
+            assert!(
+                granted >= stopping,
+                "the writer got in {:?} after it started, before the readers stopped",
+                granted - start
+            );
+            (got_in, (granted - stopping, stopped - stopping))
+        })
+    });
+    println!(
+        "reader preference: the writer got in during {got_in} of 10 waits of 200 ms while 8 \
+         readers overlapped; the last wait ended {:?} after the readers were told to stop \
+         (the child's had all released after {:?})",
+        after_stop.0, after_stop.1
+    );
+    assert!(got_in <= 2, "the writer got in {got_in} times of 10");
+}
+
+#[test]
+fn a_writer_that_times_out_lets_the_readers_it_held_back_in_at_once() {
+    let _timed = timed();
+    let prefix = unique_prefix("withdraw");
+    let url = shared_server().url();
+    let (ca, cb, cc) = (
+        coordinator(&url, &prefix),
+        coordinator(&url, &prefix),
+        coordinator(&url, &prefix),
+    );
+    let base = "{wd}";
+    let r1 = ca
+        .read_write_lease(base)
+        .unwrap()
+        .read()
+        .try_acquire(Duration::from_secs(10))
+        .unwrap()
+        .unwrap();
+    let rw_b = cb.read_write_lease(base).unwrap();
+    let rw_c = cc.read_write_lease(base).unwrap();
+    let mut c = shared_server().client();
+    let intents = rw_b.intents_key().to_owned();
+    thread::scope(|s| {
+        let writer = s.spawn(|| {
+            let g = rw_b
+                .write()
+                .acquire_timeout(Duration::from_secs(10), ms(600))
+                .unwrap();
+            (g.is_none(), Instant::now())
+        });
+        wait_until(Duration::from_secs(2), "the writer's intent", || {
+            c.zcard::<_, u64>(&intents).unwrap() == 1
+        });
+        // A new reader is held back by the intent…
+        assert!(
+            rw_c.read()
+                .try_acquire(Duration::from_secs(10))
+                .unwrap()
+                .is_none()
+        );
+        let reader = s.spawn(|| {
+            let g = rw_c
+                .read()
+                .acquire_timeout(Duration::from_secs(10), Duration::from_secs(5))
+                .unwrap();
+            (g.is_some(), Instant::now())
+        });
+        let (timed_out, writer_done) = writer.join().unwrap();
+        assert!(timed_out, "the writer cannot get in past a reader");
+        // …and the intent is gone by the time the writer's wait returns.
+        assert_eq!(c.zcard::<_, u64>(&intents).unwrap(), 0);
+        let (granted, reader_done) = reader.join().unwrap();
+        assert!(granted);
+        let after = reader_done.saturating_duration_since(writer_done);
+        println!(
+            "the held-back reader got in {after:?} after the waiting writer timed out (its \
+             intent would have lasted 1 s)"
+        );
+        assert!(after < ms(100), "{after:?}");
+    });
+    drop(r1);
+}
+
+#[test]
+fn a_cancelled_writer_withdraws_its_intent() {
+    let prefix = unique_prefix("cancel");
+    let coord = coordinator(&shared_server().url(), &prefix);
+    let rw = coord.read_write_lease("{c}").unwrap();
+    let _reader = rw
+        .read()
+        .try_acquire(Duration::from_secs(10))
+        .unwrap()
+        .unwrap();
+    let cancel = CancelToken::new();
+    let mut c = shared_server().client();
+    thread::scope(|s| {
+        let w = s.spawn(|| rw.write().acquire(Duration::from_secs(10), &cancel));
+        wait_until(Duration::from_secs(2), "the intent", || {
+            c.zcard::<_, u64>(rw.intents_key()).unwrap() == 1
+        });
+        cancel.cancel();
+        assert!(matches!(w.join().unwrap(), Err(Error::Cancelled)));
+    });
+    assert_eq!(c.zcard::<_, u64>(rw.intents_key()).unwrap(), 0);
+    // A reader gets in at once.
+    assert!(
+        rw.read()
+            .try_acquire(Duration::from_secs(10))
+            .unwrap()
+            .is_some()
+    );
+}
+
+// ---------------------------------------------------------------------------
+// kill -9 of a process holding a read lease or a writer intent.
+
+const KILL_TTL: Duration = Duration::from_secs(1);
+
+#[test]
+fn a_killed_readers_lease_ends_at_its_own_expiry_while_another_renews() {
+    const TEST: &str = "a_killed_readers_lease_ends_at_its_own_expiry_while_another_renews";
+    if std::env::var(CHILD_ENV).as_deref() == Ok("hold-read") {
+        let coord = coordinator(&env("RESPIRE_RW_URL"), &env("RESPIRE_RW_PREFIX"));
+        let rw = coord.read_write_lease("{kill}").unwrap();
+        let g = rw.read().try_acquire(KILL_TTL).unwrap().unwrap();
+        let _alive = g.keep_alive().unwrap();
+        println!("@@held");
+        std::io::stdout().flush().unwrap();
+        block_on_stdin();
+        return;
+    }
+    let _timed = timed();
+    let prefix = unique_prefix("killread");
+    let coord = coordinator(&shared_server().url(), &prefix);
+    let rw = coord.read_write_lease("{kill}").unwrap();
+    let mut c = shared_server().client();
+    let writer_coord = coordinator(&shared_server().url(), &prefix);
+    let write = writer_coord.read_write_lease("{kill}").unwrap().write();
+    thread::scope(|s| {
+        let live = rw.read().try_acquire(KILL_TTL).unwrap().unwrap();
+        let alive = live.keep_alive().unwrap();
+        let ours = members(&mut c, rw.readers_key());
+        let mut child = ChildProc::spawn(
+            CHILD_ENV,
+            TEST,
+            "hold-read",
+            &[
+                ("RESPIRE_RW_URL", shared_server().url()),
+                ("RESPIRE_RW_PREFIX", prefix.clone()),
+            ],
+        );
+        child.expect("held");
+        let writer = s.spawn(|| {
+            let g = write
+                .acquire_timeout(Duration::from_secs(5), Duration::from_secs(10))
+                .unwrap()
+                .expect("the writer got in");
+            (Instant::now(), g)
+        });
+        wait_until(Duration::from_secs(2), "the writer to wait", || {
+            c.zcard::<_, u64>(rw.intents_key()).unwrap() == 1
+        });
+        // Let both readers renew a few times.
+        let t = Instant::now();
+        while t.elapsed() < ms(1_100) {
+            assert!(!live.is_lost());
+            thread::sleep(ms(10));
+        }
+        let killed = child.kill9();
+        let clock = server_now(&mut c);
+        let theirs = members(&mut c, rw.readers_key())
+            .into_iter()
+            .find(|m| !ours.iter().any(|o| o.0 == m.0))
+            .expect("the killed reader is still in the set");
+        let expiry = local_instant(theirs.1, clock);
+        // The live reader keeps renewing past the kill, then leaves.
+        while killed.elapsed() < ms(300) {
+            assert!(!live.is_lost());
+            thread::sleep(ms(10));
+        }
+        drop(alive);
+        assert_eq!(live.release().unwrap(), ReleaseOutcome::Released);
+        let (granted, _g) = writer.join().unwrap();
+        let after_kill = granted - killed;
+        println!(
+            "kill -9 of a reader (TTL {KILL_TTL:?}) while another renewed: the writer got in \
+             {after_kill:?} after the kill, {:?} after the dead reader's expiry",
+            granted.saturating_duration_since(expiry)
+        );
+        assert!(after_kill <= ms(1_200), "{after_kill:?}");
+        assert!(
+            granted + ms(3) >= expiry,
+            "the writer got in {:?} before the dead reader expired",
+            expiry - granted
+        );
+    });
+}
+
+#[test]
+fn a_killed_waiting_writers_intent_holds_readers_back_until_it_expires() {
+    const TEST: &str = "a_killed_waiting_writers_intent_holds_readers_back_until_it_expires";
+    if std::env::var(CHILD_ENV).as_deref() == Ok("wait-write") {
+        let coord = coordinator(&env("RESPIRE_RW_URL"), &env("RESPIRE_RW_PREFIX"));
+        let rw = coord.read_write_lease("{kill}").unwrap();
+        println!("@@waiting");
+        std::io::stdout().flush().unwrap();
+        let g = rw
+            .write()
+            .acquire_timeout(KILL_TTL, Duration::from_secs(60));
+        panic!("the writer was meant to wait until killed: {g:?}");
+    }
+    let _timed = timed();
+    let prefix = unique_prefix("killintent");
+    let coord = coordinator(&shared_server().url(), &prefix);
+    let rw = coord.read_write_lease("{kill}").unwrap();
+    let mut c = shared_server().client();
+    let live = rw.read().try_acquire(KILL_TTL).unwrap().unwrap();
+    let _alive = live.keep_alive().unwrap();
+    let mut child = ChildProc::spawn(
+        CHILD_ENV,
+        TEST,
+        "wait-write",
+        &[
+            ("RESPIRE_RW_URL", shared_server().url()),
+            ("RESPIRE_RW_PREFIX", prefix.clone()),
+        ],
+    );
+    child.expect("waiting");
+    wait_until(Duration::from_secs(5), "the child's intent", || {
+        c.zcard::<_, u64>(rw.intents_key()).unwrap() == 1
+    });
+    // The intent is refreshed while the reader renews and the writer waits.
+    let first = members(&mut c, rw.intents_key())[0].1;
+    wait_until(Duration::from_secs(3), "a refreshed intent", || {
+        members(&mut c, rw.intents_key())[0].1 > first
+    });
+    let reader_coord = coordinator(&shared_server().url(), &prefix);
+    let read = reader_coord.read_write_lease("{kill}").unwrap().read();
+    assert!(read.try_acquire(KILL_TTL).unwrap().is_none(), "held back");
+    thread::scope(|s| {
+        let reader = s.spawn(|| {
+            let g = read
+                .acquire_timeout(KILL_TTL, Duration::from_secs(10))
+                .unwrap()
+                .expect("the reader got in");
+            (Instant::now(), g)
+        });
+        let killed = child.kill9();
+        let clock = server_now(&mut c);
+        let intent = members(&mut c, rw.intents_key());
+        let expiry = local_instant(intent[0].1, clock);
+        let (granted, _g) = reader.join().unwrap();
+        assert!(!live.is_lost(), "the live reader kept renewing");
+        let after_kill = granted - killed;
+        println!(
+            "kill -9 of a waiting writer (TTL {KILL_TTL:?}): the held-back reader got in \
+             {after_kill:?} after the kill, {:?} after the intent's expiry",
+            granted.saturating_duration_since(expiry)
+        );
+        assert!(after_kill <= ms(1_200), "{after_kill:?}");
+        assert!(
+            granted + ms(3) >= expiry,
+            "the reader got in {:?} before the intent expired",
+            expiry - granted
+        );
+    });
+}
+
+// ---------------------------------------------------------------------------
+
+#[test]
+fn grants_carry_tokens_and_epochs_and_guards_do_everything_a_guard_does() {
+    let prefix = unique_prefix("guards");
+    let coord = coordinator(&shared_server().url(), &prefix);
+    let rw = coord.read_write_lease("{g}:doc").unwrap();
+    assert_eq!(rw.preference(), Preference::Writer);
+    assert_eq!(rw.writer_key(), format!("{prefix}{{g}}:doc:w"));
+    assert_eq!(rw.readers_key(), format!("{prefix}{{g}}:doc:r"));
+    assert_eq!(rw.intents_key(), format!("{prefix}{{g}}:doc:q"));
+    assert_eq!(rw.fence_key(), format!("{prefix}{{g}}:doc:fence"));
+    let ttl = Duration::from_secs(5);
+
+    let r = rw.read().try_acquire(ttl).unwrap().unwrap();
+    assert_eq!(r.write_epoch().get(), 0, "no writer yet");
+    assert_eq!(r.key(), rw.readers_key());
+    assert!(rw.write().try_acquire(ttl).unwrap().is_none());
+    let left = r.verify_still_held().unwrap().unwrap();
+    assert!(left > ms(4_000) && left <= ttl, "{left:?}");
+    assert!(r.reset_expiry(Duration::from_secs(30)).unwrap());
+    assert!(r.verify_still_held().unwrap().unwrap() > ms(25_000));
+    let text = format!("{r:?}");
+    assert!(
+        text.starts_with("ReadGuard") && text.contains("write_epoch"),
+        "{text}"
+    );
+    assert_eq!(r.release().unwrap(), ReleaseOutcome::Released);
+    // No intent from try_acquire: nothing was left behind.
+    let mut c = shared_server().client();
+    assert!(!c.exists::<_, bool>(rw.intents_key()).unwrap());
+
+    let w = rw.write().try_acquire(ttl).unwrap().unwrap();
+    assert_eq!(w.fencing_token().get(), 1);
+    assert_eq!(w.key(), rw.writer_key());
+    assert!(rw.read().try_acquire(ttl).unwrap().is_none());
+    assert!(rw.write().try_acquire(ttl).unwrap().is_none());
+    assert!(w.verify_still_held().unwrap().is_some());
+    let text = format!("{w:?}");
+    assert!(
+        text.starts_with("WriteGuard") && text.contains("fencing_token"),
+        "{text}"
+    );
+    drop(w);
+    let r = rw.read().try_acquire(ttl).unwrap().unwrap();
+    assert_eq!(r.write_epoch().get(), 1, "the last writer's token");
+    drop(r);
+    let w = rw.write().try_acquire(ttl).unwrap().unwrap();
+    assert_eq!(w.fencing_token().get(), 2);
+    drop(w);
+    assert!(
+        c.keys::<_, Vec<String>>(format!("{prefix}*")).unwrap() == vec![rw.fence_key().to_owned()]
+    );
+    let text = format!("{rw:?} {:?} {:?}", rw.read(), rw.write());
+    assert!(
+        text.contains("ReadWriteLease")
+            && text.contains("ReadLease")
+            && text.contains("WriteLease"),
+        "{text}"
+    );
+}
+
+#[test]
+fn an_expired_reader_never_comes_back_and_the_others_keep_theirs() {
+    let prefix = unique_prefix("expired");
+    let coord = Coordinator::builder(&shared_server().url())
+        .key_prefix(&prefix)
+        .node_timeout(ms(50))
+        .build()
+        .unwrap();
+    let rw = coord.read_write_lease("{e}").unwrap();
+    let short = rw.read().try_acquire(ms(300)).unwrap().unwrap();
+    let long = rw
+        .read()
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    let mut c = shared_server().client();
+    let short_expiry = members(&mut c, rw.readers_key())
+        .iter()
+        .map(|m| m.1)
+        .min()
+        .unwrap();
+    wait_until(Duration::from_secs(3), "the short reader's expiry", || {
+        server_now(&mut c).0 > short_expiry
+    });
+    // Still in the set (nobody pruned it), but expired.
+    assert_eq!(members(&mut c, rw.readers_key()).len(), 2);
+    assert!(
+        !short.reset_expiry(Duration::from_secs(30)).unwrap(),
+        "it came back"
+    );
+    assert!(short.is_lost());
+    assert_eq!(short.verify_still_held().unwrap(), None);
+    assert_eq!(short.release().unwrap(), ReleaseOutcome::Expired);
+    assert!(long.verify_still_held().unwrap().is_some());
+    assert_eq!(members(&mut c, rw.readers_key()).len(), 1);
+}
+
+#[test]
+fn reader_preference_lets_readers_past_a_waiting_writer() {
+    let prefix = unique_prefix("readerpref");
+    let coord = coordinator(&shared_server().url(), &prefix);
+    let writer_side = coord.read_write_lease("{p}").unwrap();
+    let reader_side = coord
+        .read_write_lease_with("{p}", Preference::Reader)
+        .unwrap();
+    assert_eq!(reader_side.preference(), Preference::Reader);
+    let _r = reader_side
+        .read()
+        .try_acquire(Duration::from_secs(10))
+        .unwrap()
+        .unwrap();
+    let mut c = shared_server().client();
+    thread::scope(|s| {
+        let w = s.spawn(|| {
+            writer_side
+                .write()
+                .acquire_timeout(Duration::from_secs(10), ms(400))
+                .unwrap()
+        });
+        wait_until(Duration::from_secs(2), "the intent", || {
+            c.zcard::<_, u64>(writer_side.intents_key()).unwrap() == 1
+        });
+        // Held back under writer preference, let in under reader preference.
+        assert!(
+            writer_side
+                .read()
+                .try_acquire(Duration::from_secs(10))
+                .unwrap()
+                .is_none()
+        );
+        assert!(
+            reader_side
+                .read()
+                .try_acquire(Duration::from_secs(10))
+                .unwrap()
+                .is_some()
+        );
+        assert!(w.join().unwrap().is_none());
+    });
+    // A reader-preference writer records no intent.
+    let mut c2 = shared_server().client();
+    thread::scope(|s| {
+        let w = s.spawn(|| {
+            reader_side
+                .write()
+                .acquire_timeout(Duration::from_secs(10), ms(200))
+                .unwrap()
+        });
+        let t = Instant::now();
+        while t.elapsed() < ms(150) {
+            assert_eq!(c2.zcard::<_, u64>(reader_side.intents_key()).unwrap(), 0);
+            thread::sleep(ms(5));
+        }
+        assert!(w.join().unwrap().is_none());
+    });
+}
+
+#[test]
+fn every_refusal_is_clear_and_changes_nothing() {
+    let prefix = unique_prefix("refuse");
+    let coord = coordinator(&shared_server().url(), &prefix);
+    for base in ["", "doc", "{}doc", "doc{", "}doc{x"] {
+        let e = coord.read_write_lease(base).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{base:?}: {e}");
+        assert!(
+            coord
+                .read_write_lease_with(base, Preference::Reader)
+                .is_err(),
+            "{base:?}"
+        );
+    }
+    let e = coord.read_write_lease("doc").unwrap_err();
+    assert!(e.to_string().contains("hash tag"), "{e}");
+
+    // TTLs out of range: nothing is sent.
+    let rw = coord.read_write_lease("{ttl}").unwrap();
+    for ttl in [Duration::ZERO, NODE_TIMEOUT, MAX_TTL + ms(1), Duration::MAX] {
+        for e in [
+            rw.read().try_acquire(ttl).unwrap_err(),
+            rw.write().try_acquire(ttl).unwrap_err(),
+            rw.write().acquire_timeout(ttl, ms(100)).unwrap_err(),
+        ] {
+            assert!(matches!(e, Error::InvalidArgument(_)), "{ttl:?}: {e}");
+        }
+    }
+    let mut c = shared_server().client();
+    assert!(
+        c.keys::<_, Vec<String>>(format!("{prefix}*"))
+            .unwrap()
+            .is_empty()
+    );
+
+    // Keys of the wrong type or content: (what, setup on [w, r, q, fence],
+    // the key the error must name, words it must contain).
+    type Setup = fn(&mut redis::Connection, &[String; 4]);
+    let cases: &[(&str, Setup, usize, &str)] = &[
+        (
+            "writer lease a hash",
+            |c, k| c.hset(&k[0], "f", "v").unwrap(),
+            0,
+            "hash",
+        ),
+        (
+            "reader set a string",
+            |c, k| c.set(&k[1], "v").unwrap(),
+            1,
+            "string",
+        ),
+        (
+            "intent set a list",
+            |c, k| c.rpush(&k[2], "v").unwrap(),
+            2,
+            "list",
+        ),
+        (
+            "fence a hash",
+            |c, k| c.hset(&k[3], "f", "v").unwrap(),
+            3,
+            "hash",
+        ),
+        (
+            "fence with a ttl",
+            |c, k| c.set_ex(&k[3], 7, 100).unwrap(),
+            3,
+            "expiry",
+        ),
+        (
+            "fence not an integer",
+            |c, k| c.set(&k[3], "seven").unwrap(),
+            3,
+            "integer",
+        ),
+        (
+            "fence negative",
+            |c, k| c.set(&k[3], "-1").unwrap(),
+            3,
+            "integer",
+        ),
+    ];
+    for (i, (what, setup, bad, words)) in cases.iter().enumerate() {
+        let base = format!("{{bad{i}}}");
+        let rw = coord.read_write_lease(&base).unwrap();
+        let keys = [
+            rw.writer_key().to_owned(),
+            rw.readers_key().to_owned(),
+            rw.intents_key().to_owned(),
+            rw.fence_key().to_owned(),
+        ];
+        // A live reader and an expired one, so a script that wrote before
+        // checking would show (unless the reader set is the bad key).
+        if *bad != 1 {
+            let now = server_now(&mut c).0;
+            let _: () = c
+                .zadd_multiple(&keys[1], &[(now - 1_000, "dead"), (now + 60_000, "live")])
+                .unwrap();
+        }
+        setup(&mut c, &keys);
+        let scope = format!("{prefix}{base}");
+        let before = snapshot(&mut c, &scope);
+        let mut errors = vec![
+            rw.read().try_acquire(Duration::from_secs(5)).unwrap_err(),
+            rw.write().try_acquire(Duration::from_secs(5)).unwrap_err(),
+            rw.write()
+                .acquire_timeout(Duration::from_secs(5), ms(300))
+                .unwrap_err(),
+            rw.read()
+                .acquire_timeout(Duration::from_secs(5), ms(300))
+                .unwrap_err(),
+        ];
+        if *bad == 0 || *bad == 3 {
+            errors.push(
+                coord
+                    .read_write_lease_with(&base, Preference::Reader)
+                    .unwrap()
+                    .read()
+                    .try_acquire(Duration::from_secs(5))
+                    .unwrap_err(),
+            );
+        }
+        for e in errors {
+            match &e {
+                Error::BadKey { key, problem } => {
+                    assert_eq!(key, &keys[*bad], "{what}: {e}");
+                    assert!(problem.contains(words), "{what}: {e}");
+                    assert!(!problem.contains("KEYS["), "{what}: {e}");
+                }
+                other => panic!("{what}: expected BadKey, got {other}"),
+            }
+            assert!(e.to_string().contains("nothing was changed"), "{e}");
+        }
+        assert_eq!(
+            snapshot(&mut c, &scope),
+            before,
+            "{what}: something changed"
+        );
+    }
+}
+
+#[test]
+fn what_an_unanswered_acquire_may_have_set_is_deleted_afterwards() {
+    let server = support::TestServer::start();
+    let proxy = support::FaultProxy::start(server.addr());
+    let coord = Coordinator::builder(&proxy.url())
+        .node_timeout(NODE_TIMEOUT)
+        .connect_timeout(ms(300))
+        .build()
+        .unwrap();
+    let rw = coord.read_write_lease("{lost}").unwrap();
+    let ttl = Duration::from_secs(30);
+    // Load the scripts and open the pooled connection.
+    drop(rw.read().try_acquire(ttl).unwrap().unwrap());
+    drop(rw.write().try_acquire(ttl).unwrap().unwrap());
+    let mut c = server.client();
+
+    // A reader and a writer granted on the server, their replies lost.
+    for (what, key) in [("reader", rw.readers_key()), ("writer", rw.writer_key())] {
+        // A pooled connection opened while replies get through.
+        drop(rw.read().try_acquire(ttl).unwrap().unwrap());
+        proxy.set_mode(support::Mode::DropServerToClient);
+        let e = if what == "reader" {
+            rw.read().try_acquire(ttl).unwrap_err()
+        } else {
+            rw.write().try_acquire(ttl).unwrap_err()
+        };
+        assert!(e.is_uncertain(), "{what}: {e}");
+        assert!(
+            c.exists::<_, bool>(key).unwrap(),
+            "{what}: granted on the server"
+        );
+        proxy.set_mode(support::Mode::Pass);
+        wait_until(Duration::from_secs(10), "the clean-up", || {
+            !c.exists::<_, bool>(key).unwrap()
+        });
+    }
+
+    // A waiting writer's intent, recorded by attempts whose replies were lost.
+    let reader = rw.read().try_acquire(ttl).unwrap().unwrap();
+    assert!(reader.verify_still_held().unwrap().is_some());
+    proxy.set_mode(support::Mode::DropServerToClient);
+    let e = rw.write().acquire_timeout(ttl, ms(500)).unwrap_err();
+    assert!(e.is_uncertain(), "{e}");
+    assert_eq!(
+        c.zcard::<_, u64>(rw.intents_key()).unwrap(),
+        1,
+        "the intent"
+    );
+    proxy.set_mode(support::Mode::Pass);
+    wait_until(Duration::from_secs(10), "the intent's clean-up", || {
+        c.zcard::<_, u64>(rw.intents_key()).unwrap() == 0
+    });
+    assert!(
+        reader.verify_still_held().unwrap().is_some(),
+        "the reader stays"
+    );
+    assert!(coord.renewal_stats().killed_connections >= 3);
+}
