@@ -235,9 +235,17 @@ impl Error {
 /// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Whether a server error reply means "permission denied".
+/// Whether a server error reply means "permission denied": `NOPERM`, or the
+/// `ERR` a script gets when its user may not run a command or touch a key.
 pub(crate) fn is_noperm(err: &redis::RedisError) -> bool {
-    err.code() == Some("NOPERM")
+    match err.code() {
+        Some("NOPERM") => true,
+        Some("ERR") => err.detail().is_some_and(|d| {
+            d.contains("user executing the script can't run")
+                || d.contains("user executing the script can't access")
+        }),
+        _ => false,
+    }
 }
 
 #[cfg(test)]
