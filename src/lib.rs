@@ -185,7 +185,9 @@ pub use guard::{KeepAlive, LeaseGuard, ReleaseOutcome};
 pub use keys::{MAX_TTL, key_slot};
 pub use kind::{Fenced, Kind, Plain};
 pub use lock::{Lock, LockGuard};
-pub use redlock::{RedlockAttempt, RedlockGroup, RedlockGuard, RedlockKeepAlive, RedlockOptions};
+pub use redlock::{
+    RedlockAttempt, RedlockGroup, RedlockGuard, RedlockKeepAlive, RedlockNode, RedlockOptions,
+};
 pub use report::{NodeOutcome, NodeReport};
 pub use runtime::renewal::RenewalStats;
 pub use token::FencingToken;
