@@ -228,8 +228,9 @@ pub struct RedlockNode {
     pub addr: String,
     /// The prefix added to keys on this node.
     pub key_prefix: String,
-    /// The round trip measured when its connection was made (the setup round
-    /// trip, or the smaller of two samples when that one was slow).
+    /// The round trip measured when its current (or last) connection was
+    /// made: the setup round trip (when the group was made, the smaller of
+    /// two samples if the first looked slow).
     pub round_trip: Option<Duration>,
     /// Whether it has a connection now; `false` while it reconnects.
     pub connected: bool,

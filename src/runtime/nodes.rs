@@ -903,14 +903,15 @@ fn node_scripts() -> [&'static Script; 3] {
 /// Connects to a node within `budget` (at most its connect timeout): one round trip for the
 /// setup (see the module docs), then, only when `tainted` connections need
 /// fencing off on the same server, one for their kills, and, only when the
-/// first round trip was more than half the node timeout, a second sample.
-/// `check_kill` also checks the right to `CLIENT KILL`.
+/// first round trip was more than half the node timeout and the group is
+/// being made (`creating`), a second sample. `creating` also checks the
+/// right to `CLIENT KILL`.
 fn open_node(
     cfg: &ConnConfig,
     budget: Duration,
     tainted: &[u64],
     run_id: Option<&str>,
-    check_kill: bool,
+    creating: bool,
     node_timeout: Duration,
 ) -> Result<NodeConn> {
     let addr = &cfg.addr;
@@ -921,7 +922,7 @@ fn open_node(
         exists.arg(&script.sha);
     }
     extra.push(exists);
-    if check_kill {
+    if creating {
         extra.push(kill(NO_CLIENT));
     }
     let asked = Instant::now();
@@ -959,7 +960,7 @@ fn open_node(
             log::debug!("{addr}: SCRIPT EXISTS answered {other:?}; scripts go out as EVALSHA first")
         }
     }
-    if check_kill {
+    if creating {
         confirm_kill(
             addr,
             "CLIENT KILL (checking the right to fence)",
@@ -984,9 +985,9 @@ fn open_node(
         }
     }
     let mut round_trip = opened.round_trip;
-    if round_trip * ROUND_TRIPS_PER_TIMEOUT > node_timeout {
+    if creating && round_trip * ROUND_TRIPS_PER_TIMEOUT > node_timeout {
         // One sample can be unlucky (a retransmit, a busy host): take a second
-        // before judging the link.
+        // before refusing the link.
         let t = Instant::now();
         let _: i64 = conn.query(
             redis::cmd("CLIENT").arg("ID"),
