@@ -67,6 +67,23 @@
 //! denies it, a disconnected subscriber), waiters fall back to polling every
 //! 50–150 ms, logged once.
 //!
+//! Every wait — of every primitive, and of a [`RedlockGroup`] — rides out
+//! failures that may pass: timeouts, I/O errors, refused connections, a server
+//! loading or failing over, a Redlock quorum missed because nodes were down,
+//! slow or not connected (the errors for which [`Error::is_retryable`] is
+//! true). It pauses for a jittered, growing while (10 ms doubling to 1 s on
+//! one deployment; [`RedlockOptions::retry_base`] doubling to
+//! [`RedlockOptions::retry_max`] for Redlock) and tries again, until its
+//! deadline or cancellation. At the deadline it returns the last attempt's
+//! error if that attempt failed, and `Ok(None)` only if it found the lock
+//! held: a deployment that went away is never reported as "held by someone
+//! else". Errors that trying again will not cure end a wait at once:
+//! authentication, TLS, permissions, invalid arguments or settings, keys that
+//! hold something else, a fencing regression, and, for a Redlock group, such
+//! an error on enough nodes that no quorum can form without them. `acquire`
+//! and `acquire_until` end only that way or by cancellation; `Duration::MAX`
+//! as a wait means no deadline.
+//!
 //! A command that got no reply may still be applied. When the last attempt of a
 //! wait got no reply, the wait deletes whatever that attempt may have acquired
 //! (best effort) before returning the error. Cancellation cannot recall a command
@@ -99,8 +116,13 @@
 //! server clock jump, or a node restarted without its data (see
 //! [`RedlockOptions::restart_delay`]) can let two holders overlap. Waiting
 //! polls with jittered, bounded pauses, since invalidations from independent
-//! servers cannot be combined. [`RedlockGroup`] documents the algorithm, what
-//! it does not promise, antirez's delayed-restart rule and the threads.
+//! servers cannot be combined. Every node is connected when the group is
+//! made and reconnects in the background, so an attempt costs one round trip
+//! to the quorum's slowest node; the node timeout must be at least twice the
+//! slowest node's round trip, which the group measures and checks.
+//! [`RedlockGroup`] documents the algorithm, choosing the node timeout, what
+//! it does not promise, antirez's delayed-restart rule, the threads and the
+//! ACL rights.
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -121,11 +143,15 @@
 //!
 //! # Threads this crate starts
 //!
-//! Per [`Coordinator`]: one renewal thread (`respire-renewal`), started with the
-//! coordinator, and one invalidation subscriber (`respire-tracker`), started by
+//! Per [`Coordinator`]: one renewal thread (`respire-renewal`) and its I/O
+//! thread (`respire-io`), started by the first keep-alive, loss signal or
+//! clean-up, and one invalidation subscriber (`respire-tracker`), started by
 //! the first wait. Per [`RedlockGroup`]: one worker per node (`respire-node-N`,
-//! one connection each) and one renewal thread (`respire-redlock`). No thread or
-//! connection is created per guard or per waiter. These threads never wait on a
+//! one connection each), started with the group; one renewal thread
+//! (`respire-redlock`), started by the first keep-alive or loss signal of one
+//! of its guards; and, only while a node reconnects after a failure, a
+//! connector thread (`respire-conn-N`). No thread or connection is created
+//! per guard or per waiter. These threads never wait on a
 //! lock held across network I/O, and stop when the last handle (coordinator,
 //! group or guard) that needs them is dropped. A failure in a background thread
 //! flags leases lost and logs; it never panics.
@@ -139,7 +165,8 @@
 //!   failover can lose a grant, and then two holders can exist.
 //! - The counter and lease keys must not be evicted: use `noeviction` (or a
 //!   `volatile-*` policy, which can still drop leases).
-//! - Keep-alive needs the ACL rights to `CLIENT ID` and `CLIENT KILL`.
+//! - Keep-alive needs the ACL rights to `CLIENT ID` and `CLIENT KILL`; a
+//!   [`RedlockGroup`] needs them on every node.
 //! - A [`RedlockGroup`] survives a minority of failed nodes, but a node that
 //!   restarts without its data can hand out a held lock again; it gives no
 //!   fencing token.

@@ -26,8 +26,9 @@ pub enum NodeOutcome {
     Uncounted(String),
     /// The command failed: connection refused or reset, or an error reply.
     Failed(String),
-    /// No reply within the node timeout. The command may still be applied;
-    /// the connection was dropped.
+    /// No reply within the node timeout. The command may still be applied:
+    /// the node's connection is replaced in the background, and the old one
+    /// killed before anything else is sent to the node.
     TimedOut,
     /// Still unanswered when the outcome was decided. The command may still
     /// be applied; a grant is cleaned up by the release, which reaches the

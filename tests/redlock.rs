@@ -1141,12 +1141,19 @@ fn one_holder_with_the_rest_down_is_an_error_not_contention() {
                 ),
                 "{evidence:?}"
             );
-            for report in &evidence[1..] {
-                assert!(
-                    matches!(report.outcome, NodeOutcome::NotConnected(_)),
-                    "{evidence:?}"
-                );
-            }
+            // Decided once two nodes answered: the third may be abandoned.
+            let not_connected = evidence[1..]
+                .iter()
+                .filter(|r| matches!(r.outcome, NodeOutcome::NotConnected(_)))
+                .count();
+            assert!(not_connected >= 1, "{evidence:?}");
+            assert!(
+                evidence[1..].iter().all(|r| matches!(
+                    r.outcome,
+                    NodeOutcome::NotConnected(_) | NodeOutcome::Abandoned
+                )),
+                "{evidence:?}"
+            );
         }
         other => panic!("expected QuorumNotReached, got {other:?}"),
     }

@@ -153,7 +153,8 @@ use options::{check_options, random_unit, retry_pause};
 /// bounded waits poll: bounded retries with jitter, as the Redlock page
 /// advises (see [`acquire_timeout`](RedlockGroup::acquire_timeout)). Like
 /// every wait in this crate, they ride out failures that may pass and end at
-/// once on permanent ones (the crate guide's "Waiting and cancellation"):
+/// once on permanent ones: see
+/// [Waiting and cancellation](crate#waiting-and-cancellation).
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -354,30 +355,37 @@ impl RedlockGroup {
     /// [`Error::QuorumNotReached`] when no quorum granted and no node reported
     /// another holder (nodes down, slow or failing), with every node's answer;
     /// [`Error::Timeout`] when a quorum granted but the attempt took so long
-    /// that no validity was left.
+    /// that no validity was left; a node's error that trying again will not
+    /// cure ([`Error::Auth`], [`Error::Permission`], an error reply, ...) when
+    /// so many nodes failed that way that no quorum can form without them.
     pub fn try_acquire(&self, key: &str, ttl: Duration) -> Result<Option<RedlockGuard>> {
         self.attempt(key, ttl)?.into_result()
     }
 
-    /// Tries until acquired or `wait` runs out. A zero wait makes one attempt.
+    /// Tries until acquired or `wait` runs out. A zero wait makes one attempt;
+    /// a wait too long for the clock (`Duration::MAX`) has no deadline.
     ///
     /// Redlock cannot use client tracking across independent servers, so this
-    /// polls: after each contended attempt it sleeps a random pause between half
-    /// and all of a ceiling that starts at [`RedlockOptions::retry_base`] and
-    /// doubles up to [`RedlockOptions::retry_max`] (bounded retries with
-    /// jitter, so that contending clients do not keep colliding). Returns
-    /// `Ok(None)` when the wait runs out.
+    /// polls: after each attempt that did not get the lock it sleeps a random
+    /// pause between half and all of a ceiling that starts at
+    /// [`RedlockOptions::retry_base`] and doubles up to
+    /// [`RedlockOptions::retry_max`] (bounded retries with jitter, so that
+    /// contending clients do not keep colliding). Returns `Ok(None)` when the
+    /// wait runs out after an attempt that found the lock held.
     ///
     /// # Errors
-    /// As [`try_acquire`](RedlockGroup::try_acquire): an attempt that fails for
-    /// lack of nodes ends the wait with its error.
+    /// As [`try_acquire`](RedlockGroup::try_acquire), by the crate's rule for
+    /// waits ([Waiting and cancellation](crate#waiting-and-cancellation)):
+    /// [`Error::QuorumNotReached`] and other retryable errors only when the
+    /// wait ran out after a failed attempt; permanent errors at once.
     pub fn acquire_timeout(
         &self,
         key: &str,
         ttl: Duration,
         wait: Duration,
     ) -> Result<Option<RedlockGuard>> {
-        self.acquire_deadline(key, ttl, Instant::now() + wait)
+        let deadline = Instant::now().checked_add(wait);
+        self.wait(key, ttl, deadline, None)
     }
 
     /// Tries until acquired or `deadline`; see
@@ -385,7 +393,7 @@ impl RedlockGroup {
     /// past makes one attempt.
     ///
     /// # Errors
-    /// As [`try_acquire`](RedlockGroup::try_acquire).
+    /// As [`acquire_timeout`](RedlockGroup::acquire_timeout).
     pub fn acquire_deadline(
         &self,
         key: &str,
@@ -401,8 +409,9 @@ impl RedlockGroup {
     ///
     /// # Errors
     /// [`Error::Cancelled`] on cancellation (an attempt already sent finishes
-    /// first, and a lock it got is released); otherwise as
-    /// [`try_acquire`](RedlockGroup::try_acquire).
+    /// first, and a lock it got is released); the permanent errors of
+    /// [`try_acquire`](RedlockGroup::try_acquire). Retryable errors do not end
+    /// this wait.
     pub fn acquire(&self, key: &str, ttl: Duration, cancel: &CancelToken) -> Result<RedlockGuard> {
         self.wait(key, ttl, None, Some(cancel))?
             .ok_or(Error::Cancelled)
@@ -415,7 +424,7 @@ impl RedlockGroup {
     /// # Errors
     /// [`Error::Cancelled`] on cancellation (an attempt already sent finishes
     /// first, and a lock it got is released); otherwise as
-    /// [`try_acquire`](RedlockGroup::try_acquire).
+    /// [`acquire_timeout`](RedlockGroup::acquire_timeout).
     pub fn acquire_until(
         &self,
         key: &str,

@@ -246,6 +246,7 @@ impl NodeWorker {
             why: String::new(),
             permanent: None,
             status: status.clone(),
+            round_trip: None,
         };
         let (end_tx, ended) = crossbeam_channel::bounded::<()>(0);
         let handle = std::thread::Builder::new()
@@ -400,6 +401,11 @@ struct Worker {
     /// The connect failure, when trying again will not cure it.
     permanent: Option<Arc<Error>>,
     status: Arc<Mutex<NodeStatus>>,
+    /// The node's round trip as commands see it: the setup round trip, then
+    /// the last answered command's. A command with less time left than this
+    /// is not sent: its answer could not come in time, and its connection
+    /// would be lost for it.
+    round_trip: Option<Duration>,
 }
 
 impl Worker {
@@ -477,9 +483,10 @@ impl Worker {
 
     fn handle(&mut self, mut job: Job) {
         let started = Instant::now();
-        if matches!(job.op, Op::Release) && started >= job.deadline {
-            // Behind other jobs past its deadline: a release is still worth
-            // sending, so that a late grant does not outlive its clean-up.
+        if matches!(job.op, Op::Release) && !self.time_for_one(job.deadline, started) {
+            // Behind other jobs past its deadline (or too close to it): a
+            // release is still worth sending, so that a late grant does not
+            // outlive its clean-up.
             job.deadline = started + self.settings.node_timeout;
         }
         if self.live.is_none() && self.connector.is_none() {
@@ -580,6 +587,13 @@ impl Worker {
                 Vote::Unknown,
             );
         }
+        if !self.time_for_one(job.deadline, now) {
+            return Answer::not_sent(
+                "still queued behind an earlier command with less of the node timeout \
+                 left than the node's round trip",
+                Vote::Unknown,
+            );
+        }
         let Some(live) = &self.live else {
             return Answer {
                 permanent: self.permanent.clone(),
@@ -596,8 +610,12 @@ impl Worker {
             }
             job.lease.slots[i].lock().sent = true;
         }
+        let sent = Instant::now();
         match self.run_script(job) {
-            Ok((outcome, vote)) => Answer::of(outcome, vote, true),
+            Ok((outcome, vote)) => {
+                self.answered_in(sent.elapsed());
+                Answer::of(outcome, vote, true)
+            }
             Err(e) => {
                 let broken = self.live.as_ref().is_none_or(|l| l.conn.is_broken());
                 if e.is_uncertain() || broken {
@@ -692,6 +710,21 @@ impl Worker {
                 Vote::No,
             ),
         }
+    }
+
+    /// Whether a command sent at `now` can be answered by `deadline`. A
+    /// round trip as long as the node timeout says nothing (every command is
+    /// sent then, and one that times out has the link measured again by the
+    /// reconnect).
+    fn time_for_one(&self, deadline: Instant, now: Instant) -> bool {
+        let left = deadline.saturating_duration_since(now);
+        let nt = self.settings.node_timeout;
+        !left.is_zero() && self.round_trip.is_none_or(|rtt| rtt >= nt || left >= rtt)
+    }
+
+    /// A command was answered after `latency`.
+    fn answered_in(&mut self, latency: Duration) {
+        self.round_trip = Some(latency);
     }
 
     /// With a restart delay, a server that started less than that long ago
@@ -812,6 +845,7 @@ impl Worker {
             round_trip: Some(node.round_trip),
             last_error: None,
         };
+        self.round_trip = Some(node.round_trip);
         self.live = Some(Live {
             conn: node.conn,
             started_by: node.started_by,
