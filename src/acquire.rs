@@ -50,7 +50,9 @@ use crate::token::OwnerToken;
 /// One attempt takes at most the node timeout, plus the connect timeout when it
 /// has to open a connection (the first call, or after the server closed the
 /// pooled ones); a script the server lost from its cache is sent again within
-/// the same bound.
+/// the same bound. A wait returns by its deadline plus at most one attempt's
+/// bound (an attempt started just before the deadline is finished, so that its
+/// grant is not left behind); cancellation interrupts it between attempts.
 pub struct Lease<K: Kind> {
     dep: Arc<Deployment>,
     spec: Arc<dyn Acquire<K::Grant>>,
@@ -190,8 +192,14 @@ impl<K: Kind> Lease<K> {
                     node_timeout: dep.node_timeout(),
                     settle: dep.pool.cfg.connect_timeout,
                 };
+                let mut uncertain_since = None;
                 let waited = waiters::wait_for(&dep.pool, &tracking.registry, &w, |conn, d| {
-                    self.attempt(conn, &owner, ttl_ms, d, true)
+                    let started = dep.now();
+                    let r = self.attempt(conn, &owner, ttl_ms, d, true, uncertain_since);
+                    if r.as_ref().is_err_and(Error::is_uncertain) {
+                        uncertain_since.get_or_insert(started);
+                    }
+                    r
                 });
                 if !matches!(waited.result, Ok(Some(_))) {
                     self.spec.stopped_waiting(dep, &owner);
@@ -234,6 +242,7 @@ impl<K: Kind> Lease<K> {
     ) {
         let dep = &self.dep;
         let mut uncertain = Vec::new();
+        let mut uncertain_since = None;
         let mut deadline = dep.now() + dep.node_timeout();
         let mut result = Err(Error::Cancelled);
         for retry in [false, true] {
@@ -247,8 +256,9 @@ impl<K: Kind> Lease<K> {
             let reused = conn.connect_time().is_zero();
             deadline += conn.connect_time();
             let conn_id = conn.id();
+            let started = dep.now();
             result = self
-                .attempt(&mut conn, owner, ttl_ms, deadline, false)
+                .attempt(&mut conn, owner, ttl_ms, deadline, false, uncertain_since)
                 .map(|a| match a {
                     Attempt::Acquired(g) => Some(g),
                     Attempt::Busy(_) => None,
@@ -256,6 +266,7 @@ impl<K: Kind> Lease<K> {
             match &result {
                 Err(e) if e.is_uncertain() => {
                     uncertain.push(conn_id);
+                    uncertain_since.get_or_insert(started);
                     if reused && !retry && matches!(e, Error::Io { .. }) {
                         continue;
                     }
@@ -275,14 +286,24 @@ impl<K: Kind> Lease<K> {
         ttl_ms: u64,
         deadline: Instant,
         waiting: bool,
+        uncertain_since: Option<Instant>,
     ) -> Result<Attempt<(LeaseGuard<K>, Instant, Instant)>> {
-        let attempt = self
-            .spec
-            .attempt(&self.dep, conn, owner, ttl_ms, deadline, waiting)?;
+        let attempt = self.spec.attempt(
+            &self.dep,
+            conn,
+            owner,
+            ttl_ms,
+            deadline,
+            waiting,
+            uncertain_since,
+        )?;
         let received = self.dep.now();
         Ok(match attempt {
             Attempt::Acquired(g) => {
-                let sent = g.sent;
+                // A token is checked against the history from the earliest
+                // attempt that may have drawn it (a repeated grant to this
+                // owner returns the token an unanswered attempt drew).
+                let sent = uncertain_since.map_or(g.sent, |t| t.min(g.sent));
                 Attempt::Acquired((self.guard(g, ttl_ms), sent, received))
             }
             Attempt::Busy(pttl) => Attempt::Busy(pttl),

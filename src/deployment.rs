@@ -28,6 +28,8 @@ pub(crate) struct Deployment {
     tracking_init: Mutex<()>,
     fences: Mutex<FenceBook>,
     keepalive_ok: OnceLock<()>,
+    /// Renewal scripts whose rights were probed.
+    probed: Mutex<Vec<&'static str>>,
 }
 
 impl Deployment {
@@ -52,6 +54,7 @@ impl Deployment {
             tracking_init: Mutex::new(()),
             fences: Mutex::new(FenceBook::new(timing.node_timeout * 4, REMEMBERED_KEYS)),
             keepalive_ok: OnceLock::new(),
+            probed: Mutex::new(Vec::new()),
         }
     }
 
@@ -126,10 +129,15 @@ impl Deployment {
     }
 
     /// Keep-alive needs to renew the lease and to cut off a renewal that got
-    /// no reply: `EVALSHA`/`EVAL` of the renewal script on the lease's keys,
-    /// `CLIENT ID` and `CLIENT KILL`. Probed once per coordinator (and the
-    /// script on every lease's keys), changing nothing.
+    /// no reply: `EVALSHA`/`EVAL` of the renewal script, `CLIENT ID` and
+    /// `CLIENT KILL`. Probed once per coordinator (the script once per kind of
+    /// lease; the acquire already showed the rights to write the key), changing
+    /// nothing.
     pub(crate) fn check_keepalive_rights(&self, ops: &Ops) -> Result<()> {
+        let name = ops.extend_script().name;
+        if self.keepalive_ok.get().is_some() && self.probed.lock().contains(&name) {
+            return Ok(());
+        }
         let start = self.now();
         let mut deadline = start + self.node_timeout();
         let mut conn = self.pool.get(deadline, Connect::Own)?;
@@ -154,6 +162,12 @@ impl Deployment {
                 other => other,
             });
         script?;
+        {
+            let mut probed = self.probed.lock();
+            if !probed.contains(&name) {
+                probed.push(name);
+            }
+        }
         if self.keepalive_ok.get().is_some() {
             return Ok(());
         }

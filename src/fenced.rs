@@ -95,6 +95,7 @@ impl Acquire<FencingToken> for FencedSpec {
         ttl_ms: u64,
         deadline: Instant,
         _waiting: bool,
+        _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<FencingToken>>> {
         let [lease, fence] = &self.keys;
         let sent = dep.now();

@@ -119,15 +119,24 @@ impl<K: Kind> LeaseGuard<K> {
     /// Transport and server errors; the guard is unchanged.
     pub fn verify_still_held(&self) -> Result<Option<Duration>> {
         let ops = self.cell.extra();
-        let mut deadline = self.dep.now() + self.dep.node_timeout();
-        let mut conn = self.dep.pool.get(deadline, Connect::Own)?;
-        deadline += conn.connect_time();
         let (keys, args) = ops.verify_args();
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let reply: Vec<i64> = conn
-            .script(ops.verify_script(), &keys, &args, "verify", deadline)
-            .map_err(|e| bad_key(e, self.key()))?;
-        drop(conn);
+        let mut deadline = self.dep.now() + self.dep.node_timeout();
+        let mut reply = Err(Error::Cancelled);
+        // A pooled connection the server closed (a restart): once more on a
+        // fresh one, which is safe for a read.
+        for retry in [false, true] {
+            let mut conn = self.dep.pool.get(deadline, Connect::Own)?;
+            let reused = conn.connect_time().is_zero();
+            deadline += conn.connect_time();
+            reply = conn
+                .script::<Vec<i64>>(ops.verify_script(), &keys, &args, "verify", deadline)
+                .map_err(|e| bad_key(e, self.key()));
+            if !(reused && !retry && matches!(reply, Err(Error::Io { .. }))) {
+                break;
+            }
+        }
+        let reply = reply?;
         let now = self.dep.now();
         match reply.as_slice() {
             [1, pttl] => Ok(Some(
@@ -296,12 +305,26 @@ impl<K: Kind> LeaseGuard<K> {
         self.cell.finish(start);
         self.dep.runtime().forget(&self.cell);
         let deadline = start + self.dep.node_timeout();
-        let mut conn = self.dep.pool.get(deadline, Connect::Within)?;
         let ops = self.cell.extra();
-        let (keys, args) = ops.release_args();
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let reply: Result<i64> =
-            conn.script(ops.release_script(), &keys, &args, "release", deadline);
+        let keys = ops.key_refs();
+        let args = ops.release_arg_refs();
+        let mut reply = Err(Error::Cancelled);
+        // A pooled connection the server closed (a restart): once more on a
+        // fresh one within the same bound (deleting by owner is idempotent).
+        for retry in [false, true] {
+            let mut conn = self.dep.pool.get(deadline, Connect::Within)?;
+            let reused = conn.connect_time().is_zero();
+            reply = conn.script::<i64>(
+                ops.release_script(),
+                &keys,
+                args.as_slice(),
+                "release",
+                deadline,
+            );
+            if !(reused && !retry && matches!(reply, Err(Error::Io { .. }))) {
+                break;
+            }
+        }
         match reply {
             Ok(1) => Ok(ReleaseOutcome::Released),
             Ok(0) => Ok(ReleaseOutcome::Expired),

@@ -79,6 +79,10 @@ pub(crate) trait Acquire<G>: Send + Sync {
     fn wait_keys(&self) -> Vec<&str>;
     /// Runs the acquire script once for `owner`, finishing by `deadline`.
     /// `waiting` is true inside a wait (a writer then records its intent).
+    /// `uncertain_since` is when the owner's first attempt that got no reply
+    /// went out: a grant found already in place (that attempt's, or a later
+    /// one's, whose reply was lost) dates from then at the earliest.
+    #[allow(clippy::too_many_arguments, reason = "one attempt's whole context")]
     fn attempt(
         &self,
         dep: &Deployment,
@@ -87,6 +91,7 @@ pub(crate) trait Acquire<G>: Send + Sync {
         ttl_ms: u64,
         deadline: Instant,
         waiting: bool,
+        uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<G>>>;
     /// Checks a grant once its reply arrived at `received` (a fencing
     /// regression is an error, and the grant is then released).

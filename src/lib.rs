@@ -46,64 +46,80 @@
 //!
 //! # Waiting and cancellation
 //!
-//! Every primitive has the same verbs:
+//! Every primitive has the same verbs (they are methods of [`Lease`], the type
+//! every single-deployment primitive is):
 //!
 //! - `try_acquire(ttl)`: one attempt, `Ok(None)` when held by someone else.
 //! - `acquire_timeout(ttl, wait)` / `acquire_deadline(ttl, deadline)`: a bounded
-//!   wait, `Ok(None)` when it runs out; a zero wait is exactly one attempt.
+//!   wait, `Ok(None)` when it runs out; a zero wait is exactly one attempt, and
+//!   `Duration::MAX` waits without end.
 //! - `acquire(ttl, &cancel)`: waits until acquired; [`Error::Cancelled`] when the
 //!   [`CancelToken`] is cancelled.
 //! - `acquire_until(ttl, deadline, &cancel)`: both: `Ok(None)` at the deadline,
 //!   `Err(Cancelled)` on cancellation (a caller's cancellation is never turned
 //!   into "not acquired").
 //!
-//! Contention is never an error; `Err` means misuse or infrastructure, and
-//! transport errors are not turned into "not acquired". Waiters do not poll: one
-//! subscriber thread per coordinator receives `CLIENT TRACKING` invalidations and
-//! wakes the waiter of the changed key, and a timer wakes it at the holder's
-//! expiry (Redis reports expiries late). Within one process, waiters on one key
-//! are woken one at a time in arrival order; across processes, there is no
-//! fairness: each change starts a race. If tracking is unavailable (an ACL that
-//! denies it, a disconnected subscriber), waiters fall back to polling every
+//! Contention is never an error; `Err` means misuse or infrastructure. Waiters do
+//! not poll: one subscriber thread per coordinator receives `CLIENT TRACKING`
+//! invalidations and wakes the waiter of the changed key, and a timer wakes it at
+//! the holder's expiry (Redis reports expiries late). Within one process, waiters
+//! on one key are woken one at a time in arrival order; across processes, there
+//! is no fairness: each change starts a race. If tracking is unavailable (an ACL
+//! that denies it, a disconnected subscriber), waiters fall back to polling every
 //! 50–150 ms, logged once.
 //!
-//! Every wait — of every primitive, and of a [`RedlockGroup`] — rides out
-//! failures that may pass: timeouts, I/O errors, refused connections, a server
-//! loading or failing over, a Redlock quorum missed because nodes were down,
-//! slow or not connected (the errors for which [`Error::is_retryable`] is
-//! true). It pauses for a jittered, growing while (10 ms doubling to 1 s on
-//! one deployment; [`RedlockOptions::retry_base`] doubling to
-//! [`RedlockOptions::retry_max`] for Redlock) and tries again, until its
-//! deadline or cancellation. At the deadline it returns the last attempt's
-//! error if that attempt failed, and `Ok(None)` only if it found the lock
-//! held: a deployment that went away is never reported as "held by someone
-//! else". Errors that trying again will not cure end a wait at once:
-//! authentication, TLS, permissions, invalid arguments or settings, keys that
-//! hold something else, a fencing regression, and, for a Redlock group, such
-//! an error on enough nodes that no quorum can form without them. `acquire`
-//! and `acquire_until` end only that way or by cancellation; `Duration::MAX`
-//! as a wait means no deadline.
+//! **Failures during a wait.** One rule for every wait of every primitive,
+//! [`RedlockGroup`]'s included: a wait rides out failures that may pass —
+//! timeouts, I/O errors, refused connections, a quorum not reached (Redlock
+//! nodes down, slow or not connected), a server loading or failing over
+//! ([`Error::is_retryable`]) — with jittered pauses that grow to a ceiling
+//! (10 ms doubling to 1 s on one deployment; [`RedlockOptions::retry_base`]
+//! doubling to [`RedlockOptions::retry_max`] for Redlock), until its deadline
+//! or cancellation. At its deadline it returns the *last error* if its last
+//! attempt failed, so a deployment that went away is never reported as "held
+//! by someone else"; `Ok(None)` only if the last attempt found the lock held.
+//! Permanent errors (authentication, TLS, permissions, bad keys or arguments,
+//! independence, a fencing regression; for a Redlock group, such an error on
+//! enough nodes that no quorum can form without them) end a wait at once.
+//! `acquire` and `acquire_until` end only that way or by cancellation, and
+//! `Duration::MAX` as a wait means no deadline. `try_acquire` makes one
+//! attempt and returns its error.
 //!
-//! A command that got no reply may still be applied. When the last attempt of a
-//! wait got no reply, the wait deletes whatever that attempt may have acquired
-//! (best effort) before returning the error. Cancellation cannot recall a command
-//! Redis already accepted.
+//! A command that got no reply may still be applied. When attempts of a wait got
+//! no reply and the wait ends without the lock, the connections they went out on
+//! are killed and then whatever they may have set is deleted, in the background
+//! (so the clean-up cannot be overtaken by a late grant). Cancellation cannot
+//! recall a command Redis already accepted; a grant that arrives for an attempt in
+//! flight when the wait is cancelled is released.
+//!
+//! **Time bounds.** One attempt takes at most the node timeout, plus the connect
+//! timeout when it has to open a connection (a Redlock attempt never opens one:
+//! its nodes connect in the background); a script the server lost from its
+//! cache (a restart) is sent again within the same bound. A guard's `release`
+//! and its `Drop` take at most the node timeout in all.
 //!
 //! # Lease loss
 //!
 //! A guard is *lost* when its local loss deadline passes — the send time of the
-//! grant or last confirmed renewal, plus the TTL, minus clock drift
+//! grant or last *confirmed* renewal, plus the TTL, minus clock drift
 //! (`ttl × drift_factor + 2 ms`), minus the node timeout — or when a renewal,
 //! verification or extension finds the key expired or owned by someone else.
-//! `is_lost()` reads the flag and the monotonic clock and is exact; `lost_signal()`
-//! is a channel for `select!` that the renewal thread closes at that moment.
-//! `keep_alive()` renews at half the TTL and retries failed renewals while time
-//! remains. Because the deadline is computed from the *send* time on the local
-//! monotonic clock, a server that stops answering (paused, partitioned) makes the
-//! guard lost before the lease can expire on the server, whatever the sockets say.
+//! While an extension is in flight, or after one got no reply, the guard assumes
+//! the worst of it: a shorter TTL counts from its send time, a longer one counts
+//! for nothing until confirmed; extensions of one lease never overlap, and one
+//! whose reply never came keeps the lease bounded by its worst case until the
+//! connection it went out on has been killed. Loss is permanent. `is_lost()`
+//! reads the flag and the monotonic clock and is exact; `lost_signal()` is a
+//! channel for `select!` that the renewal thread closes at that moment, and that
+//! thread never waits on the network. `keep_alive()` renews at half the TTL and
+//! retries failed renewals while time remains. Because the deadline is computed
+//! from the *send* time on the local monotonic clock, a server that stops
+//! answering (paused, partitioned) makes the guard lost before the lease can
+//! expire on the server, whatever the sockets say.
 //!
 //! Releasing reports a [`ReleaseOutcome`]: `Released`, `Expired`, `TakenOver`, or
-//! `Uncertain` when no reply came (the lease then ends at its expiry).
+//! `Uncertain` when it was sent but no reply came (the lease then ends at its
+//! expiry). A release that could not be sent at all is an error.
 //!
 //! # Redlock
 //!
@@ -143,18 +159,21 @@
 //!
 //! # Threads this crate starts
 //!
-//! Per [`Coordinator`]: one renewal thread (`respire-renewal`) and its I/O
-//! thread (`respire-io`), started by the first keep-alive, loss signal or
-//! clean-up, and one invalidation subscriber (`respire-tracker`), started by
-//! the first wait. Per [`RedlockGroup`]: one worker per node (`respire-node-N`,
-//! one connection each), started with the group; one renewal thread
-//! (`respire-redlock`), started by the first keep-alive or loss signal of one
-//! of its guards; and, only while a node reconnects after a failure, a
-//! connector thread (`respire-conn-N`). No thread or connection is created
-//! per guard or per waiter. These threads never wait on a
-//! lock held across network I/O, and stop when the last handle (coordinator,
-//! group or guard) that needs them is dropped. A failure in a background thread
-//! flags leases lost and logs; it never panics.
+//! None until needed. Per [`Coordinator`]: a renewal thread (`respire-renewal`,
+//! which runs the timer heap of watched leases and does no I/O) and its executor
+//! (`respire-io`, one connection of its own: renewal pipelines, killing
+//! connections whose command got no reply, clean-ups), started by the first
+//! `lost_signal()` or `keep_alive()` (or the first clean-up); and one invalidation
+//! subscriber (`respire-tracker`), started by the first wait. A guard that nobody
+//! keeps alive or watches involves no thread at all. Per [`RedlockGroup`]: one
+//! worker per node (`respire-node-N`, one connection each), started with the
+//! group; a renewal thread (`respire-redlock`), started by the first
+//! `keep_alive()` or `lost_signal()` of one of its guards; and, only while a
+//! node reconnects after a failure, a connector thread (`respire-conn-N`). No
+//! thread or connection is created per guard or per waiter. These threads never
+//! wait on a lock held across network I/O, and stop when the last handle
+//! (coordinator, group or guard) that needs them is dropped. A failure in a
+//! background thread flags leases lost and logs; it never panics.
 //!
 //! # Guarantees and limits
 //!
@@ -165,8 +184,10 @@
 //!   failover can lose a grant, and then two holders can exist.
 //! - The counter and lease keys must not be evicted: use `noeviction` (or a
 //!   `volatile-*` policy, which can still drop leases).
-//! - Keep-alive needs the ACL rights to `CLIENT ID` and `CLIENT KILL`; a
-//!   [`RedlockGroup`] needs them on every node.
+//! - Keep-alive needs the ACL rights to run the renewal script on the lease's
+//!   keys (`EVALSHA`, `EVAL`), `CLIENT ID` and `CLIENT KILL` (checked by
+//!   `keep_alive()` itself); a [`RedlockGroup`] needs `CLIENT ID` and `CLIENT
+//!   KILL` on every node (checked when it is made).
 //! - A [`RedlockGroup`] survives a minority of failed nodes, but a node that
 //!   restarts without its data can hand out a held lock again; it gives no
 //!   fencing token.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::acquire::Lease;
 use crate::conn::Conn;
-use crate::deployment::{Deployment, bad_key};
+use crate::deployment::Deployment;
 use crate::error::{Error, Result};
 use crate::guard::LeaseGuard;
 use crate::kind::{Acquire, Granted, Plain};
@@ -75,26 +75,72 @@ impl Acquire<()> for PlainSpec {
         owner: &OwnerToken,
         ttl_ms: u64,
         deadline: Instant,
-        _waiting: bool,
+        waiting: bool,
+        uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<()>>> {
+        // One round trip of plain commands, no script: `SET NX PX` takes the
+        // lock if it is free; `GET` tells a grant of this owner's earlier
+        // attempt (whose reply was lost) from another holder, and a key of
+        // another type (an error, not a lock held by someone else); in a
+        // wait, `PTTL`, a read, arms client tracking and says how long the
+        // holder has. An earlier attempt that lands late finds the key set and
+        // changes nothing: it can never shorten the lock.
         let key = &self.keys[0];
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        pipe.cmd("SET")
+            .arg(key)
+            .arg(owner.as_str())
+            .arg("NX")
+            .arg("PX")
+            .arg(ttl_ms);
+        pipe.cmd("GET").arg(key);
+        if waiting {
+            pipe.cmd("PTTL").arg(key);
+        }
         let sent = dep.now();
-        let reply: Vec<i64> = conn
-            .script(
-                &scripts::LOCK_ACQUIRE,
-                &[key],
-                &[owner.as_str(), &ttl_ms.to_string()],
-                "acquire",
-                deadline,
-            )
-            .map_err(|e| bad_key(e, key))?;
-        match reply.as_slice() {
-            [1] => Ok(Attempt::Acquired(Granted {
+        let reply = conn.pipeline(&pipe, "acquire", deadline)?;
+        let granted = |sent| {
+            Ok(Attempt::Acquired(Granted {
                 grant: (),
                 ops: Ops::string_value(key, owner.as_str().to_owned()),
                 sent,
-            })),
-            [0, pttl] => Ok(Attempt::Busy(busy(*pttl))),
+            }))
+        };
+        let fail = |e: &redis::ServerError| {
+            let source = redis::RedisError::from(e.clone());
+            Err(if e.code() == "WRONGTYPE" {
+                Error::BadKey {
+                    key: key.clone(),
+                    problem: "holds a value of another type, not a lock".into(),
+                }
+            } else if crate::error::is_noperm(&source) {
+                Error::Permission(format!("acquire: {source}"))
+            } else {
+                Error::Server {
+                    op: "acquire",
+                    source,
+                }
+            })
+        };
+        match reply.as_slice() {
+            [redis::Value::Okay, ..] => granted(sent),
+            [redis::Value::ServerError(e), ..] => fail(e),
+            [redis::Value::Nil, redis::Value::BulkString(v), ..]
+                if v.as_slice() == owner.as_str().as_bytes() =>
+            {
+                // Set by an earlier attempt of this owner whose reply was
+                // lost: its expiry counts from that attempt at the earliest.
+                granted(uncertain_since.map_or(sent, |t| t.min(sent)))
+            }
+            [redis::Value::Nil, redis::Value::ServerError(e), ..]
+            | [redis::Value::Nil, _, redis::Value::ServerError(e)] => fail(e),
+            [redis::Value::Nil, _, redis::Value::Int(pttl)] => Ok(Attempt::Busy(busy(*pttl))),
+            // One attempt (no PTTL asked): held by someone else.
+            [
+                redis::Value::Nil,
+                redis::Value::BulkString(_) | redis::Value::Nil,
+            ] => Ok(Attempt::Busy(None)),
             other => Err(Error::UnexpectedReply {
                 op: "acquire",
                 reply: format!("{other:?}"),

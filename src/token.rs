@@ -37,8 +37,7 @@ impl OwnerToken {
     /// If the operating system cannot provide randomness, which leaves no safe
     /// way to tell holders apart.
     pub(crate) fn new() -> Self {
-        let mut bytes = [0u8; 16];
-        getrandom::fill(&mut bytes).expect("the OS random generator failed");
+        let bytes = os_random_16();
         const DIGITS: &[u8; 16] = b"0123456789abcdef";
         let mut hex = String::with_capacity(32);
         for b in bytes {
@@ -51,6 +50,29 @@ impl OwnerToken {
     pub(crate) fn as_str(&self) -> &str {
         &self.0
     }
+}
+
+/// 16 bytes from the operating system's generator, read 1 KiB at a time per
+/// thread (one system call per 64 tokens, each byte used once).
+fn os_random_16() -> [u8; 16] {
+    use std::cell::RefCell;
+    thread_local! {
+        static POOL: RefCell<([u8; 1024], usize)> = const { RefCell::new(([0; 1024], 1024)) };
+    }
+    POOL.with(|pool| {
+        let mut pool = pool.borrow_mut();
+        let (buf, used) = &mut *pool;
+        if *used + 16 > buf.len() {
+            getrandom::fill(buf).expect("the OS random generator failed");
+            *used = 0;
+        }
+        let mut out = [0u8; 16];
+        out.copy_from_slice(&buf[*used..*used + 16]);
+        // Each byte serves once: wipe what was handed out.
+        buf[*used..*used + 16].fill(0);
+        *used += 16;
+        out
+    })
 }
 
 impl fmt::Debug for OwnerToken {

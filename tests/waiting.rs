@@ -59,10 +59,11 @@ fn calls(admin: &mut redis::Connection, commands: &[&str]) -> u64 {
         .sum()
 }
 
-/// Acquire attempts the server ran (the acquire scripts run as EVALSHA, or EVAL
-/// the first time).
+/// Acquire attempts (and releases) the server ran: a `Lock` attempt is one
+/// `SET … NX` (with a `GET` and a `PTTL` in the same round trip); a fenced
+/// attempt, like a release, is one `EVALSHA` (`EVAL` the first time).
 fn script_calls(admin: &mut redis::Connection) -> u64 {
-    calls(admin, &["evalsha", "eval"])
+    calls(admin, &["evalsha", "eval", "set"])
 }
 
 /// Waits until the server has run no acquire script for `quiet` in a row:

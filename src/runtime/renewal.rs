@@ -107,12 +107,23 @@ impl Ops {
         (self.keys(), vec![self.member.clone()])
     }
 
-    pub(crate) fn release_args(&self) -> (Vec<&str>, Vec<String>) {
-        let args = match self.shape {
-            Shape::StringValue => vec![self.member.clone(), "exact".to_owned()],
-            Shape::Member { .. } => vec![self.member.clone()],
-        };
-        (self.keys(), args)
+    /// The keys, borrowed.
+    pub(crate) fn key_refs(&self) -> Vec<&str> {
+        self.keys()
+    }
+
+    /// The release's arguments, borrowed (no allocation on the release path).
+    pub(crate) fn release_arg_refs(&self) -> Args<'_> {
+        match self.shape {
+            Shape::StringValue => Args {
+                items: [&self.member, "exact"],
+                len: 2,
+            },
+            Shape::Member { .. } => Args {
+                items: [&self.member, ""],
+                len: 1,
+            },
+        }
     }
 
     pub(crate) fn extend_cmd(&self, ttl_ms: u64) -> redis::Cmd {
@@ -126,6 +137,18 @@ impl Ops {
         let (keys, args) = self.extend_args(ttl_ms);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         self.extend_script().eval(&keys, &args)
+    }
+}
+
+/// Up to two borrowed script arguments.
+pub(crate) struct Args<'a> {
+    items: [&'a str; 2],
+    len: usize,
+}
+
+impl<'a> Args<'a> {
+    pub(crate) fn as_slice(&self) -> &[&'a str] {
+        &self.items[..self.len]
     }
 }
 

@@ -3,11 +3,11 @@
 -- ARGV[1]  the value the holder set, or with ARGV[2] = 'prefix' the owner part of
 --          it (used after an acquire whose reply was lost, when the token is unknown)
 -- ARGV[2]  'exact' or 'prefix'
--- returns  1 deleted; 0 the key is gone (expired or deleted); -1 someone else holds it
-local t = redis.call('TYPE', KEYS[1]).ok
-if t == 'none' then return 0 end
-if t ~= 'string' then return -1 end
-local v = redis.call('GET', KEYS[1])
+-- returns  1 deleted; 0 the key is gone (expired or deleted); -1 someone else holds
+--          it (a value of another type included)
+local v = redis.pcall('GET', KEYS[1])
+if not v then return 0 end
+if type(v) == 'table' then return -1 end
 local mine
 if ARGV[2] == 'prefix' then
   mine = string.sub(v, 1, string.len(ARGV[1])) == ARGV[1]

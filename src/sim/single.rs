@@ -45,6 +45,9 @@ struct Server {
     fence: u64,
     issued: HashSet<u64>,
     went_back: bool,
+    /// Keys taken by a plain `Lock` (`SET NX`, no token) rather than the
+    /// fenced script.
+    plain: Vec<bool>,
     /// Whether each key's last lease ended by expiry (not a release).
     expired: Vec<bool>,
     takeovers: u64,
@@ -74,29 +77,41 @@ impl Server {
         Ok(match req {
             Req::Acquire { key, owner, ttl } => {
                 let mine = format!("{owner}:");
+                let plain = self.plain[*key];
                 match self.live(*key, t) {
                     Some(e) if e.value.starts_with(&mine) => {
-                        // The owner's own grant again: the expiry only ever moves later.
                         let token = e.value[mine.len()..].parse().expect("token");
-                        let e = self.keys[*key].as_mut().expect("live");
-                        e.expire = e.expire.max(now + ttl.as_nanos() as f64);
-                        Resp::Granted(token)
+                        if !plain {
+                            // The script: the owner's own grant again, its
+                            // expiry only ever moved later.
+                            let e = self.keys[*key].as_mut().expect("live");
+                            e.expire = e.expire.max(now + ttl.as_nanos() as f64);
+                        }
+                        // A plain lock's SET NX changes nothing; its GET finds the owner.
+                        Resp::Granted(token, true)
                     }
                     Some(_) => Resp::Busy,
                     None => {
                         if std::mem::take(&mut self.expired[*key]) {
                             self.takeovers += 1;
                         }
-                        self.fence += 1;
-                        let token = self.fence;
-                        if !self.issued.insert(token) && !self.went_back {
-                            return Err(format!("token {token} issued twice by an intact counter"));
-                        }
+                        let token = if plain {
+                            0
+                        } else {
+                            self.fence += 1;
+                            let token = self.fence;
+                            if !self.issued.insert(token) && !self.went_back {
+                                return Err(format!(
+                                    "token {token} issued twice by an intact counter"
+                                ));
+                            }
+                            token
+                        };
                         self.keys[*key] = Some(Entry {
                             value: format!("{owner}:{token}"),
                             expire: now + ttl.as_nanos() as f64,
                         });
-                        Resp::Granted(token)
+                        Resp::Granted(token, false)
                     }
                 }
             }
@@ -175,7 +190,8 @@ enum Req {
 
 #[derive(Clone, Debug)]
 enum Resp {
-    Granted(u64),
+    /// The token, and whether the key held this owner's grant already.
+    Granted(u64, bool),
     Busy,
     Ints(Vec<i64>),
     Done,
@@ -341,6 +357,7 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
             fence: rng.below(3) * 99_999_999_999_998,
             issued: HashSet::new(),
             went_back: false,
+            plain: vec![rng.chance(0.5), false],
             expired: vec![false, false],
             takeovers: 0,
             killed: HashSet::new(),
@@ -776,10 +793,22 @@ impl World {
         let now = self.at();
         let proc = self.users[u].proc;
         match resp {
-            Some(Resp::Granted(token)) => {
+            Some(Resp::Granted(token, existed)) => {
                 self.stats.grants += 1;
                 let a = self.users[u].acquiring.take().expect("acquiring");
                 let key = self.users[u].key;
+                if self.server.plain[key] {
+                    // A plain lock: no token; a grant found in place dates from
+                    // the owner's first unanswered attempt.
+                    let sent = if existed {
+                        a.first_uncertain.map_or(p.sent, |f| f.min(p.sent))
+                    } else {
+                        p.sent
+                    };
+                    let value = format!("{}:{token}", a.owner);
+                    self.hold(u, key, value, sent, a.ttl);
+                    return Ok(());
+                }
                 // The grant may date from the owner's first unanswered attempt.
                 let sent = a.first_uncertain.map_or(p.sent, |f| f.min(p.sent));
                 // The fence book, against the definition: a regression is a
@@ -828,23 +857,7 @@ impl World {
                     );
                     return Ok(());
                 }
-                let core = LeaseCore::granted(self.timing, p.sent, a.ttl);
-                let cell = Arc::new(LeaseCell::new(
-                    format!("k{key}"),
-                    Meta {
-                        key,
-                        value: value.clone(),
-                    },
-                    core,
-                ));
-                self.users[u].guard = Some(Guard {
-                    cell,
-                    value,
-                    key,
-                    keepalive: false,
-                    signal: false,
-                });
-                self.think(u);
+                self.hold(u, key, value, p.sent, a.ttl);
             }
             Some(Resp::Busy) | None => {
                 let a = self.users[u].acquiring.as_mut().expect("acquiring");
@@ -877,6 +890,27 @@ impl World {
             other => return Err(format!("acquire reply {other:?}")),
         }
         Ok(())
+    }
+
+    /// The user now holds `value` on `key`, granted by a command sent at `sent`.
+    fn hold(&mut self, u: usize, key: usize, value: String, sent: Instant, ttl: Duration) {
+        let core = LeaseCore::granted(self.timing, sent, ttl);
+        let cell = Arc::new(LeaseCell::new(
+            format!("k{key}"),
+            Meta {
+                key,
+                value: value.clone(),
+            },
+            core,
+        ));
+        self.users[u].guard = Some(Guard {
+            cell,
+            value,
+            key,
+            keepalive: false,
+            signal: false,
+        });
+        self.think(u);
     }
 
     /// The executor: one request at a time; kills first, then clean-ups,

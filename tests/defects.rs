@@ -1,0 +1,603 @@
+//! Regressions for the defects a line-by-line review found in the first
+//! release (each test names its letter in issue 8): commands whose reply never
+//! came, interleaved with other commands on the same lease; bounds that did
+//! not hold; leaks; misreports. Real servers, faults caused on purpose.
+
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use redis::Commands;
+use respire_coordination::{CancelToken, Coordinator, Error, ReleaseOutcome};
+use support::{FaultProxy, Mode, TestServer, shared_server, unique_prefix, wait_until};
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn coordinator(url: &str, prefix: &str, node_timeout: Duration) -> Coordinator {
+    Coordinator::builder(url)
+        .key_prefix(prefix)
+        .node_timeout(node_timeout)
+        .build()
+        .expect("connect")
+}
+
+/// The key's remaining TTL on the server (−2: gone).
+fn pttl(admin: &mut redis::Connection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query(admin).unwrap()
+}
+
+/// Polls `lost` and the server every millisecond until the server no longer
+/// has the key; returns (when `lost` first held, when the key was gone).
+fn race_loss_against_expiry(
+    admin: &mut redis::Connection,
+    key: &str,
+    lost: impl Fn() -> bool,
+    within: Duration,
+) -> (Option<Instant>, Instant) {
+    let started = Instant::now();
+    let mut lost_at = None;
+    loop {
+        if lost_at.is_none() && lost() {
+            lost_at = Some(Instant::now());
+        }
+        if pttl(admin, key) < 0 {
+            return (lost_at, Instant::now());
+        }
+        assert!(started.elapsed() < within, "the key never expired");
+        thread::sleep(ms(1));
+    }
+}
+
+// --- a ---------------------------------------------------------------------
+
+#[test]
+fn a_shortening_reset_expiry_without_reply_bounds_the_guard_at_once() {
+    let server = TestServer::start();
+    let mut admin = server.client();
+    let proxy = FaultProxy::start(server.addr());
+    let coord = coordinator(&proxy.url(), "a:", ms(200));
+    let lock = coord.fenced_lock("{a}:lease", "{a}:fence").unwrap();
+    let guard = lock.try_acquire(Duration::from_secs(60)).unwrap().unwrap();
+    // The extension script is on the server (else the server refuses it with
+    // NOSCRIPT, and nothing is shortened).
+    assert!(guard.reset_expiry(Duration::from_secs(60)).unwrap());
+    // The shortening reaches the server; its reply never comes back.
+    proxy.set_mode(Mode::DropServerToClient);
+    let sent = Instant::now();
+    let err = guard.reset_expiry(ms(1_500)).unwrap_err();
+    assert!(err.is_uncertain(), "{err}");
+    proxy.set_mode(Mode::Pass);
+    let on_server = pttl(&mut admin, "a:{a}:lease");
+    assert!(
+        on_server > 0 && on_server <= 1_500,
+        "the server shortened it: {on_server}"
+    );
+    // The guard counts on the shorter expiry from the send, not on 60 s.
+    assert!(
+        guard.remaining_estimate() <= ms(1_500).saturating_sub(sent.elapsed()),
+        "{:?}",
+        guard.remaining_estimate()
+    );
+    let signal = guard.lost_signal().clone();
+    let (lost, gone) = race_loss_against_expiry(
+        &mut admin,
+        "a:{a}:lease",
+        || guard.is_lost(),
+        Duration::from_secs(10),
+    );
+    let lost = lost.expect("is_lost() before the server dropped the key");
+    println!("a: flagged lost {:?} before the key expired", gone - lost);
+    assert!(lost < gone);
+    assert!(signal.try_recv().unwrap_err().is_disconnected());
+}
+
+#[test]
+fn a_renewal_without_reply_keeps_its_claim_until_its_connection_is_fenced() {
+    let server = TestServer::start();
+    let proxy = FaultProxy::start(server.addr());
+    let coord = coordinator(&proxy.url(), "a2:", ms(200));
+    let lock = coord.lock("job").unwrap();
+    let guard = lock.try_acquire(Duration::from_secs(2)).unwrap().unwrap();
+    let _renewal = guard.keep_alive().unwrap();
+    wait_until(Duration::from_secs(5), "a confirmed renewal", || {
+        coord.renewal_stats().renewals > 0
+    });
+    // Replies vanish: the next renewal goes unanswered, and so does the kill
+    // that would fence it off (it travels the same way).
+    proxy.set_mode(Mode::DropServerToClient);
+    let failures = coord.renewal_stats().failures;
+    wait_until(Duration::from_secs(5), "an unanswered renewal", || {
+        coord.renewal_stats().failures > failures
+    });
+    // The claim is still held: a longer reset cannot be confirmed while the
+    // late renewal may still land after it.
+    let err = guard.reset_expiry(Duration::from_secs(60)).unwrap_err();
+    assert!(err.is_timeout(), "{err}");
+    // Never fenced, never renewed: lost at its deadline.
+    let signal = guard.lost_signal().clone();
+    assert!(signal.recv_timeout(Duration::from_secs(5)).is_err());
+    assert!(guard.is_lost());
+    proxy.set_mode(Mode::Pass);
+}
+
+// --- c ---------------------------------------------------------------------
+
+#[test]
+fn c_loss_signals_close_on_time_while_the_executor_is_blocked_on_a_socket() {
+    let server = TestServer::start();
+    let proxy = FaultProxy::start(server.addr());
+    let nt = ms(500);
+    let coord = coordinator(&proxy.url(), "c:", nt);
+    // A kept-alive lease whose renewal will hang on a blackholed connection...
+    let kept = coord
+        .lock("kept")
+        .unwrap()
+        .try_acquire(Duration::from_secs(4))
+        .unwrap()
+        .unwrap();
+    let _renewal = kept.keep_alive().unwrap();
+    // ...and a short lease, not kept alive, whose deadline falls while the
+    // executor is stuck: its signal must not wait for the socket.
+    thread::sleep(ms(1_700));
+    let sent = Instant::now();
+    let short = coord
+        .lock("short")
+        .unwrap()
+        .try_acquire(ms(1_200))
+        .unwrap()
+        .unwrap();
+    let signal = short.lost_signal().clone();
+    proxy.set_mode(Mode::Blackhole);
+    // The renewal of `kept` is due at ~2 s and blocks the executor for a node
+    // timeout, then the kill for another; `short` is lost at
+    // 1.2 s − drift − 0.5 s ≈ 688 ms after its send.
+    assert!(signal.recv_timeout(Duration::from_secs(5)).is_err());
+    let closed = sent.elapsed();
+    let deadline = ms(1_200) - ms(12 + 2) - nt;
+    println!("c: signal closed {closed:?} after the send; deadline {deadline:?}");
+    assert!(
+        closed >= deadline.saturating_sub(ms(5)),
+        "early: {closed:?}"
+    );
+    assert!(closed < deadline + ms(100), "late: {closed:?}");
+    proxy.set_mode(Mode::Pass);
+}
+
+// --- d ---------------------------------------------------------------------
+
+#[test]
+fn d_a_wait_that_ends_after_an_unanswered_attempt_cleans_up_its_grant() {
+    let server = TestServer::start();
+    let mut admin = server.client();
+    let proxy = FaultProxy::start(server.addr());
+    let coord = coordinator(&proxy.url(), "d:", ms(200));
+    let lock = coord.fenced_lock("{d}:lease", "{d}:fence").unwrap();
+    let () = admin.pset_ex("d:{d}:lease", "crashed-holder", 800).unwrap();
+    let cancel = CancelToken::new();
+    thread::scope(|s| {
+        let waiter = s.spawn(|| lock.acquire(Duration::from_secs(60), &cancel));
+        // The holder expires; from then on every reply is dropped: the
+        // waiter's grant is made but never heard of.
+        thread::sleep(ms(300));
+        proxy.set_mode(Mode::DropServerToClient);
+        wait_until(Duration::from_secs(10), "the waiter to be granted", || {
+            let v: Option<String> = admin.get("d:{d}:lease").unwrap();
+            v.is_some_and(|v| v != "crashed-holder")
+        });
+        // The wait ends with another error: cancellation.
+        thread::sleep(ms(300));
+        cancel.cancel();
+        let err = waiter.join().unwrap().unwrap_err();
+        assert!(matches!(err, Error::Cancelled), "{err}");
+    });
+    proxy.set_mode(Mode::Pass);
+    // The grant nobody heard of is deleted (after its connections are
+    // killed), not left for its 60 s.
+    wait_until(
+        Duration::from_secs(5),
+        "the unheard grant to be cleaned up",
+        || !admin.exists::<_, bool>("d:{d}:lease").unwrap(),
+    );
+}
+
+// --- e ---------------------------------------------------------------------
+
+/// Resident set size of this process.
+fn rss() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+#[test]
+fn e_memory_does_not_grow_with_completed_leases() {
+    let cycles: usize = std::env::var("RESPIRE_MEMORY_CYCLES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(30_000);
+    let prefix = unique_prefix("e");
+    let coord = coordinator(&shared_server().url(), &prefix, ms(500));
+    let lock = coord.lock("job").unwrap();
+    let hour = Duration::from_secs(3_600);
+    let cycle = |i: usize| {
+        if i.is_multiple_of(2) {
+            let g = lock.try_acquire(hour).unwrap().unwrap();
+            // Watched by the renewal thread: an entry in its timer heap.
+            let _ = g.lost_signal();
+            assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
+        } else {
+            // A fence counter of its own each time: the fence book is bounded.
+            let f = coord
+                .fenced_lock(&format!("{{f{i}}}:lease"), &format!("{{f{i}}}:fence"))
+                .unwrap();
+            let g = f.try_acquire(hour).unwrap().unwrap();
+            assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
+        }
+    };
+    // Past the fence book's 10,000 remembered keys (every other cycle has a
+    // counter of its own), so what follows must not grow at all.
+    let warm = (cycles * 3 / 4).max(22_000.min(cycles));
+    for i in 0..warm {
+        cycle(i);
+    }
+    let before = rss();
+    for i in warm..cycles {
+        cycle(i);
+    }
+    let after = rss();
+    let growth = after as i64 - before as i64;
+    println!(
+        "e: RSS {:.1} MiB after {warm} cycles, {:.1} MiB after {cycles}: {:+} KiB",
+        before as f64 / 1048576.0,
+        after as f64 / 1048576.0,
+        growth / 1024
+    );
+    assert!(
+        growth < 1_500_000,
+        "RSS grew by {growth} bytes over {} cycles",
+        cycles - warm
+    );
+}
+
+// --- f ---------------------------------------------------------------------
+
+#[test]
+fn f_leases_sharing_one_fence_counter_never_see_a_false_regression() {
+    let prefix = unique_prefix("f");
+    let coord = coordinator(&shared_server().url(), &prefix, ms(500));
+    let one = coord.fenced_lock("{r}:one", "{r}:fence").unwrap();
+    let two = coord.fenced_lock("{r}:two", "{r}:fence").unwrap();
+    let grants = AtomicUsize::new(0);
+    thread::scope(|s| {
+        for t in 0..8u32 {
+            let lock = if t.is_multiple_of(2) { &one } else { &two };
+            let grants = &grants;
+            s.spawn(move || {
+                for _ in 0..300 {
+                    match lock.try_acquire(Duration::from_secs(10)) {
+                        Ok(Some(g)) => {
+                            grants.fetch_add(1, Ordering::Relaxed);
+                            drop(g);
+                        }
+                        Ok(None) => {}
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            });
+        }
+    });
+    let grants = grants.into_inner();
+    println!("f: {grants} grants from one shared counter, no regression reported");
+    assert!(grants > 300);
+}
+
+// --- g ---------------------------------------------------------------------
+
+#[test]
+fn g_keep_alive_works_without_the_script_command() {
+    let server = TestServer::builder()
+        .acl_user("app on >pw ~* &* +@all -script")
+        .start();
+    let coord = Coordinator::builder(&server.url_for_user("app", "pw"))
+        .node_timeout(ms(200))
+        .build()
+        .unwrap();
+    // A restart-like empty script cache on the renewal connection's first use.
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query(&mut server.client())
+        .unwrap();
+    let guard = coord
+        .lock("job")
+        .unwrap()
+        .try_acquire(ms(1_000))
+        .unwrap()
+        .unwrap();
+    let _renewal = guard.keep_alive().unwrap();
+    wait_until(Duration::from_secs(10), "three confirmed renewals", || {
+        coord.renewal_stats().renewals >= 3
+    });
+    assert!(!guard.is_lost());
+    assert_eq!(coord.renewal_stats().losses, 0);
+}
+
+#[test]
+fn g_keep_alive_refuses_up_front_what_the_renewals_would_be_denied() {
+    let server = TestServer::builder()
+        .acl_user("app on >pw ~* &* +@all -client|kill")
+        .start();
+    let coord = Coordinator::builder(&server.url_for_user("app", "pw"))
+        .build()
+        .unwrap();
+    let guard = coord
+        .lock("job")
+        .unwrap()
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    let err = guard.keep_alive().unwrap_err();
+    assert!(matches!(err, Error::Permission(_)), "{err}");
+}
+
+// --- h ---------------------------------------------------------------------
+
+#[test]
+fn h_waiting_forever_spelled_duration_max_works() {
+    let prefix = unique_prefix("h");
+    let coord = coordinator(&shared_server().url(), &prefix, ms(500));
+    let lock = coord.lock("job").unwrap();
+    let free = lock
+        .acquire_timeout(Duration::from_secs(10), Duration::MAX)
+        .unwrap();
+    assert!(free.is_some());
+    thread::scope(|s| {
+        let waiter = s.spawn(|| lock.acquire_timeout(Duration::from_secs(10), Duration::MAX));
+        thread::sleep(ms(100));
+        drop(free);
+        assert!(waiter.join().unwrap().unwrap().is_some());
+    });
+    // A deadline at the far end of what an Instant holds is the same.
+    let far = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
+    assert!(
+        lock.acquire_deadline(Duration::from_secs(10), far)
+            .unwrap()
+            .is_some()
+    );
+}
+
+// --- i ---------------------------------------------------------------------
+
+#[test]
+fn i_every_bound_holds_on_a_freshly_restarted_server() {
+    // Persistence keeps the lease and the counter across the restarts; the
+    // script cache and the pooled connections are lost every time.
+    let server = TestServer::builder().append_only().start();
+    let proxy = FaultProxy::start(server.addr());
+    let nt = ms(400);
+    let connect = ms(1_000);
+    let coord = Coordinator::builder(&proxy.url())
+        .key_prefix("i:")
+        .node_timeout(nt)
+        .connect_timeout(connect)
+        .build()
+        .unwrap();
+    let lock = coord.fenced_lock("{i}:lease", "{i}:fence").unwrap();
+    let guard = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    // Every verb works on a restarted server (NOSCRIPT, then EVAL; a dead
+    // pooled connection, then a fresh one where that is safe).
+    server.restart();
+    assert!(guard.verify_still_held().unwrap().is_some());
+    server.restart();
+    assert!(lock.try_acquire(Duration::from_secs(30)).unwrap().is_none());
+    server.restart();
+    assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
+    server.restart();
+    let guard = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    // With 300 ms round trips, EVALSHA, NOSCRIPT, then EVAL would take 600 ms:
+    // each bound holds anyway.
+    server.restart();
+    proxy.set_mode(Mode::Delay(ms(150)));
+    let timed = |what: &str, bound: Duration, f: &dyn Fn() -> String| {
+        let started = Instant::now();
+        let outcome = f();
+        let took = started.elapsed();
+        println!("i: {what} on a restarted server, 300 ms round trips: {took:?}: {outcome}");
+        assert!(took < bound, "{what}: {took:?}, bound {bound:?}");
+    };
+    // One attempt: a node timeout for its commands, plus the connect timeout
+    // for the connection it has to open.
+    timed("try_acquire", nt + connect + ms(50), &|| {
+        format!(
+            "{:?}",
+            lock.try_acquire(Duration::from_secs(30))
+                .map(|g| g.is_some())
+        )
+    });
+    server.restart();
+    timed("verify_still_held", nt + connect + ms(50), &|| {
+        format!("{:?}", guard.verify_still_held())
+    });
+    server.restart();
+    timed("reset_expiry", nt + connect + ms(50), &|| {
+        format!("{:?}", guard.reset_expiry(Duration::from_secs(30)))
+    });
+    server.restart();
+    // Release: at most one node timeout in all, a connect included.
+    let started = Instant::now();
+    let outcome = guard.release();
+    let took = started.elapsed();
+    println!("i: release on a restarted server, 300 ms round trips: {took:?}: {outcome:?}");
+    assert!(took < nt + ms(50), "{took:?}");
+    proxy.set_mode(Mode::Pass);
+}
+
+// --- j ---------------------------------------------------------------------
+
+#[test]
+fn j_tokens_past_10_to_the_14_work_end_to_end() {
+    let prefix = unique_prefix("j");
+    let coord = coordinator(&shared_server().url(), &prefix, ms(200));
+    let mut admin = shared_server().client();
+    let lock = coord.fenced_lock("{j}:lease", "{j}:fence").unwrap();
+    let () = admin
+        .set(format!("{prefix}{{j}}:fence"), "99999999999999")
+        .unwrap();
+    let g = lock.try_acquire(ms(1_000)).unwrap().unwrap();
+    assert_eq!(g.fencing_token().get(), 100_000_000_000_000);
+    assert!(g.verify_still_held().unwrap().is_some());
+    assert!(g.reset_expiry(ms(1_000)).unwrap());
+    {
+        let _renewal = g.keep_alive().unwrap();
+        let before = coord.renewal_stats().renewals;
+        wait_until(Duration::from_secs(5), "a renewal", || {
+            coord.renewal_stats().renewals > before
+        });
+        assert!(!g.is_lost());
+    }
+    assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
+    // Past 2^53, where a Lua number loses digits.
+    let () = admin
+        .set(format!("{prefix}{{j}}:fence"), "9007199254740993")
+        .unwrap();
+    let g = lock.try_acquire(ms(1_000)).unwrap().unwrap();
+    assert_eq!(g.fencing_token().get(), 9_007_199_254_740_994);
+    assert!(g.verify_still_held().unwrap().is_some());
+    drop(g);
+    // The last token a counter can hold, then a clear error, nothing changed.
+    let () = admin
+        .set(format!("{prefix}{{j}}:fence"), "9223372036854775806")
+        .unwrap();
+    let g = lock.try_acquire(ms(1_000)).unwrap().unwrap();
+    assert_eq!(g.fencing_token().get(), i64::MAX as u64);
+    drop(g);
+    let err = lock.try_acquire(ms(1_000)).unwrap_err();
+    assert!(matches!(err, Error::BadKey { .. }), "{err}");
+    let v: String = admin.get(format!("{prefix}{{j}}:fence")).unwrap();
+    assert_eq!(v, "9223372036854775807");
+    assert!(
+        !admin
+            .exists::<_, bool>(format!("{prefix}{{j}}:lease"))
+            .unwrap()
+    );
+}
+
+// --- k ---------------------------------------------------------------------
+
+#[test]
+fn k_a_release_that_sent_nothing_is_an_error_and_one_without_reply_is_uncertain() {
+    let server = TestServer::start();
+    let proxy = FaultProxy::start(server.addr());
+    let coord = Coordinator::builder(&proxy.url())
+        .key_prefix("k:")
+        .node_timeout(ms(200))
+        .pool_size(1)
+        .build()
+        .unwrap();
+    let lock = coord.lock("job").unwrap();
+    // Sent, no reply: uncertain (the release script cached first, so that the
+    // release is applied, and only its reply lost).
+    let g = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
+    let g = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    proxy.set_mode(Mode::DropServerToClient);
+    assert_eq!(g.release().unwrap(), ReleaseOutcome::Uncertain);
+    proxy.set_mode(Mode::Pass);
+    // Nothing could be sent (the server is gone): an error.
+    let g = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    drop(proxy);
+    let err = g.release().unwrap_err();
+    assert!(
+        matches!(err, Error::Connect { .. } | Error::PoolTimeout(_)),
+        "{err}"
+    );
+}
+
+// --- the pipeline bound ----------------------------------------------------
+
+#[test]
+fn a_stalled_server_fails_a_whole_renewal_batch_within_one_node_timeout() {
+    let server = TestServer::start();
+    let nt = ms(300);
+    let coord = coordinator(&server.url(), "batch:", nt);
+    let guards: Vec<_> = (0..200)
+        .map(|i| {
+            coord
+                .lock(&format!("l{i}"))
+                .unwrap()
+                .try_acquire(Duration::from_secs(3))
+                .unwrap()
+                .unwrap()
+        })
+        .collect();
+    let renewals: Vec<_> = guards.iter().map(|g| g.keep_alive().unwrap()).collect();
+    wait_until(Duration::from_secs(5), "a pipelined renewal", || {
+        coord.renewal_stats().renewals >= 200
+    });
+    server.pause();
+    let paused = Instant::now();
+    // The next batch hangs on the stalled server; the executor must give up
+    // on all of it after one node timeout, not one per command.
+    wait_until(Duration::from_secs(10), "the batch to fail", || {
+        coord.renewal_stats().failures >= 200
+    });
+    let took = paused.elapsed();
+    println!("batch of 200 failed {took:?} after the pause");
+    // Due within ~1.5 s of the pause, then at most a node timeout.
+    assert!(took < Duration::from_millis(1_500) + nt * 3, "{took:?}");
+    server.resume();
+    drop(renewals);
+}
+
+#[test]
+fn c_redlock_loss_signals_close_on_time_while_an_extension_hangs_on_the_nodes() {
+    use respire_coordination::{RedlockGroup, RedlockOptions};
+    let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
+    let proxies: Vec<FaultProxy> = servers
+        .iter()
+        .map(|s| FaultProxy::start(s.addr()))
+        .collect();
+    let urls: Vec<String> = proxies.iter().map(FaultProxy::url).collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let nt = ms(500);
+    let group = RedlockGroup::connect(
+        &urls,
+        RedlockOptions {
+            node_timeout: nt,
+            ..RedlockOptions::default()
+        },
+    )
+    .unwrap();
+    // A kept-alive lock whose extension, due at 2 s, will hang for a node
+    // timeout on blackholed nodes...
+    let kept = group
+        .try_acquire("kept", Duration::from_secs(4))
+        .unwrap()
+        .unwrap();
+    let _renewal = kept.keep_alive().unwrap();
+    // ...and a short one whose deadline falls inside that hang.
+    thread::sleep(ms(1_120));
+    let sent = Instant::now();
+    let short = group.try_acquire("short", ms(1_500)).unwrap().unwrap();
+    let signal = short.lost_signal().clone();
+    thread::sleep(ms(450));
+    for p in &proxies {
+        p.set_mode(Mode::Blackhole);
+    }
+    assert!(signal.recv_timeout(Duration::from_secs(5)).is_err());
+    let closed = sent.elapsed();
+    // 1.5 s − drift (17 ms) − node timeout.
+    let deadline = ms(1_500) - ms(17) - nt;
+    println!("c (redlock): signal closed {closed:?} after the send; deadline {deadline:?}");
+    assert!(
+        closed >= deadline.saturating_sub(ms(5)),
+        "early: {closed:?}"
+    );
+    assert!(closed < deadline + ms(100), "late: {closed:?}");
+    for p in &proxies {
+        p.set_mode(Mode::Pass);
+    }
+}
