@@ -289,6 +289,25 @@ impl CoordinatorBuilder {
     /// zero timeouts; [`Error::Connect`], [`Error::Auth`], [`Error::Tls`] when the
     /// first connection fails.
     pub fn build(self) -> Result<Coordinator> {
+        let drift_factor = self.drift_factor;
+        let pool_size = self.pool_size;
+        let (cfg, key_prefix) = self.config()?;
+        let first = cfg.connect(cfg.connect_timeout, "respire")?;
+        let pool = Pool::new(cfg, pool_size);
+        pool.seed(first);
+        Ok(Coordinator {
+            dep: Arc::new(Deployment::new(
+                pool,
+                key_prefix,
+                drift_factor,
+                clock::system(),
+            )),
+        })
+    }
+
+    /// Checks the settings and makes the connection config, without
+    /// connecting; also returns the key prefix.
+    pub(crate) fn config(self) -> Result<(Arc<ConnConfig>, String)> {
         keys::check_prefix(&self.key_prefix)?;
         if !(0.0..0.5).contains(&self.drift_factor) {
             return Err(Error::InvalidArgument(format!(
@@ -310,17 +329,7 @@ impl CoordinatorBuilder {
             #[cfg(feature = "tls")]
             tls: self.tls,
         })?);
-        let first = cfg.connect(cfg.connect_timeout, "respire")?;
-        let pool = Pool::new(cfg, self.pool_size);
-        pool.seed(first);
-        Ok(Coordinator {
-            dep: Arc::new(Deployment::new(
-                pool,
-                self.key_prefix,
-                self.drift_factor,
-                clock::system(),
-            )),
-        })
+        Ok((cfg, self.key_prefix))
     }
 }
 
