@@ -42,12 +42,10 @@ use crate::token::OwnerToken;
 ///
 /// Waits are woken by invalidations of the keys whose change may free them
 /// (client tracking) and by a timer at the earliest expiry that could free
-/// them, and do not poll unless tracking is unavailable. They ride out failures that may pass — timeouts, I/O errors,
-/// refused connections, a server loading or failing over — with jittered
-/// pauses (10 ms doubling to 1 s) until their deadline or cancellation, and
-/// then return the last error if the last attempt failed, never a silent
-/// `Ok(None)`. Permanent errors (authentication, permissions, bad keys or
-/// arguments, a fencing regression) end a wait at once. A wait whose attempts
+/// them, and do not poll unless tracking is unavailable. How they ride out
+/// failures that may pass and end at once on the others is the crate's one rule
+/// for every wait: see [Waiting and cancellation](crate#waiting-and-cancellation).
+/// A wait whose attempts
 /// got no reply deletes, in the background, whatever they may have set, after
 /// killing the connections they went out on (so the clean-up cannot be
 /// overtaken by a late grant); a wait cancelled while its last attempt was in

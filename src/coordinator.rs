@@ -504,6 +504,72 @@ impl CoordinatorBuilder {
     ///   URL names something that is not a sentinel, or the named primary is
     ///   not one (`ROLE`).
     pub fn build(self) -> Result<Coordinator> {
+        let target = self.check()?;
+        let settings = Settings {
+            pool_size: self.pool_size,
+            refresh: self.refresh,
+            clock: clock::system(),
+        };
+        let role = match self.replication {
+            Replication::Off => RoleCheck::None,
+            _ => RoleCheck::Learn,
+        };
+        let topology = match target {
+            ParsedTarget::Standalone(url) => {
+                let cfg = Arc::new(ConnConfig::new(self.data_settings(url, role, None))?);
+                let first = cfg.connect(cfg.connect_timeout, "respire")?;
+                Topology::standalone(cfg, Some(first), &settings)
+            }
+            ParsedTarget::Cluster { seeds, auth } => self.cluster(seeds, auth, role, &settings)?,
+            ParsedTarget::Sentinel {
+                sentinels,
+                service,
+                auth,
+                database,
+            } => self.sentinel(sentinels, service, auth, database, &settings)?,
+        };
+        let timing = Timing {
+            drift_factor: self.drift_factor,
+            node_timeout: self.node_timeout,
+        };
+        Ok(Coordinator {
+            dep: Arc::new(Deployment::new(
+                topology,
+                self.key_prefix,
+                timing,
+                self.connect_timeout,
+                self.replication,
+                settings.clock,
+            )),
+        })
+    }
+
+    /// Checks the settings and makes the connection config of the standalone
+    /// server they name, without connecting; also returns the key prefix.
+    /// A Redlock group's nodes are made this way: a Cluster or Sentinel target
+    /// is refused with [`Error::NotIndependent`].
+    pub(crate) fn standalone_config(self) -> Result<(Arc<ConnConfig>, String)> {
+        match self.check()? {
+            ParsedTarget::Standalone(url) => {
+                let cfg = ConnConfig::new(self.data_settings(url, RoleCheck::None, None))?;
+                Ok((Arc::new(cfg), self.key_prefix))
+            }
+            ParsedTarget::Cluster { .. } => Err(Error::NotIndependent(
+                "a Redis Cluster deployment (cluster nodes share failover and slot \
+                 ownership); use standalone servers that fail independently"
+                    .into(),
+            )),
+            ParsedTarget::Sentinel { .. } => Err(Error::NotIndependent(
+                "a Sentinel deployment (its primary moves on failover); use standalone \
+                 servers that fail independently"
+                    .into(),
+            )),
+        }
+    }
+
+    /// Checks every setting that needs no connection; returns the target with
+    /// topology URLs taken apart.
+    fn check(&self) -> Result<ParsedTarget> {
         keys::check_prefix(&self.key_prefix)?;
         if !(0.0..0.5).contains(&self.drift_factor) {
             return Err(Error::InvalidArgument(format!(
@@ -552,110 +618,91 @@ impl CoordinatorBuilder {
                     .into(),
             ));
         }
-        let settings = Settings {
-            pool_size: self.pool_size,
-            refresh: self.refresh,
-            clock: clock::system(),
-        };
-        let role = match self.replication {
-            Replication::Off => RoleCheck::None,
-            _ => RoleCheck::Learn,
-        };
-        let topology = match target {
-            ParsedTarget::Standalone(url) => {
-                let cfg = Arc::new(ConnConfig::new(self.data_settings(url, role, None))?);
-                let first = cfg.connect(cfg.connect_timeout, "respire")?;
-                Topology::standalone(cfg, Some(first), &settings)
-            }
-            ParsedTarget::Cluster { seeds, auth } => {
-                if seeds.is_empty() {
-                    return Err(Error::InvalidArgument("no cluster seed given".into()));
-                }
-                if let Some(db) = self.database
-                    && db != 0
-                {
+        Ok(target)
+    }
+
+    fn cluster(
+        &self,
+        seeds: Vec<String>,
+        auth: Option<Auth>,
+        role: RoleCheck,
+        settings: &Settings,
+    ) -> Result<Arc<Topology>> {
+        if seeds.is_empty() {
+            return Err(Error::InvalidArgument("no cluster seed given".into()));
+        }
+        if let Some(db) = self.database
+            && db != 0
+        {
+            return Err(Error::InvalidArgument(format!(
+                "database {db}: a Redis Cluster has database 0 only"
+            )));
+        }
+        let scheme = |u: &str| u.split("://").next().unwrap_or("").to_owned();
+        let first = scheme(&seeds[0]);
+        if let Some(other) = seeds.iter().find(|u| scheme(u) != first) {
+            return Err(Error::InvalidArgument(format!(
+                "cluster seeds use different schemes: {} and {}",
+                redact_url(&seeds[0]),
+                redact_url(other)
+            )));
+        }
+        let cfgs = seeds
+            .into_iter()
+            .map(|url| {
+                let cfg = ConnConfig::new(self.data_settings(url, role, auth.clone()))?;
+                if cfg.host_port().is_none() {
                     return Err(Error::InvalidArgument(format!(
-                        "database {db}: a Redis Cluster has database 0 only"
+                        "cluster seed {} is not a TCP address",
+                        cfg.addr
                     )));
                 }
-                let scheme = |u: &str| u.split("://").next().unwrap_or("").to_owned();
-                let first = scheme(&seeds[0]);
-                if let Some(other) = seeds.iter().find(|u| scheme(u) != first) {
-                    return Err(Error::InvalidArgument(format!(
-                        "cluster seeds use different schemes: {} and {}",
-                        redact_url(&seeds[0]),
-                        redact_url(other)
-                    )));
-                }
-                let cfgs = seeds
-                    .into_iter()
-                    .map(|url| {
-                        let cfg = ConnConfig::new(self.data_settings(url, role, auth.clone()))?;
-                        if cfg.host_port().is_none() {
-                            return Err(Error::InvalidArgument(format!(
-                                "cluster seed {} is not a TCP address",
-                                cfg.addr
-                            )));
-                        }
-                        Ok(Arc::new(cfg))
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                // A cluster seed with a database in its URL is refused too.
-                if let Some(db) = cfgs.iter().find_map(|c| c.database().filter(|d| *d != 0)) {
-                    return Err(Error::InvalidArgument(format!(
-                        "database {db}: a Redis Cluster has database 0 only"
-                    )));
-                }
-                Topology::cluster(cfgs, &settings)?
-            }
-            ParsedTarget::Sentinel {
-                sentinels,
-                service,
-                auth,
-                database,
-            } => {
-                if sentinels.is_empty() {
-                    return Err(Error::InvalidArgument("no sentinel given".into()));
-                }
-                if service.is_empty() {
-                    return Err(Error::InvalidArgument(
-                        "the Sentinel service name is empty".into(),
-                    ));
-                }
-                let sentinel_cfgs = sentinels
-                    .iter()
-                    .map(|url| ConnConfig::new(self.sentinel_settings(url)).map(Arc::new))
-                    .collect::<Result<Vec<_>>>()?;
-                let tls = self.node_tls.unwrap_or(sentinel_cfgs[0].tls);
-                let scheme = if tls { "rediss" } else { "redis" };
-                // The data nodes' settings; each primary's address replaces
-                // this placeholder before anything connects.
-                let mut s = self.data_settings(
-                    format!("{scheme}://127.0.0.1:{DEFAULT_PORT}"),
-                    RoleCheck::Primary,
-                    auth,
-                );
-                if s.database.is_none() {
-                    s.database = database;
-                }
-                let template = Arc::new(ConnConfig::new(s)?);
-                Topology::sentinel(sentinel_cfgs, &service, template, &settings)?
-            }
-        };
-        let timing = Timing {
-            drift_factor: self.drift_factor,
-            node_timeout: self.node_timeout,
-        };
-        Ok(Coordinator {
-            dep: Arc::new(Deployment::new(
-                topology,
-                self.key_prefix,
-                timing,
-                self.connect_timeout,
-                self.replication,
-                settings.clock,
-            )),
-        })
+                Ok(Arc::new(cfg))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // A cluster seed with a database in its URL is refused too.
+        if let Some(db) = cfgs.iter().find_map(|c| c.database().filter(|d| *d != 0)) {
+            return Err(Error::InvalidArgument(format!(
+                "database {db}: a Redis Cluster has database 0 only"
+            )));
+        }
+        Topology::cluster(cfgs, settings)
+    }
+
+    fn sentinel(
+        &self,
+        sentinels: Vec<String>,
+        service: String,
+        auth: Option<Auth>,
+        database: Option<i64>,
+        settings: &Settings,
+    ) -> Result<Arc<Topology>> {
+        if sentinels.is_empty() {
+            return Err(Error::InvalidArgument("no sentinel given".into()));
+        }
+        if service.is_empty() {
+            return Err(Error::InvalidArgument(
+                "the Sentinel service name is empty".into(),
+            ));
+        }
+        let sentinel_cfgs = sentinels
+            .iter()
+            .map(|url| ConnConfig::new(self.sentinel_settings(url)).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
+        let tls = self.node_tls.unwrap_or(sentinel_cfgs[0].tls);
+        let scheme = if tls { "rediss" } else { "redis" };
+        // The data nodes' settings; each primary's address replaces
+        // this placeholder before anything connects.
+        let mut s = self.data_settings(
+            format!("{scheme}://127.0.0.1:{DEFAULT_PORT}"),
+            RoleCheck::Primary,
+            auth,
+        );
+        if s.database.is_none() {
+            s.database = database;
+        }
+        let template = Arc::new(ConnConfig::new(s)?);
+        Topology::sentinel(sentinel_cfgs, &service, template, settings)
     }
 
     #[cfg(feature = "tls")]

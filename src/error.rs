@@ -218,6 +218,25 @@ pub enum Error {
         /// How many were required.
         required: u32,
     },
+
+    /// A Redlock group's node timeout is too short for a node: its round trip,
+    /// measured when the group connected (the smaller of two samples), is more
+    /// than half the node timeout. Raise
+    /// [`RedlockOptions::node_timeout`](crate::RedlockOptions::node_timeout) to
+    /// `needed` or more, or use nearer nodes.
+    #[error(
+        "node timeout {node_timeout:?} is too short for {node}: its round trip is {round_trip:?}, and the node timeout must be at least twice that ({needed:?})"
+    )]
+    NodeTimeoutTooShort {
+        /// The node's address, without credentials.
+        node: String,
+        /// Its measured round trip.
+        round_trip: Duration,
+        /// The node timeout in the options.
+        node_timeout: Duration,
+        /// The shortest node timeout the group accepts for that node.
+        needed: Duration,
+    },
 }
 
 impl Error {
@@ -266,14 +285,53 @@ impl Error {
     pub fn is_uncertain(&self) -> bool {
         matches!(self, Error::Timeout { .. } | Error::Io { .. })
     }
+
+    /// A copy of an error that trying again will not cure (credentials, TLS,
+    /// permissions, settings, an error reply), so that one node's answer can
+    /// be reported again as the error of a whole operation; `None` for the
+    /// others.
+    pub(crate) fn duplicate_permanent(&self) -> Option<Error> {
+        if self.is_retryable() {
+            return None;
+        }
+        Some(match self {
+            Error::Auth { addr, detail } => Error::Auth {
+                addr: addr.clone(),
+                detail: detail.clone(),
+            },
+            Error::Tls { addr, detail } => Error::Tls {
+                addr: addr.clone(),
+                detail: detail.clone(),
+            },
+            Error::Permission(why) => Error::Permission(why.clone()),
+            Error::Config(why) => Error::Config(why.clone()),
+            Error::Server { op, source } => Error::Server {
+                op,
+                source: source.clone(),
+            },
+            Error::UnexpectedReply { op, reply } => Error::UnexpectedReply {
+                op,
+                reply: reply.clone(),
+            },
+            _ => return None,
+        })
+    }
 }
 
 /// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Whether a server error reply means "permission denied".
+/// Whether a server error reply means "permission denied": `NOPERM`, or the
+/// `ERR` a script gets when its user may not run a command or touch a key.
 pub(crate) fn is_noperm(err: &redis::RedisError) -> bool {
-    err.code() == Some("NOPERM")
+    match err.code() {
+        Some("NOPERM") => true,
+        Some("ERR") => err.detail().is_some_and(|d| {
+            d.contains("user executing the script can't run")
+                || d.contains("user executing the script can't access")
+        }),
+        _ => false,
+    }
 }
 
 #[cfg(test)]

@@ -141,14 +141,20 @@
 //!
 //! **Failures during a wait.** One rule for every wait of every primitive,
 //! [`RedlockGroup`]'s included: a wait rides out failures that may pass —
-//! timeouts, I/O errors, refused connections, a quorum not reached, a server
-//! loading or failing over ([`Error::is_retryable`]) — with jittered pauses that
-//! grow to a ceiling, until its deadline or cancellation. At its deadline it
-//! returns the *last error* if its last attempt failed, so a deployment that went
-//! away is never reported as "held by someone else"; `Ok(None)` only if the last
-//! attempt found the lock held. Permanent errors (authentication, permissions, bad
-//! keys or arguments, independence, a fencing regression) end a wait at once.
-//! `try_acquire` makes one attempt and returns its error.
+//! timeouts, I/O errors, refused connections, a quorum not reached (Redlock
+//! nodes down, slow or not connected), a server loading or failing over
+//! ([`Error::is_retryable`]) — with jittered pauses that grow to a ceiling
+//! (10 ms doubling to 1 s on one deployment; [`RedlockOptions::retry_base`]
+//! doubling to [`RedlockOptions::retry_max`] for Redlock), until its deadline
+//! or cancellation. At its deadline it returns the *last error* if its last
+//! attempt failed, so a deployment that went away is never reported as "held
+//! by someone else"; `Ok(None)` only if the last attempt found the lock held.
+//! Permanent errors (authentication, TLS, permissions, bad keys or arguments,
+//! independence, a fencing regression; for a Redlock group, such an error on
+//! enough nodes that no quorum can form without them) end a wait at once.
+//! `acquire` and `acquire_until` end only that way or by cancellation, and
+//! `Duration::MAX` as a wait means no deadline. `try_acquire` makes one
+//! attempt and returns its error.
 //!
 //! A command that got no reply may still be applied. When attempts of a wait got
 //! no reply and the wait ends without the lock, the connections they went out on
@@ -158,9 +164,10 @@
 //! flight when the wait is cancelled is released.
 //!
 //! **Time bounds.** One attempt takes at most the node timeout, plus the connect
-//! timeout when it has to open a connection; a script the server lost from its
-//! cache (a restart) is sent again within the same bound. A guard's `release` and
-//! its `Drop` take at most the node timeout in all.
+//! timeout when it has to open a connection (a Redlock attempt never opens one:
+//! its nodes connect in the background); a script the server lost from its
+//! cache (a restart) is sent again within the same bound. A guard's `release`
+//! and its `Drop` take at most the node timeout in all.
 //!
 //! # Lease loss
 //!
@@ -267,8 +274,13 @@
 //! server clock jump, or a node restarted without its data (see
 //! [`RedlockOptions::restart_delay`]) can let two holders overlap. Waiting
 //! polls with jittered, bounded pauses, since invalidations from independent
-//! servers cannot be combined. [`RedlockGroup`] documents the algorithm, what
-//! it does not promise, antirez's delayed-restart rule and the threads.
+//! servers cannot be combined. Every node is connected when the group is
+//! made and reconnects in the background, so an attempt costs one round trip
+//! to the quorum's slowest node; the node timeout must be at least twice the
+//! slowest node's round trip, which the group measures and checks.
+//! [`RedlockGroup`] documents the algorithm, choosing the node timeout, what
+//! it does not promise, antirez's delayed-restart rule, the threads and the
+//! ACL rights.
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -301,12 +313,14 @@
 //! from the start; a Sentinel coordinator runs `respire-topology` and one
 //! `respire-sentinel-N` per sentinel. A guard that nobody keeps alive or
 //! watches involves no thread of its own. Per [`RedlockGroup`]: one worker per
-//! node (`respire-node-N`, one connection each) and a renewal thread
-//! (`respire-redlock`, on first need). No thread or connection is created per
-//! guard or per waiter. These threads never wait on a lock held across network
-//! I/O, and stop when the last handle (coordinator, group or guard) that needs
-//! them is dropped. A failure in a background thread flags leases lost and logs;
-//! it never panics.
+//! node (`respire-node-N`, one connection each), started with the group; a
+//! renewal thread (`respire-redlock`), started by the first `keep_alive()` or
+//! `lost_signal()` of one of its guards; and, only while a node reconnects
+//! after a failure, a connector thread (`respire-conn-N`). No thread or
+//! connection is created per guard or per waiter. These threads never wait on
+//! a lock held across network I/O, and stop when the last handle
+//! (coordinator, group or guard) that needs them is dropped. A failure in a
+//! background thread flags leases lost and logs; it never panics.
 //!
 //! # Guarantees and limits
 //!
@@ -321,7 +335,8 @@
 //!   `volatile-*` policy, which can still drop leases).
 //! - Keep-alive needs the ACL rights to run the renewal script on the lease's
 //!   keys (`EVALSHA`, `EVAL`), `CLIENT ID` and `CLIENT KILL` (checked by
-//!   `keep_alive()` itself).
+//!   `keep_alive()` itself); a [`RedlockGroup`] needs `CLIENT ID` and `CLIENT
+//!   KILL` on every node (checked when it is made).
 //! - A [`RedlockGroup`] survives a minority of failed nodes, but a node that
 //!   restarts without its data can hand out a held lock again; it gives no
 //!   fencing token.
@@ -370,7 +385,9 @@ pub use guard::{KeepAlive, LeaseGuard, ReleaseOutcome};
 pub use keys::{MAX_TTL, key_slot};
 pub use kind::{Fenced, Kind, Plain, Read, Slot, Write};
 pub use lock::{Lock, LockGuard};
-pub use redlock::{RedlockAttempt, RedlockGroup, RedlockGuard, RedlockKeepAlive, RedlockOptions};
+pub use redlock::{
+    RedlockAttempt, RedlockGroup, RedlockGuard, RedlockKeepAlive, RedlockNode, RedlockOptions,
+};
 pub use replication::Replication;
 pub use report::{NodeOutcome, NodeReport};
 pub use runtime::renewal::RenewalStats;

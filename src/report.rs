@@ -26,17 +26,23 @@ pub enum NodeOutcome {
     Uncounted(String),
     /// The command failed: connection refused or reset, or an error reply.
     Failed(String),
-    /// No reply within the node timeout. The command may still be applied;
-    /// the connection was dropped.
+    /// No reply within the node timeout. The command may still be applied:
+    /// the node's connection is replaced in the background, and the old one
+    /// killed before anything else is sent to the node.
     TimedOut,
     /// Still unanswered when the outcome was decided. The command may still
     /// be applied; a grant is cleaned up by the release, which reaches the
     /// node after it.
     Abandoned,
-    /// Nothing was sent, for the reason given (the node failed moments ago and
-    /// is rested, it restarted within the restart delay, or there was nothing
-    /// to do there).
+    /// Nothing was sent, for the reason given (it restarted within the restart
+    /// delay, the command waited behind earlier ones past its time, or there
+    /// was nothing to do there).
     NotSent(String),
+    /// Nothing was sent: the node has no connection right now, and its worker
+    /// is reconnecting in the background (the reason is the last failure).
+    /// Answered at once, without waiting for the connect. A release is still
+    /// sent once the node is connected again.
+    NotConnected(String),
 }
 
 impl fmt::Display for NodeOutcome {
@@ -53,6 +59,7 @@ impl fmt::Display for NodeOutcome {
             NodeOutcome::TimedOut => f.write_str("timed out"),
             NodeOutcome::Abandoned => f.write_str("no reply yet when the outcome was decided"),
             NodeOutcome::NotSent(why) => write!(f, "not sent: {why}"),
+            NodeOutcome::NotConnected(why) => write!(f, "not connected: {why}"),
         }
     }
 }

@@ -601,3 +601,23 @@ fn c_redlock_loss_signals_close_on_time_while_an_extension_hangs_on_the_nodes() 
         p.set_mode(Mode::Pass);
     }
 }
+
+#[test]
+fn k_a_command_a_script_may_not_run_is_a_permission_error() {
+    let server = TestServer::builder()
+        .acl_user("app on >pw ~* &* +@all -pexpire")
+        .start();
+    let coord = Coordinator::builder(&server.url_for_user("app", "pw"))
+        .build()
+        .unwrap();
+    let guard = coord
+        .lock("job")
+        .unwrap()
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    // The extension script calls PEXPIRE, which this user may not run.
+    let err = guard.reset_expiry(Duration::from_secs(30)).unwrap_err();
+    assert!(matches!(err, Error::Permission(_)), "{err}");
+    assert!(!guard.is_lost());
+}

@@ -238,15 +238,34 @@ impl ConnConfig {
     /// LOAD` waits out a `CLIENT PAUSE WRITE`, as during a failover): the first
     /// use of one on a server that lacks it sends it within the same deadline.
     pub(crate) fn connect(&self, budget: Duration, name: &str) -> Result<Conn> {
-        self.open(&self.client, budget, name)
+        self.open(&self.client, budget, name, &[]).map(|o| o.conn)
+    }
+
+    /// Opens a connection as [`connect`](ConnConfig::connect) does, with `extra`
+    /// commands pipelined after `CLIENT SETNAME` and `CLIENT ID` in the same
+    /// round trip; their replies (error replies in place) come back in order.
+    pub(crate) fn connect_with(
+        &self,
+        budget: Duration,
+        name: &str,
+        extra: &[redis::Cmd],
+    ) -> Result<Opened> {
+        self.open(&self.client, budget, name, extra)
     }
 
     /// Opens a RESP2 connection for receiving pub/sub messages.
     pub(crate) fn connect_pubsub(&self, budget: Duration, name: &str) -> Result<Conn> {
-        self.open(&self.pubsub_client, budget, name)
+        self.open(&self.pubsub_client, budget, name, &[])
+            .map(|o| o.conn)
     }
 
-    fn open(&self, client: &redis::Client, budget: Duration, name: &str) -> Result<Conn> {
+    fn open(
+        &self,
+        client: &redis::Client,
+        budget: Duration,
+        name: &str,
+        extra: &[redis::Cmd],
+    ) -> Result<Opened> {
         let started = Instant::now();
         let budget = budget
             .min(self.connect_timeout)
@@ -266,6 +285,7 @@ impl ConnConfig {
             waited: None,
             replicas: None,
             fresh: true,
+            uncached: Vec::new(),
             attachment: None,
         };
         // The first round trip also completes a TLS handshake and surfaces a
@@ -279,7 +299,11 @@ impl ConnConfig {
         if ask_role {
             pipe.cmd("ROLE");
         }
+        for cmd in extra {
+            pipe.add_command(cmd.clone());
+        }
         let deadline = started + budget;
+        let sent = Instant::now();
         let values = match conn.pipeline(&pipe, "connection setup", deadline) {
             Ok(values) => values,
             Err(Error::Timeout { .. }) => {
@@ -291,6 +315,7 @@ impl ConnConfig {
             Err(Error::Io { source, .. }) => return Err(self.connect_error(source, budget)),
             Err(e) => return Err(e),
         };
+        let round_trip = sent.elapsed();
         let mut values = values.into_iter();
         match values.next() {
             Some(redis::Value::ServerError(e)) if matches!(e.code(), "NOAUTH" | "WRONGPASS") => {
@@ -300,9 +325,18 @@ impl ConnConfig {
             Some(redis::Value::ServerError(e)) => log::debug!("cannot name connection: {e:?}"),
             _ => {}
         }
+        let mut id_error = None;
         match values.next() {
             Some(redis::Value::Int(id)) => conn.id = u64::try_from(id).ok(),
-            other => log::debug!("no CLIENT ID for the connection: {other:?}"),
+            other => {
+                log::debug!("no CLIENT ID for the connection: {other:?}");
+                id_error = Some(match other {
+                    Some(redis::Value::ServerError(e)) => {
+                        format!("{} {}", e.code(), e.details().unwrap_or_default())
+                    }
+                    other => format!("unexpected reply {other:?}"),
+                });
+            }
         }
         if ask_role {
             match values.next().map(|v| sentinel::parse_role(&v)) {
@@ -318,7 +352,12 @@ impl ConnConfig {
                 other => log::debug!("no usable ROLE for {}: {other:?}", self.addr),
             }
         }
-        Ok(conn)
+        Ok(Opened {
+            conn,
+            replies: values.collect(),
+            round_trip,
+            id_error,
+        })
     }
 
     fn connect_error(&self, err: redis::RedisError, budget: Duration) -> Error {
@@ -408,6 +447,17 @@ pub(crate) fn redact_url(url: &str) -> String {
     }
 }
 
+/// A connection just opened by [`ConnConfig::connect_with`].
+pub(crate) struct Opened {
+    pub(crate) conn: Conn,
+    /// The replies to the extra setup commands, in order.
+    pub(crate) replies: Vec<redis::Value>,
+    /// From sending the setup pipeline to its last reply: one round trip.
+    pub(crate) round_trip: Duration,
+    /// Why `CLIENT ID` gave no id, when it did not.
+    pub(crate) id_error: Option<String>,
+}
+
 /// One connection, with the state this crate keeps about it.
 pub(crate) struct Conn {
     inner: redis::Connection,
@@ -427,6 +477,8 @@ pub(crate) struct Conn {
     replicas: Option<u32>,
     /// Not yet returned to a pool: just opened.
     fresh: bool,
+    /// SHA1s of scripts the server is known to lack: sent with EVAL at once.
+    uncached: Vec<String>,
     /// State a higher layer keeps with this connection and drops with it (the
     /// waiters keep client-tracking state here, and hear of the close by its drop).
     pub(crate) attachment: Option<Box<dyn Any + Send>>,
@@ -587,8 +639,17 @@ impl Conn {
         Ok(values)
     }
 
+    /// Notes that the server lacks `script` (`SCRIPT EXISTS` said so): its
+    /// next use goes out as EVAL straight away, which also caches it there.
+    pub(crate) fn lacks_script(&mut self, script: &Script) {
+        if !self.uncached.contains(&script.sha) {
+            self.uncached.push(script.sha.clone());
+        }
+    }
+
     /// Runs a script in one round trip (EVALSHA; EVAL in the time left when the
-    /// server does not have it cached), finishing by `deadline`.
+    /// server does not have it cached; EVAL at once when it is known not to),
+    /// finishing by `deadline`.
     pub(crate) fn script<T: FromRedisValue>(
         &mut self,
         script: &Script,
@@ -599,6 +660,12 @@ impl Conn {
     ) -> Result<T> {
         if self.asking || self.wait.is_some() {
             return self.wrapped_script(script, keys, args, op, deadline);
+        }
+        if let Some(i) = self.uncached.iter().position(|sha| *sha == script.sha) {
+            // Cached by this EVAL whatever it returns; a transport failure
+            // ends the connection anyway.
+            self.uncached.swap_remove(i);
+            return self.query(&script.eval(keys, args), op, deadline);
         }
         match self.query(&script.evalsha(keys, args), op, deadline) {
             Err(Error::Server { source, .. }) if source.code() == Some("NOSCRIPT") => {
@@ -657,8 +724,15 @@ impl Conn {
     ) -> Result<T> {
         let asking = std::mem::take(&mut self.asking);
         let wait = self.wait.take();
-        let mut cmd = script.evalsha(keys, args);
-        for sha in [true, false] {
+        let uncached = self.uncached.iter().position(|sha| *sha == script.sha);
+        let mut cmd = match uncached {
+            Some(i) => {
+                self.uncached.swap_remove(i);
+                script.eval(keys, args)
+            }
+            None => script.evalsha(keys, args),
+        };
+        for sha in [uncached.is_none(), false] {
             let mut pipe = redis::pipe();
             if asking {
                 pipe.cmd("ASKING");

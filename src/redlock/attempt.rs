@@ -20,9 +20,9 @@ impl Group {
             return Err(Error::InvalidArgument("redlock key is empty".into()));
         }
         let keys = this
-            .nodes
+            .prefixes
             .iter()
-            .map(|c| format!("{}{key}", c.key_prefix()))
+            .map(|prefix| format!("{prefix}{key}"))
             .collect();
         let owner = OwnerToken::new();
         let lease = Arc::new(NodeLease::new(keys, owner.as_str().to_owned()));
@@ -38,6 +38,16 @@ impl Group {
             |t| t.decided(),
         );
         let elapsed = sent.elapsed();
+        // Failures that trying again will not cure, on enough nodes that no
+        // quorum can form without them: the attempt's error is theirs.
+        let permanent: Vec<&Arc<Error>> = replies
+            .iter()
+            .flatten()
+            .filter_map(|r| r.permanent.as_ref())
+            .collect();
+        let permanent = (this.len() - permanent.len() < this.quorum)
+            .then(|| permanent.first().and_then(|e| e.duplicate_permanent()))
+            .flatten();
         let nodes = this.reports(replies, &targets, deadline, &NodeOutcome::Abandoned);
         let ttl = Duration::from_millis(ttl_ms);
         let validity = validity(ttl, elapsed, this.options.drift_factor);
@@ -64,6 +74,7 @@ impl Group {
             quorum: this.quorum,
             granted: tally.yes,
             verdict,
+            permanent,
         })
     }
 }
@@ -79,6 +90,8 @@ pub struct RedlockAttempt {
     quorum: usize,
     granted: usize,
     verdict: AcquireVerdict,
+    /// What keeps a quorum out of reach for good, when nodes failed that way.
+    permanent: Option<Error>,
 }
 
 impl RedlockAttempt {
@@ -144,6 +157,9 @@ impl RedlockAttempt {
         }
         if self.verdict == AcquireVerdict::Contended {
             return Ok(None);
+        }
+        if let Some(e) = self.permanent {
+            return Err(e);
         }
         if self.granted >= self.quorum {
             return Err(Error::Timeout {

@@ -274,10 +274,21 @@ impl RedlockGuard {
     /// gets the release in the background, after any command of this lock
     /// still queued for it (so a late grant is deleted too).
     ///
+    /// A node without a connection answers
+    /// [`NodeOutcome::NotConnected`](crate::NodeOutcome::NotConnected) at once
+    /// and does not count for this call. That is the case of a node whose
+    /// acquire (or extension) got no reply: its connection is being replaced,
+    /// and the old one killed, so that a late grant cannot land after the
+    /// release. Its worker keeps the release and sends it as soon as the node
+    /// is connected again, after the kill and however late, with a node
+    /// timeout of its own; a later call to `release` counts the answer it got
+    /// there without sending anything again.
+    ///
     /// # Errors
     /// [`Error::QuorumNotReached`] when fewer than a quorum confirmed (nodes
-    /// failed or did not answer): call `release` again to retry the nodes that
-    /// have not confirmed; otherwise the lock ends at its expiry.
+    /// failed, did not answer or were not connected): call `release` again to
+    /// retry the nodes that have not confirmed; otherwise the lock ends at its
+    /// expiry, or earlier on the nodes that get the queued release.
     pub fn release(&mut self) -> Result<bool> {
         let group = &self.inner.group;
         self.inner.cell.finish(Instant::now());

@@ -22,9 +22,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::cancel::CancelToken;
+use crate::conn::ConnConfig;
 use crate::coordinator::Coordinator;
 use crate::error::{Error, Result};
-use crate::runtime::nodes::{self, NodeWorker};
+use crate::runtime::nodes::{self, Hello, NodeSettings, NodeWorker, ROUND_TRIPS_PER_TIMEOUT};
 
 pub use attempt::RedlockAttempt;
 pub use guard::{RedlockGuard, RedlockKeepAlive};
@@ -36,9 +37,11 @@ use options::{check_options, random_unit, retry_pause};
 
 /// A lock held by a majority of independent Redis servers: antirez's Redlock.
 ///
-/// Made by [`RedlockGroup::new`](crate::RedlockGroup::new) from an odd number (3 or more) of
-/// [`Coordinator`]s for standalone servers that fail independently; cheap to
-/// clone. Each node's key is that coordinator's key prefix plus the key.
+/// Made by [`RedlockGroup::connect`](crate::RedlockGroup::connect) from the URLs of an odd number (3 or
+/// more) of standalone servers that fail independently, or by
+/// [`RedlockGroup::new`](crate::RedlockGroup::new) from [`Coordinator`]s whose connection settings
+/// (credentials, TLS, database, connect timeout) and key prefix it adopts;
+/// cheap to clone. Each node's key is its key prefix plus the key.
 ///
 /// # How an attempt works
 ///
@@ -47,13 +50,66 @@ use options::{check_options, random_unit, retry_pause};
 /// node timeout. The attempt returns as soon as the outcome is decided: a
 /// quorum (`N/2 + 1`) granted, or too few nodes are left to reach one. A slow
 /// or unreachable minority therefore does not slow a successful attempt down;
-/// its commands are abandoned (their connections dropped when they time out)
-/// and any grant they still make is deleted by the release, which reaches
-/// each node after that node's acquire. The lock is valid for
-/// `ttl − elapsed − (ttl × drift + 2 ms)`, measured on the local monotonic
-/// clock from the first send. A failed attempt is released on every node it
-/// reached, including nodes that failed or did not answer. Every attempt
-/// reports what each node answered ([`NodeReport`](crate::NodeReport)).
+/// its commands are abandoned, and any grant they still make is deleted by the
+/// release, which reaches each node after that node's acquire. The lock is
+/// valid for `ttl − elapsed − (ttl × drift + 2 ms)`, measured on the local
+/// monotonic clock from the first send. A failed attempt is released on every
+/// node it reached, including nodes that failed or did not answer. Every
+/// attempt reports what each node answered ([`NodeReport`](crate::NodeReport)).
+///
+/// Connections are never made inside an operation. Every node is connected
+/// when the group is made, all at once, and after a failure its connection is
+/// made again in the background (each try bounded by the connect timeout); a
+/// node without a connection answers
+/// [`NodeOutcome::NotConnected`](crate::NodeOutcome::NotConnected) at once.
+/// So an attempt costs one round trip to the quorum's slowest node, however
+/// far the nodes are: the scripts are checked with `SCRIPT EXISTS` when a
+/// connection is made, and one the server lacks goes out as `EVAL` directly.
+///
+/// # Choosing the node timeout
+///
+/// The node timeout bounds one command on one node: an answer later than
+/// that does not count. It must cover a round trip with room to spare, and it
+/// costs validity: an attempt may take up to a node timeout, and a guard is
+/// flagged lost one node timeout before its validity ends.
+///
+/// - **At least twice the slowest node's round trip.** The group measures
+///   each node's round trip when it connects (the setup round trip, confirmed
+///   by a second sample when it looks slow) and refuses a node timeout below
+///   twice it with [`Error::NodeTimeoutTooShort`], naming the node, its round
+///   trip and the node timeout it needs. Twice, because one round trip is the
+///   floor of every command, and the second one absorbs the tail of the
+///   link's latency (queueing, a retransmit, a busy server) and the `EVAL`
+///   retry when a server lost its script cache. [`RedlockGroup::nodes`] shows
+///   the measured round trips.
+/// - **Far below the TTL.** A TTL is refused unless node timeout plus drift is
+///   under half of it; aim for a node timeout of about 1% of the TTL or less.
+///   antirez suggests 5–50 ms for a 10 s TTL with the nodes on one LAN.
+///
+/// The default, 50 ms, fits nodes up to 25 ms away: one data center, or zones
+/// of one region. Across zones of distant regions, for example nodes in three
+/// regions with round trips of 10, 35 and 60 ms from the client, use 150 ms
+/// (more than twice 60 ms) with TTLs of 15 s or more: the worst attempt then
+/// keeps `15 s − 150 ms − 152 ms` of validity, and `keep_alive` renews at
+/// 7.5 s with ample time for a retry.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use respire_coordination::{RedlockGroup, RedlockOptions};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let group = RedlockGroup::connect(
+///     &["redis://us-east.example:6379", "redis://us-central.example:6379",
+///       "redis://us-west.example:6379"],
+///     RedlockOptions { node_timeout: Duration::from_millis(150), ..RedlockOptions::default() },
+/// )?;
+/// for node in group.nodes() {
+///     println!("{}: round trip {:?}", node.addr, node.round_trip);
+/// }
+/// let guard = group.acquire_timeout("invoice-run", Duration::from_secs(15), Duration::from_secs(5))?;
+/// # drop(guard);
+/// # Ok(()) }
+/// ```
 ///
 /// # What Redlock does not promise
 ///
@@ -79,8 +135,8 @@ use options::{check_options, random_unit, retry_pause};
 /// `appendfsync always`. The group does two things about it:
 ///
 /// - An extension never counts a node whose `run_id` changed since it granted
-///   the lock (learned from `INFO server` on every new connection; a restart
-///   always breaks connections). Even with persistence, the group cannot tell
+///   the lock (learned from `INFO` on every new connection; a restart always
+///   breaks connections). Even with persistence, the group cannot tell
 ///   whether the restarted node kept the key.
 /// - With [`RedlockOptions::restart_delay`] set above your longest TTL, it
 ///   sends no acquire to a server whose uptime is below that delay: the rule
@@ -95,7 +151,10 @@ use options::{check_options, random_unit, retry_pause};
 ///
 /// Independent servers cannot share client-tracking invalidations, so the
 /// bounded waits poll: bounded retries with jitter, as the Redlock page
-/// advises (see [`acquire_timeout`](RedlockGroup::acquire_timeout)):
+/// advises (see [`acquire_timeout`](RedlockGroup::acquire_timeout)). Like
+/// every wait in this crate, they ride out failures that may pass and end at
+/// once on permanent ones: see
+/// [Waiting and cancellation](crate#waiting-and-cancellation).
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -124,39 +183,73 @@ use options::{check_options, random_unit, retry_pause};
 /// # Ok(()) }
 /// ```
 ///
-/// # Threads
+/// # Threads and connections
 ///
-/// Per group: one worker per node (`respire-node-N`), each with one
-/// connection, running that node's share of every operation in order; and one
-/// renewal thread (`respire-redlock`) that fires loss signals and runs
-/// keep-alives. They stop when the last clone of the group and the last guard
-/// are dropped, after finishing the releases already queued. A node whose
-/// command failed at the transport level is rested for 25 ms, doubling up to
-/// 1 s while it keeps failing: operations then count it as not answering
-/// without waiting for it.
+/// Per group: one worker thread per node (`respire-node-N`), each with one
+/// connection (named `respire-redlock` in `CLIENT LIST`), running that node's
+/// share of every operation in order; and one renewal thread
+/// (`respire-redlock`), started by the first [`RedlockGuard::keep_alive`] or
+/// [`RedlockGuard::lost_signal`] of one of its guards, that fires loss signals
+/// and runs keep-alives without ever waiting on a node. While a node is
+/// reconnecting, a connector thread (`respire-conn-N`) makes its new
+/// connection and ends. So a group of 5 healthy nodes runs 5 worker threads,
+/// at most 1 renewal thread and 5 connections; the coordinators given to
+/// [`RedlockGroup::new`] are not used for anything but their settings. The
+/// threads stop when the last clone of the group and the last guard are
+/// dropped, after finishing the releases already queued.
 ///
 /// # ACL rights
 ///
-/// `EVALSHA` and `EVAL` (the scripts), `INFO` (independence checks and restart
-/// detection) and, optionally, `CLIENT SETNAME`.
+/// On each node: `EVALSHA` and `EVAL` (the scripts, on the keys with the
+/// node's prefix), `INFO` (independence checks and restart detection),
+/// `CLIENT ID` and `CLIENT KILL` (a command that got no reply is fenced off by
+/// killing its connection before anything else is sent; both are checked when
+/// the group is made), and, optionally, `SCRIPT EXISTS` (without it a script
+/// the server lacks costs one more round trip, once) and `CLIENT SETNAME`.
 #[derive(Clone)]
 pub struct RedlockGroup {
     inner: Arc<Group>,
 }
 
 pub(crate) struct Group {
-    nodes: Vec<Coordinator>,
+    /// Each node's key prefix.
+    prefixes: Vec<String>,
     workers: Vec<NodeWorker>,
     options: RedlockOptions,
     quorum: usize,
     renewal: GroupRenewal,
 }
 
+/// One node of a [`RedlockGroup`], as its worker last saw it: see
+/// [`RedlockGroup::nodes`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RedlockNode {
+    /// The node's address, without credentials.
+    pub addr: String,
+    /// The prefix added to keys on this node.
+    pub key_prefix: String,
+    /// The round trip measured when its current (or last) connection was
+    /// made: the setup round trip (when the group was made, the smaller of
+    /// two samples if the first looked slow).
+    pub round_trip: Option<Duration>,
+    /// Whether it has a connection now; `false` while it reconnects.
+    pub connected: bool,
+    /// Why it is not connected, when it is not.
+    pub last_error: Option<String>,
+}
+
 impl RedlockGroup {
-    /// Makes a group over `nodes`, after checking that they can form one.
+    /// Makes a group over `nodes`, using each coordinator's connection
+    /// settings (URL, credentials, TLS, database, connect timeout) and key
+    /// prefix; not its pool, threads or node timeout (the group's is in
+    /// `options`). The coordinators can be dropped afterwards.
     ///
-    /// Blocks for one `INFO` round trip per node (each bounded by the node
-    /// timeout), then starts one worker thread per node and one renewal thread.
+    /// Connects to every node at once and blocks until all are connected (at
+    /// most the longest connect timeout): one round trip after the handshake
+    /// per node, plus a second sample on a node whose round trip looks too
+    /// slow for the node timeout. Then starts one worker thread per node; the
+    /// renewal thread starts later, when first needed.
     ///
     /// # Errors
     /// - [`Error::InvalidArgument`] for fewer than 3 nodes or an even number
@@ -166,13 +259,16 @@ impl RedlockGroup {
     /// - [`Error::NotIndependent`] for two nodes that are the same server (same
     ///   `run_id`), nodes sharing a replication id (a primary and its replica,
     ///   or replicas of one primary), or a node in Redis Cluster mode.
-    /// - Transport errors from a node that does not answer `INFO`: a node whose
-    ///   independence cannot be checked is not accepted.
+    /// - [`Error::NodeTimeoutTooShort`] when a node's round trip is more than
+    ///   half the node timeout (see [Choosing the node
+    ///   timeout](RedlockGroup#choosing-the-node-timeout)).
+    /// - The first node's connect error ([`Error::Connect`], [`Error::Auth`],
+    ///   [`Error::Tls`], ...), at once: a node whose independence cannot be
+    ///   checked is not accepted. [`Error::Permission`] when a node's ACL
+    ///   denies `INFO`, `CLIENT ID` or `CLIENT KILL`.
     /// - [`Error::Thread`] when a thread cannot be started.
     pub fn new(nodes: Vec<Coordinator>, options: RedlockOptions) -> Result<RedlockGroup> {
-        check_options(nodes.len(), &options)?;
-        let mut infos = Vec::with_capacity(nodes.len());
-        let mut cfgs = Vec::with_capacity(nodes.len());
+        let mut configs = Vec::with_capacity(nodes.len());
         for node in &nodes {
             let dep = node.deployment();
             let Some(server) = dep.topology.standalone_node() else {
@@ -187,49 +283,29 @@ impl RedlockGroup {
                     dep.topology.describe()
                 )));
             };
-            let deadline = Instant::now() + options.node_timeout;
-            let mut conn = server.pool.get(deadline, crate::conn::Connect::Own)?;
-            let deadline = deadline + conn.connect_time();
-            let info: String = conn.query(&redis::cmd("INFO"), "INFO", deadline)?;
-            infos.push((server.addr().to_owned(), nodes::parse_info(&info)));
-            cfgs.push(server.cfg.clone());
+            configs.push((server.cfg.clone(), node.key_prefix().to_owned()));
         }
-        check_independent(&infos)?;
-        let thread_error = |source| Error::Thread {
-            name: "respire-node",
-            source,
-        };
-        let workers = cfgs
-            .into_iter()
-            .enumerate()
-            .map(|(i, cfg)| {
-                NodeWorker::spawn(i, cfg, options.restart_delay, options.node_timeout)
-                    .map_err(thread_error)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let quorum = nodes.len() / 2 + 1;
-        Ok(RedlockGroup {
-            inner: Arc::new_cyclic(|this| Group {
-                nodes,
-                workers,
-                options,
-                quorum,
-                renewal: GroupRenewal::new(this.clone()),
-            }),
-        })
+        drop(nodes);
+        Group::start(configs, options)
     }
 
-    /// Connects a coordinator to each URL (default settings; see
-    /// [`Coordinator::connect`]) and makes a group over them.
+    /// Makes a group over the servers at `urls`, with the defaults of
+    /// [`Coordinator::connect`] (connect timeout 2 s, no key prefix, the
+    /// URL's credentials and database); as [`RedlockGroup::new`] otherwise.
     ///
     /// # Errors
-    /// Connection errors from any URL, then as [`RedlockGroup::new`](crate::RedlockGroup::new).
+    /// [`Error::Config`] for a URL that does not parse, then as
+    /// [`RedlockGroup::new`](crate::RedlockGroup::new).
     pub fn connect(urls: &[&str], options: RedlockOptions) -> Result<RedlockGroup> {
-        let nodes = urls
+        let configs = urls
             .iter()
-            .map(|url| Coordinator::connect(url))
+            .map(|url| {
+                Coordinator::builder(url)
+                    .node_timeout(options.node_timeout.max(Duration::from_millis(1)))
+                    .standalone_config()
+            })
             .collect::<Result<Vec<_>>>()?;
-        RedlockGroup::new(nodes, options)
+        Group::start(configs, options)
     }
 
     /// How many nodes must agree: more than half.
@@ -237,9 +313,24 @@ impl RedlockGroup {
         self.inner.quorum
     }
 
-    /// The nodes, in the order given.
-    pub fn nodes(&self) -> &[Coordinator] {
-        &self.inner.nodes
+    /// The nodes, in the order given, as their workers see them now: address,
+    /// key prefix, measured round trip, and whether they are connected.
+    pub fn nodes(&self) -> Vec<RedlockNode> {
+        let g = &self.inner;
+        g.workers
+            .iter()
+            .zip(&g.prefixes)
+            .map(|(w, prefix)| {
+                let status = w.status();
+                RedlockNode {
+                    addr: w.addr.clone(),
+                    key_prefix: prefix.clone(),
+                    round_trip: status.round_trip,
+                    connected: status.connected,
+                    last_error: status.last_error,
+                }
+            })
+            .collect()
     }
 
     /// The group's settings.
@@ -277,30 +368,37 @@ impl RedlockGroup {
     /// [`Error::QuorumNotReached`] when no quorum granted and no node reported
     /// another holder (nodes down, slow or failing), with every node's answer;
     /// [`Error::Timeout`] when a quorum granted but the attempt took so long
-    /// that no validity was left.
+    /// that no validity was left; a node's error that trying again will not
+    /// cure ([`Error::Auth`], [`Error::Permission`], an error reply, ...) when
+    /// so many nodes failed that way that no quorum can form without them.
     pub fn try_acquire(&self, key: &str, ttl: Duration) -> Result<Option<RedlockGuard>> {
         self.attempt(key, ttl)?.into_result()
     }
 
-    /// Tries until acquired or `wait` runs out. A zero wait makes one attempt.
+    /// Tries until acquired or `wait` runs out. A zero wait makes one attempt;
+    /// a wait too long for the clock (`Duration::MAX`) has no deadline.
     ///
     /// Redlock cannot use client tracking across independent servers, so this
-    /// polls: after each contended attempt it sleeps a random pause between half
-    /// and all of a ceiling that starts at [`RedlockOptions::retry_base`] and
-    /// doubles up to [`RedlockOptions::retry_max`] (bounded retries with
-    /// jitter, so that contending clients do not keep colliding). Returns
-    /// `Ok(None)` when the wait runs out.
+    /// polls: after each attempt that did not get the lock it sleeps a random
+    /// pause between half and all of a ceiling that starts at
+    /// [`RedlockOptions::retry_base`] and doubles up to
+    /// [`RedlockOptions::retry_max`] (bounded retries with jitter, so that
+    /// contending clients do not keep colliding). Returns `Ok(None)` when the
+    /// wait runs out after an attempt that found the lock held.
     ///
     /// # Errors
-    /// As [`try_acquire`](RedlockGroup::try_acquire): an attempt that fails for
-    /// lack of nodes ends the wait with its error.
+    /// As [`try_acquire`](RedlockGroup::try_acquire), by the crate's rule for
+    /// waits ([Waiting and cancellation](crate#waiting-and-cancellation)):
+    /// [`Error::QuorumNotReached`] and other retryable errors only when the
+    /// wait ran out after a failed attempt; permanent errors at once.
     pub fn acquire_timeout(
         &self,
         key: &str,
         ttl: Duration,
         wait: Duration,
     ) -> Result<Option<RedlockGuard>> {
-        self.acquire_deadline(key, ttl, Instant::now() + wait)
+        let deadline = Instant::now().checked_add(wait);
+        self.wait(key, ttl, deadline, None)
     }
 
     /// Tries until acquired or `deadline`; see
@@ -308,7 +406,7 @@ impl RedlockGroup {
     /// past makes one attempt.
     ///
     /// # Errors
-    /// As [`try_acquire`](RedlockGroup::try_acquire).
+    /// As [`acquire_timeout`](RedlockGroup::acquire_timeout).
     pub fn acquire_deadline(
         &self,
         key: &str,
@@ -324,8 +422,9 @@ impl RedlockGroup {
     ///
     /// # Errors
     /// [`Error::Cancelled`] on cancellation (an attempt already sent finishes
-    /// first, and a lock it got is released); otherwise as
-    /// [`try_acquire`](RedlockGroup::try_acquire).
+    /// first, and a lock it got is released); the permanent errors of
+    /// [`try_acquire`](RedlockGroup::try_acquire). Retryable errors do not end
+    /// this wait.
     pub fn acquire(&self, key: &str, ttl: Duration, cancel: &CancelToken) -> Result<RedlockGuard> {
         self.wait(key, ttl, None, Some(cancel))?
             .ok_or(Error::Cancelled)
@@ -338,7 +437,7 @@ impl RedlockGroup {
     /// # Errors
     /// [`Error::Cancelled`] on cancellation (an attempt already sent finishes
     /// first, and a lock it got is released); otherwise as
-    /// [`try_acquire`](RedlockGroup::try_acquire).
+    /// [`acquire_timeout`](RedlockGroup::acquire_timeout).
     pub fn acquire_until(
         &self,
         key: &str,
@@ -402,6 +501,102 @@ impl RedlockGroup {
             }
         }
     }
+}
+
+impl Group {
+    /// Checks the options, connects every node at once, checks what they
+    /// found, and makes the group.
+    fn start(
+        nodes: Vec<(Arc<ConnConfig>, String)>,
+        options: RedlockOptions,
+    ) -> Result<RedlockGroup> {
+        check_options(nodes.len(), &options)?;
+        let settings = NodeSettings {
+            node_timeout: options.node_timeout,
+            restart_delay: options.restart_delay,
+        };
+        let (hello_tx, hello_rx) = crossbeam_channel::unbounded();
+        let mut workers = Vec::with_capacity(nodes.len());
+        let mut prefixes = Vec::with_capacity(nodes.len());
+        let mut longest = Duration::ZERO;
+        for (i, (cfg, prefix)) in nodes.into_iter().enumerate() {
+            longest = longest.max(cfg.connect_timeout);
+            let worker =
+                NodeWorker::spawn(i, cfg, settings, hello_tx.clone()).map_err(|source| {
+                    Error::Thread {
+                        name: "respire-node",
+                        source,
+                    }
+                })?;
+            workers.push(worker);
+            prefixes.push(prefix);
+        }
+        drop(hello_tx);
+        // Each worker's connect is bounded by its connect timeout; the margin
+        // only guards against a worker that never reports.
+        let until = Instant::now() + longest + Duration::from_secs(1);
+        let mut hellos: Vec<Option<Hello>> = vec![None; workers.len()];
+        for _ in 0..workers.len() {
+            match hello_rx.recv_deadline(until) {
+                Ok((i, Ok(hello))) => hellos[i] = Some(hello),
+                // The first failure decides: the group cannot be made.
+                Ok((_, Err(e))) => return Err(e),
+                Err(_) => break,
+            }
+        }
+        let mut found = Vec::with_capacity(workers.len());
+        for (w, hello) in workers.iter().zip(hellos) {
+            let Some(hello) = hello else {
+                return Err(Error::Connect {
+                    addr: w.addr.clone(),
+                    detail: format!("not connected within {longest:?}"),
+                });
+            };
+            found.push((w.addr.clone(), hello));
+        }
+        let infos: Vec<_> = found
+            .iter()
+            .map(|(addr, h)| (addr.clone(), h.info.clone()))
+            .collect();
+        check_independent(&infos)?;
+        check_round_trips(
+            found.iter().map(|(addr, h)| (addr.as_str(), h.round_trip)),
+            options.node_timeout,
+        )?;
+        let quorum = workers.len() / 2 + 1;
+        Ok(RedlockGroup {
+            inner: Arc::new_cyclic(|this| Group {
+                prefixes,
+                workers,
+                options,
+                quorum,
+                renewal: GroupRenewal::new(this.clone()),
+            }),
+        })
+    }
+}
+
+/// Refuses a node timeout below [`ROUND_TRIPS_PER_TIMEOUT`] round trips of
+/// the slowest node.
+fn check_round_trips<'a>(
+    round_trips: impl Iterator<Item = (&'a str, Duration)>,
+    node_timeout: Duration,
+) -> Result<()> {
+    let Some((node, round_trip)) = round_trips.max_by_key(|(_, rtt)| *rtt) else {
+        return Ok(());
+    };
+    let needed = round_trip * ROUND_TRIPS_PER_TIMEOUT;
+    if node_timeout < needed {
+        // Whole milliseconds, rounded up, for a setting that can be copied.
+        let needed = Duration::from_millis(needed.as_nanos().div_ceil(1_000_000) as u64);
+        return Err(Error::NodeTimeoutTooShort {
+            node: node.to_owned(),
+            round_trip,
+            node_timeout,
+            needed,
+        });
+    }
+    Ok(())
 }
 
 impl Drop for Group {

@@ -20,10 +20,14 @@ use crate::keys;
 /// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct RedlockOptions {
-    /// The longest one node may take to answer one command (including a
-    /// reconnect). It must be well below every TTL used: a TTL is refused
-    /// unless the node timeout plus drift is under half of it. Defaults to
-    /// 50 ms.
+    /// The longest one node may take to answer one command; connections are
+    /// made outside it, in the background. It must be at least twice every
+    /// node's round trip (checked when the group is made:
+    /// [`Error::NodeTimeoutTooShort`](crate::Error::NodeTimeoutTooShort)) and
+    /// well below every TTL used: a TTL is refused unless the node timeout
+    /// plus drift is under half of it. See [Choosing the node
+    /// timeout](crate::RedlockGroup#choosing-the-node-timeout). Defaults to
+    /// 50 ms, enough for nodes up to 25 ms away.
     pub node_timeout: Duration,
     /// The fraction of each TTL written off for clock-rate differences between
     /// this host and the servers (plus 2 ms). Must be in `0.0..1.0` (and not

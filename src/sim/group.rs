@@ -4,9 +4,13 @@
 //!
 //! The node workers follow the runtime's rules: one queue per node run in
 //! order; a job dequeued past its deadline is not sent (a release is, with a
-//! budget of its own); a command that got no reply taints its connection,
-//! which is killed, and the kill confirmed, before anything else goes to that
-//! node.
+//! budget of its own); a command that got no reply taints its connection, and
+//! the node reconnects in the background: a new connection (one round trip,
+//! which may be lost or late, retried after a pause), on which the tainted
+//! connection is killed, and the kill confirmed, before anything else goes to
+//! that node. While it is not connected, acquires and extensions are answered
+//! "unknown" at once, and releases wait (in order) to be sent, each with a
+//! budget of its own, once it is.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -111,6 +115,8 @@ struct Job {
     op: Op,
     deadline: Duration,
     fan: Option<FanId>,
+    /// How many times a release was sent without a reply.
+    resent: u32,
 }
 
 /// One node's worker: its queue, connection and tainted connections.
@@ -118,9 +124,16 @@ struct Worker {
     queue: VecDeque<Job>,
     conn: ConnId,
     tainted: Vec<ConnId>,
-    /// The request in flight: (request id, the job, whether it is the kill
-    /// that must come first).
-    busy: Option<(u64, Job, bool)>,
+    /// The job whose request is in flight.
+    busy: Option<(u64, Job)>,
+    /// Whether `conn` is ready for jobs (false while reconnecting).
+    connected: bool,
+    /// The kill in flight on the reconnect path.
+    fencing: Option<u64>,
+    /// Failed reconnect tries in a row.
+    failures: u32,
+    /// Releases waiting for a connection.
+    deferred: VecDeque<Job>,
 }
 
 enum Purpose {
@@ -160,6 +173,10 @@ enum Ev {
     Decide(FanId),
     UserNext(usize),
     SchedWake,
+    /// A reconnect try of client `.0`'s worker for node `.1`.
+    Reconnect(usize, usize),
+    /// That try's setup round trip came back: a new connection.
+    Connected(usize, usize),
 }
 
 impl Ev {
@@ -171,6 +188,8 @@ impl Ev {
             Ev::Decide(f) => format!("decide {f:?}"),
             Ev::UserNext(c) => format!("user {c}"),
             Ev::SchedWake => "wake".into(),
+            Ev::Reconnect(c, node) => format!("reconnect client {c} node {node}"),
+            Ev::Connected(c, node) => format!("connected client {c} node {node}"),
         }
     }
 }
@@ -286,6 +305,10 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
                 conn: w.conn(),
                 tainted: Vec::new(),
                 busy: None,
+                connected: true,
+                fencing: None,
+                failures: 0,
+                deferred: VecDeque::new(),
             })
             .collect();
         w.clients.push(Client {
@@ -365,6 +388,12 @@ impl World {
             }
             Ev::Decide(fan) => self.decide(fan, true)?,
             Ev::UserNext(c) => self.user_step(c)?,
+            Ev::Reconnect(c, node) => self.try_connect(c, node),
+            Ev::Connected(c, node) => {
+                let fresh = self.conn();
+                self.clients[c].workers[node].conn = fresh;
+                self.fence_next(c, node);
+            }
             Ev::SchedWake => {
                 if self.wake == Some(self.now) {
                     self.wake = None;
@@ -407,6 +436,7 @@ impl World {
                 op: op.clone(),
                 deadline,
                 fan: Some(id),
+                resent: 0,
             });
             self.kick(c, node);
         }
@@ -424,6 +454,7 @@ impl World {
                 },
                 deadline,
                 fan: None,
+                resent: 0,
             });
             self.kick(c, node);
         }
@@ -453,7 +484,8 @@ impl World {
         req
     }
 
-    /// Starts the node's next job, if it is idle.
+    /// Starts the node's next job, if it is idle; while it is not connected,
+    /// answers jobs at once (keeping releases for later).
     fn kick(&mut self, c: usize, node: usize) {
         loop {
             let w = &mut self.clients[c].workers[node];
@@ -463,8 +495,17 @@ impl World {
             let Some(mut job) = w.queue.pop_front() else {
                 return;
             };
+            let release = matches!(job.op, Op::Release { .. });
+            if !w.connected {
+                if release {
+                    w.deferred.push_back(job);
+                } else {
+                    self.answer(c, node, &job, Answer::Unknown);
+                }
+                continue;
+            }
             if self.now >= job.deadline {
-                if matches!(job.op, Op::Release { .. }) {
+                if release {
                     job.deadline = self.now + self.timing.node_timeout;
                 } else {
                     // Still queued when its time ran out: not sent.
@@ -472,48 +513,101 @@ impl World {
                     continue;
                 }
             }
-            let w = &mut self.clients[c].workers[node];
-            if let Some(&old) = w.tainted.last() {
-                // Fence off the unanswered command's connection first.
-                let conn = w.conn;
-                let deadline = job.deadline;
-                let req = self.send(c, node, conn, Op::Kill { target: old }, deadline);
-                self.clients[c].workers[node].busy = Some((req, job, true));
-                return;
-            }
+            let w = &self.clients[c].workers[node];
             let (conn, op, deadline) = (w.conn, job.op.clone(), job.deadline);
             let req = self.send(c, node, conn, op, deadline);
-            self.clients[c].workers[node].busy = Some((req, job, false));
+            self.clients[c].workers[node].busy = Some((req, job));
             return;
         }
     }
 
+    /// One reconnect try: its setup round trip within four node timeouts,
+    /// or a failure and another try after a pause.
+    fn try_connect(&mut self, c: usize, node: usize) {
+        let budget = self.timing.node_timeout * 4;
+        let (lose_out, lose_back) = (self.net.p_lose_request, self.net.p_lose_reply);
+        let out = self.net.hop(&mut self.rng, lose_out);
+        let back = self.net.hop(&mut self.rng, lose_back);
+        match (out, back) {
+            (Some(a), Some(b)) if a + b < budget => {
+                self.queue.push(self.now + a + b, Ev::Connected(c, node));
+            }
+            _ => {
+                let w = &mut self.clients[c].workers[node];
+                w.failures += 1;
+                let rest = crate::runtime::nodes::rest_after(w.failures);
+                self.queue
+                    .push(self.now + budget + rest, Ev::Reconnect(c, node));
+            }
+        }
+    }
+
+    /// On a new connection: kill the next tainted connection from it, or, with
+    /// none left, start using it.
+    fn fence_next(&mut self, c: usize, node: usize) {
+        let w = &mut self.clients[c].workers[node];
+        if let Some(&old) = w.tainted.last() {
+            let conn = w.conn;
+            let deadline = self.now + self.timing.node_timeout * 4;
+            let req = self.send(c, node, conn, Op::Kill { target: old }, deadline);
+            self.clients[c].workers[node].fencing = Some(req);
+            return;
+        }
+        w.connected = true;
+        w.failures = 0;
+        // The releases that waited go first, in order, each with a budget of
+        // its own.
+        let deadline = self.now + self.timing.node_timeout;
+        let mut deferred = std::mem::take(&mut w.deferred);
+        for job in &mut deferred {
+            job.deadline = deadline;
+        }
+        while let Some(job) = deferred.pop_back() {
+            w.queue.push_front(job);
+        }
+        self.kick(c, node);
+    }
+
     fn job_done(&mut self, c: usize, node: usize, req: u64, answer: Answer) -> Result<(), String> {
         let w = &mut self.clients[c].workers[node];
-        let Some((busy_req, job, killing)) = w.busy.take() else {
+        if w.fencing == Some(req) {
+            w.fencing = None;
+            if answer == Answer::Unknown {
+                // The kill is not confirmed: another try on another connection.
+                w.failures += 1;
+                let rest = crate::runtime::nodes::rest_after(w.failures);
+                self.queue.push(self.now + rest, Ev::Reconnect(c, node));
+            } else {
+                w.tainted.pop();
+                self.fence_next(c, node);
+            }
+            return Ok(());
+        }
+        let Some((busy_req, job)) = w.busy.take() else {
             return Ok(());
         };
         if busy_req != req {
-            w.busy = Some((busy_req, job, killing));
+            w.busy = Some((busy_req, job));
             return Ok(());
         }
         if answer == Answer::Unknown {
-            // The connection is broken; anything sent on it may still apply,
-            // unless it was the kill itself (which changes nothing).
+            // Anything sent on the connection may still apply: it is killed
+            // from the next one, made in the background.
             let old = w.conn;
-            if !killing {
-                w.tainted.push(old);
+            w.tainted.push(old);
+            w.connected = false;
+            self.queue.push(self.now, Ev::Reconnect(c, node));
+            // A release goes out again after the kill, a few times at most.
+            if matches!(job.op, Op::Release { .. }) && job.resent < 3 {
+                w.deferred.push_front(Job {
+                    op: job.op.clone(),
+                    deadline: job.deadline,
+                    fan: None,
+                    resent: job.resent + 1,
+                });
             }
-            let fresh = self.conn();
-            self.clients[c].workers[node].conn = fresh;
-            // A failed kill: the job is not sent, and the taint stays.
-            self.answer(c, node, &job, Answer::Unknown);
-        } else if killing {
-            self.clients[c].workers[node].tainted.pop();
-            self.clients[c].workers[node].queue.push_front(job);
-        } else {
-            self.answer(c, node, &job, answer);
         }
+        self.answer(c, node, &job, answer);
         self.kick(c, node);
         Ok(())
     }

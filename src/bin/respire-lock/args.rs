@@ -87,7 +87,7 @@ pub(crate) enum Command {
     /// Print a completion script for SHELL on stdout.
     ///
     /// bash: respire-lock completions bash > /etc/bash_completion.d/respire-lock
-    /// zsh:  respire-lock completions zsh > "${fpath[1]}/_respire-lock"
+    /// zsh:  respire-lock completions zsh > ~/.zfunc/_respire-lock  (with ~/.zfunc in $fpath)
     /// fish: respire-lock completions fish > ~/.config/fish/completions/respire-lock.fish
     #[command(verbatim_doc_comment)]
     Completions {

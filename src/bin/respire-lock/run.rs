@@ -142,7 +142,11 @@ fn run_redlock(
     };
     let group = match RedlockGroup::connect(&urls, options) {
         Ok(g) => g,
-        Err(e @ (Error::InvalidArgument(_) | Error::NotIndependent(_))) => {
+        Err(
+            e @ (Error::InvalidArgument(_)
+            | Error::NotIndependent(_)
+            | Error::NodeTimeoutTooShort { .. }),
+        ) => {
             return report.error(EXIT_USAGE, &e.to_string());
         }
         Err(e) => return report.error(EXIT_UNAVAILABLE, &e.to_string()),
