@@ -56,8 +56,13 @@ fn ten_thousand_kept_alive_leases_on_three_threads_at_most() {
     // Nobody keeps a lease alive or watches its signal yet: no thread at all.
     assert_eq!(crate_threads(), Vec::<String>::new());
     let renewals: Vec<_> = guards.iter().map(|g| g.keep_alive().unwrap()).collect();
+    // The renewal thread (no I/O) starts with the first keep-alive; the
+    // server's executor (one connection) with the first renewal there.
+    assert_eq!(crate_threads(), ["respire-renewal"]);
+    support::wait_until(TTL, "the first renewals", || {
+        coord.renewal_stats().renewals > 0
+    });
     let threads_at_start = crate_threads();
-    // The renewal thread (no I/O) and its executor (one connection).
     assert_eq!(threads_at_start, ["respire-io", "respire-renewal"]);
     let stats_at_start = coord.renewal_stats();
     let cpu_at_start = cpu_time();
