@@ -10,10 +10,14 @@
 //! from sending the release to holding the lock, next to the raw round trip of
 //! `PING` measured in the same run on one connection.
 //!
-//! Without `REDIS_URL` it runs twice in the same run: against a throwaway
-//! standalone server, then against a throwaway Redis Cluster of three
-//! primaries (one replica each), through a `redis+cluster://` coordinator,
-//! and prints the cluster's median and p99 as ratios to the standalone ones.
+//! Without `REDIS_URL` it runs in the same run against a throwaway standalone
+//! server, then against a throwaway Redis Cluster of three primaries through a
+//! `redis+cluster://` coordinator, and prints the cluster's median and p99 as
+//! ratios to the standalone ones. The cluster runs twice: with primaries only,
+//! the match for one standalone server without a replica; then with one
+//! replica per primary, next to a standalone coordinator on the node that owns
+//! the slot, which tells the routing's cost apart from what a cluster node
+//! with a replica costs (its replication stream, on the same cores).
 //!
 //! `cargo bench --bench handoff` runs 4 × 200 acquisitions per deployment;
 //! without `--bench` (as under `cargo test --benches`) it runs 4 × 10.
@@ -70,45 +74,51 @@ fn main() -> Result<()> {
         )?);
     }
     if only.is_empty() || only == "cluster" {
-        let cluster = support::TestCluster::start();
-        let hosts: Vec<String> = cluster
-            .nodes()
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port()))
-            .collect();
-        let url = format!("redis+cluster://{}/", hosts.join(","));
-        // The raw round trip to the primary that holds the lock's slot.
-        let owner = cluster.node(cluster.primary_for_key("handoff:{job}:lease"));
-        let primaries = cluster.primaries().len();
-        // The same server through a standalone coordinator: what the cluster
-        // node itself costs (replication to its replica, cluster mode), apart
-        // from the routing.
-        let direct = parent(
-            "standalone coordinator on the cluster node that owns the slot",
-            &owner.url(),
-            &owner.url(),
-            processes,
-            rounds,
-        )?;
-        let stats = parent(
-            &format!("cluster of {primaries} primaries"),
-            &url,
-            &owner.url(),
-            processes,
-            rounds,
-        )?;
-        println!(
-            "cluster coordinator / standalone coordinator on the same node: median {:.2}x, p99 \
-             {:.2}x",
-            stats.median / direct.median,
-            stats.p99 / direct.p99
-        );
-        if let Some(base) = standalone {
-            println!(
-                "cluster / standalone (same run): median {:.2}x, p99 {:.2}x",
-                stats.median / base.median,
-                stats.p99 / base.p99
-            );
+        for replicas in [0, 1] {
+            let cluster = support::TestCluster::builder().replicas(replicas).start();
+            let hosts: Vec<String> = cluster
+                .nodes()
+                .iter()
+                .map(|n| format!("127.0.0.1:{}", n.port()))
+                .collect();
+            let url = format!("redis+cluster://{}/", hosts.join(","));
+            // The raw round trip to the primary that holds the lock's slot.
+            let owner = cluster.node(cluster.primary_for_key("handoff:{job}:lease"));
+            let primaries = cluster.primaries().len();
+            let direct = if replicas > 0 {
+                Some(parent(
+                    "standalone coordinator on the cluster node that owns the slot",
+                    &owner.url(),
+                    &owner.url(),
+                    processes,
+                    rounds,
+                )?)
+            } else {
+                None
+            };
+            let stats = parent(
+                &format!("cluster of {primaries} primaries, {replicas} replica(s) each"),
+                &url,
+                &owner.url(),
+                processes,
+                rounds,
+            )?;
+            if let Some(direct) = direct {
+                println!(
+                    "cluster ({replicas} replica each) / standalone coordinator on the same \
+                     node: median {:.2}x, p99 {:.2}x",
+                    stats.median / direct.median,
+                    stats.p99 / direct.p99
+                );
+            }
+            if let Some(base) = standalone {
+                println!(
+                    "cluster ({replicas} replica(s) each) / standalone (same run): median \
+                     {:.2}x, p99 {:.2}x",
+                    stats.median / base.median,
+                    stats.p99 / base.p99
+                );
+            }
         }
     }
     Ok(())

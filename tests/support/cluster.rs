@@ -20,9 +20,9 @@ use super::{TestServer, TestServerBuilder};
 
 /// The number of hash slots.
 pub(crate) const SLOTS: u16 = 16384;
-/// Primaries in a [`TestCluster`]; each has one replica.
+/// Primaries in a [`TestCluster`]; each has one replica unless the builder
+/// says otherwise.
 const PRIMARIES: usize = 3;
-const NODES: usize = PRIMARIES * 2;
 /// Default `cluster-node-timeout`: a stopped primary is failed over in about
 /// three seconds.
 const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -46,6 +46,7 @@ const CREATE_LOG_FILE: &str = "cluster-create.log";
 pub(crate) struct TestClusterBuilder {
     node_timeout: Duration,
     extra_args: Vec<String>,
+    replicas: usize,
 }
 
 impl TestClusterBuilder {
@@ -53,6 +54,14 @@ impl TestClusterBuilder {
     /// unreachable before its replica takes over. Defaults to 2 seconds.
     pub(crate) fn node_timeout(mut self, node_timeout: Duration) -> Self {
         self.node_timeout = node_timeout;
+        self
+    }
+
+    /// Sets how many replicas each of the three primaries has. Defaults to 1;
+    /// 0 gives a cluster of primaries only (a benchmark's fair match for one
+    /// standalone server), where failover and takeover are impossible.
+    pub(crate) fn replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas;
         self
     }
 
@@ -67,7 +76,7 @@ impl TestClusterBuilder {
         self
     }
 
-    /// Starts six nodes, forms the cluster and waits until every node has
+    /// Starts the nodes (six by default), forms the cluster and waits until every node has
     /// `cluster_state:ok`, all agree on the slot map and roles, and every
     /// replica is in sync with its primary.
     ///
@@ -78,7 +87,7 @@ impl TestClusterBuilder {
     pub(crate) fn start(self) -> TestCluster {
         let started = Instant::now();
         let nodes: Vec<TestServer> = thread::scope(|scope| {
-            let starting: Vec<_> = (0..NODES)
+            let starting: Vec<_> = (0..PRIMARIES * (1 + self.replicas))
                 .map(|_| {
                     let builder = TestServerBuilder::default()
                         .cluster_node(self.node_timeout)
@@ -93,7 +102,7 @@ impl TestClusterBuilder {
                 .map(|node| node.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
                 .collect()
         });
-        create(&nodes);
+        create(&nodes, self.replicas);
         let ids = nodes
             .iter()
             .map(|node| {
@@ -116,8 +125,8 @@ impl TestClusterBuilder {
 }
 
 /// Runs `redis-cli --cluster create` over `nodes`: the first three become
-/// primaries, the others their replicas.
-fn create(nodes: &[TestServer]) {
+/// primaries, the others their replicas (`replicas` each).
+fn create(nodes: &[TestServer], replicas: usize) {
     let log_path = nodes[0].dir().join(CREATE_LOG_FILE);
     let log = File::create(&log_path).expect("create the cluster-create log");
     let mut command = Command::new("redis-cli");
@@ -126,7 +135,9 @@ fn create(nodes: &[TestServer]) {
         command.arg(node.addr().to_string());
     }
     let mut child = command
-        .args(["--cluster-replicas", "1", "--cluster-yes"])
+        .arg("--cluster-replicas")
+        .arg(replicas.to_string())
+        .arg("--cluster-yes")
         .stdin(Stdio::null())
         .stdout(log.try_clone().expect("clone the log handle"))
         .stderr(log)
@@ -154,8 +165,8 @@ fn create(nodes: &[TestServer]) {
     );
 }
 
-/// Six `redis-server --cluster-enabled yes` nodes on free loopback ports, three
-/// primaries and three replicas, covering all 16384 slots.
+/// `redis-server --cluster-enabled yes` nodes on free loopback ports: by
+/// default six, three primaries and three replicas, covering all 16384 slots.
 ///
 /// Each node is a [`TestServer`]: dropping the cluster kills every node, and
 /// the servers' supervisors kill them when the test process exits even
@@ -184,6 +195,7 @@ impl TestCluster {
         TestClusterBuilder {
             node_timeout: DEFAULT_NODE_TIMEOUT,
             extra_args: Vec::new(),
+            replicas: 1,
         }
     }
 
@@ -338,7 +350,7 @@ impl TestCluster {
         self.nodes[self.primary_for_key(key)].client()
     }
 
-    /// Waits until every node is live, says `cluster_state:ok`, knows all six
+    /// Waits until every node is live, says `cluster_state:ok`, knows all the
     /// nodes with none failing, agrees with the others on slots and roles,
     /// three primaries cover all slots, and every replica's link is up.
     ///
