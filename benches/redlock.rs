@@ -20,7 +20,6 @@ use criterion::Criterion;
 use respire_coordination::{Coordinator, RedlockGroup, RedlockOptions};
 use support::{FaultProxy, Mode, TestServer};
 
-const ACQUIRE: &str = include_str!("../src/scripts/lock_acquire.lua");
 const RELEASE: &str = include_str!("../src/scripts/lease_release.lua");
 const TTL: Duration = Duration::from_secs(10);
 
@@ -125,14 +124,14 @@ fn distant() {
     let servers: Vec<TestServer> = (0..5).map(|_| TestServer::start()).collect();
     let far = Nodes::new(&servers);
     far.delay(Duration::from_millis(20));
-    let (acquire, release) = (redis::Script::new(ACQUIRE), redis::Script::new(RELEASE));
+    let release = redis::Script::new(RELEASE);
     let one_connect = median(10, || tcp_connect(far.proxies[0].addr()));
     let mut raw = redis::Client::open(far.proxies[0].url())
         .unwrap()
         .get_connection()
         .unwrap();
     let one_round_trip = median(20, || ping(&mut raw));
-    let raw_cycle_m = median(10, || raw_cycle(&mut raw, &acquire, &release));
+    let raw_cycle_m = median(10, || raw_cycle(&mut raw, &release));
     let created = median_of(5, || {
         let t = Instant::now();
         let group = far.connect(RedlockOptions::default());
@@ -218,12 +217,14 @@ fn distant() {
 }
 
 /// One raw acquire+release on a plain connection: the floor for one node.
-fn raw_cycle(conn: &mut redis::Connection, acquire: &redis::Script, release: &redis::Script) {
-    let _: Vec<i64> = acquire
-        .key("bench:raw")
+fn raw_cycle(conn: &mut redis::Connection, release: &redis::Script) {
+    let _: Option<String> = redis::cmd("SET")
+        .arg("bench:raw")
         .arg("me")
+        .arg("NX")
+        .arg("PX")
         .arg(10_000)
-        .invoke(conn)
+        .query(conn)
         .unwrap();
     let _: i64 = release
         .key("bench:raw")
@@ -278,16 +279,16 @@ fn main() {
     }
     blackholed.proxies[4].set_mode(Mode::Blackhole);
     let crate_delayed = redlock::RedLock::new(delayed.urls());
-    let (acquire, release) = (redis::Script::new(ACQUIRE), redis::Script::new(RELEASE));
+    let release = redis::Script::new(RELEASE);
     let connect = |url: &str| redis::Client::open(url).unwrap().get_connection().unwrap();
     let mut raw = connect(&healthy.proxies[0].url());
     let mut raw_delayed = connect(&delayed.proxies[0].url());
 
     println!("medians of acquire+release (taken first, before criterion):");
-    let raw_m = median(400, || raw_cycle(&mut raw, &acquire, &release));
+    let raw_m = median(400, || raw_cycle(&mut raw, &release));
     let healthy_m = median(400, || group_cycle(&healthy_group));
     let blackholed_m = median(400, || group_cycle(&blackholed_group));
-    let raw_delayed_m = median(40, || raw_cycle(&mut raw_delayed, &acquire, &release));
+    let raw_delayed_m = median(40, || raw_cycle(&mut raw_delayed, &release));
     let delayed_m = median(40, || group_cycle(&delayed_group));
     let crate_m = median(20, || crate_cycle(&crate_delayed));
     let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
@@ -320,7 +321,7 @@ fn main() {
     {
         let mut g = c.benchmark_group("acquire+release");
         g.bench_function("raw single node", |b| {
-            b.iter(|| raw_cycle(&mut raw, &acquire, &release))
+            b.iter(|| raw_cycle(&mut raw, &release))
         });
         g.bench_function("5 nodes healthy", |b| {
             b.iter(|| group_cycle(&healthy_group))
@@ -329,7 +330,7 @@ fn main() {
             b.iter(|| group_cycle(&blackholed_group))
         });
         g.bench_function("raw single node, 2 ms delay", |b| {
-            b.iter(|| raw_cycle(&mut raw_delayed, &acquire, &release))
+            b.iter(|| raw_cycle(&mut raw_delayed, &release))
         });
         g.bench_function("5 nodes, 2 ms delay", |b| {
             b.iter(|| group_cycle(&delayed_group))

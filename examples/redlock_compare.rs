@@ -23,7 +23,6 @@ use std::time::{Duration, Instant};
 use respire_coordination::{Coordinator, RedlockGroup, RedlockOptions};
 use support::{FaultProxy, Mode, TestServer};
 
-const ACQUIRE: &str = include_str!("../src/scripts/lock_acquire.lua");
 const RELEASE: &str = include_str!("../src/scripts/lease_release.lua");
 const TTL: Duration = Duration::from_secs(10);
 
@@ -89,7 +88,7 @@ fn compare(
         .iter()
         .map(|u| redis::Client::open(u.as_str())?.get_connection())
         .collect::<Result<Vec<_>, _>>()?;
-    let (acquire, release) = (redis::Script::new(ACQUIRE), redis::Script::new(RELEASE));
+    let release = redis::Script::new(RELEASE);
     let single = Coordinator::connect(&urls[0])?.lock("compare:single")?;
     let crate_redlock = redlock::RedLock::new(urls.to_vec());
 
@@ -98,11 +97,13 @@ fn compare(
         println!("\n== {name} ({rounds} rounds, medians) ==");
         let raw = time(rounds, || {
             let t = Instant::now();
-            let _: Vec<i64> = acquire
-                .key("compare:raw")
+            let _: Option<String> = redis::cmd("SET")
+                .arg("compare:raw")
                 .arg("me")
+                .arg("NX")
+                .arg("PX")
                 .arg(10_000)
-                .invoke(&mut conns[0])
+                .query(&mut conns[0])
                 .unwrap();
             let a = t.elapsed();
             let _: i64 = release
@@ -125,11 +126,13 @@ fn compare(
         let sequential = time(rounds, || {
             let t = Instant::now();
             for c in conns.iter_mut() {
-                let _: Vec<i64> = acquire
-                    .key("compare:seq")
+                let _: Option<String> = redis::cmd("SET")
+                    .arg("compare:seq")
                     .arg("me")
+                    .arg("NX")
+                    .arg("PX")
                     .arg(10_000)
-                    .invoke(c)
+                    .query(c)
                     .unwrap();
             }
             let a = t.elapsed();
@@ -148,13 +151,14 @@ fn compare(
             let t = Instant::now();
             std::thread::scope(|s| {
                 for c in conns.iter_mut() {
-                    let acquire = &acquire;
                     s.spawn(move || {
-                        let _: Vec<i64> = acquire
-                            .key("compare:scoped")
+                        let _: Option<String> = redis::cmd("SET")
+                            .arg("compare:scoped")
                             .arg("me")
+                            .arg("NX")
+                            .arg("PX")
                             .arg(10_000)
-                            .invoke(c)
+                            .query(c)
                             .unwrap();
                     });
                 }

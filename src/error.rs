@@ -305,6 +305,10 @@ impl Error {
             },
             Error::Permission(why) => Error::Permission(why.clone()),
             Error::Config(why) => Error::Config(why.clone()),
+            Error::BadKey { key, problem } => Error::BadKey {
+                key: key.clone(),
+                problem: problem.clone(),
+            },
             Error::Server { op, source } => Error::Server {
                 op,
                 source: source.clone(),

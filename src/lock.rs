@@ -1,6 +1,6 @@
-//! `Lock`: a plain mutex on one key — `SET key owner NX PX ttl` in a script that
-//! also reads the key (arming client tracking for waiters), renew and delete only
-//! when the key still holds our owner token. No fencing token: use it where two
+//! `Lock`: a plain mutex on one key — `SET key owner NX PX ttl` pipelined with
+//! reads of the key (`GET`, and `PTTL` in a wait, which arms client tracking for
+//! waiters); renew and delete only when the key still holds our owner token. No fencing token: use it where two
 //! holders at once would waste work, not corrupt data.
 
 use std::fmt;
@@ -37,7 +37,7 @@ impl Lease<Plain> {
     }
 }
 
-/// The keys and acquire script of a [`Lock`].
+/// The key and acquire commands of a [`Lock`].
 pub(crate) struct PlainSpec {
     keys: [String; 1],
 }

@@ -598,28 +598,9 @@ fn a_killed_pooled_connection_is_replaced_without_an_error() {
 }
 
 #[test]
-fn acquire_scripts_are_idempotent_for_one_owner() {
+fn the_fenced_acquire_script_is_idempotent_for_one_owner() {
     let mut admin = shared_server().client();
     let prefix = unique_prefix("idempotent");
-    let lock_script = redis::Script::new(include_str!("../src/scripts/lock_acquire.lua"));
-    let key = format!("{prefix}lock");
-    for _ in 0..2 {
-        let reply: Vec<i64> = lock_script
-            .key(&key)
-            .arg("owner-a")
-            .arg(5000)
-            .invoke(&mut admin)
-            .unwrap();
-        assert_eq!(reply, [1]);
-    }
-    let reply: Vec<i64> = lock_script
-        .key(&key)
-        .arg("owner-b")
-        .arg(5000)
-        .invoke(&mut admin)
-        .unwrap();
-    assert_eq!(reply[0], 0, "another owner is refused");
-
     let fenced = redis::Script::new(include_str!("../src/scripts/fenced_acquire.lua"));
     let (lease, fence) = (
         format!("{prefix}{{f}}:lease"),

@@ -386,6 +386,31 @@ fn a_failed_attempt_is_released_on_every_node() {
 }
 
 #[test]
+fn a_key_of_another_type_on_a_majority_is_a_bad_key_error() {
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("badkey");
+    let group = nodes.group(&prefix, options(200));
+    let key = format!("{prefix}job");
+    for i in [1, 2] {
+        let _: () = nodes.servers[i].client().hset(&key, "f", "v").unwrap();
+    }
+    match group.try_acquire("job", Duration::from_secs(10)) {
+        Err(Error::BadKey { key: k, .. }) => assert_eq!(k, key),
+        other => panic!("expected BadKey, got {other:?}"),
+    }
+    // The hashes are untouched; the grant on the one free node is released.
+    for i in [1, 2] {
+        let v: Option<String> = nodes.servers[i].client().hget(&key, "f").unwrap();
+        assert_eq!(v.as_deref(), Some("v"));
+    }
+    wait_until(
+        Duration::from_secs(5),
+        "the lone grant to be released",
+        || nodes.get(0, &key).is_none(),
+    );
+}
+
+#[test]
 fn extend_needs_a_quorum_and_never_recreates_the_key() {
     let nodes = Nodes::start(3);
     let prefix = unique_prefix("extend");

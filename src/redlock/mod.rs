@@ -45,8 +45,10 @@ use options::{check_options, random_unit, retry_pause};
 ///
 /// # How an attempt works
 ///
-/// The single-node acquire script (set the key to a fresh 128-bit owner token
-/// with `PX ttl` if it is free) goes to every node at once, each bounded by the
+/// The single-node acquire (`SET key token NX PX ttl`: the key is set to a
+/// fresh 128-bit owner token if it is free, in one round trip with a `GET` and
+/// a `PTTL` that tell a key of another type and the holder's time left) goes
+/// to every node at once, each bounded by the
 /// node timeout. The attempt returns as soon as the outcome is decided: a
 /// quorum (`N/2 + 1`) granted, or too few nodes are left to reach one. A slow
 /// or unreachable minority therefore does not slow a successful attempt down;
@@ -369,7 +371,8 @@ impl RedlockGroup {
     /// another holder (nodes down, slow or failing), with every node's answer;
     /// [`Error::Timeout`] when a quorum granted but the attempt took so long
     /// that no validity was left; a node's error that trying again will not
-    /// cure ([`Error::Auth`], [`Error::Permission`], an error reply, ...) when
+    /// cure ([`Error::Auth`], [`Error::Permission`], [`Error::BadKey`] for a
+    /// key that holds another type, an error reply, ...) when
     /// so many nodes failed that way that no quorum can form without them.
     pub fn try_acquire(&self, key: &str, ttl: Duration) -> Result<Option<RedlockGuard>> {
         self.attempt(key, ttl)?.into_result()

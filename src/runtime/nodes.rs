@@ -66,7 +66,8 @@ const NO_CLIENT: i64 = i64::MAX;
 /// What one job asks of its node.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Op {
-    /// Set the key to the lease's value if it is free (`lock_acquire.lua`).
+    /// Set the key to the lease's value if it is free (`SET NX PX`, with `GET`
+    /// and `PTTL` in the same round trip).
     Acquire { ttl_ms: u64 },
     /// Move the key's expiry if it still holds the value (`lease_extend.lua`).
     Extend { ttl_ms: u64 },
@@ -638,19 +639,39 @@ impl Worker {
         let conn = &mut self.live.as_mut().expect("connected before running").conn;
         match job.op {
             Op::Acquire { ttl_ms } => {
-                let reply: Vec<i64> = conn.script(
-                    &scripts::LOCK_ACQUIRE,
-                    &[key],
-                    &[value, &ttl_ms.to_string()],
-                    "acquire",
-                    deadline,
-                )?;
+                // Plain commands in one round trip, no script: `SET NX PX`
+                // takes the key if it is free; when it is not, `GET` tells a
+                // key of another type (an error, not a holder) and `PTTL` how
+                // long the holder has. Every attempt has its own owner value,
+                // so a late duplicate finds the key set and changes nothing.
+                let mut pipe = redis::pipe();
+                pipe.ignore_errors();
+                pipe.cmd("SET")
+                    .arg(key)
+                    .arg(value)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(ttl_ms);
+                pipe.cmd("GET").arg(key);
+                pipe.cmd("PTTL").arg(key);
+                let reply = conn.pipeline(&pipe, "acquire", deadline)?;
+                let granted = || {
+                    job.lease.slots[i].lock().granted_by = self.run_id.clone();
+                    Ok((NodeOutcome::Granted, Vote::Yes))
+                };
                 match reply.as_slice() {
-                    [1] => {
-                        job.lease.slots[i].lock().granted_by = self.run_id.clone();
-                        Ok((NodeOutcome::Granted, Vote::Yes))
+                    [redis::Value::Okay, ..] => granted(),
+                    [redis::Value::Nil, redis::Value::BulkString(v), ..]
+                        if v.as_slice() == value.as_bytes() =>
+                    {
+                        granted()
                     }
-                    [0, pttl] => Ok((
+                    [redis::Value::ServerError(e), ..]
+                    | [redis::Value::Nil, redis::Value::ServerError(e), ..]
+                    | [redis::Value::Nil, _, redis::Value::ServerError(e)] => {
+                        Err(acquire_error(key, e))
+                    }
+                    [redis::Value::Nil, _, redis::Value::Int(pttl)] => Ok((
                         NodeOutcome::HeldByAnother {
                             remaining: u64::try_from(*pttl).ok().map(Duration::from_millis),
                         },
@@ -926,12 +947,27 @@ fn kill(id: impl redis::ToRedisArgs) -> redis::Cmd {
 }
 
 /// The scripts a node runs, checked with `SCRIPT EXISTS` on every connection.
-fn node_scripts() -> [&'static Script; 3] {
-    [
-        &scripts::LOCK_ACQUIRE,
-        &scripts::LEASE_EXTEND,
-        &scripts::LEASE_RELEASE,
-    ]
+fn node_scripts() -> [&'static Script; 2] {
+    [&scripts::LEASE_EXTEND, &scripts::LEASE_RELEASE]
+}
+
+/// The error of an acquire's error reply: a key of another type is
+/// [`Error::BadKey`], a denied command [`Error::Permission`].
+fn acquire_error(key: &str, e: &redis::ServerError) -> Error {
+    let source = redis::RedisError::from(e.clone());
+    if e.code() == "WRONGTYPE" {
+        Error::BadKey {
+            key: key.to_owned(),
+            problem: "holds a value of another type, not a lock".into(),
+        }
+    } else if crate::error::is_noperm(&source) {
+        Error::Permission(format!("acquire: {source}"))
+    } else {
+        Error::Server {
+            op: "acquire",
+            source,
+        }
+    }
 }
 
 /// Connects to a node within `budget` (at most its connect timeout): one round trip for the
@@ -1094,7 +1130,7 @@ fn failed(e: &Error) -> NodeOutcome {
     }
 }
 
-fn unexpected(op: &'static str, reply: &[i64]) -> Error {
+fn unexpected(op: &'static str, reply: &(impl std::fmt::Debug + ?Sized)) -> Error {
     Error::UnexpectedReply {
         op,
         reply: format!("{reply:?}"),

@@ -3,7 +3,7 @@
 //! started by the first wait there. It holds one RESP2 connection subscribed to `__redis__:invalidate`; the
 //! command connections waiters use turn on `CLIENT TRACKING … REDIRECT <its id>`,
 //! so every key a waiter's attempt read produces one message here when it next
-//! changes. Messages are hints: the woken waiter re-runs its acquire script.
+//! changes. Messages are hints: the woken waiter makes its acquire attempt again.
 //!
 //! RESP2 pub/sub is used because a receive that times out leaves a RESP3
 //! connection of the `redis` crate unusable, while a pub/sub read timeout does not;

@@ -39,7 +39,6 @@ macro_rules! script {
     };
 }
 
-script!(LOCK_ACQUIRE, "lock_acquire.lua");
 script!(FENCED_ACQUIRE, "fenced_acquire.lua");
 script!(LEASE_RELEASE, "lease_release.lua");
 script!(LEASE_EXTEND, "lease_extend.lua");

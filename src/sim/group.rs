@@ -55,11 +55,8 @@ impl Node {
         let now = self.now(t);
         match op {
             Op::Acquire { value, ttl } => match self.live(t) {
-                Some(e) if e.value == *value => {
-                    let e = self.key.as_mut().expect("live");
-                    e.expire = e.expire.max(now + ttl.as_nanos() as f64);
-                    Answer::Yes
-                }
+                // `SET NX` leaves a key that is set, also this attempt's own.
+                Some(e) if e.value == *value => Answer::Yes,
                 Some(_) => Answer::Held,
                 None => {
                     self.key = Some(Entry {
