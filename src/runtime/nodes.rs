@@ -436,10 +436,14 @@ impl Worker {
         // After the handle is dropped, the jobs already queued (releases from
         // dropped guards) still run; then `recv` fails and the loop ends.
         loop {
-            let tried = self
-                .connector
-                .as_ref()
-                .map_or_else(crossbeam_channel::never, |c| c.rx.clone());
+            let Some(tried) = self.connector.as_ref().map(|c| c.rx.clone()) else {
+                // Connected, or not trying: a plain receive, the cheapest wait.
+                match jobs.recv() {
+                    Ok(job) => self.handle(job),
+                    Err(_) => break,
+                }
+                continue;
+            };
             crossbeam_channel::select! {
                 recv(jobs) -> job => {
                     let Ok(job) = job else { break };
