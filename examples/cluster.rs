@@ -10,7 +10,7 @@
 //! token is above it.
 
 #[path = "../tests/support/mod.rs"]
-#[allow(dead_code, unused_imports)]
+#[allow(unused_imports)]
 mod support;
 
 use std::thread;
