@@ -482,6 +482,21 @@ fn sentinel_failover_switches_the_primary_and_publishes_switch_master() {
     set(&mut con, &key, "lost");
     let acked: i64 = redis::cmd("WAIT").arg(1).arg(100).query(&mut con).unwrap();
     assert_eq!(acked, 0);
+    // A sentinel's periodic hello (every 2 s) reached the paused replica: it is
+    // refused there, so it cannot hold the sentinel's link, and the promotion
+    // after it, back until the pause ends.
+    let mut replica_con = deployment.server(1).client();
+    wait_until(
+        Duration::from_secs(10),
+        "a hello refused on the replica",
+        || {
+            let info: String = redis::cmd("INFO")
+                .arg("errorstats")
+                .query(&mut replica_con)
+                .unwrap();
+            info.contains("errorstat_NOPERM:")
+        },
+    );
 
     let started = Instant::now();
     let took = deployment.failover();

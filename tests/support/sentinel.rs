@@ -357,24 +357,44 @@ impl TestSentinel {
     /// answering reads but holds back every write, including the ones its
     /// primary replicates to it, until the pause ends or
     /// [`TestSentinel::unpause_replica`]. Returns the replica's index.
+    ///
+    /// `PUBLISH` is refused on the replica meanwhile (`ACL SETUSER default
+    /// -publish`): a pause holds it back too, and a sentinel's periodic hello
+    /// held back on its command link would queue the promotion behind it, so
+    /// a failover during the pause would time out. Refused, the hello fails at
+    /// once (the ACL check comes before the pause) and the link stays free.
     pub(crate) fn pause_replica_writes(&self, duration: Duration) -> usize {
         let index = 1 - self.primary_index();
+        let mut con = self.servers[index].client();
+        let () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg("default")
+            .arg("-publish")
+            .query(&mut con)
+            .expect("ACL SETUSER default -publish on the replica");
         let () = redis::cmd("CLIENT")
             .arg("PAUSE")
             .arg(duration.as_millis() as u64)
             .arg("WRITE")
-            .query(&mut self.servers[index].client())
+            .query(&mut con)
             .expect("CLIENT PAUSE WRITE on the replica");
         index
     }
 
     /// Ends a [`TestSentinel::pause_replica_writes`] with `CLIENT UNPAUSE` on
-    /// data server `index`.
+    /// data server `index`, and lets it take `PUBLISH` again.
     pub(crate) fn unpause_replica(&self, index: usize) {
+        let mut con = self.servers[index].client();
         let () = redis::cmd("CLIENT")
             .arg("UNPAUSE")
-            .query(&mut self.servers[index].client())
+            .query(&mut con)
             .expect("CLIENT UNPAUSE");
+        let () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg("default")
+            .arg("+publish")
+            .query(&mut con)
+            .expect("ACL SETUSER default +publish");
     }
 
     /// Waits until the replica is in sync with data server `primary` and every
@@ -410,8 +430,14 @@ impl TestSentinel {
                 return;
             }
             if started.elapsed() >= deadline {
+                let logs: String = self
+                    .sentinels
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| format!("--- sentinel {i} log ---\n{}\n", s.log()))
+                    .collect();
                 panic!(
-                    "timed out after {deadline:?} waiting for {what}\n{}",
+                    "timed out after {deadline:?} waiting for {what}\n{}{logs}",
                     self.describe()
                 );
             }
