@@ -372,25 +372,42 @@ fn forced_takeover_and_slot_reassignment_move_ownership() {
     let slot = key_slot(key.as_bytes());
     let old_primary = cluster.primary_for_slot(slot);
     set(&mut cluster.node(old_primary).client(), &key, "v");
-    let acked: i64 = redis::cmd("WAIT")
-        .arg(1)
-        .arg(5000)
-        .query(&mut cluster.node(old_primary).client())
-        .unwrap();
-    assert_eq!(acked, 1);
+    // Wait until the replica has the key itself. (`WAIT 1` is not enough: right
+    // after a replica's diskless full sync it answered 1 while the replica's
+    // offset was still below the write, and the takeover then lost the key.)
+    let replica = cluster.replica_of(old_primary);
+    let mut on_replica = cluster.node(replica).client();
+    let () = redis::cmd("READONLY").query(&mut on_replica).unwrap();
+    wait_until(
+        Duration::from_secs(10),
+        "the replica to have the key",
+        || get(&mut on_replica, &key).unwrap().as_deref() == Some("v"),
+    );
 
     let started = Instant::now();
     let new_primary = cluster.force_takeover_slot(slot);
+    assert_eq!(new_primary, replica);
     figure("cluster_takeover", started.elapsed());
     assert_ne!(new_primary, old_primary);
     assert_eq!(cluster.primary_for_slot(slot), new_primary);
     assert_eq!(role_name(cluster.node(old_primary)), "slave");
-    assert_eq!(
-        get(&mut cluster.node(new_primary).client(), &key)
-            .unwrap()
-            .as_deref(),
-        Some("v")
-    );
+    let mut on_new = cluster.node(new_primary).client();
+    let found = get(&mut on_new, &key).unwrap();
+    if found.as_deref() != Some("v") {
+        let replication: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut on_new)
+            .unwrap_or_default();
+        let nodes: String = redis::cmd("CLUSTER")
+            .arg("NODES")
+            .query(&mut on_new)
+            .unwrap_or_default();
+        panic!(
+            "the new primary {new_primary} has {found:?} for {key}\n{replication}\n{nodes}\n\
+             --- its log ---\n{}",
+            cluster.node(new_primary).log()
+        );
+    }
 
     // Ownership forced onto another primary: the keys stay behind and are dropped.
     let other_tag = (0..100)
