@@ -15,7 +15,10 @@ use redis::Commands;
 use respire_coordination::{
     CancelToken, Coordinator, Error, MAX_TTL, Preference, ReadWriteLease, ReleaseOutcome,
 };
-use support::{ChildProc, block_on_stdin, env, shared_server, unique_prefix, wait_until};
+use support::{
+    ChildProc, block_on_stdin, env, local_instant, members, server_now, shared_server, snapshot,
+    unique_prefix, wait_until,
+};
 
 /// Set in a copy of this binary that plays one role for a test.
 const CHILD_ENV: &str = "RESPIRE_RW_CHILD";
@@ -38,42 +41,6 @@ fn timed() -> MutexGuard<'static, ()> {
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
-}
-
-/// The server's clock in ms, and the local instant it was read at.
-fn server_now(c: &mut redis::Connection) -> (i64, Instant) {
-    let before = Instant::now();
-    let (secs, micros): (i64, i64) = redis::cmd("TIME").query(c).unwrap();
-    let after = Instant::now();
-    (secs * 1000 + micros / 1000, before + (after - before) / 2)
-}
-
-/// The local instant at which server time `at_ms` comes, from one reading.
-fn local_instant(at_ms: i64, (now_ms, now): (i64, Instant)) -> Instant {
-    if at_ms >= now_ms {
-        now + ms((at_ms - now_ms) as u64)
-    } else {
-        now - ms((now_ms - at_ms) as u64)
-    }
-}
-
-/// Members of a sorted set with their scores.
-fn members(c: &mut redis::Connection, key: &str) -> Vec<(String, i64)> {
-    let v: Vec<(String, f64)> = c.zrange_withscores(key, 0, -1).unwrap();
-    v.into_iter().map(|(m, s)| (m, s as i64)).collect()
-}
-
-/// Every key under `prefix`: name, serialized value, absolute expiry.
-fn snapshot(c: &mut redis::Connection, prefix: &str) -> Vec<(String, Vec<u8>, i64)> {
-    let mut keys: Vec<String> = c.keys(format!("{prefix}*")).unwrap();
-    keys.sort();
-    keys.into_iter()
-        .map(|k| {
-            let dump: Vec<u8> = redis::cmd("DUMP").arg(&k).query(c).unwrap();
-            let at: i64 = redis::cmd("PEXPIRETIME").arg(&k).query(c).unwrap();
-            (k, dump, at)
-        })
-        .collect()
 }
 
 fn preference(name: &str) -> Preference {

@@ -12,7 +12,7 @@ use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use redis::{Commands, Value};
-use support::{TestServer, shared_server, unique_prefix, wait_until};
+use support::{TestServer, shared_server, snapshot, unique_prefix, wait_until};
 
 // ---------------------------------------------------------------------------
 // Running the scripts
@@ -449,20 +449,6 @@ impl SemKeys {
 fn server_ms(conn: &mut redis::Connection) -> i64 {
     let (secs, micros): (i64, i64) = redis::cmd("TIME").query(conn).unwrap();
     secs * 1000 + micros / 1000
-}
-
-/// Every key under `prefix` with its serialized value and absolute expiry: two
-/// equal snapshots mean nothing was changed (member scores included).
-fn snapshot(conn: &mut redis::Connection, prefix: &str) -> Vec<(String, Vec<u8>, i64)> {
-    let mut keys: Vec<String> = conn.keys(format!("{prefix}*")).unwrap();
-    keys.sort();
-    keys.into_iter()
-        .map(|k| {
-            let dump: Vec<u8> = redis::cmd("DUMP").arg(&k).query(conn).unwrap();
-            let at: i64 = redis::cmd("PEXPIRETIME").arg(&k).query(conn).unwrap();
-            (k, dump, at)
-        })
-        .collect()
 }
 
 fn pexpiretime(conn: &mut redis::Connection, key: &str) -> i64 {

@@ -15,6 +15,7 @@
 
 mod child;
 mod cluster;
+mod keyspace;
 mod proxy;
 mod sentinel;
 mod server;
@@ -32,6 +33,8 @@ pub(crate) use child::{ChildProc, block_on_stdin, env};
 pub(crate) use cluster::{
     ClusterView, NodeEntry, SLOTS, SlotMigration, TestCluster, TestClusterBuilder,
 };
+#[allow(unused_imports)]
+pub(crate) use keyspace::{local_instant, members, server_now, snapshot};
 #[allow(unused_imports)]
 pub(crate) use proxy::{FaultProxy, Mode};
 #[allow(unused_imports)]
