@@ -297,6 +297,24 @@ fn f_leases_sharing_one_fence_counter_never_see_a_false_regression() {
 
 // --- g ---------------------------------------------------------------------
 
+/// A 30 s lock held by an ACL user who may run everything but `denied`, on a
+/// server of its own (with the coordinator that holds it).
+fn held_by_user_denied(denied: &str) -> (TestServer, Coordinator, respire_coordination::LockGuard) {
+    let server = TestServer::builder()
+        .acl_user(format!("app on >pw ~* &* +@all {denied}"))
+        .start();
+    let coord = Coordinator::builder(&server.url_for_user("app", "pw"))
+        .build()
+        .unwrap();
+    let guard = coord
+        .lock("job")
+        .unwrap()
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    (server, coord, guard)
+}
+
 #[test]
 fn g_keep_alive_works_without_the_script_command() {
     let server = TestServer::builder()
@@ -327,18 +345,7 @@ fn g_keep_alive_works_without_the_script_command() {
 
 #[test]
 fn g_keep_alive_refuses_up_front_what_the_renewals_would_be_denied() {
-    let server = TestServer::builder()
-        .acl_user("app on >pw ~* &* +@all -client|kill")
-        .start();
-    let coord = Coordinator::builder(&server.url_for_user("app", "pw"))
-        .build()
-        .unwrap();
-    let guard = coord
-        .lock("job")
-        .unwrap()
-        .try_acquire(Duration::from_secs(30))
-        .unwrap()
-        .unwrap();
+    let (_server, _coord, guard) = held_by_user_denied("-client|kill");
     let err = guard.keep_alive().unwrap_err();
     assert!(matches!(err, Error::Permission(_)), "{err}");
 }
@@ -604,18 +611,7 @@ fn c_redlock_loss_signals_close_on_time_while_an_extension_hangs_on_the_nodes() 
 
 #[test]
 fn k_a_command_a_script_may_not_run_is_a_permission_error() {
-    let server = TestServer::builder()
-        .acl_user("app on >pw ~* &* +@all -pexpire")
-        .start();
-    let coord = Coordinator::builder(&server.url_for_user("app", "pw"))
-        .build()
-        .unwrap();
-    let guard = coord
-        .lock("job")
-        .unwrap()
-        .try_acquire(Duration::from_secs(30))
-        .unwrap()
-        .unwrap();
+    let (_server, _coord, guard) = held_by_user_denied("-pexpire");
     // The extension script calls PEXPIRE, which this user may not run.
     let err = guard.reset_expiry(Duration::from_secs(30)).unwrap_err();
     assert!(matches!(err, Error::Permission(_)), "{err}");
