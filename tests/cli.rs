@@ -10,6 +10,31 @@ use redis::Commands;
 use respire_coordination::Coordinator;
 use support::{TestServer, shared_server, unique_prefix, wait_until};
 
+/// Scripts the server at `url` has run: a fenced acquire attempt is one.
+fn script_calls(url: &str) -> u64 {
+    let mut con = redis::Client::open(url).unwrap().get_connection().unwrap();
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut con)
+        .unwrap();
+    info.lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| l.split(['=', ',']).nth(1)?.parse::<u64>().ok())
+        .sum()
+}
+
+/// Waits until the server has run a script since `before` (the waiting run's
+/// first attempt found the key held), then checks the run is still waiting.
+fn assert_waiting_after_an_attempt(url: &str, before: u64, waiting: &mut std::process::Child) {
+    wait_until(Duration::from_secs(10), "the run's first attempt", || {
+        script_calls(url) > before
+    });
+    assert!(
+        waiting.try_wait().unwrap().is_none(),
+        "it should still be waiting"
+    );
+}
+
 const BIN: &str = env!("CARGO_BIN_EXE_respire-lock");
 
 /// Every environment variable the tool reads.
@@ -89,7 +114,9 @@ fn runs_the_command_with_its_token_and_returns_its_status() {
 
 #[test]
 fn a_held_lease_means_not_acquired() {
-    let url = shared_server().url();
+    // A server of its own: every script it runs is this test's.
+    let server = TestServer::start();
+    let url = server.url();
     let prefix = unique_prefix("cli-held");
     let coord = Coordinator::builder(&url)
         .key_prefix(&prefix)
@@ -112,6 +139,7 @@ fn a_held_lease_means_not_acquired() {
     assert!(started.elapsed() >= Duration::from_millis(300));
 
     // A waiting run starts as soon as the holder releases.
+    let before = script_calls(&url);
     let mut waiting = respire_lock(&[
         "run",
         "--url",
@@ -129,11 +157,7 @@ fn a_held_lease_means_not_acquired() {
     .stdout(Stdio::piped())
     .spawn()
     .unwrap();
-    std::thread::sleep(Duration::from_millis(200));
-    assert!(
-        waiting.try_wait().unwrap().is_none(),
-        "it should still be waiting"
-    );
+    assert_waiting_after_an_attempt(&url, before, &mut waiting);
     drop(held);
     let out = waiting.wait_with_output().unwrap();
     assert!(out.status.success());
@@ -503,7 +527,9 @@ fn usage_errors_are_one_line_and_a_hint() {
 
 #[test]
 fn a_wait_too_long_for_the_clock_waits_forever() {
-    let url = shared_server().url();
+    // A server of its own: every script it runs is this test's.
+    let server = TestServer::start();
+    let url = server.url();
     let prefix = unique_prefix("cli-huge-wait");
     // On a free key: acquired at once.
     let out = run(&[
@@ -527,6 +553,7 @@ fn a_wait_too_long_for_the_clock_waits_forever() {
         .unwrap();
     let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
     let held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    let before = script_calls(&url);
     let mut waiting = respire_lock(&[
         "run",
         "--url",
@@ -545,11 +572,7 @@ fn a_wait_too_long_for_the_clock_waits_forever() {
     .stderr(Stdio::piped())
     .spawn()
     .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(
-        waiting.try_wait().unwrap().is_none(),
-        "it should still be waiting"
-    );
+    assert_waiting_after_an_attempt(&url, before, &mut waiting);
     drop(held);
     let out = waiting.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
