@@ -376,6 +376,8 @@ fn the_coordinator_follows_a_switch_and_the_old_primary_grants_nothing_after() {
             .iter()
             .any(|(_, r)| matches!(r, Ok(t) if *t > 1_000_000))
     });
+    // Half a second more of calls after the first grant by the new primary:
+    // the window in which a grant by the old primary would show up below.
     thread::sleep(Duration::from_millis(500));
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     looping.join().unwrap();
