@@ -10,7 +10,7 @@ use std::time::Duration;
 use crossbeam_channel::Receiver;
 
 use crate::conn::Connect;
-use crate::core::lease::{Loss, Refusal};
+use crate::core::lease::{Loss, Refusal, Verdict};
 use crate::deployment::{Deployment, bad_key_in};
 use crate::error::{Error, Result};
 use crate::kind::{Fenced, Kind};
@@ -129,7 +129,12 @@ impl<K: Kind> LeaseGuard<K> {
     /// round trip, at most the node timeout (plus the connect timeout if a
     /// connection must be opened). Returns `Some(server-side TTL)` when held
     /// (`Duration::MAX` for a key without expiry), `None` (and flags the guard
-    /// lost) when not. Only says what was true at one instant.
+    /// lost) when not. Only says what was true at one instant, with one
+    /// lasting effect: when the server has less time left than the guard
+    /// counted on (a failover to a replica that missed an extension), the
+    /// guard's bound, [`remaining_estimate`](LeaseGuard::remaining_estimate)
+    /// and loss deadline shrink to what the server has left, until a later
+    /// extension is confirmed.
     ///
     /// # Errors
     /// Transport and server errors; the guard is unchanged.
@@ -139,6 +144,7 @@ impl<K: Kind> LeaseGuard<K> {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let deadline = self.dep.now() + self.dep.node_timeout();
         let mut reply = Err(Error::Cancelled);
+        let mut sent = self.dep.now();
         // A pooled connection the server closed (a restart): once more on a
         // fresh one, which is safe for a read.
         for retry in [false, true] {
@@ -147,6 +153,7 @@ impl<K: Kind> LeaseGuard<K> {
                 .dep
                 .on_key(self.key(), deadline, Connect::Own, |conn, deadline| {
                     reused = !conn.is_fresh();
+                    sent = self.dep.now();
                     conn.script::<Vec<i64>>(ops.verify_script(), &keys, &args, "verify", deadline)
                 })
                 .0
@@ -157,21 +164,18 @@ impl<K: Kind> LeaseGuard<K> {
         }
         let reply = reply?;
         let now = self.dep.now();
-        match reply.as_slice() {
-            [1, pttl] => Ok(Some(
-                u64::try_from(*pttl).map_or(Duration::MAX, Duration::from_millis),
-            )),
-            [0] => {
-                self.cell.mark_lost(now, Loss::Gone);
-                Ok(None)
+        match Verdict::of(&reply) {
+            Some(verdict) => {
+                let left = match verdict {
+                    Verdict::Held(left) => Some(left.unwrap_or(Duration::MAX)),
+                    Verdict::Lost(_) => None,
+                };
+                self.cell.verified(verdict, sent, now);
+                Ok(left)
             }
-            [-1] => {
-                self.cell.mark_lost(now, Loss::TakenOver);
-                Ok(None)
-            }
-            other => Err(Error::UnexpectedReply {
+            None => Err(Error::UnexpectedReply {
                 op: "verify",
-                reply: format!("{other:?}"),
+                reply: format!("{reply:?}"),
             }),
         }
     }

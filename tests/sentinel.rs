@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use respire_coordination::{
     Coordinator, Error, RedlockGroup, RedlockOptions, ReleaseOutcome, Replication,
 };
-use support::{TestSentinel, TestServer, shared_sentinel, unique_prefix, wait_until};
+use support::{
+    TestSentinel, TestServer, local_instant, server_now, shared_sentinel, unique_prefix, wait_until,
+};
 
 fn figure(name: &str, value: Duration) {
     println!("figure {name} = {:.1} ms", value.as_secs_f64() * 1000.0);
@@ -507,6 +509,58 @@ fn a_lease_never_replicated_is_lost_at_the_switch_and_the_counter_regression_is_
         "{err}"
     );
     drop(g);
+}
+
+/// The expiry of `key` on `server` as a local instant, from the server's own
+/// `PEXPIRETIME` and `TIME`; `None` when the key is gone or has no expiry.
+fn expiry_on(server: &TestServer, key: &str) -> Option<Instant> {
+    let mut con = server.client();
+    let at: i64 = redis::cmd("PEXPIRETIME").arg(key).query(&mut con).unwrap();
+    (at > 0).then(|| local_instant(at, server_now(&mut con)))
+}
+
+#[test]
+fn an_extension_the_new_primary_never_got_bounds_the_lease_after_a_failover() {
+    let deployment = TestSentinel::start();
+    let coord = connect(&deployment);
+    let lock = fenced(&coord, "unreplicated-extension");
+    let g = lock.try_acquire(Duration::from_secs(6)).unwrap().unwrap();
+    let key = g.key().to_owned();
+    let replica = deployment.replica();
+    wait_until(Duration::from_secs(5), "the grant on the replica", || {
+        expiry_on(replica, &key).is_some()
+    });
+    // The replica stops applying the stream: the extension stays on the old
+    // primary alone.
+    let paused = deployment.pause_replica_writes(Duration::from_secs(30));
+    assert!(g.reset_expiry(Duration::from_secs(60)).unwrap());
+    assert!(g.remaining_estimate() > Duration::from_secs(50));
+    let signal = g.lost_signal().clone();
+    let flagged = thread::spawn(move || {
+        let closed = signal.recv_timeout(Duration::from_secs(30)).is_err();
+        (closed, Instant::now())
+    });
+    failover_with(&deployment, |_| {});
+    deployment.unpause_replica(paused);
+    // The oracle: the new primary's own expiry of the key, the grant's.
+    let new_primary = &deployment.servers()[paused];
+    let ends = expiry_on(new_primary, &key).expect("the new primary holds the grant");
+    assert!(
+        ends < Instant::now() + Duration::from_secs(6),
+        "the new primary has the extension after all"
+    );
+    let (closed, at) = flagged.join().unwrap();
+    assert!(closed, "the loss signal never closed");
+    assert!(g.is_lost());
+    assert!(
+        at <= ends,
+        "flagged lost {:?} after the new primary's expiry",
+        at - ends
+    );
+    figure(
+        "lease flagged lost before the new primary's expiry, by",
+        ends.saturating_duration_since(at),
+    );
 }
 
 #[test]

@@ -71,6 +71,39 @@ impl fmt::Display for Loss {
     }
 }
 
+/// What a verification read (`{1, remaining_ms}`, `{0}`, `{-1}`) found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Held, with this long left on the server (`None`: no expiry).
+    Held(Option<Duration>),
+    /// Not held any more.
+    Lost(Loss),
+}
+
+impl Verdict {
+    /// Reads a verification script's reply; `None` for any other shape.
+    pub(crate) fn of(reply: &[i64]) -> Option<Verdict> {
+        match reply {
+            [1, left] => Some(Verdict::Held(
+                u64::try_from(*left).ok().map(Duration::from_millis),
+            )),
+            [0] => Some(Verdict::Lost(Loss::Gone)),
+            [-1] => Some(Verdict::Lost(Loss::TakenOver)),
+            _ => None,
+        }
+    }
+
+    /// Applies it to a lease whose verification was sent at `sent`.
+    pub(crate) fn apply(self, core: &mut LeaseCore, sent: Instant) {
+        match self {
+            Verdict::Held(left) => core.verified(sent, left),
+            Verdict::Lost(loss) => {
+                core.mark_lost(loss);
+            }
+        }
+    }
+}
+
 /// Why an extension could not begin.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Refusal {
@@ -269,6 +302,40 @@ impl LeaseCore {
         }
     }
 
+    /// A read sent at `sent` found the lease held with `remaining` left on the
+    /// server (`None`: no expiry). The server ran the read at `sent` or later,
+    /// so the lease ends no earlier than `sent + remaining − drift(remaining)`;
+    /// the bound becomes at most that until a later extension is confirmed.
+    ///
+    /// This is what a topology change needs: a new primary may hold the lease
+    /// with the expiry of an older grant or extension than the one the guard
+    /// counts on (extensions replicate asynchronously), and only the server's
+    /// own remaining time says how long it really has.
+    pub(crate) fn verified(&mut self, sent: Instant, remaining: Option<Duration>) {
+        if let Some(remaining) = remaining {
+            let until = self.timing.valid_until(sent, remaining);
+            self.floor = Some(self.floor.map_or(until, |f| f.min(until)));
+        }
+    }
+
+    /// The server the lease lives on changed (a failover, a slot that moved):
+    /// nothing the old one says about an extension counts any more, and an
+    /// extension sent to it can no longer reach the new one. A claimed
+    /// extension is given up: its worst case (a shortening counted from its
+    /// send time) stays in the bound until a later extension is confirmed,
+    /// and its ticket goes stale, so a late confirmation from the old server
+    /// is ignored. Returns whether a claim was given up.
+    pub(crate) fn switched(&mut self) -> bool {
+        match self.pending.take() {
+            Some(p) => {
+                let until = self.timing.valid_until(p.stamp.sent, p.stamp.ttl);
+                self.floor = Some(self.floor.map_or(until, |f| f.min(until)));
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Records a loss (the server said so, or a background failure).
     pub(crate) fn mark_lost(&mut self, loss: Loss) -> bool {
         if self.lost.is_none() && !self.finished {
@@ -422,6 +489,54 @@ mod tests {
         c.fenced(t);
         // lost_at = 998 − 100; renew a node timeout before that.
         assert_eq!(c.renew_at(), t0 + ms(798));
+    }
+
+    #[test]
+    fn a_verify_bounds_the_lease_by_what_the_server_has_left() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 30_000);
+        // The new primary has 2 s left, read by a verify sent at 1 s.
+        c.verified(t0 + ms(1_000), Some(ms(2_000)));
+        assert_eq!(c.valid_until(), t0 + ms(1_000 + 1_998));
+        assert!(c.is_lost(t0 + ms(2_898)));
+        // A later read cannot lift the bound.
+        let mut c = core(t0, 30_000);
+        c.verified(t0 + ms(1_000), Some(ms(2_000)));
+        c.verified(t0 + ms(1_500), Some(ms(20_000)));
+        assert_eq!(c.valid_until(), t0 + ms(2_998));
+        // A confirmed extension on the new server does.
+        let t = c.begin_extend(t0 + ms(1_600), ms(30_000)).unwrap();
+        assert!(c.extended(t, t0 + ms(1_601)));
+        assert_eq!(c.valid_until(), t0 + ms(1_600 + 29_998));
+        // No expiry on the server: nothing learned about an end.
+        let mut c = core(t0, 30_000);
+        c.verified(t0 + ms(1_000), None);
+        assert_eq!(c.valid_until(), t0 + ms(29_998));
+    }
+
+    #[test]
+    fn a_switch_frees_the_claim_and_ignores_the_old_server() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 10_000);
+        // An extension to the old primary, unanswered: the claim is held.
+        let t = c.begin_extend(t0 + ms(100), ms(4_000)).unwrap();
+        c.unanswered(t);
+        assert!(c.is_claimed());
+        assert!(c.switched());
+        assert!(!c.is_claimed());
+        // Its worst case stays in the bound.
+        assert_eq!(c.valid_until(), t0 + ms(100 + 3_998));
+        // A confirmation from the old server, late, moves nothing.
+        c.extended(t, t0 + ms(200));
+        assert_eq!(c.valid_until(), t0 + ms(100 + 3_998));
+        // In flight and confirmed by the old server after the switch: ignored.
+        let mut c = core(t0, 10_000);
+        let t = c.begin_extend(t0 + ms(100), ms(60_000)).unwrap();
+        assert!(c.switched());
+        assert!(c.extended(t, t0 + ms(200)));
+        assert_eq!(c.valid_until(), t0 + ms(9_998));
+        // Nothing claimed: nothing to give up.
+        assert!(!c.switched());
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
-use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket};
+use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket, Verdict};
 use crate::core::schedule::Next;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -193,6 +193,24 @@ impl<X> LeaseCell<X> {
 
     pub(crate) fn fenced(&self, ticket: Ticket, now: Instant) {
         self.change(now, |c| c.fenced(ticket));
+    }
+
+    /// Applies what a verification sent at `sent` found (see
+    /// [`LeaseCore::verified`]); whether the lease is still held.
+    pub(crate) fn verified(&self, verdict: Verdict, sent: Instant, now: Instant) -> bool {
+        let mut held = false;
+        self.change(now, |c| {
+            verdict.apply(c, sent);
+            held = !c.is_lost(now);
+        });
+        held
+    }
+
+    /// The server the lease lives on changed (see [`LeaseCore::switched`]).
+    pub(crate) fn switched(&self, now: Instant) {
+        self.change(now, |c| {
+            c.switched();
+        });
     }
 
     pub(crate) fn mark_lost(&self, now: Instant, loss: Loss) {

@@ -28,12 +28,15 @@ use parking_lot::Mutex;
 use crate::clock::Clock;
 use crate::conn::cluster::{NodeAddr, Redirect, redirect_of};
 use crate::conn::{Conn, ConnConfig, Pool};
-use crate::core::lease::{Loss, Refusal, Ticket};
+use crate::core::lease::{Loss, Refusal, Ticket, Verdict};
 use crate::core::timing;
 use crate::error::{Error, Result};
 use crate::runtime::renewal::{Cell, Counters, Renewal};
 use crate::runtime::tracking::Tracking;
 use crate::runtime::waiters::{Registry, Tracker};
+
+/// The pause before a verification that got no answer is tried again.
+const VERIFY_RETRY: Duration = Duration::from_millis(50);
 
 /// What an executor needs of the deployment around it.
 pub(crate) trait Directory: Send + Sync {
@@ -47,6 +50,8 @@ pub(crate) trait Directory: Send + Sync {
     /// A reply suggests the deployment changed (`READONLY`, a server that is
     /// not the primary): look it up again soon.
     fn suspect(&self);
+    /// The node that serves `key` now.
+    fn current(&self, key: &str) -> Option<Arc<Node>>;
 }
 
 /// Work for a node's executor.
@@ -58,7 +63,9 @@ pub(crate) enum Job {
         asking: bool,
     },
     /// Check that these leases are still held here (the deployment changed
-    /// under them); a missing one is flagged lost at once.
+    /// under them): a missing one is flagged lost at once, and each one held
+    /// is bounded by the time it has left here. Retried until it answers or
+    /// the lease is lost.
     Verify {
         leases: Vec<Arc<Cell>>,
         asking: bool,
@@ -82,6 +89,9 @@ pub(crate) enum Job {
         /// How many times it followed a `MOVED` already.
         hops: u8,
     },
+    /// The node was retired: close the connection, give up the kills that can
+    /// no longer matter and hand the rest to the node that serves the keys now.
+    Retire,
 }
 
 /// One server and the crate's pool, subscriber and executor for it.
@@ -97,7 +107,7 @@ pub(crate) struct Node {
     io: OnceLock<Sender<Job>>,
     tracking: OnceLock<Tracking>,
     start: Mutex<()>,
-    retired: AtomicBool,
+    retired: Arc<AtomicBool>,
 }
 
 impl Node {
@@ -121,7 +131,7 @@ impl Node {
             io: OnceLock::new(),
             tracking: OnceLock::new(),
             start: Mutex::new(()),
-            retired: AtomicBool::new(false),
+            retired: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -168,9 +178,11 @@ impl Node {
             clock: self.clock.clone(),
             counters: self.counters.clone(),
             dir: self.dir.clone(),
+            retired: self.retired.clone(),
             conn: None,
             fences: Vec::new(),
             cleanups: Vec::new(),
+            verifies: Vec::new(),
         };
         std::thread::Builder::new()
             .name("respire-io".into())
@@ -195,10 +207,15 @@ impl Node {
     }
 
     /// The server stopped being the deployment's primary (or a cluster
-    /// primary): its pooled connections are closed and no more are made.
+    /// primary): its pooled connections are closed and no more are made, and
+    /// its executor closes its own connection, so nothing this server says
+    /// moves a lease's bound any more.
     pub(crate) fn retire(&self) {
         self.retired.store(true, Ordering::Release);
         self.pool.close();
+        if let Some(tx) = self.io.get() {
+            let _ = tx.send(Job::Retire);
+        }
     }
 
     /// Whether [`Node::retire`] was called.
@@ -231,15 +248,23 @@ struct PendingCleanup {
     hops: u8,
 }
 
+struct PendingVerify {
+    leases: Vec<Arc<Cell>>,
+    asking: bool,
+    retry_at: Instant,
+}
+
 struct Executor {
     cfg: Arc<ConnConfig>,
     host: String,
     clock: Arc<dyn Clock>,
     counters: Arc<Counters>,
     dir: Weak<dyn Directory>,
+    retired: Arc<AtomicBool>,
     conn: Option<Conn>,
     fences: Vec<PendingFence>,
     cleanups: Vec<PendingCleanup>,
+    verifies: Vec<PendingVerify>,
 }
 
 /// The redirection an error reply in a pipeline carries.
@@ -262,6 +287,7 @@ impl Executor {
                 .iter()
                 .map(|f| f.retry_at)
                 .chain(self.cleanups.iter().map(|c| c.retry_at))
+                .chain(self.verifies.iter().map(|v| v.retry_at))
                 .min();
             let job = match next {
                 Some(at) => rx.recv_timeout(at.saturating_duration_since(self.clock.now())),
@@ -276,8 +302,13 @@ impl Executor {
         }
     }
 
+    fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+
     fn handle(&mut self, job: Job) {
         match job {
+            Job::Retire => self.retire(),
             Job::Renew { leases, asking } => self.renew(leases, asking),
             Job::Verify {
                 leases,
@@ -320,6 +351,87 @@ impl Executor {
                     hops,
                 });
             }
+        }
+    }
+
+    /// The server is not the one the keys live on any more: what it would
+    /// confirm no longer counts, and a command left unanswered on it can no
+    /// longer reach the server the leases live on now (its writes are
+    /// discarded when it rejoins as a replica, and a migrated key is not here
+    /// any more). So each claim held for a kill here is freed with its worst
+    /// case kept in the bound, clean-ups and verifications go to the node that
+    /// serves their keys now, and the connection is closed.
+    fn retire(&mut self) {
+        self.conn = None;
+        let now = self.clock.now();
+        let dir = self.dir.upgrade();
+        for f in std::mem::take(&mut self.fences) {
+            for (lease, ticket) in f.leases {
+                lease.fenced(ticket, now);
+                if let Some(dir) = &dir {
+                    dir.renewal().touch(&lease);
+                }
+            }
+        }
+        let Some(dir) = dir else {
+            self.cleanups.clear();
+            self.verifies.clear();
+            return;
+        };
+        for c in std::mem::take(&mut self.cleanups) {
+            match dir.current(&c.key) {
+                Some(node) if !node.is_retired() => {
+                    node.submit(Job::Cleanup {
+                        conns: Vec::new(),
+                        cmd: c.cmd,
+                        key: c.key,
+                        give_up_at: c.give_up_at,
+                        hops: c.hops,
+                    });
+                }
+                _ => log::warn!(
+                    "no current server for {:?}: an unanswered acquire there is not cleaned up",
+                    c.key
+                ),
+            }
+        }
+        let verifies: Vec<Arc<Cell>> = std::mem::take(&mut self.verifies)
+            .into_iter()
+            .flat_map(|v| v.leases)
+            .collect();
+        self.hand_over(verifies, now);
+    }
+
+    /// Sends leases to be verified on the nodes that serve their keys now;
+    /// those with no node yet are retried here later.
+    fn hand_over(&mut self, leases: Vec<Arc<Cell>>, now: Instant) {
+        let dir = self.dir.upgrade();
+        let mut stay = Vec::new();
+        let mut by_node: Vec<(Arc<Node>, Vec<Arc<Cell>>)> = Vec::new();
+        for lease in leases {
+            match dir.as_ref().and_then(|d| d.current(lease.key())) {
+                Some(node) if !node.is_retired() => {
+                    match by_node.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &node)) {
+                        Some((_, list)) => list.push(lease),
+                        None => by_node.push((node, vec![lease])),
+                    }
+                }
+                _ => stay.push(lease),
+            }
+        }
+        for (node, leases) in by_node {
+            node.submit(Job::Verify {
+                leases,
+                asking: false,
+                hops: 0,
+            });
+        }
+        if !stay.is_empty() {
+            self.verifies.push(PendingVerify {
+                leases: stay,
+                asking: false,
+                retry_at: now + VERIFY_RETRY.min(self.cfg.node_timeout),
+            });
         }
     }
 
@@ -395,6 +507,17 @@ impl Executor {
         let now = self.clock.now();
         let nt = self.cfg.node_timeout;
         let mut done = Vec::with_capacity(batch.len());
+        // Queued before the node was retired: plan them again, for the node
+        // that serves them now.
+        if self.is_retired() {
+            done.extend(
+                batch
+                    .iter()
+                    .map(|l| (l.id(), Some(now + Duration::from_millis(2)))),
+            );
+            self.report(done);
+            return;
+        }
         // Every step shares one deadline: a node timeout, and never past the
         // earliest loss deadline in the batch (a later reply would not count).
         let earliest = batch.iter().map(|l| l.lost_at()).min().unwrap_or(now);
@@ -460,6 +583,18 @@ impl Executor {
             }
         }
         let now = self.clock.now();
+        // Retired while the pipeline was out: what the old server says no
+        // longer counts. Each extension's worst case stays in its bound and
+        // the lease is planned again, for the server that holds it now.
+        if self.is_retired() {
+            self.conn = None;
+            for (lease, ticket) in sent {
+                lease.fenced(ticket, now);
+                done.push((lease.id(), Some(now + Duration::from_millis(2))));
+            }
+            self.report(done);
+            return;
+        }
         match reply {
             Ok(values) => {
                 let mut forward: Vec<(NodeAddr, Vec<Arc<Cell>>)> = Vec::new();
@@ -589,8 +724,9 @@ impl Executor {
     }
 
     /// Checks leases after the deployment changed under them: gone or taken
-    /// over here ⇒ lost now. No reply ⇒ nothing learned (their deadlines
-    /// still bound them).
+    /// over here ⇒ lost now; held ⇒ bounded by the time left here (a new
+    /// primary may have the expiry of an older grant or extension than the
+    /// guard counts on). No reply ⇒ tried again until the leases are lost.
     fn verify(&mut self, leases: Vec<Arc<Cell>>, asking: bool, hops: u8) {
         let now = self.clock.now();
         let leases: Vec<Arc<Cell>> = leases
@@ -600,23 +736,33 @@ impl Executor {
         if leases.is_empty() {
             return;
         }
+        if self.is_retired() {
+            self.hand_over(leases, now);
+            return;
+        }
         let deadline = now + self.cfg.node_timeout;
         if let Err(e) = self.ensure_conn(deadline) {
             log::debug!(
-                "cannot re-verify {} lease(s) on {}: {e}",
+                "cannot re-verify {} lease(s) on {}: {e}; retrying",
                 leases.len(),
                 self.cfg.addr
             );
+            self.verify_later(leases, asking);
             return;
         }
+        let sent = self.clock.now();
         let cmds: Vec<redis::Cmd> = leases.iter().map(|l| l.extra().verify_cmd(false)).collect();
         let mut values = match self.send(&cmds, asking, "verify", deadline) {
             Ok(values) => values,
             Err(e) => {
-                log::debug!("re-verifying leases on {} failed: {e}", self.cfg.addr);
+                log::debug!(
+                    "re-verifying leases on {} failed: {e}; retrying",
+                    self.cfg.addr
+                );
                 if e.is_uncertain() {
                     self.conn = None;
                 }
+                self.verify_later(leases, asking);
                 return;
             }
         };
@@ -637,45 +783,77 @@ impl Executor {
         let now = self.clock.now();
         let dir = self.dir.upgrade();
         let mut elsewhere: Vec<(Arc<Node>, bool, Vec<Arc<Cell>>)> = Vec::new();
+        let mut again = Vec::new();
         for (lease, value) in leases.into_iter().zip(values) {
             let redirect = redirection(&value, &self.host);
-            let target = match (&redirect, &dir) {
-                (Some(Redirect::Moved { slot, addr }), Some(dir)) => {
-                    dir.moved(*slot, addr).map(|n| (n, false))
-                }
-                (Some(Redirect::Ask { addr }), Some(dir)) => dir.node_at(addr).map(|n| (n, true)),
-                _ => None,
-            };
-            if let Some((node, ask)) = target {
-                if hops < 2 {
-                    match elsewhere
-                        .iter_mut()
-                        .find(|(n, a, _)| Arc::ptr_eq(n, &node) && *a == ask)
-                    {
-                        Some((_, _, list)) => list.push(lease),
-                        None => elsewhere.push((node, ask, vec![lease])),
+            if redirect.is_some() {
+                let target = match (&redirect, &dir) {
+                    (Some(Redirect::Moved { slot, addr }), Some(dir)) => {
+                        dir.moved(*slot, addr).map(|n| (n, false))
                     }
+                    (Some(Redirect::Ask { addr }), Some(dir)) => {
+                        dir.node_at(addr).map(|n| (n, true))
+                    }
+                    _ => None,
+                };
+                match target {
+                    // Followed a few hops at once; past that (a map still
+                    // settling) the lease is verified again after a pause.
+                    Some((node, ask)) if hops < 2 => {
+                        match elsewhere
+                            .iter_mut()
+                            .find(|(n, a, _)| Arc::ptr_eq(n, &node) && *a == ask)
+                        {
+                            Some((_, _, list)) => list.push(lease),
+                            None => elsewhere.push((node, ask, vec![lease])),
+                        }
+                    }
+                    _ => again.push(lease),
                 }
                 continue;
             }
-            let loss = match &value {
-                redis::Value::Array(v) => match v.first() {
-                    Some(redis::Value::Int(0)) => Some(Loss::Gone),
-                    Some(redis::Value::Int(-1)) => Some(Loss::TakenOver),
-                    _ => None,
-                },
+            let verdict = match &value {
+                redis::Value::Array(items) => {
+                    let ints: Option<Vec<i64>> = items
+                        .iter()
+                        .map(|v| match v {
+                            redis::Value::Int(n) => Some(*n),
+                            _ => None,
+                        })
+                        .collect();
+                    ints.as_deref().and_then(Verdict::of)
+                }
                 _ => None,
             };
-            if let Some(loss) = loss {
-                log::warn!(
-                    "lease {:?} is not held on {} after the deployment changed",
-                    lease.key(),
-                    self.cfg.addr
-                );
-                lease.mark_lost(now, loss);
-                Counters::add(&self.counters.losses, 1);
-                if let Some(dir) = &dir {
-                    dir.renewal().touch(&lease);
+            match verdict {
+                Some(verdict) => {
+                    let gone = matches!(verdict, Verdict::Lost(_));
+                    if !lease.verified(verdict, sent, now) {
+                        if gone {
+                            log::warn!(
+                                "lease {:?} is not held on {} after the deployment changed",
+                                lease.key(),
+                                self.cfg.addr
+                            );
+                        }
+                        Counters::add(&self.counters.losses, 1);
+                    }
+                    if let Some(dir) = &dir {
+                        dir.renewal().touch(&lease);
+                    }
+                }
+                None => {
+                    log::debug!(
+                        "unexpected verification reply for {:?} on {}: {value:?}; retrying",
+                        lease.key(),
+                        self.cfg.addr
+                    );
+                    if is_code(&value, "READONLY")
+                        && let Some(dir) = &dir
+                    {
+                        dir.suspect();
+                    }
+                    again.push(lease);
                 }
             }
         }
@@ -686,6 +864,18 @@ impl Executor {
                 hops: hops + 1,
             });
         }
+        if !again.is_empty() {
+            self.verify_later(again, false);
+        }
+    }
+
+    /// Plans another verification of `leases` here after a pause.
+    fn verify_later(&mut self, leases: Vec<Arc<Cell>>, asking: bool) {
+        self.verifies.push(PendingVerify {
+            leases,
+            asking,
+            retry_at: self.clock.now() + VERIFY_RETRY.min(self.cfg.node_timeout),
+        });
     }
 
     fn retry_at(&self, lease: &Cell) -> Instant {
@@ -698,10 +888,18 @@ impl Executor {
         }
     }
 
-    /// Retries the kills and clean-ups that are due.
+    /// Retries the kills, clean-ups and verifications that are due.
     fn retry_pending(&mut self) {
         let now = self.clock.now();
         let nt = self.cfg.node_timeout;
+        let (due, later): (Vec<PendingVerify>, Vec<PendingVerify>) =
+            std::mem::take(&mut self.verifies)
+                .into_iter()
+                .partition(|v| v.retry_at <= now);
+        self.verifies = later;
+        for v in due {
+            self.verify(v.leases, v.asking, 0);
+        }
         let fences = std::mem::take(&mut self.fences);
         for mut f in fences {
             // Leases lost or released meanwhile no longer need their claim.

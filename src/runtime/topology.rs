@@ -637,6 +637,13 @@ impl Topology {
             .filter_map(Weak::upgrade)
             .filter(|c| !c.is_finished() && changed(key_slot(c.key().as_bytes())))
             .collect();
+        // Nothing the old server says about an extension counts from now on;
+        // the verification on the new one bounds each lease by what it has
+        // left there.
+        let now = self.clock.now();
+        for cell in &cells {
+            cell.switched(now);
+        }
         let mut by_node: Vec<(Arc<Node>, Vec<Arc<Cell>>)> = Vec::new();
         for cell in cells {
             let Ok(node) = self.node_for(cell.key()) else {
@@ -942,6 +949,10 @@ impl Directory for Topology {
         }
         self.suspect();
         Some(node)
+    }
+
+    fn current(&self, key: &str) -> Option<Arc<Node>> {
+        self.node_for(key).ok().map(|n| n.arc())
     }
 
     fn node_at(&self, addr: &NodeAddr) -> Option<Arc<Node>> {
