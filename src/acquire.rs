@@ -220,11 +220,16 @@ impl<K: Kind> Lease<K> {
                 (waited.result, waited.uncertain)
             }
         };
-        let acquired = matches!(result, Ok(Some(_)));
-        if !acquired && !uncertain.is_empty() {
+        // Attempts that got no reply may still arrive. Their connections are
+        // killed; when nothing was granted, what they may have set is deleted
+        // by owner. When a later attempt was granted, an earlier one arriving
+        // after the release would grant this owner again, a lease nobody
+        // holds (and burn a token): killing its connection stops that.
+        if !uncertain.is_empty() {
+            let acquired = matches!(result, Ok(Some(_)));
             dep.clean_up(
                 &uncertain,
-                self.spec.clean_up(&owner),
+                (!acquired).then(|| self.spec.clean_up(&owner)),
                 &self.spec.keys()[0],
                 Duration::from_millis(ttl_ms),
             );

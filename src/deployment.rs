@@ -240,9 +240,15 @@ impl Deployment {
     /// Hands the clean-up after unanswered acquire attempts to the executors
     /// of the servers they went to: every connection they went out on is
     /// killed first (so that the clean-up cannot be overtaken by a late
-    /// grant), then `cmd` runs there. Gives up once whatever they may have set
-    /// has expired.
-    pub(crate) fn clean_up(&self, sent: &[Uncertain], cmd: redis::Cmd, key: &str, ttl: Duration) {
+    /// grant), then `cmd`, if any, runs there. Gives up once whatever they may
+    /// have set has expired.
+    pub(crate) fn clean_up(
+        &self,
+        sent: &[Uncertain],
+        cmd: Option<redis::Cmd>,
+        key: &str,
+        ttl: Duration,
+    ) {
         if sent.iter().any(|u| u.conn.is_none()) {
             log::debug!(
                 "an unanswered acquire of {key:?} went out on a connection whose id is \

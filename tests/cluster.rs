@@ -19,7 +19,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use respire_coordination::{
     CancelToken, Coordinator, Error, RedlockGroup, RedlockOptions, ReleaseOutcome, key_slot,
 };
-use support::{TestCluster, TestServer, shared_cluster, unique_prefix, wait_until};
+use support::{
+    TestCluster, TestServer, local_instant, server_now, shared_cluster, unique_prefix, wait_until,
+};
 
 /// Set in a copy of this test binary started by a test below.
 const CHILD_ENV: &str = "RESPIRE_CLUSTER_CHILD";
@@ -767,6 +769,77 @@ fn a_kept_alive_lease_survives_a_manual_failover() {
     drop(guard);
     let g = lock.try_acquire(ttl).unwrap().unwrap();
     assert!(g.fencing_token().get() > last);
+}
+
+/// The expiry of `key` on cluster node `index` as a local instant, from the
+/// node's own `PEXPIRETIME` and `TIME` (read with `READONLY` on a replica);
+/// `None` when the key is gone there or has no expiry.
+fn expiry_on(cluster: &TestCluster, index: usize, key: &str) -> Option<Instant> {
+    let mut con = cluster.node(index).client();
+    let () = redis::cmd("READONLY").query(&mut con).unwrap();
+    let at: i64 = redis::cmd("PEXPIRETIME").arg(key).query(&mut con).unwrap();
+    (at > 0).then(|| local_instant(at, server_now(&mut con)))
+}
+
+#[test]
+fn an_extension_the_replica_never_got_bounds_the_lease_after_a_takeover() {
+    let cluster = TestCluster::start();
+    let primary = cluster.primaries()[0];
+    let replica = cluster.replica_of(primary);
+    let coord = builder(&cluster)
+        .topology_refresh(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let tag = tag_on(&cluster, primary, "unreplicated-extension");
+    let lock = coord
+        .fenced_lock(&format!("{tag}:lease"), &format!("{tag}:fence"))
+        .unwrap();
+    let guard = lock.try_acquire(Duration::from_secs(6)).unwrap().unwrap();
+    let key = guard.key().to_owned();
+    wait_until(Duration::from_secs(5), "the grant on the replica", || {
+        expiry_on(&cluster, replica, &key).is_some()
+    });
+    // The replica stops applying the stream: the extension stays on the
+    // primary alone.
+    let mut paused = cluster.node(replica).client();
+    let () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(30_000)
+        .arg("WRITE")
+        .query(&mut paused)
+        .unwrap();
+    assert!(guard.reset_expiry(Duration::from_secs(60)).unwrap());
+    assert!(guard.remaining_estimate() > Duration::from_secs(50));
+    let signal = guard.lost_signal().clone();
+    let flagged = thread::spawn(move || {
+        let closed = signal
+            .recv_timeout(Duration::from_secs(30))
+            .is_err_and(|e| e.is_disconnected());
+        (closed, Instant::now())
+    });
+    cluster.force_takeover(replica);
+    let () = redis::cmd("CLIENT")
+        .arg("UNPAUSE")
+        .query(&mut paused)
+        .unwrap();
+    // The oracle: the new primary's own expiry of the key, the grant's.
+    let ends = expiry_on(&cluster, replica, &key).expect("the new primary holds the grant");
+    assert!(
+        ends < Instant::now() + Duration::from_secs(6),
+        "the new primary has the extension after all"
+    );
+    let (closed, at) = flagged.join().unwrap();
+    assert!(closed, "the loss signal never closed");
+    assert!(guard.is_lost());
+    assert!(
+        at <= ends,
+        "flagged lost {:?} after the new primary's expiry",
+        at - ends
+    );
+    figure(
+        "takeover: lease flagged lost before the new primary's expiry, by",
+        ends.saturating_duration_since(at),
+    );
 }
 
 #[test]

@@ -1,7 +1,7 @@
-//! Regressions for the defects a line-by-line review found in the first
-//! release (each test names its letter in issue 8): commands whose reply never
-//! came, interleaved with other commands on the same lease; bounds that did
-//! not hold; leaks; misreports. Real servers, faults caused on purpose.
+//! Regressions for defects a line-by-line review found (each test opens with
+//! the letter of the defect it covers): commands whose reply never came,
+//! interleaved with other commands on the same lease; bounds that did not
+//! hold; leaks; misreports. Real servers, faults caused on purpose.
 
 mod support;
 
@@ -201,6 +201,57 @@ fn d_a_wait_that_ends_after_an_unanswered_attempt_cleans_up_its_grant() {
         Duration::from_secs(5),
         "the unheard grant to be cleaned up",
         || !admin.exists::<_, bool>("d:{d}:lease").unwrap(),
+    );
+}
+
+#[test]
+fn a_wait_granted_after_an_unanswered_attempt_stops_that_attempt_from_granting_again() {
+    let server = TestServer::start();
+    let mut admin = server.client();
+    let proxy = FaultProxy::start(server.addr());
+    let coord = coordinator(&proxy.url(), "ghost:", ms(200));
+    let lock = coord.fenced_lock("{g}:lease", "{g}:fence").unwrap();
+    // A waiting acquire first, so that the subscriber and a tracked pooled
+    // connection are in place.
+    let first = lock
+        .acquire_timeout(Duration::from_secs(30), Duration::from_secs(5))
+        .unwrap()
+        .unwrap();
+    let before = first.fencing_token().get();
+    first.release().unwrap();
+    // The bytes of the wait's first attempt reach the server 1.5 s late: it
+    // times out (node timeout 200 ms) and is still on its way.
+    let delay = ms(1_500);
+    let sent = proxy.client_chunks();
+    proxy.set_mode(Mode::Delay(delay));
+    let started = Instant::now();
+    let guard = thread::scope(|s| {
+        let waiter =
+            s.spawn(|| lock.acquire_timeout(Duration::from_secs(30), Duration::from_secs(10)));
+        // Once the first attempt is held in the proxy, the next go through.
+        wait_until(
+            Duration::from_secs(5),
+            "the first attempt in the proxy",
+            || proxy.client_chunks() > sent,
+        );
+        proxy.set_mode(Mode::Pass);
+        waiter.join().unwrap().unwrap().expect("granted")
+    });
+    assert!(
+        started.elapsed() < delay,
+        "granted only after the delayed attempt"
+    );
+    let token = guard.fencing_token().get();
+    assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
+    // The delayed attempt is due at the server by now (the proxy's delay is
+    // the fault, not a guess); it must not grant the released owner again.
+    thread::sleep((started + delay + ms(500)).saturating_duration_since(Instant::now()));
+    let held: bool = admin.exists("ghost:{g}:lease").unwrap();
+    assert!(!held, "a late attempt granted a lease nobody holds");
+    let fence: u64 = admin.get("ghost:{g}:fence").unwrap();
+    assert_eq!(
+        fence, token,
+        "a late attempt drew a token (last seen {before})"
     );
 }
 

@@ -537,7 +537,9 @@ fn an_extension_the_new_primary_never_got_bounds_the_lease_after_a_failover() {
     assert!(g.remaining_estimate() > Duration::from_secs(50));
     let signal = g.lost_signal().clone();
     let flagged = thread::spawn(move || {
-        let closed = signal.recv_timeout(Duration::from_secs(30)).is_err();
+        let closed = signal
+            .recv_timeout(Duration::from_secs(30))
+            .is_err_and(|e| e.is_disconnected());
         (closed, Instant::now())
     });
     failover_with(&deployment, |_| {});

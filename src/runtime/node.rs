@@ -79,11 +79,12 @@ pub(crate) enum Job {
         ticket: Ticket,
     },
     /// Acquire attempts got no reply on connections `conns` of this node:
-    /// kill them, then run `cmd` (delete what they may have set, by owner),
-    /// until `give_up_at`.
+    /// kill them, then run `cmd` (delete what they may have set, by owner;
+    /// `None` when a later attempt was granted and only the late arrival of
+    /// the unanswered ones must be stopped), until `give_up_at`.
     Cleanup {
         conns: Vec<u64>,
-        cmd: redis::Cmd,
+        cmd: Option<redis::Cmd>,
         key: String,
         give_up_at: Instant,
         /// How many times it followed a `MOVED` already.
@@ -241,7 +242,7 @@ struct PendingFence {
 
 struct PendingCleanup {
     conns: Vec<u64>,
-    cmd: redis::Cmd,
+    cmd: Option<redis::Cmd>,
     key: String,
     give_up_at: Instant,
     retry_at: Instant,
@@ -380,6 +381,7 @@ impl Executor {
         };
         for c in std::mem::take(&mut self.cleanups) {
             match dir.current(&c.key) {
+                _ if c.cmd.is_none() => {}
                 Some(node) if !node.is_retired() => {
                     node.submit(Job::Cleanup {
                         conns: Vec::new(),
@@ -963,9 +965,12 @@ impl Executor {
                     }
                 }
             }
-            let result = killed.and_then(|()| {
-                let conn = self.ensure_conn(deadline)?;
-                conn.query::<redis::Value>(&c.cmd, "clean-up", deadline)
+            let result = killed.and_then(|()| match &c.cmd {
+                Some(cmd) => {
+                    let conn = self.ensure_conn(deadline)?;
+                    conn.query::<redis::Value>(cmd, "clean-up", deadline)
+                }
+                None => Ok(redis::Value::Nil),
             });
             match result {
                 Ok(v) => log::debug!(

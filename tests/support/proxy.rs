@@ -82,6 +82,8 @@ struct Shared {
     /// thread ends.
     connections: Mutex<HashMap<u64, Entry>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Chunks read from clients, forwarded or not.
+    client_chunks: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -148,6 +150,7 @@ impl FaultProxy {
             shutdown: AtomicBool::new(false),
             connections: Mutex::new(HashMap::new()),
             threads: Mutex::new(Vec::new()),
+            client_chunks: std::sync::atomic::AtomicU64::new(0),
         });
         let acceptor = thread::Builder::new()
             .name(format!("proxy-{}-accept", addr.port()))
@@ -215,6 +218,13 @@ impl FaultProxy {
     /// How many proxied connections are open.
     pub(crate) fn connection_count(&self) -> usize {
         lock(&self.shared.connections).len()
+    }
+
+    /// How many chunks of bytes clients have sent through the proxy so far,
+    /// counted as they arrive (whatever the mode then does with them): a
+    /// command has reached the proxy once this grew.
+    pub(crate) fn client_chunks(&self) -> u64 {
+        self.shared.client_chunks.load(Ordering::SeqCst)
     }
 }
 
@@ -373,6 +383,12 @@ fn read_side(
         }
         let read = from.read(&mut buf);
         let mode = connection.shared.mode();
+        if direction == Direction::ClientToServer && matches!(read, Ok(n) if n > 0) {
+            connection
+                .shared
+                .client_chunks
+                .fetch_add(1, Ordering::SeqCst);
+        }
         let due = Instant::now() + mode.delay();
         match read {
             Ok(_) | Err(_) if connection.stopping() => return,
