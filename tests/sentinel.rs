@@ -566,6 +566,62 @@ fn an_extension_the_new_primary_never_got_bounds_the_lease_after_a_failover() {
 }
 
 #[test]
+fn a_kept_alive_lease_rides_out_a_failover_that_left_its_renewal_unanswered() {
+    let deployment = TestSentinel::builder()
+        .down_after(Duration::from_secs(1))
+        .start();
+    let coord = builder(&deployment)
+        .node_timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let lock = fenced(&coord, "unanswered-renewal");
+    let ttl = Duration::from_secs(12);
+    let granted = Instant::now();
+    let g = lock.try_acquire(ttl).unwrap().unwrap();
+    let key = g.key().to_owned();
+    wait_until(Duration::from_secs(5), "the grant on the replica", || {
+        expiry_on(deployment.replica(), &key).is_some()
+    });
+    let renewal = g.keep_alive().unwrap();
+    // The first renewal, at half the TTL, opens the executor's connection.
+    wait_until(ttl, "a first renewal", || {
+        coord.renewal_stats().renewals > 0
+    });
+    let old_primary = deployment.primary_index();
+    let new_primary = 1 - old_primary;
+    let watcher = deployment.watch_switches();
+    // The primary stops half a second before the next renewal: that renewal
+    // goes unanswered, and so does every kill of its connection.
+    thread::sleep(
+        (granted + ttl - Duration::from_millis(500)).saturating_duration_since(Instant::now()),
+    );
+    deployment.primary().pause();
+    let failures = coord.renewal_stats().failures;
+    wait_until(Duration::from_secs(5), "an unanswered renewal", || {
+        coord.renewal_stats().failures > failures
+    });
+    let switched = watcher.wait_for(1, Duration::from_secs(20))[0].at;
+    assert!(
+        switched < granted + ttl + ttl / 2 - Duration::from_secs(1),
+        "the failover came too late to tell"
+    );
+    // Its claim is freed by the switch: renewals go on at the new primary.
+    let renewed = coord.renewal_stats().renewals;
+    wait_until(
+        Duration::from_secs(10),
+        "a renewal on the new primary",
+        || coord.renewal_stats().renewals > renewed,
+    );
+    assert!(!g.is_lost());
+    let left = expiry_on(&deployment.servers()[new_primary], &key)
+        .expect("the new primary holds the lease")
+        .saturating_duration_since(Instant::now());
+    assert!(left > ttl / 2, "renewed on the new primary: {left:?} left");
+    drop(renewal);
+    deployment.servers()[old_primary].resume();
+}
+
+#[test]
 fn calls_keep_their_bounds_with_a_sentinel_or_the_primary_stopped() {
     let deployment = TestSentinel::builder()
         // No failover while the primary is stopped on purpose.
