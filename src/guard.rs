@@ -171,6 +171,9 @@ impl<K: Kind> LeaseGuard<K> {
                     Verdict::Lost(_) => None,
                 };
                 self.cell.verified(verdict, sent, now);
+                // A bound that shrank moves the loss deadline the renewal
+                // thread watches.
+                self.dep.runtime().touch(&self.cell);
                 Ok(left)
             }
             None => Err(Error::UnexpectedReply {

@@ -271,7 +271,13 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         .find(|t| node_timeout + timing.drift(*t) < *t / 2)
         .expect("some ttl is usable");
     let keepalive = timing.min_keepalive_ttl().max(base) + Duration::from_millis(1);
-    let ttls = vec![base, base * 2, keepalive, keepalive * 3];
+    let ttls = vec![
+        base,
+        base * 2,
+        keepalive,
+        keepalive * 3,
+        timing.node_timeout * 200,
+    ];
     let mut w = World {
         origin: Instant::now(),
         now: Duration::ZERO,
@@ -923,12 +929,31 @@ impl World {
             return Ok(());
         }
         let value = h.value.clone();
-        let holding = self
+        // Each node's expiry of this holder's value, in client time.
+        let mut expiries: Vec<f64> = self
             .nodes
             .iter_mut()
-            .map(|n| n.live(t).is_some_and(|e| e.value == value))
-            .filter(|held| *held)
-            .count();
+            .filter_map(|n| {
+                let rate = n.rate;
+                n.live(t)
+                    .filter(|e| e.value == value)
+                    .map(|e| e.expire / rate)
+            })
+            .collect();
+        let holding = expiries.len();
+        // The guard's bound (not only `is_lost()`, a node timeout earlier)
+        // must be at or before the moment fewer than a quorum still hold it.
+        expiries.sort_by(|a, b| b.total_cmp(a));
+        let bound = h.cell.valid_until().duration_since(self.origin).as_nanos() as f64;
+        if let Some(&quorum_ends) = expiries.get(self.quorum.saturating_sub(1))
+            && bound > quorum_ends + 1.0
+        {
+            return Err(format!(
+                "the guard's bound {:?} is past the moment the quorum's expiry ends, {:?}",
+                Duration::from_nanos(bound as u64),
+                Duration::from_nanos(quorum_ends as u64)
+            ));
+        }
         if holding < self.quorum {
             return Err(format!(
                 "the guard believes it holds {value} at {t:?} (valid until {:?}), but only \

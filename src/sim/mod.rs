@@ -15,13 +15,18 @@
 //! connections).
 //!
 //! Invariants, checked after every instant:
+//! - the bound of every guard not yet lost (`valid_until`, not only
+//!   `is_lost()`, which comes a node timeout earlier) is at or before the
+//!   server's real expiry of its lease (for Redlock: the moment fewer than a
+//!   quorum of nodes still hold it), in client time; both change only at
+//!   events, so this covers every instant, each expiry included;
 //! - a lease the server no longer holds for its owner (expired, deleted,
 //!   someone else's) is already `is_lost()` for its guard;
 //! - a watched guard's loss signal is closed once `is_lost()` is true;
-//! - no fencing token is issued twice by an intact counter, and a token not
-//!   above one received before its attempt was sent is refused, while no
-//!   other token is;
-//! - a release or clean-up never deletes another owner's lease.
+//! - no fencing token reaches two owners while the counter is intact
+//!   (checked against the checker's own record of tokens handed out), and a
+//!   token not above one received before its attempt was sent is refused,
+//!   while no other token is.
 //!
 //! `RESPIRE_SIM_CASES=n` sets the number of schedules per test (default
 //! 60,000 single-deployment and 40,000 Redlock ones, which run in under a

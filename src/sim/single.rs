@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::{Net, Queue, Rng, Stats, instant};
 use crate::core::fences::FenceBook;
-use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket};
+use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket, Verdict};
 use crate::core::schedule::{Next, Schedule, Watched};
 use crate::core::timing::{Timing, retry_delay};
 use crate::runtime::lease::LeaseCell;
@@ -43,7 +43,6 @@ struct Server {
     rate: f64,
     keys: Vec<Option<Entry>>,
     fence: u64,
-    issued: HashSet<u64>,
     went_back: bool,
     /// Keys taken by a plain `Lock` (`SET NX`, no token) rather than the
     /// fenced script.
@@ -99,13 +98,7 @@ impl Server {
                             0
                         } else {
                             self.fence += 1;
-                            let token = self.fence;
-                            if !self.issued.insert(token) && !self.went_back {
-                                return Err(format!(
-                                    "token {token} issued twice by an intact counter"
-                                ));
-                            }
-                            token
+                            self.fence
                         };
                         self.keys[*key] = Some(Entry {
                             value: format!("{owner}:{token}"),
@@ -130,11 +123,14 @@ impl Server {
                 }
                 Resp::Ints(out)
             }
-            Req::Verify { key, value } => Resp::Ints(vec![match self.live(*key, t) {
-                None => 0,
-                Some(e) if e.value == *value => 1,
-                Some(_) => -1,
-            }]),
+            // `{1, PTTL}`, the TTL in whole server milliseconds.
+            Req::Verify { key, value } => Resp::Ints(match self.live(*key, t) {
+                None => vec![0],
+                Some(e) if e.value == *value => {
+                    vec![1, ((e.expire - now) / 1e6).floor() as i64]
+                }
+                Some(_) => vec![-1],
+            }),
             Req::Release { key, value } => {
                 if self.live(*key, t).is_some_and(|e| e.value == *value) {
                     self.keys[*key] = None;
@@ -146,9 +142,6 @@ impl Server {
                 if let Some(e) = self.live(*key, t)
                     && e.value.starts_with(&mine)
                 {
-                    if e.value.split(':').next() != Some(owner.as_str()) {
-                        return Err(format!("clean-up of {owner} deleted {}", e.value));
-                    }
                     self.keys[*key] = None;
                 }
                 Resp::Done
@@ -322,6 +315,9 @@ struct World {
     stats: Stats,
     steps_left: u32,
     trace: bool,
+    /// Every fencing token a user was handed, with its owner: the checker's
+    /// own record, not the model server's counter.
+    delivered: HashMap<u64, String>,
 }
 
 /// Lease keys 0 and 1 share one fence counter. Users 0 (process 0) and 2
@@ -344,7 +340,17 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         .find(|t| timing.usable_ttl(*t))
         .expect("some ttl is usable");
     let keepalive = timing.min_keepalive_ttl() + Duration::from_millis(1);
-    let mut ttls = vec![usable, usable * 2, keepalive, keepalive * 2, keepalive * 4];
+    // From barely usable to a few hundred node timeouts, where the drift
+    // allowance is larger than the node timeout.
+    let mut ttls = vec![
+        usable,
+        usable * 2,
+        keepalive,
+        keepalive * 2,
+        keepalive * 4,
+        node_timeout * 60,
+        node_timeout * 240,
+    ];
     ttls.retain(|t| timing.usable_ttl(*t));
     let mut w = World {
         origin: Instant::now(),
@@ -355,7 +361,6 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
             rate,
             keys: vec![None, None],
             fence: rng.below(3) * 99_999_999_999_998,
-            issued: HashSet::new(),
             went_back: false,
             plain: vec![rng.chance(0.5), false],
             expired: vec![false, false],
@@ -373,6 +378,7 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         ttls,
         stats: Stats::default(),
         steps_left: 40 + rng.below(40) as u32,
+        delivered: HashMap::new(),
         trace: std::env::var_os("RESPIRE_SIM_TRACE").is_some(),
         rng,
     };
@@ -772,11 +778,10 @@ impl World {
                     }
                     Purpose::Verify => {
                         if let (Some(g), Some(Resp::Ints(v))) = (&self.users[u].guard, resp) {
-                            match v[0] {
-                                0 => g.cell.mark_lost(now, Loss::Gone),
-                                -1 => g.cell.mark_lost(now, Loss::TakenOver),
-                                _ => {}
-                            }
+                            let verdict = Verdict::of(&v).ok_or("verify reply")?;
+                            let cell = g.cell.clone();
+                            cell.verified(verdict, p.sent, now);
+                            self.touch(proc, &cell);
                         }
                         self.think(u);
                     }
@@ -856,6 +861,16 @@ impl World {
                         Purpose::Release,
                     );
                     return Ok(());
+                }
+                if let Some(before) = self.delivered.insert(token, a.owner.clone())
+                    && before != a.owner
+                    && !self.server.went_back
+                {
+                    return Err(format!(
+                        "token {token} reached user {u} ({}) after {before} had it, with the \
+                         counter intact",
+                        a.owner
+                    ));
                 }
                 self.hold(u, key, value, p.sent, a.ttl);
             }
@@ -1084,18 +1099,35 @@ impl World {
             let (key, value) = (g.key, g.value.clone());
             if g.signal && lost && !g.cell.signal_closed() {
                 return Err(format!(
-                    "user {u}: is_lost() is true at {t:?} but the loss signal is still open"
+                    "user {u}: is_lost() is true at {t:?} but the loss signal is still open \
+                     (lost at {:?}, next wake {:?})",
+                    g.cell.lost_at().duration_since(self.origin),
+                    self.procs[self.users[u].proc].wake
                 ));
             }
             if lost {
                 continue;
             }
             let held = match self.server.live(key, t) {
-                Some(e) if e.value == value => true,
-                Some(_) => false,
-                None => false,
+                Some(e) if e.value == value => Some(e.expire / self.server.rate),
+                Some(_) => None,
+                None => None,
             };
-            if !held {
+            // The guard's bound, not only `is_lost()` (which comes a node
+            // timeout earlier), must be at or before the server's real
+            // expiry. Both change only at events, so checking at every event
+            // covers every instant, the expiries included.
+            let bound = g.cell.valid_until().duration_since(self.origin).as_nanos() as f64;
+            if let Some(expires) = held
+                && bound > expires + 1.0
+            {
+                return Err(format!(
+                    "user {u} holds {value} with a bound of {:?}, past the server's expiry at                      {:?}",
+                    Duration::from_nanos(bound as u64),
+                    Duration::from_nanos(expires as u64)
+                ));
+            }
+            if held.is_none() {
                 let server = self.server.keys[key]
                     .as_ref()
                     .map(|e| (e.value.clone(), e.expire / self.server.rate / 1e6));
