@@ -10,6 +10,7 @@ use std::time::Duration;
 use crossbeam_channel::Receiver;
 
 use crate::conn::Connect;
+use crate::core::executor::{ExtendReply, Settled, settle};
 use crate::core::lease::{Loss, Refusal, Verdict};
 use crate::deployment::{Deployment, bad_key_in};
 use crate::error::{Error, Result};
@@ -234,24 +235,17 @@ impl<K: Kind> LeaseGuard<K> {
                 });
         let now = self.dep.now();
         let result = match reply {
-            Ok(1) => Ok(self.cell.extended(ticket, now)),
-            Ok(0) => {
-                self.cell.refused(ticket, now, Loss::Gone);
-                Ok(false)
-            }
-            Ok(-1) => {
-                self.cell.refused(ticket, now, Loss::TakenOver);
-                Ok(false)
-            }
-            Ok(other) => {
+            Ok(code) => match settle(&self.cell, ticket, ExtendReply::of(code), now) {
+                Settled::Held => Ok(true),
+                Settled::Lost => Ok(false),
+                // Not produced by an integer reply.
+                Settled::NotRun => Ok(!self.cell.is_lost(now)),
                 // It ran, with an effect we cannot read: the worst of it stands.
-                self.cell.unanswered(ticket, now);
-                self.cell.fenced(ticket, now);
-                Err(Error::UnexpectedReply {
+                Settled::Unreadable => Err(Error::UnexpectedReply {
                     op: "reset expiry",
-                    reply: other.to_string(),
-                })
-            }
+                    reply: code.to_string(),
+                }),
+            },
             Err(e) if e.is_uncertain() => {
                 self.cell.unanswered(ticket, now);
                 match lost {

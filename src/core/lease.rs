@@ -23,8 +23,8 @@
 //!   deadline.
 //!
 //! Nothing here reads a clock or touches a socket; the runtime feeds it events
-//! with the instant they happened, and the simulation in `tests/simulation.rs`
-//! drives it through every interleaving a seed can reach.
+//! with the instant they happened, and the simulation in `src/sim/` drives it
+//! through every interleaving a seed can reach.
 
 use std::fmt;
 use std::time::{Duration, Instant};

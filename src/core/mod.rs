@@ -1,10 +1,12 @@
-//! The sans-I/O core: lease bounds, the renewal schedule, quorum arithmetic and
+//! The sans-I/O core: lease bounds, the executor's choreography (claim, send,
+//! settle, fence, clean up), the renewal schedule, quorum arithmetic and
 //! fencing-token order, as pure state machines over events and instants passed
 //! in. Nothing here reads a clock, touches a socket or starts a thread; the
 //! runtime drives it with real time and real connections, and the simulation
-//! in `tests/simulation.rs` drives it with model ones (after quinn-proto and
-//! rustls, whose protocol cores are fed events rather than sockets).
+//! in `src/sim/` drives it with model ones (after quinn-proto and rustls,
+//! whose protocol cores are fed events rather than sockets).
 
+pub(crate) mod executor;
 pub(crate) mod fences;
 pub(crate) mod lease;
 pub(crate) mod quorum;

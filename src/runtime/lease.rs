@@ -7,13 +7,14 @@
 //! signal before it returns, so `is_lost()` never turns false again and the
 //! signal is closed by the time anyone sees `is_lost()` true.
 
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
+use crate::core::executor::Claim;
 use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket, Verdict};
 use crate::core::schedule::Next;
 
@@ -253,6 +254,36 @@ impl<X> LeaseCell<X> {
     /// Whether the loss signal was made and is closed.
     pub(crate) fn signal_closed(&self) -> bool {
         self.signal.get().is_some() && self.state.lock().signal.is_none()
+    }
+}
+
+impl<X> Claim for Arc<LeaseCell<X>> {
+    fn id(&self) -> u64 {
+        LeaseCell::id(self)
+    }
+    fn ttl(&self) -> Duration {
+        LeaseCell::ttl(self)
+    }
+    fn is_lost(&self, now: Instant) -> bool {
+        LeaseCell::is_lost(self, now)
+    }
+    fn begin_extend(&self, now: Instant, ttl: Duration) -> Result<Ticket, Refusal> {
+        LeaseCell::begin_extend(self, now, ttl)
+    }
+    fn extended(&self, ticket: Ticket, now: Instant) -> bool {
+        LeaseCell::extended(self, ticket, now)
+    }
+    fn refused(&self, ticket: Ticket, now: Instant, loss: Loss) {
+        LeaseCell::refused(self, ticket, now, loss)
+    }
+    fn not_sent(&self, ticket: Ticket, now: Instant) {
+        LeaseCell::not_sent(self, ticket, now)
+    }
+    fn unanswered(&self, ticket: Ticket, now: Instant) {
+        LeaseCell::unanswered(self, ticket, now)
+    }
+    fn fenced(&self, ticket: Ticket, now: Instant) {
+        LeaseCell::fenced(self, ticket, now)
     }
 }
 

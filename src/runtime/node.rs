@@ -28,7 +28,8 @@ use parking_lot::Mutex;
 use crate::clock::Clock;
 use crate::conn::cluster::{NodeAddr, Redirect, redirect_of};
 use crate::conn::{Conn, ConnConfig, Pool};
-use crate::core::lease::{Loss, Refusal, Ticket, Verdict};
+use crate::core::executor::{Command, Executor as Machine, ExtendReply, Settled};
+use crate::core::lease::{Ticket, Verdict};
 use crate::core::timing;
 use crate::error::{Error, Result};
 use crate::runtime::renewal::{Cell, Counters, Renewal};
@@ -181,8 +182,7 @@ impl Node {
             dir: self.dir.clone(),
             retired: self.retired.clone(),
             conn: None,
-            fences: Vec::new(),
-            cleanups: Vec::new(),
+            machine: Machine::new(self.cfg.node_timeout),
             verifies: Vec::new(),
         };
         std::thread::Builder::new()
@@ -234,20 +234,9 @@ impl std::fmt::Debug for Node {
     }
 }
 
-struct PendingFence {
-    conn: u64,
-    leases: Vec<(Arc<Cell>, Ticket)>,
-    retry_at: Instant,
-}
-
-struct PendingCleanup {
-    conns: Vec<u64>,
-    cmd: Option<redis::Cmd>,
-    key: String,
-    give_up_at: Instant,
-    retry_at: Instant,
-    hops: u8,
-}
+/// What the transport runs for a clean-up: a delete by owner, or nothing
+/// (only the unanswered attempts' connections are killed).
+type CleanUpCmd = (Option<redis::Cmd>, String, u8);
 
 struct PendingVerify {
     leases: Vec<Arc<Cell>>,
@@ -263,8 +252,8 @@ struct Executor {
     dir: Weak<dyn Directory>,
     retired: Arc<AtomicBool>,
     conn: Option<Conn>,
-    fences: Vec<PendingFence>,
-    cleanups: Vec<PendingCleanup>,
+    /// The choreography: claims, fences, clean-ups.
+    machine: Machine<Arc<Cell>, CleanUpCmd>,
     verifies: Vec<PendingVerify>,
 }
 
@@ -284,10 +273,9 @@ impl Executor {
     fn run(mut self, rx: &Receiver<Job>) {
         loop {
             let next = self
-                .fences
-                .iter()
-                .map(|f| f.retry_at)
-                .chain(self.cleanups.iter().map(|c| c.retry_at))
+                .machine
+                .poll_timeout()
+                .into_iter()
                 .chain(self.verifies.iter().map(|v| v.retry_at))
                 .min();
             let job = match next {
@@ -321,14 +309,7 @@ impl Executor {
                 lease,
                 ticket,
             } => match conn {
-                Some(conn) => {
-                    let now = self.clock.now();
-                    self.fences.push(PendingFence {
-                        conn,
-                        leases: vec![(lease, ticket)],
-                        retry_at: now,
-                    });
-                }
+                Some(conn) => self.machine.fence(conn, lease, ticket, self.clock.now()),
                 None => log::warn!(
                     "cannot fence off an unanswered extension of {:?}: its connection's id is \
                      unknown (CLIENT ID denied); it stays bounded by its worst case",
@@ -343,14 +324,8 @@ impl Executor {
                 hops,
             } => {
                 let now = self.clock.now();
-                self.cleanups.push(PendingCleanup {
-                    conns,
-                    cmd,
-                    key,
-                    give_up_at,
-                    retry_at: now,
-                    hops,
-                });
+                self.machine
+                    .clean_up(conns, (cmd, key, hops), give_up_at, now);
             }
         }
     }
@@ -366,34 +341,33 @@ impl Executor {
         self.conn = None;
         let now = self.clock.now();
         let dir = self.dir.upgrade();
-        for f in std::mem::take(&mut self.fences) {
-            for (lease, ticket) in f.leases {
-                lease.fenced(ticket, now);
-                if let Some(dir) = &dir {
-                    dir.renewal().touch(&lease);
-                }
+        let (freed, cleanups) = self.machine.retire(now);
+        if let Some(dir) = &dir {
+            for lease in &freed {
+                dir.renewal().touch(lease);
             }
         }
         let Some(dir) = dir else {
-            self.cleanups.clear();
             self.verifies.clear();
             return;
         };
-        for c in std::mem::take(&mut self.cleanups) {
-            match dir.current(&c.key) {
-                _ if c.cmd.is_none() => {}
+        for c in cleanups {
+            let (cmd, key, hops) = c.payload;
+            if cmd.is_none() {
+                continue;
+            }
+            match dir.current(&key) {
                 Some(node) if !node.is_retired() => {
                     node.submit(Job::Cleanup {
                         conns: Vec::new(),
-                        cmd: c.cmd,
-                        key: c.key,
+                        cmd,
+                        key,
                         give_up_at: c.give_up_at,
-                        hops: c.hops,
+                        hops,
                     });
                 }
                 _ => log::warn!(
-                    "no current server for {:?}: an unanswered acquire there is not cleaned up",
-                    c.key
+                    "no current server for {key:?}: an unanswered acquire there is not cleaned up"
                 ),
             }
         }
@@ -533,27 +507,17 @@ impl Executor {
             self.report(done);
             return;
         }
-        let mut cmds = Vec::with_capacity(batch.len());
-        let mut sent = Vec::with_capacity(batch.len());
-        let send_at = self.clock.now();
-        for lease in batch {
-            let ttl = lease.ttl();
-            match lease.begin_extend(send_at, ttl) {
-                Ok(ticket) => {
-                    let ttl_ms = crate::keys::ttl_ms(ttl).unwrap_or(1);
-                    cmds.push(lease.extra().extend_cmd(ttl_ms));
-                    sent.push((lease, ticket));
-                }
-                // Another extension (the holder's reset_expiry) is in flight;
-                // its end plans this lease again.
-                Err(Refusal::Busy) => done.push((lease.id(), None)),
-                Err(Refusal::Lost) => done.push((lease.id(), None)),
-            }
-        }
-        if sent.is_empty() {
+        let (renewal, skipped) = self.machine.renew(batch, self.clock.now());
+        done.extend(skipped);
+        let Some(renewal) = renewal else {
             self.report(done);
             return;
-        }
+        };
+        let cmds: Vec<redis::Cmd> = renewal
+            .items
+            .iter()
+            .map(|(lease, _, ttl)| lease.extra().extend_cmd(ttl_ms(*ttl)))
+            .collect();
         let conn_id = self.conn.as_ref().and_then(Conn::id);
         let mut reply = self.send(&cmds, asking, "renew", deadline);
         // A server that lost the script (restarted, SCRIPT FLUSH) gets it with
@@ -569,9 +533,8 @@ impl Executor {
                 let again: Vec<redis::Cmd> = missing
                     .iter()
                     .map(|&i| {
-                        let lease = &sent[i].0;
-                        let ttl_ms = crate::keys::ttl_ms(lease.ttl()).unwrap_or(1);
-                        lease.extra().extend_eval(ttl_ms)
+                        let (lease, _, ttl) = &renewal.items[i];
+                        lease.extra().extend_eval(ttl_ms(*ttl))
                     })
                     .collect();
                 match self.send(&again, asking, "renew", deadline) {
@@ -586,42 +549,71 @@ impl Executor {
         }
         let now = self.clock.now();
         // Retired while the pipeline was out: what the old server says no
-        // longer counts. Each extension's worst case stays in its bound and
-        // the lease is planned again, for the server that holds it now.
+        // longer counts, and what it did not apply never reaches the new one.
+        // The leases are planned again, for the server that holds them now.
         if self.is_retired() {
             self.conn = None;
-            for (lease, ticket) in sent {
-                lease.fenced(ticket, now);
-                done.push((lease.id(), Some(now + Duration::from_millis(2))));
-            }
+            let len = renewal.items.len();
+            done.extend(
+                self.machine
+                    .renewed(
+                        renewal,
+                        std::iter::repeat_n(ExtendReply::Unreadable, len),
+                        now,
+                    )
+                    .into_iter()
+                    .map(|(lease, _, _)| (lease.id(), Some(now + Duration::from_millis(2)))),
+            );
             self.report(done);
             return;
         }
         match reply {
             Ok(values) => {
                 let mut forward: Vec<(NodeAddr, Vec<Arc<Cell>>)> = Vec::new();
-                for ((lease, ticket), value) in sent.into_iter().zip(values) {
-                    match redirection(&value, &self.host) {
-                        // Not run: the slot is served elsewhere now. The map is
-                        // updated and the renewal planned again at once.
-                        Some(Redirect::Moved { slot, addr }) => {
-                            lease.not_sent(ticket, now);
+                let mut replies = Vec::with_capacity(values.len());
+                for value in &values {
+                    replies.push(match value {
+                        redis::Value::Int(n) => ExtendReply::of(*n),
+                        // An error reply (a refusal, a server busy, loading,
+                        // read-only, migrating or redirected): not run.
+                        _ => ExtendReply::NotRun,
+                    });
+                }
+                let settled = self.machine.renewed(renewal, replies, now);
+                for ((lease, outcome, retry), value) in settled.into_iter().zip(&values) {
+                    match (outcome, redirection(value, &self.host)) {
+                        // The slot is served elsewhere now: the map is updated
+                        // and the renewal planned again at once.
+                        (_, Some(Redirect::Moved { slot, addr })) => {
                             if let Some(dir) = self.dir.upgrade() {
                                 dir.moved(slot, &addr);
                             }
                             done.push((lease.id(), Some(now + Duration::from_millis(2))));
                         }
-                        // Not run: the key was migrated; ask the target.
-                        Some(Redirect::Ask { addr }) if !asking => {
-                            lease.not_sent(ticket, now);
+                        // The key was migrated: ask the target.
+                        (_, Some(Redirect::Ask { addr })) if !asking => {
                             match forward.iter_mut().find(|(a, _)| *a == addr) {
                                 Some((_, leases)) => leases.push(lease),
                                 None => forward.push((addr, vec![lease])),
                             }
                         }
-                        _ => {
-                            let retry = self.settle(&lease, ticket, value, now);
-                            done.push((lease.id(), retry));
+                        (Settled::Held, _) => {
+                            Counters::add(&self.counters.renewals, 1);
+                            done.push((lease.id(), None));
+                        }
+                        (Settled::Lost, _) => {
+                            Counters::add(&self.counters.losses, 1);
+                            done.push((lease.id(), None));
+                        }
+                        (Settled::NotRun | Settled::Unreadable, _) => {
+                            log::warn!("unexpected renewal reply for {:?}: {value:?}", lease.key());
+                            if is_code(value, "READONLY")
+                                && let Some(dir) = self.dir.upgrade()
+                            {
+                                dir.suspect();
+                            }
+                            Counters::add(&self.counters.failures, 1);
+                            done.push((lease.id(), retry.or(Some(self.retry_at(&lease)))));
                         }
                     }
                 }
@@ -630,26 +622,12 @@ impl Executor {
             Err(e) => {
                 log::warn!(
                     "renewing {} lease(s) on {} failed: {e}",
-                    sent.len(),
+                    renewal.items.len(),
                     self.cfg.addr
                 );
-                Counters::add(&self.counters.failures, sent.len() as u64);
+                Counters::add(&self.counters.failures, renewal.items.len() as u64);
                 self.conn = None;
-                for (lease, ticket) in &sent {
-                    lease.unanswered(*ticket, now);
-                    done.push((lease.id(), Some(self.retry_at(lease))));
-                }
-                match conn_id {
-                    Some(id) => self.fences.push(PendingFence {
-                        conn: id,
-                        leases: sent,
-                        retry_at: now,
-                    }),
-                    None => log::warn!(
-                        "cannot fence off renewals that got no reply: the connection's id \
-                         is unknown"
-                    ),
-                }
+                done.extend(self.machine.renewal_unanswered(renewal, conn_id, now));
                 // Fence at once, so the leases can be renewed again in time.
                 self.retry_pending();
             }
@@ -679,48 +657,6 @@ impl Executor {
             });
             if !handed {
                 done.extend(ids);
-            }
-        }
-    }
-
-    /// Applies one renewal reply; returns when to retry if it failed.
-    fn settle(
-        &self,
-        lease: &Arc<Cell>,
-        ticket: Ticket,
-        value: redis::Value,
-        now: Instant,
-    ) -> Option<Instant> {
-        match value {
-            redis::Value::Int(1) => {
-                if lease.extended(ticket, now) {
-                    Counters::add(&self.counters.renewals, 1);
-                } else {
-                    Counters::add(&self.counters.losses, 1);
-                }
-                None
-            }
-            redis::Value::Int(n) => {
-                lease.refused(
-                    ticket,
-                    now,
-                    if n == 0 { Loss::Gone } else { Loss::TakenOver },
-                );
-                Counters::add(&self.counters.losses, 1);
-                None
-            }
-            // An error reply (a refusal, a server busy, loading, read-only or
-            // migrating): the script did not change the lease.
-            other => {
-                log::warn!("unexpected renewal reply for {:?}: {other:?}", lease.key());
-                if is_code(&other, "READONLY")
-                    && let Some(dir) = self.dir.upgrade()
-                {
-                    dir.suspect();
-                }
-                lease.not_sent(ticket, now);
-                Counters::add(&self.counters.failures, 1);
-                Some(self.retry_at(lease))
             }
         }
     }
@@ -902,102 +838,80 @@ impl Executor {
         for v in due {
             self.verify(v.leases, v.asking, 0);
         }
-        let fences = std::mem::take(&mut self.fences);
-        for mut f in fences {
-            // Leases lost or released meanwhile no longer need their claim.
-            f.leases.retain(|(l, _)| !l.is_lost(now));
-            if f.leases.is_empty() {
-                continue;
-            }
-            if f.retry_at > now {
-                self.fences.push(f);
-                continue;
-            }
-            let deadline = self.clock.now() + nt;
-            match self.kill(f.conn, deadline) {
-                Ok(()) => {
-                    let now = self.clock.now();
-                    let dir = self.dir.upgrade();
-                    for (lease, ticket) in f.leases {
-                        lease.fenced(ticket, now);
-                        if let Some(dir) = &dir {
-                            dir.renewal().touch(&lease);
+        loop {
+            let now = self.clock.now();
+            let deadline = now + nt;
+            let command = match self.machine.poll_command(now) {
+                None => return,
+                Some(Command::Kill(id)) => Step::Kill(id),
+                Some(Command::CleanUp((cmd, key, _))) => Step::CleanUp(cmd.clone(), key.clone()),
+            };
+            match command {
+                Step::Kill(id) => {
+                    let killed = self.kill(id, deadline);
+                    if let Err(e) = &killed {
+                        log::warn!(
+                            "could not kill connection {id} on {} after a command on it got \
+                             no reply: {e}; retrying",
+                            self.cfg.addr
+                        );
+                    }
+                    let freed = self.machine.kill_done(killed.is_ok(), self.clock.now());
+                    if let Some(dir) = self.dir.upgrade() {
+                        for lease in &freed {
+                            dir.renewal().touch(lease);
                         }
                     }
                 }
-                Err(e) => {
-                    log::warn!(
-                        "could not kill connection {} on {} after a command on it got no \
-                         reply: {e}; retrying",
-                        f.conn,
-                        self.cfg.addr
-                    );
-                    f.retry_at = self.clock.now() + Duration::from_millis(50).min(nt);
-                    self.fences.push(f);
-                }
-            }
-        }
-        let cleanups = std::mem::take(&mut self.cleanups);
-        for mut c in cleanups {
-            let now = self.clock.now();
-            if now >= c.give_up_at {
-                log::warn!(
-                    "gave up cleaning up after an unanswered acquire of {:?}; if it was \
-                     granted, it has expired by now",
-                    c.key
-                );
-                continue;
-            }
-            if c.retry_at > now {
-                self.cleanups.push(c);
-                continue;
-            }
-            let deadline = (now + nt).min(c.give_up_at);
-            let mut killed = Ok(());
-            while let Some(&id) = c.conns.last() {
-                match self.kill(id, deadline) {
-                    Ok(()) => {
-                        c.conns.pop();
+                Step::CleanUp(cmd, key) => {
+                    let result = match &cmd {
+                        Some(cmd) => self
+                            .ensure_conn(deadline)
+                            .and_then(|conn| conn.query::<redis::Value>(cmd, "clean-up", deadline)),
+                        None => Ok(redis::Value::Nil),
+                    };
+                    let now = self.clock.now();
+                    match result {
+                        Ok(v) => {
+                            log::debug!("cleaned up after an unanswered acquire of {key:?}: {v:?}");
+                            self.machine.clean_up_done(true, now);
+                        }
+                        Err(e) => {
+                            // The key's slot is served elsewhere now: clean up
+                            // there (the connections here are dead already).
+                            if let Some(Redirect::Moved { slot, addr }) =
+                                crate::conn::cluster::redirect(&e, &self.host)
+                                && let Some(node) =
+                                    self.dir.upgrade().and_then(|d| d.moved(slot, &addr))
+                                && let Some(c) = self.machine.clean_up_moved()
+                            {
+                                let (cmd, key, hops) = c.payload;
+                                node.submit(Job::Cleanup {
+                                    conns: Vec::new(),
+                                    cmd,
+                                    key,
+                                    give_up_at: c.give_up_at,
+                                    hops: hops + 1,
+                                });
+                                continue;
+                            }
+                            log::debug!("clean-up of {key:?} failed ({e}); retrying");
+                            self.machine.clean_up_done(false, now);
+                        }
                     }
-                    Err(e) => {
-                        killed = Err(e);
-                        break;
-                    }
-                }
-            }
-            let result = killed.and_then(|()| match &c.cmd {
-                Some(cmd) => {
-                    let conn = self.ensure_conn(deadline)?;
-                    conn.query::<redis::Value>(cmd, "clean-up", deadline)
-                }
-                None => Ok(redis::Value::Nil),
-            });
-            match result {
-                Ok(v) => log::debug!(
-                    "cleaned up after an unanswered acquire of {:?}: {v:?}",
-                    c.key
-                ),
-                Err(e) => {
-                    // The key's slot is served elsewhere now: clean up there
-                    // (the connections here are dead already).
-                    if let Some(Redirect::Moved { slot, addr }) =
-                        crate::conn::cluster::redirect(&e, &self.host)
-                        && let Some(node) = self.dir.upgrade().and_then(|d| d.moved(slot, &addr))
-                    {
-                        node.submit(Job::Cleanup {
-                            conns: Vec::new(),
-                            cmd: c.cmd,
-                            key: c.key,
-                            give_up_at: c.give_up_at,
-                            hops: c.hops + 1,
-                        });
-                        continue;
-                    }
-                    log::debug!("clean-up of {:?} failed ({e}); retrying", c.key);
-                    c.retry_at = self.clock.now() + Duration::from_millis(50).min(nt);
-                    self.cleanups.push(c);
                 }
             }
         }
     }
+}
+
+/// A command of the machine, owned, so the executor can run it.
+enum Step {
+    Kill(u64),
+    CleanUp(Option<redis::Cmd>, String),
+}
+
+/// A TTL as whole milliseconds for a script argument (at least 1).
+fn ttl_ms(ttl: Duration) -> u64 {
+    crate::keys::ttl_ms(ttl).unwrap_or(1)
 }

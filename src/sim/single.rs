@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{Net, Queue, Rng, Stats, instant};
+use crate::core::executor::{Command, Executor as Machine, ExtendReply, Renewal, settle};
 use crate::core::fences::FenceBook;
-use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket, Verdict};
+use crate::core::lease::{LeaseCore, Refusal, Ticket, Verdict};
 use crate::core::schedule::{Next, Schedule, Watched};
-use crate::core::timing::{Timing, retry_delay};
+use crate::core::timing::Timing;
 use crate::runtime::lease::LeaseCell;
 
 type ConnId = u64;
@@ -196,7 +197,7 @@ enum Purpose {
     Reset { ticket: Ticket },
     Verify,
     Release,
-    Renew { tickets: Vec<(Arc<Cell>, Ticket)> },
+    Renew { renewal: Renewal<Arc<Cell>> },
     Kill,
     CleanupRelease,
 }
@@ -276,18 +277,14 @@ enum Job {
     Cleanup(Vec<ConnId>, usize, String, Duration),
 }
 
-/// Leases whose claims wait for a connection to be killed.
-type Claims = Vec<(Arc<Cell>, Ticket)>;
-
+/// A process's executor: the shipped machine, driven over one model
+/// connection, one request at a time, with its job queue.
 struct Exec {
     conn: ConnId,
     busy: bool,
     queue: VecDeque<Job>,
-    fences: Vec<(ConnId, Claims)>,
-    cleanups: Vec<(Vec<ConnId>, usize, String, Duration)>,
-    retry_at: Duration,
-    /// What the kill in flight is for: a fence (index 0) or a clean-up.
-    killing_cleanup: bool,
+    /// Clean-ups carry the key and the owner to delete by.
+    machine: Machine<Arc<Cell>, (usize, String)>,
 }
 
 struct Proc {
@@ -393,10 +390,7 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
                 conn,
                 busy: false,
                 queue: VecDeque::new(),
-                fences: Vec::new(),
-                cleanups: Vec::new(),
-                retry_at: Duration::ZERO,
-                killing_cleanup: false,
+                machine: Machine::new(node_timeout),
             },
         });
     }
@@ -754,13 +748,9 @@ impl World {
                         let cell = self.users[u].guard.as_ref().map(|g| g.cell.clone());
                         if let Some(cell) = cell {
                             match resp {
-                                Some(Resp::Ints(v)) => match v[0] {
-                                    1 => {
-                                        cell.extended(ticket, now);
-                                    }
-                                    0 => cell.refused(ticket, now, Loss::Gone),
-                                    _ => cell.refused(ticket, now, Loss::TakenOver),
-                                },
+                                Some(Resp::Ints(v)) => {
+                                    settle(&cell, ticket, ExtendReply::of(v[0]), now);
+                                }
                                 None => {
                                     cell.unanswered(ticket, now);
                                     self.procs[proc].exec.queue.push_back(Job::Fence(
@@ -928,8 +918,8 @@ impl World {
         self.think(u);
     }
 
-    /// The executor: one request at a time; kills first, then clean-ups,
-    /// then renewals.
+    /// The executor: one request at a time; what the machine hands out
+    /// first (kills, clean-ups), then queued jobs in order.
     fn exec_kick(&mut self, p: usize) {
         let now = self.at();
         loop {
@@ -937,78 +927,56 @@ impl World {
                 return;
             }
             let exec = &mut self.procs[p].exec;
-            exec.fences.iter_mut().for_each(|(_, leases)| {
-                leases.retain(|(l, _)| !l.is_lost(now));
-            });
-            exec.fences.retain(|(_, leases)| !leases.is_empty());
-            let ready = exec.retry_at <= self.now;
-            if ready && let Some((target, _)) = exec.fences.first() {
-                let target = *target;
-                exec.busy = true;
-                exec.killing_cleanup = false;
-                let conn = exec.conn;
-                self.send(Who::Exec(p), conn, Req::Kill { target }, Purpose::Kill);
-                return;
-            }
-            let t = self.now;
-            exec.cleanups.retain(|c| c.3 > t);
-            if ready && let Some((conns, key, owner, _)) = exec.cleanups.first() {
-                let conn = exec.conn;
-                exec.busy = true;
-                if let Some(&target) = conns.last() {
-                    exec.killing_cleanup = true;
-                    self.send(Who::Exec(p), conn, Req::Kill { target }, Purpose::Kill);
-                } else {
-                    let req = Req::ReleasePrefix {
+            let conn = exec.conn;
+            let command = exec.machine.poll_command(now).map(|c| match c {
+                Command::Kill(target) => (Req::Kill { target }, Purpose::Kill),
+                Command::CleanUp((key, owner)) => (
+                    Req::ReleasePrefix {
                         key: *key,
                         owner: owner.clone(),
-                    };
-                    self.send(Who::Exec(p), conn, req, Purpose::CleanupRelease);
-                }
+                    },
+                    Purpose::CleanupRelease,
+                ),
+            });
+            if let Some((req, purpose)) = command {
+                exec.busy = true;
+                self.send(Who::Exec(p), conn, req, purpose);
                 return;
             }
             let Some(job) = exec.queue.pop_front() else {
-                if !ready && (!exec.fences.is_empty() || !exec.cleanups.is_empty()) {
-                    let at = exec.retry_at;
+                if let Some(at) = exec.machine.poll_timeout() {
+                    let at = at.saturating_duration_since(self.origin).max(self.now);
                     self.queue.push(at, Ev::ExecNext(p));
                 }
                 return;
             };
             match job {
-                Job::Fence(conn, lease, ticket) => {
-                    exec.fences.push((conn, vec![(lease, ticket)]));
-                }
+                Job::Fence(conn, lease, ticket) => exec.machine.fence(conn, lease, ticket, now),
                 Job::Cleanup(conns, key, owner, give_up) => {
-                    exec.cleanups.push((conns, key, owner, give_up));
+                    let give_up = self.origin + give_up;
+                    exec.machine.clean_up(conns, (key, owner), give_up, now);
                 }
                 Job::Renew(batch) => {
-                    let mut tickets = Vec::new();
-                    let mut items = Vec::new();
-                    let mut skipped = Vec::new();
-                    for lease in batch {
-                        let ttl = lease.ttl();
-                        match lease.begin_extend(now, ttl) {
-                            Ok(ticket) => {
+                    let (renewal, skipped) = exec.machine.renew(batch, now);
+                    for (id, at) in skipped {
+                        self.procs[p].sched.completed(id, now, at);
+                    }
+                    if let Some(renewal) = renewal {
+                        self.stats.extensions += renewal.items.len() as u64;
+                        let items = renewal
+                            .items
+                            .iter()
+                            .map(|(lease, _, ttl)| {
                                 let m = lease.extra();
-                                items.push((m.key, m.value.clone(), ttl));
-                                tickets.push((lease, ticket));
-                            }
-                            Err(_) => skipped.push(lease.id()),
-                        }
-                    }
-                    for id in skipped {
-                        self.procs[p].sched.completed(id, now, None);
-                    }
-                    if !tickets.is_empty() {
-                        self.stats.extensions += tickets.len() as u64;
-                        let exec = &mut self.procs[p].exec;
-                        exec.busy = true;
-                        let conn = exec.conn;
+                                (m.key, m.value.clone(), *ttl)
+                            })
+                            .collect();
+                        self.procs[p].exec.busy = true;
                         self.send(
                             Who::Exec(p),
                             conn,
                             Req::Extend { items },
-                            Purpose::Renew { tickets },
+                            Purpose::Renew { renewal },
                         );
                         return;
                     }
@@ -1024,60 +992,38 @@ impl World {
             self.procs[p].exec.conn = self.conn();
         }
         match pend.purpose {
-            Purpose::Renew { tickets } => match resp {
+            Purpose::Renew { renewal } => match resp {
                 Some(Resp::Ints(v)) => {
-                    for ((lease, ticket), r) in tickets.into_iter().zip(v) {
-                        match r {
-                            1 => {
-                                lease.extended(ticket, now);
-                            }
-                            0 => lease.refused(ticket, now, Loss::Gone),
-                            _ => lease.refused(ticket, now, Loss::TakenOver),
-                        }
-                        self.procs[p].sched.completed(lease.id(), now, None);
+                    let replies = v.into_iter().map(ExtendReply::of);
+                    let settled = self.procs[p].exec.machine.renewed(renewal, replies, now);
+                    for (lease, _, retry) in settled {
+                        self.procs[p].sched.completed(lease.id(), now, retry);
                     }
                 }
                 None => {
-                    let retry = now + retry_delay(self.ttls[0]);
-                    for (lease, ticket) in &tickets {
-                        lease.unanswered(*ticket, now);
-                        self.procs[p].sched.completed(lease.id(), now, Some(retry));
+                    let done = self.procs[p].exec.machine.renewal_unanswered(
+                        renewal,
+                        Some(pend.conn),
+                        now,
+                    );
+                    for (id, retry) in done {
+                        self.procs[p].sched.completed(id, now, retry);
                     }
-                    self.procs[p].exec.fences.push((pend.conn, tickets));
-                    self.procs[p].exec.retry_at = self.now;
                 }
                 other => return Err(format!("renew reply {other:?}")),
             },
             Purpose::Kill => {
-                let exec = &mut self.procs[p].exec;
-                if resp.is_some() {
-                    if exec.killing_cleanup {
-                        if let Some(c) = exec.cleanups.first_mut() {
-                            c.0.pop();
-                        }
-                    } else if !exec.fences.is_empty() {
-                        let (_, leases) = exec.fences.remove(0);
-                        self.stats.fences += 1;
-                        for (lease, ticket) in leases {
-                            lease.fenced(ticket, now);
-                            self.touch(p, &lease);
-                        }
-                    }
-                } else {
-                    exec.retry_at =
-                        self.now + Duration::from_millis(50).min(self.timing.node_timeout);
+                let freed = self.procs[p].exec.machine.kill_done(resp.is_some(), now);
+                self.stats.fences += u64::from(!freed.is_empty());
+                for lease in freed {
+                    self.touch(p, &lease);
                 }
             }
             Purpose::CleanupRelease => {
-                let exec = &mut self.procs[p].exec;
-                if resp.is_some() {
-                    if !exec.cleanups.is_empty() {
-                        exec.cleanups.remove(0);
-                    }
-                } else {
-                    exec.retry_at =
-                        self.now + Duration::from_millis(50).min(self.timing.node_timeout);
-                }
+                self.procs[p]
+                    .exec
+                    .machine
+                    .clean_up_done(resp.is_some(), now);
             }
             _ => return Err("executor purpose".into()),
         }
