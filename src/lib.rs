@@ -347,6 +347,7 @@
 //! polling fallback, `error!` for a fencing counter that went back, `debug!` for
 //! routine events.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 #![warn(unreachable_pub)]
@@ -378,6 +379,7 @@ mod token;
 pub use acquire::Lease;
 pub use cancel::CancelToken;
 pub use conn::Protocol;
+pub use conn::url::{DeploymentUrl, UrlKind};
 pub use coordinator::{Coordinator, CoordinatorBuilder};
 pub use error::{Error, Result};
 pub use fenced::{FencedGuard, FencedLock};
