@@ -485,6 +485,19 @@ impl CoordinatorBuilder {
         self
     }
 
+    /// The shortest TTL that [`keep_alive`](crate::LeaseGuard::keep_alive)
+    /// accepts with this builder's node timeout and drift factor: the renewal
+    /// at half the TTL must come before the loss deadline with two node
+    /// timeouts to spare (`(2 × node timeout + 2 ms) / (0.5 − drift factor)`;
+    /// 2.045 s with the defaults). Does not connect.
+    pub fn min_keep_alive_ttl(&self) -> Duration {
+        Timing {
+            drift_factor: self.drift_factor,
+            node_timeout: self.node_timeout,
+        }
+        .min_keepalive_ttl()
+    }
+
     /// Checks the settings and connects once.
     ///
     /// Blocks for at most: the connect timeout for one server; the connect

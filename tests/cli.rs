@@ -37,17 +37,30 @@ fn assert_waiting_after_an_attempt(url: &str, before: u64, waiting: &mut std::pr
 
 const BIN: &str = env!("CARGO_BIN_EXE_respire-lock");
 
-/// Every environment variable the tool reads.
-const ENV_VARS: [&str; 9] = [
+/// Every environment variable `run` reads.
+const ENV_VARS: [&str; 21] = [
     "REDIS_URL",
     "RESPIRE_LOCK_REDLOCK",
+    "RESPIRE_LOCK_THROWAWAY",
+    "RESPIRE_LOCK_NONBLOCK",
     "RESPIRE_LOCK_WAIT",
+    "RESPIRE_LOCK_CONFLICT_EXIT_CODE",
+    "RESPIRE_LOCK_LOST_EXIT_CODE",
+    "RESPIRE_LOCK_SHARED",
+    "RESPIRE_LOCK_MAX",
     "RESPIRE_LOCK_TTL",
     "RESPIRE_LOCK_KILL_AFTER",
     "RESPIRE_LOCK_PREFIX",
     "RESPIRE_LOCK_NODE_TIMEOUT",
+    "RESPIRE_LOCK_TLS_CA",
+    "RESPIRE_LOCK_TLS_CERT",
+    "RESPIRE_LOCK_TLS_KEY",
     "RESPIRE_LOCK_VERBOSE",
+    "RESPIRE_LOCK_EVENTS_FD",
+    "RESPIRE_LOCK_EVENTS_FILE",
+    // Read by the other subcommands only.
     "RESPIRE_LOCK_JSON",
+    "RESPIRE_LOCK_DOCTOR_KEY",
 ];
 
 /// The tool with `args`, and none of its environment variables set.
@@ -58,6 +71,25 @@ fn respire_lock(args: &[&str]) -> Command {
         cmd.env_remove(var);
     }
     cmd
+}
+
+/// A path for a run's `--events-file`, unique in this process.
+fn events_path(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!(
+        "respire-lock-events-{}-{}-{name}.jsonl",
+        std::process::id(),
+        unique_prefix("ev").trim_end_matches(':').replace(':', "-")
+    ))
+}
+
+/// The events written to `path` so far.
+fn events_in(path: &std::path::Path) -> Vec<serde_json::Value> {
+    json_lines(&std::fs::read(path).unwrap_or_default())
+}
+
+/// The holder of KEY `job` that `run` takes exclusively, through the library.
+fn exclusive_holder(coord: &Coordinator) -> respire_coordination::WriteLease {
+    coord.read_write_lease("{job}").unwrap().write()
 }
 
 fn run(args: &[&str]) -> Output {
@@ -89,7 +121,7 @@ fn runs_the_command_with_its_token_and_returns_its_status() {
     assert_eq!(out.status.code(), Some(7), "{}", text(&out.stderr));
     assert_eq!(
         text(&out.stdout).trim(),
-        format!("token=1 key={prefix}{{job}}:lease")
+        format!("token=1 key={prefix}{{job}}:w")
     );
     let out = run(&[
         "run",
@@ -122,14 +154,14 @@ fn a_held_lease_means_not_acquired() {
         .key_prefix(&prefix)
         .build()
         .unwrap();
-    let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
+    let lock = exclusive_holder(&coord);
     let held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
 
     let out = run(&[
         "run", "--url", &url, "--prefix", &prefix, "--wait", "0", "job", "--", "true",
     ]);
     assert_eq!(out.status.code(), Some(75), "{}", text(&out.stderr));
-    assert!(text(&out.stderr).contains("not acquired"));
+    assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
 
     let started = Instant::now();
     let out = run(&[
@@ -188,10 +220,10 @@ fn a_lost_lease_stops_the_command() {
     .unwrap();
     let mut admin = server.client();
     wait_until(Duration::from_secs(10), "the lease to be taken", || {
-        admin.exists::<_, bool>("respire-lock:{job}:lease").unwrap()
+        admin.exists::<_, bool>("respire-lock:{job}:w").unwrap()
     });
     // Someone else takes the key over (as after an expiry).
-    let _: () = admin.set("respire-lock:{job}:lease", "intruder").unwrap();
+    let _: () = admin.set("respire-lock:{job}:w", "intruder").unwrap();
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(76), "{}", text(&out.stderr));
     assert!(text(&out.stderr).contains("lost"));
@@ -199,7 +231,7 @@ fn a_lost_lease_stops_the_command() {
         started.elapsed() < Duration::from_secs(20),
         "sleep 30 was not stopped"
     );
-    let value: String = admin.get("respire-lock:{job}:lease").unwrap();
+    let value: String = admin.get("respire-lock:{job}:w").unwrap();
     assert_eq!(value, "intruder", "the new holder's key was touched");
 }
 
@@ -211,7 +243,7 @@ fn sigterm_stops_the_command_and_releases() {
         .unwrap();
     let mut admin = server.client();
     wait_until(Duration::from_secs(10), "the lease to be taken", || {
-        admin.exists::<_, bool>("respire-lock:{job}:lease").unwrap()
+        admin.exists::<_, bool>("respire-lock:{job}:w").unwrap()
     });
     let started = Instant::now();
     let pid = rustix::process::Pid::from_child(&child);
@@ -220,22 +252,26 @@ fn sigterm_stops_the_command_and_releases() {
     // sleep died of the forwarded SIGTERM: 128 + 15.
     assert_eq!(out.status.code(), Some(143));
     assert!(started.elapsed() < Duration::from_secs(10));
-    assert!(!admin.exists::<_, bool>("respire-lock:{job}:lease").unwrap());
+    assert!(!admin.exists::<_, bool>("respire-lock:{job}:w").unwrap());
 }
 
 #[test]
-fn without_a_url_it_starts_a_throwaway_server() {
-    let out = run(&[
-        "run",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        "echo $RESPIRE_FENCING_TOKEN",
-    ]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    assert_eq!(text(&out.stdout).trim(), "1");
-    assert!(text(&out.stderr).contains("throwaway"));
+fn without_a_url_nothing_starts() {
+    let marker = events_path("marker");
+    let touch = format!("touch '{}'", marker.display());
+    for args in [
+        &["run", "job", "--", "sh", "-c", &touch][..],
+        &["run", "job", "sh", "-c", &touch],
+    ] {
+        let out = run(args);
+        assert_usage_error(&out, &["--url", "REDIS_URL"], "run --help");
+        assert!(!marker.exists(), "the command ran");
+    }
+    assert_usage_error(
+        &run(&["status", "job"]),
+        &["--url", "REDIS_URL"],
+        "status --help",
+    );
 }
 
 #[test]
@@ -340,13 +376,16 @@ fn redlock_mode_takes_a_quorum_and_releases_it() {
     wait_until(Duration::from_secs(10), "the lock on every node", || {
         admins
             .iter_mut()
-            .all(|a| a.exists::<_, bool>("respire-lock:job").unwrap())
+            .all(|a| a.exists::<_, bool>("respire-lock:{job}:w").unwrap())
     });
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success());
-    assert_eq!(text(&out.stdout).trim(), "key=respire-lock:job token=none");
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "key=respire-lock:{job}:w token=none"
+    );
     for admin in &mut admins {
-        assert!(!admin.exists::<_, bool>("respire-lock:job").unwrap());
+        assert!(!admin.exists::<_, bool>("respire-lock:{job}:w").unwrap());
     }
 
     // An even group is refused as a usage error.
@@ -421,7 +460,7 @@ fn help_and_version_on_every_subcommand() {
     }
     // Long help documents the environment, exit codes and JSON fields.
     let help = text(&run(&["run", "--help"]).stdout);
-    for var in &ENV_VARS[..] {
+    for var in &ENV_VARS[..19] {
         assert!(help.contains(var), "{var} missing from run --help");
     }
     for word in [
@@ -551,7 +590,7 @@ fn a_wait_too_long_for_the_clock_waits_forever() {
         .key_prefix(&prefix)
         .build()
         .unwrap();
-    let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
+    let lock = exclusive_holder(&coord);
     let held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
     let before = script_calls(&url);
     let mut waiting = respire_lock(&[
@@ -608,18 +647,20 @@ fn status_reports_holder_token_and_ttl() {
         .key_prefix(&prefix)
         .build()
         .unwrap();
-    let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
+    let lock = exclusive_holder(&coord);
     let guard = lock.try_acquire(Duration::from_secs(20)).unwrap().unwrap();
     let token = guard.fencing_token().get();
     let line = status(false);
     assert!(
-        line.starts_with(&format!("job: held by fencing token {token}, expires in ")),
+        line.starts_with(&format!(
+            "job: held exclusive by fencing token {token}, expires in "
+        )),
         "{line}"
     );
     let held: serde_json::Value = serde_json::from_str(&status(true)).unwrap();
     assert_eq!(held["key"], "job");
-    assert_eq!(held["lease_key"], format!("{prefix}{{job}}:lease"));
-    assert_eq!(held["fence_key"], format!("{prefix}{{job}}:fence"));
+    assert_eq!(held["base"], format!("{prefix}{{job}}"));
+    assert_eq!(held["mode"], "exclusive");
     assert_eq!(held["held"], true);
     assert_eq!(held["token"], token);
     assert_eq!(held["last_token"], token);
@@ -656,67 +697,93 @@ fn status_reports_holder_token_and_ttl() {
 fn json_events_of_a_run() {
     let url = shared_server().url();
     let prefix = unique_prefix("cli-json");
-    let out = run(&[
-        "run", "--url", &url, "--prefix", &prefix, "--ttl", "5s", "--json", "job", "--", "sh",
-        "-c", "exit 3",
-    ]);
-    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
-    let events = json_lines(&out.stderr);
-    let names: Vec<&str> = events
-        .iter()
-        .map(|e| e["event"].as_str().unwrap())
-        .collect();
-    assert_eq!(names, ["acquired", "started", "exited", "released"]);
-    for e in &events {
-        assert_eq!(e["key"], "job");
-        let time = e["time"].as_str().unwrap();
-        assert!(time.ends_with('Z') && time.contains('T'), "{time}");
-    }
-    let acquired = event(&events, "acquired");
-    assert_eq!(acquired["lease_key"], format!("{prefix}{{job}}:lease"));
-    assert_eq!(acquired["token"], 1);
-    assert_eq!(acquired["ttl_ms"], 5000);
-    assert_eq!(acquired["mode"], "fenced");
-    let started = event(&events, "started");
-    assert!(started["pid"].as_u64().unwrap() > 0);
-    assert_eq!(
-        started["command"],
-        serde_json::json!(["sh", "-c", "exit 3"])
-    );
-    let exited = event(&events, "exited");
-    assert_eq!(exited["code"], 3);
-    assert_eq!(exited["signal"], serde_json::Value::Null);
-    let released = event(&events, "released");
-    assert_eq!(released["outcome"], "released");
-    assert_eq!(released["detail"], serde_json::Value::Null);
-
-    // Not acquired, and an error, are events too.
-    let coord = Coordinator::builder(&url)
-        .key_prefix(&prefix)
-        .build()
-        .unwrap();
-    let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
-    let _held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
-    let out = run(&[
-        "run", "--url", &url, "--prefix", &prefix, "--wait", "0", "--json", "job", "--", "true",
-    ]);
-    assert_eq!(out.status.code(), Some(75));
-    let events = json_lines(&out.stderr);
-    assert_eq!(event(&events, "not_acquired")["exit_code"], 75);
+    let events = events_path("run");
+    let file = events.to_str().unwrap();
     let out = run(&[
         "run",
         "--url",
         &url,
         "--prefix",
         &prefix,
-        "--json",
+        "--ttl",
+        "5s",
+        "--events-file",
+        file,
+        "job",
+        "--",
+        "sh",
+        "-c",
+        "exit 3",
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    // stderr stays for people: nothing there without -v.
+    assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+    let all = events_in(&events);
+    let names: Vec<&str> = all.iter().map(|e| e["event"].as_str().unwrap()).collect();
+    assert_eq!(names, ["acquired", "started", "exited", "released"]);
+    for e in &all {
+        assert_eq!(e["key"], "job");
+        let time = e["time"].as_str().unwrap();
+        assert!(time.ends_with('Z') && time.contains('T'), "{time}");
+    }
+    let acquired = event(&all, "acquired");
+    assert_eq!(acquired["lease_key"], format!("{prefix}{{job}}:w"));
+    assert_eq!(acquired["token"], 1);
+    assert_eq!(acquired["ttl_ms"], 5000);
+    assert_eq!(acquired["mode"], "fenced");
+    let started = event(&all, "started");
+    assert!(started["pid"].as_u64().unwrap() > 0);
+    assert_eq!(
+        started["command"],
+        serde_json::json!(["sh", "-c", "exit 3"])
+    );
+    let exited = event(&all, "exited");
+    assert_eq!(exited["code"], 3);
+    assert_eq!(exited["signal"], serde_json::Value::Null);
+    let released = event(&all, "released");
+    assert_eq!(released["outcome"], "released");
+    assert_eq!(released["detail"], serde_json::Value::Null);
+    std::fs::remove_file(&events).unwrap();
+
+    // Not acquired, and an error, are events too.
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let lock = exclusive_holder(&coord);
+    let _held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    let out = run(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &prefix,
+        "--wait",
+        "0",
+        "--events-file",
+        file,
+        "job",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(75));
+    assert_eq!(event(&events_in(&events), "not_acquired")["exit_code"], 75);
+    std::fs::remove_file(&events).unwrap();
+    let out = run(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &prefix,
+        "--events-file",
+        file,
         "other",
         "--",
         "/nonexistent/cmd",
     ]);
     assert_eq!(out.status.code(), Some(70));
-    let events = json_lines(&out.stderr);
-    let error = event(&events, "error");
+    let all = events_in(&events);
+    let error = event(&all, "error");
     assert_eq!(error["exit_code"], 70);
     assert!(
         error["message"]
@@ -724,13 +791,42 @@ fn json_events_of_a_run() {
             .unwrap()
             .contains("/nonexistent/cmd")
     );
+    std::fs::remove_file(&events).unwrap();
+
+    // A descriptor the caller opened: the shell opens 3 on a file.
+    let script = format!(
+        "exec 3>'{file}'; exec {BIN} run --url {url} --prefix '{prefix}' --events-fd 3 fd -- true"
+    );
+    let out = Command::new("sh").arg("-c").arg(&script).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        event(&events_in(&events), "released")["outcome"],
+        "released"
+    );
+    std::fs::remove_file(&events).unwrap();
+    // A descriptor that is not open is a usage error, before anything is sent.
+    assert_usage_error(
+        &run(&[
+            "run",
+            "--url",
+            &url,
+            "--events-fd",
+            "97",
+            "job",
+            "--",
+            "true",
+        ]),
+        &["--events-fd"],
+        "run --help",
+    );
 }
 
 #[test]
 fn json_events_of_a_lost_lease_and_kill_after_from_the_environment() {
     let url = shared_server().url();
     let prefix = unique_prefix("cli-json-lost");
-    let lease_key = format!("{prefix}{{job}}:lease");
+    let lease_key = format!("{prefix}{{job}}:w");
+    let events = events_path("lost");
     // The command ignores SIGTERM, so only the SIGKILL after RESPIRE_LOCK_KILL_AFTER stops it.
     let child = respire_lock(&[
         "run",
@@ -748,7 +844,7 @@ fn json_events_of_a_lost_lease_and_kill_after_from_the_environment() {
         "-c",
         "trap '' TERM; exec sleep 30",
     ])
-    .env("RESPIRE_LOCK_JSON", "1")
+    .env("RESPIRE_LOCK_EVENTS_FILE", &events)
     .env("RESPIRE_LOCK_KILL_AFTER", "300ms")
     .stderr(Stdio::piped())
     .spawn()
@@ -760,27 +856,25 @@ fn json_events_of_a_lost_lease_and_kill_after_from_the_environment() {
     let _: () = admin.set(&lease_key, "intruder").unwrap();
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(76), "{}", text(&out.stderr));
-    let events = json_lines(&out.stderr);
-    let names: Vec<&str> = events
-        .iter()
-        .map(|e| e["event"].as_str().unwrap())
-        .collect();
+    let all = events_in(&events);
+    std::fs::remove_file(&events).unwrap();
+    let names: Vec<&str> = all.iter().map(|e| e["event"].as_str().unwrap()).collect();
     assert_eq!(
         names,
         ["acquired", "started", "lost", "exited", "released", "error"]
     );
-    let lost = event(&events, "lost");
+    let lost = event(&all, "lost");
     assert_eq!(lost["cause"], "taken_over");
     assert!(
         lost["reason"].as_str().unwrap().contains("another owner"),
         "{lost}"
     );
     // SIGTERM was ignored: SIGKILL (9) ended it.
-    let exited = event(&events, "exited");
+    let exited = event(&all, "exited");
     assert_eq!(exited["signal"], 9, "{exited}");
     assert_eq!(exited["code"], serde_json::Value::Null);
-    assert_eq!(event(&events, "released")["outcome"], "taken_over");
-    assert_eq!(event(&events, "error")["exit_code"], 76);
+    assert_eq!(event(&all, "released")["outcome"], "taken_over");
+    assert_eq!(event(&all, "error")["exit_code"], 76);
     let value: String = admin.get(&lease_key).unwrap();
     assert_eq!(value, "intruder", "the new holder's key was touched");
 }
@@ -835,7 +929,7 @@ fn every_option_from_the_environment() {
     let stdout = text(&out.stdout);
     let mut lines = stdout.lines();
     let status: serde_json::Value = serde_json::from_str(lines.next().unwrap()).unwrap();
-    assert_eq!(status["lease_key"], format!("{prefix}{{job}}:lease"));
+    assert_eq!(status["base"], format!("{prefix}{{job}}"));
     assert_eq!(status["token"], 1);
     let ttl = status["ttl_ms"].as_u64().unwrap();
     assert!(
@@ -844,29 +938,33 @@ fn every_option_from_the_environment() {
     );
     assert_eq!(lines.next(), Some("token=1"));
 
-    // A flag from the environment: RESPIRE_LOCK_JSON (and "0" turns it off).
-    let json = |value: &str| {
+    // A flag from the environment: RESPIRE_LOCK_VERBOSE (and "0" turns it off).
+    let verbose = |value: &str| {
         respire_lock(&[
             "run", "--url", &url, "--prefix", &prefix, "job", "--", "true",
         ])
-        .env("RESPIRE_LOCK_JSON", value)
+        .env("RESPIRE_LOCK_VERBOSE", value)
         .output()
         .unwrap()
     };
-    let on = json("yes");
+    let on = verbose("yes");
     assert!(on.status.success());
-    assert_eq!(event(&json_lines(&on.stderr), "acquired")["token"], 2);
-    let off = json("0");
+    assert!(
+        text(&on.stderr).contains("acquired \"job\" with fencing token 2"),
+        "{}",
+        text(&on.stderr)
+    );
+    let off = verbose("0");
     assert!(off.status.success());
     assert!(off.stderr.is_empty(), "{}", text(&off.stderr));
-    assert_usage_error(&json("maybe"), &["maybe", "--json"], "run --help");
+    assert_usage_error(&verbose("maybe"), &["maybe", "--verbose"], "run --help");
 
     // The wait from the environment is bounded; the command line beats it.
     let coord = Coordinator::builder(&url)
         .key_prefix(&prefix)
         .build()
         .unwrap();
-    let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
+    let lock = exclusive_holder(&coord);
     let _held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
     let waited = |args: &[&str]| {
         let mut all = vec!["run", "--url", &url, "--prefix", &prefix];

@@ -1,13 +1,16 @@
 //! `respire-lock`: `flock(1)` for a fleet.
 //!
-//! - `respire-lock run [OPTIONS] KEY -- CMD [ARGS...]` takes a fenced lease on
-//!   KEY, runs CMD with the fencing token in `RESPIRE_FENCING_TOKEN`, keeps the
-//!   lease alive while CMD runs, stops CMD (SIGTERM, then SIGKILL) if the lease is
-//!   lost, releases the lease when CMD exits or when it is itself told to stop
-//!   (SIGINT, SIGTERM), and exits with CMD's status.
-//! - `respire-lock status KEY` reports whether KEY is held, the holder's fencing
-//!   token and the lease's remaining time-to-live.
-//! - `respire-lock doctor URL` reports what on a deployment weakens the guarantees.
+//! - `respire-lock run [OPTIONS] KEY [--] CMD [ARGS...]` takes a lease on KEY
+//!   (exclusive and fenced, `--shared`, `--max N`, or a Redlock quorum), runs CMD
+//!   in a process group of its own with the fencing token in
+//!   `RESPIRE_FENCING_TOKEN`, keeps the lease alive while CMD runs, passes HUP,
+//!   INT, QUIT and TERM on to the group, stops the group (SIGTERM, then SIGKILL)
+//!   if the lease is lost, releases the lease once the group is gone, and exits
+//!   with CMD's status.
+//! - `respire-lock status KEY` reports who holds KEY, in which mode, by which
+//!   token and for how long.
+//! - `respire-lock doctor URL` reports what on a deployment weakens the
+//!   guarantees.
 //! - `respire-lock completions SHELL` prints a shell completion script.
 //!
 //! Every option can also come from an environment variable; `--help` on each
@@ -15,9 +18,11 @@
 
 mod args;
 mod doctor;
+mod endpoint;
 mod json;
 mod run;
 mod status;
+mod supervise;
 
 use std::ffi::OsString;
 use std::io::Write as _;
@@ -31,13 +36,15 @@ use args::{Cli, Command, EXIT_USAGE, Usage};
 const EXIT_UNAVAILABLE: u8 = 69;
 /// The command could not be started.
 const EXIT_CANNOT_RUN: u8 = 70;
-/// The lease is held by someone else and the wait ran out.
-const EXIT_NOT_ACQUIRED: u8 = 75;
-/// The command was stopped because the lease was lost.
-const EXIT_LEASE_LOST: u8 = 76;
 
 fn main() -> ExitCode {
     let argv: Vec<OsString> = std::env::args_os().collect();
+    // The exec step and the guardian (see `supervise`) are this binary too.
+    match argv.get(1).and_then(|a| a.to_str()) {
+        Some(supervise::EXEC) => return supervise::exec_main(&argv[2..]),
+        Some(supervise::GUARD) => return supervise::guard_main(),
+        _ => {}
+    }
     let parsed = Cli::command()
         .try_get_matches_from(&argv)
         .and_then(|matches| Cli::from_arg_matches(&matches).map(|cli| (cli, matches)));
