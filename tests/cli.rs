@@ -1156,3 +1156,724 @@ fn doctor_reports_a_sentinel_deployment() {
         text(&out.stderr)
     );
 }
+
+// ---------------------------------------------------------------------------
+// Supervision, flock's habits, validation, secrets, modes and packaging
+
+/// Whether any process of group `pgid` is alive (zombies do not count).
+fn group_alive(pgid: i32) -> bool {
+    std::fs::read_dir("/proc").unwrap().flatten().any(|entry| {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            return false;
+        };
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            return false;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        fields.len() > 2 && fields[2] == pgid.to_string() && fields[0] != "Z" && fields[0] != "X"
+    })
+}
+
+/// The pids of the processes of group `pgid` that are alive.
+fn group_members(pgid: i32) -> usize {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|entry| {
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                return false;
+            };
+            let Some((_, rest)) = stat.rsplit_once(')') else {
+                return false;
+            };
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            fields.len() > 2 && fields[2] == pgid.to_string() && fields[0] != "Z"
+        })
+        .count()
+}
+
+/// Waits until the run writing `events` has started its command; returns the
+/// command's pid, which is also its process group.
+fn started_pid(events: &std::path::Path) -> i32 {
+    wait_until(Duration::from_secs(10), "the command to start", || {
+        events_in(events).iter().any(|e| e["event"] == "started")
+    });
+    event(&events_in(events), "started")["pid"]
+        .as_u64()
+        .unwrap() as i32
+}
+
+fn signal(child: &std::process::Child, signal: rustix::process::Signal) {
+    rustix::process::kill_process(rustix::process::Pid::from_child(child), signal).unwrap();
+}
+
+#[test]
+fn throwaway_server_is_removed_even_after_kill_9_of_the_tool() {
+    let events = events_path("throwaway");
+    let mut child = respire_lock(&[
+        "run",
+        "--throwaway",
+        "--events-file",
+        events.to_str().unwrap(),
+        "job",
+        "--",
+        "sh",
+        "-c",
+        "sleep 30 & exec sleep 30",
+    ])
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let pgid = started_pid(&events);
+    let all = events_in(&events);
+    let throwaway = event(&all, "throwaway");
+    let url = throwaway["url"].as_str().unwrap().to_owned();
+    let dir = std::path::PathBuf::from(throwaway["dir"].as_str().unwrap());
+    let port: u16 = url.rsplit(':').next().unwrap().parse().unwrap();
+    assert!(dir.is_dir(), "{dir:?}");
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+    wait_until(Duration::from_secs(5), "sh's two sleeps", || {
+        group_members(pgid) == 2
+    });
+
+    signal(&child, rustix::process::Signal::KILL);
+    child.wait().unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "the throwaway server, its directory and the command to go",
+        || {
+            !dir.exists()
+                && std::net::TcpStream::connect(("127.0.0.1", port)).is_err()
+                && !group_alive(pgid)
+        },
+    );
+    std::fs::remove_file(&events).unwrap();
+
+    // A clean run leaves nothing either.
+    let out = run(&["run", "--throwaway", "-v", "job", "--", "true"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    let dir = stderr
+        .split(" in ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap();
+    assert!(!std::path::Path::new(dir).exists(), "{stderr}");
+}
+
+#[test]
+fn a_lost_lease_stops_the_whole_group() {
+    let server = TestServer::start();
+    let events = events_path("lost-group");
+    let child = respire_lock(&[
+        "run",
+        "--url",
+        &server.url(),
+        "--ttl",
+        "1s",
+        "--node-timeout",
+        "100ms",
+        "--kill-after",
+        "1s",
+        "--events-file",
+        events.to_str().unwrap(),
+        "job",
+        "--",
+        "sh",
+        "-c",
+        "sleep 30 & sleep 30; echo done",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let pgid = started_pid(&events);
+    wait_until(Duration::from_secs(5), "sh and its two sleeps", || {
+        group_members(pgid) == 3
+    });
+    let mut admin = server.client();
+    let _: () = admin.set("respire-lock:{job}:w", "intruder").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(76), "{}", text(&out.stderr));
+    assert!(!text(&out.stdout).contains("done"));
+    wait_until(Duration::from_secs(2), "the whole group to be gone", || {
+        !group_alive(pgid)
+    });
+    std::fs::remove_file(&events).unwrap();
+
+    // The lease-lost status is an option.
+    let child = respire_lock(&[
+        "run",
+        "--url",
+        &server.url(),
+        "--ttl",
+        "1s",
+        "--node-timeout",
+        "100ms",
+        "--lost-exit-code",
+        "99",
+        "--events-file",
+        events.to_str().unwrap(),
+        "other",
+        "--",
+        "sleep",
+        "30",
+    ])
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    started_pid(&events);
+    let _: () = admin.set("respire-lock:{other}:w", "intruder").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(99), "{}", text(&out.stderr));
+    std::fs::remove_file(&events).unwrap();
+}
+
+#[test]
+fn hup_int_quit_and_term_go_to_the_group_and_the_lease_is_released() {
+    use rustix::process::Signal;
+    let server = TestServer::start();
+    let mut admin = server.client();
+    for (sig, n) in [
+        (Signal::HUP, 1),
+        (Signal::INT, 2),
+        (Signal::QUIT, 3),
+        (Signal::TERM, 15),
+    ] {
+        let events = events_path("signal");
+        let child = respire_lock(&[
+            "run",
+            "--url",
+            &server.url(),
+            "--events-file",
+            events.to_str().unwrap(),
+            "--kill-after",
+            "1s",
+            "job",
+            "--",
+            "sh",
+            "-c",
+            "sleep 30 & exec sleep 30",
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+        let pgid = started_pid(&events);
+        assert!(admin.exists::<_, bool>("respire-lock:{job}:w").unwrap());
+        let started = Instant::now();
+        signal(&child, sig);
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(128 + n),
+            "signal {n}: {}",
+            text(&out.stderr)
+        );
+        assert!(started.elapsed() < Duration::from_secs(5), "signal {n}");
+        let all = events_in(&events);
+        // The command (the group's leader) died of that very signal.
+        assert_eq!(event(&all, "forwarded")["signal"], n);
+        assert_eq!(event(&all, "exited")["signal"], n, "{all:?}");
+        assert_eq!(event(&all, "released")["outcome"], "released");
+        assert!(!admin.exists::<_, bool>("respire-lock:{job}:w").unwrap());
+        assert!(!group_alive(pgid), "signal {n}: the group is left");
+        std::fs::remove_file(&events).unwrap();
+    }
+}
+
+#[test]
+fn the_command_dies_with_a_killed_tool() {
+    let server = TestServer::start();
+    let events = events_path("kill9");
+    let mut child = respire_lock(&[
+        "run",
+        "--url",
+        &server.url(),
+        "--events-file",
+        events.to_str().unwrap(),
+        "job",
+        "--",
+        "sh",
+        "-c",
+        "sleep 30 & exec sleep 30",
+    ])
+    .spawn()
+    .unwrap();
+    let pgid = started_pid(&events);
+    wait_until(Duration::from_secs(5), "sh's two sleeps", || {
+        group_members(pgid) == 2
+    });
+    signal(&child, rustix::process::Signal::KILL);
+    child.wait().unwrap();
+    wait_until(
+        Duration::from_secs(1),
+        "the command's group to be gone",
+        || !group_alive(pgid),
+    );
+    std::fs::remove_file(&events).unwrap();
+}
+
+#[test]
+fn nonblock_on_a_held_key_exits_with_the_conflict_code_quietly() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-nonblock");
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let _held = exclusive_holder(&coord)
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    let attempt = |extra: &[&str]| {
+        let mut args = vec!["run", "--url", &url, "--prefix", &prefix];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["job", "echo", "ran"]);
+        run(&args)
+    };
+    let out = attempt(&["-n"]);
+    assert_eq!(out.status.code(), Some(75), "{}", text(&out.stderr));
+    assert!(out.stderr.is_empty() && out.stdout.is_empty());
+    let out = attempt(&["--nonblock", "-E", "9"]);
+    assert_eq!(out.status.code(), Some(9));
+    assert!(out.stderr.is_empty());
+    let out = attempt(&["-n", "--conflict-exit-code", "1", "-v"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("\"job\" is held elsewhere; not acquired"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = respire_lock(&["run", "--url", &url, "--prefix", &prefix, "job", "true"])
+        .env("RESPIRE_LOCK_NONBLOCK", "1")
+        .env("RESPIRE_LOCK_CONFLICT_EXIT_CODE", "3")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    let started = Instant::now();
+    let out = attempt(&["-w", "300ms"]);
+    assert_eq!(out.status.code(), Some(75));
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    // The command without `--`; its own options stay its own.
+    let out = run(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &prefix,
+        "free",
+        "sh",
+        "-c",
+        "echo $0 $1",
+        "-v",
+        "--wait",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "-v --wait");
+    assert!(out.stderr.is_empty());
+}
+
+#[test]
+fn every_rule_is_checked_before_anything_is_sent() {
+    // Nothing listens there: a usage error, not "unavailable", shows that
+    // nothing was sent.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let nowhere = format!("redis://127.0.0.1:{port}");
+    let hint = "run --help";
+    let usage = |args: &[&str], names: &[&str]| {
+        let mut all = vec!["run", "--url", &nowhere];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["job", "--", "true"]);
+        assert_usage_error(&run(&all), names, hint);
+    };
+    usage(&["--ttl", "2s"], &["--ttl 2s", "at least 2s 45ms"]);
+    usage(
+        &["--ttl", "500ms", "--node-timeout", "200ms"],
+        &["--node-timeout 200ms", "at least 821ms"],
+    );
+    usage(&["--shared", "--max", "2"], &["--shared", "--max"]);
+    usage(&["--max", "0"], &["--max"]);
+    usage(&["--max", "10001"], &["--max"]);
+    usage(&["-n", "--wait", "1s"], &["--wait"]);
+    usage(&["-E", "0"], &["--conflict-exit-code"]);
+    usage(&["--lost-exit-code", "256"], &["--lost-exit-code"]);
+    usage(&["--tls-cert", "/nonexistent"], &["--tls-key"]);
+    let out = run(&[
+        "run",
+        "--redlock",
+        &format!("{nowhere},{nowhere},{nowhere}"),
+        "--shared",
+        "job",
+        "--",
+        "true",
+    ]);
+    assert_usage_error(&out, &["--shared", "Redlock"], hint);
+    // The minimum is in the help too.
+    let help = text(&run(&["run", "--help"]).stdout);
+    assert!(help.contains("2.045s"), "{help}");
+    // A TTL just above it is accepted.
+    let url = shared_server().url();
+    let out = run(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &unique_prefix("cli-minttl"),
+        "--ttl",
+        "2046ms",
+        "job",
+        "true",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
+fn no_output_ever_holds_a_password() {
+    const SECRET: &str = "hunter2Sekret";
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let live = shared_server().port();
+    let forms = [
+        format!("redis://u:{SECRET}@127.0.0.1:99999"),
+        format!("redis://u:{SECRET}%zz@127.0.0.1:{live}"),
+        format!("redis://u:{SECRET}%4@127.0.0.1:{live}"),
+        format!("rediss://u:{SECRET}%@127.0.0.1:{closed}"),
+        format!("redis://u:{SECRET}@[::1:{closed}"),
+        format!("redis://u:{SECRET}@127.0.0.1:{closed}"),
+        format!("redis://u:{SECRET}@127.0.0.1:{live}"),
+        format!("redis://:{SECRET}@127.0.0.1:{live}/x"),
+        format!("redis+cluster://u:{SECRET}%zz@127.0.0.1:{closed},127.0.0.1:1"),
+        format!("redis+cluster://u:{SECRET}@127.0.0.1:x"),
+        format!("redis+cluster://u:{SECRET}@127.0.0.1,,127.0.0.2"),
+        format!("redis+cluster://u:{SECRET}@127.0.0.1:{closed}/3"),
+        format!("redis+cluster://u:{SECRET}@127.0.0.1:{live}"),
+        format!("rediss+cluster://u:{SECRET}@[::1"),
+        format!("redis+sentinel://u:{SECRET}%zz@127.0.0.1:{closed}/svc"),
+        format!("redis+sentinel://u:{SECRET}@127.0.0.1:{closed}"),
+        format!("redis+sentinel://u:{SECRET}@127.0.0.1:{closed}/svc/x"),
+        format!("redis+sentinel://u:{SECRET}@127.0.0.1:{closed}/svc?a=b"),
+        format!("redis+sentinel://u:{SECRET}@127.0.0.1:{closed}/svc"),
+        format!("ftp://u:{SECRET}@127.0.0.1"),
+        format!("u:{SECRET}@127.0.0.1"),
+        format!("unix://u:{SECRET}@"),
+    ];
+    let events = events_path("secrets");
+    let file = events.to_str().unwrap();
+    let mut checked = 0;
+    for url in &forms {
+        let list = format!("{url},{url},{url}");
+        let runs: [Vec<&str>; 7] = [
+            vec![
+                "run",
+                "--url",
+                url,
+                "-v",
+                "--events-file",
+                file,
+                "job",
+                "true",
+            ],
+            vec![
+                "run",
+                "--redlock",
+                &list,
+                "-v",
+                "--events-file",
+                file,
+                "job",
+                "true",
+            ],
+            vec!["status", "--url", url, "job"],
+            vec!["status", "--json", "--redlock", &list, "job"],
+            vec!["doctor", url],
+            vec!["doctor", "--json", "--key", "job", url],
+            vec!["run", "--url", url, "--ttl", "1s", "job", "true"],
+        ];
+        for args in &runs {
+            let out = respire_lock(args)
+                .env("RESPIRE_LOCK_NODE_TIMEOUT", "200ms")
+                .output()
+                .unwrap();
+            let all = format!(
+                "{}{}{}",
+                text(&out.stdout),
+                text(&out.stderr),
+                std::fs::read_to_string(&events).unwrap_or_default()
+            );
+            assert!(!out.status.success(), "{args:?} succeeded: {all}");
+            assert!(
+                !all.contains(SECRET),
+                "{args:?} printed the password:\n{all}"
+            );
+            assert!(!all.is_empty(), "{args:?} said nothing");
+            let _ = std::fs::remove_file(&events);
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, forms.len() * 7);
+}
+
+/// `sh -c` text that records entering and leaving in `log`, one line each.
+fn recording(log: &std::path::Path, mode: &str) -> String {
+    let log = log.display();
+    format!("echo \"in {mode} $$\" >> '{log}'; sleep 0.02; echo \"out {mode} $$\" >> '{log}'")
+}
+
+#[test]
+fn fenced_redlock_shared_and_counted_runs_on_one_key_never_overlap_wrongly() {
+    let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
+    let single = servers[0].url();
+    let redlock: String = servers
+        .iter()
+        .map(TestServer::url)
+        .collect::<Vec<_>>()
+        .join(",");
+    let log = events_path("inside");
+    const WORKERS: usize = 8;
+    const RUNS: usize = 26;
+    std::thread::scope(|s| {
+        for worker in 0..WORKERS {
+            let (single, redlock, log) = (&single, &redlock, &log);
+            s.spawn(move || {
+                for i in 0..RUNS {
+                    let mode = ["fenced", "redlock", "shared", "counted"][(worker + i) % 4];
+                    let mut args = vec!["run", "--wait", "2m", "--ttl", "5s"];
+                    match mode {
+                        "redlock" => args.extend_from_slice(&["--redlock", redlock]),
+                        "shared" => args.extend_from_slice(&["--url", single, "--shared"]),
+                        "counted" => args.extend_from_slice(&["--url", single, "--max", "2"]),
+                        _ => args.extend_from_slice(&["--url", single]),
+                    }
+                    let script = recording(log, mode);
+                    args.extend_from_slice(&["job", "sh", "-c", &script]);
+                    let out = run(&args);
+                    assert!(out.status.success(), "{mode}: {}", text(&out.stderr));
+                }
+            });
+        }
+    });
+    // The checker: replays who was inside, in the order they wrote.
+    let record = std::fs::read_to_string(&log).unwrap();
+    std::fs::remove_file(&log).unwrap();
+    let mut inside: std::collections::HashMap<&str, usize> = Default::default();
+    let mut entered: std::collections::HashMap<&str, usize> = Default::default();
+    let mut most_shared = 0;
+    for line in record.lines() {
+        let mut words = line.split(' ');
+        let (what, mode) = (words.next().unwrap(), words.next().unwrap());
+        if what == "out" {
+            *inside.get_mut(mode).unwrap() -= 1;
+            continue;
+        }
+        let now = inside.clone();
+        let count = |m: &str| now.get(m).copied().unwrap_or(0);
+        let others: usize = ["fenced", "redlock", "shared", "counted"]
+            .iter()
+            .filter(|m| **m != mode)
+            .map(|m| count(m))
+            .sum();
+        assert_eq!(others, 0, "{mode} entered beside {inside:?}");
+        match mode {
+            "fenced" | "redlock" => assert_eq!(count(mode), 0, "two {mode} runs inside"),
+            "counted" => assert!(count(mode) < 2, "a third counted run inside"),
+            _ => {}
+        }
+        *inside.entry(mode).or_default() += 1;
+        *entered.entry(mode).or_default() += 1;
+        most_shared = most_shared.max(inside.get("shared").copied().unwrap_or(0));
+    }
+    assert_eq!(
+        entered.values().sum::<usize>(),
+        WORKERS * RUNS,
+        "{entered:?}"
+    );
+    for mode in ["fenced", "redlock", "shared", "counted"] {
+        assert!(entered[mode] >= 40, "{entered:?}");
+    }
+    assert!(inside.values().all(|n| *n == 0), "{inside:?}");
+    eprintln!("entered {entered:?}; at most {most_shared} shared runs at once");
+}
+
+#[test]
+fn status_shows_what_run_holds_on_every_deployment() {
+    let cluster = cluster_url();
+    let sentinel = {
+        let deployment = support::shared_sentinel();
+        let hosts: Vec<String> = deployment
+            .sentinels()
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port()))
+            .collect();
+        format!(
+            "redis+sentinel://{}/{}",
+            hosts.join(","),
+            deployment.service()
+        )
+    };
+    let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
+    let redlock = servers
+        .iter()
+        .map(TestServer::url)
+        .collect::<Vec<_>>()
+        .join(",");
+    let standalone = shared_server().url();
+    for (flag, url, mode) in [
+        ("--url", &standalone, "exclusive"),
+        ("--url", &cluster, "exclusive"),
+        ("--url", &sentinel, "exclusive"),
+        ("--redlock", &redlock, "redlock"),
+    ] {
+        let prefix = unique_prefix("cli-status-all");
+        let events = events_path("status");
+        let mut child = respire_lock(&[
+            "run",
+            flag,
+            url,
+            "--prefix",
+            &prefix,
+            "--events-file",
+            events.to_str().unwrap(),
+            "job",
+            "sleep",
+            "30",
+        ])
+        .spawn()
+        .unwrap();
+        started_pid(&events);
+        let token = event(&events_in(&events), "acquired")["token"].clone();
+        let out = run(&["status", flag, url, "--prefix", &prefix, "--json", "job"]);
+        assert!(out.status.success(), "{url}: {}", text(&out.stderr));
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(status["held"], true, "{url}: {status}");
+        assert_eq!(status["mode"], mode, "{url}: {status}");
+        assert_eq!(status["token"], token, "{url}: {status}");
+        assert!(status["ttl_ms"].as_u64().unwrap() > 0, "{status}");
+        if flag == "--redlock" {
+            assert_eq!(status["held_on"], 3, "{status}");
+        }
+        let line = text(&run(&["status", flag, url, "--prefix", &prefix, "job"]).stdout);
+        assert!(line.starts_with("job: held "), "{url}: {line}");
+        signal(&child, rustix::process::Signal::TERM);
+        assert_eq!(child.wait().unwrap().code(), Some(128 + 15));
+        let out = run(&["status", flag, url, "--prefix", &prefix, "--json", "job"]);
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(status["held"], false, "{url}: {status}");
+        std::fs::remove_file(&events).unwrap();
+    }
+    // Shared and counted holders, as run takes them.
+    let prefix = unique_prefix("cli-status-modes");
+    for (mode_args, mode) in [(&["--shared"][..], "shared"), (&["--max", "3"], "counted")] {
+        let events = events_path("status-mode");
+        let mut args = vec!["run", "--url", &standalone, "--prefix", &prefix];
+        args.extend_from_slice(mode_args);
+        let file = events.to_str().unwrap();
+        args.extend_from_slice(&["--events-file", file, "job", "sleep", "30"]);
+        let mut child = respire_lock(&args).spawn().unwrap();
+        started_pid(&events);
+        let out = run(&[
+            "status",
+            "--url",
+            &standalone,
+            "--prefix",
+            &prefix,
+            "--json",
+            "job",
+        ]);
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(status["mode"], mode, "{status}");
+        if mode == "shared" {
+            assert_eq!(status["readers"], 1, "{status}");
+        } else {
+            assert_eq!(status["permits"].as_array().unwrap().len(), 1, "{status}");
+            assert_eq!(status["capacity"], 3, "{status}");
+        }
+        signal(&child, rustix::process::Signal::TERM);
+        child.wait().unwrap();
+        std::fs::remove_file(&events).unwrap();
+    }
+}
+
+#[test]
+fn doctor_checks_the_rights_on_a_key_and_says_unknown_when_it_cannot_read() {
+    let server = TestServer::builder()
+        .acl_user("user app on >pw ~other:* &* +@all")
+        .acl_user("user blind on >pw ~* &* +@all -info -config")
+        .start();
+    let out = run(&["doctor", "--key", "job", &server.url_for_user("app", "pw")]);
+    let report = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    assert!(
+        report.contains("FAIL  key: reading respire-lock:{job}:* denied"),
+        "{report}"
+    );
+    let out = run(&[
+        "doctor",
+        "--key",
+        "job",
+        &server.url_for_user("blind", "pw"),
+    ]);
+    let report = text(&out.stdout);
+    for line in [
+        "warn  version: unknown",
+        "warn  persistence: unknown",
+        "warn  eviction: unknown",
+        "warn  replication: unknown",
+        "ok    key: respire-lock:{job}:* can be read and written",
+    ] {
+        assert!(report.contains(line), "{line:?} not in\n{report}");
+    }
+    assert!(!report.contains("no client tracking"), "{report}");
+    // The help lists every check id the findings use.
+    let help = text(&run(&["doctor", "--help"]).stdout);
+    for id in [
+        "version",
+        "persistence",
+        "eviction",
+        "replication",
+        "cluster",
+        "topology",
+        "sentinel",
+        "failover",
+        "acl",
+        "key",
+    ] {
+        assert!(
+            help.contains(&format!("  {id} ")),
+            "{id} not in doctor --help"
+        );
+    }
+}
+
+#[test]
+fn the_library_builds_without_clap_by_default() {
+    let tree = |features: &[&str]| {
+        let out = Command::new(env!("CARGO"))
+            .args(["tree", "--offline", "-e", "normal", "--prefix", "none"])
+            .args(features)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    let default = tree(&[]);
+    assert!(default.contains("redis v"), "{default}");
+    for dep in ["clap", "clap_complete", "humantime", "signal-hook"] {
+        assert!(
+            !default.lines().any(|l| l.starts_with(&format!("{dep} v"))),
+            "{dep} in the default build:\n{default}"
+        );
+    }
+    assert!(
+        tree(&["--features", "cli"])
+            .lines()
+            .any(|l| l.starts_with("clap v"))
+    );
+}

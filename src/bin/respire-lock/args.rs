@@ -469,12 +469,26 @@ fn parse_prefix(text: &str) -> Result<String, String> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct UrlList(pub(crate) Vec<String>);
 
+/// Splits the list; never fails, because clap would print the rejected value
+/// (and the passwords in it): [`UrlList::check`] judges it instead.
 fn parse_url_list(text: &str) -> Result<UrlList, String> {
-    let urls: Vec<String> = text.split(',').map(|u| u.trim().to_owned()).collect();
-    if urls.iter().any(String::is_empty) {
-        return Err("expected URLs separated by commas, such as redis://a:6379,redis://b:6379,redis://c:6379".into());
+    Ok(UrlList(
+        text.split(',').map(|u| u.trim().to_owned()).collect(),
+    ))
+}
+
+impl UrlList {
+    /// Refuses an empty item, without showing the list.
+    pub(crate) fn check(&self, subcommand: &str) -> Result<(), Usage> {
+        if self.0.iter().any(String::is_empty) {
+            return Err(Usage::new(
+                "--redlock: expected URLs separated by commas, such as \
+                 redis://a:6379,redis://b:6379,redis://c:6379",
+                Some(subcommand),
+            ));
+        }
+        Ok(())
     }
-    Ok(UrlList(urls))
 }
 
 /// A usage error as one line naming the problem, and one line with a hint.
@@ -613,7 +627,12 @@ mod tests {
             parse_url_list("redis://a, redis://b,redis://c").unwrap().0,
             ["redis://a", "redis://b", "redis://c"]
         );
-        assert!(parse_url_list("redis://a,,redis://c").is_err());
+        assert!(
+            parse_url_list("redis://a,,redis://c")
+                .unwrap()
+                .check("run")
+                .is_err()
+        );
     }
 
     fn usage_of(args: &[&str]) -> Usage {

@@ -88,13 +88,45 @@ fn clap_error(err: &clap::Error, argv: &[OsString]) -> ExitCode {
     }
 }
 
-/// Writes lines to stderr; a closed stderr is not worth a panic.
+/// Writes lines to stderr, passwords scrubbed; a closed stderr is not worth
+/// a panic.
 fn say(text: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "{text}");
+    let _ = writeln!(std::io::stderr().lock(), "{}", scrub(text));
 }
 
-/// Writes lines to stdout (the report of `status` and `doctor`); a closed pipe
-/// is not worth a panic.
+/// Writes lines to stdout (the report of `status` and `doctor`), passwords
+/// scrubbed; a closed pipe is not worth a panic.
 fn show(text: &str) {
-    let _ = writeln!(std::io::stdout().lock(), "{text}");
+    let _ = writeln!(std::io::stdout().lock(), "{}", scrub(text));
+}
+
+/// `text` with the user info of every URL in it (`scheme://user:password@`)
+/// replaced: the password by `***`, or all of it when there is no user name.
+/// The last line of defence: messages are built from redacted URLs already.
+pub(crate) fn scrub(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("://") {
+        out.push_str(&rest[..i + 3]);
+        rest = &rest[i + 3..];
+        let end = rest
+            .find(|c: char| c.is_whitespace() || matches!(c, '\'' | '"' | ',' | '`'))
+            .unwrap_or(rest.len());
+        let token = &rest[..end];
+        if let Some(at) = token.rfind('@') {
+            match token[..at].split_once(':') {
+                Some((user, _)) => {
+                    out.push_str(user);
+                    out.push_str(":***");
+                }
+                None => out.push_str("***"),
+            }
+            out.push_str(&token[at..]);
+        } else {
+            out.push_str(token);
+        }
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
 }

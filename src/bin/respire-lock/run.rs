@@ -14,8 +14,8 @@ use clap::parser::ValueSource;
 use crossbeam_channel::{Receiver, select};
 use parking_lot::Mutex;
 use respire_coordination::{
-    CancelToken, Coordinator, Error, Kind, Lease, LeaseGuard, MAX_TTL, RedlockGroup, RedlockGuard,
-    RedlockOptions, ReleaseOutcome,
+    CancelToken, Coordinator, Error, Kind, Lease, LeaseGuard, MAX_TTL, NodeOutcome, RedlockGroup,
+    RedlockGuard, RedlockOptions, ReleaseOutcome,
 };
 use rustix::process::{Pid, Signal};
 use signal_hook::consts::{SIGCHLD, SIGHUP, SIGINT, SIGQUIT, SIGTERM};
@@ -75,6 +75,11 @@ fn target(args: &RunArgs, matches: &ArgMatches) -> Result<Target, Usage> {
 pub(crate) fn main(args: RunArgs, matches: &ArgMatches) -> ExitCode {
     let prepared = (|| {
         let target = target(&args, matches)?;
+        if let Target::Redlock(_) = &target
+            && let Some(list) = &args.redlock
+        {
+            list.check("run")?;
+        }
         check_run(&args)?;
         if matches!(target, Target::Redlock(_)) && (args.shared || args.max.is_some()) {
             return Err(Usage::new(
@@ -327,17 +332,41 @@ impl Run<'_> {
                 Some(d) => group.acquire_until(name, ttl, d, cancel),
                 None => group.acquire(name, ttl, cancel).map(Some),
             },
-            |_| {
-                // What single-deployment runs hold on any reachable node.
+            |g: &RedlockGuard| {
+                // An exclusive run of one deployment can use any node, so the
+                // group must hold the key on every node it reaches, not only
+                // on a quorum. An acquire returns at quorum; an extension
+                // asks every node again and says which ones hold it.
+                let _ = g.extend(ttl);
+                let evidence = g.last_evidence();
+                for (i, n) in evidence.iter().enumerate() {
+                    let held_elsewhere = match &n.outcome {
+                        NodeOutcome::Granted => false,
+                        NodeOutcome::HeldByAnother { .. } | NodeOutcome::Missing => true,
+                        // No answer in time: ask the node what it holds. A
+                        // value without a fencing token may be this run's own
+                        // late grant.
+                        _ => nodes
+                            .get(i)
+                            .and_then(|c| c.inspect(&base).ok())
+                            .is_some_and(|ins| match &ins.exclusive {
+                                None => true,
+                                Some(x) => x.fencing_token.is_some(),
+                            }),
+                    };
+                    if held_elsewhere {
+                        return Ok(Some(format!(
+                            "exclusive on {} (a fenced run there, or another Redlock run)",
+                            n.node
+                        )));
+                    }
+                }
+                // What shared and counted runs hold on any reachable node.
                 for node in &nodes {
-                    if let Ok(ins) = node.inspect(&base) {
-                        let fenced = ins.exclusive.as_ref().and_then(|x| x.fencing_token);
-                        if let Some(t) = fenced {
-                            return Ok(Some(format!("exclusive (fenced, token {t})")));
-                        }
-                        if let Some(other) = describe_others(&ins, true) {
-                            return Ok(Some(other));
-                        }
+                    if let Ok(ins) = node.inspect(&base)
+                        && let Some(other) = describe_others(&ins, true)
+                    {
+                        return Ok(Some(other));
                     }
                 }
                 Ok(None)
@@ -768,7 +797,7 @@ impl Reporter {
                 .str("time", &time)
                 .str("key", &self.key);
             let line = fields(obj).finish();
-            let _ = writeln!(file.lock(), "{line}");
+            let _ = writeln!(file.lock(), "{}", crate::scrub(&line));
         }
         if let Some(text) = text {
             say(&format!("respire-lock: {text}"));

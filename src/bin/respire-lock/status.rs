@@ -23,7 +23,13 @@ pub(crate) fn main(args: StatusArgs) -> ExitCode {
     let base = endpoint::base(&args.key);
     let (urls, redlock) = match (&args.url, &args.redlock) {
         (Some(url), _) => (vec![url.clone()], false),
-        (None, Some(list)) => (list.0.clone(), true),
+        (None, Some(list)) => {
+            if let Err(usage) = list.check("status") {
+                usage.print();
+                return ExitCode::from(EXIT_USAGE);
+            }
+            (list.0.clone(), true)
+        }
         (None, None) => {
             Usage::new(
                 "status needs a Redis deployment to ask: give --url or set REDIS_URL \
