@@ -1877,3 +1877,65 @@ fn the_library_builds_without_clap_by_default() {
             .any(|l| l.starts_with("clap v"))
     );
 }
+
+#[test]
+fn tls_options_reach_a_server_that_wants_client_certificates() {
+    let server = TestServer::builder()
+        .tls(support::TlsAuthClients::Yes)
+        .start();
+    let files = server.tls().unwrap();
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_owned();
+    let (ca, cert, key) = (
+        path(&files.ca_cert),
+        path(&files.client_cert),
+        path(&files.client_key),
+    );
+    let url = server.url();
+    assert!(url.starts_with("rediss://"), "{url}");
+    let out = run(&[
+        "run",
+        "--url",
+        &url,
+        "--tls-ca",
+        &ca,
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+        "job",
+        "sh",
+        "-c",
+        "echo $RESPIRE_FENCING_TOKEN",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "1");
+    // The same from the environment, for status.
+    let out = respire_lock(&["status", "--url", &url, "job"])
+        .env("RESPIRE_LOCK_TLS_CA", &ca)
+        .env("RESPIRE_LOCK_TLS_CERT", &cert)
+        .env("RESPIRE_LOCK_TLS_KEY", &key)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "job: free (last fencing token issued: 1)"
+    );
+    // Without the client certificate the server refuses the run.
+    let out = run(&["run", "--url", &url, "--tls-ca", &ca, "job", "true"]);
+    assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
+    // A file that cannot be read is a usage error.
+    assert_usage_error(
+        &run(&[
+            "run",
+            "--url",
+            &url,
+            "--tls-ca",
+            "/nonexistent.pem",
+            "job",
+            "true",
+        ]),
+        &["--tls-ca", "/nonexistent.pem"],
+        "run --help",
+    );
+}
