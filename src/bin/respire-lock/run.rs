@@ -112,12 +112,7 @@ pub(crate) fn main(args: RunArgs, matches: &ArgMatches) -> ExitCode {
             );
         }
     };
-    let mut guardian = match Guardian::start() {
-        Ok(g) => g,
-        Err(e) => {
-            return report.error(EXIT_CANNOT_RUN, &format!("cannot start the guardian: {e}"));
-        }
-    };
+    let mut guardian = Guardian::lazy();
     let mut run = Run {
         args: &args,
         report: &report,
@@ -503,6 +498,9 @@ impl Run<'_> {
         let program = &args.command[0];
         if let Err(why) = supervise::resolve(program) {
             return Ended::CannotStart(why);
+        }
+        if let Err(e) = self.guardian.ensure_started() {
+            return Ended::CannotStart(format!("cannot start the guardian: {e}"));
         }
         let child = supervise::command(program, &args.command[1..]).and_then(|mut cmd| {
             cmd.envs(env.iter().map(|(k, v)| (k, v)))
@@ -958,6 +956,9 @@ impl ThrowawayServer {
             .and_then(|l| l.local_addr())
             .map_err(|e| format!("cannot find a free port: {e}"))?
             .port();
+        guardian
+            .ensure_started()
+            .map_err(|e| format!("cannot start the guardian: {e}"))?;
         let dir = std::env::temp_dir().join(format!("respire-lock-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {dir:?}: {e}"))?;
         guardian.watch_dir(&dir);

@@ -144,16 +144,28 @@ pub(crate) fn stop_group(pgid: i32, kill_after: Duration) {
     }
 }
 
-/// The tool's side of the guardian: a pipe to it.
+/// The tool's side of the guardian: a pipe to it, once it is started.
 pub(crate) struct Guardian {
-    child: Child,
+    child: Option<Child>,
     stdin: Option<ChildStdin>,
 }
 
 impl Guardian {
-    /// Starts the guardian in a process group of its own (so that the
-    /// terminal's signals do not reach it).
-    pub(crate) fn start() -> std::io::Result<Guardian> {
+    /// A guardian that starts when first needed: a run that never starts a
+    /// process (a conflict, a usage error) costs no process.
+    pub(crate) fn lazy() -> Guardian {
+        Guardian {
+            child: None,
+            stdin: None,
+        }
+    }
+
+    /// Starts the guardian, if not yet, in a process group of its own (so
+    /// that the terminal's signals do not reach it).
+    pub(crate) fn ensure_started(&mut self) -> std::io::Result<()> {
+        if self.child.is_some() {
+            return Ok(());
+        }
         let mut child = Command::new(std::env::current_exe()?)
             .arg(GUARD)
             .stdin(Stdio::piped())
@@ -161,8 +173,9 @@ impl Guardian {
             .stderr(Stdio::null())
             .process_group(0)
             .spawn()?;
-        let stdin = child.stdin.take();
-        Ok(Guardian { child, stdin })
+        self.stdin = child.stdin.take();
+        self.child = Some(child);
+        Ok(())
     }
 
     fn tell(&mut self, line: &str) {
@@ -200,7 +213,9 @@ impl Drop for Guardian {
     fn drop(&mut self) {
         // A clean end: the guardian has nothing left to do and exits.
         drop(self.stdin.take());
-        let _ = self.child.wait();
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.wait();
+        }
     }
 }
 
