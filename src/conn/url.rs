@@ -231,9 +231,8 @@ impl DeploymentUrl {
     }
 
     /// The URL of one data server at `host_port` of this deployment, with the
-    /// same TLS setting and credentials (for connecting; it holds the password,
-    /// so show it only through [`redact_url`]-like means such as this type's
-    /// `Display`).
+    /// same TLS setting and credentials. It holds the password: use it to
+    /// connect, never to show (show this type's `Display` instead).
     pub fn server_url(&self, host_port: &str) -> String {
         let scheme = if self.tls { "rediss" } else { "redis" };
         let enc = |s: &str| {
