@@ -1939,3 +1939,55 @@ fn tls_options_reach_a_server_that_wants_client_certificates() {
         "run --help",
     );
 }
+
+#[test]
+fn a_wait_says_when_redis_stops_answering_and_when_it_answers_again() {
+    let server = TestServer::start();
+    let url = server.url();
+    let coord = Coordinator::builder(&url)
+        .key_prefix("respire-lock:")
+        .build()
+        .unwrap();
+    let held = exclusive_holder(&coord)
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    let events = events_path("unreachable");
+    let before = script_calls(&url);
+    let mut waiting = respire_lock(&[
+        "run",
+        "--url",
+        &url,
+        "--events-file",
+        events.to_str().unwrap(),
+        "job",
+        "true",
+    ])
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    assert_waiting_after_an_attempt(&url, before, &mut waiting);
+    server.kill();
+    let has = |name: &str| events_in(&events).iter().any(|e| e["event"] == name);
+    wait_until(Duration::from_secs(15), "the unreachable event", || {
+        has("unreachable")
+    });
+    assert!(waiting.try_wait().unwrap().is_none(), "it still waits");
+    // Back, without the old lease (no persistence): the wait ends.
+    server.restart();
+    let out = waiting.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("still waiting for \"job\", but Redis does not answer"),
+        "{stderr}"
+    );
+    let names: Vec<String> = events_in(&events)
+        .iter()
+        .map(|e| e["event"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names[0], "unreachable", "{names:?}");
+    assert!(names.contains(&"acquired".to_owned()), "{names:?}");
+    std::fs::remove_file(&events).unwrap();
+    drop(held);
+}

@@ -60,6 +60,8 @@ UTC) and \"key\", and by event:
   lost          cause (\"expired\" | \"taken_over\" | \"deadline\" | \"unreachable\" | \"quorum\"), reason
   exited        code, signal (one of them null)
   forwarded     signal
+  unreachable   message (a wait goes on, but Redis does not answer)
+  reachable     (Redis answers again)
   released      outcome (\"released\" | \"expired\" | \"taken_over\" | \"uncertain\" | \"lapsed\" | \"failed\"), detail
   not_acquired  exit_code, held_as (the other mode, or null)
   interrupted   signal

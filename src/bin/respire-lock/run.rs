@@ -26,6 +26,9 @@ use crate::json::{self, Object};
 use crate::supervise::{self, Guardian};
 use crate::{EXIT_CANNOT_RUN, EXIT_UNAVAILABLE, say};
 
+/// How often a wait checks that the deployment answers.
+const PROBE_EVERY: Duration = Duration::from_secs(5);
+
 /// The signals passed on to the command's group (and that end a wait).
 const FORWARDED: [i32; 4] = [SIGHUP, SIGINT, SIGQUIT, SIGTERM];
 
@@ -259,6 +262,7 @@ impl Run<'_> {
             },
             |_| other_mode(coord, &base, mode),
             |g| drop(g.release()),
+            || coord.inspect(&base).map(drop).map_err(|e| e.to_string()),
         ) {
             Ok(guard) => guard,
             Err(code) => return code,
@@ -367,6 +371,17 @@ impl Run<'_> {
                 Ok(None)
             },
             |mut g: RedlockGuard| drop(g.release()),
+            || {
+                let answering = nodes.iter().filter(|n| n.inspect(&base).is_ok()).count();
+                if answering * 2 > nodes.len() {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "{answering} of {} nodes answer, no quorum",
+                        nodes.len()
+                    ))
+                }
+            },
         ) {
             Ok(guard) => guard,
             Err(code) => return code,
@@ -413,6 +428,7 @@ impl Run<'_> {
         ) -> respire_coordination::Result<Option<G>>,
         mut conflict: impl FnMut(&G) -> respire_coordination::Result<Option<String>>,
         mut give_back: impl FnMut(G),
+        probe: impl Fn() -> Result<(), String> + Sync,
     ) -> Result<G, ExitCode> {
         let (args, report) = (self.args, self.report);
         let cancel = CancelToken::new();
@@ -426,6 +442,30 @@ impl Run<'_> {
         let (result, signal) = std::thread::scope(|s| {
             let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(0);
             let cancel = &cancel;
+            // A wait rides out a deployment that does not answer; say so
+            // rather than wait in silence, and say when it answers again.
+            let probe = &probe;
+            let probe_done = done_rx.clone();
+            s.spawn(move || {
+                let mut silent = false;
+                loop {
+                    select! {
+                        recv(probe_done) -> _ => return,
+                        recv(crossbeam_channel::after(PROBE_EVERY)) -> _ => {}
+                    }
+                    match probe() {
+                        Err(why) if !silent => {
+                            silent = true;
+                            report.unreachable(&why);
+                        }
+                        Ok(()) if silent => {
+                            silent = false;
+                            report.reachable();
+                        }
+                        _ => {}
+                    }
+                }
+            });
             let watcher = s.spawn(move || {
                 loop {
                     select! {
@@ -863,6 +903,28 @@ impl Reporter {
             Some(format!(
                 "the lease was lost ({}); stopping the command",
                 cause.reason
+            )),
+        );
+    }
+
+    fn unreachable(&self, why: &str) {
+        self.emit(
+            "unreachable",
+            |o| o.str("message", why),
+            Some(format!(
+                "still waiting for {:?}, but Redis does not answer: {why}",
+                self.key
+            )),
+        );
+    }
+
+    fn reachable(&self) {
+        self.emit(
+            "reachable",
+            |o| o,
+            Some(format!(
+                "Redis answers again; still waiting for {:?}",
+                self.key
             )),
         );
     }
