@@ -1813,6 +1813,24 @@ fn doctor_checks_the_rights_on_a_key_and_says_unknown_when_it_cannot_read() {
         report.contains("FAIL  key: reading respire-lock:{job}:* denied"),
         "{report}"
     );
+    // Without --key, a probe name under the prefix.
+    let out = run(&["doctor", &server.url_for_user("app", "pw")]);
+    let report = text(&out.stdout);
+    assert!(
+        report.contains("FAIL  key: reading respire-lock:{doctor-probe}:* denied"),
+        "{report}"
+    );
+    let out = run(&[
+        "doctor",
+        "--prefix",
+        "other:",
+        &server.url_for_user("app", "pw"),
+    ]);
+    let report = text(&out.stdout);
+    assert!(
+        report.contains("ok    key: other:{doctor-probe}:* can be read and written"),
+        "{report}"
+    );
     let out = run(&[
         "doctor",
         "--key",

@@ -95,7 +95,8 @@ Check ids:
   failover     what a failover loses
   acl          the rights every run needs: CLIENT ID, CLIENT KILL, EVAL,
                CLIENT TRACKING, the invalidation channel
-  key          with --key KEY: reading and writing the keys of KEY
+  key          reading and writing the keys of KEY (--key; without it, of a probe
+               name under --prefix)
 
 With --json, one object on stdout: ok (bool: no check failed) and findings, a list of
 objects with level (\"ok\" | \"warn\" | \"fail\"), check (one of the ids above) and
@@ -336,7 +337,8 @@ pub(crate) struct DoctorArgs {
     )]
     pub(crate) url: Option<String>,
 
-    /// Also check the rights on the keys `run` uses for KEY (with --prefix).
+    /// Check the rights on the keys `run` uses for KEY (with --prefix); without
+    /// it, on those of a probe name under the prefix.
     #[arg(long, env = "RESPIRE_LOCK_DOCTOR_KEY", value_name = "KEY", value_parser = parse_key)]
     pub(crate) key: Option<String>,
 

@@ -56,7 +56,11 @@ pub(crate) fn main(args: DoctorArgs) -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
-    let key = args.key.as_deref().map(|k| (args.prefix.as_str(), k));
+    // Without --key, a probe name checks the rights under the prefix.
+    let key = (
+        args.prefix.as_str(),
+        args.key.as_deref().unwrap_or("doctor-probe"),
+    );
     let findings = match diagnose(&url, &tls, key) {
         Ok(f) => f,
         Err(e) => {
@@ -107,18 +111,18 @@ pub(crate) fn main(args: DoctorArgs) -> ExitCode {
     }
 }
 
-/// Checks the deployment at `url`; with `key` (prefix, KEY), also the rights
-/// on that KEY's keys.
+/// Checks the deployment at `url`, and the rights on the keys of KEY under
+/// the prefix.
 fn diagnose(
     url: &str,
     tls: &Tls,
-    key: Option<(&str, &str)>,
+    (prefix, key): (&str, &str),
 ) -> Result<Vec<Finding>, Box<dyn std::error::Error>> {
     let parsed = DeploymentUrl::parse(url)?;
     // Checks that the library can connect at all (auth, TLS, the topology)
     // first.
     let keys = crate::args::KeyOptions {
-        prefix: key.map_or("", |(p, _)| p).to_owned(),
+        prefix: prefix.to_owned(),
         node_timeout: std::time::Duration::from_millis(500),
     };
     let coord = endpoint::connect(url, &keys, tls)?;
@@ -177,9 +181,7 @@ fn diagnose(
         }
         _ => node_checks(url, "", false, true, &mut out)?,
     }
-    if let Some((prefix, key)) = key {
-        out.push(key_check(&coord, prefix, key));
-    }
+    out.push(key_check(&coord, prefix, key));
     Ok(out)
 }
 

@@ -795,9 +795,9 @@ impl Events {
     fn open(args: &RunArgs) -> Result<Events, Usage> {
         let usage = |what: String| Usage::new(what, Some("run"));
         if let Some(fd) = args.events_fd {
-            // The descriptor is opened again through /proc, which needs no
+            // The descriptor is opened again through /dev/fd, which needs no
             // unsafe code and keeps the caller's descriptor as it is.
-            let path = format!("/proc/self/fd/{fd}");
+            let path = format!("/dev/fd/{fd}");
             return std::fs::OpenOptions::new()
                 .append(true)
                 .open(&path)

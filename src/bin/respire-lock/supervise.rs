@@ -32,6 +32,8 @@ pub(crate) fn exec_main(args: &[OsString]) -> ExitCode {
         return ExitCode::from(crate::EXIT_CANNOT_RUN);
     };
     let parent: Option<i32> = parent.to_str().and_then(|p| p.parse().ok());
+    // Linux and Android only; elsewhere the guardian alone stops the group.
+    #[cfg(any(target_os = "linux", target_os = "android"))]
     if rustix::process::set_parent_process_death_signal(Some(Signal::KILL)).is_err() {
         return ExitCode::from(crate::EXIT_CANNOT_RUN);
     }
@@ -84,10 +86,11 @@ pub(crate) fn resolve(program: &OsStr) -> Result<PathBuf, String> {
 }
 
 /// Whether any process of group `pgid` is alive (zombies do not count), from
-/// `/proc`.
+/// `/proc`; without `/proc`, whether the group can be signalled at all.
 pub(crate) fn group_alive(pgid: i32) -> bool {
     let Ok(entries) = std::fs::read_dir("/proc") else {
-        return false;
+        return Pid::from_raw(pgid)
+            .is_some_and(|pid| rustix::process::test_kill_process_group(pid).is_ok());
     };
     entries.flatten().any(|entry| {
         let name = entry.file_name();
