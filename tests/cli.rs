@@ -392,6 +392,18 @@ fn redlock_mode_takes_a_quorum_and_releases_it() {
     let two = urls[..2].join(",");
     let out = run(&["run", "--redlock", &two, "job", "--", "true"]);
     assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
+
+    // A group is made only when every node answers (their independence is
+    // checked then); status asks the nodes that answer.
+    servers[2].kill();
+    let out = run(&["run", "--redlock", &joined, "job", "echo", "ran"]);
+    assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
+    assert!(out.stdout.is_empty());
+    let out = run(&["status", "--redlock", &joined, "--json", "job"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["nodes"], 2, "{status}");
+    assert_eq!(status["held"], false, "{status}");
 }
 
 /// The JSON objects of `--json` output, one per line; panics on anything else.

@@ -59,7 +59,12 @@ fn main() -> ExitCode {
                 .expect("the run subcommand was parsed");
             run::main(args, sub)
         }
-        Command::Status(args) => status::main(args),
+        Command::Status(args) => {
+            let sub = matches
+                .subcommand_matches("status")
+                .expect("the status subcommand was parsed");
+            status::main(args, sub)
+        }
         Command::Doctor(args) => doctor::main(args),
         Command::Completions { shell } => {
             let mut out = std::io::stdout().lock();

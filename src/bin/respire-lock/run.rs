@@ -303,8 +303,9 @@ impl Run<'_> {
             node_timeout: args.keys.node_timeout,
             ..RedlockOptions::default()
         };
-        // One coordinator per node: the group's, and the inspection of what
-        // other modes hold there.
+        // One coordinator per node: the group's settings, and the inspection
+        // of what other modes hold there. A group is made only when every
+        // node answers (their independence is checked then).
         let mut nodes = Vec::new();
         for url in urls {
             match endpoint::connect(url, &args.keys, self.tls) {
@@ -394,8 +395,7 @@ impl Run<'_> {
             Err(e) => return self.report.error(EXIT_UNAVAILABLE, &e.to_string()),
         };
         let grant = Grant {
-            // The nodes add the prefix.
-            lease_key: format!("{}{}", args.keys.prefix, guard.key()),
+            lease_key: format!("{}{}", args.keys.prefix, endpoint::redlock_key(&args.key)),
             token: None,
             write_epoch: None,
             slot: None,

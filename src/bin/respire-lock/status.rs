@@ -12,7 +12,7 @@ use crate::endpoint::{self, Tls};
 use crate::json::{self, Object};
 use crate::{EXIT_UNAVAILABLE, say, show};
 
-pub(crate) fn main(args: StatusArgs) -> ExitCode {
+pub(crate) fn main(args: StatusArgs, matches: &clap::ArgMatches) -> ExitCode {
     let tls = match Tls::read(&args.tls, "status") {
         Ok(t) => t,
         Err(usage) => {
@@ -21,7 +21,14 @@ pub(crate) fn main(args: StatusArgs) -> ExitCode {
         }
     };
     let base = endpoint::base(&args.key);
-    let (urls, redlock) = match (&args.url, &args.redlock) {
+    // As for `run`: --url on the command line beats --redlock; from the
+    // environment, RESPIRE_LOCK_REDLOCK beats REDIS_URL.
+    let url_given = matches.value_source("url") == Some(clap::parser::ValueSource::CommandLine);
+    let url = args
+        .url
+        .as_ref()
+        .filter(|_| url_given || args.redlock.is_none());
+    let (urls, redlock) = match (url, &args.redlock) {
         (Some(url), _) => (vec![url.clone()], false),
         (None, Some(list)) => {
             if let Err(usage) = list.check("status") {
