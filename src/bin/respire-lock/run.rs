@@ -515,6 +515,12 @@ impl Run<'_> {
             (result, watcher.join().unwrap_or(None))
         });
         match result {
+            // A signal that came while the grant was being checked: the
+            // command never starts.
+            Ok(Some(guard)) if signal.is_some() => {
+                give_back(guard);
+                Err(report.interrupted(signal.unwrap_or(SIGINT)))
+            }
             Ok(Some(guard)) => Ok(guard),
             Ok(None) => Err(report.not_acquired(args.conflict_exit_code, None)),
             Err((Error::Cancelled, Some(other))) => {
