@@ -184,17 +184,12 @@ impl Coordinator {
         };
         let left = |score: f64| Duration::from_millis((score as u64).saturating_sub(now_ms));
         let unexpired = |v: &redis::Value, key: &str| -> Result<Vec<(String, Duration)>> {
-            let flat: Vec<String> = from(v).ok_or_else(|| bad(key, "not a sorted set"))?;
-            let mut out = Vec::new();
-            for pair in flat.chunks_exact(2) {
-                let score: f64 = pair[1]
-                    .parse()
-                    .map_err(|_| bad(key, "a score that is not a number"))?;
-                if score > now_ms as f64 {
-                    out.push((pair[0].clone(), left(score)));
-                }
-            }
-            Ok(out)
+            let pairs = scored(v).ok_or_else(|| bad(key, "not a sorted set"))?;
+            Ok(pairs
+                .into_iter()
+                .filter(|(_, score)| *score > now_ms as f64)
+                .map(|(member, score)| (member, left(score)))
+                .collect())
         };
 
         let value: Option<String> = from(&values[1]).ok_or_else(|| bad(&w, "not a string"))?;
@@ -256,6 +251,35 @@ impl Coordinator {
             last_permit_token,
             read_at,
         })
+    }
+}
+
+/// The members and scores of `ZRANGE … WITHSCORES`: a flat list in RESP2,
+/// a list of pairs in RESP3.
+fn scored(value: &redis::Value) -> Option<Vec<(String, f64)>> {
+    let redis::Value::Array(items) = value else {
+        return None;
+    };
+    let score = |v: &redis::Value| match v {
+        redis::Value::Double(d) => Some(*d),
+        other => from::<String>(other)?.parse().ok(),
+    };
+    if items.iter().all(|i| matches!(i, redis::Value::Array(_))) {
+        items
+            .iter()
+            .map(|pair| match pair {
+                redis::Value::Array(p) if p.len() == 2 => Some((from(&p[0])?, score(&p[1])?)),
+                _ => None,
+            })
+            .collect()
+    } else {
+        items
+            .chunks(2)
+            .map(|pair| match pair {
+                [member, s] => Some((from(member)?, score(s)?)),
+                _ => None,
+            })
+            .collect()
     }
 }
 

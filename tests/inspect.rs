@@ -6,7 +6,7 @@ mod support;
 use std::time::Duration;
 
 use redis::Commands;
-use respire_coordination::{Coordinator, Error, FencingToken, HeldAs};
+use respire_coordination::{Coordinator, Error, FencingToken, HeldAs, Protocol};
 use support::{shared_server, unique_prefix};
 
 fn coordinator(prefix: &str) -> Coordinator {
@@ -148,4 +148,24 @@ fn mixed_holders_expired_entries_and_bad_keys() {
         coord.inspect("job"),
         Err(Error::InvalidArgument(_))
     ));
+}
+
+#[test]
+fn the_same_over_resp3() {
+    let prefix = unique_prefix("inspect-resp3");
+    let coord = Coordinator::builder(&shared_server().url())
+        .key_prefix(&prefix)
+        .protocol(Protocol::Resp3)
+        .build()
+        .unwrap();
+    let rw = coord.read_write_lease("{job}").unwrap();
+    let _r = rw.read().try_acquire(TTL).unwrap().unwrap();
+    let shared = coord.inspect("{job}").unwrap();
+    assert_eq!(shared.held_as(), HeldAs::Shared);
+    assert_eq!(shared.readers.len(), 1);
+    let sem = coord.semaphore("{pool}", 2).unwrap();
+    let p = sem.try_acquire(TTL).unwrap().unwrap();
+    let counted = coord.inspect("{pool}").unwrap();
+    assert_eq!(counted.permits.len(), 1);
+    assert_eq!(counted.permits[0].fencing_token, p.fencing_token());
 }
