@@ -1674,33 +1674,7 @@ fn fenced_redlock_shared_and_counted_runs_on_one_key_never_overlap_wrongly() {
     // The checker: replays who was inside, in the order they wrote.
     let record = std::fs::read_to_string(&log).unwrap();
     std::fs::remove_file(&log).unwrap();
-    let mut inside: std::collections::HashMap<&str, usize> = Default::default();
-    let mut entered: std::collections::HashMap<&str, usize> = Default::default();
-    let mut most_shared = 0;
-    for line in record.lines() {
-        let mut words = line.split(' ');
-        let (what, mode) = (words.next().unwrap(), words.next().unwrap());
-        if what == "out" {
-            *inside.get_mut(mode).unwrap() -= 1;
-            continue;
-        }
-        let now = inside.clone();
-        let count = |m: &str| now.get(m).copied().unwrap_or(0);
-        let others: usize = ["fenced", "redlock", "shared", "counted"]
-            .iter()
-            .filter(|m| **m != mode)
-            .map(|m| count(m))
-            .sum();
-        assert_eq!(others, 0, "{mode} entered beside {inside:?}");
-        match mode {
-            "fenced" | "redlock" => assert_eq!(count(mode), 0, "two {mode} runs inside"),
-            "counted" => assert!(count(mode) < 2, "a third counted run inside"),
-            _ => {}
-        }
-        *inside.entry(mode).or_default() += 1;
-        *entered.entry(mode).or_default() += 1;
-        most_shared = most_shared.max(inside.get("shared").copied().unwrap_or(0));
-    }
+    let (entered, most_shared) = check_inside(&record).unwrap();
     assert_eq!(
         entered.values().sum::<usize>(),
         WORKERS * RUNS,
@@ -1709,8 +1683,71 @@ fn fenced_redlock_shared_and_counted_runs_on_one_key_never_overlap_wrongly() {
     for mode in ["fenced", "redlock", "shared", "counted"] {
         assert!(entered[mode] >= 40, "{entered:?}");
     }
-    assert!(inside.values().all(|n| *n == 0), "{inside:?}");
     eprintln!("entered {entered:?}; at most {most_shared} shared runs at once");
+}
+
+/// Replays a record of `in MODE pid` / `out MODE pid` lines: an exclusive run
+/// (fenced or redlock) alone, shared runs only beside each other, at most two
+/// counted runs. Returns how many runs of each mode entered and the most
+/// shared runs inside at once, or the first line that broke a rule.
+fn check_inside(record: &str) -> Result<(std::collections::HashMap<&str, usize>, usize), String> {
+    let mut inside: std::collections::HashMap<&str, usize> = Default::default();
+    let mut entered: std::collections::HashMap<&str, usize> = Default::default();
+    let mut most_shared = 0;
+    for line in record.lines() {
+        let mut words = line.split(' ');
+        let (what, mode) = (words.next().unwrap(), words.next().unwrap());
+        let count = |inside: &std::collections::HashMap<&str, usize>, m: &str| {
+            inside.get(m).copied().unwrap_or(0)
+        };
+        if what == "out" {
+            *inside
+                .get_mut(mode)
+                .ok_or(format!("{line}: never entered"))? -= 1;
+            continue;
+        }
+        let others: usize = ["fenced", "redlock", "shared", "counted"]
+            .iter()
+            .filter(|m| **m != mode)
+            .map(|m| count(&inside, m))
+            .sum();
+        if others > 0 {
+            return Err(format!("{line}: entered beside {inside:?}"));
+        }
+        let same = count(&inside, mode);
+        match mode {
+            "fenced" | "redlock" if same > 0 => return Err(format!("{line}: two {mode} runs")),
+            "counted" if same >= 2 => return Err(format!("{line}: a third counted run")),
+            _ => {}
+        }
+        *inside.entry(mode).or_default() += 1;
+        *entered.entry(mode).or_default() += 1;
+        most_shared = most_shared.max(count(&inside, "shared"));
+    }
+    if inside.values().any(|n| *n != 0) {
+        return Err(format!("still inside at the end: {inside:?}"));
+    }
+    Ok((entered, most_shared))
+}
+
+#[test]
+fn the_checker_of_who_is_inside_finds_every_wrong_overlap() {
+    let ok = "in shared 1\nin shared 2\nout shared 1\nout shared 2\n\
+              in counted 3\nin counted 4\nout counted 3\nout counted 4\n\
+              in fenced 5\nout fenced 5\nin redlock 6\nout redlock 6\n";
+    let (entered, most_shared) = check_inside(ok).unwrap();
+    assert_eq!(entered.values().sum::<usize>(), 6);
+    assert_eq!(most_shared, 2);
+    for bad in [
+        "in fenced 1\nin redlock 2\nout redlock 2\nout fenced 1\n",
+        "in redlock 1\nin redlock 2\nout redlock 2\nout redlock 1\n",
+        "in shared 1\nin fenced 2\nout fenced 2\nout shared 1\n",
+        "in counted 1\nin shared 2\nout shared 2\nout counted 1\n",
+        "in counted 1\nin counted 2\nin counted 3\n",
+        "in fenced 1\n",
+    ] {
+        assert!(check_inside(bad).is_err(), "{bad:?} passed");
+    }
 }
 
 #[test]
