@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crate::acquire::Lease;
 use crate::clock;
+use crate::conn::url::{Auth, DEFAULT_PORT, ParsedTarget, parse_target};
 use crate::conn::{ConnConfig, ConnSettings, Protocol, RoleCheck, redact_url};
 use crate::core::timing::Timing;
 use crate::deployment::Deployment;
@@ -26,8 +27,6 @@ const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(500);
 const DEFAULT_POOL_SIZE: usize = 8;
 const DEFAULT_DRIFT_FACTOR: f64 = 0.01;
 const DEFAULT_REFRESH: Duration = Duration::from_secs(1);
-const DEFAULT_PORT: u16 = 6379;
-const DEFAULT_SENTINEL_PORT: u16 = 26379;
 
 /// A handle to one Redis deployment for coordination: a standalone server (or
 /// the primary of a replicated one), a Sentinel deployment, or a Redis Cluster.
@@ -440,6 +439,7 @@ impl CoordinatorBuilder {
     /// The CA certificate (PEM) that signs the data servers' certificates, for
     /// `rediss://`. Defaults to the system's trust store.
     #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
     pub fn tls_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
         self.tls.ca = Some(pem.into());
         self
@@ -448,6 +448,7 @@ impl CoordinatorBuilder {
     /// A client certificate and its private key (PEM), for data servers that
     /// require mutual TLS. Defaults to none.
     #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
     pub fn tls_client_cert_pem(
         mut self,
         cert: impl Into<Vec<u8>>,
@@ -461,6 +462,7 @@ impl CoordinatorBuilder {
     /// Defaults to the data servers' ([`tls_ca_pem`](Self::tls_ca_pem)).
     /// Sentinel deployments only.
     #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
     pub fn sentinel_tls_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
         self.sentinel_tls.get_or_insert_with(Default::default).ca = Some(pem.into());
         self
@@ -471,6 +473,7 @@ impl CoordinatorBuilder {
     /// ([`tls_client_cert_pem`](Self::tls_client_cert_pem)). Sentinel
     /// deployments only.
     #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
     pub fn sentinel_tls_client_cert_pem(
         mut self,
         cert: impl Into<Vec<u8>>,
@@ -480,6 +483,19 @@ impl CoordinatorBuilder {
             .get_or_insert_with(Default::default)
             .client = Some((cert.into(), key.into()));
         self
+    }
+
+    /// The shortest TTL that [`keep_alive`](crate::LeaseGuard::keep_alive)
+    /// accepts with this builder's node timeout and drift factor: the renewal
+    /// at half the TTL must come before the loss deadline with two node
+    /// timeouts to spare (`(2 × node timeout + 2 ms) / (0.5 − drift factor)`;
+    /// 2.045 s with the defaults). Does not connect.
+    pub fn min_keep_alive_ttl(&self) -> Duration {
+        Timing {
+            drift_factor: self.drift_factor,
+            node_timeout: self.node_timeout,
+        }
+        .min_keepalive_ttl()
     }
 
     /// Checks the settings and connects once.
@@ -753,29 +769,6 @@ impl CoordinatorBuilder {
     }
 }
 
-/// User info from a topology URL.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Auth {
-    user: Option<String>,
-    password: Option<String>,
-}
-
-/// A builder's target with topology URLs taken apart.
-#[derive(Debug, PartialEq, Eq)]
-enum ParsedTarget {
-    Standalone(String),
-    Cluster {
-        seeds: Vec<String>,
-        auth: Option<Auth>,
-    },
-    Sentinel {
-        sentinels: Vec<String>,
-        service: String,
-        auth: Option<Auth>,
-        database: Option<i64>,
-    },
-}
-
 impl From<&Target> for ParsedTarget {
     fn from(t: &Target) -> Self {
         match t {
@@ -792,138 +785,6 @@ impl From<&Target> for ParsedTarget {
             },
         }
     }
-}
-
-/// Decodes `%XX` escapes in URL user info.
-fn percent_decode(s: &str) -> Result<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = s
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| Error::Config(format!("bad %-escape in {:?}", redact_url(s))))?;
-            out.push(hex);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| Error::Config("user info is not UTF-8".into()))
-}
-
-/// Splits `host[:port],host[:port]…` (`[v6]:port` too) into `host:port` items.
-fn host_list(list: &str, default_port: u16, url: &str) -> Result<Vec<String>> {
-    let bad = |why: &str| Error::Config(format!("{}: {why}", redact_url(url)));
-    if list.trim().is_empty() {
-        return Err(bad("no host given"));
-    }
-    list.split(',')
-        .map(|item| {
-            let item = item.trim();
-            let (host, port) = if let Some(rest) = item.strip_prefix('[') {
-                let (host, after) = rest.split_once(']').ok_or_else(|| bad("unclosed '['"))?;
-                let port = match after.strip_prefix(':') {
-                    Some(p) => Some(p),
-                    None if after.is_empty() => None,
-                    None => return Err(bad("junk after ']'")),
-                };
-                (format!("[{host}]"), port)
-            } else {
-                match item.rsplit_once(':') {
-                    Some((h, p)) => (h.to_owned(), Some(p)),
-                    None => (item.to_owned(), None),
-                }
-            };
-            if host.is_empty() || host == "[]" {
-                return Err(bad("an empty host"));
-            }
-            let port = match port {
-                Some(p) => p
-                    .parse::<u16>()
-                    .ok()
-                    .filter(|p| *p > 0)
-                    .ok_or_else(|| bad(&format!("bad port {p:?}")))?,
-                None => default_port,
-            };
-            Ok(format!("{host}:{port}"))
-        })
-        .collect()
-}
-
-/// Reads `redis+cluster://` and `redis+sentinel://` URLs; any other URL is one
-/// server's.
-fn parse_target(url: &str) -> Result<ParsedTarget> {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return Ok(ParsedTarget::Standalone(url.to_owned()));
-    };
-    let (tls, kind) = match scheme.to_ascii_lowercase().as_str() {
-        "redis+cluster" => (false, "cluster"),
-        "rediss+cluster" => (true, "cluster"),
-        "redis+sentinel" => (false, "sentinel"),
-        "rediss+sentinel" => (true, "sentinel"),
-        _ => return Ok(ParsedTarget::Standalone(url.to_owned())),
-    };
-    let bad = |why: &str| Error::Config(format!("{}: {why}", redact_url(url)));
-    let (authority, path) = match rest.find('/') {
-        Some(i) => (&rest[..i], &rest[i + 1..]),
-        None => (rest, ""),
-    };
-    if path.contains(['?', '#']) || authority.contains(['?', '#']) {
-        return Err(bad("query strings and fragments are not supported"));
-    }
-    let (auth, hosts) = match authority.rsplit_once('@') {
-        Some((info, hosts)) => {
-            let (user, password) = match info.split_once(':') {
-                Some((u, p)) => (u, Some(percent_decode(p)?)),
-                None => (info, None),
-            };
-            let user = (!user.is_empty())
-                .then(|| percent_decode(user))
-                .transpose()?;
-            (Some(Auth { user, password }), hosts)
-        }
-        None => (None, authority),
-    };
-    let base = if tls { "rediss" } else { "redis" };
-    if kind == "cluster" {
-        if !path.is_empty() && path != "0" {
-            return Err(bad("a Redis Cluster URL has no path (database 0 only)"));
-        }
-        let seeds = host_list(hosts, DEFAULT_PORT, url)?
-            .into_iter()
-            .map(|h| format!("{base}://{h}"))
-            .collect();
-        return Ok(ParsedTarget::Cluster { seeds, auth });
-    }
-    let mut parts = path.split('/').filter(|p| !p.is_empty());
-    let service = parts
-        .next()
-        .ok_or_else(|| bad("no service name: redis+sentinel://host,host/service"))?
-        .to_owned();
-    let database = match parts.next() {
-        Some(db) => Some(
-            db.parse::<i64>()
-                .map_err(|_| bad(&format!("bad database {db:?}")))?,
-        ),
-        None => None,
-    };
-    if parts.next().is_some() {
-        return Err(bad("too many path segments: /service[/db]"));
-    }
-    let sentinels = host_list(hosts, DEFAULT_SENTINEL_PORT, url)?
-        .into_iter()
-        .map(|h| format!("{base}://{h}"))
-        .collect();
-    Ok(ParsedTarget::Sentinel {
-        sentinels,
-        service,
-        auth,
-        database,
-    })
 }
 
 impl fmt::Debug for CoordinatorBuilder {
@@ -964,75 +825,6 @@ impl fmt::Debug for CoordinatorBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn auth(user: Option<&str>, password: Option<&str>) -> Option<Auth> {
-        Some(Auth {
-            user: user.map(str::to_owned),
-            password: password.map(str::to_owned),
-        })
-    }
-
-    #[test]
-    fn topology_urls_are_taken_apart() {
-        assert_eq!(
-            parse_target("redis://h:1/2").unwrap(),
-            ParsedTarget::Standalone("redis://h:1/2".into())
-        );
-        assert_eq!(
-            parse_target("redis+cluster://a:7000,b,[::1]:7002/").unwrap(),
-            ParsedTarget::Cluster {
-                seeds: vec![
-                    "redis://a:7000".into(),
-                    "redis://b:6379".into(),
-                    "redis://[::1]:7002".into()
-                ],
-                auth: None
-            }
-        );
-        assert_eq!(
-            parse_target("rediss+cluster://app:p%40ss@a:7000").unwrap(),
-            ParsedTarget::Cluster {
-                seeds: vec!["rediss://a:7000".into()],
-                auth: auth(Some("app"), Some("p@ss")),
-            }
-        );
-        assert_eq!(
-            parse_target("redis+sentinel://:pw@s1,s2:5000/mymaster/3").unwrap(),
-            ParsedTarget::Sentinel {
-                sentinels: vec!["redis://s1:26379".into(), "redis://s2:5000".into()],
-                service: "mymaster".into(),
-                auth: auth(None, Some("pw")),
-                database: Some(3),
-            }
-        );
-    }
-
-    #[test]
-    fn bad_topology_urls_are_refused_with_a_reason() {
-        for (url, why) in [
-            ("redis+cluster:///", "no host"),
-            ("redis+cluster://a:7000/5", "no path"),
-            ("redis+cluster://a:x", "bad port"),
-            ("redis+cluster://a:0", "bad port"),
-            ("redis+cluster://a,,b", "empty host"),
-            ("redis+cluster://[::1", "unclosed"),
-            ("redis+sentinel://s1,s2", "no service name"),
-            ("redis+sentinel://s1/", "no service name"),
-            ("redis+sentinel://s1/svc/x", "bad database"),
-            ("redis+sentinel://s1/svc/1/2", "too many"),
-            ("redis+sentinel://s1/svc?x=1", "query"),
-            ("redis+cluster://u:%zz@a", "escape"),
-        ] {
-            let err = parse_target(url).unwrap_err();
-            assert!(
-                matches!(&err, Error::Config(m) if m.contains(why)),
-                "{url}: {err}"
-            );
-        }
-        // Passwords are not shown.
-        let err = parse_target("redis+cluster://u:secret@a:x").unwrap_err();
-        assert!(!err.to_string().contains("secret"), "{err}");
-    }
 
     #[test]
     fn bad_builder_settings_are_refused_before_connecting() {

@@ -347,6 +347,7 @@
 //! polling fallback, `error!` for a fencing counter that went back, `debug!` for
 //! routine events.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 #![warn(unreachable_pub)]
@@ -361,6 +362,7 @@ mod deployment;
 mod error;
 mod fenced;
 mod guard;
+mod inspect;
 mod keys;
 mod kind;
 mod lock;
@@ -378,10 +380,12 @@ mod token;
 pub use acquire::Lease;
 pub use cancel::CancelToken;
 pub use conn::Protocol;
+pub use conn::url::{DeploymentUrl, UrlKind};
 pub use coordinator::{Coordinator, CoordinatorBuilder};
 pub use error::{Error, Result};
 pub use fenced::{FencedGuard, FencedLock};
 pub use guard::{KeepAlive, LeaseGuard, ReleaseOutcome};
+pub use inspect::{ExclusiveHolder, HeldAs, Inspection};
 pub use keys::{MAX_TTL, key_slot};
 pub use kind::{Fenced, Kind, Plain, Read, Slot, Write};
 pub use lock::{Lock, LockGuard};

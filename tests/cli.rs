@@ -37,17 +37,30 @@ fn assert_waiting_after_an_attempt(url: &str, before: u64, waiting: &mut std::pr
 
 const BIN: &str = env!("CARGO_BIN_EXE_respire-lock");
 
-/// Every environment variable the tool reads.
-const ENV_VARS: [&str; 9] = [
+/// Every environment variable `run` reads.
+const ENV_VARS: [&str; 21] = [
     "REDIS_URL",
     "RESPIRE_LOCK_REDLOCK",
+    "RESPIRE_LOCK_THROWAWAY",
+    "RESPIRE_LOCK_NONBLOCK",
     "RESPIRE_LOCK_WAIT",
+    "RESPIRE_LOCK_CONFLICT_EXIT_CODE",
+    "RESPIRE_LOCK_LOST_EXIT_CODE",
+    "RESPIRE_LOCK_SHARED",
+    "RESPIRE_LOCK_MAX",
     "RESPIRE_LOCK_TTL",
     "RESPIRE_LOCK_KILL_AFTER",
     "RESPIRE_LOCK_PREFIX",
     "RESPIRE_LOCK_NODE_TIMEOUT",
+    "RESPIRE_LOCK_TLS_CA",
+    "RESPIRE_LOCK_TLS_CERT",
+    "RESPIRE_LOCK_TLS_KEY",
     "RESPIRE_LOCK_VERBOSE",
+    "RESPIRE_LOCK_EVENTS_FD",
+    "RESPIRE_LOCK_EVENTS_FILE",
+    // Read by the other subcommands only.
     "RESPIRE_LOCK_JSON",
+    "RESPIRE_LOCK_DOCTOR_KEY",
 ];
 
 /// The tool with `args`, and none of its environment variables set.
@@ -58,6 +71,25 @@ fn respire_lock(args: &[&str]) -> Command {
         cmd.env_remove(var);
     }
     cmd
+}
+
+/// A path for a run's `--events-file`, unique in this process.
+fn events_path(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!(
+        "respire-lock-events-{}-{}-{name}.jsonl",
+        std::process::id(),
+        unique_prefix("ev").trim_end_matches(':').replace(':', "-")
+    ))
+}
+
+/// The events written to `path` so far.
+fn events_in(path: &std::path::Path) -> Vec<serde_json::Value> {
+    json_lines(&std::fs::read(path).unwrap_or_default())
+}
+
+/// The holder of KEY `job` that `run` takes exclusively, through the library.
+fn exclusive_holder(coord: &Coordinator) -> respire_coordination::WriteLease {
+    coord.read_write_lease("{job}").unwrap().write()
 }
 
 fn run(args: &[&str]) -> Output {
@@ -89,7 +121,7 @@ fn runs_the_command_with_its_token_and_returns_its_status() {
     assert_eq!(out.status.code(), Some(7), "{}", text(&out.stderr));
     assert_eq!(
         text(&out.stdout).trim(),
-        format!("token=1 key={prefix}{{job}}:lease")
+        format!("token=1 key={prefix}{{job}}:w")
     );
     let out = run(&[
         "run",
@@ -122,14 +154,14 @@ fn a_held_lease_means_not_acquired() {
         .key_prefix(&prefix)
         .build()
         .unwrap();
-    let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
+    let lock = exclusive_holder(&coord);
     let held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
 
     let out = run(&[
         "run", "--url", &url, "--prefix", &prefix, "--wait", "0", "job", "--", "true",
     ]);
     assert_eq!(out.status.code(), Some(75), "{}", text(&out.stderr));
-    assert!(text(&out.stderr).contains("not acquired"));
+    assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
 
     let started = Instant::now();
     let out = run(&[
@@ -188,10 +220,10 @@ fn a_lost_lease_stops_the_command() {
     .unwrap();
     let mut admin = server.client();
     wait_until(Duration::from_secs(10), "the lease to be taken", || {
-        admin.exists::<_, bool>("respire-lock:{job}:lease").unwrap()
+        admin.exists::<_, bool>("respire-lock:{job}:w").unwrap()
     });
     // Someone else takes the key over (as after an expiry).
-    let _: () = admin.set("respire-lock:{job}:lease", "intruder").unwrap();
+    let _: () = admin.set("respire-lock:{job}:w", "intruder").unwrap();
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(76), "{}", text(&out.stderr));
     assert!(text(&out.stderr).contains("lost"));
@@ -199,7 +231,7 @@ fn a_lost_lease_stops_the_command() {
         started.elapsed() < Duration::from_secs(20),
         "sleep 30 was not stopped"
     );
-    let value: String = admin.get("respire-lock:{job}:lease").unwrap();
+    let value: String = admin.get("respire-lock:{job}:w").unwrap();
     assert_eq!(value, "intruder", "the new holder's key was touched");
 }
 
@@ -211,7 +243,7 @@ fn sigterm_stops_the_command_and_releases() {
         .unwrap();
     let mut admin = server.client();
     wait_until(Duration::from_secs(10), "the lease to be taken", || {
-        admin.exists::<_, bool>("respire-lock:{job}:lease").unwrap()
+        admin.exists::<_, bool>("respire-lock:{job}:w").unwrap()
     });
     let started = Instant::now();
     let pid = rustix::process::Pid::from_child(&child);
@@ -220,22 +252,26 @@ fn sigterm_stops_the_command_and_releases() {
     // sleep died of the forwarded SIGTERM: 128 + 15.
     assert_eq!(out.status.code(), Some(143));
     assert!(started.elapsed() < Duration::from_secs(10));
-    assert!(!admin.exists::<_, bool>("respire-lock:{job}:lease").unwrap());
+    assert!(!admin.exists::<_, bool>("respire-lock:{job}:w").unwrap());
 }
 
 #[test]
-fn without_a_url_it_starts_a_throwaway_server() {
-    let out = run(&[
-        "run",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        "echo $RESPIRE_FENCING_TOKEN",
-    ]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    assert_eq!(text(&out.stdout).trim(), "1");
-    assert!(text(&out.stderr).contains("throwaway"));
+fn without_a_url_nothing_starts() {
+    let marker = events_path("marker");
+    let touch = format!("touch '{}'", marker.display());
+    for args in [
+        &["run", "job", "--", "sh", "-c", &touch][..],
+        &["run", "job", "sh", "-c", &touch],
+    ] {
+        let out = run(args);
+        assert_usage_error(&out, &["--url", "REDIS_URL"], "run --help");
+        assert!(!marker.exists(), "the command ran");
+    }
+    assert_usage_error(
+        &run(&["status", "job"]),
+        &["--url", "REDIS_URL"],
+        "status --help",
+    );
 }
 
 #[test]
@@ -340,19 +376,34 @@ fn redlock_mode_takes_a_quorum_and_releases_it() {
     wait_until(Duration::from_secs(10), "the lock on every node", || {
         admins
             .iter_mut()
-            .all(|a| a.exists::<_, bool>("respire-lock:job").unwrap())
+            .all(|a| a.exists::<_, bool>("respire-lock:{job}:w").unwrap())
     });
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success());
-    assert_eq!(text(&out.stdout).trim(), "key=respire-lock:job token=none");
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "key=respire-lock:{job}:w token=none"
+    );
     for admin in &mut admins {
-        assert!(!admin.exists::<_, bool>("respire-lock:job").unwrap());
+        assert!(!admin.exists::<_, bool>("respire-lock:{job}:w").unwrap());
     }
 
     // An even group is refused as a usage error.
     let two = urls[..2].join(",");
     let out = run(&["run", "--redlock", &two, "job", "--", "true"]);
     assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
+
+    // A group is made only when every node answers (their independence is
+    // checked then); status asks the nodes that answer.
+    servers[2].kill();
+    let out = run(&["run", "--redlock", &joined, "job", "echo", "ran"]);
+    assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
+    assert!(out.stdout.is_empty());
+    let out = run(&["status", "--redlock", &joined, "--json", "job"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["nodes"], 2, "{status}");
+    assert_eq!(status["held"], false, "{status}");
 }
 
 /// The JSON objects of `--json` output, one per line; panics on anything else.
@@ -421,7 +472,7 @@ fn help_and_version_on_every_subcommand() {
     }
     // Long help documents the environment, exit codes and JSON fields.
     let help = text(&run(&["run", "--help"]).stdout);
-    for var in &ENV_VARS[..] {
+    for var in &ENV_VARS[..19] {
         assert!(help.contains(var), "{var} missing from run --help");
     }
     for word in [
@@ -551,7 +602,7 @@ fn a_wait_too_long_for_the_clock_waits_forever() {
         .key_prefix(&prefix)
         .build()
         .unwrap();
-    let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
+    let lock = exclusive_holder(&coord);
     let held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
     let before = script_calls(&url);
     let mut waiting = respire_lock(&[
@@ -608,18 +659,20 @@ fn status_reports_holder_token_and_ttl() {
         .key_prefix(&prefix)
         .build()
         .unwrap();
-    let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
+    let lock = exclusive_holder(&coord);
     let guard = lock.try_acquire(Duration::from_secs(20)).unwrap().unwrap();
     let token = guard.fencing_token().get();
     let line = status(false);
     assert!(
-        line.starts_with(&format!("job: held by fencing token {token}, expires in ")),
+        line.starts_with(&format!(
+            "job: held exclusive by fencing token {token}, expires in "
+        )),
         "{line}"
     );
     let held: serde_json::Value = serde_json::from_str(&status(true)).unwrap();
     assert_eq!(held["key"], "job");
-    assert_eq!(held["lease_key"], format!("{prefix}{{job}}:lease"));
-    assert_eq!(held["fence_key"], format!("{prefix}{{job}}:fence"));
+    assert_eq!(held["base"], format!("{prefix}{{job}}"));
+    assert_eq!(held["mode"], "exclusive");
     assert_eq!(held["held"], true);
     assert_eq!(held["token"], token);
     assert_eq!(held["last_token"], token);
@@ -656,67 +709,93 @@ fn status_reports_holder_token_and_ttl() {
 fn json_events_of_a_run() {
     let url = shared_server().url();
     let prefix = unique_prefix("cli-json");
-    let out = run(&[
-        "run", "--url", &url, "--prefix", &prefix, "--ttl", "5s", "--json", "job", "--", "sh",
-        "-c", "exit 3",
-    ]);
-    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
-    let events = json_lines(&out.stderr);
-    let names: Vec<&str> = events
-        .iter()
-        .map(|e| e["event"].as_str().unwrap())
-        .collect();
-    assert_eq!(names, ["acquired", "started", "exited", "released"]);
-    for e in &events {
-        assert_eq!(e["key"], "job");
-        let time = e["time"].as_str().unwrap();
-        assert!(time.ends_with('Z') && time.contains('T'), "{time}");
-    }
-    let acquired = event(&events, "acquired");
-    assert_eq!(acquired["lease_key"], format!("{prefix}{{job}}:lease"));
-    assert_eq!(acquired["token"], 1);
-    assert_eq!(acquired["ttl_ms"], 5000);
-    assert_eq!(acquired["mode"], "fenced");
-    let started = event(&events, "started");
-    assert!(started["pid"].as_u64().unwrap() > 0);
-    assert_eq!(
-        started["command"],
-        serde_json::json!(["sh", "-c", "exit 3"])
-    );
-    let exited = event(&events, "exited");
-    assert_eq!(exited["code"], 3);
-    assert_eq!(exited["signal"], serde_json::Value::Null);
-    let released = event(&events, "released");
-    assert_eq!(released["outcome"], "released");
-    assert_eq!(released["detail"], serde_json::Value::Null);
-
-    // Not acquired, and an error, are events too.
-    let coord = Coordinator::builder(&url)
-        .key_prefix(&prefix)
-        .build()
-        .unwrap();
-    let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
-    let _held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
-    let out = run(&[
-        "run", "--url", &url, "--prefix", &prefix, "--wait", "0", "--json", "job", "--", "true",
-    ]);
-    assert_eq!(out.status.code(), Some(75));
-    let events = json_lines(&out.stderr);
-    assert_eq!(event(&events, "not_acquired")["exit_code"], 75);
+    let events = events_path("run");
+    let file = events.to_str().unwrap();
     let out = run(&[
         "run",
         "--url",
         &url,
         "--prefix",
         &prefix,
-        "--json",
+        "--ttl",
+        "5s",
+        "--events-file",
+        file,
+        "job",
+        "--",
+        "sh",
+        "-c",
+        "exit 3",
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    // stderr stays for people: nothing there without -v.
+    assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+    let all = events_in(&events);
+    let names: Vec<&str> = all.iter().map(|e| e["event"].as_str().unwrap()).collect();
+    assert_eq!(names, ["acquired", "started", "exited", "released"]);
+    for e in &all {
+        assert_eq!(e["key"], "job");
+        let time = e["time"].as_str().unwrap();
+        assert!(time.ends_with('Z') && time.contains('T'), "{time}");
+    }
+    let acquired = event(&all, "acquired");
+    assert_eq!(acquired["lease_key"], format!("{prefix}{{job}}:w"));
+    assert_eq!(acquired["token"], 1);
+    assert_eq!(acquired["ttl_ms"], 5000);
+    assert_eq!(acquired["mode"], "fenced");
+    let started = event(&all, "started");
+    assert!(started["pid"].as_u64().unwrap() > 0);
+    assert_eq!(
+        started["command"],
+        serde_json::json!(["sh", "-c", "exit 3"])
+    );
+    let exited = event(&all, "exited");
+    assert_eq!(exited["code"], 3);
+    assert_eq!(exited["signal"], serde_json::Value::Null);
+    let released = event(&all, "released");
+    assert_eq!(released["outcome"], "released");
+    assert_eq!(released["detail"], serde_json::Value::Null);
+    std::fs::remove_file(&events).unwrap();
+
+    // Not acquired, and an error, are events too.
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let lock = exclusive_holder(&coord);
+    let _held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    let out = run(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &prefix,
+        "--wait",
+        "0",
+        "--events-file",
+        file,
+        "job",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(75));
+    assert_eq!(event(&events_in(&events), "not_acquired")["exit_code"], 75);
+    std::fs::remove_file(&events).unwrap();
+    let out = run(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &prefix,
+        "--events-file",
+        file,
         "other",
         "--",
         "/nonexistent/cmd",
     ]);
     assert_eq!(out.status.code(), Some(70));
-    let events = json_lines(&out.stderr);
-    let error = event(&events, "error");
+    let all = events_in(&events);
+    let error = event(&all, "error");
     assert_eq!(error["exit_code"], 70);
     assert!(
         error["message"]
@@ -724,13 +803,42 @@ fn json_events_of_a_run() {
             .unwrap()
             .contains("/nonexistent/cmd")
     );
+    std::fs::remove_file(&events).unwrap();
+
+    // A descriptor the caller opened: the shell opens 3 on a file.
+    let script = format!(
+        "exec 3>'{file}'; exec {BIN} run --url {url} --prefix '{prefix}' --events-fd 3 fd -- true"
+    );
+    let out = Command::new("sh").arg("-c").arg(&script).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        event(&events_in(&events), "released")["outcome"],
+        "released"
+    );
+    std::fs::remove_file(&events).unwrap();
+    // A descriptor that is not open is a usage error, before anything is sent.
+    assert_usage_error(
+        &run(&[
+            "run",
+            "--url",
+            &url,
+            "--events-fd",
+            "97",
+            "job",
+            "--",
+            "true",
+        ]),
+        &["--events-fd"],
+        "run --help",
+    );
 }
 
 #[test]
 fn json_events_of_a_lost_lease_and_kill_after_from_the_environment() {
     let url = shared_server().url();
     let prefix = unique_prefix("cli-json-lost");
-    let lease_key = format!("{prefix}{{job}}:lease");
+    let lease_key = format!("{prefix}{{job}}:w");
+    let events = events_path("lost");
     // The command ignores SIGTERM, so only the SIGKILL after RESPIRE_LOCK_KILL_AFTER stops it.
     let child = respire_lock(&[
         "run",
@@ -748,7 +856,7 @@ fn json_events_of_a_lost_lease_and_kill_after_from_the_environment() {
         "-c",
         "trap '' TERM; exec sleep 30",
     ])
-    .env("RESPIRE_LOCK_JSON", "1")
+    .env("RESPIRE_LOCK_EVENTS_FILE", &events)
     .env("RESPIRE_LOCK_KILL_AFTER", "300ms")
     .stderr(Stdio::piped())
     .spawn()
@@ -760,27 +868,25 @@ fn json_events_of_a_lost_lease_and_kill_after_from_the_environment() {
     let _: () = admin.set(&lease_key, "intruder").unwrap();
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(76), "{}", text(&out.stderr));
-    let events = json_lines(&out.stderr);
-    let names: Vec<&str> = events
-        .iter()
-        .map(|e| e["event"].as_str().unwrap())
-        .collect();
+    let all = events_in(&events);
+    std::fs::remove_file(&events).unwrap();
+    let names: Vec<&str> = all.iter().map(|e| e["event"].as_str().unwrap()).collect();
     assert_eq!(
         names,
         ["acquired", "started", "lost", "exited", "released", "error"]
     );
-    let lost = event(&events, "lost");
+    let lost = event(&all, "lost");
     assert_eq!(lost["cause"], "taken_over");
     assert!(
         lost["reason"].as_str().unwrap().contains("another owner"),
         "{lost}"
     );
     // SIGTERM was ignored: SIGKILL (9) ended it.
-    let exited = event(&events, "exited");
+    let exited = event(&all, "exited");
     assert_eq!(exited["signal"], 9, "{exited}");
     assert_eq!(exited["code"], serde_json::Value::Null);
-    assert_eq!(event(&events, "released")["outcome"], "taken_over");
-    assert_eq!(event(&events, "error")["exit_code"], 76);
+    assert_eq!(event(&all, "released")["outcome"], "taken_over");
+    assert_eq!(event(&all, "error")["exit_code"], 76);
     let value: String = admin.get(&lease_key).unwrap();
     assert_eq!(value, "intruder", "the new holder's key was touched");
 }
@@ -835,7 +941,7 @@ fn every_option_from_the_environment() {
     let stdout = text(&out.stdout);
     let mut lines = stdout.lines();
     let status: serde_json::Value = serde_json::from_str(lines.next().unwrap()).unwrap();
-    assert_eq!(status["lease_key"], format!("{prefix}{{job}}:lease"));
+    assert_eq!(status["base"], format!("{prefix}{{job}}"));
     assert_eq!(status["token"], 1);
     let ttl = status["ttl_ms"].as_u64().unwrap();
     assert!(
@@ -844,29 +950,33 @@ fn every_option_from_the_environment() {
     );
     assert_eq!(lines.next(), Some("token=1"));
 
-    // A flag from the environment: RESPIRE_LOCK_JSON (and "0" turns it off).
-    let json = |value: &str| {
+    // A flag from the environment: RESPIRE_LOCK_VERBOSE (and "0" turns it off).
+    let verbose = |value: &str| {
         respire_lock(&[
             "run", "--url", &url, "--prefix", &prefix, "job", "--", "true",
         ])
-        .env("RESPIRE_LOCK_JSON", value)
+        .env("RESPIRE_LOCK_VERBOSE", value)
         .output()
         .unwrap()
     };
-    let on = json("yes");
+    let on = verbose("yes");
     assert!(on.status.success());
-    assert_eq!(event(&json_lines(&on.stderr), "acquired")["token"], 2);
-    let off = json("0");
+    assert!(
+        text(&on.stderr).contains("acquired \"job\" with fencing token 2"),
+        "{}",
+        text(&on.stderr)
+    );
+    let off = verbose("0");
     assert!(off.status.success());
     assert!(off.stderr.is_empty(), "{}", text(&off.stderr));
-    assert_usage_error(&json("maybe"), &["maybe", "--json"], "run --help");
+    assert_usage_error(&verbose("maybe"), &["maybe", "--verbose"], "run --help");
 
     // The wait from the environment is bounded; the command line beats it.
     let coord = Coordinator::builder(&url)
         .key_prefix(&prefix)
         .build()
         .unwrap();
-    let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
+    let lock = exclusive_holder(&coord);
     let _held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
     let waited = |args: &[&str]| {
         let mut all = vec!["run", "--url", &url, "--prefix", &prefix];
@@ -1057,4 +1167,894 @@ fn doctor_reports_a_sentinel_deployment() {
         "{}",
         text(&out.stderr)
     );
+}
+
+// ---------------------------------------------------------------------------
+// Supervision, flock's habits, validation, secrets, modes and packaging
+
+/// Whether any process of group `pgid` is alive (zombies do not count).
+fn group_alive(pgid: i32) -> bool {
+    std::fs::read_dir("/proc").unwrap().flatten().any(|entry| {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            return false;
+        };
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            return false;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        fields.len() > 2 && fields[2] == pgid.to_string() && fields[0] != "Z" && fields[0] != "X"
+    })
+}
+
+/// The pids of the processes of group `pgid` that are alive.
+fn group_members(pgid: i32) -> usize {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|entry| {
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                return false;
+            };
+            let Some((_, rest)) = stat.rsplit_once(')') else {
+                return false;
+            };
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            fields.len() > 2 && fields[2] == pgid.to_string() && fields[0] != "Z"
+        })
+        .count()
+}
+
+/// Waits until the run writing `events` has started its command; returns the
+/// command's pid, which is also its process group.
+fn started_pid(events: &std::path::Path) -> i32 {
+    wait_until(Duration::from_secs(10), "the command to start", || {
+        events_in(events).iter().any(|e| e["event"] == "started")
+    });
+    event(&events_in(events), "started")["pid"]
+        .as_u64()
+        .unwrap() as i32
+}
+
+fn signal(child: &std::process::Child, signal: rustix::process::Signal) {
+    rustix::process::kill_process(rustix::process::Pid::from_child(child), signal).unwrap();
+}
+
+#[test]
+fn throwaway_server_is_removed_even_after_kill_9_of_the_tool() {
+    let events = events_path("throwaway");
+    let mut child = respire_lock(&[
+        "run",
+        "--throwaway",
+        "--events-file",
+        events.to_str().unwrap(),
+        "job",
+        "--",
+        "sh",
+        "-c",
+        "sleep 30 & exec sleep 30",
+    ])
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let pgid = started_pid(&events);
+    let all = events_in(&events);
+    let throwaway = event(&all, "throwaway");
+    let url = throwaway["url"].as_str().unwrap().to_owned();
+    let dir = std::path::PathBuf::from(throwaway["dir"].as_str().unwrap());
+    let port: u16 = url.rsplit(':').next().unwrap().parse().unwrap();
+    assert!(dir.is_dir(), "{dir:?}");
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+    wait_until(Duration::from_secs(5), "sh's two sleeps", || {
+        group_members(pgid) == 2
+    });
+
+    signal(&child, rustix::process::Signal::KILL);
+    child.wait().unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "the throwaway server, its directory and the command to go",
+        || {
+            !dir.exists()
+                && std::net::TcpStream::connect(("127.0.0.1", port)).is_err()
+                && !group_alive(pgid)
+        },
+    );
+    std::fs::remove_file(&events).unwrap();
+
+    // A clean run leaves nothing either.
+    let out = run(&["run", "--throwaway", "-v", "job", "--", "true"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    let dir = stderr
+        .split(" in ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap();
+    assert!(!std::path::Path::new(dir).exists(), "{stderr}");
+}
+
+#[test]
+fn a_lost_lease_stops_the_whole_group() {
+    let server = TestServer::start();
+    let events = events_path("lost-group");
+    let child = respire_lock(&[
+        "run",
+        "--url",
+        &server.url(),
+        "--ttl",
+        "1s",
+        "--node-timeout",
+        "100ms",
+        "--kill-after",
+        "1s",
+        "--events-file",
+        events.to_str().unwrap(),
+        "job",
+        "--",
+        "sh",
+        "-c",
+        "sleep 30 & sleep 30; echo done",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let pgid = started_pid(&events);
+    wait_until(Duration::from_secs(5), "sh and its two sleeps", || {
+        group_members(pgid) == 3
+    });
+    let mut admin = server.client();
+    let _: () = admin.set("respire-lock:{job}:w", "intruder").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(76), "{}", text(&out.stderr));
+    assert!(!text(&out.stdout).contains("done"));
+    wait_until(Duration::from_secs(2), "the whole group to be gone", || {
+        !group_alive(pgid)
+    });
+    std::fs::remove_file(&events).unwrap();
+
+    // The lease-lost status is an option.
+    let child = respire_lock(&[
+        "run",
+        "--url",
+        &server.url(),
+        "--ttl",
+        "1s",
+        "--node-timeout",
+        "100ms",
+        "--lost-exit-code",
+        "99",
+        "--events-file",
+        events.to_str().unwrap(),
+        "other",
+        "--",
+        "sleep",
+        "30",
+    ])
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    started_pid(&events);
+    let _: () = admin.set("respire-lock:{other}:w", "intruder").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(99), "{}", text(&out.stderr));
+    std::fs::remove_file(&events).unwrap();
+}
+
+#[test]
+fn hup_int_quit_and_term_go_to_the_group_and_the_lease_is_released() {
+    use rustix::process::Signal;
+    let server = TestServer::start();
+    let mut admin = server.client();
+    for (sig, n) in [
+        (Signal::HUP, 1),
+        (Signal::INT, 2),
+        (Signal::QUIT, 3),
+        (Signal::TERM, 15),
+    ] {
+        let events = events_path("signal");
+        let child = respire_lock(&[
+            "run",
+            "--url",
+            &server.url(),
+            "--events-file",
+            events.to_str().unwrap(),
+            "--kill-after",
+            "1s",
+            "job",
+            "--",
+            "sh",
+            "-c",
+            "sleep 30 & exec sleep 30",
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+        let pgid = started_pid(&events);
+        assert!(admin.exists::<_, bool>("respire-lock:{job}:w").unwrap());
+        let started = Instant::now();
+        signal(&child, sig);
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(128 + n),
+            "signal {n}: {}",
+            text(&out.stderr)
+        );
+        assert!(started.elapsed() < Duration::from_secs(5), "signal {n}");
+        let all = events_in(&events);
+        // The command (the group's leader) died of that very signal.
+        assert_eq!(event(&all, "forwarded")["signal"], n);
+        assert_eq!(event(&all, "exited")["signal"], n, "{all:?}");
+        assert_eq!(event(&all, "released")["outcome"], "released");
+        assert!(!admin.exists::<_, bool>("respire-lock:{job}:w").unwrap());
+        assert!(!group_alive(pgid), "signal {n}: the group is left");
+        std::fs::remove_file(&events).unwrap();
+    }
+}
+
+#[test]
+fn the_command_dies_with_a_killed_tool() {
+    let server = TestServer::start();
+    let events = events_path("kill9");
+    let mut child = respire_lock(&[
+        "run",
+        "--url",
+        &server.url(),
+        "--events-file",
+        events.to_str().unwrap(),
+        "job",
+        "--",
+        "sh",
+        "-c",
+        "sleep 30 & exec sleep 30",
+    ])
+    .spawn()
+    .unwrap();
+    let pgid = started_pid(&events);
+    wait_until(Duration::from_secs(5), "sh's two sleeps", || {
+        group_members(pgid) == 2
+    });
+    signal(&child, rustix::process::Signal::KILL);
+    child.wait().unwrap();
+    wait_until(
+        Duration::from_secs(1),
+        "the command's group to be gone",
+        || !group_alive(pgid),
+    );
+    std::fs::remove_file(&events).unwrap();
+}
+
+#[test]
+fn nonblock_on_a_held_key_exits_with_the_conflict_code_quietly() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-nonblock");
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let _held = exclusive_holder(&coord)
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    let attempt = |extra: &[&str]| {
+        let mut args = vec!["run", "--url", &url, "--prefix", &prefix];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["job", "echo", "ran"]);
+        run(&args)
+    };
+    let out = attempt(&["-n"]);
+    assert_eq!(out.status.code(), Some(75), "{}", text(&out.stderr));
+    assert!(out.stderr.is_empty() && out.stdout.is_empty());
+    let out = attempt(&["--nonblock", "-E", "9"]);
+    assert_eq!(out.status.code(), Some(9));
+    assert!(out.stderr.is_empty());
+    let out = attempt(&["-n", "--conflict-exit-code", "1", "-v"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("\"job\" is held elsewhere; not acquired"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = respire_lock(&["run", "--url", &url, "--prefix", &prefix, "job", "true"])
+        .env("RESPIRE_LOCK_NONBLOCK", "1")
+        .env("RESPIRE_LOCK_CONFLICT_EXIT_CODE", "3")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    let started = Instant::now();
+    let out = attempt(&["-w", "300ms"]);
+    assert_eq!(out.status.code(), Some(75));
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    // The command without `--`; its own options stay its own.
+    let out = run(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &prefix,
+        "free",
+        "sh",
+        "-c",
+        "echo $0 $1",
+        "-v",
+        "--wait",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "-v --wait");
+    assert!(out.stderr.is_empty());
+}
+
+#[test]
+fn every_rule_is_checked_before_anything_is_sent() {
+    // Nothing listens there: a usage error, not "unavailable", shows that
+    // nothing was sent.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let nowhere = format!("redis://127.0.0.1:{port}");
+    let hint = "run --help";
+    let usage = |args: &[&str], names: &[&str]| {
+        let mut all = vec!["run", "--url", &nowhere];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["job", "--", "true"]);
+        assert_usage_error(&run(&all), names, hint);
+    };
+    usage(&["--ttl", "2s"], &["--ttl 2s", "at least 2s 45ms"]);
+    usage(
+        &["--ttl", "500ms", "--node-timeout", "200ms"],
+        &["--node-timeout 200ms", "at least 821ms"],
+    );
+    usage(&["--shared", "--max", "2"], &["--shared", "--max"]);
+    usage(&["--max", "0"], &["--max"]);
+    usage(&["--max", "10001"], &["--max"]);
+    usage(&["-n", "--wait", "1s"], &["--wait"]);
+    usage(&["-E", "0"], &["--conflict-exit-code"]);
+    usage(&["--lost-exit-code", "256"], &["--lost-exit-code"]);
+    usage(&["--tls-cert", "/nonexistent"], &["--tls-key"]);
+    let out = run(&[
+        "run",
+        "--redlock",
+        &format!("{nowhere},{nowhere},{nowhere}"),
+        "--shared",
+        "job",
+        "--",
+        "true",
+    ]);
+    assert_usage_error(&out, &["--shared", "Redlock"], hint);
+    // The minimum is in the help too.
+    let help = text(&run(&["run", "--help"]).stdout);
+    assert!(help.contains("2.045s"), "{help}");
+    // A TTL just above it is accepted.
+    let url = shared_server().url();
+    let out = run(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &unique_prefix("cli-minttl"),
+        "--ttl",
+        "2046ms",
+        "job",
+        "true",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
+fn no_output_ever_holds_a_password() {
+    const SECRET: &str = "hunter2Sekret";
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let live = shared_server().port();
+    let forms = [
+        format!("redis://u:{SECRET}@127.0.0.1:99999"),
+        format!("redis://u:{SECRET}%zz@127.0.0.1:{live}"),
+        format!("redis://u:{SECRET}%4@127.0.0.1:{live}"),
+        format!("rediss://u:{SECRET}%@127.0.0.1:{closed}"),
+        format!("redis://u:{SECRET}@[::1:{closed}"),
+        format!("redis://u:{SECRET}@127.0.0.1:{closed}"),
+        format!("redis://u:{SECRET}@127.0.0.1:{live}"),
+        format!("redis://:{SECRET}@127.0.0.1:{live}/x"),
+        format!("redis+cluster://u:{SECRET}%zz@127.0.0.1:{closed},127.0.0.1:1"),
+        format!("redis+cluster://u:{SECRET}@127.0.0.1:x"),
+        format!("redis+cluster://u:{SECRET}@127.0.0.1,,127.0.0.2"),
+        format!("redis+cluster://u:{SECRET}@127.0.0.1:{closed}/3"),
+        format!("redis+cluster://u:{SECRET}@127.0.0.1:{live}"),
+        format!("rediss+cluster://u:{SECRET}@[::1"),
+        format!("redis+sentinel://u:{SECRET}%zz@127.0.0.1:{closed}/svc"),
+        format!("redis+sentinel://u:{SECRET}@127.0.0.1:{closed}"),
+        format!("redis+sentinel://u:{SECRET}@127.0.0.1:{closed}/svc/x"),
+        format!("redis+sentinel://u:{SECRET}@127.0.0.1:{closed}/svc?a=b"),
+        format!("redis+sentinel://u:{SECRET}@127.0.0.1:{closed}/svc"),
+        format!("ftp://u:{SECRET}@127.0.0.1"),
+        format!("u:{SECRET}@127.0.0.1"),
+        format!("unix://u:{SECRET}@"),
+    ];
+    let events = events_path("secrets");
+    let file = events.to_str().unwrap();
+    let mut checked = 0;
+    for url in &forms {
+        let list = format!("{url},{url},{url}");
+        let runs: [Vec<&str>; 7] = [
+            vec![
+                "run",
+                "--url",
+                url,
+                "-v",
+                "--events-file",
+                file,
+                "job",
+                "true",
+            ],
+            vec![
+                "run",
+                "--redlock",
+                &list,
+                "-v",
+                "--events-file",
+                file,
+                "job",
+                "true",
+            ],
+            vec!["status", "--url", url, "job"],
+            vec!["status", "--json", "--redlock", &list, "job"],
+            vec!["doctor", url],
+            vec!["doctor", "--json", "--key", "job", url],
+            vec!["run", "--url", url, "--ttl", "1s", "job", "true"],
+        ];
+        for args in &runs {
+            let out = respire_lock(args)
+                .env("RESPIRE_LOCK_NODE_TIMEOUT", "200ms")
+                .output()
+                .unwrap();
+            let all = format!(
+                "{}{}{}",
+                text(&out.stdout),
+                text(&out.stderr),
+                std::fs::read_to_string(&events).unwrap_or_default()
+            );
+            assert!(!out.status.success(), "{args:?} succeeded: {all}");
+            assert!(
+                !all.contains(SECRET),
+                "{args:?} printed the password:\n{all}"
+            );
+            assert!(!all.is_empty(), "{args:?} said nothing");
+            let _ = std::fs::remove_file(&events);
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, forms.len() * 7);
+}
+
+/// `sh -c` text that records entering and leaving in `log`, one line each.
+fn recording(log: &std::path::Path, mode: &str) -> String {
+    let log = log.display();
+    format!("echo \"in {mode} $$\" >> '{log}'; sleep 0.02; echo \"out {mode} $$\" >> '{log}'")
+}
+
+#[test]
+fn fenced_redlock_shared_and_counted_runs_on_one_key_never_overlap_wrongly() {
+    let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
+    let single = servers[0].url();
+    let redlock: String = servers
+        .iter()
+        .map(TestServer::url)
+        .collect::<Vec<_>>()
+        .join(",");
+    let log = events_path("inside");
+    const WORKERS: usize = 8;
+    const RUNS: usize = 26;
+    std::thread::scope(|s| {
+        for worker in 0..WORKERS {
+            let (single, redlock, log) = (&single, &redlock, &log);
+            s.spawn(move || {
+                for i in 0..RUNS {
+                    let mode = ["fenced", "redlock", "shared", "counted"][(worker + i) % 4];
+                    let mut args = vec!["run", "--wait", "2m", "--ttl", "5s"];
+                    match mode {
+                        "redlock" => args.extend_from_slice(&["--redlock", redlock]),
+                        "shared" => args.extend_from_slice(&["--url", single, "--shared"]),
+                        "counted" => args.extend_from_slice(&["--url", single, "--max", "2"]),
+                        _ => args.extend_from_slice(&["--url", single]),
+                    }
+                    let script = recording(log, mode);
+                    args.extend_from_slice(&["job", "sh", "-c", &script]);
+                    let out = run(&args);
+                    assert!(out.status.success(), "{mode}: {}", text(&out.stderr));
+                }
+            });
+        }
+    });
+    // The checker: replays who was inside, in the order they wrote.
+    let record = std::fs::read_to_string(&log).unwrap();
+    std::fs::remove_file(&log).unwrap();
+    let (entered, most_shared) = check_inside(&record).unwrap();
+    assert_eq!(
+        entered.values().sum::<usize>(),
+        WORKERS * RUNS,
+        "{entered:?}"
+    );
+    for mode in ["fenced", "redlock", "shared", "counted"] {
+        assert!(entered[mode] >= 40, "{entered:?}");
+    }
+    eprintln!("entered {entered:?}; at most {most_shared} shared runs at once");
+}
+
+/// Replays a record of `in MODE pid` / `out MODE pid` lines: an exclusive run
+/// (fenced or redlock) alone, shared runs only beside each other, at most two
+/// counted runs. Returns how many runs of each mode entered and the most
+/// shared runs inside at once, or the first line that broke a rule.
+fn check_inside(record: &str) -> Result<(std::collections::HashMap<&str, usize>, usize), String> {
+    let mut inside: std::collections::HashMap<&str, usize> = Default::default();
+    let mut entered: std::collections::HashMap<&str, usize> = Default::default();
+    let mut most_shared = 0;
+    for line in record.lines() {
+        let mut words = line.split(' ');
+        let (what, mode) = (words.next().unwrap(), words.next().unwrap());
+        let count = |inside: &std::collections::HashMap<&str, usize>, m: &str| {
+            inside.get(m).copied().unwrap_or(0)
+        };
+        if what == "out" {
+            *inside
+                .get_mut(mode)
+                .ok_or(format!("{line}: never entered"))? -= 1;
+            continue;
+        }
+        let others: usize = ["fenced", "redlock", "shared", "counted"]
+            .iter()
+            .filter(|m| **m != mode)
+            .map(|m| count(&inside, m))
+            .sum();
+        if others > 0 {
+            return Err(format!("{line}: entered beside {inside:?}"));
+        }
+        let same = count(&inside, mode);
+        match mode {
+            "fenced" | "redlock" if same > 0 => return Err(format!("{line}: two {mode} runs")),
+            "counted" if same >= 2 => return Err(format!("{line}: a third counted run")),
+            _ => {}
+        }
+        *inside.entry(mode).or_default() += 1;
+        *entered.entry(mode).or_default() += 1;
+        most_shared = most_shared.max(count(&inside, "shared"));
+    }
+    if inside.values().any(|n| *n != 0) {
+        return Err(format!("still inside at the end: {inside:?}"));
+    }
+    Ok((entered, most_shared))
+}
+
+#[test]
+fn the_checker_of_who_is_inside_finds_every_wrong_overlap() {
+    let ok = "in shared 1\nin shared 2\nout shared 1\nout shared 2\n\
+              in counted 3\nin counted 4\nout counted 3\nout counted 4\n\
+              in fenced 5\nout fenced 5\nin redlock 6\nout redlock 6\n";
+    let (entered, most_shared) = check_inside(ok).unwrap();
+    assert_eq!(entered.values().sum::<usize>(), 6);
+    assert_eq!(most_shared, 2);
+    for bad in [
+        "in fenced 1\nin redlock 2\nout redlock 2\nout fenced 1\n",
+        "in redlock 1\nin redlock 2\nout redlock 2\nout redlock 1\n",
+        "in shared 1\nin fenced 2\nout fenced 2\nout shared 1\n",
+        "in counted 1\nin shared 2\nout shared 2\nout counted 1\n",
+        "in counted 1\nin counted 2\nin counted 3\n",
+        "in fenced 1\n",
+    ] {
+        assert!(check_inside(bad).is_err(), "{bad:?} passed");
+    }
+}
+
+#[test]
+fn status_shows_what_run_holds_on_every_deployment() {
+    let cluster = cluster_url();
+    let sentinel = {
+        let deployment = support::shared_sentinel();
+        let hosts: Vec<String> = deployment
+            .sentinels()
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port()))
+            .collect();
+        format!(
+            "redis+sentinel://{}/{}",
+            hosts.join(","),
+            deployment.service()
+        )
+    };
+    let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
+    let redlock = servers
+        .iter()
+        .map(TestServer::url)
+        .collect::<Vec<_>>()
+        .join(",");
+    let standalone = shared_server().url();
+    for (flag, url, mode) in [
+        ("--url", &standalone, "exclusive"),
+        ("--url", &cluster, "exclusive"),
+        ("--url", &sentinel, "exclusive"),
+        ("--redlock", &redlock, "redlock"),
+    ] {
+        let prefix = unique_prefix("cli-status-all");
+        let events = events_path("status");
+        let mut child = respire_lock(&[
+            "run",
+            flag,
+            url,
+            "--prefix",
+            &prefix,
+            "--events-file",
+            events.to_str().unwrap(),
+            "job",
+            "sleep",
+            "30",
+        ])
+        .spawn()
+        .unwrap();
+        started_pid(&events);
+        let token = event(&events_in(&events), "acquired")["token"].clone();
+        let out = run(&["status", flag, url, "--prefix", &prefix, "--json", "job"]);
+        assert!(out.status.success(), "{url}: {}", text(&out.stderr));
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(status["held"], true, "{url}: {status}");
+        assert_eq!(status["mode"], mode, "{url}: {status}");
+        assert_eq!(status["token"], token, "{url}: {status}");
+        assert!(status["ttl_ms"].as_u64().unwrap() > 0, "{status}");
+        if flag == "--redlock" {
+            assert_eq!(status["held_on"], 3, "{status}");
+        }
+        let line = text(&run(&["status", flag, url, "--prefix", &prefix, "job"]).stdout);
+        assert!(line.starts_with("job: held "), "{url}: {line}");
+        signal(&child, rustix::process::Signal::TERM);
+        assert_eq!(child.wait().unwrap().code(), Some(128 + 15));
+        let out = run(&["status", flag, url, "--prefix", &prefix, "--json", "job"]);
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(status["held"], false, "{url}: {status}");
+        std::fs::remove_file(&events).unwrap();
+    }
+    // Shared and counted holders, as run takes them.
+    let prefix = unique_prefix("cli-status-modes");
+    for (mode_args, mode) in [(&["--shared"][..], "shared"), (&["--max", "3"], "counted")] {
+        let events = events_path("status-mode");
+        let mut args = vec!["run", "--url", &standalone, "--prefix", &prefix];
+        args.extend_from_slice(mode_args);
+        let file = events.to_str().unwrap();
+        args.extend_from_slice(&["--events-file", file, "job", "sleep", "30"]);
+        let mut child = respire_lock(&args).spawn().unwrap();
+        started_pid(&events);
+        let out = run(&[
+            "status",
+            "--url",
+            &standalone,
+            "--prefix",
+            &prefix,
+            "--json",
+            "job",
+        ]);
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(status["mode"], mode, "{status}");
+        if mode == "shared" {
+            assert_eq!(status["readers"], 1, "{status}");
+        } else {
+            assert_eq!(status["permits"].as_array().unwrap().len(), 1, "{status}");
+            assert_eq!(status["capacity"], 3, "{status}");
+        }
+        signal(&child, rustix::process::Signal::TERM);
+        child.wait().unwrap();
+        std::fs::remove_file(&events).unwrap();
+    }
+}
+
+#[test]
+fn doctor_checks_the_rights_on_a_key_and_says_unknown_when_it_cannot_read() {
+    let server = TestServer::builder()
+        .acl_user("user app on >pw ~other:* &* +@all")
+        .acl_user("user blind on >pw ~* &* +@all -info -config")
+        .start();
+    let out = run(&["doctor", "--key", "job", &server.url_for_user("app", "pw")]);
+    let report = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    assert!(
+        report.contains("FAIL  key: reading respire-lock:{job}:* denied"),
+        "{report}"
+    );
+    // Without --key, a probe name under the prefix.
+    let out = run(&["doctor", &server.url_for_user("app", "pw")]);
+    let report = text(&out.stdout);
+    assert!(
+        report.contains("FAIL  key: reading respire-lock:{doctor-probe}:* denied"),
+        "{report}"
+    );
+    let out = run(&[
+        "doctor",
+        "--prefix",
+        "other:",
+        &server.url_for_user("app", "pw"),
+    ]);
+    let report = text(&out.stdout);
+    assert!(
+        report.contains("ok    key: other:{doctor-probe}:* can be read and written"),
+        "{report}"
+    );
+    let out = run(&[
+        "doctor",
+        "--key",
+        "job",
+        &server.url_for_user("blind", "pw"),
+    ]);
+    let report = text(&out.stdout);
+    for line in [
+        "warn  version: unknown",
+        "warn  persistence: unknown",
+        "warn  eviction: unknown",
+        "warn  replication: unknown",
+        "ok    key: respire-lock:{job}:* can be read and written",
+    ] {
+        assert!(report.contains(line), "{line:?} not in\n{report}");
+    }
+    assert!(!report.contains("no client tracking"), "{report}");
+    // The help lists every check id the findings use.
+    let help = text(&run(&["doctor", "--help"]).stdout);
+    for id in [
+        "version",
+        "persistence",
+        "eviction",
+        "replication",
+        "cluster",
+        "topology",
+        "sentinel",
+        "failover",
+        "acl",
+        "key",
+    ] {
+        assert!(
+            help.contains(&format!("  {id} ")),
+            "{id} not in doctor --help"
+        );
+    }
+}
+
+#[test]
+fn the_library_builds_without_clap_by_default() {
+    let tree = |features: &[&str]| {
+        let out = Command::new(env!("CARGO"))
+            .args(["tree", "--offline", "-e", "normal", "--prefix", "none"])
+            .args(features)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    let default = tree(&[]);
+    assert!(default.contains("redis v"), "{default}");
+    for dep in ["clap", "clap_complete", "humantime", "signal-hook"] {
+        assert!(
+            !default.lines().any(|l| l.starts_with(&format!("{dep} v"))),
+            "{dep} in the default build:\n{default}"
+        );
+    }
+    assert!(
+        tree(&["--features", "cli"])
+            .lines()
+            .any(|l| l.starts_with("clap v"))
+    );
+}
+
+#[test]
+fn tls_options_reach_a_server_that_wants_client_certificates() {
+    let server = TestServer::builder()
+        .tls(support::TlsAuthClients::Yes)
+        .start();
+    let files = server.tls().unwrap();
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_owned();
+    let (ca, cert, key) = (
+        path(&files.ca_cert),
+        path(&files.client_cert),
+        path(&files.client_key),
+    );
+    let url = server.url();
+    assert!(url.starts_with("rediss://"), "{url}");
+    let out = run(&[
+        "run",
+        "--url",
+        &url,
+        "--tls-ca",
+        &ca,
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+        "job",
+        "sh",
+        "-c",
+        "echo $RESPIRE_FENCING_TOKEN",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "1");
+    // The same from the environment, for status.
+    let out = respire_lock(&["status", "--url", &url, "job"])
+        .env("RESPIRE_LOCK_TLS_CA", &ca)
+        .env("RESPIRE_LOCK_TLS_CERT", &cert)
+        .env("RESPIRE_LOCK_TLS_KEY", &key)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "job: free (last fencing token issued: 1)"
+    );
+    // Without the client certificate the server refuses the run.
+    let out = run(&["run", "--url", &url, "--tls-ca", &ca, "job", "true"]);
+    assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
+    // A file that cannot be read is a usage error.
+    assert_usage_error(
+        &run(&[
+            "run",
+            "--url",
+            &url,
+            "--tls-ca",
+            "/nonexistent.pem",
+            "job",
+            "true",
+        ]),
+        &["--tls-ca", "/nonexistent.pem"],
+        "run --help",
+    );
+}
+
+#[test]
+fn a_wait_says_when_redis_stops_answering_and_when_it_answers_again() {
+    let server = TestServer::start();
+    let url = server.url();
+    let coord = Coordinator::builder(&url)
+        .key_prefix("respire-lock:")
+        .build()
+        .unwrap();
+    let held = exclusive_holder(&coord)
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    let events = events_path("unreachable");
+    let before = script_calls(&url);
+    let mut waiting = respire_lock(&[
+        "run",
+        "--url",
+        &url,
+        "--events-file",
+        events.to_str().unwrap(),
+        "job",
+        "true",
+    ])
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    assert_waiting_after_an_attempt(&url, before, &mut waiting);
+    server.kill();
+    let has = |name: &str| events_in(&events).iter().any(|e| e["event"] == name);
+    wait_until(Duration::from_secs(15), "the unreachable event", || {
+        has("unreachable")
+    });
+    assert!(waiting.try_wait().unwrap().is_none(), "it still waits");
+    // Back, without the old lease (no persistence): the wait ends.
+    server.restart();
+    let out = waiting.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("still waiting for \"job\", but Redis does not answer"),
+        "{stderr}"
+    );
+    let names: Vec<String> = events_in(&events)
+        .iter()
+        .map(|e| e["event"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names[0], "unreachable", "{names:?}");
+    assert!(names.contains(&"acquired".to_owned()), "{names:?}");
+    std::fs::remove_file(&events).unwrap();
+    drop(held);
 }

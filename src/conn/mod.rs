@@ -19,6 +19,9 @@ use crate::scripts::Script;
 
 pub(crate) mod cluster;
 pub(crate) mod sentinel;
+pub(crate) mod url;
+
+pub(crate) use self::url::redact_url;
 
 /// Which RESP version the command connections speak.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -428,22 +431,6 @@ fn describe_addr(addr: &ConnectionAddr, db: i64) -> String {
         base
     } else {
         format!("{base}/{db}")
-    }
-}
-
-/// A URL with any password replaced by `***`, for messages.
-pub(crate) fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let userinfo = &url[scheme + 3..at];
-            let user = userinfo.split(':').next().unwrap_or("");
-            if userinfo.contains(':') {
-                format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
-            } else {
-                format!("{}***{}", &url[..scheme + 3], &url[at..])
-            }
-        }
-        _ => url.to_owned(),
     }
 }
 
@@ -950,21 +937,5 @@ impl Drop for Pooled<'_> {
         if let Some(conn) = self.conn.take() {
             self.pool.put(conn);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn redacts_passwords() {
-        assert_eq!(
-            redact_url("redis://app:secret@host:6379/2"),
-            "redis://app:***@host:6379/2"
-        );
-        assert_eq!(redact_url("redis://:secret@host"), "redis://:***@host");
-        assert_eq!(redact_url("redis://secret@host"), "redis://***@host");
-        assert_eq!(redact_url("redis://host:6379"), "redis://host:6379");
     }
 }

@@ -5,53 +5,102 @@ use std::ffi::{OsStr, OsString};
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use respire_coordination::MAX_TTL;
+use respire_coordination::{Coordinator, MAX_TTL};
 
 /// Bad command line.
 pub(crate) const EXIT_USAGE: u8 = 64;
 
 const RUN_AFTER_HELP: &str = "\
-CMD sees RESPIRE_FENCING_TOKEN (not with --redlock; strictly increasing per KEY: pass it
-to the resource you protect and have it refuse lower tokens) and RESPIRE_LOCK_KEY (the
-lease key in Redis).
+Where: --url URL (or REDIS_URL) for one deployment (redis://, rediss://, unix://,
+redis+cluster://, redis+sentinel://), or --redlock URL,URL,URL for a quorum of
+independent servers. Without either, nothing is started and the exit status is 64;
+--throwaway starts a private redis-server for trying the tool out (it coordinates
+only with runs that use that same server, i.e. none).
+
+Modes, all on one key layout under <prefix>{KEY}: (so that they exclude each other):
+  (default)   exclusive, fenced: one holder; CMD sees RESPIRE_FENCING_TOKEN, strictly
+              increasing per KEY (pass it to the resource, have it refuse lower ones)
+  --shared    shared: many holders at once, never beside an exclusive one;
+              CMD sees RESPIRE_WRITE_EPOCH (the last exclusive token)
+  --max N     counted: at most N holders; CMD sees RESPIRE_FENCING_TOKEN and
+              RESPIRE_LOCK_SLOT (0..N)
+  --redlock   exclusive on a quorum, no fencing token
+A run that finds KEY held in another mode (such as counted permits while it wants it
+exclusive) waits for them like for any holder, or with -n says so and ends with the
+conflict code. CMD also sees RESPIRE_LOCK_KEY (the lease key in Redis).
+
+Supervision: CMD runs in a process group of its own. SIGHUP, SIGINT, SIGQUIT and
+SIGTERM to respire-lock are passed on, as themselves, to that whole group; CMD dies
+with respire-lock (it gets SIGKILL if respire-lock is killed), and so does the rest
+of its group. If the lease is lost, the group gets SIGTERM, then SIGKILL after
+--kill-after. When CMD ends, what is left of its group gets the same, then the lease
+is released. Because CMD's group is not the terminal's foreground group, a CMD that
+reads from the terminal is stopped (SIGTTIN); give it its input another way. Ctrl-C
+still reaches it: the terminal signals respire-lock, which passes the signal on.
 
 DURATION: 500ms, 10s, 1m30s, 2h, ... (a bare number is seconds).
+--ttl must leave room to renew at half of it: at least (2 x node timeout + 2 ms) /
+0.49, which is 2.045s with the default --node-timeout of 500ms.
 
 Exit status: CMD's status (128+N if it died of signal N), or
-  64  usage error
+  64  usage error (nothing was sent to Redis)
   69  Redis unavailable or refused
   70  CMD could not be started
-  75  not acquired before the wait ran out
-  76  CMD stopped: the lease was lost
+  75  not acquired: held elsewhere and -n, or the wait ran out (-E sets it)
+  76  CMD stopped: the lease was lost (--lost-exit-code sets it)
+A conflict prints nothing without -v.
 
-With --json, each event is one JSON object on a line of stderr, with the fields
-\"event\", \"time\" (RFC 3339, UTC) and \"key\", and by event:
-  throwaway     url
-  acquired      lease_key, token (null with --redlock), ttl_ms, mode (\"fenced\" | \"redlock\")
+With --events-fd N or --events-file PATH, each event is one JSON object on a line
+there (stderr stays for people), with the fields \"event\", \"time\" (RFC 3339,
+UTC) and \"key\", and by event:
+  throwaway     url, dir
+  acquired      lease_key, token (null with --redlock and --shared), ttl_ms,
+                mode (\"fenced\" | \"redlock\" | \"shared\" | \"counted\"), slot, write_epoch
   started       pid, command
   lost          cause (\"expired\" | \"taken_over\" | \"deadline\" | \"unreachable\" | \"quorum\"), reason
   exited        code, signal (one of them null)
+  forwarded     signal
+  unreachable   message (a wait goes on, but Redis does not answer)
+  reachable     (Redis answers again)
   released      outcome (\"released\" | \"expired\" | \"taken_over\" | \"uncertain\" | \"lapsed\" | \"failed\"), detail
-  not_acquired  exit_code
+  not_acquired  exit_code, held_as (the other mode, or null)
   interrupted   signal
   error         exit_code, message";
 
 const STATUS_AFTER_HELP: &str = "\
-Reads the lease and fence keys `run` uses for KEY (<prefix>{KEY}:lease and
-<prefix>{KEY}:fence) with one pipelined GET, PTTL, GET; changes nothing. Exits 0
-whether KEY is held or free, 69 when Redis cannot be asked.
+Reads the keys `run` uses for KEY (everything under <prefix>{KEY}:) through the
+library's inspection call, on every deployment `run` accepts; with --redlock, on
+every node. Changes nothing. Exits 0 whether KEY is held or free, 69 when Redis
+cannot be asked, 64 without --url, REDIS_URL or --redlock.
 
-With --json, one object on stdout: key, lease_key, fence_key, held (bool), token
-(the holder's fencing token, or null), ttl_ms (the lease's remaining time-to-live;
-null when free or without expiry), last_token (the highest fencing token issued for
-KEY, or null).";
+With --json, one object on stdout: key, base, held (bool), mode (\"free\" |
+\"exclusive\" | \"shared\" | \"counted\" | \"mixed\" | \"redlock\"), token (the exclusive
+holder's fencing token, or null), ttl_ms (the exclusive holder's remaining time, or
+null), readers, waiting_writers, permits (a list of {slot, token, ttl_ms}),
+capacity, last_token (the last exclusive token issued), last_permit_token; with
+--redlock also nodes (how many answered) and held_on (how many hold it).";
 
 const DOCTOR_AFTER_HELP: &str = "\
 Exits 0 when nothing failed, 1 when a check failed, 69 when Redis cannot be reached.
+A check that cannot read what it needs (INFO or CONFIG denied) says \"unknown\".
+
+Check ids:
+  version      the server version (client tracking needs Redis 6)
+  persistence  appendonly / appendfsync: does the fence counter survive a crash
+  eviction     maxmemory-policy: can leases or counters be evicted
+  replication  role and replicas
+  cluster      a plain URL to one node of a Redis Cluster
+  topology     the Cluster or Sentinel deployment behind a topology URL
+  sentinel     how many sentinels answer, the quorum
+  failover     what a failover loses
+  acl          the rights every run needs: CLIENT ID, CLIENT KILL, EVAL,
+               CLIENT TRACKING, the invalidation channel
+  key          reading and writing the keys of KEY (--key; without it, of a probe
+               name under --prefix)
 
 With --json, one object on stdout: ok (bool: no check failed) and findings, a list of
-objects with level (\"ok\" | \"warn\" | \"fail\"), check (\"version\", \"persistence\",
-\"eviction\", \"replication\", \"cluster\", \"acl\") and message.";
+objects with level (\"ok\" | \"warn\" | \"fail\"), check (one of the ids above) and
+message.";
 
 /// `flock(1)` for a fleet: run commands under fenced Redis leases.
 #[derive(Parser, Debug)]
@@ -68,20 +117,22 @@ pub(crate) struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub(crate) enum Command {
-    /// Take a fenced lease on KEY, run CMD while holding it, release it after.
+    /// Take a lease on KEY, run CMD while holding it, release it after.
     ///
-    /// The lease is renewed at half its TTL while CMD runs. If it is lost, CMD gets
-    /// SIGTERM, then SIGKILL after --kill-after. SIGINT or SIGTERM to respire-lock is
-    /// passed on to CMD (a second one kills it); the lease is released when CMD exits.
+    /// The lease is renewed at half its TTL while CMD runs. CMD runs in its own
+    /// process group: HUP, INT, QUIT and TERM are passed on to the group as
+    /// themselves, CMD cannot outlive respire-lock, and if the lease is lost the
+    /// group gets SIGTERM, then SIGKILL after --kill-after.
     #[command(after_long_help = RUN_AFTER_HELP)]
     Run(RunArgs),
-    /// Report whether KEY is held, by which fencing token, and for how long.
+    /// Report who holds KEY, in which mode, by which token and for how long.
     #[command(after_long_help = STATUS_AFTER_HELP)]
     Status(StatusArgs),
     /// Report what on a deployment weakens the guarantees.
     ///
     /// Checks persistence and fsync, the eviction policy, replication, cluster mode,
-    /// the ACL rights keep-alive and waiting need, and the invalidation channel.
+    /// the ACL rights keep-alive and waiting need, the invalidation channel, and with
+    /// --key the rights on one KEY's keys.
     #[command(after_long_help = DOCTOR_AFTER_HELP)]
     Doctor(DoctorArgs),
     /// Print a completion script for SHELL on stdout.
@@ -105,10 +156,37 @@ pub(crate) enum Wait {
     For(Duration),
 }
 
+/// How the connections are made: TLS material for `rediss://`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct TlsOptions {
+    /// PEM file of the certificate authorities to trust for rediss:// (instead of
+    /// the system's).
+    #[arg(long, env = "RESPIRE_LOCK_TLS_CA", value_name = "FILE")]
+    pub(crate) tls_ca: Option<std::path::PathBuf>,
+
+    /// PEM file of a client certificate for rediss:// (with --tls-key).
+    #[arg(
+        long,
+        env = "RESPIRE_LOCK_TLS_CERT",
+        value_name = "FILE",
+        requires = "tls_key"
+    )]
+    pub(crate) tls_cert: Option<std::path::PathBuf>,
+
+    /// PEM file of the client certificate's private key (with --tls-cert).
+    #[arg(
+        long,
+        env = "RESPIRE_LOCK_TLS_KEY",
+        value_name = "FILE",
+        requires = "tls_cert"
+    )]
+    pub(crate) tls_key: Option<std::path::PathBuf>,
+}
+
 #[derive(Args, Debug)]
 pub(crate) struct RunArgs {
-    /// The Redis deployment. With neither --url nor REDIS_URL, a throwaway local
-    /// redis-server is started for the run.
+    /// The Redis deployment. Without --url, REDIS_URL, --redlock or --throwaway,
+    /// nothing is started (exit 64).
     #[arg(long, env = "REDIS_URL", value_name = "URL", hide_env_values = true)]
     pub(crate) url: Option<String>,
 
@@ -123,36 +201,85 @@ pub(crate) struct RunArgs {
     )]
     pub(crate) redlock: Option<UrlList>,
 
+    /// Start a private throwaway redis-server for this run, to try the tool out.
+    /// It coordinates with nothing else; it is removed when the run ends.
+    #[arg(long, env = "RESPIRE_LOCK_THROWAWAY", value_parser = clap::builder::BoolishValueParser::new())]
+    pub(crate) throwaway: bool,
+
+    /// Fail at once (exit with the conflict code) if KEY is held: one attempt.
+    #[arg(short = 'n', long, env = "RESPIRE_LOCK_NONBLOCK", conflicts_with = "wait", value_parser = clap::builder::BoolishValueParser::new())]
+    pub(crate) nonblock: bool,
+
     /// How long to wait for the lease: a DURATION (0 = one attempt) or "forever".
     /// A wait too long for the clock (about 35 years or more) waits forever.
-    #[arg(long, env = "RESPIRE_LOCK_WAIT", value_name = "DURATION", default_value = "forever", value_parser = parse_wait)]
+    #[arg(short, long, env = "RESPIRE_LOCK_WAIT", value_name = "DURATION", default_value = "forever", value_parser = parse_wait)]
     pub(crate) wait: Wait,
 
-    /// The lease's time-to-live, renewed at half of it.
+    /// The exit status when KEY is held elsewhere (with -n, or when the wait runs
+    /// out).
+    #[arg(short = 'E', long, env = "RESPIRE_LOCK_CONFLICT_EXIT_CODE", value_name = "CODE", default_value = "75", value_parser = parse_exit_code)]
+    pub(crate) conflict_exit_code: u8,
+
+    /// The exit status when CMD was stopped because the lease was lost.
+    #[arg(long, env = "RESPIRE_LOCK_LOST_EXIT_CODE", value_name = "CODE", default_value = "76", value_parser = parse_exit_code)]
+    pub(crate) lost_exit_code: u8,
+
+    /// Take KEY shared: many shared runs at once, none beside an exclusive one.
+    #[arg(long, env = "RESPIRE_LOCK_SHARED", conflicts_with = "max", value_parser = clap::builder::BoolishValueParser::new())]
+    pub(crate) shared: bool,
+
+    /// Let at most N runs hold KEY at once (a semaphore of N permits; 1..=10000).
+    /// Every run on KEY must give the same N.
+    #[arg(long, env = "RESPIRE_LOCK_MAX", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub(crate) max: Option<u32>,
+
+    /// The lease's time-to-live, renewed at half of it; at least (2 x node timeout +
+    /// 2 ms) / 0.49 (2.045s with the default node timeout).
     #[arg(long, env = "RESPIRE_LOCK_TTL", value_name = "DURATION", default_value = "30s", value_parser = parse_ttl)]
     pub(crate) ttl: Duration,
 
-    /// After SIGTERM to CMD on lease loss, SIGKILL it this much later.
+    /// After SIGTERM to CMD's group (lease lost, or what is left of the group
+    /// once CMD ended), SIGKILL it this much later.
     #[arg(long, env = "RESPIRE_LOCK_KILL_AFTER", value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub(crate) kill_after: Duration,
 
     #[command(flatten)]
     pub(crate) keys: KeyOptions,
 
-    /// Report acquisition, the start of CMD and the release on stderr.
+    #[command(flatten)]
+    pub(crate) tls: TlsOptions,
+
+    /// Report acquisition, the start of CMD, the release and conflicts on stderr.
     #[arg(short, long, env = "RESPIRE_LOCK_VERBOSE", value_parser = clap::builder::BoolishValueParser::new())]
     pub(crate) verbose: bool,
 
-    /// Report every event as one JSON object per line on stderr (see --help).
-    #[arg(long, env = "RESPIRE_LOCK_JSON", value_parser = clap::builder::BoolishValueParser::new())]
-    pub(crate) json: bool,
+    /// Write every event as one JSON object per line to this open file
+    /// descriptor (see --help).
+    #[arg(
+        long,
+        env = "RESPIRE_LOCK_EVENTS_FD",
+        value_name = "N",
+        conflicts_with = "events_file"
+    )]
+    pub(crate) events_fd: Option<u32>,
+
+    /// Append every event as one JSON object per line to this file (see --help).
+    #[arg(long, env = "RESPIRE_LOCK_EVENTS_FILE", value_name = "PATH")]
+    pub(crate) events_file: Option<std::path::PathBuf>,
 
     /// The name of the lease, shared by every process that takes it.
     #[arg(value_parser = parse_key)]
     pub(crate) key: String,
 
-    /// The command to run, after `--`.
-    #[arg(last = true, required = true, value_name = "CMD")]
+    /// The command to run, with its arguments (after `--` when they could be
+    /// taken for options of respire-lock).
+    #[arg(
+        required = true,
+        value_name = "CMD",
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        num_args = 1..
+    )]
     pub(crate) command: Vec<OsString>,
 }
 
@@ -174,8 +301,21 @@ pub(crate) struct StatusArgs {
     #[arg(long, env = "REDIS_URL", value_name = "URL", hide_env_values = true)]
     pub(crate) url: Option<String>,
 
+    /// Ask every node of this Redlock group instead.
+    #[arg(
+        long,
+        env = "RESPIRE_LOCK_REDLOCK",
+        value_name = "URL,URL,URL",
+        hide_env_values = true,
+        value_parser = parse_url_list
+    )]
+    pub(crate) redlock: Option<UrlList>,
+
     #[command(flatten)]
     pub(crate) keys: KeyOptions,
+
+    #[command(flatten)]
+    pub(crate) tls: TlsOptions,
 
     /// Print one JSON object on stdout (see --help).
     #[arg(long, env = "RESPIRE_LOCK_JSON", value_parser = clap::builder::BoolishValueParser::new())]
@@ -197,6 +337,18 @@ pub(crate) struct DoctorArgs {
     )]
     pub(crate) url: Option<String>,
 
+    /// Check the rights on the keys `run` uses for KEY (with --prefix); without
+    /// it, on those of a probe name under the prefix.
+    #[arg(long, env = "RESPIRE_LOCK_DOCTOR_KEY", value_name = "KEY", value_parser = parse_key)]
+    pub(crate) key: Option<String>,
+
+    /// Prefix of every key in Redis (for --key).
+    #[arg(long, env = "RESPIRE_LOCK_PREFIX", value_name = "PREFIX", default_value = "respire-lock:", value_parser = parse_prefix)]
+    pub(crate) prefix: String,
+
+    #[command(flatten)]
+    pub(crate) tls: TlsOptions,
+
     /// Print one JSON object on stdout (see --help).
     #[arg(long, env = "RESPIRE_LOCK_JSON", value_parser = clap::builder::BoolishValueParser::new())]
     pub(crate) json: bool,
@@ -204,6 +356,47 @@ pub(crate) struct DoctorArgs {
     /// The Redis deployment to check, as --url.
     #[arg(value_name = "URL")]
     pub(crate) positional_url: Option<String>,
+}
+
+/// The rules between `run`'s options, checked before anything is sent.
+pub(crate) fn check_run(args: &RunArgs) -> Result<(), Usage> {
+    let min = Coordinator::builder("redis://unused")
+        .node_timeout(args.keys.node_timeout)
+        .min_keep_alive_ttl();
+    if args.ttl < min {
+        // Rounded up to the millisecond so that the named minimum passes.
+        let min_ms = Duration::from_millis(min.as_nanos().div_ceil(1_000_000) as u64);
+        return Err(Usage::new(
+            format!(
+                "--ttl {} is too short to renew at half with --node-timeout {}: use at least {}",
+                humantime::format_duration(args.ttl),
+                humantime::format_duration(args.keys.node_timeout),
+                humantime::format_duration(min_ms)
+            ),
+            Some("run"),
+        ));
+    }
+    check_tls(&args.tls, "run")
+}
+
+/// TLS options need the `tls` feature.
+pub(crate) fn check_tls(tls: &TlsOptions, subcommand: &str) -> Result<(), Usage> {
+    let given = tls.tls_ca.is_some() || tls.tls_cert.is_some();
+    if given && !cfg!(feature = "tls") {
+        return Err(Usage::new(
+            "--tls-ca, --tls-cert and --tls-key need a respire-lock built with the tls feature \
+             (cargo install respire-coordination --features cli,tls)",
+            Some(subcommand),
+        ));
+    }
+    Ok(())
+}
+
+fn parse_exit_code(text: &str) -> Result<u8, String> {
+    match text.trim().parse::<u8>() {
+        Ok(0) | Err(_) => Err("expected an exit status from 1 to 255".into()),
+        Ok(code) => Ok(code),
+    }
 }
 
 /// Parses a duration: humantime's `500ms`, `10s`, `1m30s`, `2h`..., or a bare
@@ -280,12 +473,26 @@ fn parse_prefix(text: &str) -> Result<String, String> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct UrlList(pub(crate) Vec<String>);
 
+/// Splits the list; never fails, because clap would print the rejected value
+/// (and the passwords in it): [`UrlList::check`] judges it instead.
 fn parse_url_list(text: &str) -> Result<UrlList, String> {
-    let urls: Vec<String> = text.split(',').map(|u| u.trim().to_owned()).collect();
-    if urls.iter().any(String::is_empty) {
-        return Err("expected URLs separated by commas, such as redis://a:6379,redis://b:6379,redis://c:6379".into());
+    Ok(UrlList(
+        text.split(',').map(|u| u.trim().to_owned()).collect(),
+    ))
+}
+
+impl UrlList {
+    /// Refuses an empty item, without showing the list.
+    pub(crate) fn check(&self, subcommand: &str) -> Result<(), Usage> {
+        if self.0.iter().any(String::is_empty) {
+            return Err(Usage::new(
+                "--redlock: expected URLs separated by commas, such as \
+                 redis://a:6379,redis://b:6379,redis://c:6379",
+                Some(subcommand),
+            ));
+        }
+        Ok(())
     }
-    Ok(UrlList(urls))
 }
 
 /// A usage error as one line naming the problem, and one line with a hint.
@@ -424,7 +631,12 @@ mod tests {
             parse_url_list("redis://a, redis://b,redis://c").unwrap().0,
             ["redis://a", "redis://b", "redis://c"]
         );
-        assert!(parse_url_list("redis://a,,redis://c").is_err());
+        assert!(
+            parse_url_list("redis://a,,redis://c")
+                .unwrap()
+                .check("run")
+                .is_err()
+        );
     }
 
     fn usage_of(args: &[&str]) -> Usage {

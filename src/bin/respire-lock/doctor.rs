@@ -3,9 +3,10 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use respire_coordination::Coordinator;
+use respire_coordination::{Coordinator, DeploymentUrl, UrlKind};
 
 use crate::args::{DoctorArgs, EXIT_USAGE, Usage};
+use crate::endpoint::{self, Tls};
 use crate::json::{self, Object};
 use crate::{EXIT_UNAVAILABLE, say, show};
 
@@ -23,7 +24,8 @@ enum Level {
 struct Finding {
     level: Level,
     /// Which check: "version", "persistence", "eviction", "replication",
-    /// "cluster", "acl", "topology", "sentinel" or "failover".
+    /// "cluster", "acl", "topology", "sentinel", "failover" or "key" (the
+    /// list in `--help`).
     check: &'static str,
     message: String,
 }
@@ -47,7 +49,19 @@ pub(crate) fn main(args: DoctorArgs) -> ExitCode {
         .print();
         return ExitCode::from(EXIT_USAGE);
     };
-    let findings = match diagnose(&url) {
+    let tls = match Tls::read(&args.tls, "doctor") {
+        Ok(t) => t,
+        Err(usage) => {
+            usage.print();
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    // Without --key, a probe name checks the rights under the prefix.
+    let key = (
+        args.prefix.as_str(),
+        args.key.as_deref().unwrap_or("doctor-probe"),
+    );
+    let findings = match diagnose(&url, &tls, key) {
         Ok(f) => f,
         Err(e) => {
             say(&format!("respire-lock: {e}"));
@@ -97,14 +111,24 @@ pub(crate) fn main(args: DoctorArgs) -> ExitCode {
     }
 }
 
-fn diagnose(url: &str) -> Result<Vec<Finding>, Box<dyn std::error::Error>> {
+/// Checks the deployment at `url`, and the rights on the keys of KEY under
+/// the prefix.
+fn diagnose(
+    url: &str,
+    tls: &Tls,
+    (prefix, key): (&str, &str),
+) -> Result<Vec<Finding>, Box<dyn std::error::Error>> {
+    let parsed = DeploymentUrl::parse(url)?;
     // Checks that the library can connect at all (auth, TLS, the topology)
     // first.
-    let coord = Coordinator::builder(url).build()?;
+    let keys = crate::args::KeyOptions {
+        prefix: prefix.to_owned(),
+        node_timeout: std::time::Duration::from_millis(500),
+    };
+    let coord = endpoint::connect(url, &keys, tls)?;
     let mut out = Vec::new();
-    match Topology::of(url) {
-        Topology::Standalone => node_checks(url, "", false, true, &mut out)?,
-        Topology::Cluster { scheme, userinfo } => {
+    match parsed.kind() {
+        UrlKind::Cluster => {
             let primaries = coord.primaries();
             out.push(Finding::new(
                 Level::Ok,
@@ -117,7 +141,7 @@ fn diagnose(url: &str) -> Result<Vec<Finding>, Box<dyn std::error::Error>> {
             ));
             for (i, primary) in primaries.iter().enumerate() {
                 let addr = primary.split("://").nth(1).unwrap_or(primary);
-                let node = format!("{scheme}://{userinfo}{addr}");
+                let node = parsed.server_url(addr);
                 node_checks(&node, &format!("{addr}: "), true, i == 0, &mut out)?;
             }
             out.push(Finding::new(
@@ -129,13 +153,9 @@ fn diagnose(url: &str) -> Result<Vec<Finding>, Box<dyn std::error::Error>> {
                  Replication::Require in the library to refuse grants no replica acknowledged",
             ));
         }
-        Topology::Sentinel {
-            scheme,
-            userinfo,
-            sentinels,
-            service,
-        } => {
-            out.push(sentinel_checks(&sentinels, &service));
+        UrlKind::Sentinel => {
+            let service = parsed.service().unwrap_or_default();
+            out.push(sentinel_checks(parsed.hosts(), service, parsed.is_tls()));
             let primary = coord.primaries().pop().unwrap_or_default();
             let addr = primary.split("://").nth(1).unwrap_or(&primary).to_owned();
             out.push(Finding::new(
@@ -146,7 +166,7 @@ fn diagnose(url: &str) -> Result<Vec<Finding>, Box<dyn std::error::Error>> {
                      followed"
                 ),
             ));
-            let node = format!("{scheme}://{userinfo}{addr}");
+            let node = parsed.server_url(&addr);
             node_checks(&node, "primary: ", true, true, &mut out)?;
             out.push(Finding::new(
                 Level::Warn,
@@ -159,78 +179,74 @@ fn diagnose(url: &str) -> Result<Vec<Finding>, Box<dyn std::error::Error>> {
                  grants no replica acknowledged",
             ));
         }
+        _ => node_checks(url, "", false, true, &mut out)?,
     }
+    out.push(key_check(&coord, prefix, key));
     Ok(out)
 }
 
-/// What `doctor` was pointed at.
-enum Topology {
-    Standalone,
-    /// `redis+cluster://`: the data nodes' scheme and `user:password@`.
-    Cluster {
-        scheme: String,
-        userinfo: String,
-    },
-    /// `redis+sentinel://`: also the sentinels (`host:port`) and the service.
-    Sentinel {
-        scheme: String,
-        userinfo: String,
-        sentinels: Vec<String>,
-        service: String,
-    },
-}
-
-impl Topology {
-    /// Takes a URL apart (the library has already accepted it).
-    fn of(url: &str) -> Topology {
-        let Some((scheme, rest)) = url.split_once("://") else {
-            return Topology::Standalone;
+/// Whether this user may read and write the keys `run` uses for KEY: the
+/// library's inspection reads every key of the layout (as `status` does), and
+/// a lock on a probe key of the same layout is taken and released at once
+/// (as `run` writes). A key the ACL denies fails with NOPERM.
+fn key_check(coord: &Coordinator, prefix: &str, key: &str) -> Finding {
+    let base = endpoint::base(key);
+    let shown = format!("{prefix}{base}:*");
+    let denied = |e: &respire_coordination::Error| {
+        let text = e.to_string();
+        text.contains("NOPERM") || text.contains("permission")
+    };
+    if let Err(e) = coord.inspect(&base) {
+        return if denied(&e) {
+            Finding::new(
+                Level::Fail,
+                "key",
+                format!("key: reading {shown} denied: run cannot take {key:?} ({e})"),
+            )
+        } else {
+            Finding::new(
+                Level::Warn,
+                "key",
+                format!("key: unknown: cannot read {shown} ({e})"),
+            )
         };
-        let (data, kind) = match scheme.to_ascii_lowercase().as_str() {
-            "redis+cluster" => ("redis", "cluster"),
-            "rediss+cluster" => ("rediss", "cluster"),
-            "redis+sentinel" => ("redis", "sentinel"),
-            "rediss+sentinel" => ("rediss", "sentinel"),
-            _ => return Topology::Standalone,
-        };
-        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-        let (userinfo, hosts) = match authority.rsplit_once('@') {
-            Some((info, hosts)) => (format!("{info}@"), hosts),
-            None => (String::new(), authority),
-        };
-        if kind == "cluster" {
-            return Topology::Cluster {
-                scheme: data.to_owned(),
-                userinfo,
-            };
+    }
+    let probe = coord
+        .lock(&format!("{base}:doctor-probe"))
+        .and_then(|lock| lock.try_acquire(std::time::Duration::from_secs(5)));
+    match probe {
+        Ok(guard) => {
+            if let Some(guard) = guard {
+                let _ = guard.release();
+            }
+            Finding::new(
+                Level::Ok,
+                "key",
+                format!("key: {shown} can be read and written"),
+            )
         }
-        let sentinels = hosts
-            .split(',')
-            .map(|h| {
-                if h.contains(':') && !h.ends_with(']') {
-                    h.to_owned()
-                } else {
-                    format!("{h}:26379")
-                }
-            })
-            .collect();
-        Topology::Sentinel {
-            scheme: data.to_owned(),
-            userinfo,
-            sentinels,
-            service: path.split('/').next().unwrap_or("").to_owned(),
-        }
+        Err(e) if denied(&e) => Finding::new(
+            Level::Fail,
+            "key",
+            format!("key: writing {shown} denied: run cannot take {key:?} ({e})"),
+        ),
+        Err(e) => Finding::new(
+            Level::Warn,
+            "key",
+            format!("key: unknown: cannot write {shown} ({e})"),
+        ),
     }
 }
 
 /// Asks every sentinel about `service`: how many answer, the quorum, the
 /// replicas and sentinels they know.
-fn sentinel_checks(sentinels: &[String], service: &str) -> Finding {
+fn sentinel_checks(sentinels: &[String], service: &str, tls: bool) -> Finding {
+    let scheme = if tls { "rediss" } else { "redis" };
     let timeout = Duration::from_secs(2);
     let mut answered = Vec::new();
     for host in sentinels {
         let fields = (|| -> Result<Vec<String>, Box<dyn std::error::Error>> {
-            let client = redis::Client::open(format!("redis://{host}"))?;
+            let client = redis::Client::open(format!("{scheme}://{host}"))?;
             let mut conn = client.get_connection_with_timeout(timeout)?;
             conn.set_read_timeout(Some(timeout))?;
             Ok(redis::cmd("SENTINEL")
@@ -309,24 +325,33 @@ fn node_checks(
     };
 
     let server = info(&mut conn, "server");
-    let version = field(&server, "redis_version").unwrap_or_else(|| "unknown".into());
-    let major: u32 = version
-        .split('.')
-        .next()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    if major >= 6 {
-        out.push(Finding::new(
-            Level::Ok,
-            "version",
-            format!("redis {version}: client tracking and RESP3 supported"),
-        ));
-    } else {
-        out.push(Finding::new(
+    match field(&server, "redis_version") {
+        None => out.push(Finding::new(
             Level::Warn,
             "version",
-            format!("redis {version}: no client tracking; waiters will poll"),
-        ));
+            "version: unknown: INFO server cannot be read (ACL?); Redis 6 or later is needed \
+             for client tracking",
+        )),
+        Some(version) => {
+            let major: u32 = version
+                .split('.')
+                .next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            out.push(if major >= 6 {
+                Finding::new(
+                    Level::Ok,
+                    "version",
+                    format!("redis {version}: client tracking and RESP3 supported"),
+                )
+            } else {
+                Finding::new(
+                    Level::Warn,
+                    "version",
+                    format!("redis {version}: no client tracking; waiters will poll"),
+                )
+            });
+        }
     }
 
     let persistence = match (
@@ -355,7 +380,8 @@ fn node_checks(
         _ => Finding::new(
             Level::Warn,
             "persistence",
-            "persistence: cannot read CONFIG (ACL?); check appendonly yes / appendfsync always",
+            "persistence: unknown: CONFIG cannot be read (ACL?); check appendonly yes / \
+             appendfsync always",
         ),
     };
     out.push(persistence);
@@ -379,7 +405,7 @@ fn node_checks(
         None => Finding::new(
             Level::Warn,
             "eviction",
-            "eviction: cannot read maxmemory-policy (ACL?)",
+            "eviction: unknown: maxmemory-policy cannot be read (ACL?)",
         ),
     };
     out.push(eviction);
@@ -417,7 +443,7 @@ fn node_checks(
         None => Finding::new(
             Level::Warn,
             "replication",
-            "replication: cannot read INFO replication",
+            "replication: unknown: INFO replication cannot be read (ACL?)",
         ),
     };
     out.push(replication);

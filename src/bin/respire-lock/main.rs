@@ -1,13 +1,16 @@
 //! `respire-lock`: `flock(1)` for a fleet.
 //!
-//! - `respire-lock run [OPTIONS] KEY -- CMD [ARGS...]` takes a fenced lease on
-//!   KEY, runs CMD with the fencing token in `RESPIRE_FENCING_TOKEN`, keeps the
-//!   lease alive while CMD runs, stops CMD (SIGTERM, then SIGKILL) if the lease is
-//!   lost, releases the lease when CMD exits or when it is itself told to stop
-//!   (SIGINT, SIGTERM), and exits with CMD's status.
-//! - `respire-lock status KEY` reports whether KEY is held, the holder's fencing
-//!   token and the lease's remaining time-to-live.
-//! - `respire-lock doctor URL` reports what on a deployment weakens the guarantees.
+//! - `respire-lock run [OPTIONS] KEY [--] CMD [ARGS...]` takes a lease on KEY
+//!   (exclusive and fenced, `--shared`, `--max N`, or a Redlock quorum), runs CMD
+//!   in a process group of its own with the fencing token in
+//!   `RESPIRE_FENCING_TOKEN`, keeps the lease alive while CMD runs, passes HUP,
+//!   INT, QUIT and TERM on to the group, stops the group (SIGTERM, then SIGKILL)
+//!   if the lease is lost, releases the lease once the group is gone, and exits
+//!   with CMD's status.
+//! - `respire-lock status KEY` reports who holds KEY, in which mode, by which
+//!   token and for how long.
+//! - `respire-lock doctor URL` reports what on a deployment weakens the
+//!   guarantees.
 //! - `respire-lock completions SHELL` prints a shell completion script.
 //!
 //! Every option can also come from an environment variable; `--help` on each
@@ -15,9 +18,11 @@
 
 mod args;
 mod doctor;
+mod endpoint;
 mod json;
 mod run;
 mod status;
+mod supervise;
 
 use std::ffi::OsString;
 use std::io::Write as _;
@@ -31,13 +36,15 @@ use args::{Cli, Command, EXIT_USAGE, Usage};
 const EXIT_UNAVAILABLE: u8 = 69;
 /// The command could not be started.
 const EXIT_CANNOT_RUN: u8 = 70;
-/// The lease is held by someone else and the wait ran out.
-const EXIT_NOT_ACQUIRED: u8 = 75;
-/// The command was stopped because the lease was lost.
-const EXIT_LEASE_LOST: u8 = 76;
 
 fn main() -> ExitCode {
     let argv: Vec<OsString> = std::env::args_os().collect();
+    // The exec step and the guardian (see `supervise`) are this binary too.
+    match argv.get(1).and_then(|a| a.to_str()) {
+        Some(supervise::EXEC) => return supervise::exec_main(&argv[2..]),
+        Some(supervise::GUARD) => return supervise::guard_main(),
+        _ => {}
+    }
     let parsed = Cli::command()
         .try_get_matches_from(&argv)
         .and_then(|matches| Cli::from_arg_matches(&matches).map(|cli| (cli, matches)));
@@ -52,7 +59,12 @@ fn main() -> ExitCode {
                 .expect("the run subcommand was parsed");
             run::main(args, sub)
         }
-        Command::Status(args) => status::main(args),
+        Command::Status(args) => {
+            let sub = matches
+                .subcommand_matches("status")
+                .expect("the status subcommand was parsed");
+            status::main(args, sub)
+        }
         Command::Doctor(args) => doctor::main(args),
         Command::Completions { shell } => {
             let mut out = std::io::stdout().lock();
@@ -81,13 +93,45 @@ fn clap_error(err: &clap::Error, argv: &[OsString]) -> ExitCode {
     }
 }
 
-/// Writes lines to stderr; a closed stderr is not worth a panic.
+/// Writes lines to stderr, passwords scrubbed; a closed stderr is not worth
+/// a panic.
 fn say(text: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "{text}");
+    let _ = writeln!(std::io::stderr().lock(), "{}", scrub(text));
 }
 
-/// Writes lines to stdout (the report of `status` and `doctor`); a closed pipe
-/// is not worth a panic.
+/// Writes lines to stdout (the report of `status` and `doctor`), passwords
+/// scrubbed; a closed pipe is not worth a panic.
 fn show(text: &str) {
-    let _ = writeln!(std::io::stdout().lock(), "{text}");
+    let _ = writeln!(std::io::stdout().lock(), "{}", scrub(text));
+}
+
+/// `text` with the user info of every URL in it (`scheme://user:password@`)
+/// replaced: the password by `***`, or all of it when there is no user name.
+/// The last line of defence: messages are built from redacted URLs already.
+pub(crate) fn scrub(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("://") {
+        out.push_str(&rest[..i + 3]);
+        rest = &rest[i + 3..];
+        let end = rest
+            .find(|c: char| c.is_whitespace() || matches!(c, '\'' | '"' | ',' | '`'))
+            .unwrap_or(rest.len());
+        let token = &rest[..end];
+        if let Some(at) = token.rfind('@') {
+            match token[..at].split_once(':') {
+                Some((user, _)) => {
+                    out.push_str(user);
+                    out.push_str(":***");
+                }
+                None => out.push_str("***"),
+            }
+            out.push_str(&token[at..]);
+        } else {
+            out.push_str(token);
+        }
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
 }

@@ -1,24 +1,36 @@
-//! `respire-lock run`: take the lease, run the command under it, stop the command
-//! if the lease is lost, release the lease after.
+//! `respire-lock run`: take the lease, run the command's process group under
+//! it, stop the group if the lease is lost, release the lease after.
 
 use std::ffi::OsString;
-use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
+use std::fs::File;
+use std::hash::{BuildHasher as _, Hasher as _};
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::{Child, ExitCode, ExitStatus, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
 use clap::ArgMatches;
 use clap::parser::ValueSource;
 use crossbeam_channel::{Receiver, select};
+use parking_lot::Mutex;
 use respire_coordination::{
-    CancelToken, Coordinator, Error, FencedGuard, MAX_TTL, RedlockGroup, RedlockGuard,
-    RedlockOptions, ReleaseOutcome,
+    CancelToken, Coordinator, Error, Kind, Lease, LeaseGuard, MAX_TTL, NodeOutcome, RedlockGroup,
+    RedlockGuard, RedlockOptions, ReleaseOutcome,
 };
 use rustix::process::{Pid, Signal};
-use signal_hook::consts::{SIGCHLD, SIGINT, SIGTERM};
+use signal_hook::consts::{SIGCHLD, SIGHUP, SIGINT, SIGQUIT, SIGTERM};
 
-use crate::args::{EXIT_USAGE, RunArgs, Usage, Wait};
+use crate::args::{EXIT_USAGE, RunArgs, Usage, Wait, check_run};
+use crate::endpoint::{self, Tls};
 use crate::json::{self, Object};
-use crate::status::{self, LeaseView};
-use crate::{EXIT_CANNOT_RUN, EXIT_LEASE_LOST, EXIT_NOT_ACQUIRED, EXIT_UNAVAILABLE, say};
+use crate::supervise::{self, Guardian};
+use crate::{EXIT_CANNOT_RUN, EXIT_UNAVAILABLE, say};
+
+/// How often a wait checks that the deployment answers.
+const PROBE_EVERY: Duration = Duration::from_secs(5);
+
+/// The signals passed on to the command's group (and that end a wait).
+const FORWARDED: [i32; 4] = [SIGHUP, SIGINT, SIGQUIT, SIGTERM];
 
 /// Where the lease is taken.
 enum Target {
@@ -27,35 +39,70 @@ enum Target {
     Redlock(Vec<String>),
 }
 
-/// Picks the deployment: the command line beats the environment; `--url` and
-/// `--redlock` together on the command line are refused; from the environment,
-/// `RESPIRE_LOCK_REDLOCK` beats `REDIS_URL`.
+/// Picks the deployment: the command line beats the environment; `--url`,
+/// `--redlock` and `--throwaway` together on the command line are refused;
+/// from the environment, `RESPIRE_LOCK_REDLOCK` beats `REDIS_URL`. Nothing
+/// at all is a usage error.
 fn target(args: &RunArgs, matches: &ArgMatches) -> Result<Target, Usage> {
     let on_command_line = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
+    let given = ["url", "redlock", "throwaway"]
+        .into_iter()
+        .filter(|id| {
+            on_command_line(id) && (*id != "throwaway" || args.throwaway) && {
+                *id != "url" || args.url.is_some()
+            }
+        })
+        .count();
+    if given > 1 {
+        return Err(Usage::new(
+            "--url, --redlock and --throwaway exclude each other",
+            Some("run"),
+        ));
+    }
     Ok(match (&args.url, &args.redlock) {
-        (Some(_), Some(_)) if on_command_line("url") && on_command_line("redlock") => {
+        _ if args.throwaway && on_command_line("throwaway") => Target::Throwaway,
+        (Some(url), _) if on_command_line("url") => Target::Url(url.clone()),
+        (_, Some(urls)) => Target::Redlock(urls.0.clone()),
+        (Some(url), None) => Target::Url(url.clone()),
+        (None, None) if args.throwaway => Target::Throwaway,
+        (None, None) => {
             return Err(Usage::new(
-                "--url and --redlock exclude each other",
+                "no Redis deployment given: set --url or REDIS_URL (or --redlock; \
+                 --throwaway to try the tool on a private server)",
                 Some("run"),
             ));
         }
-        (Some(url), Some(_)) if on_command_line("url") => Target::Url(url.clone()),
-        (_, Some(urls)) => Target::Redlock(urls.0.clone()),
-        (Some(url), None) => Target::Url(url.clone()),
-        (None, None) => Target::Throwaway,
     })
 }
 
 pub(crate) fn main(args: RunArgs, matches: &ArgMatches) -> ExitCode {
-    let target = match target(&args, matches) {
-        Ok(t) => t,
+    let prepared = (|| {
+        let target = target(&args, matches)?;
+        if let Target::Redlock(_) = &target
+            && let Some(list) = &args.redlock
+        {
+            list.check("run")?;
+        }
+        check_run(&args)?;
+        if matches!(target, Target::Redlock(_)) && (args.shared || args.max.is_some()) {
+            return Err(Usage::new(
+                "--shared and --max need one deployment (--url): a Redlock group has neither mode",
+                Some("run"),
+            ));
+        }
+        let tls = Tls::read(&args.tls, "run")?;
+        let events = Events::open(&args)?;
+        Ok((target, tls, events))
+    })();
+    let (target, tls, events) = match prepared {
+        Ok(p) => p,
         Err(usage) => {
             usage.print();
             return ExitCode::from(EXIT_USAGE);
         }
     };
     let report = Reporter {
-        json: args.json,
+        events,
         verbose: args.verbose,
         key: args.key.clone(),
     };
@@ -68,116 +115,584 @@ pub(crate) fn main(args: RunArgs, matches: &ArgMatches) -> ExitCode {
             );
         }
     };
+    let mut guardian = Guardian::lazy();
+    let mut run = Run {
+        args: &args,
+        report: &report,
+        signals: &signals,
+        guardian: &mut guardian,
+        tls: &tls,
+    };
     match target {
-        Target::Redlock(urls) => run_redlock(&args, &report, &signals, &urls),
-        Target::Url(url) => run_fenced(&args, &report, &signals, &url),
+        Target::Redlock(urls) => run.redlock(&urls),
+        Target::Url(url) => run.single(&url),
         Target::Throwaway => {
-            let server = match ThrowawayServer::start() {
+            let server = match ThrowawayServer::start(run.guardian) {
                 Ok(server) => server,
                 Err(e) => return report.error(EXIT_UNAVAILABLE, &e),
             };
-            report.throwaway(&server.url());
-            let code = run_fenced(&args, &report, &signals, &server.url());
-            drop(server);
+            report.throwaway(&server.url(), &server.dir);
+            let code = run.single(&server.url());
+            server.stop(run.guardian);
             code
         }
     }
 }
 
-fn run_fenced(args: &RunArgs, report: &Reporter, signals: &Receiver<i32>, url: &str) -> ExitCode {
-    let key = &args.key;
-    let coord = match Coordinator::builder(url)
-        .key_prefix(&args.keys.prefix)
-        .node_timeout(args.keys.node_timeout)
-        .build()
-    {
-        Ok(c) => c,
-        Err(e) => return report.error(EXIT_UNAVAILABLE, &e.to_string()),
-    };
-    let (lease_key, fence_key) = status::fenced_keys(key);
-    let lock = match coord.fenced_lock(&lease_key, &fence_key) {
-        Ok(l) => l,
-        Err(e) => return report.error(EXIT_USAGE, &e.to_string()),
-    };
-    let ttl = args.ttl;
-    let guard = match wait_for_lease(args, report, signals, |deadline, cancel| match deadline {
-        Some(d) if d <= Instant::now() => lock.try_acquire(ttl),
-        Some(d) => lock.acquire_until(ttl, d, cancel),
-        None => lock.acquire(ttl, cancel).map(Some),
-    }) {
-        Ok(guard) => guard,
-        Err(code) => return code,
-    };
-    let renewal = match guard.keep_alive() {
-        Ok(r) => r,
-        Err(e @ Error::InvalidArgument(_)) => return report.error(EXIT_USAGE, &e.to_string()),
-        Err(e) => return report.error(EXIT_UNAVAILABLE, &e.to_string()),
-    };
-    let token = guard.fencing_token();
-    report.acquired(guard.key(), Some(token.get()), ttl);
-    let env = [
-        ("RESPIRE_FENCING_TOKEN", token.to_string()),
-        ("RESPIRE_LOCK_KEY", guard.key().to_owned()),
-    ];
-    let physical_key = guard.key().to_owned();
-    let node_timeout = args.keys.node_timeout;
-    let why_lost = || fenced_loss_cause(url, &physical_key, token.get(), node_timeout);
-    let ended = run_child(args, report, &env, guard.lost_signal(), signals, &why_lost);
-    drop(renewal);
-    release_fenced(guard, report);
-    drop(coord);
-    finish(ended, report)
+/// The mode of a single-deployment run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Exclusive,
+    Shared,
+    Counted(u32),
 }
 
-fn run_redlock(
-    args: &RunArgs,
-    report: &Reporter,
-    signals: &Receiver<i32>,
-    urls: &[String],
-) -> ExitCode {
-    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
-    let options = RedlockOptions {
-        node_timeout: args.keys.node_timeout,
-        ..RedlockOptions::default()
-    };
-    let group = match RedlockGroup::connect(&urls, options) {
-        Ok(g) => g,
-        Err(
-            e @ (Error::InvalidArgument(_)
-            | Error::NotIndependent(_)
-            | Error::NodeTimeoutTooShort { .. }),
-        ) => {
-            return report.error(EXIT_USAGE, &e.to_string());
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Exclusive => "fenced",
+            Mode::Shared => "shared",
+            Mode::Counted(_) => "counted",
         }
-        Err(e) => return report.error(EXIT_UNAVAILABLE, &e.to_string()),
-    };
-    let name = format!("{}{}", args.keys.prefix, args.key);
-    let (name, ttl) = (&name, args.ttl);
-    let guard = match wait_for_lease(args, report, signals, |deadline, cancel| match deadline {
-        Some(d) if d <= Instant::now() => group.try_acquire(name, ttl),
-        Some(d) => group.acquire_until(name, ttl, d, cancel),
-        None => group.acquire(name, ttl, cancel).map(Some),
-    }) {
-        Ok(guard) => guard,
-        Err(code) => return code,
-    };
-    let renewal = match guard.keep_alive() {
-        Ok(r) => r,
-        Err(e @ Error::InvalidArgument(_)) => return report.error(EXIT_USAGE, &e.to_string()),
-        Err(e) => return report.error(EXIT_UNAVAILABLE, &e.to_string()),
-    };
-    report.acquired(guard.key(), None, ttl);
-    let env = [("RESPIRE_LOCK_KEY", guard.key().to_owned())];
-    let why_lost = || redlock_loss_cause(&guard);
-    let ended = run_child(args, report, &env, guard.lost_signal(), signals, &why_lost);
-    drop(renewal);
-    release_redlock(guard, report);
-    finish(ended, report)
+    }
+}
+
+/// What a grant gives the command.
+struct Grant {
+    lease_key: String,
+    token: Option<u64>,
+    write_epoch: Option<u64>,
+    slot: Option<u32>,
+}
+
+impl Grant {
+    fn env(&self) -> Vec<(&'static str, String)> {
+        let mut env = vec![("RESPIRE_LOCK_KEY", self.lease_key.clone())];
+        if let Some(t) = self.token {
+            env.push(("RESPIRE_FENCING_TOKEN", t.to_string()));
+        }
+        if let Some(e) = self.write_epoch {
+            env.push(("RESPIRE_WRITE_EPOCH", e.to_string()));
+        }
+        if let Some(s) = self.slot {
+            env.push(("RESPIRE_LOCK_SLOT", s.to_string()));
+        }
+        env
+    }
+}
+
+/// One run: the options and what it reports to.
+struct Run<'a> {
+    args: &'a RunArgs,
+    report: &'a Reporter,
+    signals: &'a Receiver<i32>,
+    guardian: &'a mut Guardian,
+    tls: &'a Tls,
+}
+
+impl Run<'_> {
+    fn single(&mut self, url: &str) -> ExitCode {
+        let args = self.args;
+        let coord = match endpoint::connect(url, &args.keys, self.tls) {
+            Ok(c) => c,
+            Err(e) if endpoint::is_usage(&e) => {
+                return self.report.error(EXIT_USAGE, &e.to_string());
+            }
+            Err(e) => return self.report.error(EXIT_UNAVAILABLE, &e.to_string()),
+        };
+        let base = endpoint::base(&args.key);
+        let mode = match (args.shared, args.max) {
+            (true, _) => Mode::Shared,
+            (false, Some(n)) => Mode::Counted(n),
+            (false, None) => Mode::Exclusive,
+        };
+        let code = match mode {
+            Mode::Exclusive | Mode::Shared => {
+                let rw = match coord.read_write_lease(&base) {
+                    Ok(rw) => rw,
+                    Err(e) => return self.report.error(EXIT_USAGE, &e.to_string()),
+                };
+                if mode == Mode::Exclusive {
+                    self.hold(&coord, mode, &rw.write(), |g| Grant {
+                        lease_key: g.key().to_owned(),
+                        token: Some(g.fencing_token().get()),
+                        write_epoch: None,
+                        slot: None,
+                    })
+                } else {
+                    self.hold(&coord, mode, &rw.read(), |g| Grant {
+                        lease_key: g.key().to_owned(),
+                        token: None,
+                        write_epoch: Some(g.write_epoch().get()),
+                        slot: None,
+                    })
+                }
+            }
+            Mode::Counted(n) => {
+                let sem = match coord.semaphore(&base, n) {
+                    Ok(s) => s,
+                    Err(e) => return self.report.error(EXIT_USAGE, &e.to_string()),
+                };
+                self.hold(&coord, mode, &sem, |g| Grant {
+                    lease_key: g.key().to_owned(),
+                    token: Some(g.fencing_token().get()),
+                    write_epoch: None,
+                    slot: Some(g.slot()),
+                })
+            }
+        };
+        drop(coord);
+        code
+    }
+
+    /// Takes `lease`, runs the command under it, releases it.
+    fn hold<K: Kind>(
+        &mut self,
+        coord: &Coordinator,
+        mode: Mode,
+        lease: &Lease<K>,
+        grant: impl Fn(&LeaseGuard<K>) -> Grant,
+    ) -> ExitCode {
+        let (ttl, base) = (self.args.ttl, endpoint::base(&self.args.key));
+        let guard = match self.acquire(
+            |deadline, cancel| match deadline {
+                Some(d) if d <= Instant::now() => lease.try_acquire(ttl),
+                Some(d) => lease.acquire_until(ttl, d, cancel),
+                None => lease.acquire(ttl, cancel).map(Some),
+            },
+            |_| other_mode(coord, &base, mode),
+            |g| drop(g.release()),
+            || coord.inspect(&base).map(drop).map_err(|e| e.to_string()),
+        ) {
+            Ok(guard) => guard,
+            Err(code) => return code,
+        };
+        let renewal = match guard.keep_alive() {
+            Ok(r) => r,
+            Err(e @ Error::InvalidArgument(_)) => {
+                return self.report.error(EXIT_USAGE, &e.to_string());
+            }
+            Err(e) => return self.report.error(EXIT_UNAVAILABLE, &e.to_string()),
+        };
+        let grant = grant(&guard);
+        self.report.acquired(&grant, mode.name(), ttl);
+        let why_lost = || single_loss_cause(coord, &base, grant.token, mode);
+        let ended = self.run_child(&grant.env(), guard.lost_signal(), &why_lost);
+        drop(renewal);
+        let (outcome, detail) = match guard.release() {
+            Ok(ReleaseOutcome::Released) => ("released", None),
+            Ok(ReleaseOutcome::Expired) => ("expired", Some("the lease had expired before".into())),
+            Ok(ReleaseOutcome::TakenOver) => (
+                "taken_over",
+                Some("another holder had the key; it was left alone".into()),
+            ),
+            Ok(ReleaseOutcome::Uncertain) => (
+                "uncertain",
+                Some("no reply; the lease ends at its expiry at the latest".into()),
+            ),
+            Ok(other) => ("uncertain", Some(format!("{other:?}"))),
+            Err(e) => ("failed", Some(e.to_string())),
+        };
+        self.report.released(outcome, detail.as_deref());
+        self.finish(ended)
+    }
+
+    fn redlock(&mut self, urls: &[String]) -> ExitCode {
+        let args = self.args;
+        let options = RedlockOptions {
+            node_timeout: args.keys.node_timeout,
+            ..RedlockOptions::default()
+        };
+        // One coordinator per node: the group's settings, and the inspection
+        // of what other modes hold there. A group is made only when every
+        // node answers (their independence is checked then).
+        let mut nodes = Vec::new();
+        for url in urls {
+            match endpoint::connect(url, &args.keys, self.tls) {
+                Ok(c) => nodes.push(c),
+                Err(e) if endpoint::is_usage(&e) => {
+                    return self.report.error(EXIT_USAGE, &e.to_string());
+                }
+                Err(e) => return self.report.error(EXIT_UNAVAILABLE, &e.to_string()),
+            }
+        }
+        let group = match RedlockGroup::new(nodes.clone(), options) {
+            Ok(g) => g,
+            Err(e) if endpoint::is_usage(&e) => {
+                return self.report.error(EXIT_USAGE, &e.to_string());
+            }
+            Err(e) => return self.report.error(EXIT_UNAVAILABLE, &e.to_string()),
+        };
+        let name = endpoint::redlock_key(&args.key);
+        let base = endpoint::base(&args.key);
+        let (name, ttl) = (&name, args.ttl);
+        let guard = match self.acquire(
+            |deadline, cancel| match deadline {
+                Some(d) if d <= Instant::now() => group.try_acquire(name, ttl),
+                Some(d) => group.acquire_until(name, ttl, d, cancel),
+                None => group.acquire(name, ttl, cancel).map(Some),
+            },
+            |g: &RedlockGuard| {
+                // An exclusive run of one deployment can use any node, so the
+                // group must hold the key on every node it reaches, not only
+                // on a quorum. An acquire returns at quorum; an extension
+                // asks every node again and says which ones hold it.
+                let _ = g.extend(ttl);
+                let evidence = g.last_evidence();
+                for (i, n) in evidence.iter().enumerate() {
+                    let held_elsewhere = match &n.outcome {
+                        NodeOutcome::Granted => false,
+                        NodeOutcome::HeldByAnother { .. } | NodeOutcome::Missing => true,
+                        // No answer in time: ask the node what it holds. A
+                        // value without a fencing token may be this run's own
+                        // late grant.
+                        _ => nodes
+                            .get(i)
+                            .and_then(|c| c.inspect(&base).ok())
+                            .is_some_and(|ins| match &ins.exclusive {
+                                None => true,
+                                Some(x) => x.fencing_token.is_some(),
+                            }),
+                    };
+                    if held_elsewhere {
+                        return Ok(Some(format!(
+                            "exclusive on {} (a fenced run there, or another Redlock run)",
+                            n.node
+                        )));
+                    }
+                }
+                // What shared and counted runs hold on any reachable node.
+                for node in &nodes {
+                    if let Ok(ins) = node.inspect(&base)
+                        && let Some(other) = describe_others(&ins, true)
+                    {
+                        return Ok(Some(other));
+                    }
+                }
+                Ok(None)
+            },
+            |mut g: RedlockGuard| drop(g.release()),
+            || {
+                let answering = nodes.iter().filter(|n| n.inspect(&base).is_ok()).count();
+                if answering * 2 > nodes.len() {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "{answering} of {} nodes answer, no quorum",
+                        nodes.len()
+                    ))
+                }
+            },
+        ) {
+            Ok(guard) => guard,
+            Err(code) => return code,
+        };
+        let renewal = match guard.keep_alive() {
+            Ok(r) => r,
+            Err(e @ Error::InvalidArgument(_)) => {
+                return self.report.error(EXIT_USAGE, &e.to_string());
+            }
+            Err(e) => return self.report.error(EXIT_UNAVAILABLE, &e.to_string()),
+        };
+        let grant = Grant {
+            lease_key: format!("{}{}", args.keys.prefix, endpoint::redlock_key(&args.key)),
+            token: None,
+            write_epoch: None,
+            slot: None,
+        };
+        self.report.acquired(&grant, "redlock", ttl);
+        let why_lost = || redlock_loss_cause(&guard);
+        let ended = self.run_child(&grant.env(), guard.lost_signal(), &why_lost);
+        drop(renewal);
+        let mut guard = guard;
+        match guard.release() {
+            Ok(true) => self.report.released("released", None),
+            Ok(false) => self.report.released(
+                "lapsed",
+                Some("it had already expired or been taken over on some nodes"),
+            ),
+            Err(e) => self.report.released("failed", Some(&e.to_string())),
+        }
+        self.finish(ended)
+    }
+
+    /// Waits for the lease as `--wait` / `-n` say; HUP, INT, QUIT and TERM
+    /// cancel the wait. A grant that finds KEY held in another mode is given
+    /// back, and the wait goes on after a short pause. On failure, returns the
+    /// exit code to end with.
+    fn acquire<G>(
+        &self,
+        mut attempt: impl FnMut(
+            Option<Instant>,
+            &CancelToken,
+        ) -> respire_coordination::Result<Option<G>>,
+        mut conflict: impl FnMut(&G) -> respire_coordination::Result<Option<String>>,
+        mut give_back: impl FnMut(G),
+        probe: impl Fn() -> Result<(), String> + Sync,
+    ) -> Result<G, ExitCode> {
+        let (args, report) = (self.args, self.report);
+        let cancel = CancelToken::new();
+        let wait = if args.nonblock {
+            Wait::For(Duration::ZERO)
+        } else {
+            args.wait
+        };
+        let deadline = deadline(wait, Instant::now());
+        let signals = self.signals;
+        let (result, signal) = std::thread::scope(|s| {
+            let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(0);
+            let cancel = &cancel;
+            // A wait rides out a deployment that does not answer; say so
+            // rather than wait in silence, and say when it answers again.
+            let probe = &probe;
+            let probe_done = done_rx.clone();
+            s.spawn(move || {
+                let mut silent = false;
+                loop {
+                    select! {
+                        recv(probe_done) -> _ => return,
+                        recv(crossbeam_channel::after(PROBE_EVERY)) -> _ => {}
+                    }
+                    match probe() {
+                        Err(why) if !silent => {
+                            silent = true;
+                            report.unreachable(&why);
+                        }
+                        Ok(()) if silent => {
+                            silent = false;
+                            report.reachable();
+                        }
+                        _ => {}
+                    }
+                }
+            });
+            let watcher = s.spawn(move || {
+                loop {
+                    select! {
+                        recv(signals) -> sig => match sig {
+                            Ok(sig) if FORWARDED.contains(&sig) => {
+                                cancel.cancel();
+                                return Some(sig);
+                            }
+                            Err(_) => {
+                                cancel.cancel();
+                                return None;
+                            }
+                            Ok(_) => {}
+                        },
+                        recv(done_rx) -> _ => return None,
+                    }
+                }
+            });
+            let result = loop {
+                let guard = match attempt(deadline, cancel) {
+                    Ok(Some(g)) => g,
+                    other => break other.map(|_| None).map_err(|e| (e, None)),
+                };
+                match conflict(&guard) {
+                    Ok(None) => break Ok(Some(guard)),
+                    Ok(Some(other)) => {
+                        give_back(guard);
+                        let now = Instant::now();
+                        if deadline.is_some_and(|d| d <= now) {
+                            break Err((Error::Cancelled, Some(other)));
+                        }
+                        let pause = backoff().min(
+                            deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(now)),
+                        );
+                        select! {
+                            recv(cancel.receiver()) -> _ => break Err((Error::Cancelled, None)),
+                            recv(crossbeam_channel::after(pause)) -> _ => {}
+                        }
+                    }
+                    Err(e) => {
+                        give_back(guard);
+                        break Err((e, None));
+                    }
+                }
+            };
+            drop(done_tx);
+            (result, watcher.join().unwrap_or(None))
+        });
+        match result {
+            // A signal that came while the grant was being checked: the
+            // command never starts.
+            Ok(Some(guard)) if signal.is_some() => {
+                give_back(guard);
+                Err(report.interrupted(signal.unwrap_or(SIGINT)))
+            }
+            Ok(Some(guard)) => Ok(guard),
+            Ok(None) => Err(report.not_acquired(args.conflict_exit_code, None)),
+            Err((Error::Cancelled, Some(other))) => {
+                Err(report.not_acquired(args.conflict_exit_code, Some(&other)))
+            }
+            Err((Error::Cancelled, None)) => Err(report.interrupted(signal.unwrap_or(SIGINT))),
+            Err((e, _)) if endpoint::is_usage(&e) => Err(report.error(EXIT_USAGE, &e.to_string())),
+            Err((e, _)) => Err(report.error(EXIT_UNAVAILABLE, &e.to_string())),
+        }
+    }
+
+    /// Starts the command in its own process group and supervises it until it
+    /// and its group are gone.
+    fn run_child(
+        &mut self,
+        env: &[(&str, String)],
+        lost: &Receiver<()>,
+        why_lost: &dyn Fn() -> LossCause,
+    ) -> Ended {
+        let args = self.args;
+        let program = &args.command[0];
+        if let Err(why) = supervise::resolve(program) {
+            return Ended::CannotStart(why);
+        }
+        if let Err(e) = self.guardian.ensure_started() {
+            return Ended::CannotStart(format!("cannot start the guardian: {e}"));
+        }
+        let child = supervise::command(program, &args.command[1..]).and_then(|mut cmd| {
+            cmd.envs(env.iter().map(|(k, v)| (k, v)))
+                .stdin(Stdio::inherit())
+                .spawn()
+        });
+        let mut child = match child {
+            Ok(child) => child,
+            Err(e) => return Ended::CannotStart(format!("cannot run {program:?}: {e}")),
+        };
+        let pgid = child.id() as i32;
+        self.guardian.watch_group(pgid);
+        self.report.started(child.id(), &args.command);
+        let ended = self.supervise(&mut child, pgid, lost, why_lost);
+        if let Ended::Exited(status) | Ended::LeaseLost(status) = &ended {
+            self.report.exited(*status);
+        }
+        // Whatever is left of the group goes before the lease does.
+        supervise::stop_group(pgid, args.kill_after);
+        self.guardian.forget_group(pgid);
+        ended
+    }
+
+    /// Waits for the command, passing signals on to its group and stopping
+    /// the group if the lease is lost.
+    fn supervise(
+        &self,
+        child: &mut Child,
+        pgid: i32,
+        lost_signal: &Receiver<()>,
+        why_lost: &dyn Fn() -> LossCause,
+    ) -> Ended {
+        let mut kill_at: Option<Instant> = None;
+        let mut lease_lost = false;
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) if lease_lost => return Ended::LeaseLost(status),
+                Ok(Some(status)) => return Ended::Exited(status),
+                Ok(None) => {}
+                Err(e) => return Ended::WaitFailed(e),
+            }
+            if kill_at.is_some_and(|at| Instant::now() >= at) {
+                supervise::signal_group(pgid, Signal::KILL);
+            }
+            // SIGCHLD wakes this promptly; the timeout covers a coalesced
+            // signal and the SIGKILL deadline.
+            let tick = crossbeam_channel::after(Duration::from_millis(100));
+            let lost = if lease_lost {
+                crossbeam_channel::never()
+            } else {
+                lost_signal.clone()
+            };
+            select! {
+                recv(lost) -> _ => {
+                    lease_lost = true;
+                    supervise::signal_group(pgid, Signal::TERM);
+                    kill_at = Some(Instant::now() + self.args.kill_after);
+                    // Stop first, explain after: the explanation asks Redis.
+                    self.report.lost(&why_lost());
+                }
+                recv(self.signals) -> sig => {
+                    if let Ok(sig) = sig
+                        && FORWARDED.contains(&sig)
+                        && let Some(signal) = Signal::from_named_raw(sig)
+                    {
+                        supervise::signal_group(pgid, signal);
+                        self.report.forwarded(sig);
+                    }
+                }
+                recv(tick) -> _ => {}
+            }
+        }
+    }
+
+    fn finish(&self, ended: Ended) -> ExitCode {
+        let report = self.report;
+        match ended {
+            Ended::Exited(status) => ExitCode::from(status_code(status)),
+            Ended::LeaseLost(_) => report.error(
+                self.args.lost_exit_code,
+                &format!(
+                    "the lease on {:?} was lost; the command was stopped",
+                    report.key
+                ),
+            ),
+            Ended::CannotStart(msg) => report.error(EXIT_CANNOT_RUN, &msg),
+            Ended::WaitFailed(e) => report.error(
+                EXIT_CANNOT_RUN,
+                &format!("waiting for the command failed: {e}"),
+            ),
+        }
+    }
+}
+
+/// A pause of 20–220 ms before trying again after a conflict with another
+/// mode, different in every process so that two modes do not keep meeting.
+fn backoff() -> Duration {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    Duration::from_millis(20 + h.finish() % 200)
+}
+
+/// What holds KEY in another mode than `mode`, if anything.
+fn other_mode(
+    coord: &Coordinator,
+    base: &str,
+    mode: Mode,
+) -> respire_coordination::Result<Option<String>> {
+    let ins = coord.inspect(base)?;
+    Ok(match mode {
+        Mode::Exclusive | Mode::Shared => (!ins.permits.is_empty())
+            .then(|| format!("counted (--max), {} permit(s)", ins.permits.len())),
+        Mode::Counted(_) => describe_others(&ins, false),
+    })
+}
+
+/// The exclusive holder (unless `skip_exclusive`) or the readers of an
+/// inspection, and with `skip_exclusive` its permits too, as a mode.
+fn describe_others(ins: &respire_coordination::Inspection, skip_exclusive: bool) -> Option<String> {
+    if !skip_exclusive && let Some(x) = &ins.exclusive {
+        return Some(match x.fencing_token {
+            Some(t) => format!("exclusive (fenced, token {t})"),
+            None => "exclusive (--redlock)".into(),
+        });
+    }
+    if !ins.readers.is_empty() {
+        return Some(format!(
+            "shared (--shared), {} holder(s)",
+            ins.readers.len()
+        ));
+    }
+    if skip_exclusive && !ins.permits.is_empty() {
+        return Some(format!("counted (--max), {} permit(s)", ins.permits.len()));
+    }
+    None
 }
 
 /// Signals for this process, delivered on a channel.
 fn signals() -> std::io::Result<Receiver<i32>> {
-    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGCHLD])?;
+    let mut wanted = FORWARDED.to_vec();
+    wanted.push(SIGCHLD);
+    let mut signals = signal_hook::iterator::Signals::new(wanted)?;
     let (tx, rx) = crossbeam_channel::unbounded();
     std::thread::Builder::new()
         .name("respire-signals".into())
@@ -201,76 +716,46 @@ fn deadline(wait: Wait, now: Instant) -> Option<Instant> {
     }
 }
 
-/// Waits for the lease as `--wait` says; SIGINT / SIGTERM cancel the wait. The
-/// `acquire` closure gets the deadline (`None`: wait until acquired) and the
-/// cancellation token. On failure, returns the exit code to end with.
-fn wait_for_lease<G>(
-    args: &RunArgs,
-    report: &Reporter,
-    signals: &Receiver<i32>,
-    acquire: impl FnOnce(Option<Instant>, &CancelToken) -> respire_coordination::Result<Option<G>>,
-) -> Result<G, ExitCode> {
-    let cancel = CancelToken::new();
-    let deadline = deadline(args.wait, Instant::now());
-    let (result, signal) = std::thread::scope(|s| {
-        let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(0);
-        let cancel = &cancel;
-        let watcher = s.spawn(move || {
-            loop {
-                select! {
-                    recv(signals) -> sig => match sig {
-                        Ok(SIGINT | SIGTERM) | Err(_) => {
-                            cancel.cancel();
-                            return sig.ok();
-                        }
-                        Ok(_) => {}
-                    },
-                    recv(done_rx) -> _ => return None,
-                }
-            }
-        });
-        let result = acquire(deadline, cancel);
-        drop(done_tx);
-        (result, watcher.join().unwrap_or(None))
-    });
-    match result {
-        Ok(Some(guard)) => Ok(guard),
-        Ok(None) => Err(report.not_acquired()),
-        Err(Error::Cancelled) => Err(report.interrupted(signal.unwrap_or(SIGINT))),
-        Err(e @ Error::InvalidArgument(_)) => Err(report.error(EXIT_USAGE, &e.to_string())),
-        Err(e) => Err(report.error(EXIT_UNAVAILABLE, &e.to_string())),
-    }
-}
-
 /// Why a lease was lost: a stable word for programs and a sentence for people.
 struct LossCause {
     cause: &'static str,
     reason: String,
 }
 
-/// Reads the lease key once after a loss to say what happened to it.
-fn fenced_loss_cause(url: &str, lease_key: &str, token: u64, timeout: Duration) -> LossCause {
-    match status::read_lease(url, lease_key, None, timeout) {
-        Ok(LeaseView { value: None, .. }) => LossCause {
+/// Reads KEY's keys once after a loss to say what happened to the lease.
+fn single_loss_cause(coord: &Coordinator, base: &str, token: Option<u64>, mode: Mode) -> LossCause {
+    let ins = match coord.inspect(base) {
+        Ok(ins) => ins,
+        Err(e) => {
+            return LossCause {
+                cause: "unreachable",
+                reason: format!("no renewal was confirmed before the local loss deadline ({e})"),
+            };
+        }
+    };
+    if mode != Mode::Exclusive {
+        return LossCause {
+            cause: "deadline",
+            reason: "no renewal was confirmed before the local loss deadline".into(),
+        };
+    }
+    match &ins.exclusive {
+        None => LossCause {
             cause: "expired",
             reason: "the lease key is gone: it expired or was deleted".into(),
         },
-        Ok(view) if view.token() == Some(token) => LossCause {
+        Some(x) if x.fencing_token.map(|t| t.get()) == token => LossCause {
             cause: "deadline",
             reason: "no renewal was confirmed before the local loss deadline \
                      (the server still had the lease)"
                 .into(),
         },
-        Ok(view) => LossCause {
+        Some(x) => LossCause {
             cause: "taken_over",
-            reason: match view.token() {
+            reason: match x.fencing_token {
                 Some(other) => format!("another holder has the key, with fencing token {other}"),
                 None => "the key holds another owner's value".into(),
             },
-        },
-        Err(e) => LossCause {
-            cause: "unreachable",
-            reason: format!("no renewal was confirmed before the local loss deadline ({e})"),
         },
     }
 }
@@ -299,137 +784,6 @@ enum Ended {
     WaitFailed(std::io::Error),
 }
 
-/// Starts the command and supervises it until it exits.
-fn run_child(
-    args: &RunArgs,
-    report: &Reporter,
-    env: &[(&str, String)],
-    lost: &Receiver<()>,
-    signals: &Receiver<i32>,
-    why_lost: &dyn Fn() -> LossCause,
-) -> Ended {
-    let program = &args.command[0];
-    let child = Command::new(program)
-        .args(&args.command[1..])
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .stdin(Stdio::inherit())
-        .spawn();
-    match child {
-        Ok(mut child) => {
-            report.started(child.id(), &args.command);
-            let ended = supervise(&mut child, report, lost, signals, args.kill_after, why_lost);
-            if let Ended::Exited(status) | Ended::LeaseLost(status) = &ended {
-                report.exited(*status);
-            }
-            ended
-        }
-        Err(e) => Ended::CannotStart(format!("cannot run {program:?}: {e}")),
-    }
-}
-
-/// Waits for the child, stopping it if the lease is lost or we are told to stop.
-fn supervise(
-    child: &mut Child,
-    report: &Reporter,
-    lost_signal: &Receiver<()>,
-    signals: &Receiver<i32>,
-    kill_after: Duration,
-    why_lost: &dyn Fn() -> LossCause,
-) -> Ended {
-    let pid = Pid::from_child(child);
-    let mut stopping_since: Option<Instant> = None;
-    let mut lease_lost = false;
-    loop {
-        match child.try_wait() {
-            Ok(Some(status)) if lease_lost => return Ended::LeaseLost(status),
-            Ok(Some(status)) => return Ended::Exited(status),
-            Ok(None) => {}
-            Err(e) => return Ended::WaitFailed(e),
-        }
-        if let Some(since) = stopping_since
-            && since.elapsed() >= kill_after
-        {
-            let _ = rustix::process::kill_process(pid, Signal::KILL);
-        }
-        // SIGCHLD wakes this promptly; the timeout covers a coalesced signal
-        // and the SIGKILL deadline.
-        let tick = crossbeam_channel::after(Duration::from_millis(250));
-        let lost = if lease_lost {
-            crossbeam_channel::never()
-        } else {
-            lost_signal.clone()
-        };
-        select! {
-            recv(lost) -> _ => {
-                lease_lost = true;
-                let _ = rustix::process::kill_process(pid, Signal::TERM);
-                stopping_since.get_or_insert_with(Instant::now);
-                // Stop first, explain after: the explanation asks Redis.
-                report.lost(&why_lost());
-            }
-            recv(signals) -> sig => {
-                if let Ok(SIGINT | SIGTERM) = sig {
-                    // Pass it on; a second one kills.
-                    if stopping_since.is_some() {
-                        let _ = rustix::process::kill_process(pid, Signal::KILL);
-                    } else {
-                        let _ = rustix::process::kill_process(pid, Signal::TERM);
-                        stopping_since = Some(Instant::now());
-                    }
-                }
-            }
-            recv(tick) -> _ => {}
-        }
-    }
-}
-
-fn finish(ended: Ended, report: &Reporter) -> ExitCode {
-    match ended {
-        Ended::Exited(status) => ExitCode::from(status_code(status)),
-        Ended::LeaseLost(_) => report.error(
-            EXIT_LEASE_LOST,
-            &format!(
-                "the lease on {:?} was lost; the command was stopped",
-                report.key
-            ),
-        ),
-        Ended::CannotStart(msg) => report.error(EXIT_CANNOT_RUN, &msg),
-        Ended::WaitFailed(e) => report.error(
-            EXIT_CANNOT_RUN,
-            &format!("waiting for the command failed: {e}"),
-        ),
-    }
-}
-
-fn release_fenced(guard: FencedGuard, report: &Reporter) {
-    let (outcome, detail) = match guard.release() {
-        Ok(ReleaseOutcome::Released) => ("released", None),
-        Ok(ReleaseOutcome::Expired) => ("expired", Some("the lease had expired before".into())),
-        Ok(ReleaseOutcome::TakenOver) => (
-            "taken_over",
-            Some("another holder had the key; it was left alone".into()),
-        ),
-        Ok(ReleaseOutcome::Uncertain) => (
-            "uncertain",
-            Some("no reply; the lease ends at its expiry at the latest".into()),
-        ),
-        Ok(other) => ("uncertain", Some(format!("{other:?}"))),
-        Err(e) => ("failed", Some(e.to_string())),
-    };
-    report.released(outcome, detail.as_deref());
-}
-
-fn release_redlock(mut guard: RedlockGuard, report: &Reporter) {
-    match guard.release() {
-        Ok(true) => report.released("released", None),
-        Ok(false) => report.released(
-            "lapsed",
-            Some("it had already expired or been taken over on some nodes"),
-        ),
-        Err(e) => report.released("failed", Some(&e.to_string())),
-    }
-}
-
 fn status_code(status: ExitStatus) -> u8 {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
@@ -439,54 +793,92 @@ fn status_code(status: ExitStatus) -> u8 {
     }
 }
 
-/// Reports the events of one run on stderr: sentences for people, or with
-/// `--json` one JSON object per event.
+/// Where JSON events go: a file descriptor or a file given on the command
+/// line, or nowhere.
+struct Events(Option<Mutex<File>>);
+
+impl Events {
+    fn open(args: &RunArgs) -> Result<Events, Usage> {
+        let usage = |what: String| Usage::new(what, Some("run"));
+        if let Some(fd) = args.events_fd {
+            // The descriptor is opened again through /dev/fd, which needs no
+            // unsafe code and keeps the caller's descriptor as it is.
+            let path = format!("/dev/fd/{fd}");
+            return std::fs::OpenOptions::new()
+                .append(true)
+                .open(&path)
+                .map(|f| Events(Some(Mutex::new(f))))
+                .map_err(|e| usage(format!("--events-fd {fd}: not an open descriptor ({e})")));
+        }
+        if let Some(path) = &args.events_file {
+            return std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map(|f| Events(Some(Mutex::new(f))))
+                .map_err(|e| usage(format!("--events-file {}: {e}", path.display())));
+        }
+        Ok(Events(None))
+    }
+}
+
+/// Reports the events of one run: sentences for people on stderr, and with
+/// `--events-fd` / `--events-file` one JSON object per event there.
 struct Reporter {
-    json: bool,
+    events: Events,
     verbose: bool,
     key: String,
 }
 
 impl Reporter {
-    /// Prints one event: `fields` adds the event's own JSON fields; `text` is
-    /// the sentence printed without `--json` (`None`: nothing).
+    /// Reports one event: `fields` adds the event's own JSON fields; `text` is
+    /// the sentence printed on stderr (`None`: nothing).
     fn emit(&self, event: &str, fields: impl FnOnce(Object) -> Object, text: Option<String>) {
-        if self.json {
+        if let Some(file) = &self.events.0 {
             let time = humantime::format_rfc3339_millis(SystemTime::now()).to_string();
             let obj = Object::new()
                 .str("event", event)
                 .str("time", &time)
                 .str("key", &self.key);
-            say(&fields(obj).finish());
-        } else if let Some(text) = text {
+            let line = fields(obj).finish();
+            let _ = writeln!(file.lock(), "{}", crate::scrub(&line));
+        }
+        if let Some(text) = text {
             say(&format!("respire-lock: {text}"));
         }
     }
 
-    fn throwaway(&self, url: &str) {
+    fn throwaway(&self, url: &str, dir: &std::path::Path) {
         self.emit(
             "throwaway",
-            |o| o.str("url", url),
+            |o| o.str("url", url).str("dir", &dir.display().to_string()),
             Some(format!(
-                "no --url and no REDIS_URL: started a throwaway redis-server at {url} \
-                 (it only coordinates with processes using that server)"
+                "--throwaway: started a private redis-server at {url} in {} \
+                 (it coordinates with nothing else)",
+                dir.display()
             )),
         );
     }
 
-    fn acquired(&self, lease_key: &str, token: Option<u64>, ttl: Duration) {
-        let text = match token {
-            Some(t) => format!("acquired {:?} with fencing token {t}", self.key),
-            None => format!("acquired {:?} on a quorum (no fencing token)", self.key),
+    fn acquired(&self, grant: &Grant, mode: &str, ttl: Duration) {
+        let text = match (grant.token, grant.slot, grant.write_epoch) {
+            (Some(t), Some(slot), _) => {
+                format!("acquired {:?}: permit {slot}, fencing token {t}", self.key)
+            }
+            (Some(t), None, _) => format!("acquired {:?} with fencing token {t}", self.key),
+            (None, _, Some(e)) => format!("acquired {:?} shared (write epoch {e})", self.key),
+            (None, _, None) => format!("acquired {:?} on a quorum (no fencing token)", self.key),
         };
         let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
         self.emit(
             "acquired",
             |o| {
-                o.str("lease_key", lease_key)
-                    .opt_num("token", token)
+                o.str("lease_key", &grant.lease_key)
+                    .opt_num("token", grant.token)
                     .num("ttl_ms", ttl_ms)
-                    .str("mode", if token.is_some() { "fenced" } else { "redlock" })
+                    .str("mode", mode)
+                    .opt_num("slot", grant.slot)
+                    .opt_num("write_epoch", grant.write_epoch)
             },
             self.verbose.then_some(text),
         );
@@ -521,6 +913,37 @@ impl Reporter {
         );
     }
 
+    fn unreachable(&self, why: &str) {
+        self.emit(
+            "unreachable",
+            |o| o.str("message", why),
+            Some(format!(
+                "still waiting for {:?}, but Redis does not answer: {why}",
+                self.key
+            )),
+        );
+    }
+
+    fn reachable(&self) {
+        self.emit(
+            "reachable",
+            |o| o,
+            Some(format!(
+                "Redis answers again; still waiting for {:?}",
+                self.key
+            )),
+        );
+    }
+
+    fn forwarded(&self, signal: i32) {
+        self.emit(
+            "forwarded",
+            |o| o.num("signal", signal),
+            self.verbose
+                .then(|| format!("passed signal {signal} on to the command's group")),
+        );
+    }
+
     fn exited(&self, status: ExitStatus) {
         use std::os::unix::process::ExitStatusExt;
         self.emit(
@@ -545,13 +968,24 @@ impl Reporter {
         );
     }
 
-    fn not_acquired(&self) -> ExitCode {
+    /// Held elsewhere: quiet without `-v` (as flock), but a holder in another
+    /// mode is always named.
+    fn not_acquired(&self, code: u8, other_mode: Option<&str>) -> ExitCode {
+        let text = match other_mode {
+            Some(other) => Some(format!(
+                "{:?} is held in another mode: {other}; not acquired",
+                self.key
+            )),
+            None => self
+                .verbose
+                .then(|| format!("{:?} is held elsewhere; not acquired", self.key)),
+        };
         self.emit(
             "not_acquired",
-            |o| o.num("exit_code", EXIT_NOT_ACQUIRED),
-            Some(format!("{:?} is held elsewhere; not acquired", self.key)),
+            |o| o.num("exit_code", code).opt_str("held_as", other_mode),
+            text,
         );
-        ExitCode::from(EXIT_NOT_ACQUIRED)
+        ExitCode::from(code)
     }
 
     fn interrupted(&self, signal: i32) -> ExitCode {
@@ -573,34 +1007,60 @@ impl Reporter {
     }
 }
 
-/// A `redis-server` on a free loopback port for one run, killed on drop.
+/// A `redis-server` on a free loopback port for one run, in a process group
+/// of its own that the guardian kills (and whose directory it removes) if the
+/// tool dies.
 struct ThrowawayServer {
     child: Child,
     port: u16,
-    dir: std::path::PathBuf,
+    dir: PathBuf,
 }
 
 impl ThrowawayServer {
-    fn start() -> Result<ThrowawayServer, String> {
+    fn start(guardian: &mut Guardian) -> Result<ThrowawayServer, String> {
+        let program = supervise::resolve("redis-server".as_ref())
+            .map_err(|e| format!("--throwaway needs redis-server: {e}"))?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map_err(|e| format!("cannot find a free port: {e}"))?
             .port();
+        guardian
+            .ensure_started()
+            .map_err(|e| format!("cannot start the guardian: {e}"))?;
         let dir = std::env::temp_dir().join(format!("respire-lock-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {dir:?}: {e}"))?;
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-            .arg("--dir")
-            .arg(&dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("no --url or REDIS_URL, and cannot start redis-server: {e}"))?;
-        let server = ThrowawayServer { child, port, dir };
+        guardian.watch_dir(&dir);
+        let args: Vec<OsString> = [
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--dir",
+        ]
+        .iter()
+        .map(OsString::from)
+        .chain([dir.clone().into_os_string()])
+        .collect();
+        let child = supervise::command(program.as_os_str(), &args)
+            .and_then(|mut cmd| {
+                cmd.stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+            })
+            .map_err(|e| format!("cannot start redis-server: {e}"))?;
+        guardian.watch_group(child.id() as i32);
+        let mut server = ThrowawayServer { child, port, dir };
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if Instant::now() > deadline {
+            if Instant::now() > deadline || matches!(server.child.try_wait(), Ok(Some(_))) {
+                server.stop(guardian);
                 return Err("the throwaway redis-server did not start within 10 s".into());
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -611,13 +1071,17 @@ impl ThrowawayServer {
     fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
-}
 
-impl Drop for ThrowawayServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
+    fn stop(mut self, guardian: &mut Guardian) {
+        let pgid = self.child.id() as i32;
+        if let Some(pid) = Pid::from_raw(pgid) {
+            let _ = rustix::process::kill_process_group(pid, Signal::KILL);
+        }
         let _ = self.child.wait();
+        supervise::wait_group_gone(pgid, Duration::from_secs(1));
+        guardian.forget_group(pgid);
         let _ = std::fs::remove_dir_all(&self.dir);
+        guardian.forget_dir(&self.dir);
     }
 }
 
@@ -646,5 +1110,13 @@ mod tests {
             None
         );
         assert_eq!(deadline(Wait::For(Duration::MAX), now), None);
+    }
+
+    #[test]
+    fn backoff_is_bounded() {
+        for _ in 0..100 {
+            let b = backoff();
+            assert!(b >= Duration::from_millis(20) && b < Duration::from_millis(220));
+        }
     }
 }

@@ -1,200 +1,228 @@
-//! `respire-lock status`: who holds a key, read straight from Redis.
-//!
-//! The library has no call that reads another holder's lease, so this reads the
-//! two keys `run` uses with the `redis` crate: one pipeline of `GET lease`,
-//! `PTTL lease` and `GET fence`. It changes nothing.
+//! `respire-lock status`: who holds a key, through the library's inspection
+//! call (`Coordinator::inspect`) on every deployment `run` accepts, and on
+//! every node of a Redlock group.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
+use respire_coordination::{HeldAs, Inspection};
+
 use crate::args::{EXIT_USAGE, StatusArgs, Usage};
-use crate::json::Object;
+use crate::endpoint::{self, Tls};
+use crate::json::{self, Object};
 use crate::{EXIT_UNAVAILABLE, say, show};
 
-/// The lease and fence keys of KEY, before the key prefix: `{KEY}:lease` and
-/// `{KEY}:fence`, so that both hash to one cluster slot.
-pub(crate) fn fenced_keys(key: &str) -> (String, String) {
-    (format!("{{{key}}}:lease"), format!("{{{key}}}:fence"))
-}
-
-/// What the server holds for one lease.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct LeaseView {
-    /// The lease key's value (`owner:token` for a fenced lease), `None` when free.
-    pub(crate) value: Option<String>,
-    /// The lease's remaining time-to-live; `None` when free or without expiry.
-    pub(crate) ttl: Option<Duration>,
-    /// The fence counter's value, when it was asked for and exists.
-    pub(crate) fence: Option<String>,
-}
-
-impl LeaseView {
-    /// From the replies to `GET lease`, `PTTL lease` and `GET fence`.
-    fn from_replies(value: Option<String>, pttl: i64, fence: Option<String>) -> LeaseView {
-        match (value, pttl) {
-            // Expired between the GET and the PTTL.
-            (Some(_), -2) | (None, _) => LeaseView {
-                value: None,
-                ttl: None,
-                fence,
-            },
-            (Some(value), pttl) => LeaseView {
-                value: Some(value),
-                ttl: u64::try_from(pttl).ok().map(Duration::from_millis),
-                fence,
-            },
+pub(crate) fn main(args: StatusArgs, matches: &clap::ArgMatches) -> ExitCode {
+    let tls = match Tls::read(&args.tls, "status") {
+        Ok(t) => t,
+        Err(usage) => {
+            usage.print();
+            return ExitCode::from(EXIT_USAGE);
         }
-    }
-
-    /// The holder's fencing token: the number after the last `:` of the value.
-    pub(crate) fn token(&self) -> Option<u64> {
-        let (_, token) = self.value.as_deref()?.rsplit_once(':')?;
-        token.parse().ok()
-    }
-
-    /// The highest token issued so far, from the fence counter.
-    pub(crate) fn last_token(&self) -> Option<u64> {
-        self.fence.as_deref()?.parse().ok()
-    }
-}
-
-/// Reads a lease (and its fence counter) with one pipelined round trip, each
-/// step bounded by `timeout`.
-pub(crate) fn read_lease(
-    url: &str,
-    lease_key: &str,
-    fence_key: Option<&str>,
-    timeout: Duration,
-) -> Result<LeaseView, String> {
-    let client = redis::Client::open(url).map_err(|e| format!("invalid URL: {e}"))?;
-    let mut conn = client
-        .get_connection_with_timeout(timeout)
-        .map_err(|e| format!("cannot connect: {e}"))?;
-    conn.set_read_timeout(Some(timeout))
-        .and_then(|()| conn.set_write_timeout(Some(timeout)))
-        .map_err(|e| format!("cannot set timeouts: {e}"))?;
-    let mut pipe = redis::pipe();
-    pipe.cmd("GET").arg(lease_key).cmd("PTTL").arg(lease_key);
-    match fence_key {
-        Some(fence) => {
-            pipe.cmd("GET").arg(fence);
-            let (value, pttl, fence): (Option<String>, i64, Option<String>) = pipe
-                .query(&mut conn)
-                .map_err(|e| format!("cannot read {lease_key:?}: {e}"))?;
-            Ok(LeaseView::from_replies(value, pttl, fence))
-        }
-        None => {
-            let (value, pttl): (Option<String>, i64) = pipe
-                .query(&mut conn)
-                .map_err(|e| format!("cannot read {lease_key:?}: {e}"))?;
-            Ok(LeaseView::from_replies(value, pttl, None))
-        }
-    }
-}
-
-pub(crate) fn main(args: StatusArgs) -> ExitCode {
-    let Some(url) = &args.url else {
-        Usage::new(
-            "status needs a Redis deployment to ask: give --url or set REDIS_URL",
-            Some("status"),
-        )
-        .print();
-        return ExitCode::from(EXIT_USAGE);
     };
-    let (lease, fence) = fenced_keys(&args.key);
-    let lease_key = format!("{}{lease}", args.keys.prefix);
-    let fence_key = format!("{}{fence}", args.keys.prefix);
-    let view = match read_lease(url, &lease_key, Some(&fence_key), args.keys.node_timeout) {
-        Ok(view) => view,
-        Err(e) => {
-            say(&format!("respire-lock: {e}"));
-            return ExitCode::from(EXIT_UNAVAILABLE);
+    let base = endpoint::base(&args.key);
+    // As for `run`: --url on the command line beats --redlock; from the
+    // environment, RESPIRE_LOCK_REDLOCK beats REDIS_URL.
+    let url_given = matches.value_source("url") == Some(clap::parser::ValueSource::CommandLine);
+    let url = args
+        .url
+        .as_ref()
+        .filter(|_| url_given || args.redlock.is_none());
+    let (urls, redlock) = match (url, &args.redlock) {
+        (Some(url), _) => (vec![url.clone()], false),
+        (None, Some(list)) => {
+            if let Err(usage) = list.check("status") {
+                usage.print();
+                return ExitCode::from(EXIT_USAGE);
+            }
+            (list.0.clone(), true)
         }
+        (None, None) => {
+            Usage::new(
+                "status needs a Redis deployment to ask: give --url or set REDIS_URL \
+                 (or --redlock)",
+                Some("status"),
+            )
+            .print();
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let mut answers = Vec::new();
+    for url in &urls {
+        let read = endpoint::connect(url, &args.keys, &tls).and_then(|c| c.inspect(&base));
+        match read {
+            Ok(ins) => answers.push(ins),
+            Err(e) if !redlock => {
+                say(&format!("respire-lock: {e}"));
+                let code = if endpoint::is_usage(&e) {
+                    EXIT_USAGE
+                } else {
+                    EXIT_UNAVAILABLE
+                };
+                return ExitCode::from(code);
+            }
+            Err(e) => say(&format!("respire-lock: a node did not answer: {e}")),
+        }
+    }
+    if answers.is_empty() {
+        say("respire-lock: no node of the Redlock group answered");
+        return ExitCode::from(EXIT_UNAVAILABLE);
+    }
+    let view = if redlock {
+        View::redlock(&answers, urls.len())
+    } else {
+        View::single(&answers[0])
     };
     if args.json {
-        let ttl_ms = view
-            .ttl
-            .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX));
-        show(
-            &Object::new()
-                .str("key", &args.key)
-                .str("lease_key", &lease_key)
-                .str("fence_key", &fence_key)
-                .bool("held", view.value.is_some())
-                .opt_num("token", view.token())
-                .opt_num("ttl_ms", ttl_ms)
-                .opt_num("last_token", view.last_token())
-                .finish(),
-        );
+        show(&view.json(&args.key));
     } else {
-        show(&describe(&args.key, &view));
+        show(&view.describe(&args.key));
     }
     ExitCode::SUCCESS
 }
 
-/// The sentence `status` prints.
-fn describe(key: &str, view: &LeaseView) -> String {
-    let last = match (view.last_token(), &view.fence) {
-        (Some(t), _) => format!("last fencing token issued: {t}"),
-        (None, Some(raw)) => format!("the fence counter holds {raw:?}, not a number"),
-        (None, None) => "no fencing token issued yet".into(),
-    };
-    if view.value.is_none() {
-        return format!("{key}: free ({last})");
-    }
-    let holder = match view.token() {
-        Some(t) => format!("fencing token {t}"),
-        None => "a value without a fencing token".into(),
-    };
-    let expiry = match view.ttl {
-        Some(ttl) => format!(
-            "expires in {}",
-            humantime::format_duration(Duration::from_millis(ttl.as_millis() as u64))
-        ),
-        None => "no expiry set".into(),
-    };
-    format!("{key}: held by {holder}, {expiry} ({last})")
+/// What `status` reports.
+struct View<'a> {
+    ins: &'a Inspection,
+    mode: &'static str,
+    /// With --redlock: nodes that answered, nodes holding it, nodes in all.
+    redlock: Option<(usize, usize, usize)>,
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+impl<'a> View<'a> {
+    fn single(ins: &'a Inspection) -> View<'a> {
+        let mode = match ins.held_as() {
+            HeldAs::Free => "free",
+            HeldAs::Exclusive => "exclusive",
+            HeldAs::Shared => "shared",
+            HeldAs::Counted => "counted",
+            _ => "mixed",
+        };
+        View {
+            ins,
+            mode,
+            redlock: None,
+        }
+    }
 
-    #[test]
-    fn views_from_replies() {
-        let held = LeaseView::from_replies(Some("0a1b:7".into()), 1500, Some("7".into()));
-        assert_eq!(held.token(), Some(7));
-        assert_eq!(held.ttl, Some(Duration::from_millis(1500)));
-        assert_eq!(held.last_token(), Some(7));
-        assert_eq!(
-            describe("job", &held),
-            "job: held by fencing token 7, expires in 1s 500ms (last fencing token issued: 7)"
-        );
+    /// A Redlock group: held when a majority of all nodes hold the exclusive
+    /// key; the first holding node's view is shown.
+    fn redlock(answers: &'a [Inspection], nodes: usize) -> View<'a> {
+        let holding: Vec<&Inspection> = answers.iter().filter(|i| i.exclusive.is_some()).collect();
+        let held = holding.len() * 2 > nodes;
+        let shown = if held { holding[0] } else { &answers[0] };
+        View {
+            ins: shown,
+            mode: if held {
+                "redlock"
+            } else {
+                View::single(shown).mode
+            },
+            redlock: Some((answers.len(), holding.len(), nodes)),
+        }
+    }
 
-        let free = LeaseView::from_replies(None, -2, Some("7".into()));
-        assert_eq!(free.value, None);
-        assert_eq!(
-            describe("job", &free),
-            "job: free (last fencing token issued: 7)"
-        );
-        let expired_meanwhile = LeaseView::from_replies(Some("a:3".into()), -2, None);
-        assert_eq!(expired_meanwhile.value, None);
-        assert_eq!(
-            describe("job", &expired_meanwhile),
-            "job: free (no fencing token issued yet)"
-        );
+    fn held(&self) -> bool {
+        self.mode != "free"
+    }
 
-        let foreign = LeaseView::from_replies(Some("intruder".into()), -1, Some("x".into()));
-        assert_eq!(foreign.token(), None);
-        assert_eq!(foreign.ttl, None);
-        assert_eq!(
-            describe("job", &foreign),
-            "job: held by a value without a fencing token, no expiry set \
-             (the fence counter holds \"x\", not a number)"
-        );
-        assert_eq!(
-            fenced_keys("job"),
-            ("{job}:lease".into(), "{job}:fence".into())
-        );
+    fn describe(&self, key: &str) -> String {
+        let ins = self.ins;
+        let last = match ins.last_write_token {
+            Some(t) => format!("last fencing token issued: {t}"),
+            None => "no fencing token issued yet".into(),
+        };
+        let ttl = |d: Option<Duration>| match d {
+            Some(d) => format!(
+                "expires in {}",
+                humantime::format_duration(Duration::from_millis(d.as_millis() as u64))
+            ),
+            None => "no expiry set".into(),
+        };
+        let what = match self.mode {
+            "free" => "free".to_owned(),
+            "redlock" => {
+                let (answered, holding, nodes) = self.redlock.unwrap_or_default();
+                format!(
+                    "held by a Redlock run on {holding} of {nodes} nodes ({answered} answered), {}",
+                    ttl(ins.exclusive.as_ref().and_then(|x| x.remaining))
+                )
+            }
+            "exclusive" => {
+                let x = ins.exclusive.as_ref();
+                let holder = match x.and_then(|x| x.fencing_token) {
+                    Some(t) => format!("fencing token {t}"),
+                    None => "a value without a fencing token (a Redlock run's)".into(),
+                };
+                format!(
+                    "held exclusive by {holder}, {}",
+                    ttl(x.and_then(|x| x.remaining))
+                )
+            }
+            "shared" => format!(
+                "held shared by {} holder(s), the last expires in {}{}",
+                ins.readers.len(),
+                humantime::format_duration(Duration::from_millis(
+                    ins.readers
+                        .iter()
+                        .max()
+                        .copied()
+                        .unwrap_or_default()
+                        .as_millis() as u64
+                )),
+                if ins.waiting_writers > 0 {
+                    format!(", {} exclusive run(s) waiting", ins.waiting_writers)
+                } else {
+                    String::new()
+                }
+            ),
+            "counted" => {
+                let permits: Vec<String> = ins
+                    .permits
+                    .iter()
+                    .map(|p| format!("slot {} token {}", p.slot, p.fencing_token))
+                    .collect();
+                format!(
+                    "held counted: {} of {} permit(s) ({})",
+                    ins.permits.len(),
+                    ins.capacity.map_or("?".into(), |c| c.to_string()),
+                    permits.join(", ")
+                )
+            }
+            _ => "held in several modes at once (keys written outside one layout)".into(),
+        };
+        format!("{key}: {what} ({last})")
+    }
+
+    fn json(&self, key: &str) -> String {
+        let ins = self.ins;
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let x = ins.exclusive.as_ref();
+        let permits = ins.permits.iter().map(|p| {
+            Object::new()
+                .num("slot", p.slot)
+                .num("token", p.fencing_token.get())
+                .num("ttl_ms", ms(p.remaining))
+                .finish()
+        });
+        let mut obj = Object::new()
+            .str("key", key)
+            .str("base", &ins.base)
+            .bool("held", self.held())
+            .str("mode", self.mode)
+            .opt_num("token", x.and_then(|x| x.fencing_token).map(|t| t.get()))
+            .opt_num("ttl_ms", x.and_then(|x| x.remaining).map(ms))
+            .num("readers", ins.readers.len() as u64)
+            .num("waiting_writers", ins.waiting_writers)
+            .raw("permits", &json::array(permits))
+            .opt_num("capacity", ins.capacity)
+            .opt_num("last_token", ins.last_write_token.map(|t| t.get()))
+            .opt_num("last_permit_token", ins.last_permit_token.map(|t| t.get()));
+        if let Some((answered, holding, _)) = self.redlock {
+            obj = obj
+                .num("nodes", answered as u64)
+                .num("held_on", holding as u64);
+        }
+        obj.finish()
     }
 }

@@ -1,0 +1,304 @@
+//! Reading what a deployment holds under one base key, for every primitive
+//! whose keys are laid out from a base `B`: the writer, readers and waiting
+//! writers of a [`ReadWriteLease`](crate::ReadWriteLease) (`B:w`, `B:r`, `B:q`,
+//! `B:fence`), a [`FencedLock`](crate::FencedLock) made on `B:w` and `B:fence`,
+//! and the permits of a [`Semaphore`](crate::Semaphore) (`B:permits`,
+//! `B:meta`). One pipelined round trip of reads; nothing is changed, expired
+//! entries included (they are left for the next acquire to prune).
+
+use std::time::{Duration, Instant};
+
+use crate::conn::Connect;
+use crate::coordinator::Coordinator;
+use crate::error::{Error, Result};
+use crate::keys;
+use crate::semaphore::PermitHolder;
+use crate::token::FencingToken;
+
+/// How the keys under one base are held right now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HeldAs {
+    /// Nothing holds them.
+    Free,
+    /// One exclusive holder: a writer of a read/write lease or a fenced lock
+    /// on `B:w` (it has a fencing token), or a value without one (a
+    /// [`Lock`](crate::Lock) or a Redlock lock on `B:w`).
+    Exclusive,
+    /// One or more readers of a read/write lease.
+    Shared,
+    /// One or more permits of a semaphore.
+    Counted,
+    /// Holders of more than one kind at once: keys written by programs that
+    /// do not follow one layout.
+    Mixed,
+}
+
+/// The exclusive holder of `B:w`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ExclusiveHolder {
+    /// Its fencing token: `None` when the value is not `owner:token` (a plain
+    /// lock or a Redlock lock on the key).
+    pub fencing_token: Option<FencingToken>,
+    /// How long until it expires on the server's clock, unless renewed;
+    /// `None` for a key without expiry.
+    pub remaining: Option<Duration>,
+}
+
+/// What a deployment holds under one base key, as read by
+/// [`Coordinator::inspect`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Inspection {
+    /// The base key with the coordinator's prefix.
+    pub base: String,
+    /// The holder of the exclusive key `B:w`, if any.
+    pub exclusive: Option<ExclusiveHolder>,
+    /// The time left of each unexpired reader of `B:r`, soonest first.
+    pub readers: Vec<Duration>,
+    /// How many writers wait with an unexpired intent in `B:q` (they hold
+    /// new readers back).
+    pub waiting_writers: u32,
+    /// The last write token issued from `B:fence`, `None` if none yet.
+    pub last_write_token: Option<FencingToken>,
+    /// The unexpired permits of `B:permits`, soonest to expire first.
+    pub permits: Vec<PermitHolder>,
+    /// The capacity stored in `B:meta`, `None` if none.
+    pub capacity: Option<u32>,
+    /// The last permit token issued from `B:meta`, `None` if none yet.
+    pub last_permit_token: Option<FencingToken>,
+    /// When the reads were sent, on this process's monotonic clock.
+    pub read_at: Instant,
+}
+
+impl Inspection {
+    /// How the keys are held, from the holders found.
+    pub fn held_as(&self) -> HeldAs {
+        let kinds = [
+            self.exclusive.is_some(),
+            !self.readers.is_empty(),
+            !self.permits.is_empty(),
+        ];
+        match kinds {
+            [false, false, false] => HeldAs::Free,
+            [true, false, false] => HeldAs::Exclusive,
+            [false, true, false] => HeldAs::Shared,
+            [false, false, true] => HeldAs::Counted,
+            _ => HeldAs::Mixed,
+        }
+    }
+}
+
+impl Coordinator {
+    /// Reads, without changing anything, who holds the keys laid out from
+    /// `base` (a key with a non-empty hash tag, as given to
+    /// [`read_write_lease`](Coordinator::read_write_lease) or
+    /// [`semaphore`](Coordinator::semaphore); the prefix is applied): the
+    /// exclusive holder of `B:w` with its token and time left, the unexpired
+    /// readers and waiting writers, the last write token, the unexpired
+    /// permits, the stored capacity and the last permit token.
+    ///
+    /// Blocks for one pipelined round trip on the server that holds the base's
+    /// slot, bounded by the node timeout (plus the connect timeout when a
+    /// connection has to be opened); follows Cluster redirections and Sentinel
+    /// switches like every command. Expiries are judged by the server's `TIME`
+    /// in the same round trip. What it reports may change as soon as it
+    /// returns: it is for reports and checks, never a reason to skip an
+    /// acquire.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a base without a hash tag (nothing
+    /// sent); [`Error::BadKey`] naming a key of another type or with a value
+    /// no primitive writes; transport errors as for every command.
+    pub fn inspect(&self, base: &str) -> Result<Inspection> {
+        let dep = self.deployment();
+        let base = keys::physical_base(&dep.prefix, base, "inspected base key")?;
+        let [w, r, q, fence, permits, meta] =
+            ["w", "r", "q", "fence", "permits", "meta"].map(|s| format!("{base}:{s}"));
+        let mut pipe = redis::pipe();
+        pipe.cmd("TIME")
+            .cmd("GET")
+            .arg(&w)
+            .cmd("PTTL")
+            .arg(&w)
+            .cmd("ZRANGE")
+            .arg(&r)
+            .arg(0)
+            .arg(-1)
+            .arg("WITHSCORES")
+            .cmd("ZRANGE")
+            .arg(&q)
+            .arg(0)
+            .arg(-1)
+            .arg("WITHSCORES")
+            .cmd("GET")
+            .arg(&fence)
+            .cmd("ZRANGE")
+            .arg(&permits)
+            .arg(0)
+            .arg(-1)
+            .arg("WITHSCORES")
+            .cmd("HMGET")
+            .arg(&meta)
+            .arg("capacity")
+            .arg("fence");
+        let read_at = dep.now();
+        let deadline = read_at + dep.node_timeout();
+        let replies = dep
+            .on_key(&w, deadline, Connect::Own, |conn, deadline| {
+                conn.pipeline(&pipe, "inspect", deadline)
+            })
+            .0?;
+        let names = ["TIME", &w, &w, &r, &q, &fence, &permits, &meta];
+        if replies.len() != names.len() {
+            return Err(Error::Config(format!(
+                "inspect: {} replies to {} reads",
+                replies.len(),
+                names.len()
+            )));
+        }
+        let mut values = Vec::with_capacity(replies.len());
+        for (value, key) in replies.into_iter().zip(names) {
+            if let redis::Value::ServerError(e) = &value {
+                return Err(Error::BadKey {
+                    key: key.to_owned(),
+                    problem: format!("cannot be read: {}", e.details().unwrap_or("error")),
+                });
+            }
+            values.push(value);
+        }
+        let bad = |key: &str, problem: &str| Error::BadKey {
+            key: key.to_owned(),
+            problem: problem.to_owned(),
+        };
+        let time: Vec<String> = from(&values[0]).ok_or_else(|| bad("TIME", "unexpected reply"))?;
+        let now_ms = match time.as_slice() {
+            [s, us] => s
+                .parse::<u64>()
+                .ok()
+                .zip(us.parse::<u64>().ok())
+                .map(|(s, us)| s * 1000 + us / 1000)
+                .ok_or_else(|| bad("TIME", "unexpected reply"))?,
+            _ => return Err(bad("TIME", "unexpected reply")),
+        };
+        let left = |score: f64| Duration::from_millis((score as u64).saturating_sub(now_ms));
+        let unexpired = |v: &redis::Value, key: &str| -> Result<Vec<(String, Duration)>> {
+            let pairs = scored(v).ok_or_else(|| bad(key, "not a sorted set"))?;
+            Ok(pairs
+                .into_iter()
+                .filter(|(_, score)| *score > now_ms as f64)
+                .map(|(member, score)| (member, left(score)))
+                .collect())
+        };
+
+        let value: Option<String> = from(&values[1]).ok_or_else(|| bad(&w, "not a string"))?;
+        let pttl: i64 = from(&values[2]).ok_or_else(|| bad(&w, "unexpected PTTL reply"))?;
+        let exclusive = match (value, pttl) {
+            (None, _) | (Some(_), -2) => None,
+            (Some(value), pttl) => Some(ExclusiveHolder {
+                fencing_token: value
+                    .rsplit_once(':')
+                    .and_then(|(_, t)| t.parse().ok())
+                    .map(FencingToken),
+                remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
+            }),
+        };
+        let readers = unexpired(&values[3], &r)?
+            .into_iter()
+            .map(|(_, left)| left)
+            .collect();
+        let waiting_writers = u32::try_from(unexpired(&values[4], &q)?.len()).unwrap_or(u32::MAX);
+        let last_write_token = counter(&values[5], &fence)?;
+        let mut holders = Vec::new();
+        for (member, remaining) in unexpired(&values[6], &permits)? {
+            let mut parts = member.rsplitn(3, ':');
+            let token = parts.next().and_then(|t| t.parse().ok());
+            let slot = parts.next().and_then(|s| s.parse().ok());
+            let (Some(token), Some(slot)) = (token, slot) else {
+                return Err(bad(&permits, "a member that is not owner:slot:token"));
+            };
+            holders.push(PermitHolder {
+                slot,
+                fencing_token: FencingToken(token),
+                remaining,
+            });
+        }
+        let meta_fields: Vec<Option<String>> =
+            from(&values[7]).ok_or_else(|| bad(&meta, "not a semaphore hash"))?;
+        let capacity = match meta_fields.first().cloned().flatten() {
+            Some(c) => Some(
+                c.parse()
+                    .map_err(|_| bad(&meta, "a capacity that is not a number"))?,
+            ),
+            None => None,
+        };
+        let last_permit_token = match meta_fields.get(1).cloned().flatten() {
+            Some(t) => Some(FencingToken(
+                t.parse()
+                    .map_err(|_| bad(&meta, "a fence that is not a number"))?,
+            )),
+            None => None,
+        };
+        Ok(Inspection {
+            base,
+            exclusive,
+            readers,
+            waiting_writers,
+            last_write_token,
+            permits: holders,
+            capacity,
+            last_permit_token,
+            read_at,
+        })
+    }
+}
+
+/// The members and scores of `ZRANGE … WITHSCORES`: a flat list in RESP2,
+/// a list of pairs in RESP3.
+fn scored(value: &redis::Value) -> Option<Vec<(String, f64)>> {
+    let redis::Value::Array(items) = value else {
+        return None;
+    };
+    let score = |v: &redis::Value| match v {
+        redis::Value::Double(d) => Some(*d),
+        other => from::<String>(other)?.parse().ok(),
+    };
+    if items.iter().all(|i| matches!(i, redis::Value::Array(_))) {
+        items
+            .iter()
+            .map(|pair| match pair {
+                redis::Value::Array(p) if p.len() == 2 => Some((from(&p[0])?, score(&p[1])?)),
+                _ => None,
+            })
+            .collect()
+    } else {
+        items
+            .chunks(2)
+            .map(|pair| match pair {
+                [member, s] => Some((from(member)?, score(s)?)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// A reply as `T`, `None` if it is not one.
+fn from<T: redis::FromRedisValue>(value: &redis::Value) -> Option<T> {
+    T::from_redis_value(value.clone()).ok()
+}
+
+/// A fence counter's value: none, or a non-negative integer.
+fn counter(value: &redis::Value, key: &str) -> Result<Option<FencingToken>> {
+    let text: Option<String> = from(value).ok_or_else(|| Error::BadKey {
+        key: key.to_owned(),
+        problem: "not a counter".into(),
+    })?;
+    text.map(|t| {
+        t.parse().map(FencingToken).map_err(|_| Error::BadKey {
+            key: key.to_owned(),
+            problem: format!("holds {t:?}, not a counter"),
+        })
+    })
+    .transpose()
+}
