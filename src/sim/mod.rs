@@ -4,22 +4,31 @@
 //! exactly by that seed.
 //!
 //! What runs is the crate's own core — `LeaseCore` (through `LeaseCell`, with
-//! its loss signal), the renewal `Schedule`, the quorum `Tally` and the
-//! `FenceBook` — driven the way the runtime drives it: the same calls in the
-//! same order (claim before send, the worst case while unanswered, the claim
-//! held until the connection is killed, one node's commands in order).
+//! its loss signal), the executor machine (`core::executor`: renewal claims
+//! and their settlement, fences by confirmed kill, clean-ups, retirement at a
+//! switch), the verification verdicts, the renewal `Schedule`, the quorum
+//! `Tally` and the `FenceBook`. What is still written here rather than run
+//! from the runtime: the I/O around them (which request goes on which
+//! connection), the acquire attempts and their retries, the Redlock node
+//! workers, and the scripts' effects on the model server.
 //! Around it: model servers (keys with an owner and an expiry on a server
-//! clock that runs fast or slow within the drift factor, a fence counter) and
-//! a model network (delays, lost requests, lost replies, replies arriving
-//! after the client gave up, order kept per connection only, killed
+//! clock that runs fast or slow within the drift factor, a fence counter, for
+//! single deployments a replica fed by a lagging stream that is promoted at a
+//! random instant, losing the unreplicated tail, while the old primary keeps
+//! serving the connections made to it until each process learns of the
+//! switch) and a model network (delays, lost requests, lost replies, replies
+//! arriving after the client gave up, order kept per connection only, killed
 //! connections).
-//!
+
 //! Invariants, checked after every instant:
 //! - the bound of every guard not yet lost (`valid_until`, not only
 //!   `is_lost()`, which comes a node timeout earlier) is at or before the
 //!   server's real expiry of its lease (for Redlock: the moment fewer than a
 //!   quorum of nodes still hold it), in client time; both change only at
-//!   events, so this covers every instant, each expiry included;
+//!   events, so this covers every instant, each expiry included. After a
+//!   promotion, a lease is exempt until its process verified it on the new
+//!   primary: until it learns of the switch, no client can know (counted as
+//!   `exposed`);
 //! - a lease the server no longer holds for its owner (expired, deleted,
 //!   someone else's) is already `is_lost()` for its guard;
 //! - a watched guard's loss signal is closed once `is_lost()` is true;
@@ -227,6 +236,11 @@ pub(crate) struct Stats {
     pub(crate) takeovers: u64,
     pub(crate) regressions: u64,
     pub(crate) checks: u64,
+    /// Promotions of a replica that lost the unreplicated tail.
+    pub(crate) failovers: u64,
+    /// Checks skipped for a lease between a promotion and its verification
+    /// on the new primary, where the model allows a wrong bound.
+    pub(crate) exposed: u64,
 }
 
 impl Stats {
@@ -240,6 +254,8 @@ impl Stats {
         self.takeovers += o.takeovers;
         self.regressions += o.regressions;
         self.checks += o.checks;
+        self.failovers += o.failovers;
+        self.exposed += o.exposed;
     }
 }
 
@@ -275,5 +291,6 @@ fn single_deployment_leases() {
         assert!(stats.grants > stats.cases, "{stats:?}");
         assert!(stats.unanswered > 0 && stats.fences > 0, "{stats:?}");
         assert!(stats.losses > 0 && stats.regressions > 0, "{stats:?}");
+        assert!(stats.failovers > 0 && stats.exposed > 0, "{stats:?}");
     }
 }

@@ -33,10 +33,27 @@ impl Watched for Arc<Cell> {
     }
 }
 
+#[derive(Clone, Debug, PartialEq)]
 struct Entry {
     value: String,
     /// Server time (ns) at which it expires.
     expire: f64,
+}
+
+/// One write as the replica receives it: a key's new state, or the counter.
+#[derive(Clone, Debug)]
+enum Write {
+    Key(usize, Option<Entry>),
+    Fence(u64),
+}
+
+/// The primary's replica: what it applied, and the stream on its way (each
+/// write with the instant it is applied; the rest is lost at a promotion).
+struct Replica {
+    keys: Vec<Option<Entry>>,
+    fence: u64,
+    stream: VecDeque<(Duration, Write)>,
+    lag: Duration,
 }
 
 /// One Redis server: keys, a fence counter, a clock running at `rate`.
@@ -56,9 +73,57 @@ struct Server {
     /// per connection only).
     last_in: HashMap<ConnId, Duration>,
     last_out: HashMap<ConnId, Duration>,
+    /// The replica, for a primary that has one.
+    replica: Option<Replica>,
 }
 
 impl Server {
+    /// Applies `req`, and streams what it changed to the replica.
+    fn run(&mut self, req: &Req, t: Duration) -> Result<Resp, String> {
+        let (keys, fence) = (self.keys.clone(), self.fence);
+        let resp = self.apply(req, t)?;
+        if let Some(r) = &mut self.replica {
+            let at = t + r.lag;
+            for (i, (before, after)) in keys.iter().zip(&self.keys).enumerate() {
+                if before != after {
+                    r.stream.push_back((at, Write::Key(i, after.clone())));
+                }
+            }
+            if fence != self.fence {
+                r.stream.push_back((at, Write::Fence(self.fence)));
+            }
+        }
+        Ok(resp)
+    }
+
+    /// The replica takes over at `t`: what reached it by then, nothing more.
+    /// `None` without a replica.
+    fn promote(&mut self, t: Duration) -> Option<Server> {
+        let mut r = self.replica.take()?;
+        while let Some((at, w)) = r.stream.pop_front() {
+            if at > t {
+                break;
+            }
+            match w {
+                Write::Key(i, e) => r.keys[i] = e,
+                Write::Fence(f) => r.fence = f,
+            }
+        }
+        Some(Server {
+            rate: self.rate,
+            expired: vec![false; r.keys.len()],
+            keys: r.keys,
+            went_back: self.went_back || r.fence < self.fence,
+            fence: r.fence,
+            plain: self.plain.clone(),
+            takeovers: 0,
+            killed: HashSet::new(),
+            last_in: HashMap::new(),
+            last_out: HashMap::new(),
+            replica: None,
+        })
+    }
+
     fn now(&self, t: Duration) -> f64 {
         t.as_nanos() as f64 * self.rate
     }
@@ -198,6 +263,7 @@ enum Purpose {
     Verify,
     Release,
     Renew { renewal: Renewal<Arc<Cell>> },
+    ExecVerify { cell: Arc<Cell> },
     Kill,
     CleanupRelease,
 }
@@ -216,13 +282,26 @@ enum Who {
 }
 
 enum Ev {
-    Deliver { id: u64, conn: ConnId, req: Req },
-    Reply { id: u64, resp: Resp },
-    Timeout { id: u64 },
+    Deliver {
+        id: u64,
+        conn: ConnId,
+        req: Req,
+    },
+    Reply {
+        id: u64,
+        resp: Resp,
+    },
+    Timeout {
+        id: u64,
+    },
     UserNext(usize),
     SchedWake(usize),
     ExecNext(usize),
     CounterBack,
+    /// The replica takes over.
+    Promote,
+    /// Process `p` learns of the new primary.
+    Switch(usize),
 }
 
 impl Ev {
@@ -235,6 +314,8 @@ impl Ev {
             Ev::SchedWake(p) => format!("wake {p}"),
             Ev::ExecNext(p) => format!("exec {p}"),
             Ev::CounterBack => "counter back".into(),
+            Ev::Promote => "promote".into(),
+            Ev::Switch(p) => format!("switch {p}"),
         }
     }
 }
@@ -245,6 +326,9 @@ struct Guard {
     key: usize,
     keepalive: bool,
     signal: bool,
+    /// Granted or confirmed by a primary that was replaced, and not yet
+    /// verified on the new one: the model allows its bound to be wrong.
+    exposed: bool,
 }
 
 /// A user thread's acquire in progress: its owner, the attempts that got
@@ -273,6 +357,8 @@ struct User {
 
 enum Job {
     Renew(Vec<Arc<Cell>>),
+    /// Verify a lease on the new primary after a switch.
+    Verify(Arc<Cell>),
     Fence(ConnId, Arc<Cell>, Ticket),
     Cleanup(Vec<ConnId>, usize, String, Duration),
 }
@@ -292,6 +378,8 @@ struct Proc {
     accepted: Vec<(u64, Instant)>,
     sched: Schedule<Arc<Cell>>,
     wake: Option<Duration>,
+    /// The primary this process knows (its connections go there).
+    generation: u32,
     exec: Exec,
 }
 
@@ -301,7 +389,14 @@ struct World {
     now: Duration,
     timing: Timing,
     net: Net,
+    /// The current primary.
     server: Server,
+    /// The primary before the last promotion: it still serves the
+    /// connections made to it, and what it does there is never replicated.
+    old: Option<Server>,
+    generation: u32,
+    /// The primary generation each connection was made to.
+    conn_gen: HashMap<ConnId, u32>,
     queue: Queue<Ev>,
     procs: Vec<Proc>,
     users: Vec<User>,
@@ -365,7 +460,16 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
             killed: HashSet::new(),
             last_in: HashMap::new(),
             last_out: HashMap::new(),
+            replica: rng.chance(0.3).then(|| Replica {
+                keys: vec![None, None],
+                fence: 0,
+                stream: VecDeque::new(),
+                lag: Duration::from_micros(rng.below(node_timeout.as_micros() as u64 * 3)),
+            }),
         },
+        old: None,
+        generation: 0,
+        conn_gen: HashMap::new(),
         queue: Queue::new(),
         procs: Vec::new(),
         users: Vec::new(),
@@ -379,13 +483,20 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         trace: std::env::var_os("RESPIRE_SIM_TRACE").is_some(),
         rng,
     };
+    let start = w.server.fence;
+    if let Some(r) = &mut w.server.replica {
+        r.fence = start;
+        let at = w.rng.micros(1_000, 3_000_000);
+        w.queue.push(at, Ev::Promote);
+    }
     for _ in 0..2 {
-        let conn = w.conn();
+        let conn = w.conn_at(0);
         w.procs.push(Proc {
             fences: FenceBook::new(node_timeout * 4, 100),
             accepted: Vec::new(),
             sched: Schedule::default(),
             wake: None,
+            generation: 0,
             exec: Exec {
                 conn,
                 busy: false,
@@ -395,7 +506,7 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         });
     }
     for (i, &(proc, key)) in USERS.iter().enumerate() {
-        let conn = w.conn();
+        let conn = w.conn_at(0);
         w.users.push(User {
             proc,
             key,
@@ -447,9 +558,30 @@ impl World {
         instant(self.origin, self.now)
     }
 
-    fn conn(&mut self) -> ConnId {
+    /// A new connection to the primary of generation `generation`.
+    fn conn_at(&mut self, generation: u32) -> ConnId {
         self.next_conn += 1;
+        self.conn_gen.insert(self.next_conn, generation);
         self.next_conn
+    }
+
+    /// A new connection of process `p`, to the primary it knows.
+    fn conn_for(&mut self, p: usize) -> ConnId {
+        self.conn_at(self.procs[p].generation)
+    }
+
+    /// Whether `conn` leads to the primary process `p` knows now.
+    fn current_for(&self, p: usize, conn: ConnId) -> bool {
+        self.conn_gen.get(&conn) == Some(&self.procs[p].generation)
+    }
+
+    /// The server a connection leads to.
+    fn server_of(&mut self, conn: ConnId) -> Option<&mut Server> {
+        if self.conn_gen.get(&conn) == Some(&self.generation) {
+            Some(&mut self.server)
+        } else {
+            self.old.as_mut()
+        }
     }
 
     /// Sends `req` on `conn` for `who`; arranges delivery, reply and timeout.
@@ -471,10 +603,13 @@ impl World {
         );
         let lose = self.net.p_lose_request;
         if let Some(d) = self.net.hop(&mut self.rng, lose) {
-            let last = self.server.last_in.get(&conn).copied().unwrap_or_default();
-            let at = (self.now + d).max(last);
-            self.server.last_in.insert(conn, at);
-            self.queue.push(at, Ev::Deliver { id, conn, req });
+            let now = self.now;
+            if let Some(server) = self.server_of(conn) {
+                let last = server.last_in.get(&conn).copied().unwrap_or_default();
+                let at = (now + d).max(last);
+                server.last_in.insert(conn, at);
+                self.queue.push(at, Ev::Deliver { id, conn, req });
+            }
         }
         let deadline = self.now + self.timing.node_timeout;
         self.queue.push(deadline, Ev::Timeout { id });
@@ -483,24 +618,62 @@ impl World {
     fn handle(&mut self, ev: Ev) -> Result<(), String> {
         match ev {
             Ev::Deliver { id, conn, req } => {
-                if self.server.killed.contains(&conn) {
+                let now = self.now;
+                let hop = self.net.hop(&mut self.rng, self.net.p_lose_reply);
+                let Some(server) = self.server_of(conn) else {
+                    return Ok(());
+                };
+                if server.killed.contains(&conn) {
                     return Ok(());
                 }
-                let resp = self.server.apply(&req, self.now)?;
-                let lose = self.net.p_lose_reply;
-                if let Some(d) = self.net.hop(&mut self.rng, lose) {
-                    let last = self.server.last_out.get(&conn).copied().unwrap_or_default();
-                    let at = (self.now + d).max(last);
-                    self.server.last_out.insert(conn, at);
+                let fence = server.fence;
+                let resp = server.run(&req, now)?;
+                let drew = server.fence != fence;
+                if let Some(d) = hop {
+                    let last = server.last_out.get(&conn).copied().unwrap_or_default();
+                    let at = (now + d).max(last);
+                    server.last_out.insert(conn, at);
                     self.queue.push(at, Ev::Reply { id, resp });
+                }
+                // A token drawn on a replaced primary is lost with it: its
+                // successor's counter is behind what clients saw.
+                if drew && self.conn_gen.get(&conn) != Some(&self.generation) {
+                    self.server.went_back = true;
                 }
             }
             Ev::Reply { id, resp } => {
                 // A reply after the client gave up is read by nobody.
                 if let Some(p) = self.pending.remove(&id) {
-                    self.replied(p, Some(resp))?;
+                    let proc = match p.who {
+                        Who::User(u) => self.users[u].proc,
+                        Who::Exec(proc) => proc,
+                    };
+                    // From a primary the process no longer uses: its pool was
+                    // closed at the switch, so the call counts as unanswered.
+                    let resp = self.current_for(proc, p.conn).then_some(resp);
+                    self.replied(p, resp)?;
                 }
             }
+            Ev::Promote => {
+                if let Some(new) = self.server.promote(self.now) {
+                    self.stats.failovers += 1;
+                    self.old = Some(std::mem::replace(&mut self.server, new));
+                    self.generation += 1;
+                    // Every lease is exposed until its process has verified
+                    // it on the new primary: what the old one confirmed may
+                    // never have reached the new one.
+                    for u in &mut self.users {
+                        if let Some(g) = &mut u.guard {
+                            g.exposed = true;
+                        }
+                    }
+                    for p in 0..self.procs.len() {
+                        let at = self.now + self.rng.micros(1_000, 300_000);
+                        self.queue.push(at, Ev::Switch(p));
+                    }
+                }
+            }
+            Ev::Switch(p) => self.switch(p),
             Ev::Timeout { id } => {
                 if let Some(p) = self.pending.remove(&id) {
                     self.stats.unanswered += 1;
@@ -532,6 +705,41 @@ impl World {
             }
         }
         Ok(())
+    }
+
+    /// Process `p` learns that the primary changed, as the runtime does on a
+    /// switch: the old server's executor is retired (the shipped machine
+    /// frees its claims), connections go to the new primary, and every live
+    /// lease gives up what the old server would have confirmed and is
+    /// verified on the new one.
+    fn switch(&mut self, p: usize) {
+        let now = self.at();
+        self.procs[p].generation = self.generation;
+        let (freed, cleanups) = self.procs[p].exec.machine.retire(now);
+        for lease in freed {
+            self.touch(p, &lease);
+        }
+        for c in cleanups {
+            self.procs[p]
+                .exec
+                .machine
+                .clean_up(Vec::new(), c.payload, c.give_up_at, now);
+        }
+        self.procs[p].exec.conn = self.conn_for(p);
+        for u in 0..self.users.len() {
+            if self.users[u].proc != p {
+                continue;
+            }
+            self.users[u].conn = self.conn_for(p);
+            if let Some(g) = &self.users[u].guard {
+                let cell = g.cell.clone();
+                cell.switched(now);
+                self.touch(p, &cell);
+                self.procs[p].exec.queue.push_back(Job::Verify(cell));
+            }
+        }
+        self.exec_kick(p);
+        self.arm(p);
     }
 
     /// Keeps one wake-up pending at the schedule's next due time.
@@ -740,7 +948,7 @@ impl World {
                 let proc = self.users[u].proc;
                 if resp.is_none() {
                     // The pooled connection is broken; the next call opens another.
-                    self.users[u].conn = self.conn();
+                    self.users[u].conn = self.conn_for(proc);
                 }
                 match p.purpose {
                     Purpose::Acquire => self.acquired(u, p, resp)?,
@@ -790,6 +998,8 @@ impl World {
         match resp {
             Some(Resp::Granted(token, existed)) => {
                 self.stats.grants += 1;
+                // Granted by a primary that was replaced meanwhile.
+                let exposed = self.conn_gen.get(&p.conn) != Some(&self.generation);
                 let a = self.users[u].acquiring.take().expect("acquiring");
                 let key = self.users[u].key;
                 if self.server.plain[key] {
@@ -801,7 +1011,7 @@ impl World {
                         p.sent
                     };
                     let value = format!("{}:{token}", a.owner);
-                    self.hold(u, key, value, sent, a.ttl);
+                    self.hold(u, key, value, sent, a.ttl, exposed);
                     return Ok(());
                 }
                 // The grant may date from the owner's first unanswered attempt.
@@ -852,7 +1062,10 @@ impl World {
                     );
                     return Ok(());
                 }
-                if let Some(before) = self.delivered.insert(token, a.owner.clone())
+                // A grant from a replaced primary is history its successor
+                // never had: its token may come again.
+                if !exposed
+                    && let Some(before) = self.delivered.insert(token, a.owner.clone())
                     && before != a.owner
                     && !self.server.went_back
                 {
@@ -862,7 +1075,7 @@ impl World {
                         a.owner
                     ));
                 }
-                self.hold(u, key, value, p.sent, a.ttl);
+                self.hold(u, key, value, p.sent, a.ttl, exposed);
             }
             Some(Resp::Busy) | None => {
                 let a = self.users[u].acquiring.as_mut().expect("acquiring");
@@ -898,7 +1111,15 @@ impl World {
     }
 
     /// The user now holds `value` on `key`, granted by a command sent at `sent`.
-    fn hold(&mut self, u: usize, key: usize, value: String, sent: Instant, ttl: Duration) {
+    fn hold(
+        &mut self,
+        u: usize,
+        key: usize,
+        value: String,
+        sent: Instant,
+        ttl: Duration,
+        exposed: bool,
+    ) {
         let core = LeaseCore::granted(self.timing, sent, ttl);
         let cell = Arc::new(LeaseCell::new(
             format!("k{key}"),
@@ -914,6 +1135,7 @@ impl World {
             key,
             keepalive: false,
             signal: false,
+            exposed,
         });
         self.think(u);
     }
@@ -951,6 +1173,19 @@ impl World {
                 return;
             };
             match job {
+                Job::Verify(cell) => {
+                    if cell.is_lost(now) {
+                        continue;
+                    }
+                    let m = cell.extra();
+                    let req = Req::Verify {
+                        key: m.key,
+                        value: m.value.clone(),
+                    };
+                    exec.busy = true;
+                    self.send(Who::Exec(p), conn, req, Purpose::ExecVerify { cell });
+                    return;
+                }
                 Job::Fence(conn, lease, ticket) => exec.machine.fence(conn, lease, ticket, now),
                 Job::Cleanup(conns, key, owner, give_up) => {
                     let give_up = self.origin + give_up;
@@ -989,7 +1224,7 @@ impl World {
         let now = self.at();
         self.procs[p].exec.busy = false;
         if resp.is_none() {
-            self.procs[p].exec.conn = self.conn();
+            self.procs[p].exec.conn = self.conn_for(p);
         }
         match pend.purpose {
             Purpose::Renew { renewal } => match resp {
@@ -1025,6 +1260,23 @@ impl World {
                     .machine
                     .clean_up_done(resp.is_some(), now);
             }
+            Purpose::ExecVerify { cell } => match resp {
+                Some(Resp::Ints(v)) => {
+                    let verdict = Verdict::of(&v).ok_or("verify reply")?;
+                    cell.verified(verdict, pend.sent, now);
+                    self.touch(p, &cell);
+                    for u in &mut self.users {
+                        if let Some(g) = &mut u.guard
+                            && Arc::ptr_eq(&g.cell, &cell)
+                        {
+                            g.exposed = false;
+                        }
+                    }
+                }
+                // Tried again until it answers or the lease is lost.
+                None => self.procs[p].exec.queue.push_back(Job::Verify(cell)),
+                other => return Err(format!("verify reply {other:?}")),
+            },
             _ => return Err("executor purpose".into()),
         }
         self.exec_kick(p);
@@ -1052,6 +1304,10 @@ impl World {
                 ));
             }
             if lost {
+                continue;
+            }
+            if g.exposed {
+                self.stats.exposed += 1;
                 continue;
             }
             let held = match self.server.live(key, t) {
