@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 
 use crate::clock::Clock;
 use crate::conn::{Conn, Connect};
-use crate::core::fences::{FenceBook, REMEMBERED_KEYS};
+use crate::core::fences::{self, FenceBook, REMEMBERED_KEYS};
 use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::keys;
@@ -56,7 +56,10 @@ impl Deployment {
             clock,
             replication,
             connect_timeout,
-            fences: Mutex::new(FenceBook::new(timing.node_timeout * 4, REMEMBERED_KEYS)),
+            fences: Mutex::new(FenceBook::new(
+                fences::horizon(timing.node_timeout, replication.timeout()),
+                REMEMBERED_KEYS,
+            )),
             keepalive_ok: OnceLock::new(),
             probed: Mutex::new(Vec::new()),
         }
