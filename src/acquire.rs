@@ -215,7 +215,13 @@ impl<K: Kind> Lease<K> {
                     r
                 });
                 if !matches!(waited.result, Ok(Some(_))) {
-                    self.spec.stopped_waiting(dep, &owner);
+                    // Within the wait's own bound: its deadline plus one
+                    // attempt.
+                    let now = dep.now();
+                    let by = deadline.map_or(now + dep.node_timeout(), |d| {
+                        (d + w.node_timeout).min(now + dep.node_timeout())
+                    });
+                    self.spec.stopped_waiting(dep, &owner, by);
                 }
                 (waited.result, waited.uncertain)
             }

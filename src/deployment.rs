@@ -276,6 +276,23 @@ impl Deployment {
             });
         }
     }
+
+    /// Hands `cmd` on `key` to the executor of the server that holds `key`,
+    /// which sends it until it is answered or `give_up_at` passes.
+    pub(crate) fn in_background(&self, key: &str, cmd: redis::Cmd, give_up_at: Instant) {
+        match self.topology.node_for(key) {
+            Ok(node) => {
+                node.submit(Job::Cleanup {
+                    conns: Vec::new(),
+                    cmd: Some(cmd),
+                    key: key.to_owned(),
+                    give_up_at,
+                    hops: 0,
+                });
+            }
+            Err(e) => log::warn!("no server to send a command on {key:?} to: {e}"),
+        }
+    }
 }
 
 /// Turns the scripts' BADKEY / BADFENCE / WRONGTYPE replies into [`Error::BadKey`]
