@@ -862,14 +862,65 @@ fn restart_delay_keeps_a_node_that_lost_its_data_out() {
         other => panic!("expected no lock, got {other:?}"),
     }
 
-    // Without it, a second holder gets a majority while the first still
-    // believes it holds the lock: the failure the rule prevents. (The wait
+    // Without it, a second holder gets a majority: the failure the rule
+    // prevents. The first holder was told as the nodes went away. (The wait
     // rides out the connections the restarts closed.)
+    assert!(
+        first.is_lost(),
+        "two of the three nodes that granted it went away"
+    );
     let second = group
         .acquire_timeout("job", ttl, Duration::from_secs(5))
         .unwrap();
     assert!(second.is_some());
+}
+
+/// Whether node `i`'s server lists a connection named `name`.
+fn has_client(nodes: &Nodes, i: usize, name: &str) -> bool {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(&mut nodes.servers[i].client())
+        .unwrap();
+    list.contains(&format!("name={name} "))
+}
+
+#[test]
+fn a_lock_is_lost_as_soon_as_a_node_it_needs_goes_away_without_its_data() {
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("restart-loss");
+    let key = format!("{prefix}job");
+    let ttl = Duration::from_secs(30);
+    let group = nodes.group(&prefix, options(200));
+    let other = nodes.group(&prefix, options(200));
+    // Node 2 is taken, so the first holder has exactly a quorum: 0 and 1.
+    let _: () = nodes.servers[2]
+        .client()
+        .pset_ex(&key, "someone-else", 60_000)
+        .unwrap();
+    let first = group
+        .try_acquire("job", ttl)
+        .unwrap()
+        .expect("nodes 0 and 1");
+    let _: () = nodes.servers[2].client().del(&key).unwrap();
+    wait_until(Duration::from_secs(5), "node 0 to be watched", || {
+        has_client(&nodes, 0, "respire-redlock-watch")
+    });
     assert!(!first.is_lost());
+    // Node 0 restarts without persistence: it forgot the lock, and with node
+    // 2 it is a quorum for anyone. By the time it takes commands again, the
+    // first holder must know.
+    nodes.servers[0].restart();
+    assert!(
+        first.is_lost(),
+        "node 0 is back without the key while the first holder still counts on it"
+    );
+    assert_eq!(nodes.get(0, &key), None);
+    let second = other
+        .acquire_timeout("job", ttl, Duration::from_secs(5))
+        .unwrap();
+    assert!(second.is_some(), "nodes 0 and 2 make a quorum");
+    assert!(first.is_lost());
+    assert!(first.extend(ttl).is_ok_and(|held| !held));
 }
 
 #[test]
