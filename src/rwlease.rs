@@ -47,10 +47,11 @@ pub type ReadLease = Lease<Read>;
 /// *intent*, which holds new readers back under [`Preference::Writer`]; the
 /// intent is refreshed while the writer waits and withdrawn when the wait ends
 /// without the lease (timed out, cancelled, failed), which wakes the readers
-/// it held back. The withdrawal fits in the wait's [time bound](Lease#time-bounds)
-/// (its deadline plus one attempt): when the server does not answer in that
-/// time, the wait returns anyway and the withdrawal is sent in the background
-/// until the intent would have expired by itself. A waiting writer is woken by changes of the writer's lease and
+/// it held back. The withdrawal fits in the wait's
+/// [time bound](Lease#time-bounds) (its deadline plus one attempt): when the
+/// server does not answer in that time, the wait returns anyway and the
+/// withdrawal is sent in the background until the intent would have expired
+/// by itself. A waiting writer is woken by changes of the writer's lease and
 /// of the reader set, and by a timer at the moment the current writer's lease
 /// or the last reader would expire by itself (or its intent needs refreshing).
 pub type WriteLease = Lease<Write>;

@@ -70,22 +70,28 @@ impl Group {
     pub(super) fn node_event(&self, i: usize, event: NodeEvent) {
         let now = Instant::now();
         let leases = self.restarts.leases();
-        match &event {
-            NodeEvent::Down => self.restarts.down.lock()[i] = Some(now),
+        let what = match &event {
+            NodeEvent::Down => {
+                self.restarts.down.lock()[i] = Some(now);
+                "went away"
+            }
             NodeEvent::Up { run_id } => {
                 self.restarts.down.lock()[i] = None;
                 let restarted = leases
                     .iter()
                     .filter(|l| l.nodes().seen_run(i, run_id))
                     .count();
-                if restarted > 0 {
-                    log::warn!(
-                        "redlock node {i} runs as {run_id} now, not as the server that granted \
-                         {restarted} live lock(s): it restarted and no longer counts for them"
-                    );
+                if restarted == 0 {
+                    // Back as the same server: no lock lost anything.
+                    return;
                 }
+                log::warn!(
+                    "redlock node {i} runs as {run_id} now, not as the server that granted \
+                     {restarted} live lock(s): it restarted and no longer counts for them"
+                );
+                "restarted"
             }
-        }
+        };
         let down = self.restarts.down.lock().clone();
         let restart_delay = self.options.restart_delay;
         for lease in leases {
@@ -104,8 +110,8 @@ impl Group {
                     now,
                     format!(
                         "only {counted} node(s) that granted it can still be counted on, fewer \
-                         than the quorum of {}: node {i} went away or restarted and may grant \
-                         it again without the key",
+                         than the quorum of {}: node {i} {what} and may grant it again without \
+                         the key",
                         self.quorum
                     ),
                 );

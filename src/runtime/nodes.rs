@@ -1225,6 +1225,7 @@ fn watch(
             Err(e) => {
                 if up {
                     up = false;
+                    failures = 0;
                     log::debug!("redlock node {}: watcher lost the server: {e}", cfg.addr);
                     on(index, NodeEvent::Down);
                 }
@@ -1360,5 +1361,21 @@ mod tests {
         assert_eq!(parsed.replid.as_deref(), Some("def456"));
         assert!(parsed.cluster);
         assert!(!parse_info("cluster_enabled:0\r\n").cluster);
+    }
+
+    #[test]
+    fn a_node_counts_while_the_server_that_granted_runs() {
+        let lease = NodeLease::new(vec!["a".into(), "b".into()], "v".into());
+        assert!(!lease.counts(0), "no grant confirmed");
+        assert!(!lease.seen_run(0, "one"), "nothing to lose");
+        lease.slots[0].lock().granted_by = Some(Arc::from("one"));
+        assert!(lease.counts(0));
+        assert!(!lease.seen_run(0, "one"), "the same server");
+        assert!(lease.counts(0));
+        assert!(lease.seen_run(0, "two"), "another server now");
+        assert!(!lease.counts(0));
+        assert!(!lease.seen_run(0, "one"), "a restart is for good");
+        assert!(!lease.counts(0));
+        assert!(!lease.counts(1));
     }
 }
