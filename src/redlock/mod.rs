@@ -146,8 +146,9 @@ use restarts::Restarts;
 ///   breaks connections). Even with persistence, the group cannot tell
 ///   whether the restarted node kept the key.
 /// - Each node has a watcher on an idle connection of its own. The moment
-///   that connection closes (the server stopped, restarted, or closed it) or
-///   the watcher finds a new `run_id`, every live lock is judged again: a node
+///   that connection fails (the server stopped, restarted or closed it, or,
+///   pinged after 5 s of silence, did not answer) or the watcher finds a new
+///   `run_id`, every live lock is judged again: a node
 ///   that went away counts no more for a lock unless the restart delay keeps
 ///   it from granting anything before the lock's loss deadline, and a node
 ///   that restarted never counts again. A lock that fewer than a quorum of
