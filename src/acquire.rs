@@ -206,16 +206,27 @@ impl<K: Kind> Lease<K> {
                     settle: dep.connect_timeout,
                 };
                 let mut uncertain_since = None;
+                let mut granted_at = None;
                 let waited = waiters::wait_for(&*dep.topology, &w, |conn, d| {
                     let started = dep.now();
-                    let r = self.attempt(conn, &owner, ttl_ms, d, true, uncertain_since);
+                    let since = rerun_since(uncertain_since, granted_at);
+                    let r = self.attempt(conn, &owner, ttl_ms, d, true, since);
                     if r.as_ref().is_err_and(Error::is_uncertain) {
                         uncertain_since.get_or_insert(started);
+                    }
+                    if matches!(r, Ok(Attempt::Acquired(_))) {
+                        granted_at.get_or_insert(started);
                     }
                     r
                 });
                 if !matches!(waited.result, Ok(Some(_))) {
-                    self.spec.stopped_waiting(dep, &owner);
+                    // Within the wait's own bound: its deadline plus one
+                    // attempt.
+                    let now = dep.now();
+                    let by = deadline.map_or(now + dep.node_timeout(), |d| {
+                        (d + w.node_timeout).min(now + dep.node_timeout())
+                    });
+                    self.spec.stopped_waiting(dep, &owner, by);
                 }
                 (waited.result, waited.uncertain)
             }
@@ -277,6 +288,7 @@ impl<K: Kind> Lease<K> {
         let dep = &self.dep;
         let mut uncertain = Vec::new();
         let mut uncertain_since = None;
+        let mut granted_at = None;
         let deadline = dep.now() + dep.node_timeout() + dep.replication.timeout();
         let mut result = Err(Error::Cancelled);
         for retry in [false, true] {
@@ -289,7 +301,12 @@ impl<K: Kind> Lease<K> {
                 |conn, deadline| {
                     reused = !conn.is_fresh();
                     started = dep.now();
-                    self.attempt(conn, owner, ttl_ms, deadline, false, uncertain_since)
+                    let since = rerun_since(uncertain_since, granted_at);
+                    let r = self.attempt(conn, owner, ttl_ms, deadline, false, since);
+                    if matches!(r, Ok(Attempt::Acquired(_))) {
+                        granted_at.get_or_insert(started);
+                    }
+                    r
                 },
             );
             result = r.map(|a| match a {
@@ -361,6 +378,15 @@ impl<K: Kind> Lease<K> {
         self.dep.granted(&cell);
         LeaseGuard::new(self.dep.clone(), cell, g.grant, acknowledged)
     }
+}
+
+/// The earliest send that may have made a grant an attempt finds in place:
+/// the first attempt that got no reply, or the first whose grant came back but
+/// was discarded. An attempt runs again after a grant only when its reply came
+/// from a server retired during the call (a failover): the grant may have
+/// reached the new primary and count from that earlier send.
+fn rerun_since(uncertain_since: Option<Instant>, granted_at: Option<Instant>) -> Option<Instant> {
+    uncertain_since.into_iter().chain(granted_at).min()
 }
 
 impl<K: Kind> fmt::Debug for Lease<K> {

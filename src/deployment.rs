@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 
 use crate::clock::Clock;
 use crate::conn::{Conn, Connect};
-use crate::core::fences::{FenceBook, REMEMBERED_KEYS};
+use crate::core::fences::{self, FenceBook, REMEMBERED_KEYS};
 use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::keys;
@@ -56,7 +56,10 @@ impl Deployment {
             clock,
             replication,
             connect_timeout,
-            fences: Mutex::new(FenceBook::new(timing.node_timeout * 4, REMEMBERED_KEYS)),
+            fences: Mutex::new(FenceBook::new(
+                fences::horizon(timing.node_timeout, replication.timeout()),
+                REMEMBERED_KEYS,
+            )),
             keepalive_ok: OnceLock::new(),
             probed: Mutex::new(Vec::new()),
         }
@@ -271,6 +274,23 @@ impl Deployment {
                 give_up_at,
                 hops: 0,
             });
+        }
+    }
+
+    /// Hands `cmd` on `key` to the executor of the server that holds `key`,
+    /// which sends it until it is answered or `give_up_at` passes.
+    pub(crate) fn in_background(&self, key: &str, cmd: redis::Cmd, give_up_at: Instant) {
+        match self.topology.node_for(key) {
+            Ok(node) => {
+                node.submit(Job::Cleanup {
+                    conns: Vec::new(),
+                    cmd: Some(cmd),
+                    key: key.to_owned(),
+                    give_up_at,
+                    hops: 0,
+                });
+            }
+            Err(e) => log::warn!("no server to send a command on {key:?} to: {e}"),
         }
     }
 }

@@ -143,8 +143,10 @@ pub(crate) trait Acquire<G>: Send + Sync {
     }
     /// The command that deletes whatever an unanswered attempt of `owner` set.
     fn clean_up(&self, owner: &OwnerToken) -> redis::Cmd;
-    /// A wait of `owner` ended without the lease (a writer withdraws its intent).
-    fn stopped_waiting(&self, _dep: &Deployment, _owner: &OwnerToken) {}
+    /// A wait of `owner` ended without the lease (a writer withdraws its
+    /// intent). Returns by `by`; what is not done by then goes on in the
+    /// background.
+    fn stopped_waiting(&self, _dep: &Deployment, _owner: &OwnerToken, _by: Instant) {}
     /// The type's name and fields, for `Debug`.
     fn debug(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result;
     /// The spec itself, for the methods of one kind of [`Lease<K>`](crate::Lease)

@@ -315,8 +315,10 @@
 //! watches involves no thread of its own. Per [`RedlockGroup`]: one worker per
 //! node (`respire-node-N`, one connection each), started with the group; a
 //! renewal thread (`respire-redlock`), started by the first `keep_alive()` or
-//! `lost_signal()` of one of its guards; and, only while a node reconnects
-//! after a failure, a connector thread (`respire-conn-N`). No thread or
+//! `lost_signal()` of one of its guards; one watcher per node
+//! (`respire-watch-N`, one idle connection each), started with the group; and,
+//! only while a node reconnects after a failure, a connector thread
+//! (`respire-conn-N`). No thread or
 //! connection is created per guard or per waiter. These threads never wait on
 //! a lock held across network I/O, and stop when the last handle
 //! (coordinator, group or guard) that needs them is dropped. A failure in a

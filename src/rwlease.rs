@@ -47,7 +47,11 @@ pub type ReadLease = Lease<Read>;
 /// *intent*, which holds new readers back under [`Preference::Writer`]; the
 /// intent is refreshed while the writer waits and withdrawn when the wait ends
 /// without the lease (timed out, cancelled, failed), which wakes the readers
-/// it held back. A waiting writer is woken by changes of the writer's lease and
+/// it held back. The withdrawal fits in the wait's
+/// [time bound](Lease#time-bounds) (its deadline plus one attempt): when the
+/// server does not answer in that time, the wait returns anyway and the
+/// withdrawal is sent in the background until the intent would have expired
+/// by itself. A waiting writer is woken by changes of the writer's lease and
 /// of the reader set, and by a timer at the moment the current writer's lease
 /// or the last reader would expire by itself (or its intent needs refreshing).
 pub type WriteLease = Lease<Write>;
@@ -455,28 +459,51 @@ impl Acquire<FencingToken> for WriteSpec {
         scripts::RW_WRITE_CLEAN_UP.eval(&[&self.keys[0], &self.keys[2]], &[owner.as_str()])
     }
 
-    fn stopped_waiting(&self, dep: &Deployment, owner: &OwnerToken) {
+    fn stopped_waiting(&self, dep: &Deployment, owner: &OwnerToken, by: Instant) {
         if self.preference != Preference::Writer {
             return;
         }
         let q = &self.keys[2];
-        let deadline = dep.now() + dep.node_timeout();
-        let (withdrawn, _) = dep.on_key(q, deadline, Connect::Within, |conn, deadline| {
-            conn.script::<i64>(
-                &scripts::RW_WRITE_WITHDRAW,
-                &[q],
-                &[owner.as_str()],
-                "withdraw intent",
-                deadline,
-            )
-        });
-        match withdrawn {
-            Ok(n) => log::debug!("withdrew a waiting writer's intent on {q:?}: {n}"),
-            Err(e) => log::warn!(
-                "could not withdraw a waiting writer's intent on {q:?} ({e}); it holds new \
-                 readers back until it expires"
-            ),
+        let now = dep.now();
+        let deadline = by.min(now + dep.node_timeout());
+        if deadline > now {
+            let (withdrawn, _) = dep.on_key(q, deadline, Connect::Within, |conn, deadline| {
+                conn.script::<i64>(
+                    &scripts::RW_WRITE_WITHDRAW,
+                    &[q],
+                    &[owner.as_str()],
+                    "withdraw intent",
+                    deadline,
+                )
+            });
+            match withdrawn {
+                Ok(n) => {
+                    log::debug!("withdrew a waiting writer's intent on {q:?}: {n}");
+                    return;
+                }
+                Err(e) if !e.is_retryable() && !e.is_uncertain() => {
+                    log::warn!(
+                        "could not withdraw a waiting writer's intent on {q:?} ({e}); it \
+                         holds new readers back until it expires"
+                    );
+                    return;
+                }
+                Err(e) => log::debug!(
+                    "withdrawing a waiting writer's intent on {q:?}: {e}; retrying in the \
+                     background"
+                ),
+            }
         }
+        // The wait's bound leaves no time (its last attempt ran to the end)
+        // or the server did not answer in it: the server's executor sends the
+        // withdrawal (it is idempotent) until the intent would have expired
+        // by itself.
+        let longest_intent = Duration::from_millis(intent_ms(u64::MAX, self.node_timeout));
+        dep.in_background(
+            q,
+            scripts::RW_WRITE_WITHDRAW.eval(&[q.as_str()], &[owner.as_str()]),
+            now + longest_intent,
+        );
     }
 
     fn debug(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

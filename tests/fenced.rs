@@ -3,11 +3,11 @@
 mod support;
 
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::Commands;
-use respire_coordination::{Coordinator, Error, ReleaseOutcome};
-use support::{TestServer, shared_server, unique_prefix};
+use respire_coordination::{Coordinator, Error, ReleaseOutcome, Replication};
+use support::{FaultProxy, Mode, TestServer, shared_server, unique_prefix, wait_until};
 
 fn coordinator(url: &str, prefix: &str) -> Coordinator {
     Coordinator::builder(url)
@@ -270,4 +270,56 @@ fn the_fencing_token_is_copy_ord_and_display() {
         text.contains("fencing_token") && text.contains("lease"),
         "{text}"
     );
+}
+
+/// A grant whose `WAIT` blocked for its whole timeout (the replica's link cut)
+/// is still checked against the tokens received before it was sent: a counter
+/// that went back meanwhile is refused.
+#[test]
+fn a_counter_that_went_back_is_refused_after_a_grant_that_waited_for_replicas() {
+    let primary = TestServer::start();
+    let link = FaultProxy::start(primary.addr());
+    let replica = TestServer::builder()
+        .args(["--replicaof", "127.0.0.1", &link.port().to_string()])
+        .start();
+    wait_until(Duration::from_secs(10), "the replica to be online", || {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut primary.client())
+            .unwrap();
+        info.contains("connected_slaves:1") && info.contains("state=online")
+    });
+    let wait = Duration::from_secs(1);
+    let coord = Coordinator::builder(&primary.url())
+        .node_timeout(Duration::from_millis(100))
+        .replication(Replication::Report { timeout: wait })
+        .build()
+        .unwrap();
+    let lock = coord.fenced_lock("{w}:lease", "{w}:fence").unwrap();
+    let mut admin = primary.client();
+    let _: () = admin.set("{w}:fence", 219).unwrap();
+    let first = lock
+        .try_acquire(Duration::from_secs(5))
+        .unwrap()
+        .expect("free");
+    assert_eq!(first.fencing_token().get(), 220);
+    assert_eq!(first.replicas_acknowledged(), Some(1));
+    assert_eq!(first.release().unwrap(), ReleaseOutcome::Released);
+    // The counter's history is lost (as in a failover to a replica behind).
+    let _: () = admin.set("{w}:fence", 19).unwrap();
+    link.set_mode(Mode::Blackhole);
+    let sent = Instant::now();
+    let second = lock.try_acquire(Duration::from_secs(5));
+    assert!(
+        sent.elapsed() >= wait,
+        "WAIT did not block: {:?}",
+        sent.elapsed()
+    );
+    match second {
+        Err(Error::FencingRegression { issued, seen, .. }) => {
+            assert_eq!((issued, seen), (20, 220));
+        }
+        other => panic!("token 20 after 220 was not refused: {other:?}"),
+    }
+    drop(replica);
 }

@@ -1,6 +1,7 @@
 //! The modules of `src/` import one another in one direction only (DESIGN §7):
 //! leaves, then connections, the pure core, the runtime, the primitives and the
-//! coordinator. Read from the `crate::` paths in the sources.
+//! coordinator. Read from the `crate::` and `super::` paths in the sources,
+//! grouped imports (`use crate::{a, b::{c, d}}`) included.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -48,37 +49,256 @@ fn resolve<'a>(mods: &'a BTreeMap<String, String>, path: &str) -> Option<&'a str
         .find_map(|cand| mods.get_key_value(&cand).map(|(k, _)| k.as_str()))
 }
 
-/// `crate::` paths in a source text (`crate::a::b`, also inside `use crate::{…}`
-/// only as far as the first segment, which is what the layering needs).
-fn crate_paths(text: &str) -> Vec<String> {
-    // Comments and docs name modules without importing them.
-    let code: String = text
-        .lines()
-        .map(|l| l.split("//").next().unwrap_or(""))
-        .collect::<Vec<_>>()
-        .join("\n");
-    let mut out = Vec::new();
-    let mut rest = code.as_str();
-    while let Some(i) = rest.find("crate::") {
-        let tail = &rest[i + "crate::".len()..];
-        let path: String = tail
-            .chars()
-            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == ':')
-            .collect();
-        let path = path.trim_end_matches(':').to_owned();
-        if !path.is_empty() {
-            out.push(path);
+/// Source text with comments and the contents of string and character
+/// literals blanked out (their length kept), so that neither a path in a doc
+/// comment nor a brace in a format string is read as code.
+fn code_only(text: &str) -> String {
+    let c: Vec<char> = text.chars().collect();
+    let mut out = String::with_capacity(text.len());
+    let mut i = 0;
+    while i < c.len() {
+        let rest = |n: usize| c.get(i + n).copied();
+        if c[i] == '/' && rest(1) == Some('/') {
+            while i < c.len() && c[i] != '\n' {
+                out.push(' ');
+                i += 1;
+            }
+        } else if c[i] == '/' && rest(1) == Some('*') {
+            let mut depth = 0;
+            while i < c.len() {
+                if c[i] == '/' && c.get(i + 1) == Some(&'*') {
+                    depth += 1;
+                    out.push_str("  ");
+                    i += 2;
+                } else if c[i] == '*' && c.get(i + 1) == Some(&'/') {
+                    depth -= 1;
+                    out.push_str("  ");
+                    i += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    out.push(if c[i] == '\n' { '\n' } else { ' ' });
+                    i += 1;
+                }
+            }
+        } else if c[i] == 'r'
+            && (rest(1) == Some('"') || rest(1) == Some('#'))
+            && (i == 0 || !is_ident(c[i - 1]))
+        {
+            // A raw string: r"…", r#"…"#.
+            let mut j = i + 1;
+            let mut hashes = 0;
+            while c.get(j) == Some(&'#') {
+                hashes += 1;
+                j += 1;
+            }
+            if c.get(j) != Some(&'"') {
+                out.push(c[i]);
+                i += 1;
+                continue;
+            }
+            j += 1;
+            while j < c.len() {
+                if c[j] == '"' && (1..=hashes).all(|h| c.get(j + h) == Some(&'#')) {
+                    j += 1 + hashes;
+                    break;
+                }
+                j += 1;
+            }
+            out.extend(std::iter::repeat_n(' ', j - i));
+            i = j;
+        } else if c[i] == '"' {
+            let mut j = i + 1;
+            while j < c.len() && c[j] != '"' {
+                j += if c[j] == '\\' { 2 } else { 1 };
+            }
+            out.extend(std::iter::repeat_n(' ', (j + 1).min(c.len()) - i));
+            i = j + 1;
+        } else if c[i] == '\'' && rest(1) == Some('\\') {
+            // An escaped character literal: '\n', '\u{7f}'.
+            let mut j = i + 2;
+            while j < c.len() && c[j] != '\'' {
+                j += 1;
+            }
+            out.extend(std::iter::repeat_n(' ', (j + 1).min(c.len()) - i));
+            i = j + 1;
+        } else if c[i] == '\'' && rest(2) == Some('\'') {
+            out.push_str("   ");
+            i += 3;
+        } else {
+            // Code, or the quote of a lifetime.
+            out.push(c[i]);
+            i += 1;
         }
-        rest = tail;
     }
     out
+}
+
+fn is_ident(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_'
+}
+
+/// The paths a module's source imports or names, as `crate::`-relative paths:
+/// `crate::a::b`, every leaf of a grouped import (`use crate::{a, b::{c,
+/// d}}` names `a`, `b::c` and `b::d`), and `super::` paths resolved against
+/// `module` and the inline modules (`mod tests { … }`) around them.
+fn crate_paths(module: &str, text: &str) -> Vec<String> {
+    let code: Vec<char> = code_only(text).chars().collect();
+    let mut out = Vec::new();
+    // The inline modules open at this point, with the brace depth inside each.
+    let mut inline: Vec<(String, usize)> = Vec::new();
+    let mut depth = 0usize;
+    let mut i = 0;
+    let starts = |i: usize, word: &str| {
+        word.chars()
+            .enumerate()
+            .all(|(k, w)| code.get(i + k) == Some(&w))
+            && (i == 0 || !is_ident(code[i - 1]))
+    };
+    while i < code.len() {
+        match code[i] {
+            '{' => {
+                depth += 1;
+                i += 1;
+                continue;
+            }
+            '}' => {
+                if inline.last().is_some_and(|(_, d)| *d == depth) {
+                    inline.pop();
+                }
+                depth = depth.saturating_sub(1);
+                i += 1;
+                continue;
+            }
+            _ => {}
+        }
+        if starts(i, "mod ") {
+            let mut j = i + 4;
+            while code.get(j).is_some_and(|c| c.is_whitespace()) {
+                j += 1;
+            }
+            let name: String = code[j..].iter().take_while(|c| is_ident(**c)).collect();
+            j += name.len();
+            while code.get(j).is_some_and(|c| c.is_whitespace()) {
+                j += 1;
+            }
+            if !name.is_empty() && code.get(j) == Some(&'{') {
+                inline.push((name, depth + 1));
+            }
+            i = j;
+            continue;
+        }
+        let base: Option<Vec<String>> = if starts(i, "crate::") {
+            i += "crate::".len();
+            Some(Vec::new())
+        } else if starts(i, "super::") {
+            let mut here: Vec<String> = module.split("::").map(str::to_owned).collect();
+            here.extend(inline.iter().map(|(n, _)| n.clone()));
+            while starts(i, "super::") {
+                i += "super::".len();
+                here.pop();
+            }
+            Some(here)
+        } else {
+            None
+        };
+        match base {
+            Some(base) => {
+                let (paths, next) = use_tree(&code, i);
+                for p in paths {
+                    let full: Vec<&str> = base
+                        .iter()
+                        .map(String::as_str)
+                        .chain(p.iter().map(String::as_str))
+                        .filter(|s| !s.is_empty() && *s != "self" && *s != "*")
+                        .collect();
+                    if !full.is_empty() {
+                        out.push(full.join("::"));
+                    }
+                }
+                i = next.max(i + 1);
+            }
+            None => i += 1,
+        }
+    }
+    out
+}
+
+/// Reads a use tree (`a::b`, `a::{b, c::{d, e}}`, `a::*`, `a as x`) starting at
+/// `i`; returns each leaf as its path segments and where the tree ends.
+fn use_tree(code: &[char], mut i: usize) -> (Vec<Vec<String>>, usize) {
+    let skip_ws = |i: &mut usize| {
+        while code.get(*i).is_some_and(|c| c.is_whitespace()) {
+            *i += 1;
+        }
+    };
+    let mut prefix: Vec<String> = Vec::new();
+    loop {
+        skip_ws(&mut i);
+        match code.get(i) {
+            Some('{') => {
+                i += 1;
+                let mut leaves = Vec::new();
+                loop {
+                    skip_ws(&mut i);
+                    match code.get(i) {
+                        Some('}') => {
+                            i += 1;
+                            break;
+                        }
+                        Some(',') => i += 1,
+                        None => break,
+                        Some(_) => {
+                            let (sub, next) = use_tree(code, i);
+                            if next == i {
+                                i += 1;
+                                continue;
+                            }
+                            for s in sub {
+                                leaves.push(prefix.iter().cloned().chain(s).collect());
+                            }
+                            i = next;
+                        }
+                    }
+                }
+                return (leaves, i);
+            }
+            Some('*') => {
+                return (vec![prefix], i + 1);
+            }
+            Some(c) if is_ident(*c) => {
+                let seg: String = code[i..].iter().take_while(|c| is_ident(**c)).collect();
+                i += seg.len();
+                prefix.push(seg);
+                skip_ws(&mut i);
+                if code.get(i) == Some(&':') && code.get(i + 1) == Some(&':') {
+                    i += 2;
+                    continue;
+                }
+                // `as x` renames the leaf; the path stays.
+                let mut j = i;
+                if code.get(j) == Some(&'a') && code.get(j + 1) == Some(&'s') {
+                    j += 2;
+                    if code.get(j).is_some_and(|c| c.is_whitespace()) {
+                        skip_ws(&mut j);
+                        let alias: String =
+                            code[j..].iter().take_while(|c| is_ident(**c)).collect();
+                        i = j + alias.len();
+                    }
+                }
+                return (vec![prefix], i);
+            }
+            _ => return (vec![prefix], i),
+        }
+    }
 }
 
 fn edges(mods: &BTreeMap<String, String>) -> BTreeMap<&str, BTreeSet<&str>> {
     let mut edges: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
     for (m, text) in mods {
         let set = edges.entry(m.as_str()).or_default();
-        for path in crate_paths(text) {
+        for path in crate_paths(m, text) {
             if let Some(t) = resolve(mods, &path)
                 && t != m
                 && !m.starts_with(&format!("{t}::"))
@@ -215,4 +435,56 @@ fn the_checker_finds_a_cycle() {
     mods.insert("d".to_owned(), "use crate::a;".to_owned());
     let edges = edges(&mods);
     assert_eq!(cycles(&edges), vec![vec!["a", "b", "c"]]);
+}
+
+#[test]
+fn the_checker_reads_grouped_imports() {
+    let mut mods = BTreeMap::new();
+    mods.insert(
+        "p".to_owned(),
+        "use crate::{\n    error::E,\n    q::{Q1, inner::{self, Q2}},\n};".to_owned(),
+    );
+    mods.insert("q".to_owned(), "use crate::p::P;".to_owned());
+    mods.insert("q::inner".to_owned(), String::new());
+    mods.insert("error".to_owned(), String::new());
+    let edges = edges(&mods);
+    assert_eq!(
+        edges["p"].iter().copied().collect::<Vec<_>>(),
+        ["error", "q", "q::inner"]
+    );
+    assert_eq!(cycles(&edges), vec![vec!["p", "q"]]);
+}
+
+#[test]
+fn the_checker_reads_super_imports() {
+    let mut mods = BTreeMap::new();
+    // `super::` in a file module, twice over, and inside an inline module,
+    // where it names the file module itself.
+    mods.insert("r::s".to_owned(), "use super::t::T;".to_owned());
+    mods.insert(
+        "r::t".to_owned(),
+        "use super::super::u::U;\nmod tests { use super::*; use super::super::s; }".to_owned(),
+    );
+    mods.insert("u".to_owned(), "fn f() { super::r::s::g(); }".to_owned());
+    let edges = edges(&mods);
+    assert_eq!(
+        edges["r::t"].iter().copied().collect::<Vec<_>>(),
+        ["r::s", "u"]
+    );
+    assert_eq!(cycles(&edges), vec![vec!["r::s", "r::t", "u"]]);
+}
+
+#[test]
+fn the_checker_ignores_paths_in_comments_and_strings() {
+    let mut mods = BTreeMap::new();
+    mods.insert(
+        "a".to_owned(),
+        "/// see crate::b\nfn f() { let s = \"crate::b {\"; /* super::b */ let c = '{'; }\nuse crate::c::C;"
+            .to_owned(),
+    );
+    mods.insert("b".to_owned(), "use crate::a::A;".to_owned());
+    mods.insert("c".to_owned(), String::new());
+    let edges = edges(&mods);
+    assert_eq!(edges["a"].iter().copied().collect::<Vec<_>>(), ["c"]);
+    assert!(cycles(&edges).is_empty());
 }

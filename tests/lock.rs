@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use redis::Commands;
 use respire_coordination::{Coordinator, Error, MAX_TTL, ReleaseOutcome};
-use support::{TestServer, shared_server, unique_prefix, wait_until};
+use support::{FaultProxy, Mode, TestServer, shared_server, unique_prefix, wait_until};
 
 fn coordinator(prefix: &str) -> Coordinator {
     Coordinator::builder(&shared_server().url())
@@ -635,4 +635,143 @@ fn the_fenced_acquire_script_is_idempotent_for_one_owner() {
         .invoke(&mut admin)
         .unwrap();
     assert_eq!(reply[0], 0);
+}
+
+/// The replicas a sentinel knows for `service`: (port, flags, link status).
+fn sentinel_replicas(sentinel: &TestServer, service: &str) -> Vec<(String, String, String)> {
+    let replicas: Vec<Vec<String>> = redis::cmd("SENTINEL")
+        .arg("REPLICAS")
+        .arg(service)
+        .query(&mut sentinel.client())
+        .unwrap();
+    replicas
+        .into_iter()
+        .map(|fields| {
+            let get = |name: &str| {
+                fields
+                    .chunks(2)
+                    .find(|kv| kv[0] == name)
+                    .map(|kv| kv[1].clone())
+                    .unwrap_or_default()
+            };
+            (get("port"), get("flags"), get("master-link-status"))
+        })
+        .collect()
+}
+
+/// A grant whose reply came from a primary that was failed over during the
+/// call is run again on the new primary. If the first grant reached the new
+/// primary (and could not be deleted there), the attempt finds it in place:
+/// its expiry counts from the first send, so the guard's bound must too.
+#[test]
+fn a_grant_found_in_place_after_a_failover_counts_from_the_first_send() {
+    let no_sync_delay = ["--repl-diskless-sync-delay", "0"];
+    let primary = TestServer::builder().args(no_sync_delay).start();
+    let replica = TestServer::builder()
+        .args(no_sync_delay)
+        .args(["--replicaof", "127.0.0.1", &primary.port().to_string()])
+        .start();
+    // The sentinel, and so every client, reaches the primary through a proxy
+    // that can hold its replies back; the replica is reached directly.
+    let front = FaultProxy::start(primary.addr());
+    let sentinel = TestServer::builder()
+        .sentinel(format!(
+            "sentinel monitor svc 127.0.0.1 {} 1\n\
+             sentinel down-after-milliseconds svc 60000\n\
+             sentinel failover-timeout svc 2000\n",
+            front.port()
+        ))
+        .start();
+    let replica_port = replica.port().to_string();
+    wait_until(
+        Duration::from_secs(30),
+        "the sentinel to find the replica",
+        || {
+            sentinel_replicas(&sentinel, "svc")
+                .iter()
+                .any(|(port, flags, link)| {
+                    *port == replica_port && flags == "slave" && link == "ok"
+                })
+        },
+    );
+    // The new primary runs the acquire's plain commands but refuses scripts,
+    // so the first grant, once discarded, cannot be released there.
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("default")
+        .arg("-eval")
+        .arg("-evalsha")
+        .query(&mut replica.client())
+        .unwrap();
+    let node_timeout = Duration::from_secs(8);
+    let coord = Coordinator::sentinel_builder(&[&sentinel.url()], "svc")
+        .node_timeout(node_timeout)
+        .build()
+        .unwrap();
+    let lock = coord.lock("job").unwrap();
+    // A pooled connection to the primary, made before its replies are held.
+    lock.try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .expect("free")
+        .release()
+        .unwrap();
+    let reply_delay = Duration::from_secs(4);
+    front.set_mode(Mode::DelayServerToClient(reply_delay));
+    let ttl = Duration::from_secs(30);
+    let (guard, sent, switched) = std::thread::scope(|s| {
+        let sent = Instant::now();
+        let acquiring = s.spawn(|| lock.try_acquire(ttl));
+        let mut on_replica = replica.client();
+        wait_until(
+            Duration::from_secs(3),
+            "the grant to reach the replica",
+            || on_replica.exists(lock.key()).unwrap(),
+        );
+        let _: () = redis::cmd("SENTINEL")
+            .arg("FAILOVER")
+            .arg("svc")
+            .query(&mut sentinel.client())
+            .unwrap();
+        wait_until(
+            Duration::from_secs(10),
+            "the coordinator to follow the failover",
+            || {
+                coord
+                    .primaries()
+                    .iter()
+                    .any(|p| p.ends_with(&format!(":{replica_port}")))
+            },
+        );
+        let switched = Instant::now();
+        (acquiring.join().unwrap(), sent, switched)
+    });
+    assert!(
+        switched < sent + reply_delay,
+        "the failover came {:?} after the send, after the first reply",
+        switched - sent
+    );
+    let guard = guard.unwrap().expect("granted on the new primary");
+    // The oracle: the key's expiry on the new primary, on the local clock.
+    let mut admin = replica.client();
+    let mut pipe = redis::pipe();
+    pipe.atomic().cmd("PEXPIRETIME").arg(lock.key()).cmd("TIME");
+    let before = Instant::now();
+    let (at_ms, (secs, micros)): (i64, (i64, i64)) = pipe.query(&mut admin).unwrap();
+    let read_at = before + before.elapsed() / 2;
+    let left_us = at_ms * 1_000 - (secs * 1_000_000 + micros);
+    assert!(left_us > 0, "the key has no expiry left ({at_ms})");
+    let expiry = read_at + Duration::from_micros(left_us as u64);
+    // The library's bound, the thing under test.
+    let bound = Instant::now() + guard.remaining_estimate();
+    assert!(
+        bound <= expiry,
+        "the guard counts on the lease {:?} past its expiry on the new primary",
+        bound - expiry
+    );
+    assert!(!guard.is_lost());
+    println!(
+        "bound {:?} before the new primary's expiry ({:?} after the first send)",
+        expiry - bound,
+        expiry - sent
+    );
 }

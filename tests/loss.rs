@@ -1,6 +1,10 @@
 //! Keep-alive flags loss before the lease can expire, for every kind of fault:
 //! the key deleted, the key overwritten, the server stopped, the network
 //! blackholed, replies delayed past the node timeout. 30 trials each.
+//!
+//! The oracle is the server's: the lease's `PEXPIRETIME` read at the fault
+//! together with the server's `TIME`, converted to the local monotonic clock.
+//! Nothing the library estimates enters the verdict.
 
 mod support;
 
@@ -35,21 +39,46 @@ impl Rig {
         Rig { server, proxy }
     }
 
-    fn inject(&self, fault: Fault, key: &str) {
+    /// Injects `fault` and returns when the lease could end on the server at
+    /// the latest as things stood at the fault, on the local clock. Read on a
+    /// connection straight to the server, never through the proxy.
+    fn inject(&self, fault: Fault, key: &str) -> Instant {
+        let mut admin = self.server.client();
         match fault {
+            // The read and the fault in one transaction: nothing comes between.
             Fault::DeleteKey => {
-                let _: () = self.server.client().del(key).unwrap();
+                expiry_at_fault(&mut admin, key, Some(redis::cmd("DEL").arg(key).clone()))
             }
-            Fault::OverwriteKey => {
-                let _: () = self
-                    .server
-                    .client()
-                    .pset_ex(key, "someone-else", 10_000)
-                    .unwrap();
+            Fault::OverwriteKey => expiry_at_fault(
+                &mut admin,
+                key,
+                Some(
+                    redis::cmd("SET")
+                        .arg(key)
+                        .arg("someone-else")
+                        .arg("PX")
+                        .arg(10_000)
+                        .clone(),
+                ),
+            ),
+            // Read just before the stop: a renewal confirmed in between
+            // would move the real expiry past this one, which can only make
+            // the check fail, never pass.
+            Fault::StopServer => {
+                let expiry = expiry_at_fault(&mut admin, key, None);
+                self.server.pause();
+                expiry
             }
-            Fault::StopServer => self.server.pause(),
-            Fault::Blackhole => self.proxy.set_mode(Mode::Blackhole),
-            Fault::DelayReplies => self.proxy.set_mode(Mode::Delay(NODE_TIMEOUT * 2)),
+            // Read just after the cut: a renewal the server applies later is
+            // one whose reply the client never gets, so it cannot count.
+            Fault::Blackhole => {
+                self.proxy.set_mode(Mode::Blackhole);
+                expiry_at_fault(&mut admin, key, None)
+            }
+            Fault::DelayReplies => {
+                self.proxy.set_mode(Mode::Delay(NODE_TIMEOUT * 2));
+                expiry_at_fault(&mut admin, key, None)
+            }
         }
     }
 
@@ -76,6 +105,45 @@ fn wait_for_a_renewal(guard: &FencedGuard) {
     });
 }
 
+/// The lease's expiry on the server (`PEXPIRETIME`) as a local instant,
+/// converted with the server's `TIME` read in the same transaction, in which
+/// `fault` (if any) runs right after the reads.
+fn expiry_at_fault(c: &mut redis::Connection, key: &str, fault: Option<redis::Cmd>) -> Instant {
+    let mut pipe = redis::pipe();
+    pipe.atomic();
+    pipe.cmd("PEXPIRETIME").arg(key).cmd("TIME");
+    if let Some(cmd) = fault {
+        pipe.add_command(cmd).ignore();
+    }
+    let before = Instant::now();
+    let (at_ms, (secs, micros)): (i64, (i64, i64)) = pipe.query(c).unwrap();
+    let after = Instant::now();
+    assert!(at_ms > 0, "{key:?} has no expiry at the fault ({at_ms})");
+    // Microseconds, so that the server's clock is not rounded down a whole
+    // millisecond; the reply's local instant is the middle of the round trip.
+    let now_us = secs * 1_000_000 + micros;
+    let read_at = before + (after - before) / 2;
+    let left_us = at_ms * 1_000 - now_us;
+    if left_us >= 0 {
+        read_at + Duration::from_micros(left_us as u64)
+    } else {
+        read_at - Duration::from_micros(left_us.unsigned_abs())
+    }
+}
+
+/// The check: loss must be observed strictly before the server's expiry.
+/// `Ok` holds the margin; `Err` says how late it was.
+fn flagged_before(flagged: Instant, expiry: Instant) -> Result<Duration, String> {
+    if flagged < expiry {
+        Ok(expiry - flagged)
+    } else {
+        Err(format!(
+            "loss flagged {:?} after the lease's expiry on the server",
+            flagged - expiry
+        ))
+    }
+}
+
 fn run(fault: Fault) {
     let rig = Rig::new();
     let mut margins = Vec::with_capacity(TRIALS);
@@ -97,10 +165,7 @@ fn run(fault: Fault) {
         let renewal = guard.keep_alive().unwrap();
         wait_for_a_renewal(&guard);
 
-        rig.inject(fault, guard.key());
-        // The local validity: last confirmed renewal's send time + TTL − drift.
-        // The server's expiry is later still (it counts from when it received it).
-        let expiry = Instant::now() + guard.remaining_estimate();
+        let expiry = rig.inject(fault, guard.key());
         let signal = guard
             .lost_signal()
             .recv_deadline(expiry + Duration::from_secs(2));
@@ -110,12 +175,10 @@ fn run(fault: Fault) {
             "{fault:?} trial {trial}: the loss signal never fired"
         );
         assert!(guard.is_lost(), "{fault:?} trial {trial}");
-        assert!(
-            flagged < expiry,
-            "{fault:?} trial {trial}: loss flagged {:?} after the lease's expiry",
-            flagged - expiry
-        );
-        margins.push(expiry - flagged);
+        match flagged_before(flagged, expiry) {
+            Ok(margin) => margins.push(margin),
+            Err(late) => panic!("{fault:?} trial {trial}: {late}"),
+        }
         drop(renewal);
         rig.heal(fault);
         drop(guard);
@@ -151,6 +214,38 @@ fn loss_is_flagged_before_expiry_when_the_network_blackholes() {
 #[test]
 fn loss_is_flagged_before_expiry_when_replies_are_delayed() {
     run(Fault::DelayReplies);
+}
+
+/// The negative control of the check above: a loss seen only once the key is
+/// gone from the server, and instants at and just after the server's expiry,
+/// are all reported as late.
+#[test]
+fn the_check_reports_a_loss_flagged_at_or_after_the_servers_expiry() {
+    let rig = Rig::new();
+    let coord = Coordinator::builder(&rig.server.url())
+        .node_timeout(NODE_TIMEOUT)
+        .build()
+        .unwrap();
+    let lock = coord.fenced_lock("{late}:lease", "{late}:fence").unwrap();
+    let guard = lock.try_acquire(TTL).unwrap().expect("free key");
+    let mut admin = rig.server.client();
+    let expiry = expiry_at_fault(&mut admin, guard.key(), None);
+    assert!(flagged_before(expiry - Duration::from_millis(1), expiry).is_ok());
+    assert!(flagged_before(expiry, expiry).is_err());
+    assert!(flagged_before(expiry + Duration::from_millis(1), expiry).is_err());
+    // A watcher that learns of the loss only from the server, when the key is
+    // gone: always too late.
+    let key = guard.key().to_owned();
+    let mut gone = None;
+    wait_until(TTL * 2, "the lease to expire on the server", || {
+        let exists: bool = admin.exists(&key).unwrap();
+        if !exists {
+            gone = Some(Instant::now());
+        }
+        !exists
+    });
+    let late = flagged_before(gone.unwrap(), expiry).unwrap_err();
+    assert!(late.contains("after the lease's expiry"), "{late}");
 }
 
 #[test]

@@ -862,14 +862,72 @@ fn restart_delay_keeps_a_node_that_lost_its_data_out() {
         other => panic!("expected no lock, got {other:?}"),
     }
 
-    // Without it, a second holder gets a majority while the first still
-    // believes it holds the lock: the failure the rule prevents. (The wait
+    // Without it, a second holder gets a majority: the failure the rule
+    // prevents. The first holder was told as the nodes went away. (The wait
     // rides out the connections the restarts closed.)
+    assert!(
+        first.is_lost(),
+        "two of the three nodes that granted it went away"
+    );
     let second = group
         .acquire_timeout("job", ttl, Duration::from_secs(5))
         .unwrap();
     assert!(second.is_some());
+}
+
+/// How many connections named `name` node `i`'s server lists.
+fn clients_named(nodes: &Nodes, i: usize, name: &str) -> usize {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(&mut nodes.servers[i].client())
+        .unwrap();
+    list.lines()
+        .filter(|l| l.contains(&format!(" name={name} ")))
+        .count()
+}
+
+/// Whether node `i`'s server lists a connection named `name`.
+fn has_client(nodes: &Nodes, i: usize, name: &str) -> bool {
+    clients_named(nodes, i, name) > 0
+}
+
+#[test]
+fn a_lock_is_lost_as_soon_as_a_node_it_needs_goes_away_without_its_data() {
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("restart-loss");
+    let key = format!("{prefix}job");
+    let ttl = Duration::from_secs(30);
+    let group = nodes.group(&prefix, options(200));
+    let other = nodes.group(&prefix, options(200));
+    // Node 2 is taken, so the first holder has exactly a quorum: 0 and 1.
+    let _: () = nodes.servers[2]
+        .client()
+        .pset_ex(&key, "someone-else", 60_000)
+        .unwrap();
+    let first = group
+        .try_acquire("job", ttl)
+        .unwrap()
+        .expect("nodes 0 and 1");
+    let _: () = nodes.servers[2].client().del(&key).unwrap();
+    wait_until(Duration::from_secs(5), "node 0 to be watched", || {
+        has_client(&nodes, 0, "respire-redlock-watch")
+    });
     assert!(!first.is_lost());
+    // Node 0 restarts without persistence: it forgot the lock, and with node
+    // 2 it is a quorum for anyone. By the time it takes commands again, the
+    // first holder must know.
+    nodes.servers[0].restart();
+    assert!(
+        first.is_lost(),
+        "node 0 is back without the key while the first holder still counts on it"
+    );
+    assert_eq!(nodes.get(0, &key), None);
+    let second = other
+        .acquire_timeout("job", ttl, Duration::from_secs(5))
+        .unwrap();
+    assert!(second.is_some(), "nodes 0 and 2 make a quorum");
+    assert!(first.is_lost());
+    assert!(first.extend(ttl).is_ok_and(|held| !held));
 }
 
 #[test]
@@ -1451,4 +1509,72 @@ fn the_checker_finds_overlaps_when_restarts_lose_data() {
     let result = campaign(false, run_for);
     eprintln!("no persistence, {run_for:?}: {result:?}");
     assert!(result.overlaps > 0, "the checker found nothing: {result:?}");
+}
+
+#[test]
+fn a_node_that_goes_away_loses_a_lock_unless_the_restart_delay_outlasts_it() {
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("went-away");
+    let ttl = Duration::from_secs(3);
+    let delay = Duration::from_secs(4);
+    // The delay holds back acquires on servers younger than it (counted a
+    // second younger than their whole seconds of uptime).
+    wait_until(
+        Duration::from_secs(10),
+        "the nodes to be up for 5 s",
+        || {
+            nodes.servers.iter().all(|server| {
+                let info: String = redis::cmd("INFO")
+                    .arg("server")
+                    .query(&mut server.client())
+                    .unwrap();
+                info.lines()
+                    .filter_map(|l| l.trim().strip_prefix("uptime_in_seconds:"))
+                    .any(|secs| secs.parse::<u64>().unwrap() >= 5)
+            })
+        },
+    );
+    let plain = nodes.group(&prefix, options(200));
+    let careful = nodes.group(
+        &prefix,
+        RedlockOptions {
+            restart_delay: Some(delay),
+            ..options(200)
+        },
+    );
+    // Node 2 is taken, so each lock has exactly a quorum: nodes 0 and 1.
+    for key in ["plain", "careful"] {
+        let _: () = nodes.servers[2]
+            .client()
+            .pset_ex(format!("{prefix}{key}"), "someone-else", 60_000)
+            .unwrap();
+    }
+    let plain_guard = plain.try_acquire("plain", ttl).unwrap().expect("0 and 1");
+    let careful_guard = careful
+        .try_acquire("careful", ttl)
+        .unwrap()
+        .expect("0 and 1");
+    let watched = || clients_named(&nodes, 0, "respire-redlock-watch") == 2;
+    wait_until(
+        Duration::from_secs(5),
+        "both groups to watch node 0",
+        watched,
+    );
+    // Node 0 closes every connection (it does not restart): either could be
+    // a restart that lost the key, until its watcher connects again.
+    nodes.proxies[0].reset_all();
+    wait_until(
+        Duration::from_secs(2),
+        "the lock without a restart delay to be lost",
+        || plain_guard.is_lost(),
+    );
+    wait_until(
+        Duration::from_secs(5),
+        "both groups to watch node 0 again",
+        watched,
+    );
+    // A restarted node 0 could not have granted anything before the careful
+    // lock's deadline, and it came back as the same server.
+    assert!(!careful_guard.is_lost());
+    assert!(careful_guard.remaining_estimate() > ttl / 2);
 }

@@ -1,6 +1,7 @@
 //! What a Redlock group runs: exactly one worker thread and one connection per
-//! node, one renewal thread once a guard needs it, and nothing left of the
-//! connector threads that make new connections after a failure. Alone in its
+//! node, one watcher thread and its idle connection per node, one renewal
+//! thread once a guard needs it, and nothing left of the connector threads
+//! that make new connections after a failure. Alone in its
 //! test binary, so that the process's threads are the group's.
 
 mod support;
@@ -20,8 +21,8 @@ fn threads(prefix: &str) -> usize {
 }
 
 /// The server's client connections other than the one asking: (all, those
-/// named `respire-redlock`).
-fn connections(server: &TestServer) -> (usize, usize) {
+/// named `respire-redlock`, those named `respire-redlock-watch`).
+fn connections(server: &TestServer) -> (usize, usize, usize) {
     let list: String = redis::cmd("CLIENT")
         .arg("LIST")
         .query(&mut server.client())
@@ -34,11 +35,15 @@ fn connections(server: &TestServer) -> (usize, usize) {
         .iter()
         .filter(|l| l.contains(" name=respire-redlock "))
         .count();
-    (lines.len(), named)
+    let watching = lines
+        .iter()
+        .filter(|l| l.contains(" name=respire-redlock-watch "))
+        .count();
+    (lines.len(), named, watching)
 }
 
 #[test]
-fn a_group_of_five_runs_five_workers_five_connections_and_one_renewal_thread() {
+fn a_group_of_five_runs_five_workers_five_watchers_ten_connections_and_one_renewal_thread() {
     let servers: Vec<TestServer> = (0..5).map(|_| TestServer::start()).collect();
     let proxies: Vec<FaultProxy> = servers
         .iter()
@@ -48,15 +53,18 @@ fn a_group_of_five_runs_five_workers_five_connections_and_one_renewal_thread() {
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
     let one_each = |what: &str| {
         wait_until(Duration::from_secs(5), what, || {
-            servers.iter().all(|s| connections(s) == (1, 1))
+            servers.iter().all(|s| connections(s) == (2, 1, 1))
         })
     };
 
     let group = RedlockGroup::connect(&urls, RedlockOptions::default()).unwrap();
     assert_eq!(threads("respire-node-"), 5);
+    wait_until(Duration::from_secs(5), "a watcher per node", || {
+        threads("respire-watch-") == 5
+    });
     assert_eq!(threads("respire-redlock"), 0, "started on first need");
     assert_eq!(threads("respire-conn"), 0);
-    one_each("one connection per server");
+    one_each("one connection and one watcher per server");
 
     let guard = group
         .try_acquire("job", Duration::from_secs(10))
@@ -74,7 +82,7 @@ fn a_group_of_five_runs_five_workers_five_connections_and_one_renewal_thread() {
     let _keep_second = second.keep_alive().unwrap();
     assert_eq!(threads("respire-redlock"), 1, "one per group");
     for (i, s) in servers.iter().enumerate() {
-        assert_eq!(connections(s), (1, 1), "server {i}");
+        assert_eq!(connections(s), (2, 1, 1), "server {i}");
     }
     eprintln!(
         "group of 5: {} worker threads, {} renewal thread, connections per server: {:?}",
@@ -98,7 +106,7 @@ fn a_group_of_five_runs_five_workers_five_connections_and_one_renewal_thread() {
     wait_until(Duration::from_secs(10), "node 1 to reconnect", || {
         group.nodes()[1].connected && threads("respire-conn") == 0
     });
-    one_each("one connection per server after the reconnect");
+    one_each("one connection and one watcher per server after the reconnect");
     assert_eq!(threads("respire-node-"), 5);
     assert_eq!(threads("respire-redlock"), 1);
     drop(_keep_second);
@@ -109,11 +117,15 @@ fn a_group_of_five_runs_five_workers_five_connections_and_one_renewal_thread() {
     wait_until(
         Duration::from_secs(5),
         "the group's threads to stop",
-        || threads("respire-node-") == 0 && threads("respire-redlock") == 0,
+        || {
+            threads("respire-node-") == 0
+                && threads("respire-redlock") == 0
+                && threads("respire-watch-") == 0
+        },
     );
 
     // Made from coordinators, the group uses their settings only: once the
-    // coordinators are gone, one connection per server again.
+    // coordinators are gone, one connection and one watcher per server again.
     let coordinators = urls
         .iter()
         .map(|u| Coordinator::builder(u).key_prefix("app:").build().unwrap())
@@ -121,6 +133,6 @@ fn a_group_of_five_runs_five_workers_five_connections_and_one_renewal_thread() {
     let group = RedlockGroup::new(coordinators, RedlockOptions::default()).unwrap();
     assert_eq!(threads("respire-node-"), 5);
     assert_eq!(threads("respire-renewal"), 0);
-    one_each("one connection per server for a group made from coordinators");
+    one_each("one connection and one watcher per server for a group made from coordinators");
     assert!(group.nodes().iter().all(|n| n.key_prefix == "app:"));
 }

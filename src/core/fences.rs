@@ -23,6 +23,17 @@ use std::time::{Duration, Instant};
 /// How many fence keys the book remembers.
 pub(crate) const REMEMBERED_KEYS: usize = 10_000;
 
+/// How many of an attempt's longest durations the book keeps in its recent
+/// history.
+const ATTEMPTS_PER_HORIZON: u32 = 4;
+
+/// The horizon of a deployment whose attempts take at most `node_timeout`
+/// plus `replication` (the `WAIT` pipelined after a grant blocks up to its own
+/// timeout before the reply comes): a few of those.
+pub(crate) fn horizon(node_timeout: Duration, replication: Duration) -> Duration {
+    (node_timeout + replication) * ATTEMPTS_PER_HORIZON
+}
+
 #[derive(Debug, Default)]
 struct History {
     /// The highest token received before `settled_before`.
@@ -83,8 +94,8 @@ pub(crate) struct FenceBook {
 }
 
 impl FenceBook {
-    /// `horizon`: the longest time between an attempt's send and the
-    /// processing of its reply (a few node timeouts).
+    /// `horizon`: a few times the longest time between an attempt's send and
+    /// the processing of its reply (see [`horizon`]).
     pub(crate) fn new(horizon: Duration, capacity: usize) -> Self {
         FenceBook {
             keys: HashMap::new(),
@@ -175,6 +186,24 @@ mod tests {
         assert!(h.recent.len() <= 12, "{}", h.recent.len());
         let late = t0 + ms(20_000);
         assert_eq!(book.check("f", 3, late, late + ms(1)), Err(1_000));
+    }
+
+    #[test]
+    fn an_attempt_that_waits_for_replicas_is_checked_against_what_came_before_it() {
+        let t0 = Instant::now();
+        let (nt, wait) = (ms(100), ms(2_000));
+        let horizon = horizon(nt, wait);
+        assert!(horizon >= (nt + wait) * 2, "{horizon:?}");
+        let mut book = FenceBook::new(horizon, 100);
+        book.check("f", 220, t0, t0 + ms(1)).unwrap();
+        // Sent after 220 came back; its reply waited for WAIT's whole timeout.
+        let sent = t0 + ms(5);
+        assert_eq!(book.check("f", 20, sent, sent + nt + wait), Err(220));
+        // With a horizon of node timeouts alone, 220 was settled before this
+        // attempt's send and no longer counted: the regression went unseen.
+        let mut short = FenceBook::new(nt * ATTEMPTS_PER_HORIZON, 100);
+        short.check("f", 220, t0, t0 + ms(1)).unwrap();
+        assert_eq!(short.check("f", 20, sent, sent + nt + wait), Ok(()));
     }
 
     #[test]

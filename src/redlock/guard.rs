@@ -43,8 +43,27 @@ pub(super) struct RedlockLease {
 }
 
 impl RedlockLease {
-    fn nodes(&self) -> &Arc<NodeLease> {
+    pub(super) fn nodes(&self) -> &Arc<NodeLease> {
         self.cell.extra()
+    }
+
+    pub(super) fn is_finished(&self) -> bool {
+        self.cell.is_finished()
+    }
+
+    pub(super) fn lost_at(&self) -> Instant {
+        self.cell.lost_at()
+    }
+
+    /// Too few nodes can be counted on: the lock is lost from `now`, unless
+    /// it was already.
+    pub(super) fn lose_quorum(&self, now: Instant, why: String) {
+        if self.cell.is_lost(now) {
+            return;
+        }
+        log::warn!("redlock {:?} is lost: {why}", self.cell.key());
+        self.cell.mark_lost(now, Loss::Other(why));
+        self.group.renewal.touch(self);
     }
 }
 
@@ -66,7 +85,9 @@ impl Watched for Arc<RedlockLease> {
 ///
 /// The lock is lost when its loss deadline passes — the first send of the
 /// grant or of the last confirmed extension, plus the TTL, minus drift, minus
-/// the node timeout — or when a quorum no longer holds it. While an extension
+/// the node timeout — or when a quorum no longer holds it, or when a node it
+/// needs for its quorum goes away or restarts and may come back without it
+/// (see [Restarts](crate::RedlockGroup#restarts)). While an extension
 /// is in flight, or after one reached no verdict, the guard assumes its worst
 /// effect (a shorter TTL counts from its send time; a longer one only once a
 /// quorum confirmed it). Loss is permanent, and the loss signal is closed by
@@ -90,12 +111,14 @@ impl RedlockGuard {
         evidence: Vec<NodeReport>,
     ) -> RedlockGuard {
         let core = LeaseCore::granted(group.timing(), sent, ttl);
+        let inner = Arc::new(RedlockLease {
+            group: group.clone(),
+            cell: LeaseCell::new(key.to_owned(), nodes, core),
+            evidence: Mutex::new(evidence),
+        });
+        group.restarts.register(&inner);
         RedlockGuard {
-            inner: Arc::new(RedlockLease {
-                group: group.clone(),
-                cell: LeaseCell::new(key.to_owned(), nodes, core),
-                evidence: Mutex::new(evidence),
-            }),
+            inner,
             released: vec![None; group.len()],
             outcome: None,
         }

@@ -8,24 +8,28 @@
 //! arithmetic is `core::quorum`, and each guard's bounds are a `core::lease`
 //! like every other lease's. Here: the group (`mod.rs`), its settings
 //! (`options.rs`), the fan-out and its evidence (`fanout.rs`), one attempt
-//! (`attempt.rs`), the guard and its renewal (`guard.rs`) and the independence
-//! checks (`independence.rs`).
+//! (`attempt.rs`), the guard and its renewal (`guard.rs`), the independence
+//! checks (`independence.rs`) and the judgement of locks when a node goes away
+//! or restarts (`restarts.rs`).
 
 mod attempt;
 mod fanout;
 mod guard;
 mod independence;
 mod options;
+mod restarts;
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use crate::cancel::CancelToken;
 use crate::conn::ConnConfig;
 use crate::coordinator::Coordinator;
 use crate::error::{Error, Result};
-use crate::runtime::nodes::{self, Hello, NodeSettings, NodeWorker, ROUND_TRIPS_PER_TIMEOUT};
+use crate::runtime::nodes::{
+    self, Hello, NodeSettings, NodeWatcher, NodeWorker, OnNodeEvent, ROUND_TRIPS_PER_TIMEOUT,
+};
 
 pub use attempt::RedlockAttempt;
 pub use guard::{RedlockGuard, RedlockKeepAlive};
@@ -34,6 +38,7 @@ pub use options::RedlockOptions;
 use guard::GroupRenewal;
 use independence::check_independent;
 use options::{check_options, random_unit, retry_pause};
+use restarts::Restarts;
 
 /// A lock held by a majority of independent Redis servers: antirez's Redlock.
 ///
@@ -140,6 +145,17 @@ use options::{check_options, random_unit, retry_pause};
 ///   the lock (learned from `INFO` on every new connection; a restart always
 ///   breaks connections). Even with persistence, the group cannot tell
 ///   whether the restarted node kept the key.
+/// - Each node has a watcher on an idle connection of its own. The moment
+///   that connection fails (the server stopped, restarted or closed it, or,
+///   pinged after 5 s of silence, did not answer) or the watcher finds a new
+///   `run_id`, every live lock is judged again: a node
+///   that went away counts no more for a lock unless the restart delay keeps
+///   it from granting anything before the lock's loss deadline, and a node
+///   that restarted never counts again. A lock that fewer than a quorum of
+///   nodes count for is flagged lost at once, before a restarted node takes
+///   commands again. Without a restart delay this flags a lock lost even when
+///   the node comes back with its data, or only its connection was closed:
+///   the group cannot tell which in time.
 /// - With [`RedlockOptions::restart_delay`] set above your longest TTL, it
 ///   sends no acquire to a server whose uptime is below that delay: the rule
 ///   enforced by every client of this crate, whatever the operator does. It
@@ -194,8 +210,11 @@ use options::{check_options, random_unit, retry_pause};
 /// [`RedlockGuard::lost_signal`] of one of its guards, that fires loss signals
 /// and runs keep-alives without ever waiting on a node. While a node is
 /// reconnecting, a connector thread (`respire-conn-N`) makes its new
-/// connection and ends. So a group of 5 healthy nodes runs 5 worker threads,
-/// at most 1 renewal thread and 5 connections; the coordinators given to
+/// connection and ends. One watcher thread per node (`respire-watch-N`) holds
+/// an idle subscribed connection (named `respire-redlock-watch`) to notice at
+/// once when the server goes away or restarts (see [Restarts](#restarts)). So
+/// a group of 5 healthy nodes runs 10 threads, at most 1 renewal thread and 10
+/// connections; the coordinators given to
 /// [`RedlockGroup::new`] are not used for anything but their settings. The
 /// threads stop when the last clone of the group and the last guard are
 /// dropped, after finishing the releases already queued.
@@ -207,7 +226,9 @@ use options::{check_options, random_unit, retry_pause};
 /// `CLIENT ID` and `CLIENT KILL` (a command that got no reply is fenced off by
 /// killing its connection before anything else is sent; both are checked when
 /// the group is made), and, optionally, `SCRIPT EXISTS` (without it a script
-/// the server lacks costs one more round trip, once) and `CLIENT SETNAME`.
+/// the server lacks costs one more round trip, once), `CLIENT SETNAME` and
+/// `SUBSCRIBE` to the channel `respire-redlock-watch` (without it a restart is
+/// noticed only by the next command sent to the node).
 #[derive(Clone)]
 pub struct RedlockGroup {
     inner: Arc<Group>,
@@ -220,6 +241,9 @@ pub(crate) struct Group {
     options: RedlockOptions,
     quorum: usize,
     renewal: GroupRenewal,
+    restarts: Restarts,
+    /// Stop when the group is dropped.
+    _watchers: Vec<NodeWatcher>,
 }
 
 /// One node of a [`RedlockGroup`], as its worker last saw it: see
@@ -522,6 +546,7 @@ impl Group {
         let mut workers = Vec::with_capacity(nodes.len());
         let mut prefixes = Vec::with_capacity(nodes.len());
         let mut longest = Duration::ZERO;
+        let cfgs: Vec<Arc<ConnConfig>> = nodes.iter().map(|(cfg, _)| cfg.clone()).collect();
         for (i, (cfg, prefix)) in nodes.into_iter().enumerate() {
             longest = longest.max(cfg.connect_timeout);
             let worker =
@@ -567,16 +592,44 @@ impl Group {
             options.node_timeout,
         )?;
         let quorum = workers.len() / 2 + 1;
+        let n = workers.len();
         Ok(RedlockGroup {
-            inner: Arc::new_cyclic(|this| Group {
+            inner: Arc::new_cyclic(|this: &Weak<Group>| Group {
                 prefixes,
                 workers,
                 options,
                 quorum,
                 renewal: GroupRenewal::new(this.clone()),
+                restarts: Restarts::new(n),
+                _watchers: watchers(cfgs, this),
             }),
         })
     }
+}
+
+/// One watcher per node, reporting to the group while it lives. A watcher that
+/// cannot be started leaves its node's restarts to be noticed by the next
+/// command sent there.
+fn watchers(cfgs: Vec<Arc<ConnConfig>>, group: &Weak<Group>) -> Vec<NodeWatcher> {
+    let on: OnNodeEvent = {
+        let group = group.clone();
+        Arc::new(move |i, event| {
+            if let Some(group) = group.upgrade() {
+                group.node_event(i, event);
+            }
+        })
+    };
+    cfgs.into_iter()
+        .enumerate()
+        .filter_map(|(i, cfg)| {
+            let addr = cfg.addr.to_string();
+            NodeWatcher::spawn(i, cfg, on.clone())
+                .inspect_err(|e| {
+                    log::warn!("redlock node {addr}: cannot start its watcher thread: {e}")
+                })
+                .ok()
+        })
+        .collect()
 }
 
 /// Refuses a node timeout below [`ROUND_TRIPS_PER_TIMEOUT`] round trips of

@@ -35,9 +35,13 @@ pub struct RedlockOptions {
     pub drift_factor: f64,
     /// When set, no acquire is sent to a server that started less than this
     /// long ago (from `uptime_in_seconds` in `INFO server`, read on every new
-    /// connection, counted as if the server started up to a second later), so that a node restarted without its data cannot grant
-    /// a lock that another client may still hold. Set it above your longest
-    /// TTL. Defaults to `None`.
+    /// connection, counted as if the server started up to a second later), so
+    /// that a node restarted without its data cannot grant a lock that another
+    /// client may still hold. Set it above your longest TTL. Without it (or
+    /// with a delay shorter than a lock has left), a lock is flagged lost as
+    /// soon as a node it needs for its quorum goes away or restarts, since the
+    /// node may come back empty and grant it again (see
+    /// [Restarts](crate::RedlockGroup#restarts)). Defaults to `None`.
     pub restart_delay: Option<Duration>,
     /// The first pause of the bounded waits between attempts; each pause is
     /// random between half and all of a ceiling that starts here and doubles.

@@ -118,6 +118,27 @@ impl NodeLease {
         let slots = keys.iter().map(|_| Mutex::new(Slot::default())).collect();
         NodeLease { keys, value, slots }
     }
+
+    /// Whether node `i` counts for this lease: it confirmed the grant and has
+    /// not restarted since.
+    pub(crate) fn counts(&self, i: usize) -> bool {
+        let slot = self.slots[i].lock();
+        slot.granted_by.is_some() && !slot.restarted
+    }
+
+    /// Node `i` now runs as `run_id`: if that is not the server that granted
+    /// the lease, the node never counts for it again. Returns whether it
+    /// stopped counting now.
+    pub(crate) fn seen_run(&self, i: usize, run_id: &str) -> bool {
+        let mut slot = self.slots[i].lock();
+        match &slot.granted_by {
+            Some(granted) if !slot.restarted && &**granted != run_id => {
+                slot.restarted = true;
+                true
+            }
+            _ => false,
+        }
+    }
 }
 
 /// One node's share of a group operation.
@@ -1141,6 +1162,167 @@ fn unexpected(op: &'static str, reply: &(impl std::fmt::Debug + ?Sized)) -> Erro
     }
 }
 
+/// The channel a watcher subscribes to; nothing is published there.
+const WATCH_CHANNEL: &str = "respire-redlock-watch";
+
+/// How long a watcher blocks in one read before it checks whether to stop.
+const WATCH_READ: Duration = Duration::from_millis(250);
+
+/// How long a watcher's connection may stay silent before it is pinged.
+const WATCH_PING_EVERY: Duration = Duration::from_secs(5);
+
+/// What a node's watcher learns about its server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum NodeEvent {
+    /// The server closed the watcher's connection, or it failed: the server
+    /// may have stopped, and may come back without its data.
+    Down,
+    /// The watcher is connected to the server running as `run_id`.
+    Up { run_id: Arc<str> },
+}
+
+/// What a group does with its watchers' news: `(node index, event)`.
+pub(crate) type OnNodeEvent = Arc<dyn Fn(usize, NodeEvent) + Send + Sync>;
+
+/// The handle on a watcher thread (`respire-watch-N`): it holds an idle
+/// subscribed connection to its node, so that the moment the server goes away
+/// (the connection closes) is known without any command in flight, and reads
+/// the run id of every server it connects to. It stops when this is dropped.
+pub(crate) struct NodeWatcher {
+    _stop: Sender<()>,
+}
+
+impl NodeWatcher {
+    /// Starts the watcher of node `index`, which reports to `on`.
+    pub(crate) fn spawn(
+        index: usize,
+        cfg: Arc<ConnConfig>,
+        on: OnNodeEvent,
+    ) -> std::io::Result<NodeWatcher> {
+        let (stop_tx, stop) = crossbeam_channel::bounded::<()>(0);
+        std::thread::Builder::new()
+            .name(format!("respire-watch-{index}"))
+            .spawn(move || watch(index, &cfg, &*on, &stop))?;
+        Ok(NodeWatcher { _stop: stop_tx })
+    }
+}
+
+/// The watcher thread: connects, reports the run id, waits on the idle
+/// connection until it fails (reported as [`NodeEvent::Down`]), and connects
+/// again, pausing between failed tries; until the group is gone.
+fn watch(
+    index: usize,
+    cfg: &ConnConfig,
+    on: &(dyn Fn(usize, NodeEvent) + Send + Sync),
+    stop: &Receiver<()>,
+) {
+    let mut failures = 0u32;
+    let mut up = false;
+    loop {
+        let session = watch_session(index, cfg, on, stop, &mut up);
+        match session {
+            Ok(()) => return,
+            Err(e) => {
+                if up {
+                    up = false;
+                    failures = 0;
+                    log::debug!("redlock node {}: watcher lost the server: {e}", cfg.addr);
+                    on(index, NodeEvent::Down);
+                }
+                if matches!(e, Error::Permission(_)) {
+                    log::warn!(
+                        "redlock node {}: cannot watch for restarts ({e}); a restart is noticed \
+                         only by the next command sent there",
+                        cfg.addr
+                    );
+                    return;
+                }
+                failures = failures.saturating_add(1);
+            }
+        }
+        if let Err(crossbeam_channel::RecvTimeoutError::Disconnected) =
+            stop.recv_timeout(rest_after(failures))
+        {
+            return;
+        }
+    }
+}
+
+/// One watcher connection: `Ok` when the group is gone, `Err` when the
+/// connection could not be made or failed.
+fn watch_session(
+    index: usize,
+    cfg: &ConnConfig,
+    on: &(dyn Fn(usize, NodeEvent) + Send + Sync),
+    stop: &Receiver<()>,
+    up: &mut bool,
+) -> Result<()> {
+    let mut conn = cfg.connect_pubsub(cfg.connect_timeout, "respire-redlock-watch")?;
+    let deadline = Instant::now() + cfg.node_timeout;
+    let info: String = conn.query(redis::cmd("INFO").arg("server"), "INFO", deadline)?;
+    let io = |op: &'static str| move |source: redis::RedisError| Error::Io { op, source };
+    let raw = conn.raw();
+    raw.set_read_timeout(Some(cfg.node_timeout.max(WATCH_READ)))
+        .and_then(|()| raw.set_write_timeout(Some(cfg.node_timeout)))
+        .map_err(io("setting socket timeouts"))?;
+    let cmd = redis::cmd("SUBSCRIBE")
+        .arg(WATCH_CHANNEL)
+        .get_packed_command();
+    raw.send_packed_command(&cmd).map_err(io("SUBSCRIBE"))?;
+    match raw
+        .recv_response()
+        .map_err(io("SUBSCRIBE"))?
+        .extract_error()
+    {
+        Ok(redis::Value::Array(_)) => {}
+        Ok(other) => {
+            return Err(Error::UnexpectedReply {
+                op: "SUBSCRIBE",
+                reply: format!("{other:?}"),
+            });
+        }
+        Err(e) if crate::error::is_noperm(&e) => return Err(Error::Permission(e.to_string())),
+        Err(source) => {
+            return Err(Error::Server {
+                op: "SUBSCRIBE",
+                source,
+            });
+        }
+    }
+    let mut pubsub = raw.as_pubsub();
+    pubsub
+        .set_read_timeout(Some(WATCH_READ))
+        .map_err(io("setting socket timeouts"))?;
+    match parse_info(&info).run_id {
+        Some(run_id) => {
+            *up = true;
+            on(
+                index,
+                NodeEvent::Up {
+                    run_id: Arc::from(run_id),
+                },
+            );
+        }
+        None => log::debug!("redlock node {}: INFO names no run id", cfg.addr),
+    }
+    let mut last_heard = Instant::now();
+    loop {
+        match pubsub.get_message() {
+            Ok(_) => last_heard = Instant::now(),
+            Err(e) if e.is_timeout() => {
+                if let Err(crossbeam_channel::TryRecvError::Disconnected) = stop.try_recv() {
+                    return Ok(());
+                }
+                if last_heard.elapsed() >= WATCH_PING_EVERY {
+                    pubsub.ping::<redis::Value>().map_err(io("PING"))?;
+                    last_heard = Instant::now();
+                }
+            }
+            Err(e) => return Err(io("watching the node")(e)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1179,5 +1361,21 @@ mod tests {
         assert_eq!(parsed.replid.as_deref(), Some("def456"));
         assert!(parsed.cluster);
         assert!(!parse_info("cluster_enabled:0\r\n").cluster);
+    }
+
+    #[test]
+    fn a_node_counts_while_the_server_that_granted_runs() {
+        let lease = NodeLease::new(vec!["a".into(), "b".into()], "v".into());
+        assert!(!lease.counts(0), "no grant confirmed");
+        assert!(!lease.seen_run(0, "one"), "nothing to lose");
+        lease.slots[0].lock().granted_by = Some(Arc::from("one"));
+        assert!(lease.counts(0));
+        assert!(!lease.seen_run(0, "one"), "the same server");
+        assert!(lease.counts(0));
+        assert!(lease.seen_run(0, "two"), "another server now");
+        assert!(!lease.counts(0));
+        assert!(!lease.seen_run(0, "one"), "a restart is for good");
+        assert!(!lease.counts(0));
+        assert!(!lease.counts(1));
     }
 }

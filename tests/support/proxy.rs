@@ -39,21 +39,25 @@ pub(crate) enum Mode {
     DropClientToServer,
     /// Forward what the client sends; discard what the server sends.
     DropServerToClient,
+    /// Forward what the client sends as it arrives, and what the server sends
+    /// this long after it arrived: replies come late, commands do not.
+    DelayServerToClient(Duration),
 }
 
 impl Mode {
     fn drops(self, direction: Direction) -> bool {
         match self {
-            Mode::Pass | Mode::Delay(_) => false,
+            Mode::Pass | Mode::Delay(_) | Mode::DelayServerToClient(_) => false,
             Mode::Blackhole => true,
             Mode::DropClientToServer => direction == Direction::ClientToServer,
             Mode::DropServerToClient => direction == Direction::ServerToClient,
         }
     }
 
-    fn delay(self) -> Duration {
+    fn delay(self, direction: Direction) -> Duration {
         match self {
             Mode::Delay(delay) => delay,
+            Mode::DelayServerToClient(delay) if direction == Direction::ServerToClient => delay,
             _ => Duration::ZERO,
         }
     }
@@ -389,7 +393,7 @@ fn read_side(
                 .client_chunks
                 .fetch_add(1, Ordering::SeqCst);
         }
-        let due = Instant::now() + mode.delay();
+        let due = Instant::now() + mode.delay(direction);
         match read {
             Ok(_) | Err(_) if connection.stopping() => return,
             // A close in a dropped direction is lost like the data.

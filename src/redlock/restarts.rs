@@ -1,0 +1,121 @@
+//! Restarts without the data: a node whose server goes away may come back
+//! empty and grant a lock to a second client while the first still counts on
+//! it (antirez, "Distributed Locks with Redis", the section on restarts).
+//!
+//! Each node has a watcher (`runtime::nodes`) on an idle connection of its
+//! own. When that connection fails, the server may have stopped; when it
+//! connects again, the server's run id tells whether it restarted. The group
+//! then judges every live lock at once: a node counts for a lock while it
+//! granted it, has not restarted since and, unless the restart delay keeps a
+//! restarted server from granting anything before the lock's deadline, is not
+//! down. A lock that fewer than a quorum of nodes count for is flagged lost
+//! before a restarted node can take a new acquire.
+
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+use parking_lot::Mutex;
+
+use super::Group;
+use super::guard::RedlockLease;
+use crate::runtime::nodes::NodeEvent;
+
+/// The group's live locks and what its watchers know of each node.
+pub(super) struct Restarts {
+    live: Mutex<Live>,
+    /// Per node: since when its watcher has lost the server, if it has.
+    down: Mutex<Vec<Option<Instant>>>,
+}
+
+struct Live {
+    leases: Vec<Weak<RedlockLease>>,
+    prune_at: usize,
+}
+
+impl Restarts {
+    pub(super) fn new(nodes: usize) -> Self {
+        Restarts {
+            live: Mutex::new(Live {
+                leases: Vec::new(),
+                prune_at: 64,
+            }),
+            down: Mutex::new(vec![None; nodes]),
+        }
+    }
+
+    /// Remembers a new lock, to judge it when a node goes away or restarts.
+    pub(super) fn register(&self, lease: &Arc<RedlockLease>) {
+        let mut live = self.live.lock();
+        if live.leases.len() >= live.prune_at {
+            live.leases
+                .retain(|w| w.upgrade().is_some_and(|l| !l.is_finished()));
+            live.prune_at = (live.leases.len() * 2).max(64);
+        }
+        live.leases.push(Arc::downgrade(lease));
+    }
+
+    fn leases(&self) -> Vec<Arc<RedlockLease>> {
+        self.live
+            .lock()
+            .leases
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|l| !l.is_finished())
+            .collect()
+    }
+}
+
+impl Group {
+    /// A watcher's news about node `i`: every live lock is judged again.
+    pub(super) fn node_event(&self, i: usize, event: NodeEvent) {
+        let now = Instant::now();
+        let leases = self.restarts.leases();
+        let what = match &event {
+            NodeEvent::Down => {
+                self.restarts.down.lock()[i] = Some(now);
+                "went away"
+            }
+            NodeEvent::Up { run_id } => {
+                self.restarts.down.lock()[i] = None;
+                let restarted = leases
+                    .iter()
+                    .filter(|l| l.nodes().seen_run(i, run_id))
+                    .count();
+                if restarted == 0 {
+                    // Back as the same server: no lock lost anything.
+                    return;
+                }
+                log::warn!(
+                    "redlock node {i} runs as {run_id} now, not as the server that granted \
+                     {restarted} live lock(s): it restarted and no longer counts for them"
+                );
+                "restarted"
+            }
+        };
+        let down = self.restarts.down.lock().clone();
+        let restart_delay = self.options.restart_delay;
+        for lease in leases {
+            let lost_at = lease.lost_at();
+            // A node that went away at `since` may grant again from `since`
+            // plus the restart delay on: it matters if that is before the
+            // lock's deadline.
+            let may_grant_again = |since: Instant| {
+                restart_delay.is_none_or(|d| since.checked_add(d).is_none_or(|at| at < lost_at))
+            };
+            let counted = (0..self.len())
+                .filter(|&j| lease.nodes().counts(j) && !down[j].is_some_and(may_grant_again))
+                .count();
+            if counted < self.quorum {
+                lease.lose_quorum(
+                    now,
+                    format!(
+                        "only {counted} node(s) that granted it can still be counted on, fewer \
+                         than the quorum of {}: node {i} {what} and may grant it again without \
+                         the key",
+                        self.quorum
+                    ),
+                );
+            }
+        }
+    }
+}
