@@ -75,6 +75,8 @@ struct Server {
     last_out: HashMap<ConnId, Duration>,
     /// The replica, for a primary that has one.
     replica: Option<Replica>,
+    /// Owners whose clean-up ran here: no attempt of theirs may grant after.
+    cleaned: HashSet<String>,
 }
 
 impl Server {
@@ -121,6 +123,7 @@ impl Server {
             last_in: HashMap::new(),
             last_out: HashMap::new(),
             replica: None,
+            cleaned: HashSet::new(),
         })
     }
 
@@ -157,6 +160,12 @@ impl Server {
                     }
                     Some(_) => Resp::Busy,
                     None => {
+                        if self.cleaned.contains(owner) {
+                            return Err(format!(
+                                "an attempt of {owner} granted after its clean-up ran: the \
+                                 clean-up was overtaken"
+                            ));
+                        }
                         if std::mem::take(&mut self.expired[*key]) {
                             self.takeovers += 1;
                         }
@@ -204,6 +213,7 @@ impl Server {
                 Resp::Done
             }
             Req::ReleasePrefix { key, owner } => {
+                self.cleaned.insert(owner.clone());
                 let mine = format!("{owner}:");
                 if let Some(e) = self.live(*key, t)
                     && e.value.starts_with(&mine)
@@ -302,6 +312,8 @@ enum Ev {
     Promote,
     /// Process `p` learns of the new primary.
     Switch(usize),
+    /// Someone deletes the key (an operator, an eviction).
+    Delete(usize),
 }
 
 impl Ev {
@@ -316,6 +328,7 @@ impl Ev {
             Ev::CounterBack => "counter back".into(),
             Ev::Promote => "promote".into(),
             Ev::Switch(p) => format!("switch {p}"),
+            Ev::Delete(key) => format!("delete {key}"),
         }
     }
 }
@@ -329,6 +342,11 @@ struct Guard {
     /// Granted or confirmed by a primary that was replaced, and not yet
     /// verified on the new one: the model allows its bound to be wrong.
     exposed: bool,
+    /// When its key was deleted, while no reply to a command sent after that
+    /// came: until then it cannot know.
+    deleted: Option<Instant>,
+    /// A check found it lost: loss is permanent.
+    seen_lost: bool,
 }
 
 /// A user thread's acquire in progress: its owner, the attempts that got
@@ -410,6 +428,8 @@ struct World {
     /// Every fencing token a user was handed, with its owner: the checker's
     /// own record, not the model server's counter.
     delivered: HashMap<u64, String>,
+    /// When each key was last deleted by a fault.
+    deleted_at: [Option<Instant>; 2],
 }
 
 /// Lease keys 0 and 1 share one fence counter. Users 0 (process 0) and 2
@@ -460,6 +480,7 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
             killed: HashSet::new(),
             last_in: HashMap::new(),
             last_out: HashMap::new(),
+            cleaned: HashSet::new(),
             replica: rng.chance(0.3).then(|| Replica {
                 keys: vec![None, None],
                 fence: 0,
@@ -480,6 +501,7 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         stats: Stats::default(),
         steps_left: 40 + rng.below(40) as u32,
         delivered: HashMap::new(),
+        deleted_at: [None; 2],
         trace: std::env::var_os("RESPIRE_SIM_TRACE").is_some(),
         rng,
     };
@@ -523,6 +545,11 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
     if w.rng.chance(0.1) {
         let at = w.rng.micros(1_000, 3_000_000);
         w.queue.push(at, Ev::CounterBack);
+    }
+    if w.rng.chance(0.2) {
+        let at = w.rng.micros(1_000, 3_000_000);
+        let key = w.rng.below(2) as usize;
+        w.queue.push(at, Ev::Delete(key));
     }
     while let Some(t) = w.queue.peek_time() {
         // Every event at this instant, then the invariants.
@@ -674,6 +701,19 @@ impl World {
                 }
             }
             Ev::Switch(p) => self.switch(p),
+            Ev::Delete(key) => {
+                self.server.keys[key] = None;
+                let now = self.at();
+                self.deleted_at[key] = Some(now);
+                // Its holder cannot know until the server tells it.
+                for u in &mut self.users {
+                    if let Some(g) = &mut u.guard
+                        && g.key == key
+                    {
+                        g.deleted = Some(now);
+                    }
+                }
+            }
             Ev::Timeout { id } => {
                 if let Some(p) = self.pending.remove(&id) {
                     self.stats.unanswered += 1;
@@ -758,6 +798,19 @@ impl World {
             let now = self.at();
             self.procs[p].sched.touch(cell.id(), now);
             self.arm(p);
+        }
+    }
+
+    /// A reply about `cell`'s lease came to a command sent at `sent`: a
+    /// deletion before that send is known now.
+    fn learned(&mut self, cell: &Arc<Cell>, sent: Instant) {
+        for u in &mut self.users {
+            if let Some(g) = &mut u.guard
+                && Arc::ptr_eq(&g.cell, cell)
+                && g.deleted.is_some_and(|d| d <= sent)
+            {
+                g.deleted = None;
+            }
         }
     }
 
@@ -958,6 +1011,7 @@ impl World {
                             match resp {
                                 Some(Resp::Ints(v)) => {
                                     settle(&cell, ticket, ExtendReply::of(v[0]), now);
+                                    self.learned(&cell, p.sent);
                                 }
                                 None => {
                                     cell.unanswered(ticket, now);
@@ -980,6 +1034,7 @@ impl World {
                             let cell = g.cell.clone();
                             cell.verified(verdict, p.sent, now);
                             self.touch(proc, &cell);
+                            self.learned(&cell, p.sent);
                         }
                         self.think(u);
                     }
@@ -1136,6 +1191,9 @@ impl World {
             keepalive: false,
             signal: false,
             exposed,
+            // Deleted after the grant was sent: perhaps after it was applied.
+            deleted: self.deleted_at[key].filter(|d| *d >= sent),
+            seen_lost: false,
         });
         self.think(u);
     }
@@ -1233,6 +1291,7 @@ impl World {
                     let settled = self.procs[p].exec.machine.renewed(renewal, replies, now);
                     for (lease, _, retry) in settled {
                         self.procs[p].sched.completed(lease.id(), now, retry);
+                        self.learned(&lease, pend.sent);
                     }
                 }
                 None => {
@@ -1265,6 +1324,7 @@ impl World {
                     let verdict = Verdict::of(&v).ok_or("verify reply")?;
                     cell.verified(verdict, pend.sent, now);
                     self.touch(p, &cell);
+                    self.learned(&cell, pend.sent);
                     for u in &mut self.users {
                         if let Some(g) = &mut u.guard
                             && Arc::ptr_eq(&g.cell, &cell)
@@ -1303,10 +1363,18 @@ impl World {
                     self.procs[self.users[u].proc].wake
                 ));
             }
+            if g.seen_lost && !lost {
+                return Err(format!(
+                    "user {u}: is_lost() was true and is false again at {t:?}"
+                ));
+            }
             if lost {
+                if let Some(g) = &mut self.users[u].guard {
+                    g.seen_lost = true;
+                }
                 continue;
             }
-            if g.exposed {
+            if g.exposed || g.deleted.is_some() {
                 self.stats.exposed += 1;
                 continue;
             }
