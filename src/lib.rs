@@ -258,6 +258,16 @@
 //! acknowledged ([`Error::NotReplicated`]). `respire-lock doctor` reports
 //! replicas and persistence on every primary.
 //!
+//! Extensions replicate asynchronously too, and `WAIT` does not follow them:
+//! a promoted replica may hold a lease with the expiry of an earlier grant or
+//! extension than the one the guard counts on. So at a switch every live
+//! lease is verified on the new server and its bound becomes at most the time
+//! it has left there (`sent + remaining − drift`); nothing the old primary
+//! confirms counts any more. Between the promotion and that verification (the
+//! time it takes the sentinels to announce the switch, or a slot-map refresh)
+//! a guard cannot know, and its bound may be later than the new primary's
+//! expiry: that window is the price of asynchronous replication.
+//!
 //! **Time bounds** are those of a standalone server: one attempt takes at most
 //! the node timeout (plus the connect timeout per connection it opens, a
 //! redirection's target included), a release at most the node timeout in all.
