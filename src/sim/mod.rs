@@ -29,6 +29,7 @@
 //! its events. A failure prints its seed.
 
 mod group;
+mod model;
 mod single;
 
 use std::cmp::Reverse;
