@@ -27,7 +27,7 @@ pub(crate) enum Value {
     /// A string (also a bitmap).
     Str(Vec<u8>),
     /// A hash: field → value.
-    Hash(BTreeMap<Vec<u8>, Vec<u8>>),
+    Hash(Fields),
     /// A sorted set.
     ZSet(ZSet),
 }
@@ -114,8 +114,46 @@ impl ZSet {
     }
 }
 
-/// A hash's fields.
-type Fields = BTreeMap<Vec<u8>, Vec<u8>>;
+/// A hash's fields in the order they were first set, as a small Redis hash
+/// (listpack) keeps them and `HGETALL` returns them. (A hash of more than
+/// 128 fields is a hash table in Redis, in no particular order; the model
+/// keeps insertion order.)
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Fields(Vec<(Vec<u8>, Vec<u8>)>);
+
+impl Fields {
+    /// The field's value.
+    pub(crate) fn get(&self, field: &[u8]) -> Option<&Vec<u8>> {
+        self.0.iter().find(|(f, _)| f == field).map(|(_, v)| v)
+    }
+
+    /// Sets a field (a new one goes last); the old value.
+    pub(crate) fn insert(&mut self, field: Vec<u8>, value: Vec<u8>) -> Option<Vec<u8>> {
+        match self.0.iter_mut().find(|(f, _)| *f == field) {
+            Some((_, v)) => Some(std::mem::replace(v, value)),
+            None => {
+                self.0.push((field, value));
+                None
+            }
+        }
+    }
+
+    /// Removes a field; its value.
+    pub(crate) fn remove(&mut self, field: &[u8]) -> Option<Vec<u8>> {
+        let i = self.0.iter().position(|(f, _)| f == field)?;
+        Some(self.0.remove(i).1)
+    }
+
+    /// Whether it has no field (Redis deletes such a key).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Fields with their values, in order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&Vec<u8>, &Vec<u8>)> + '_ {
+        self.0.iter().map(|(f, v)| (f, v))
+    }
+}
 
 /// A key's value and its expiry (absolute server milliseconds).
 #[derive(Clone, Debug, PartialEq)]
@@ -455,7 +493,7 @@ impl Keyspace {
                 Err(e) => e,
                 Ok(h) => Reply::Array(
                     h.into_iter()
-                        .flatten()
+                        .flat_map(Fields::iter)
                         .flat_map(|(f, v)| [bulk(f), bulk(v)])
                         .collect(),
                 ),
@@ -685,7 +723,7 @@ impl Keyspace {
             self.insert(
                 key,
                 Entry {
-                    value: Value::Hash(BTreeMap::new()),
+                    value: Value::Hash(Fields::default()),
                     expire_at: None,
                 },
             );

@@ -312,8 +312,7 @@ fn from_lua(value: &LuaValue) -> Reply {
     match value {
         LuaValue::String(s) => Reply::Bulk(s.as_bytes().to_vec()),
         LuaValue::Integer(n) => Reply::Int(*n),
-        // C's cast of a double to long long truncates toward zero.
-        LuaValue::Number(n) => Reply::Int(*n as i64),
+        LuaValue::Number(n) => Reply::Int(c_long_long(*n)),
         LuaValue::Boolean(true) => Reply::Int(1),
         LuaValue::Table(t) => {
             if let Ok(LuaValue::String(e)) = t.raw_get::<LuaValue>("err") {
@@ -332,6 +331,19 @@ fn from_lua(value: &LuaValue) -> Reply {
             Reply::Array(items)
         }
         _ => Reply::Nil,
+    }
+}
+
+/// C's `(long long)` cast of a double as Redis on x86-64 gets it: truncated
+/// toward zero, and `i64::MIN` for NaN, infinities and values out of range
+/// (`math.ceil(inf)` in a script replies -9223372036854775808).
+fn c_long_long(n: f64) -> i64 {
+    // 2^63: the first double above i64::MAX.
+    let limit = 9_223_372_036_854_775_808.0_f64;
+    if (-limit..limit).contains(&n) {
+        n as i64
+    } else {
+        i64::MIN
     }
 }
 

@@ -29,6 +29,8 @@ fn lua_values_become_replies_as_in_redis() {
         ])
     );
     assert_eq!(eval(&mut s, "return 3.99"), Reply::Int(3));
+    assert_eq!(eval(&mut s, "return 1/0"), Reply::Int(i64::MIN));
+    assert_eq!(eval(&mut s, "return -1/0"), Reply::Int(i64::MIN));
     assert_eq!(
         eval(&mut s, "return {ok='fine'}"),
         Reply::Status("fine".into())
