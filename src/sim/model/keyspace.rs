@@ -6,7 +6,10 @@
 //! before `when` and is gone from `when + 1` on (Redis `keyIsExpired`:
 //! `now > when`); `PTTL` reads 0 in that last millisecond. `PEXPIRE` and
 //! `PEXPIREAT` to a time at or before now delete the key at once, as a
-//! primary does.
+//! primary does. Inside a script, whether a key has expired is decided at
+//! the time the script started, while `TIME`, `PTTL` and the base of `SET PX`
+//! and `PEXPIRE` read the clock (Redis 7.0; the two differ only in a script
+//! that straddles a millisecond boundary).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -173,6 +176,11 @@ pub(crate) struct Keyspace {
     /// A replica never deletes a key because of its expiry: it only hides
     /// it, and waits for the primary's deletion.
     replica: bool,
+    /// While a script runs: the time it started, which decides whether a key
+    /// has expired (Redis 7.0 keeps it for the whole script), while `TIME`,
+    /// `PTTL` and the base of `SET PX` and `PEXPIRE` read the clock passed to
+    /// [`Keyspace::exec`].
+    script_start: Option<i64>,
 }
 
 /// A command's name and arity (Redis's convention: `n` exactly n arguments
@@ -403,6 +411,7 @@ impl Keyspace {
     /// The entry of `key` at `now`; an expired one is deleted first (lazy
     /// expiry) on a primary and hidden on a replica.
     fn live(&mut self, key: &[u8], now: i64) -> Option<&mut Entry> {
+        let now = self.script_start.unwrap_or(now);
         let expired = self
             .keys
             .get(key)
@@ -434,6 +443,12 @@ impl Keyspace {
 
     fn touch(&mut self, key: &[u8]) {
         self.changed.insert(key.to_vec());
+    }
+
+    /// Sets (or with `None` clears) the start time of the running script:
+    /// expiry decisions use it instead of the clock.
+    pub(crate) fn set_script_start(&mut self, start: Option<i64>) {
+        self.script_start = start;
     }
 
     /// Runs one data command at server time `now`; `None` if the keyspace
@@ -617,10 +632,8 @@ impl Keyspace {
                 expire_at,
             },
         );
-        if expire_at.is_some_and(|when| when <= now) && !self.replica {
-            // SET with an absolute time already passed deletes the key.
-            self.keys.remove(key.as_slice());
-        }
+        // Unlike PEXPIREAT, SET with a time already passed keeps the key
+        // until a lookup finds it expired (Redis 7.0).
         if get {
             old_reply(old)
         } else {

@@ -149,6 +149,10 @@ pub(crate) struct ModelServer {
     loading: bool,
     oom: bool,
     denied: BTreeSet<String>,
+    /// The command of the next script from which on its clock reads 1 ms
+    /// later (see [`ModelServer::straddle_next_script`]).
+    straddle: Option<usize>,
+    last_script_calls: usize,
 }
 
 impl std::fmt::Debug for ModelServer {
@@ -209,6 +213,8 @@ impl ModelServer {
             loading: false,
             oom: false,
             denied: BTreeSet::new(),
+            straddle: None,
+            last_script_calls: 0,
         }
     }
 
@@ -239,6 +245,8 @@ impl ModelServer {
             loading: self.loading,
             oom: self.oom,
             denied: self.denied.clone(),
+            straddle: self.straddle,
+            last_script_calls: self.last_script_calls,
         }
     }
 
@@ -279,6 +287,21 @@ impl ModelServer {
         let carry = advance - whole;
         self.advance_to(self.now + whole as i64);
         self.carry = carry;
+    }
+
+    /// Makes the next script straddle a millisecond boundary, as a real one
+    /// does when the clock ticks while it runs: its commands from the
+    /// `at_call`-th on (0-based) read the clock 1 ms later (`TIME`, `PTTL`,
+    /// the base of `SET PX` and `PEXPIRE`), while whether a key has expired
+    /// is still decided at the time the script started, as Redis 7.0 does.
+    /// The server clock is 1 ms later after that script.
+    pub(crate) fn straddle_next_script(&mut self, at_call: usize) {
+        self.straddle = Some(at_call);
+    }
+
+    /// How many commands the last script called.
+    pub(crate) fn last_script_calls(&self) -> usize {
+        self.last_script_calls
     }
 
     // ----- the truth, for invariants -----
@@ -478,9 +501,19 @@ impl ModelServer {
         if self.oom {
             return error(OOM_TEXT);
         }
-        // One server time for the whole script: TIME, expiry decisions, PX.
-        let (data, now, role) = (&mut self.data, self.now, self.role);
-        self.lua.eval(&sha, &source, keys, args, |argv| {
+        // One server time for the whole script (TIME, expiry decisions, the
+        // base of PX), unless it is to straddle a millisecond boundary.
+        let start = self.now;
+        let straddle = self.straddle.take();
+        let mut calls = 0;
+        self.data.set_script_start(Some(start));
+        let (data, role) = (&mut self.data, self.role);
+        let reply = self.lua.eval(&sha, &source, keys, args, |argv| {
+            let clock = match straddle {
+                Some(at) if calls >= at => start + 1,
+                _ => start,
+            };
+            calls += 1;
             let name = lower(&argv[0]);
             if matches!(
                 name.as_str(),
@@ -488,8 +521,14 @@ impl ModelServer {
             ) {
                 return error("ERR This Redis command is not allowed from script");
             }
-            data_command(data, now, role, false, argv, true)
-        })
+            data_command(data, clock, role, false, argv, true)
+        });
+        self.data.set_script_start(None);
+        self.last_script_calls = calls;
+        if straddle.is_some() {
+            self.advance_to(start + 1);
+        }
+        reply
     }
 
     fn script_command(&mut self, argv: &[Vec<u8>]) -> Reply {
@@ -744,6 +783,8 @@ impl ModelServer {
             loading: false,
             oom: false,
             denied: self.denied.clone(),
+            straddle: None,
+            last_script_calls: 0,
         };
         let mut old = std::mem::replace(self, new);
         old.ids = mix(&mut old.ids);

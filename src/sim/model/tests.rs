@@ -272,3 +272,30 @@ fn the_clock_runs_at_its_rate_in_whole_milliseconds() {
     s.step_clock(-500);
     assert_eq!(s.now_ms(), 506);
 }
+
+#[test]
+fn a_straddling_script_reads_a_later_clock_but_decides_expiry_at_its_start() {
+    // What Redis 7.0 does when the clock ticks during a script: the key set
+    // to expire at 1_000 is still there for EXISTS, while TIME, PTTL and the
+    // base of PX read 1_001.
+    let mut s = ModelServer::new(1, 1_000);
+    s.command(&["SET", "k", "v", "PXAT", "1000"]);
+    s.straddle_next_script(1);
+    let source = "local t = redis.call('TIME')
+        return {t[2], redis.call('TIME')[2], redis.call('EXISTS', 'k'), redis.call('PTTL', 'k'),
+          redis.call('SET', 'j', 'v', 'PX', 10).ok}";
+    assert_eq!(
+        eval(&mut s, source),
+        Reply::Array(vec![
+            bulk("0"),
+            bulk("1000"),
+            Reply::Int(1),
+            Reply::Int(0),
+            bulk("OK")
+        ])
+    );
+    assert_eq!(s.last_script_calls(), 5);
+    assert_eq!(s.now_ms(), 1_001);
+    assert_eq!(s.expiry("j"), Some(1_011));
+    assert!(!s.exists("k"));
+}
