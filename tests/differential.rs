@@ -1010,6 +1010,95 @@ fn the_model_answers_every_operation_as_redis_server_does() {
     }
 }
 
+/// Scripts beyond the shipped ones, each on its own keys, for Redis's Lua
+/// conversions and error texts: what a future script may rely on.
+const SNIPPETS: &[&str] = &[
+    "return {1, 2.7, -2.7, true, false, 'x', nil, 5}",
+    "return {1, {2, {3, 'x'}}, {}}",
+    "return 3.99",
+    "return -0.5",
+    "return 1/0",
+    "return 0/0",
+    "return 2^63",
+    "return {ok='fine'}",
+    "return redis.status_reply('fine')",
+    "return redis.error_reply('BADARG foo')",
+    "return redis.error_reply('foo')",
+    "return redis.error_reply('-X foo')",
+    "return redis.error_reply('BADARG')",
+    "return {err='ybar'}",
+    "return {err='y bar', ok='no'}",
+    "return nil",
+    "return false",
+    "return true",
+    "redis.call('SET', KEYS[1], 'x') return redis.call('HGET', KEYS[1], 'f')",
+    "redis.call('SET', KEYS[1], 'x') return redis.pcall('HGET', KEYS[1], 'f')",
+    "redis.call('SET', KEYS[1], 'x')\nlocal r = redis.pcall('INCR', KEYS[1])\nreturn {type(r), r.err}",
+    "return redis.call('SET', KEYS[1], 'v', 'PX', 'abc')",
+    "return redis.call('SET', KEYS[1], 'v', 'PX', 0)",
+    "return redis.call('SET', KEYS[1], 'v', 'NX', 'GET')",
+    "return redis.call('NOSUCH')",
+    "return redis.call('GET')",
+    "return redis.call('GET', true)",
+    "return redis.call('GET', {})",
+    "local t = nil; return t.x",
+    "error('boom')",
+    "error({err='X boom'})",
+    "x = 5",
+    "return undefined_global",
+    "redis.call('SET', KEYS[1], 123456789012345678) return redis.call('GET', KEYS[1])",
+    "redis.call('SET', KEYS[1], 1.5) return redis.call('GET', KEYS[1])",
+    "redis.call('SET', KEYS[1], -0.0) return redis.call('GET', KEYS[1])",
+    "redis.call('ZADD', KEYS[1], 1e20, 'a', 0.1, 'b', 1e15 + 0.5, 'c') \
+     return redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')",
+    "return redis.call('ZADD', KEYS[1], 'nan', 'a')",
+    "return redis.call('ZADD', KEYS[1], 'XX', 'NX', 1, 'a')",
+    "return redis.call('ZADD', KEYS[1], 'GT', 'LT', 1, 'a')",
+    "return redis.call('ZRANGEBYSCORE', KEYS[1], 'x', 1)",
+    "redis.call('ZADD', KEYS[1], 1, 'a', 2, 'b', 3, 'c') \
+     return {redis.call('ZRANGEBYSCORE', KEYS[1], '(1', '+inf', 'LIMIT', 1, 5), \
+     redis.call('ZRANGE', KEYS[1], -2, 10), redis.call('ZREMRANGEBYSCORE', KEYS[1], '(1', 2), \
+     redis.call('ZCARD', KEYS[1])}",
+    "redis.call('HSET', KEYS[1], 'b', 1, 'a', 2) redis.call('HDEL', KEYS[1], 'b') \
+     redis.call('HSET', KEYS[1], 'b', 3) return redis.call('HGETALL', KEYS[1])",
+    "redis.call('HSET', KEYS[1], 'f', 'x') return redis.pcall('HINCRBY', KEYS[1], 'f', 1)",
+    "redis.call('HSET', KEYS[1], 'f', '9223372036854775807') \
+     return redis.pcall('HINCRBY', KEYS[1], 'f', 1)",
+    "redis.call('SET', KEYS[1], '9223372036854775807') return redis.pcall('INCR', KEYS[1])",
+    "redis.call('SET', KEYS[1], ' 1') return redis.pcall('INCR', KEYS[1])",
+    "return {redis.call('SETBIT', KEYS[1], 9, 1), redis.call('GET', KEYS[1]), \
+     redis.call('BITPOS', KEYS[1], 1), redis.call('BITPOS', KEYS[1], 0), \
+     redis.call('GETBIT', KEYS[1], 9)}",
+    "return redis.pcall('SETBIT', KEYS[1], -1, 1)",
+    "return redis.pcall('SETBIT', KEYS[1], 1, 2)",
+    "redis.call('SET', KEYS[1], '') return {redis.call('BITPOS', KEYS[1], 0), \
+     redis.call('BITPOS', KEYS[1], 1)}",
+    "redis.call('SET', KEYS[1], 'v') return {redis.call('PEXPIRE', KEYS[1], 100, 'XX'), \
+     redis.call('PEXPIRE', KEYS[1], 100, 'NX'), redis.call('PEXPIRE', KEYS[1], 50, 'GT'), \
+     redis.call('PEXPIRE', KEYS[1], 50, 'LT'), redis.call('PTTL', KEYS[1])}",
+    "return redis.pcall('PEXPIRE', KEYS[1], 100, 'NX', 'XX')",
+    "return redis.pcall('PEXPIRE', KEYS[1], 9223372036854775807)",
+    "return {redis.call('TYPE', KEYS[1]), redis.call('EXISTS', KEYS[1], KEYS[1]), \
+     redis.call('PEXPIRETIME', KEYS[1]), redis.call('PTTL', KEYS[1])}",
+    "return redis.call('HMGET', KEYS[1], 'a', 'b')",
+    "return redis.sha1hex('abc')",
+    "return tostring(12345678901234567)",
+    "return string.format('%d', 2^53 + 1)",
+];
+
+#[test]
+fn lua_conversions_and_errors_match_redis_server() {
+    let mut real = Resp::connect(support::shared_server());
+    let mut model = ModelServer::new(9, 0);
+    for (i, snippet) in SNIPPETS.iter().enumerate() {
+        let key = format!("{{snip}}{i}:{}", std::process::id());
+        let command = |source: &str| argv(&["EVAL", source, "1", &key]);
+        let got = real.pipeline(&[argv(&["DEL", &key]), command(snippet)]);
+        let model_reply = model.command(&command(snippet));
+        assert_eq!(model_reply, got[1], "{snippet}");
+    }
+}
+
 /// A copy of one shipped script with one change, run by the model only.
 fn mutated(file: &str, from: &str, to: &str) -> Vec<String> {
     let mut sources = shipped_sources();

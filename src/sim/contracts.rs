@@ -472,11 +472,19 @@ fn sem_case(seed: u64) -> Result<Stats, String> {
     // Member owner:slot:token → the last millisecond it holds.
     let mut permits: BTreeMap<String, i64> = BTreeMap::new();
     let mut last_token = 0u64;
+    // Permits that expired: an extension must not bring one back.
+    let mut gone: Vec<String> = Vec::new();
     let mut stats = Stats::default();
     for step in 0..STEPS {
         let edges: Vec<i64> = permits.values().map(|&u| u + 1).collect();
         tick(&mut s, &mut rng, &edges);
         let now = s.now_ms();
+        gone.extend(
+            permits
+                .iter()
+                .filter(|(_, u)| **u < now)
+                .map(|(m, _)| m.clone()),
+        );
         permits.retain(|_, until| *until >= now);
         let who = owner(&mut rng);
         let ctx = |what: String, got: &Reply| format!("step {step} at {now}: {what}: got {got}");
@@ -546,6 +554,13 @@ fn sem_case(seed: u64) -> Result<Stats, String> {
                         stats.takeovers += 1;
                     }
                     _ => return Err(ctx(what, &got)),
+                }
+            }
+            2 if !gone.is_empty() && rng.chance(0.3) => {
+                let member = gone.swap_remove(rng.below(gone.len() as u64) as usize);
+                let got = call(&mut s, &scripts::SEM_EXTEND, &keys, &[&member, "100"]);
+                if got != Reply::Int(0) {
+                    return Err(ctx(format!("{member} extends after it expired"), &got));
                 }
             }
             2 => {

@@ -329,6 +329,16 @@ impl ModelServer {
         }
     }
 
+    /// The earliest expiry time (as [`ModelServer::expiry`]) of any key that
+    /// exists now: the key is gone from the millisecond after it. For
+    /// drivers that check invariants at every server-side expiry.
+    pub(crate) fn next_expiry(&self) -> Option<i64> {
+        self.data
+            .entries(self.now)
+            .filter_map(|(_, e)| e.expire_at)
+            .min()
+    }
+
     /// The key's value and expiry now.
     pub(crate) fn entry(&self, key: impl AsRef<[u8]>) -> Option<&Entry> {
         self.data.peek(key.as_ref(), self.now)
@@ -456,6 +466,9 @@ impl ModelServer {
             "client" => self.client_command(client, argv),
             "wait" => self.wait(client, argv),
             "role" => self.role_reply(),
+            // A redirection is an injected error; the retry that follows it
+            // runs here like any other command.
+            "asking" | "readonly" | "readwrite" => Reply::Status("OK".to_owned()),
             "info" => Reply::Bulk(self.info().into_bytes()),
             "flushall" => {
                 let keys: Vec<Vec<u8>> = self.entries().into_iter().map(|(k, _)| k).collect();

@@ -136,6 +136,7 @@ fn the_shipped_fenced_acquire_grants_then_reports_the_holder_until_expiry() {
         s.eval(FENCED_ACQUIRE, &keys, &["b", "100"]),
         Reply::Array(vec![Reply::Int(0), Reply::Int(60)])
     );
+    assert_eq!(s.next_expiry(), Some(10_100));
     s.advance_to(10_100);
     assert_eq!(s.pttl("{l}lease"), 0);
     s.advance_to(10_101);
