@@ -17,10 +17,12 @@
 //! times; when the real operation spanned two milliseconds, the model also
 //! tries the script with its clock ticking before each of its commands. The
 //! keys are then dumped on both sides by one script (type, `PEXPIRETIME`,
-//! contents) and must be the same; only if no instant gives the same
-//! expiries exactly, expiries 1 ms apart are accepted and the model takes
-//! the real ones, so that later operations start from the same state (the
-//! run prints how often that happened).
+//! contents; its expiry decisions are made at the script's start, at or 1 ms
+//! before the `TIME` it reads first) and must be the same. Only when the real
+//! operation spanned more than one millisecond boundary (a script preempted
+//! on a loaded machine) and no instant gives the same expiries exactly, are
+//! expiries 1 ms apart accepted; the model then takes the real ones, so that
+//! later operations start from the same state (the run prints how often).
 //!
 //! Expiry edges are sought on purpose: before a quarter of the operations
 //! the test waits until the server clock reaches an expiry time (of a key or
@@ -134,6 +136,9 @@ return out
 
 const OPS_PER_CASE: usize = 40;
 const DEFAULT_CASES: u64 = 200;
+/// How many sequences a planted fault may take to show; the runs stop at
+/// the first mismatch, which usually comes within a few dozen.
+const PLANTED_BUDGET: u64 = 3_000;
 
 // ----- a seeded generator -----
 
@@ -817,7 +822,11 @@ fn run_case(
                 candidates.extend((0..=probe.last_script_calls()).map(|k| (t, Some(k))));
             }
         }
-        'tolerance: for tolerance in [0, 1] {
+        // Expiries 1 ms apart only if the real operation spanned more than one
+        // millisecond boundary (a script preempted on a loaded machine),
+        // which a single tick of the model's clock cannot reproduce.
+        let tolerances: &[i64] = if t1 - t0 >= 2 { &[0, 1] } else { &[0] };
+        'tolerance: for &tolerance in tolerances {
             for &(t, straddle) in &candidates {
                 let mut fork = model.fork();
                 fork.advance_to(t);
@@ -835,7 +844,7 @@ fn run_case(
                     }
                     continue;
                 }
-                for dump_at in [td, td - 1, td + 1] {
+                for dump_at in [td, td - 1] {
                     if dump_at < fork.now_ms() {
                         continue;
                     }
@@ -941,15 +950,20 @@ impl ArrayHead for Reply {
     }
 }
 
-fn seeds(salt: u64) -> Vec<u64> {
+/// `RESPIRE_DIFF_CASES`, or `default` sequences.
+fn cases(default: u64) -> u64 {
+    std::env::var("RESPIRE_DIFF_CASES")
+        .ok()
+        .map_or(default, |n| {
+            n.parse().expect("RESPIRE_DIFF_CASES is a number")
+        })
+}
+
+/// The seeds of a run: `RESPIRE_DIFF_SEED` alone, or `cases` fresh ones.
+fn seeds(salt: u64, cases: u64) -> Vec<u64> {
     if let Ok(seed) = std::env::var("RESPIRE_DIFF_SEED") {
         return vec![seed.parse().expect("RESPIRE_DIFF_SEED is a number")];
     }
-    let cases = std::env::var("RESPIRE_DIFF_CASES")
-        .ok()
-        .map_or(DEFAULT_CASES, |n| {
-            n.parse().expect("RESPIRE_DIFF_CASES is a number")
-        });
     let base = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
@@ -985,7 +999,7 @@ fn the_model_answers_every_operation_as_redis_server_does() {
     let sources = shipped_sources();
     let mut tally = Tally::default();
     let started = Instant::now();
-    let seeds = seeds(0x5eed);
+    let seeds = seeds(0x5eed, cases(DEFAULT_CASES));
     for &seed in &seeds {
         if let Err(mismatch) = run_case(seed, &mut real, &sources, &mut tally) {
             panic!("{mismatch}");
@@ -1108,16 +1122,19 @@ fn mutated(file: &str, from: &str, to: &str) -> Vec<String> {
     sources
 }
 
-/// Runs sequences until the model with `sources` disagrees with the real
-/// server; the mismatch found, if any.
+/// Runs sequences (up to [`PLANTED_BUDGET`]) until the model with `sources`
+/// disagrees with the real server; the mismatch found, if any.
 fn first_mismatch(sources: &[String], salt: u64) -> Option<String> {
     let mut real = Resp::connect(support::shared_server());
     let mut tally = Tally::default();
-    let found = seeds(salt).into_iter().enumerate().find_map(|(i, seed)| {
-        run_case(seed, &mut real, sources, &mut tally)
-            .err()
-            .map(|e| (i, e))
-    });
+    let found = seeds(salt, cases(DEFAULT_CASES).max(PLANTED_BUDGET))
+        .into_iter()
+        .enumerate()
+        .find_map(|(i, seed)| {
+            run_case(seed, &mut real, sources, &mut tally)
+                .err()
+                .map(|e| (i, e))
+        });
     let (i, mismatch) = found?;
     let first_line = mismatch.lines().next().unwrap_or_default().to_owned();
     eprintln!(
@@ -1154,12 +1171,12 @@ fn a_model_whose_script_prunes_one_millisecond_late_is_caught() {
 }
 
 #[test]
-fn a_model_whose_script_sets_a_longer_expiry_is_caught() {
+fn a_model_whose_script_sets_an_expiry_1_ms_late_is_caught() {
     let sources = mutated(
         "rw_write_acquire.lua",
         "redis.call('SET', KEYS[1], owner .. ':' .. token, 'PX', ARGV[2])",
-        "redis.call('SET', KEYS[1], owner .. ':' .. token, 'PX', ARGV[2] + 2)",
+        "redis.call('SET', KEYS[1], owner .. ':' .. token, 'PX', ARGV[2] + 1)",
     );
     let found = first_mismatch(&sources, 3);
-    assert!(found.is_some(), "a writer lease 2 ms too long went unseen");
+    assert!(found.is_some(), "a writer lease 1 ms too long went unseen");
 }
