@@ -11,6 +11,28 @@
 //! killed, and error replies injected on purpose (`MOVED`, `ASK`,
 //! `TRYAGAIN`, `READONLY`, `NOSCRIPT`, `LOADING`, `NOPERM`, `OOM`).
 //!
+//! Driving it (the shipped scripts come from `crate::scripts`):
+//!
+//! ```text
+//! let mut server = ModelServer::new(seed, 1_000_000);       // ids from seed, clock in ms
+//! server.command(&["SCRIPT", "LOAD", scripts::FENCED_ACQUIRE.code]);
+//! let reply = server.evalsha(&scripts::FENCED_ACQUIRE.sha, &[lease, fence], &[owner, "3000"]);
+//! server.set_rate(1.001);                                    // runs 0.1 % fast
+//! server.elapse(Duration::from_millis(700));                 // true time passes
+//! let truth = server.expiry(lease);                          // for the invariants
+//! server.add_replica();
+//! server.replicate(1);                                       // the replica lags
+//! let old = server.promote();                                // the tail is lost
+//! server.inject(Injected::Moved { slot, addr });             // the next command
+//! server.restart(Persistence::None);                         // new run_id, no data
+//! ```
+//!
+//! A reply is a [`Reply`] (RESP2); a connection is a [`ClientId`] from
+//! [`ModelServer::connect`] when `CLIENT ID`, `CLIENT KILL` or `WAIT` matter.
+//! [`ModelServer::fork`] copies a server to try an operation at several
+//! instants; [`ModelServer::straddle_next_script`] makes a script's clock
+//! tick while it runs, as a real one can.
+//!
 //! Nothing here knows the crate's leases: the scripts come in as source text
 //! and the commands as argument vectors, so the same files also build inside
 //! the differential test (`tests/differential.rs`), which checks this model

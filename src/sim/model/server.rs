@@ -153,6 +153,9 @@ pub(crate) struct ModelServer {
     /// later (see [`ModelServer::straddle_next_script`]).
     straddle: Option<usize>,
     last_script_calls: usize,
+    /// Keys written, deleted or expired since the last
+    /// [`ModelServer::take_invalidated`].
+    invalidated: Vec<Vec<u8>>,
 }
 
 impl std::fmt::Debug for ModelServer {
@@ -215,6 +218,7 @@ impl ModelServer {
             denied: BTreeSet::new(),
             straddle: None,
             last_script_calls: 0,
+            invalidated: Vec::new(),
         }
     }
 
@@ -247,6 +251,7 @@ impl ModelServer {
             denied: self.denied.clone(),
             straddle: self.straddle,
             last_script_calls: self.last_script_calls,
+            invalidated: self.invalidated.clone(),
         }
     }
 
@@ -337,6 +342,14 @@ impl ModelServer {
             .entries(self.now)
             .filter_map(|(_, e)| e.expire_at)
             .min()
+    }
+
+    /// The keys written, deleted or expired (lazily or actively) since the
+    /// last call, in order, repeats included: what `CLIENT TRACKING` would
+    /// invalidate for a client that had read them. A write that left a key
+    /// as it was may be listed too (a spurious wake-up, never a missed one).
+    pub(crate) fn take_invalidated(&mut self) -> Vec<Vec<u8>> {
+        std::mem::take(&mut self.invalidated)
     }
 
     /// The key's value and expiry now.
@@ -692,6 +705,7 @@ impl ModelServer {
         }
         for (key, entry) in changed {
             self.offset += 1;
+            self.invalidated.push(key.clone());
             if let Some(r) = self.replica.as_mut() {
                 r.backlog.push_back((self.offset, key, entry));
             }
@@ -798,6 +812,7 @@ impl ModelServer {
             denied: self.denied.clone(),
             straddle: None,
             last_script_calls: 0,
+            invalidated: Vec::new(),
         };
         let mut old = std::mem::replace(self, new);
         old.ids = mix(&mut old.ids);

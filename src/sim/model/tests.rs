@@ -300,3 +300,53 @@ fn a_straddling_script_reads_a_later_clock_but_decides_expiry_at_its_start() {
     assert_eq!(s.expiry("j"), Some(1_011));
     assert!(!s.exists("k"));
 }
+
+#[test]
+fn writes_deletions_and_expiries_are_invalidations() {
+    let mut s = ModelServer::new(3, 0);
+    s.command(&["SET", "a", "1", "PX", "5"]);
+    s.command(&["GET", "a"]);
+    s.command(&["SET", "b", "2"]);
+    assert_eq!(s.take_invalidated(), vec![b"a".to_vec(), b"b".to_vec()]);
+    s.advance_to(6);
+    assert_eq!(s.take_invalidated(), vec![b"a".to_vec()]);
+    assert!(s.take_invalidated().is_empty());
+}
+
+#[test]
+fn a_replica_refuses_a_script_at_its_first_write() {
+    let mut s = ModelServer::new(3, 0);
+    s.set_role(Role::Replica);
+    let source = "local v = redis.call('GET', KEYS[1])\nredis.call('SET', KEYS[1], 'x')\nreturn v";
+    let sha = sha1_hex(source.as_bytes());
+    assert_eq!(
+        s.eval(source, &["k"], &[] as &[&str]),
+        Reply::Error(format!(
+            "READONLY You can't write against a read only replica. script: {sha}, on @user_script:2."
+        ))
+    );
+    s.set_role(Role::Primary);
+    s.set_oom(true);
+    assert_eq!(
+        s.command(&["SET", "k", "v"]),
+        Reply::Error("OOM command not allowed when used memory > 'maxmemory'.".into())
+    );
+    s.set_oom(false);
+    s.set_loading(true);
+    assert_eq!(
+        s.command(&["GET", "k"]),
+        Reply::Error("LOADING Redis is loading the dataset in memory".into())
+    );
+}
+
+#[test]
+fn a_fork_is_independent_of_its_origin() {
+    let mut s = ModelServer::new(3, 0);
+    s.command(&["SET", "k", "1"]);
+    let mut f = s.fork();
+    f.command(&["SET", "k", "2"]);
+    f.advance_to(50);
+    assert_eq!(s.command(&["GET", "k"]), bulk("1"));
+    assert_eq!(s.now_ms(), 0);
+    assert_eq!(f.command(&["GET", "k"]), bulk("2"));
+}
