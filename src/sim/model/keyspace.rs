@@ -741,7 +741,6 @@ impl Keyspace {
                 },
             );
         }
-        self.touch(key);
         match self.keys.get_mut(key) {
             Some(Entry {
                 value: Value::Hash(h),
@@ -763,6 +762,7 @@ impl Keyspace {
                     .chunks(2)
                     .filter(|pair| h.insert(pair[0].clone(), pair[1].clone()).is_none())
                     .count();
+                self.touch(&a[0]);
                 int(added)
             }
         }
@@ -784,6 +784,9 @@ impl Keyspace {
         }
         if empty {
             self.keys.remove(a[0].as_slice());
+        }
+        if removed > 0 {
+            self.touch(&a[0]);
         }
         int(removed)
     }
@@ -808,6 +811,7 @@ impl Keyspace {
                     return err(OVERFLOW);
                 };
                 h.insert(a[1].clone(), next.to_string().into_bytes());
+                self.touch(&a[0]);
                 Reply::Int(next)
             }
         }

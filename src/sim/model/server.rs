@@ -115,18 +115,24 @@ struct Client {
 /// Kinds of methods:
 /// - clock: [`now_ms`](Self::now_ms), [`advance_to`](Self::advance_to),
 ///   [`step_clock`](Self::step_clock), [`set_rate`](Self::set_rate),
-///   [`elapse`](Self::elapse);
+///   [`elapse`](Self::elapse),
+///   [`straddle_next_script`](Self::straddle_next_script);
 /// - commands as a client sends them: [`command`](Self::command),
 ///   [`eval`](Self::eval), [`evalsha`](Self::evalsha), and on a connection
 ///   [`connect`](Self::connect) / [`command_from`](Self::command_from);
 /// - the truth, for invariants: [`expiry`](Self::expiry),
-///   [`pttl`](Self::pttl), [`entry`](Self::entry), [`entries`](Self::entries);
+///   [`next_expiry`](Self::next_expiry), [`pttl`](Self::pttl),
+///   [`exists`](Self::exists), [`entry`](Self::entry),
+///   [`entries`](Self::entries), [`take_invalidated`](Self::take_invalidated),
+///   [`run_id`](Self::run_id);
 /// - the deployment: [`add_replica`](Self::add_replica),
-///   [`replicate`](Self::replicate), [`promote`](Self::promote),
+///   [`replicate`](Self::replicate), [`replication_lag`](Self::replication_lag),
+///   [`promote`](Self::promote), [`rejoin`](Self::rejoin),
 ///   [`restart`](Self::restart), [`kill_client`](Self::kill_client);
-/// - faults: [`inject`](Self::inject), [`set_loading`](Self::set_loading),
-///   [`deny`](Self::deny), [`set_oom`](Self::set_oom),
-///   [`set_role`](Self::set_role), [`flush_scripts`](Self::flush_scripts).
+/// - faults: [`inject`](Self::inject), [`inject_on`](Self::inject_on),
+///   [`set_loading`](Self::set_loading), [`deny`](Self::deny),
+///   [`set_oom`](Self::set_oom), [`set_role`](Self::set_role),
+///   [`flush_scripts`](Self::flush_scripts).
 pub(crate) struct ModelServer {
     now: i64,
     rate: f64,
@@ -145,7 +151,9 @@ pub(crate) struct ModelServer {
     /// Source of `run_id`s and replication ids: the same seed gives the same
     /// ids.
     ids: u64,
-    injected: VecDeque<Injected>,
+    /// Errors to answer instead of running a command: for the next one, or
+    /// for the next one of a name.
+    injected: VecDeque<(Option<String>, Injected)>,
     loading: bool,
     oom: bool,
     denied: BTreeSet<String>,
@@ -458,7 +466,11 @@ impl ModelServer {
             return error("ERR empty command");
         };
         let name = lower(first);
-        if let Some(injected) = self.injected.pop_front() {
+        let due = self
+            .injected
+            .iter()
+            .position(|(only, _)| only.as_ref().is_none_or(|only| *only == name));
+        if let Some((_, injected)) = due.and_then(|i| self.injected.remove(i)) {
             return injected.reply(&name);
         }
         if self.loading {
@@ -851,7 +863,14 @@ impl ModelServer {
     /// Makes the server answer the next command (whatever it is, on any
     /// connection) with `error` instead of running it. Several queue up.
     pub(crate) fn inject(&mut self, error: Injected) {
-        self.injected.push_back(error);
+        self.injected.push_back((None, error));
+    }
+
+    /// Makes the server answer the next command named `command` (`"evalsha"`,
+    /// any case) with `error` instead of running it; other commands run.
+    pub(crate) fn inject_on(&mut self, command: &str, error: Injected) {
+        self.injected
+            .push_back((Some(command.to_ascii_lowercase()), error));
     }
 
     /// While on, every command is answered `LOADING` (a restarted server

@@ -228,6 +228,15 @@ fn injected_errors_answer_instead_of_running_the_command() {
     );
     assert!(s.command(&["SET", "k", "v"]).is_error());
     assert!(!s.exists("k"));
+    let sha = sha1_hex(b"return 1");
+    s.command(&["SCRIPT", "LOAD", "return 1"]);
+    s.inject_on("evalsha", Injected::NoScript);
+    assert_eq!(s.command(&["PING"]), Reply::Status("PONG".into()));
+    assert_eq!(
+        s.evalsha::<&str, &str>(&sha, &[], &[]),
+        Reply::Error("NOSCRIPT No matching script. Please use EVAL.".into())
+    );
+    assert_eq!(s.evalsha::<&str, &str>(&sha, &[], &[]), Reply::Int(1));
     s.deny("client|kill");
     assert_eq!(
         s.command(&["CLIENT", "KILL", "ID", "5"]),
