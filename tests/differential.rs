@@ -14,15 +14,16 @@
 //! milliseconds in between. Redis 7.0 decides expiries at the time a script
 //! started but reads the clock afresh for `TIME`, `PTTL`, `SET PX` and
 //! `PEXPIRE`, so a script that straddles a millisecond boundary sees two
-//! times; when the real operation spanned two milliseconds, the model also
-//! tries the script with its clock ticking before each of its commands. The
-//! keys are then dumped on both sides by one script (type, `PEXPIRETIME`,
-//! contents; its expiry decisions are made at the script's start, at or 1 ms
-//! before the `TIME` it reads first) and must be the same. Only when the real
-//! operation spanned more than one millisecond boundary (a script preempted
-//! on a loaded machine) and no instant gives the same expiries exactly, are
-//! expiries 1 ms apart accepted; the model then takes the real ones, so that
-//! later operations start from the same state (the run prints how often).
+//! times; when the real operation spanned several milliseconds, the model
+//! also tries the script with its clock moving on before each of its
+//! commands. The keys are then dumped on both sides by one script (type,
+//! `PEXPIRETIME`, contents; it decides expiries when it starts, between the
+//! operation's second `TIME` and the one it reads) and must be the same.
+//! Only when the real operation spanned more than one millisecond boundary
+//! (a script descheduled on a loaded machine) and no instant gives the same
+//! expiries exactly, are expiries 1 ms apart accepted; the model then takes
+//! the real ones, so that later operations start from the same state (the
+//! run prints how often).
 //!
 //! Expiry edges are sought on purpose: before a quarter of the operations
 //! the test waits until the server clock reaches an expiry time (of a key or
@@ -30,8 +31,9 @@
 //! after it, so that `>` against `>=` in the scripts and in the model shows.
 //!
 //! `RESPIRE_DIFF_CASES=n` sets the number of sequences (default 200);
-//! `RESPIRE_DIFF_SEED=s` replays one. A failure prints its seed and the
-//! operations up to the mismatch.
+//! `RESPIRE_DIFF_SEED=s` runs one seed's operations again (the real
+//! server's timing differs). A failure prints its seed and the operations up
+//! to the mismatch.
 
 mod support;
 
@@ -811,31 +813,34 @@ fn run_case(
         let mut matched = None;
         let mut tried = Vec::new();
         // Every instant of the real operation, each also as a script whose
-        // clock ticks before one of its commands; exact expiries first.
-        let mut candidates: Vec<(i64, Option<usize>)> = Vec::new();
+        // clock moves on to a later instant of it before one of its
+        // commands; exact expiries first.
+        let mut candidates: Vec<(i64, Option<(usize, i64)>)> = Vec::new();
         for t in t0.max(model.now_ms())..=t1 {
             candidates.push((t, None));
             if t < t1 && matches!(op, Op::Script { .. }) {
                 let mut probe = model.fork();
                 probe.advance_to(t);
                 probe.command(&model_argv);
-                candidates.extend((0..=probe.last_script_calls()).map(|k| (t, Some(k))));
+                for by in 1..=t1 - t {
+                    candidates.extend((0..=probe.last_script_calls()).map(|k| (t, Some((k, by)))));
+                }
             }
         }
         // Expiries 1 ms apart only if the real operation spanned more than one
-        // millisecond boundary (a script preempted on a loaded machine),
-        // which a single tick of the model's clock cannot reproduce.
+        // millisecond boundary (a script descheduled on a loaded machine),
+        // where its clock may have moved more than once.
         let tolerances: &[i64] = if t1 - t0 >= 2 { &[0, 1] } else { &[0] };
         'tolerance: for &tolerance in tolerances {
             for &(t, straddle) in &candidates {
                 let mut fork = model.fork();
                 fork.advance_to(t);
-                if let Some(k) = straddle {
-                    fork.straddle_next_script(k);
+                if let Some((k, by)) = straddle {
+                    fork.straddle_next_script(k, by);
                 }
                 let reply = fork.command(&model_argv);
                 let at = match straddle {
-                    Some(k) => format!("at {t} ticking before command {k}"),
+                    Some((k, by)) => format!("at {t}, {by} ms later from command {k}"),
                     None => format!("at {t}"),
                 };
                 if &reply != real_reply {
@@ -844,10 +849,10 @@ fn run_case(
                     }
                     continue;
                 }
-                for dump_at in [td, td - 1] {
-                    if dump_at < fork.now_ms() {
-                        continue;
-                    }
+                // The dump decides expiries when it starts: after the second
+                // TIME, at or before the TIME it reads (later if the server
+                // was descheduled in between).
+                for dump_at in (t1.max(fork.now_ms())..=td).rev() {
                     let mut after = fork.fork();
                     after.advance_to(dump_at);
                     let dump = after.command(&dump_cmd);

@@ -31,7 +31,7 @@
 //! [`ModelServer::connect`] when `CLIENT ID`, `CLIENT KILL` or `WAIT` matter.
 //! [`ModelServer::fork`] copies a server to try an operation at several
 //! instants; [`ModelServer::straddle_next_script`] makes a script's clock
-//! tick while it runs, as a real one can.
+//! tick while it runs, as a real one's can.
 //!
 //! Nothing here knows the crate's leases: the scripts come in as source text
 //! and the commands as argument vectors, so the same files also build inside

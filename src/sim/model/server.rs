@@ -159,7 +159,7 @@ pub(crate) struct ModelServer {
     denied: BTreeSet<String>,
     /// The command of the next script from which on its clock reads 1 ms
     /// later (see [`ModelServer::straddle_next_script`]).
-    straddle: Option<usize>,
+    straddle: Option<(usize, i64)>,
     last_script_calls: usize,
     /// Keys written, deleted or expired since the last
     /// [`ModelServer::take_invalidated`].
@@ -303,13 +303,14 @@ impl ModelServer {
     }
 
     /// Makes the next script straddle a millisecond boundary, as a real one
-    /// does when the clock ticks while it runs: its commands from the
-    /// `at_call`-th on (0-based) read the clock 1 ms later (`TIME`, `PTTL`,
-    /// the base of `SET PX` and `PEXPIRE`), while whether a key has expired
-    /// is still decided at the time the script started, as Redis 7.0 does.
-    /// The server clock is 1 ms later after that script.
-    pub(crate) fn straddle_next_script(&mut self, at_call: usize) {
-        self.straddle = Some(at_call);
+    /// does when the clock ticks while it runs (or jumps, when the server is
+    /// descheduled): its commands from the `at_call`-th on (0-based) read the
+    /// clock `by_ms` later (`TIME`, `PTTL`, the base of `SET PX` and
+    /// `PEXPIRE`), while whether a key has expired is still decided at the
+    /// time the script started, as Redis 7.0 does. The server clock is
+    /// `by_ms` later after that script.
+    pub(crate) fn straddle_next_script(&mut self, at_call: usize, by_ms: i64) {
+        self.straddle = Some((at_call, by_ms));
     }
 
     /// How many commands the last script called.
@@ -548,7 +549,7 @@ impl ModelServer {
         let (data, role) = (&mut self.data, self.role);
         let reply = self.lua.eval(&sha, &source, keys, args, |argv| {
             let clock = match straddle {
-                Some(at) if calls >= at => start + 1,
+                Some((at, by)) if calls >= at => start + by,
                 _ => start,
             };
             calls += 1;
@@ -563,8 +564,8 @@ impl ModelServer {
         });
         self.data.set_script_start(None);
         self.last_script_calls = calls;
-        if straddle.is_some() {
-            self.advance_to(start + 1);
+        if let Some((_, by)) = straddle {
+            self.advance_to(start + by);
         }
         reply
     }

@@ -290,7 +290,7 @@ fn a_straddling_script_reads_a_later_clock_but_decides_expiry_at_its_start() {
     // base of PX read 1_001.
     let mut s = ModelServer::new(1, 1_000);
     s.command(&["SET", "k", "v", "PXAT", "1000"]);
-    s.straddle_next_script(1);
+    s.straddle_next_script(1, 1);
     let source = "local t = redis.call('TIME')
         return {t[2], redis.call('TIME')[2], redis.call('EXISTS', 'k'), redis.call('PTTL', 'k'),
           redis.call('SET', 'j', 'v', 'PX', 10).ok}";
