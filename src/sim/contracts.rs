@@ -17,9 +17,11 @@
 //!   attempt with fewer permits than the capacity is granted; status, verify
 //!   and extend agree with the record.
 //!
-//! A change to a shipped script that breaks its contract fails these tests
-//! (see the note on the shipped-script mutants); the differential test
-//! (`tests/differential.rs`) keeps the model itself honest against Redis.
+//! A change to a shipped script that breaks its contract fails these tests;
+//! the differential test (`tests/differential.rs`) keeps the model itself
+//! honest against Redis (it runs the same script files on both sides, so it
+//! cannot see a change to them).
+//!
 //! `RESPIRE_SIM_CASES` and `RESPIRE_SIM_SEED` work as for the other
 //! schedules.
 
