@@ -232,8 +232,9 @@ const fn spec(name: &'static str, arity: i32, write: bool) -> CommandSpec {
 
 /// The data command named `name` (any case), if the keyspace implements it.
 pub(crate) fn command_spec(name: &[u8]) -> Option<&'static CommandSpec> {
-    let name = String::from_utf8_lossy(name).to_ascii_lowercase();
-    COMMANDS.iter().find(|c| c.name == name)
+    COMMANDS
+        .iter()
+        .find(|c| c.name.as_bytes().eq_ignore_ascii_case(name))
 }
 
 /// Whether `argc` arguments (with the name) fit an arity.

@@ -2,12 +2,26 @@
 //! connections and clock, and at most one replica fed by a replication stream
 //! that the simulation drains at its own pace.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::rc::Rc;
 use std::time::Duration;
 
 use super::Reply;
 use super::keyspace::{self, Entry, Keyspace};
 use super::lua::{LuaEngine, sha1_hex};
+
+thread_local! {
+    /// One interpreter per thread, shared by its servers: it keeps no state
+    /// between script runs but compiled scripts (by SHA1, so a server's own
+    /// script cache still decides `NOSCRIPT`), and a new interpreter costs
+    /// far more than a script run.
+    static ENGINE: Rc<RefCell<LuaEngine>> = Rc::new(RefCell::new(LuaEngine::new()));
+}
+
+fn engine() -> Rc<RefCell<LuaEngine>> {
+    ENGINE.with(Rc::clone)
+}
 
 /// A connection's id, as `CLIENT ID` answers it.
 pub(crate) type ClientId = u64;
@@ -145,7 +159,7 @@ pub(crate) struct ModelServer {
     offset: u64,
     replica: Option<ReplicaLink>,
     scripts: BTreeMap<String, Vec<u8>>,
-    lua: LuaEngine,
+    lua: Rc<RefCell<LuaEngine>>,
     clients: BTreeMap<ClientId, Client>,
     next_client: ClientId,
     /// Source of `run_id`s and replication ids: the same seed gives the same
@@ -216,7 +230,7 @@ impl ModelServer {
             offset: 0,
             replica: None,
             scripts: BTreeMap::new(),
-            lua: LuaEngine::new(),
+            lua: engine(),
             clients: BTreeMap::new(),
             next_client: 1,
             ids,
@@ -235,8 +249,8 @@ impl ModelServer {
     }
 
     /// An independent copy in the same state (data, clock, scripts, ids,
-    /// replica, connections, faults), with its own Lua interpreter: for
-    /// trying one operation at several instants.
+    /// replica, connections, faults): for trying one operation at several
+    /// instants.
     pub(crate) fn fork(&self) -> Self {
         ModelServer {
             now: self.now,
@@ -249,7 +263,7 @@ impl ModelServer {
             offset: self.offset,
             replica: self.replica.clone(),
             scripts: self.scripts.clone(),
-            lua: LuaEngine::new(),
+            lua: engine(),
             clients: self.clients.clone(),
             next_client: self.next_client,
             ids: self.ids,
@@ -406,7 +420,9 @@ impl ModelServer {
     }
 
     /// `EVAL source numkeys keys… args…` (the script is cached, as Redis
-    /// does).
+    /// does). It hashes the source (SHA1) at every call, which costs more
+    /// than running most scripts in a debug build: a driver that runs a
+    /// script often loads it once and uses [`ModelServer::evalsha`].
     pub(crate) fn eval<K: AsRef<[u8]>, A: AsRef<[u8]>>(
         &mut self,
         source: &str,
@@ -547,17 +563,20 @@ impl ModelServer {
         let mut calls = 0;
         self.data.set_script_start(Some(start));
         let (data, role) = (&mut self.data, self.role);
-        let reply = self.lua.eval(&sha, &source, keys, args, |argv| {
+        let engine = Rc::clone(&self.lua);
+        let reply = engine.borrow_mut().eval(&sha, &source, keys, args, |argv| {
             let clock = match straddle {
                 Some((at, by)) if calls >= at => start + by,
                 _ => start,
             };
             calls += 1;
-            let name = lower(&argv[0]);
-            if matches!(
-                name.as_str(),
-                "eval" | "evalsha" | "script" | "client" | "wait" | "flushall" | "info" | "role"
-            ) {
+            let denied = [
+                "eval", "evalsha", "script", "client", "wait", "flushall", "info", "role",
+            ];
+            if denied
+                .iter()
+                .any(|d| d.as_bytes().eq_ignore_ascii_case(&argv[0]))
+            {
                 return error("ERR This Redis command is not allowed from script");
             }
             data_command(data, clock, role, false, argv, true)
@@ -815,7 +834,7 @@ impl ModelServer {
             offset: link.applied,
             replica: None,
             scripts: BTreeMap::new(),
-            lua: LuaEngine::new(),
+            lua: engine(),
             clients: BTreeMap::new(),
             next_client: 1,
             ids,
@@ -901,7 +920,6 @@ impl ModelServer {
     /// `NOSCRIPT` until the next `EVAL` or `SCRIPT LOAD`.
     pub(crate) fn flush_scripts(&mut self) {
         self.scripts.clear();
-        self.lua = LuaEngine::new();
     }
 }
 
