@@ -30,6 +30,15 @@
 //! of a sorted-set member) of that operation's keys, 1 ms before, at or 1 ms
 //! after it, so that `>` against `>=` in the scripts and in the model shows.
 //!
+//! The deployment facts the model keeps are checked the same way against a
+//! primary with an append-only file and its replica: what the replica holds
+//! once it has acknowledged every write (absolute expiries, expired keys
+//! hidden), what a restart keeps (and that it changes the `run_id`), what a
+//! promoted replica serves.
+//!
+//! Scripts beyond the shipped ones check Redis's Lua conversions and error
+//! texts one by one.
+//!
 //! `RESPIRE_DIFF_CASES=n` sets the number of sequences (default 200);
 //! `RESPIRE_DIFF_SEED=s` runs one seed's operations again (the real
 //! server's timing differs). A failure prints its seed and the operations up
@@ -762,45 +771,97 @@ fn dumps_match(
     Some(adopt)
 }
 
-/// Runs one sequence on the real server and on a model running `sources`;
-/// `Err` describes the first mismatch.
-fn run_case(
+/// One sequence: its operations and keys, and the model following the real
+/// server.
+struct Case {
     seed: u64,
-    real: &mut Resp,
-    sources: &[String],
-    tally: &mut Tally,
-) -> Result<(), String> {
-    let shipped: Vec<String> = SHIPPED.iter().map(|(_, s)| (*s).to_owned()).collect();
-    let mut g = Generator::new(seed);
-    let keys = g.keys(&ALL_KEYS);
-    let mut dump_cmd = argv(&["EVAL", DUMP]);
-    dump_cmd.push(keys.len().to_string().into_bytes());
-    dump_cmd.extend(keys.iter().map(|k| k.as_bytes().to_vec()));
-    let mut del = argv(&["DEL"]);
-    del.extend(keys.iter().map(|k| k.as_bytes().to_vec()));
-    let start = real.pipeline(&[del, argv(&["TIME"])]);
-    let mut model = ModelServer::new(seed, time_ms(&start[1]));
-    g.now = model.now_ms();
-    let mut history: Vec<String> = Vec::new();
-    for _ in 0..OPS_PER_CASE {
-        let op = g.next_op();
-        history.push(op.describe());
+    g: Generator,
+    keys: Vec<String>,
+    dump_cmd: Vec<Vec<u8>>,
+    history: Vec<String>,
+    model: ModelServer,
+    shipped: Vec<String>,
+}
+
+impl Case {
+    /// Deletes the case's keys on the real server and starts a model at the
+    /// real server's time.
+    fn start(seed: u64, real: &mut Resp) -> Case {
+        let g = Generator::new(seed);
+        let keys = g.keys(&ALL_KEYS);
+        let mut dump_cmd = argv(&["EVAL", DUMP]);
+        dump_cmd.push(keys.len().to_string().into_bytes());
+        dump_cmd.extend(keys.iter().map(|k| k.as_bytes().to_vec()));
+        let mut del = argv(&["DEL"]);
+        del.extend(keys.iter().map(|k| k.as_bytes().to_vec()));
+        let start = real.pipeline(&[del, argv(&["TIME"])]);
+        let model = ModelServer::new(seed, time_ms(&start[1]));
+        let mut case = Case {
+            seed,
+            g,
+            keys,
+            dump_cmd,
+            history: Vec::new(),
+            model,
+            shipped: shipped_sources(),
+        };
+        case.g.now = case.model.now_ms();
+        case
+    }
+
+    /// Dumps the case's keys on another real server (the replica, or the
+    /// primary after a restart) and on `model`, at some instant from the
+    /// model's time to the real dump's, and compares them.
+    fn compare_dump(&self, real: &mut Resp, model: &ModelServer, what: &str) -> Result<(), String> {
+        let real_dump = real
+            .pipeline(std::slice::from_ref(&self.dump_cmd))
+            .remove(0);
+        let td = time_ms(&real_dump.clone().array_head());
+        let mut tried = Vec::new();
+        for at in (model.now_ms().min(td)..=td).rev() {
+            let mut view = model.fork();
+            view.advance_to(at);
+            let dump = view.command(&self.dump_cmd);
+            if dumps_match(&real_dump, &dump, &self.keys, 0).is_some_and(|adopt| adopt.is_empty()) {
+                return Ok(());
+            }
+            tried.push(format!("at {at}: {dump}"));
+        }
+        Err(format!(
+            "seed {}: {what}: the model's keys differ\noperations:\n  {}\nreal: {real_dump}\nmodel:\n  {}",
+            self.seed,
+            self.history.join("\n  "),
+            tried.join("\n  ")
+        ))
+    }
+
+    /// Runs the next operation on the real server and on the model running
+    /// `sources`; `Err` describes a mismatch.
+    fn step(
+        &mut self,
+        real: &mut Resp,
+        sources: &[String],
+        tally: &mut Tally,
+    ) -> Result<(), String> {
+        let seed = self.seed;
+        let op = self.g.next_op();
+        self.history.push(op.describe());
         match op {
             Op::Pause(ms) => {
                 std::thread::sleep(Duration::from_millis(ms));
-                continue;
+                return Ok(());
             }
             Op::ToEdge { keys, n, offset } => {
-                wait_for_edge(&model, &keys, n, offset);
-                continue;
+                wait_for_edge(&self.model, &keys, n, offset);
+                return Ok(());
             }
             _ => {}
         }
         let replies = real.pipeline(&[
             argv(&["TIME"]),
-            op.argv(&shipped),
+            op.argv(&self.shipped),
             argv(&["TIME"]),
-            dump_cmd.clone(),
+            self.dump_cmd.clone(),
         ]);
         let (t0, real_reply, t1, real_dump) = (
             time_ms(&replies[0]),
@@ -816,10 +877,10 @@ fn run_case(
         // clock moves on to a later instant of it before one of its
         // commands; exact expiries first.
         let mut candidates: Vec<(i64, Option<(usize, i64)>)> = Vec::new();
-        for t in t0.max(model.now_ms())..=t1 {
+        for t in t0.max(self.model.now_ms())..=t1 {
             candidates.push((t, None));
             if t < t1 && matches!(op, Op::Script { .. }) {
-                let mut probe = model.fork();
+                let mut probe = self.model.fork();
                 probe.advance_to(t);
                 probe.command(&model_argv);
                 for by in 1..=t1 - t {
@@ -833,7 +894,7 @@ fn run_case(
         let tolerances: &[i64] = if t1 - t0 >= 2 { &[0, 1] } else { &[0] };
         'tolerance: for &tolerance in tolerances {
             for &(t, straddle) in &candidates {
-                let mut fork = model.fork();
+                let mut fork = self.model.fork();
                 fork.advance_to(t);
                 if let Some((k, by)) = straddle {
                     fork.straddle_next_script(k, by);
@@ -855,8 +916,8 @@ fn run_case(
                 for dump_at in (t1.max(fork.now_ms())..=td).rev() {
                     let mut after = fork.fork();
                     after.advance_to(dump_at);
-                    let dump = after.command(&dump_cmd);
-                    match dumps_match(real_dump, &dump, &keys, tolerance) {
+                    let dump = after.command(&self.dump_cmd);
+                    match dumps_match(real_dump, &dump, &self.keys, tolerance) {
                         Some(adopt) => {
                             for (key, at) in adopt {
                                 let mut entry = after.entry(&key).cloned().expect("a dumped key");
@@ -882,20 +943,35 @@ fn run_case(
             entry.1 += usize::from(!real_reply.is_error());
         }
         match matched {
-            Some(next) => model = next,
+            Some(next) => self.model = next,
             None => {
                 return Err(format!(
                     "seed {seed}: the model disagrees with redis-server on operation {}\n\
-                     operations:\n  {}\nreal (TIME {t0}..={t1}): {real_reply}\nreal dump (TIME {td}): {real_dump}\n\
-                     model:\n  {}",
-                    history.len(),
-                    history.join("\n  "),
+                 operations:\n  {}\nreal (TIME {t0}..={t1}): {real_reply}\nreal dump (TIME {td}): {real_dump}\n\
+                 model:\n  {}",
+                    self.history.len(),
+                    self.history.join("\n  "),
                     tried.join("\n  ")
                 ));
             }
         }
-        g.learn(&op, real_reply);
-        g.now = td;
+        self.g.learn(&op, real_reply);
+        self.g.now = td;
+        Ok(())
+    }
+}
+
+/// Runs one sequence on the real server and on a model running `sources`;
+/// `Err` describes the first mismatch.
+fn run_case(
+    seed: u64,
+    real: &mut Resp,
+    sources: &[String],
+    tally: &mut Tally,
+) -> Result<(), String> {
+    let mut case = Case::start(seed, real);
+    for _ in 0..OPS_PER_CASE {
+        case.step(real, sources, tally)?;
     }
     Ok(())
 }
@@ -1026,6 +1102,91 @@ fn the_model_answers_every_operation_as_redis_server_does() {
                 "{file}: {runs} runs, {answered} without an error"
             );
         }
+    }
+}
+
+/// A field of `INFO`.
+fn info_field(real: &mut Resp, field: &str) -> String {
+    let reply = real.pipeline(&[argv(&["INFO"])]).remove(0);
+    let Reply::Bulk(text) = reply else {
+        panic!("INFO answered {reply}");
+    };
+    String::from_utf8_lossy(&text)
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")).map(str::to_owned))
+        .unwrap_or_default()
+}
+
+#[test]
+fn replication_restart_and_promotion_match_redis_servers() {
+    let primary = support::TestServer::builder().append_only().start();
+    let replica = support::TestServer::builder()
+        .args(["--replicaof", "127.0.0.1", &primary.port().to_string()])
+        .start();
+    let mut to_primary = Resp::connect(&primary);
+    let mut to_replica = Resp::connect(&replica);
+    support::wait_until(Duration::from_secs(10), "the replica to sync", || {
+        info_field(&mut to_replica, "master_link_status") == "up"
+    });
+    let sources = shipped_sources();
+    let mut tally = Tally::default();
+    let mut last = None;
+    for seed in seeds(0xd1ff, (cases(DEFAULT_CASES) / 25).max(2)) {
+        let mut case = Case::start(seed, &mut to_primary);
+        // The real replica holds what the primary held: the model's starts
+        // as a copy.
+        case.model.add_replica();
+        for _ in 0..OPS_PER_CASE {
+            if let Err(mismatch) = case.step(&mut to_primary, &sources, &mut tally) {
+                panic!("{mismatch}");
+            }
+        }
+        let acked = to_primary
+            .pipeline(&[argv(&["WAIT", "1", "10000"])])
+            .remove(0);
+        assert_eq!(acked, Reply::Int(1), "the replica did not acknowledge");
+        case.model.replicate(usize::MAX);
+        let mut replica_view = case.model.fork();
+        let _ = replica_view.promote();
+        if let Err(mismatch) = case.compare_dump(&mut to_replica, &replica_view, "on the replica") {
+            panic!("{mismatch}");
+        }
+        last = Some(case);
+    }
+    let mut case = last.expect("a sequence ran");
+
+    // A restart with the append-only file keeps every key and its expiry,
+    // under a new run_id.
+    let run_id = info_field(&mut to_primary, "run_id");
+    let model_run_id = case.model.run_id().to_owned();
+    primary.restart();
+    case.model.restart(model::Persistence::Aof);
+    let mut to_primary = Resp::connect(&primary);
+    assert_ne!(info_field(&mut to_primary, "run_id"), run_id);
+    assert_ne!(case.model.run_id(), model_run_id);
+    if let Err(mismatch) = case.compare_dump(&mut to_primary, &case.model, "after a restart") {
+        panic!("{mismatch}");
+    }
+
+    // Promotion: the replica becomes a primary with what it had applied.
+    support::wait_until(Duration::from_secs(10), "the replica to sync again", || {
+        info_field(&mut to_replica, "master_link_status") == "up"
+    });
+    let acked = to_primary
+        .pipeline(&[argv(&["WAIT", "1", "10000"])])
+        .remove(0);
+    assert_eq!(acked, Reply::Int(1), "the replica did not acknowledge");
+    case.model.replicate(usize::MAX);
+    let replica_run_id = info_field(&mut to_replica, "run_id");
+    let reply = to_replica
+        .pipeline(&[argv(&["REPLICAOF", "NO", "ONE"])])
+        .remove(0);
+    assert_eq!(reply, Reply::Status("OK".into()));
+    let _old = case.model.promote();
+    assert_eq!(info_field(&mut to_replica, "role"), "master");
+    assert_eq!(info_field(&mut to_replica, "run_id"), replica_run_id);
+    if let Err(mismatch) = case.compare_dump(&mut to_replica, &case.model, "after promotion") {
+        panic!("{mismatch}");
     }
 }
 
