@@ -1257,6 +1257,14 @@ const SNIPPETS: &[&str] = &[
      redis.call('PEXPIRE', KEYS[1], 100, 'NX'), redis.call('PEXPIRE', KEYS[1], 50, 'GT'), \
      redis.call('PEXPIRE', KEYS[1], 50, 'LT'), redis.call('PTTL', KEYS[1])}",
     "return redis.pcall('PEXPIRE', KEYS[1], 100, 'NX', 'XX')",
+    "redis.call('SET', KEYS[1], 'v') \
+     return {redis.call('PEXPIRE', KEYS[1], 0), redis.call('EXISTS', KEYS[1])}",
+    "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) \
+     redis.call('SET', KEYS[1], 'v') \
+     return {redis.call('PEXPIREAT', KEYS[1], now), redis.call('EXISTS', KEYS[1])}",
+    "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) \
+     return {redis.call('SET', KEYS[1], 'v', 'PXAT', now), redis.call('EXISTS', KEYS[1]), \
+     redis.call('PTTL', KEYS[1]), redis.call('PEXPIRETIME', KEYS[1]) - now}",
     "return redis.pcall('PEXPIRE', KEYS[1], 9223372036854775807)",
     "return {redis.call('TYPE', KEYS[1]), redis.call('EXISTS', KEYS[1], KEYS[1]), \
      redis.call('PEXPIRETIME', KEYS[1]), redis.call('PTTL', KEYS[1])}",
@@ -1269,7 +1277,8 @@ const SNIPPETS: &[&str] = &[
 #[test]
 fn lua_conversions_and_errors_match_redis_server() {
     let mut real = Resp::connect(support::shared_server());
-    let mut model = ModelServer::new(9, 0);
+    let now = time_ms(&real.pipeline(&[argv(&["TIME"])])[0]);
+    let mut model = ModelServer::new(9, now);
     for (i, snippet) in SNIPPETS.iter().enumerate() {
         let key = format!("{{snip}}{i}:{}", std::process::id());
         let command = |source: &str| argv(&["EVAL", source, "1", &key]);
