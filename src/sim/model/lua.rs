@@ -16,9 +16,8 @@
 //! `redis.call` and `redis.pcall` are Rust functions made for each script run,
 //! so a script sees the data only through them.
 
-use std::collections::HashMap;
-
 use std::cell::RefCell;
+use std::collections::HashMap;
 
 use mlua::{Function, Lua, LuaOptions, MultiValue, StdLib, Table, Value as LuaValue};
 
@@ -116,7 +115,8 @@ impl std::fmt::Debug for LuaEngine {
     }
 }
 
-/// The SHA1 Redis names a script by (lower-case hex).
+/// The SHA1 Redis names a script by (lower-case hex; of the text read as
+/// UTF-8, which the shipped scripts are).
 pub(crate) fn sha1_hex(source: &[u8]) -> String {
     redis::Script::new(&String::from_utf8_lossy(source))
         .get_hash()
