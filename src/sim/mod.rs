@@ -42,7 +42,9 @@
 //! minute on 2 cores in a debug build); `RESPIRE_SIM_SEED=s` replays one, and `RESPIRE_SIM_TRACE=1` prints
 //! its events. A failure prints its seed.
 
+mod contracts;
 mod group;
+mod model;
 mod single;
 
 use std::cmp::Reverse;

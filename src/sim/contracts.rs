@@ -1,0 +1,659 @@
+//! The shipped Lua scripts on the model server, under random schedules of
+//! clients and clock, checked against their contracts (DESIGN §3) by a record
+//! kept outside the scripts and outside the model's data: what each reply
+//! granted, extended or released, at which server time, with which TTL.
+//!
+//! - Fenced lease (`fenced_acquire`, `lease_extend`, `lease_verify`,
+//!   `lease_release`): every reply is the one the contract gives for the
+//!   recorded holder; a new grant's token is one above the last one issued;
+//!   the key expires exactly when the record says.
+//! - Reader/writer lease (the `rw_*` scripts, and the lease scripts on the
+//!   writer key): no write grant while another writer or an unexpired reader
+//!   is recorded, no read grant while another writer is; write tokens rise;
+//!   a reader's epoch is the last write token; an attempt on a free lease
+//!   (no recorded writer, no reader, no intent) is granted.
+//! - Semaphore (the `sem_*` scripts): unexpired recorded permits never
+//!   exceed the capacity and hold distinct slots below it; tokens rise; an
+//!   attempt with fewer permits than the capacity is granted; status, verify
+//!   and extend agree with the record.
+//!
+//! A change to a shipped script that breaks its contract fails these tests;
+//! the differential test (`tests/differential.rs`) keeps the model itself
+//! honest against Redis (it runs the same script files on both sides, so it
+//! cannot see a change to them).
+//!
+//! `RESPIRE_SIM_CASES` and `RESPIRE_SIM_SEED` work as for the other
+//! schedules.
+
+use std::collections::BTreeMap;
+
+use super::model::{ModelServer, Reply};
+use super::{Rng, Stats, run, seeds};
+use crate::scripts::{self, Script};
+
+const CASES: u64 = 500;
+const STEPS: usize = 80;
+const OWNERS: [&str; 3] = ["o0", "o1", "o2"];
+
+fn bulk(s: &str) -> Reply {
+    Reply::Bulk(s.as_bytes().to_vec())
+}
+
+fn text(r: &Reply) -> Option<String> {
+    match r {
+        Reply::Bulk(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        _ => None,
+    }
+}
+
+fn call(s: &mut ModelServer, script: &Script, keys: &[&str], args: &[&str]) -> Reply {
+    s.evalsha(&script.sha, keys, args)
+}
+
+/// The server with every shipped script loaded, its clock at 1,000,000 ms.
+fn server(seed: u64) -> ModelServer {
+    let mut s = ModelServer::new(seed, 1_000_000);
+    for script in [
+        &*scripts::FENCED_ACQUIRE,
+        &*scripts::LEASE_EXTEND,
+        &*scripts::LEASE_VERIFY,
+        &*scripts::LEASE_RELEASE,
+        &*scripts::RW_READ_ACQUIRE,
+        &*scripts::RW_READ_EXTEND,
+        &*scripts::RW_READ_VERIFY,
+        &*scripts::RW_READ_RELEASE,
+        &*scripts::RW_WRITE_ACQUIRE,
+        &*scripts::RW_WRITE_WITHDRAW,
+        &*scripts::RW_WRITE_CLEAN_UP,
+        &*scripts::SEM_ACQUIRE,
+        &*scripts::SEM_EXTEND,
+        &*scripts::SEM_VERIFY,
+        &*scripts::SEM_RELEASE,
+        &*scripts::SEM_SET_CAPACITY,
+        &*scripts::SEM_STATUS,
+    ] {
+        s.command(&["SCRIPT", "LOAD", script.code]);
+    }
+    s
+}
+
+/// Moves the clock: mostly a few ms, sometimes exactly to an edge the record
+/// knows (an expiry, or the millisecond after it).
+fn tick(s: &mut ModelServer, rng: &mut Rng, edges: &[i64]) {
+    let now = s.now_ms();
+    let ahead: Vec<i64> = edges.iter().copied().filter(|&e| e >= now).collect();
+    if !ahead.is_empty() && rng.chance(0.3) {
+        let edge = ahead[rng.below(ahead.len() as u64) as usize];
+        s.advance_to(edge + rng.below(2) as i64);
+    } else {
+        s.advance_to(now + rng.below(12) as i64);
+    }
+}
+
+fn ttl(rng: &mut Rng) -> i64 {
+    [3, 5, 10, 20, 40, 100][rng.below(6) as usize]
+}
+
+fn owner(rng: &mut Rng) -> &'static str {
+    OWNERS[rng.below(OWNERS.len() as u64) as usize]
+}
+
+// ----- the fenced lease -----
+
+/// The recorded holder: value, token, last millisecond it exists.
+#[derive(Clone, Debug)]
+struct Holder {
+    owner: &'static str,
+    token: u64,
+    until: i64,
+}
+
+impl Holder {
+    fn value(&self) -> String {
+        format!("{}:{}", self.owner, self.token)
+    }
+}
+
+fn fenced_case(seed: u64) -> Result<Stats, String> {
+    let mut rng = Rng::new(seed);
+    let mut s = server(seed);
+    let (lease, fence) = ("{f}lease", "{f}fence");
+    let mut holder: Option<Holder> = None;
+    let mut issued = 0u64;
+    let mut stats = Stats::default();
+    for step in 0..STEPS {
+        let edges: Vec<i64> = holder.iter().map(|h| h.until).collect();
+        tick(&mut s, &mut rng, &edges);
+        let now = s.now_ms();
+        if holder.as_ref().is_some_and(|h| now > h.until) {
+            holder = None;
+        }
+        let who = owner(&mut rng);
+        // Mostly the holder's own value, sometimes a stale or foreign one.
+        let value = match &holder {
+            Some(h) if rng.chance(0.6) => h.value(),
+            _ => format!("{who}:{}", issued.saturating_sub(rng.below(2))),
+        };
+        let held_by = |h: &Option<Holder>, v: &str| h.as_ref().is_some_and(|h| h.value() == v);
+        let ctx = |what: &str, got: &Reply, want: &Reply| {
+            format!("step {step} at {now}: {what}: got {got}, the contract says {want}")
+        };
+        match rng.below(4) {
+            0 => {
+                let ttl = ttl(&mut rng);
+                let got = call(
+                    &mut s,
+                    &scripts::FENCED_ACQUIRE,
+                    &[lease, fence],
+                    &[who, &ttl.to_string()],
+                );
+                let want = match &mut holder {
+                    None => {
+                        issued += 1;
+                        holder = Some(Holder {
+                            owner: who,
+                            token: issued,
+                            until: now + ttl,
+                        });
+                        stats.grants += 1;
+                        Reply::Array(vec![Reply::Int(1), bulk(&issued.to_string())])
+                    }
+                    Some(h) if h.owner == who => {
+                        h.until = h.until.max(now + ttl);
+                        Reply::Array(vec![Reply::Int(1), bulk(&h.token.to_string())])
+                    }
+                    Some(h) => {
+                        stats.takeovers += 1;
+                        Reply::Array(vec![Reply::Int(0), Reply::Int(h.until - now)])
+                    }
+                };
+                if got != want {
+                    return Err(ctx(&format!("{who} acquires for {ttl} ms"), &got, &want));
+                }
+            }
+            1 => {
+                let ttl = ttl(&mut rng);
+                let got = call(
+                    &mut s,
+                    &scripts::LEASE_EXTEND,
+                    &[lease],
+                    &[&value, &ttl.to_string()],
+                );
+                let want = match &mut holder {
+                    None => Reply::Int(0),
+                    Some(h) if h.value() == value => {
+                        h.until = now + ttl;
+                        stats.extensions += 1;
+                        Reply::Int(1)
+                    }
+                    Some(_) => Reply::Int(-1),
+                };
+                if got != want {
+                    return Err(ctx(&format!("{value} extends by {ttl} ms"), &got, &want));
+                }
+            }
+            2 => {
+                let got = call(&mut s, &scripts::LEASE_VERIFY, &[lease], &[&value]);
+                let want = match &holder {
+                    None => Reply::Array(vec![Reply::Int(0)]),
+                    Some(h) if held_by(&holder, &value) => {
+                        Reply::Array(vec![Reply::Int(1), Reply::Int(h.until - now)])
+                    }
+                    Some(_) => Reply::Array(vec![Reply::Int(-1)]),
+                };
+                if got != want {
+                    return Err(ctx(&format!("{value} verifies"), &got, &want));
+                }
+            }
+            _ => {
+                let prefix = rng.chance(0.3);
+                let (arg, mode) = if prefix {
+                    (format!("{who}:"), "prefix")
+                } else {
+                    (value.clone(), "exact")
+                };
+                let got = call(&mut s, &scripts::LEASE_RELEASE, &[lease], &[&arg, mode]);
+                let mine = holder.as_ref().map(|h| {
+                    if prefix {
+                        h.owner == who
+                    } else {
+                        h.value() == arg
+                    }
+                });
+                let want = match mine {
+                    None => Reply::Int(0),
+                    Some(true) => {
+                        holder = None;
+                        Reply::Int(1)
+                    }
+                    Some(false) => Reply::Int(-1),
+                };
+                if got != want {
+                    return Err(ctx(&format!("{arg} releases ({mode})"), &got, &want));
+                }
+            }
+        }
+        let truth = s.expiry(lease);
+        let recorded = holder.as_ref().map(|h| h.until);
+        if truth != recorded {
+            return Err(format!(
+                "step {step} at {now}: the lease expires at {truth:?} on the server, \
+                 the record says {recorded:?}"
+            ));
+        }
+        stats.checks += 1;
+        stats.events += 1;
+    }
+    Ok(stats)
+}
+
+// ----- the reader/writer lease -----
+
+fn rw_case(seed: u64) -> Result<Stats, String> {
+    let mut rng = Rng::new(seed);
+    let mut s = server(seed);
+    let keys = ["{rw}w", "{rw}r", "{rw}q", "{rw}fence"];
+    let [w, r, q, _] = keys;
+    let mut writer: Option<Holder> = None;
+    // Reader owner → the last millisecond it holds (the script prunes a
+    // reader whose expiry score is at or before now).
+    let mut readers: BTreeMap<&str, i64> = BTreeMap::new();
+    let mut intents = false;
+    let mut last_write = 0u64;
+    let mut stats = Stats::default();
+    for step in 0..STEPS {
+        let mut edges: Vec<i64> = writer.iter().map(|h| h.until).collect();
+        edges.extend(readers.values().map(|&u| u + 1));
+        tick(&mut s, &mut rng, &edges);
+        let now = s.now_ms();
+        if writer.as_ref().is_some_and(|h| now > h.until) {
+            writer = None;
+        }
+        readers.retain(|_, until| *until >= now);
+        let who = owner(&mut rng);
+        let ctx = |what: String, got: &Reply| format!("step {step} at {now}: {what}: got {got}");
+        match rng.below(6) {
+            0 => {
+                let ttl = ttl(&mut rng);
+                let pref = if rng.chance(0.5) { "writer" } else { "reader" };
+                let got = call(
+                    &mut s,
+                    &scripts::RW_READ_ACQUIRE,
+                    &keys,
+                    &[who, &ttl.to_string(), pref],
+                );
+                let what = format!("reader {who} acquires for {ttl} ms ({pref} preference)");
+                match &got {
+                    Reply::Array(v) if v.first() == Some(&Reply::Int(1)) => {
+                        if writer.is_some() {
+                            return Err(ctx(format!("{what} while {writer:?} writes"), &got));
+                        }
+                        if v.get(1) != Some(&bulk(&last_write.to_string())) {
+                            return Err(ctx(format!("{what}: epoch is not {last_write}"), &got));
+                        }
+                        let until = readers.entry(who).or_insert(0);
+                        *until = (*until).max(now + ttl - 1);
+                        stats.grants += 1;
+                    }
+                    Reply::Array(v) if v.first() == Some(&Reply::Int(0)) => {
+                        let free = writer.is_none() && (pref == "reader" || !intents);
+                        if free {
+                            return Err(ctx(format!("{what} on a free lease is refused"), &got));
+                        }
+                        stats.takeovers += 1;
+                    }
+                    _ => return Err(ctx(what, &got)),
+                }
+            }
+            1 => {
+                let ttl = ttl(&mut rng);
+                let intent = if rng.chance(0.5) { 0 } else { 30 };
+                let got = call(
+                    &mut s,
+                    &scripts::RW_WRITE_ACQUIRE,
+                    &keys,
+                    &[who, &ttl.to_string(), &intent.to_string()],
+                );
+                let what = format!("writer {who} acquires for {ttl} ms");
+                match &got {
+                    Reply::Array(v) if v.first() == Some(&Reply::Int(1)) => {
+                        let token: u64 = v
+                            .get(1)
+                            .and_then(text)
+                            .and_then(|t| t.parse().ok())
+                            .unwrap_or(0);
+                        let again = writer.as_ref().is_some_and(|h| h.owner == who);
+                        if writer.is_some() && !again {
+                            return Err(ctx(format!("{what} while {writer:?} writes"), &got));
+                        }
+                        if !readers.is_empty() {
+                            return Err(ctx(
+                                format!("{what} while readers {readers:?} hold"),
+                                &got,
+                            ));
+                        }
+                        if again {
+                            let h = writer.as_mut().expect("a writer");
+                            if token != h.token {
+                                return Err(ctx(
+                                    format!("{what}: a repeat gives another token"),
+                                    &got,
+                                ));
+                            }
+                            h.until = h.until.max(now + ttl);
+                        } else {
+                            if token != last_write + 1 {
+                                return Err(ctx(
+                                    format!("{what}: token not {}", last_write + 1),
+                                    &got,
+                                ));
+                            }
+                            last_write = token;
+                            writer = Some(Holder {
+                                owner: who,
+                                token,
+                                until: now + ttl,
+                            });
+                            stats.grants += 1;
+                        }
+                    }
+                    Reply::Array(v) if v.first() == Some(&Reply::Int(0)) => {
+                        if writer.is_none() && readers.is_empty() {
+                            return Err(ctx(format!("{what} on a free lease is refused"), &got));
+                        }
+                        intents |= intent > 0;
+                        stats.takeovers += 1;
+                    }
+                    _ => return Err(ctx(what, &got)),
+                }
+            }
+            2 => {
+                // The writer's own lease operations, on its value.
+                let Some(h) = writer.clone() else { continue };
+                let value = h.value();
+                let ttl = ttl(&mut rng);
+                if rng.chance(0.5) {
+                    let got = call(
+                        &mut s,
+                        &scripts::LEASE_EXTEND,
+                        &[w],
+                        &[&value, &ttl.to_string()],
+                    );
+                    if got != Reply::Int(1) {
+                        return Err(ctx(format!("writer {value} extends"), &got));
+                    }
+                    writer.as_mut().expect("a writer").until = now + ttl;
+                    stats.extensions += 1;
+                } else {
+                    let got = call(&mut s, &scripts::LEASE_RELEASE, &[w], &[&value, "exact"]);
+                    if got != Reply::Int(1) {
+                        return Err(ctx(format!("writer {value} releases"), &got));
+                    }
+                    writer = None;
+                }
+            }
+            3 => {
+                let ttl = ttl(&mut rng);
+                let got = call(
+                    &mut s,
+                    &scripts::RW_READ_EXTEND,
+                    &[r],
+                    &[who, &ttl.to_string()],
+                );
+                let want = Reply::Int(i64::from(readers.contains_key(who)));
+                if got != want {
+                    return Err(ctx(
+                        format!("reader {who} extends, held: {}", want == Reply::Int(1)),
+                        &got,
+                    ));
+                }
+                if let Some(until) = readers.get_mut(who) {
+                    *until = now + ttl - 1;
+                    stats.extensions += 1;
+                }
+            }
+            4 => {
+                let got = call(&mut s, &scripts::RW_READ_VERIFY, &[r], &[who]);
+                let want = match readers.get(who) {
+                    Some(until) => Reply::Array(vec![Reply::Int(1), Reply::Int(until + 1 - now)]),
+                    None => Reply::Array(vec![Reply::Int(0)]),
+                };
+                if got != want {
+                    return Err(ctx(format!("reader {who} verifies, want {want}"), &got));
+                }
+                let got = call(&mut s, &scripts::RW_READ_RELEASE, &[r], &[who, "exact"]);
+                let want = Reply::Int(i64::from(readers.remove(who).is_some()));
+                if got != want {
+                    return Err(ctx(format!("reader {who} releases, want {want}"), &got));
+                }
+            }
+            _ => {
+                // A waiting writer stops waiting, or cleans up after itself.
+                let got = if rng.chance(0.5) {
+                    call(&mut s, &scripts::RW_WRITE_WITHDRAW, &[q], &[who])
+                } else {
+                    let got = call(&mut s, &scripts::RW_WRITE_CLEAN_UP, &[w, q], &[who]);
+                    if writer.as_ref().is_some_and(|h| h.owner == who) {
+                        writer = None;
+                    }
+                    got
+                };
+                if got.is_error() {
+                    return Err(ctx(format!("{who} withdraws"), &got));
+                }
+                if !s.exists(q) {
+                    intents = false;
+                }
+            }
+        }
+        if !s.exists(q) {
+            intents = false;
+        }
+        let truth = s.expiry(w);
+        let recorded = writer.as_ref().map(|h| h.until);
+        if truth != recorded {
+            return Err(format!(
+                "step {step} at {now}: the writer lease expires at {truth:?} on the server, \
+                 the record says {recorded:?}"
+            ));
+        }
+        stats.checks += 1;
+        stats.events += 1;
+    }
+    Ok(stats)
+}
+
+// ----- the semaphore -----
+
+fn sem_case(seed: u64) -> Result<Stats, String> {
+    let mut rng = Rng::new(seed);
+    let mut s = server(seed);
+    let keys = ["{s}permits", "{s}meta", "{s}slots"];
+    let capacity = 1 + rng.below(3) as usize;
+    let cap = capacity.to_string();
+    // Member owner:slot:token → the last millisecond it holds.
+    let mut permits: BTreeMap<String, i64> = BTreeMap::new();
+    let mut last_token = 0u64;
+    // Permits that expired: an extension must not bring one back.
+    let mut gone: Vec<String> = Vec::new();
+    let mut stats = Stats::default();
+    for step in 0..STEPS {
+        let edges: Vec<i64> = permits.values().map(|&u| u + 1).collect();
+        tick(&mut s, &mut rng, &edges);
+        let now = s.now_ms();
+        gone.extend(
+            permits
+                .iter()
+                .filter(|(_, u)| **u < now)
+                .map(|(m, _)| m.clone()),
+        );
+        permits.retain(|_, until| *until >= now);
+        let who = owner(&mut rng);
+        let ctx = |what: String, got: &Reply| format!("step {step} at {now}: {what}: got {got}");
+        let mine = permits
+            .keys()
+            .find(|m| m.starts_with(&format!("{who}:")))
+            .cloned();
+        match rng.below(5) {
+            0 | 1 => {
+                let ttl = ttl(&mut rng);
+                let got = call(
+                    &mut s,
+                    &scripts::SEM_ACQUIRE,
+                    &keys,
+                    &[who, &ttl.to_string(), &cap],
+                );
+                let what = format!("{who} acquires for {ttl} ms (capacity {capacity})");
+                match &got {
+                    Reply::Array(v) if v.first() == Some(&Reply::Int(1)) => {
+                        let (Some(slot), Some(token)) = (
+                            v.get(1).and_then(Reply::as_int),
+                            v.get(2).and_then(text).and_then(|t| t.parse::<u64>().ok()),
+                        ) else {
+                            return Err(ctx(what, &got));
+                        };
+                        let member = format!("{who}:{slot}:{token}");
+                        match &mine {
+                            Some(m) if *m != member => {
+                                return Err(ctx(
+                                    format!("{what}: a repeat gives another permit than {m}"),
+                                    &got,
+                                ));
+                            }
+                            Some(_) => {
+                                let until = permits.get_mut(&member).expect("held");
+                                *until = (*until).max(now + ttl - 1);
+                            }
+                            None => {
+                                if permits.len() >= capacity {
+                                    return Err(ctx(format!("{what} beyond {permits:?}"), &got));
+                                }
+                                let taken = permits
+                                    .keys()
+                                    .any(|m| m.split(':').nth(1) == Some(&slot.to_string()));
+                                if taken || slot < 0 || slot as usize >= capacity {
+                                    return Err(ctx(
+                                        format!("{what}: slot {slot} not free in {permits:?}"),
+                                        &got,
+                                    ));
+                                }
+                                if token != last_token + 1 {
+                                    return Err(ctx(
+                                        format!("{what}: token not {}", last_token + 1),
+                                        &got,
+                                    ));
+                                }
+                                last_token = token;
+                                permits.insert(member, now + ttl - 1);
+                                stats.grants += 1;
+                            }
+                        }
+                    }
+                    Reply::Array(v) if v.first() == Some(&Reply::Int(0)) => {
+                        if mine.is_some() || permits.len() < capacity {
+                            return Err(ctx(format!("{what} refused with {permits:?}"), &got));
+                        }
+                        stats.takeovers += 1;
+                    }
+                    _ => return Err(ctx(what, &got)),
+                }
+            }
+            2 if !gone.is_empty() && rng.chance(0.3) => {
+                let member = gone.swap_remove(rng.below(gone.len() as u64) as usize);
+                let got = call(&mut s, &scripts::SEM_EXTEND, &keys, &[&member, "100"]);
+                if got != Reply::Int(0) {
+                    return Err(ctx(format!("{member} extends after it expired"), &got));
+                }
+            }
+            2 => {
+                let Some(member) = mine.clone().or_else(|| permits.keys().next().cloned()) else {
+                    continue;
+                };
+                let ttl = ttl(&mut rng);
+                let got = call(
+                    &mut s,
+                    &scripts::SEM_EXTEND,
+                    &keys,
+                    &[&member, &ttl.to_string()],
+                );
+                if got != Reply::Int(1) {
+                    return Err(ctx(format!("{member} extends"), &got));
+                }
+                permits.insert(member, now + ttl - 1);
+                stats.extensions += 1;
+            }
+            3 => {
+                let member = mine
+                    .clone()
+                    .unwrap_or_else(|| format!("{who}:0:{last_token}"));
+                let got = call(&mut s, &scripts::SEM_VERIFY, &keys[..1], &[&member]);
+                let want = match permits.get(&member) {
+                    Some(until) => Reply::Array(vec![Reply::Int(1), Reply::Int(until + 1 - now)]),
+                    None => Reply::Array(vec![Reply::Int(0)]),
+                };
+                if got != want {
+                    return Err(ctx(format!("{member} verifies, want {want}"), &got));
+                }
+                let got = call(&mut s, &scripts::SEM_RELEASE, &keys, &[&member, "exact"]);
+                let want = Reply::Int(i64::from(permits.remove(&member).is_some()));
+                if got != want {
+                    return Err(ctx(format!("{member} releases, want {want}"), &got));
+                }
+            }
+            _ => {
+                let got = call(&mut s, &scripts::SEM_STATUS, &keys, &[] as &[&str]);
+                let count = match &got {
+                    Reply::Array(v) => v.get(1).and_then(Reply::as_int),
+                    _ => None,
+                };
+                if count != Some(permits.len() as i64) {
+                    return Err(ctx(format!("status with {permits:?}"), &got));
+                }
+            }
+        }
+        stats.checks += 1;
+        stats.events += 1;
+    }
+    Ok(stats)
+}
+
+#[test]
+fn shipped_fenced_lease_scripts_keep_their_contract() {
+    let stats = run(
+        "shipped_fenced_lease_scripts",
+        seeds(CASES, 11),
+        fenced_case,
+    );
+    if stats.cases >= 100 {
+        assert!(
+            stats.grants > stats.cases && stats.takeovers > 0,
+            "{stats:?}"
+        );
+    }
+}
+
+#[test]
+fn shipped_read_write_lease_scripts_keep_their_contract() {
+    let stats = run(
+        "shipped_read_write_lease_scripts",
+        seeds(CASES, 12),
+        rw_case,
+    );
+    if stats.cases >= 100 {
+        assert!(
+            stats.grants > stats.cases && stats.takeovers > 0,
+            "{stats:?}"
+        );
+    }
+}
+
+#[test]
+fn shipped_semaphore_scripts_keep_their_contract() {
+    let stats = run("shipped_semaphore_scripts", seeds(CASES, 13), sem_case);
+    if stats.cases >= 100 {
+        assert!(
+            stats.grants > stats.cases && stats.takeovers > 0,
+            "{stats:?}"
+        );
+    }
+}
