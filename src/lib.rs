@@ -364,51 +364,45 @@
 #![deny(missing_docs)]
 #![warn(unreachable_pub)]
 
-mod acquire;
 mod cancel;
 mod clock;
 mod conn;
 mod coordinator;
 mod core;
-mod deployment;
 mod error;
-mod fenced;
-mod guard;
-mod inspect;
 mod keys;
-mod kind;
-mod lock;
+mod lease;
 mod redlock;
 mod replication;
 mod report;
 mod runtime;
-mod rwlease;
 mod scripts;
-mod semaphore;
 #[cfg(test)]
 mod sim;
 mod token;
 
-pub use acquire::Lease;
 pub use cancel::CancelToken;
 pub use conn::Protocol;
 pub use conn::url::{DeploymentUrl, UrlKind};
+pub use coordinator::inspect::{ExclusiveHolder, HeldAs, Inspection};
 pub use coordinator::{Coordinator, CoordinatorBuilder};
 pub use error::{Error, Result};
-pub use fenced::{FencedGuard, FencedLock};
-pub use guard::{KeepAlive, LeaseGuard, ReleaseOutcome};
-pub use inspect::{ExclusiveHolder, HeldAs, Inspection};
 pub use keys::{MAX_TTL, key_slot};
-pub use kind::{Fenced, Kind, Plain, Read, Slot, Write};
-pub use lock::{Lock, LockGuard};
+pub use lease::acquire::Lease;
+pub use lease::fenced::{FencedGuard, FencedLock};
+pub use lease::guard::{KeepAlive, LeaseGuard, ReleaseOutcome};
+pub use lease::kind::{Fenced, Kind, Plain, Read, Slot, Write};
+pub use lease::lock::{Lock, LockGuard};
+pub use lease::rwlease::{
+    Preference, ReadGuard, ReadLease, ReadWriteLease, WriteGuard, WriteLease,
+};
+pub use lease::semaphore::{Permit, PermitHolder, Semaphore};
 pub use redlock::{
     RedlockAttempt, RedlockGroup, RedlockGuard, RedlockKeepAlive, RedlockNode, RedlockOptions,
 };
 pub use replication::Replication;
 pub use report::{NodeOutcome, NodeReport};
 pub use runtime::renewal::RenewalStats;
-pub use rwlease::{Preference, ReadGuard, ReadLease, ReadWriteLease, WriteGuard, WriteLease};
-pub use semaphore::{Permit, PermitHolder, Semaphore};
 pub use token::FencingToken;
 
 /// The README's examples, compiled as doc tests.

@@ -7,10 +7,10 @@ use std::time::{Duration, Instant};
 use super::Group;
 use super::guard::RedlockGuard;
 use super::options::validity;
+use super::worker::{NodeLease, Op};
 use crate::core::quorum::AcquireVerdict;
 use crate::error::{Error, Result};
 use crate::report::{NodeOutcome, NodeReport};
-use crate::runtime::nodes::{NodeLease, Op};
 use crate::token::OwnerToken;
 
 impl Group {

@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 
 use super::Group;
 use super::options::check_ttl;
+use super::worker::{Completion, Job, NodeLease, Op, Reply};
 use crate::core::quorum::Tally;
 use crate::error::Result;
 use crate::report::{NodeOutcome, NodeReport};
-use crate::runtime::nodes::{Completion, Job, NodeLease, Op, Reply};
 
 /// Where a fan-out's answers go.
 pub(super) struct Route<'a> {

@@ -25,6 +25,7 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
 use super::Group;
+use super::worker::{Completion, NodeLease, Op, Reply};
 use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket};
 use crate::core::quorum::{ExtendVerdict, Tally, Vote};
 use crate::core::schedule::{Next, Watched};
@@ -32,7 +33,6 @@ use crate::core::timing::{self, Timing};
 use crate::error::{Error, Result};
 use crate::report::{NodeOutcome, NodeReport, summarize};
 use crate::runtime::lease::LeaseCell;
-use crate::runtime::nodes::{Completion, NodeLease, Op, Reply};
 use crate::runtime::scheduler::{Dispatch, Scheduler};
 
 /// One Redlock lease, shared by its guard and the renewal thread.

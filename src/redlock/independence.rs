@@ -1,7 +1,7 @@
 //! Refusing Redlock nodes that would fail together.
 
+use super::worker::ServerInfo;
 use crate::error::{Error, Result};
-use crate::runtime::nodes::ServerInfo;
 
 /// Refuses nodes that would fail together: one server twice, one replication
 /// history twice, or a cluster node.

@@ -4,7 +4,7 @@
 //! Kleppmann pointed out in "How to do distributed locking" and antirez's reply
 //! "Is Redlock safe?". The public docs are on [`RedlockGroup`](crate::RedlockGroup).
 //!
-//! The fan-out runs on the per-node workers of `runtime::nodes`; the quorum
+//! The fan-out runs on the per-node workers (`worker.rs`); the quorum
 //! arithmetic is `core::quorum`, and each guard's bounds are a `core::lease`
 //! like every other lease's. Here: the group (`mod.rs`), its settings
 //! (`options.rs`), the fan-out and its evidence (`fanout.rs`), one attempt
@@ -18,6 +18,7 @@ mod guard;
 mod independence;
 mod options;
 mod restarts;
+mod worker;
 
 use std::fmt;
 use std::sync::{Arc, Weak};
@@ -27,9 +28,7 @@ use crate::cancel::CancelToken;
 use crate::conn::ConnConfig;
 use crate::coordinator::Coordinator;
 use crate::error::{Error, Result};
-use crate::runtime::nodes::{
-    self, Hello, NodeSettings, NodeWatcher, NodeWorker, OnNodeEvent, ROUND_TRIPS_PER_TIMEOUT,
-};
+use worker::{Hello, NodeSettings, NodeWatcher, NodeWorker, OnNodeEvent, ROUND_TRIPS_PER_TIMEOUT};
 
 pub use attempt::RedlockAttempt;
 pub use guard::{RedlockGuard, RedlockKeepAlive};
@@ -660,7 +659,7 @@ impl Drop for Group {
         // Queued releases (of guards dropped just before) still reach their
         // nodes before the program moves on, for at most a node timeout.
         let deadline = Instant::now() + self.options.node_timeout;
-        nodes::stop(std::mem::take(&mut self.workers), deadline);
+        worker::stop(std::mem::take(&mut self.workers), deadline);
     }
 }
 

@@ -2,7 +2,7 @@
 //! empty and grant a lock to a second client while the first still counts on
 //! it (antirez, "Distributed Locks with Redis", the section on restarts).
 //!
-//! Each node has a watcher (`runtime::nodes`) on an idle connection of its
+//! Each node has a watcher (`worker.rs`) on an idle connection of its
 //! own. When that connection fails, the server may have stopped; when it
 //! connects again, the server's run id tells whether it restarted. The group
 //! then judges every live lock at once: a node counts for a lock while it
@@ -18,7 +18,7 @@ use parking_lot::Mutex;
 
 use super::Group;
 use super::guard::RedlockLease;
-use crate::runtime::nodes::NodeEvent;
+use super::worker::NodeEvent;
 
 /// The group's live locks and what its watchers know of each node.
 pub(super) struct Restarts {

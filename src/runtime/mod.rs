@@ -1,9 +1,10 @@
-//! The only code that starts threads: the renewal thread, the per-server
-//! executors and invalidation subscribers, the topology followers of Cluster
-//! and Sentinel deployments, the Redlock node workers and renewal thread (per
-//! `RedlockGroup`), and the lease state they share with the guards. Everything
-//! here drives the pure core (`crate::core`) with real time and real
-//! connections.
+//! The code that starts threads, but for the Redlock node workers (beside the
+//! rest of Redlock, in `redlock/worker.rs`): the renewal thread, the
+//! per-server executors and invalidation subscribers, the topology followers
+//! of Cluster and Sentinel deployments, the Redlock renewal thread (per
+//! `RedlockGroup`), the workers' reconnect pause (`nodes.rs`), and the lease
+//! state they share with the guards. Everything here drives the pure core
+//! (`crate::core`) with real time and real connections.
 
 pub(crate) mod lease;
 pub(crate) mod node;

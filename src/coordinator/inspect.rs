@@ -12,7 +12,7 @@ use crate::conn::Connect;
 use crate::coordinator::Coordinator;
 use crate::error::{Error, Result};
 use crate::keys;
-use crate::semaphore::PermitHolder;
+use crate::lease::semaphore::PermitHolder;
 use crate::token::FencingToken;
 
 /// How the keys under one base are held right now.

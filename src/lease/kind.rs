@@ -10,8 +10,8 @@ use std::fmt;
 use std::time::Instant;
 
 use crate::conn::Conn;
-use crate::deployment::Deployment;
 use crate::error::Result;
+use crate::lease::deployment::Deployment;
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
 use crate::token::{FencingToken, OwnerToken};

@@ -12,9 +12,9 @@ use crossbeam_channel::Receiver;
 use crate::conn::Connect;
 use crate::core::executor::{ExtendReply, Settled, settle};
 use crate::core::lease::{Loss, Refusal, Verdict};
-use crate::deployment::{Deployment, bad_key_in};
 use crate::error::{Error, Result};
-use crate::kind::{Fenced, Kind};
+use crate::lease::deployment::{Deployment, bad_key_in};
+use crate::lease::kind::{Fenced, Kind};
 use crate::runtime::renewal::Cell;
 use crate::token::FencingToken;
 
@@ -445,7 +445,7 @@ mod tests {
     use crate::conn::{ConnConfig, ConnSettings, Protocol, RoleCheck};
     use crate::core::lease::LeaseCore;
     use crate::core::timing::Timing;
-    use crate::kind::Plain;
+    use crate::lease::kind::Plain;
     use crate::runtime::topology::{Settings, Topology};
     use std::time::Instant;
 

@@ -1,26 +1,29 @@
 //! `Coordinator`: one Redis deployment (a standalone server, a Sentinel
 //! deployment or a Redis Cluster), its connection pools, its key prefix and the
 //! background threads; the factory for every single-deployment primitive.
+//! Reading what a deployment holds under one base key is `inspect.rs`.
+
+pub(crate) mod inspect;
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::acquire::Lease;
 use crate::clock;
 use crate::conn::url::{Auth, DEFAULT_PORT, ParsedTarget, parse_target};
 use crate::conn::{ConnConfig, ConnSettings, Protocol, RoleCheck, redact_url};
 use crate::core::timing::Timing;
-use crate::deployment::Deployment;
 use crate::error::{Error, Result};
-use crate::fenced::{FencedLock, FencedSpec};
 use crate::keys;
-use crate::lock::{Lock, PlainSpec};
+use crate::lease::acquire::Lease;
+use crate::lease::deployment::Deployment;
+use crate::lease::fenced::{FencedLock, FencedSpec};
+use crate::lease::lock::{Lock, PlainSpec};
+use crate::lease::rwlease::{Preference, ReadWriteLease};
+use crate::lease::semaphore::Semaphore;
 use crate::replication::Replication;
 use crate::runtime::renewal::RenewalStats;
 use crate::runtime::topology::{MIN_REFRESH, Settings, Topology};
-use crate::rwlease::{Preference, ReadWriteLease};
-use crate::semaphore::Semaphore;
 
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(500);
@@ -228,7 +231,7 @@ impl Coordinator {
     /// [`Semaphore::MAX_CAPACITY`] (10,000), or a base key without a non-empty
     /// hash tag. Nothing is sent to Redis.
     pub fn semaphore(&self, base: &str, capacity: u32) -> Result<Semaphore> {
-        crate::semaphore::semaphore(&self.dep, base, capacity)
+        crate::lease::semaphore::semaphore(&self.dep, base, capacity)
     }
 
     /// The prefix added to every key.

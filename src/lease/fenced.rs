@@ -11,13 +11,13 @@
 use std::fmt;
 use std::time::Instant;
 
-use crate::acquire::Lease;
 use crate::conn::Conn;
-use crate::deployment::{Deployment, bad_key};
 use crate::error::{Error, Result};
-use crate::guard::LeaseGuard;
-use crate::kind::{Acquire, Fenced, Granted};
-use crate::lock::{busy, string_clean_up};
+use crate::lease::acquire::Lease;
+use crate::lease::deployment::{Deployment, bad_key};
+use crate::lease::guard::LeaseGuard;
+use crate::lease::kind::{Acquire, Fenced, Granted};
+use crate::lease::{busy, parse_token, string_clean_up};
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
 use crate::scripts;
@@ -57,24 +57,6 @@ impl FencedSpec {
         FencedSpec {
             keys: [lease, fence],
         }
-    }
-}
-
-/// Reads a token the scripts return as a string (or, from older scripts, an
-/// integer).
-pub(crate) fn parse_token(value: &redis::Value, op: &'static str) -> Result<FencingToken> {
-    let parsed = match value {
-        redis::Value::BulkString(b) => std::str::from_utf8(b).ok().and_then(|s| s.parse().ok()),
-        redis::Value::SimpleString(s) => s.parse().ok(),
-        redis::Value::Int(n) => u64::try_from(*n).ok(),
-        _ => None,
-    };
-    match parsed {
-        Some(t) if t > 0 => Ok(FencingToken(t)),
-        _ => Err(Error::UnexpectedReply {
-            op,
-            reply: format!("fencing token {value:?} is not a positive 64-bit integer"),
-        }),
     }
 }
 

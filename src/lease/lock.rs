@@ -4,17 +4,17 @@
 //! holders at once would waste work, not corrupt data.
 
 use std::fmt;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use crate::acquire::Lease;
 use crate::conn::Conn;
-use crate::deployment::Deployment;
 use crate::error::{Error, Result};
-use crate::guard::LeaseGuard;
-use crate::kind::{Acquire, Granted, Plain};
+use crate::lease::acquire::Lease;
+use crate::lease::deployment::Deployment;
+use crate::lease::guard::LeaseGuard;
+use crate::lease::kind::{Acquire, Granted, Plain};
+use crate::lease::{busy, string_clean_up};
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
-use crate::scripts;
 use crate::token::OwnerToken;
 
 /// A plain mutual-exclusion lock on one key of one deployment. Made by
@@ -46,17 +46,6 @@ impl PlainSpec {
     pub(crate) fn new(key: String) -> Self {
         PlainSpec { keys: [key] }
     }
-}
-
-/// `EVAL lease_release` by owner prefix: deletes what an unanswered attempt of
-/// `owner` may have set on a string lease.
-pub(crate) fn string_clean_up(key: &str, owner: &OwnerToken) -> redis::Cmd {
-    scripts::LEASE_RELEASE.eval(&[key], &[owner.as_str(), "prefix"])
-}
-
-/// Reads a `[0, pttl]` busy reply's PTTL.
-pub(crate) fn busy(pttl: i64) -> Option<Duration> {
-    u64::try_from(pttl).ok().map(Duration::from_millis)
 }
 
 impl Acquire<()> for PlainSpec {

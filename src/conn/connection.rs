@@ -1,0 +1,521 @@
+//! One open connection: opening it (the setup round trip), the socket
+//! timeouts, and running commands, pipelines and scripts on it.
+
+use std::any::Any;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use redis::{ConnectionLike, FromRedisValue};
+
+use crate::error::{Error, Result, is_noperm};
+use crate::scripts::Script;
+
+use super::config::{ConnConfig, RoleCheck};
+use super::sentinel;
+
+impl ConnConfig {
+    /// Opens a connection, spending at most `budget` (capped by the connect timeout).
+    ///
+    /// One round trip after the handshake names the connection `name`
+    /// (`CLIENT SETNAME`, best effort, so `CLIENT LIST` shows what it is for)
+    /// and learns its id (`CLIENT ID`, so that a command left without a reply
+    /// can be fenced off by killing it). Scripts are not loaded here (`SCRIPT
+    /// LOAD` waits out a `CLIENT PAUSE WRITE`, as during a failover): the first
+    /// use of one on a server that lacks it sends it within the same deadline.
+    pub(crate) fn connect(&self, budget: Duration, name: &str) -> Result<Conn> {
+        self.open(&self.client, budget, name, &[]).map(|o| o.conn)
+    }
+
+    /// Opens a connection as [`connect`](ConnConfig::connect) does, with `extra`
+    /// commands pipelined after `CLIENT SETNAME` and `CLIENT ID` in the same
+    /// round trip; their replies (error replies in place) come back in order.
+    pub(crate) fn connect_with(
+        &self,
+        budget: Duration,
+        name: &str,
+        extra: &[redis::Cmd],
+    ) -> Result<Opened> {
+        self.open(&self.client, budget, name, extra)
+    }
+
+    /// Opens a RESP2 connection for receiving pub/sub messages.
+    pub(crate) fn connect_pubsub(&self, budget: Duration, name: &str) -> Result<Conn> {
+        self.open(&self.pubsub_client, budget, name, &[])
+            .map(|o| o.conn)
+    }
+
+    fn open(
+        &self,
+        client: &redis::Client,
+        budget: Duration,
+        name: &str,
+        extra: &[redis::Cmd],
+    ) -> Result<Opened> {
+        let started = Instant::now();
+        let budget = budget
+            .min(self.connect_timeout)
+            .max(Duration::from_millis(1));
+        let inner = client
+            .get_connection_with_timeout(budget)
+            .map_err(|e| self.connect_error(e, budget))?;
+
+        let mut conn = Conn {
+            inner,
+            addr: self.addr.clone(),
+            id: None,
+            timeout_ms: 0,
+            broken: false,
+            asking: false,
+            wait: None,
+            waited: None,
+            replicas: None,
+            fresh: true,
+            uncached: Vec::new(),
+            attachment: None,
+        };
+        // The first round trip also completes a TLS handshake and surfaces a
+        // server that accepts connections but does not answer, so its transport
+        // errors are connect errors.
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        pipe.cmd("CLIENT").arg("SETNAME").arg(name);
+        pipe.cmd("CLIENT").arg("ID");
+        let ask_role = self.role != RoleCheck::None;
+        if ask_role {
+            pipe.cmd("ROLE");
+        }
+        for cmd in extra {
+            pipe.add_command(cmd.clone());
+        }
+        let deadline = started + budget;
+        let sent = Instant::now();
+        let values = match conn.pipeline(&pipe, "connection setup", deadline) {
+            Ok(values) => values,
+            Err(Error::Timeout { .. }) => {
+                return Err(self.connect_error(
+                    redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut)),
+                    budget,
+                ));
+            }
+            Err(Error::Io { source, .. }) => return Err(self.connect_error(source, budget)),
+            Err(e) => return Err(e),
+        };
+        let round_trip = sent.elapsed();
+        let mut values = values.into_iter();
+        match values.next() {
+            Some(redis::Value::ServerError(e)) if matches!(e.code(), "NOAUTH" | "WRONGPASS") => {
+                return Err(self.connect_error(redis::RedisError::from(e), budget));
+            }
+            // An ACL without CLIENT SETNAME, or an old server: names are optional.
+            Some(redis::Value::ServerError(e)) => log::debug!("cannot name connection: {e:?}"),
+            _ => {}
+        }
+        let mut id_error = None;
+        match values.next() {
+            Some(redis::Value::Int(id)) => conn.id = u64::try_from(id).ok(),
+            other => {
+                log::debug!("no CLIENT ID for the connection: {other:?}");
+                id_error = Some(match other {
+                    Some(redis::Value::ServerError(e)) => {
+                        format!("{} {}", e.code(), e.details().unwrap_or_default())
+                    }
+                    other => format!("unexpected reply {other:?}"),
+                });
+            }
+        }
+        if ask_role {
+            match values.next().map(|v| sentinel::parse_role(&v)) {
+                Some(sentinel::Role::Primary { replicas }) => conn.replicas = Some(replicas),
+                Some(role) if self.role == RoleCheck::Primary => {
+                    return Err(Error::Topology(format!(
+                        "{} is not the primary (ROLE says {role}); the deployment is being \
+                         looked up again",
+                        self.addr
+                    )));
+                }
+                // An ACL without ROLE: the replica count is unknown.
+                other => log::debug!("no usable ROLE for {}: {other:?}", self.addr),
+            }
+        }
+        Ok(Opened {
+            conn,
+            replies: values.collect(),
+            round_trip,
+            id_error,
+        })
+    }
+
+    fn connect_error(&self, err: redis::RedisError, budget: Duration) -> Error {
+        let addr = self.addr.to_string();
+        if err.kind() == redis::ErrorKind::AuthenticationFailed
+            || matches!(err.code(), Some("WRONGPASS" | "NOAUTH"))
+        {
+            return Error::Auth {
+                addr,
+                detail: err.detail().unwrap_or("credentials refused").to_owned(),
+            };
+        }
+        if is_noperm(&err) {
+            return Error::Permission(format!("connecting to {addr}: {err}"));
+        }
+        if self.tls {
+            let text = err.to_string();
+            if err.is_timeout() {
+                return Error::Tls {
+                    addr,
+                    detail: format!(
+                        "no TLS handshake within {budget:?}: the port does not speak TLS, \
+                         or the server is not answering"
+                    ),
+                };
+            }
+            if !err.is_connection_refusal() && !text.contains("refused") {
+                return Error::Tls { addr, detail: text };
+            }
+        }
+        let detail = if err.is_timeout() {
+            format!("timed out after {budget:?}")
+        } else {
+            err.to_string()
+        };
+        Error::Connect { addr, detail }
+    }
+}
+
+/// A connection just opened by [`ConnConfig::connect_with`].
+pub(crate) struct Opened {
+    pub(crate) conn: Conn,
+    /// The replies to the extra setup commands, in order.
+    pub(crate) replies: Vec<redis::Value>,
+    /// From sending the setup pipeline to its last reply: one round trip.
+    pub(crate) round_trip: Duration,
+    /// Why `CLIENT ID` gave no id, when it did not.
+    pub(crate) id_error: Option<String>,
+}
+
+/// One connection, with the state this crate keeps about it.
+pub(crate) struct Conn {
+    inner: redis::Connection,
+    addr: Arc<str>,
+    /// The server's id for it (`CLIENT ID`), when the ACL allows asking.
+    id: Option<u64>,
+    /// The socket timeout now set, in whole milliseconds (0: none yet).
+    timeout_ms: u64,
+    broken: bool,
+    /// Send `ASKING` before the next script (an `ASK` redirection's target).
+    asking: bool,
+    /// Pipeline `WAIT replicas timeout` after the next script.
+    wait: Option<(u32, Duration)>,
+    /// What that `WAIT` answered.
+    waited: Option<u32>,
+    /// How many replicas `ROLE` listed when the connection was made.
+    replicas: Option<u32>,
+    /// Not yet returned to a pool: just opened.
+    pub(super) fresh: bool,
+    /// SHA1s of scripts the server is known to lack: sent with EVAL at once.
+    uncached: Vec<String>,
+    /// State a higher layer keeps with this connection and drops with it (the
+    /// waiters keep client-tracking state here, and hear of the close by its drop).
+    pub(crate) attachment: Option<Box<dyn Any + Send>>,
+}
+
+/// The time left until `deadline`, at least 1 ms (the smallest socket timeout).
+pub(crate) fn left(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
+}
+
+impl Conn {
+    /// Whether the connection was just opened (never idle in a pool, where
+    /// the server may have closed it meanwhile).
+    pub(crate) fn is_fresh(&self) -> bool {
+        self.fresh
+    }
+
+    /// Whether a transport failure made this connection unusable.
+    pub(crate) fn is_broken(&self) -> bool {
+        self.broken || !self.inner.is_open()
+    }
+
+    /// The server's id for this connection, if known.
+    pub(crate) fn id(&self) -> Option<u64> {
+        self.id
+    }
+
+    /// Sets the socket timeouts to the time left until `deadline`, in whole
+    /// milliseconds rounded down, touching the socket only when that changes.
+    fn set_deadline(&mut self, deadline: Instant) -> Result<Duration> {
+        let left = left(deadline);
+        let ms = (left.as_millis() as u64).max(1);
+        if self.timeout_ms != ms {
+            let timeout = Some(Duration::from_millis(ms));
+            let r = self
+                .inner
+                .set_read_timeout(timeout)
+                .and_then(|()| self.inner.set_write_timeout(timeout));
+            if let Err(e) = r {
+                self.broken = true;
+                return Err(Error::Io {
+                    op: "setting socket timeouts",
+                    source: e,
+                });
+            }
+            self.timeout_ms = ms;
+        }
+        Ok(Duration::from_millis(ms))
+    }
+
+    /// Classifies an error; transport failures mark the connection broken.
+    fn fail(&mut self, err: redis::RedisError, op: &'static str, timeout: Duration) -> Error {
+        if err.is_timeout() {
+            self.broken = true;
+            return Error::Timeout { op, after: timeout };
+        }
+        if err.is_io_error() || err.is_connection_dropped() || err.is_unrecoverable_error() {
+            self.broken = true;
+            return Error::Io { op, source: err };
+        }
+        if is_noperm(&err) {
+            return Error::Permission(format!("{op}: {err}"));
+        }
+        if matches!(err.code(), Some("NOAUTH" | "WRONGPASS")) {
+            return Error::Auth {
+                addr: self.addr.to_string(),
+                detail: err.to_string(),
+            };
+        }
+        Error::Server { op, source: err }
+    }
+
+    /// Runs one command, finishing by `deadline`.
+    pub(crate) fn query<T: FromRedisValue>(
+        &mut self,
+        cmd: &redis::Cmd,
+        op: &'static str,
+        deadline: Instant,
+    ) -> Result<T> {
+        let timeout = self.set_deadline(deadline)?;
+        cmd.query(&mut self.inner)
+            .map_err(|e| self.fail(e, op, timeout))
+    }
+
+    /// Runs a pipeline, finishing by `deadline`; each command's own error reply
+    /// is returned in place, and the first transport failure fails the whole
+    /// call. (The `redis` crate's own pipeline keeps reading after a read
+    /// timeout, one more timeout per command: n commands on a stalled server
+    /// would block n times the deadline.)
+    ///
+    /// After [`Conn::ask_next`], every command goes after its own `ASKING`;
+    /// after [`Conn::wait_after_next`], `WAIT` follows the last one (their
+    /// replies are not returned).
+    pub(crate) fn pipeline(
+        &mut self,
+        pipe: &redis::Pipeline,
+        op: &'static str,
+        deadline: Instant,
+    ) -> Result<Vec<redis::Value>> {
+        if !self.asking && self.wait.is_none() {
+            return self.raw_pipeline(pipe, op, deadline);
+        }
+        let asking = std::mem::take(&mut self.asking);
+        let wait = self.wait.take();
+        let mut wrapped = redis::pipe();
+        for cmd in pipe.cmd_iter() {
+            if asking {
+                wrapped.cmd("ASKING");
+            }
+            wrapped.add_command(cmd.clone());
+        }
+        if let Some((replicas, timeout)) = wait {
+            let ms = (timeout.as_millis() as u64).max(1);
+            wrapped.cmd("WAIT").arg(replicas).arg(ms);
+        }
+        let mut values = self.raw_pipeline(&wrapped, op, deadline)?;
+        if wait.is_some()
+            && let Some(redis::Value::Int(n)) = values.pop()
+        {
+            self.waited = u32::try_from(n).ok();
+        }
+        Ok(if asking {
+            values.into_iter().skip(1).step_by(2).collect()
+        } else {
+            values
+        })
+    }
+
+    fn raw_pipeline(
+        &mut self,
+        pipe: &redis::Pipeline,
+        op: &'static str,
+        deadline: Instant,
+    ) -> Result<Vec<redis::Value>> {
+        let timeout = self.set_deadline(deadline)?;
+        let count = pipe.len();
+        let packed = pipe.get_packed_pipeline();
+        if let Err(e) = self.inner.send_packed_command(&packed) {
+            return Err(self.fail(e, op, timeout));
+        }
+        let mut values = Vec::with_capacity(count);
+        while values.len() < count {
+            if Instant::now() >= deadline {
+                self.broken = true;
+                return Err(Error::Timeout { op, after: timeout });
+            }
+            self.set_deadline(deadline)?;
+            match self.inner.recv_response() {
+                // Out-of-band data (RESP3) is not a reply.
+                Ok(redis::Value::Push { .. }) => {}
+                // Error replies come back as values, in their place.
+                Ok(value) => values.push(value),
+                Err(e) => return Err(self.fail(e, op, timeout)),
+            }
+        }
+        Ok(values)
+    }
+
+    /// Notes that the server lacks `script` (`SCRIPT EXISTS` said so): its
+    /// next use goes out as EVAL straight away, which also caches it there.
+    pub(crate) fn lacks_script(&mut self, script: &Script) {
+        if !self.uncached.contains(&script.sha) {
+            self.uncached.push(script.sha.clone());
+        }
+    }
+
+    /// Runs a script in one round trip (EVALSHA; EVAL in the time left when the
+    /// server does not have it cached; EVAL at once when it is known not to),
+    /// finishing by `deadline`.
+    pub(crate) fn script<T: FromRedisValue>(
+        &mut self,
+        script: &Script,
+        keys: &[&str],
+        args: &[&str],
+        op: &'static str,
+        deadline: Instant,
+    ) -> Result<T> {
+        if self.asking || self.wait.is_some() {
+            return self.wrapped_script(script, keys, args, op, deadline);
+        }
+        if let Some(i) = self.uncached.iter().position(|sha| *sha == script.sha) {
+            // Cached by this EVAL whatever it returns; a transport failure
+            // ends the connection anyway.
+            self.uncached.swap_remove(i);
+            return self.query(&script.eval(keys, args), op, deadline);
+        }
+        match self.query(&script.evalsha(keys, args), op, deadline) {
+            Err(Error::Server { source, .. }) if source.code() == Some("NOSCRIPT") => {
+                log::debug!(
+                    "script {} not cached on the server; sending it",
+                    script.name
+                );
+                if Instant::now() >= deadline {
+                    return Err(Error::Timeout {
+                        op,
+                        after: Duration::ZERO,
+                    });
+                }
+                self.query(&script.eval(keys, args), op, deadline)
+            }
+            other => other,
+        }
+    }
+
+    /// Sends `ASKING` right before the next script, in the same round trip (the
+    /// target of an `ASK` redirection serves a slot it is importing only then).
+    pub(crate) fn ask_next(&mut self) {
+        self.asking = true;
+    }
+
+    /// Pipelines `WAIT replicas timeout` after the next script, in the same
+    /// round trip; [`Conn::take_waited`] then tells what it answered. The
+    /// caller's deadline must leave room for `timeout`.
+    pub(crate) fn wait_after_next(&mut self, replicas: u32, timeout: Duration) {
+        self.wait = Some((replicas, timeout));
+        self.waited = None;
+    }
+
+    /// How many replicas acknowledged the script's writes, if a `WAIT` was
+    /// pipelined after it and answered.
+    pub(crate) fn take_waited(&mut self) -> Option<u32> {
+        self.wait = None;
+        self.waited.take()
+    }
+
+    /// How many replicas `ROLE` listed when this connection was made (`None`
+    /// when it was not asked or not allowed).
+    pub(crate) fn replicas(&self) -> Option<u32> {
+        self.replicas
+    }
+
+    /// [`Conn::script`] with `ASKING` before and/or `WAIT` after it, in one
+    /// pipeline; a server without the script gets `EVAL` the same way.
+    fn wrapped_script<T: FromRedisValue>(
+        &mut self,
+        script: &Script,
+        keys: &[&str],
+        args: &[&str],
+        op: &'static str,
+        deadline: Instant,
+    ) -> Result<T> {
+        let asking = std::mem::take(&mut self.asking);
+        let wait = self.wait.take();
+        let uncached = self.uncached.iter().position(|sha| *sha == script.sha);
+        let mut cmd = match uncached {
+            Some(i) => {
+                self.uncached.swap_remove(i);
+                script.eval(keys, args)
+            }
+            None => script.evalsha(keys, args),
+        };
+        for sha in [uncached.is_none(), false] {
+            let mut pipe = redis::pipe();
+            if asking {
+                pipe.cmd("ASKING");
+            }
+            pipe.add_command(cmd.clone());
+            if let Some((replicas, timeout)) = wait {
+                let ms = (timeout.as_millis() as u64).max(1);
+                pipe.cmd("WAIT").arg(replicas).arg(ms);
+            }
+            let timeout = left(deadline);
+            let mut values = self.raw_pipeline(&pipe, op, deadline)?.into_iter();
+            if asking {
+                values.next();
+            }
+            let reply = values.next().unwrap_or(redis::Value::Nil);
+            if let Some(redis::Value::Int(n)) = values.next() {
+                self.waited = u32::try_from(n).ok();
+            }
+            match reply {
+                redis::Value::ServerError(e) if sha && e.code() == "NOSCRIPT" => {
+                    log::debug!(
+                        "script {} not cached on the server; sending it",
+                        script.name
+                    );
+                    if Instant::now() >= deadline {
+                        return Err(Error::Timeout {
+                            op,
+                            after: Duration::ZERO,
+                        });
+                    }
+                    cmd = script.eval(keys, args);
+                }
+                redis::Value::ServerError(e) => {
+                    return Err(self.fail(redis::RedisError::from(e), op, timeout));
+                }
+                value => {
+                    return T::from_redis_value(value).map_err(|e| Error::UnexpectedReply {
+                        op,
+                        reply: e.to_string(),
+                    });
+                }
+            }
+        }
+        unreachable!("the second pass sends EVAL and returns")
+    }
+
+    /// Gives the raw connection for pub/sub use.
+    pub(crate) fn raw(&mut self) -> &mut redis::Connection {
+        &mut self.inner
+    }
+}

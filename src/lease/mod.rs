@@ -1,0 +1,51 @@
+//! The single-deployment primitives. The shared lease module: the deployment
+//! they all run on (`deployment.rs`), the kinds and the acquire trait each
+//! primitive implements (`kind.rs`), the generic handle `Lease<K>`
+//! (`acquire.rs`) and guard `LeaseGuard<K>` (`guard.rs`), and the reply
+//! helpers below. Then one file per primitive, side by side: `lock.rs`,
+//! `fenced.rs`, `rwlease.rs` and `semaphore.rs`; each imports the shared
+//! pieces only, never another primitive.
+
+pub(crate) mod acquire;
+pub(crate) mod deployment;
+pub(crate) mod fenced;
+pub(crate) mod guard;
+pub(crate) mod kind;
+pub(crate) mod lock;
+pub(crate) mod rwlease;
+pub(crate) mod semaphore;
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::scripts;
+use crate::token::{FencingToken, OwnerToken};
+
+/// `EVAL lease_release` by owner prefix: deletes what an unanswered attempt of
+/// `owner` may have set on a string lease.
+pub(crate) fn string_clean_up(key: &str, owner: &OwnerToken) -> redis::Cmd {
+    scripts::LEASE_RELEASE.eval(&[key], &[owner.as_str(), "prefix"])
+}
+
+/// Reads a `[0, pttl]` busy reply's PTTL.
+pub(crate) fn busy(pttl: i64) -> Option<Duration> {
+    u64::try_from(pttl).ok().map(Duration::from_millis)
+}
+
+/// Reads a token the scripts return as a string (or, from older scripts, an
+/// integer).
+pub(crate) fn parse_token(value: &redis::Value, op: &'static str) -> Result<FencingToken> {
+    let parsed = match value {
+        redis::Value::BulkString(b) => std::str::from_utf8(b).ok().and_then(|s| s.parse().ok()),
+        redis::Value::SimpleString(s) => s.parse().ok(),
+        redis::Value::Int(n) => u64::try_from(*n).ok(),
+        _ => None,
+    };
+    match parsed {
+        Some(t) if t > 0 => Ok(FencingToken(t)),
+        _ => Err(Error::UnexpectedReply {
+            op,
+            reply: format!("fencing token {value:?} is not a positive 64-bit integer"),
+        }),
+    }
+}

@@ -1,0 +1,1375 @@
+//! The Redlock node workers: one thread per node of a `RedlockGroup`, each with
+//! its own connection, running that node's share of every group operation in
+//! the order the operations were issued.
+//!
+//! A group operation sends one job to every worker and waits for replies only
+//! until its outcome is decided; a job still running then is finished (or times
+//! out) in the background. Because one node's jobs run in order on one
+//! connection, the release of a lease reaches a node after that lease's
+//! acquire, even when the acquire was abandoned unanswered: a late grant is
+//! always cleaned up by owner token.
+//!
+//! Connections are made outside the operations' budgets. Every worker connects
+//! when the group is created (all nodes at once), in one round trip after the
+//! handshake: `CLIENT SETNAME` + `CLIENT ID`, `INFO` (run id, replication id,
+//! cluster mode, uptime), `SCRIPT EXISTS` for the three scripts (a script the
+//! server lacks goes out as EVAL at once, so every operation is one round trip)
+//! and, at creation, a `CLIENT KILL` of an id no client has (the group needs
+//! that right). That round trip is the node's measured round trip. When a
+//! connection fails, a short-lived connector thread (`respire-conn-N`) makes a
+//! new one in the background, each try bounded by the connect timeout, with
+//! pauses of 25 ms doubling to 1 s between failed tries; until it is ready, the
+//! worker answers acquires and extensions "not connected" at once, and keeps
+//! the releases to send once it is.
+//!
+//! A command that got no reply may still be applied later, on the connection it
+//! went out on. So the connector kills that connection from the new one (`CLIENT
+//! KILL ID`, unless the server restarted, which closed it) and waits for the
+//! confirmation before the new connection is used: one node's commands are
+//! applied in the order they were issued or not at all, and a release can never
+//! be overtaken by the late acquire it cleans up after. While the kill cannot
+//! be confirmed, nothing is sent there. A release that waited past its deadline
+//! (behind other jobs, or for the connection) is still sent, with a budget of
+//! its own, so a late grant does not outlive its clean-up.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
+
+use crate::conn::{Conn, ConnConfig};
+use crate::core::quorum::Vote;
+use crate::error::{Error, Result};
+use crate::report::NodeOutcome;
+use crate::runtime::nodes::rest_after;
+use crate::scripts::{self, Script};
+
+/// The name node connections carry in `CLIENT LIST`.
+pub(crate) const CONN_NAME: &str = "respire-redlock";
+
+/// A node timeout must be at least this many of the node's round trips.
+pub(crate) const ROUND_TRIPS_PER_TIMEOUT: u32 = 2;
+
+/// Releases a node keeps while it is not connected; beyond this, the oldest
+/// are dropped (their leases then end at their expiry).
+const MAX_DEFERRED: usize = 4096;
+
+/// How many times a release that got no reply is sent again, each time on
+/// a new connection after the old one was killed.
+const RESENDS: u32 = 3;
+
+/// A client id no connection has (ids count up from 1): `CLIENT KILL ID` of it
+/// checks the right to kill without killing anything.
+const NO_CLIENT: i64 = i64::MAX;
+
+/// What one job asks of its node.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Op {
+    /// Set the key to the lease's value if it is free (`SET NX PX`, with `GET`
+    /// and `PTTL` in the same round trip).
+    Acquire { ttl_ms: u64 },
+    /// Move the key's expiry if it still holds the value (`lease_extend.lua`).
+    Extend { ttl_ms: u64 },
+    /// Delete the key if it still holds the value (`lease_release.lua`).
+    Release,
+}
+
+/// One node's answer to one job.
+#[derive(Clone, Debug)]
+pub(crate) struct Reply {
+    pub(crate) node: usize,
+    /// The job's tag, echoed.
+    pub(crate) tag: u64,
+    pub(crate) outcome: NodeOutcome,
+    pub(crate) vote: Vote,
+    /// From the send to the reply; `None` when nothing was sent.
+    pub(crate) latency: Option<Duration>,
+    /// The node's failure, when trying again will not cure it (credentials,
+    /// permissions, an error reply).
+    pub(crate) permanent: Option<Arc<Error>>,
+}
+
+/// What the group knows about one lease on one node.
+#[derive(Debug, Default)]
+struct Slot {
+    /// An acquire was sent: the node may hold the key.
+    sent: bool,
+    /// The run id of the server that granted it.
+    granted_by: Option<Arc<str>>,
+    /// The server restarted since the grant: it never counts again.
+    restarted: bool,
+    /// A release got its answer: whether it deleted the key (`false`: the key
+    /// had expired or belonged to another owner). Later releases repeat it.
+    released: Option<bool>,
+}
+
+/// One lease across the nodes: its key on each node (with that node's prefix),
+/// its value, and what each node did with it. Shared by the guard and the jobs.
+#[derive(Debug)]
+pub(crate) struct NodeLease {
+    keys: Vec<String>,
+    value: String,
+    slots: Vec<Mutex<Slot>>,
+}
+
+impl NodeLease {
+    pub(crate) fn new(keys: Vec<String>, value: String) -> Self {
+        let slots = keys.iter().map(|_| Mutex::new(Slot::default())).collect();
+        NodeLease { keys, value, slots }
+    }
+
+    /// Whether node `i` counts for this lease: it confirmed the grant and has
+    /// not restarted since.
+    pub(crate) fn counts(&self, i: usize) -> bool {
+        let slot = self.slots[i].lock();
+        slot.granted_by.is_some() && !slot.restarted
+    }
+
+    /// Node `i` now runs as `run_id`: if that is not the server that granted
+    /// the lease, the node never counts for it again. Returns whether it
+    /// stopped counting now.
+    pub(crate) fn seen_run(&self, i: usize, run_id: &str) -> bool {
+        let mut slot = self.slots[i].lock();
+        match &slot.granted_by {
+            Some(granted) if !slot.restarted && &**granted != run_id => {
+                slot.restarted = true;
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// One node's share of a group operation.
+pub(crate) struct Job {
+    pub(crate) op: Op,
+    pub(crate) lease: Arc<NodeLease>,
+    /// Not sent after this (but a release is); the command's own timeout ends here.
+    pub(crate) deadline: Instant,
+    /// Where the reply goes; `None` for fire-and-forget clean-up.
+    pub(crate) reply: Option<Sender<Reply>>,
+    /// Echoed in the reply, to tell fan-outs sharing one channel apart.
+    pub(crate) tag: u64,
+    /// Counted down when the job is finished, whatever its outcome.
+    pub(crate) done: Option<Arc<Completion>>,
+}
+
+/// Runs a closure once every job of one fan-out is finished, and its decider
+/// has had its say (it holds one count of its own).
+pub(crate) struct Completion {
+    remaining: std::sync::atomic::AtomicUsize,
+    then: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl Completion {
+    /// For `jobs` jobs plus the decider.
+    pub(crate) fn new(jobs: usize) -> Arc<Completion> {
+        Arc::new(Completion {
+            remaining: std::sync::atomic::AtomicUsize::new(jobs + 1),
+            then: Mutex::new(None),
+        })
+    }
+
+    /// Sets what runs at the end (the decider calls this, then [`Completion::finish`]).
+    pub(crate) fn then(&self, f: impl FnOnce() + Send + 'static) {
+        *self.then.lock() = Some(Box::new(f));
+    }
+
+    /// One job, or the decider, is finished.
+    pub(crate) fn finish(&self) {
+        if self
+            .remaining
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel)
+            == 1
+            && let Some(f) = self.then.lock().take()
+        {
+            f();
+        }
+    }
+}
+
+/// How a node's worker runs its jobs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct NodeSettings {
+    /// The bound on one command; also the fresh budget of a late release.
+    pub(crate) node_timeout: Duration,
+    /// No acquire goes to a server that started less than this long ago.
+    pub(crate) restart_delay: Option<Duration>,
+}
+
+/// What a node's first connection found, for the group's checks.
+#[derive(Clone, Debug)]
+pub(crate) struct Hello {
+    pub(crate) info: ServerInfo,
+    /// The smaller of the setup round trip and, when that one was more than
+    /// half the node timeout, a second sample.
+    pub(crate) round_trip: Duration,
+}
+
+/// A node as its worker last saw it.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct NodeStatus {
+    pub(crate) connected: bool,
+    /// Measured when the current (or last) connection was made.
+    pub(crate) round_trip: Option<Duration>,
+    /// Why the node is not connected, when it is not.
+    pub(crate) last_error: Option<String>,
+}
+
+/// The handle on one worker thread; the thread finishes the queued jobs and
+/// stops when the handle is dropped.
+pub(crate) struct NodeWorker {
+    tx: Sender<Job>,
+    pub(crate) addr: String,
+    status: Arc<Mutex<NodeStatus>>,
+    /// Disconnects when the thread ends.
+    ended: Receiver<()>,
+    thread: std::thread::ThreadId,
+}
+
+/// Stops the workers after the jobs already queued (releases of dropped
+/// guards), waiting for them until `deadline`; a worker dropping its own group
+/// is not waited for.
+pub(crate) fn stop(workers: Vec<NodeWorker>, deadline: Instant) {
+    let me = std::thread::current().id();
+    let waits: Vec<(Receiver<()>, std::thread::ThreadId)> =
+        workers.into_iter().map(|w| (w.ended, w.thread)).collect();
+    for (ended, thread) in waits {
+        if thread != me {
+            let _ = ended.recv_deadline(deadline);
+        }
+    }
+}
+
+impl NodeWorker {
+    /// Starts the worker of node `index`. It connects at once (bounded by the
+    /// connect timeout) and says how that went on `hello`; a worker that could
+    /// not connect ends there.
+    pub(crate) fn spawn(
+        index: usize,
+        cfg: Arc<ConnConfig>,
+        settings: NodeSettings,
+        hello: Sender<(usize, Result<Hello>)>,
+    ) -> std::io::Result<NodeWorker> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let addr = cfg.addr.to_string();
+        let status = Arc::new(Mutex::new(NodeStatus::default()));
+        let worker = Worker {
+            index,
+            cfg,
+            settings,
+            rx,
+            live: None,
+            run_id: None,
+            connector: None,
+            tainted: Vec::new(),
+            deferred: VecDeque::new(),
+            why: String::new(),
+            permanent: None,
+            status: status.clone(),
+            round_trip: None,
+        };
+        let (end_tx, ended) = crossbeam_channel::bounded::<()>(0);
+        let handle = std::thread::Builder::new()
+            .name(format!("respire-node-{index}"))
+            .spawn(move || {
+                let _end = end_tx;
+                worker.run(&hello);
+            })?;
+        Ok(NodeWorker {
+            tx,
+            addr,
+            status,
+            ended,
+            thread: handle.thread().id(),
+        })
+    }
+
+    /// The node as its worker last saw it.
+    pub(crate) fn status(&self) -> NodeStatus {
+        self.status.lock().clone()
+    }
+
+    /// Queues a job. If the thread is gone (it never panics, so only at
+    /// shutdown), the reply says so.
+    pub(crate) fn send(&self, index: usize, job: Job) {
+        if let Err(e) = self.tx.send(job) {
+            let job = e.into_inner();
+            if let Some(reply) = job.reply {
+                let _ = reply.try_send(Reply {
+                    node: index,
+                    tag: job.tag,
+                    outcome: NodeOutcome::Failed("the node's worker thread stopped".into()),
+                    vote: Vote::Unknown,
+                    latency: None,
+                    permanent: None,
+                });
+            }
+            if let Some(done) = job.done {
+                done.finish();
+            }
+        }
+    }
+}
+
+/// What `INFO` says about a server.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ServerInfo {
+    pub(crate) run_id: Option<String>,
+    pub(crate) uptime: Option<Duration>,
+    pub(crate) replid: Option<String>,
+    pub(crate) cluster: bool,
+}
+
+/// Reads the fields the group needs from an `INFO` reply.
+pub(crate) fn parse_info(info: &str) -> ServerInfo {
+    let mut out = ServerInfo::default();
+    for line in info.lines() {
+        let Some((name, value)) = line.trim().split_once(':') else {
+            continue;
+        };
+        match name {
+            "run_id" => out.run_id = Some(value.to_owned()),
+            "uptime_in_seconds" => out.uptime = value.parse().ok().map(Duration::from_secs),
+            "master_replid" => out.replid = Some(value.to_owned()),
+            "cluster_enabled" => out.cluster = value == "1",
+            _ => {}
+        }
+    }
+    out
+}
+
+/// One node's answer to one job, before it is sent back.
+struct Answer {
+    outcome: NodeOutcome,
+    vote: Vote,
+    /// Whether the command went out.
+    sent: bool,
+    /// It went out and got no reply: it may or may not have been applied.
+    uncertain: bool,
+    permanent: Option<Arc<Error>>,
+}
+
+impl Answer {
+    fn of(outcome: NodeOutcome, vote: Vote, sent: bool) -> Answer {
+        Answer {
+            outcome,
+            vote,
+            sent,
+            uncertain: false,
+            permanent: None,
+        }
+    }
+
+    fn not_sent(why: &str, vote: Vote) -> Answer {
+        Answer::of(NodeOutcome::NotSent(why.to_owned()), vote, false)
+    }
+}
+
+/// A usable connection and what it is connected to.
+struct Live {
+    conn: Conn,
+    /// The latest the server behind it can have started.
+    started_by: Option<Instant>,
+}
+
+/// A connection made by [`open_node`].
+struct NodeConn {
+    conn: Conn,
+    info: ServerInfo,
+    round_trip: Duration,
+    started_by: Option<Instant>,
+}
+
+/// What a connector says after each try.
+enum Tried {
+    Connected(Box<NodeConn>),
+    Failed(Error),
+}
+
+/// The connector thread at work; it stops when this is dropped.
+struct Connector {
+    rx: Receiver<Tried>,
+    _stop: Sender<()>,
+}
+
+struct Worker {
+    index: usize,
+    cfg: Arc<ConnConfig>,
+    settings: NodeSettings,
+    rx: Receiver<Job>,
+    live: Option<Live>,
+    /// The run id of the server behind the last connection (kept while
+    /// reconnecting, to tell a restart).
+    run_id: Option<Arc<str>>,
+    /// Making a new connection, while `live` is `None`.
+    connector: Option<Connector>,
+    /// Connections whose last command got no reply: killed (and the kill
+    /// confirmed) before anything else is sent to the node.
+    tainted: Vec<u64>,
+    /// Releases waiting for a connection, in the order they came, with how
+    /// many times each was sent without a reply.
+    deferred: VecDeque<(Job, u32)>,
+    /// Why the node is not connected.
+    why: String,
+    /// The connect failure, when trying again will not cure it.
+    permanent: Option<Arc<Error>>,
+    status: Arc<Mutex<NodeStatus>>,
+    /// The node's round trip as commands see it: the setup round trip, then
+    /// the last answered command's. A command with less time left than this
+    /// is not sent: its answer could not come in time, and its connection
+    /// would be lost for it.
+    round_trip: Option<Duration>,
+}
+
+impl Worker {
+    fn run(mut self, hello: &Sender<(usize, Result<Hello>)>) {
+        let nt = self.settings.node_timeout;
+        match open_node(&self.cfg, self.cfg.connect_timeout, &[], None, true, nt) {
+            Ok(node) => {
+                let first = Hello {
+                    info: node.info.clone(),
+                    round_trip: node.round_trip,
+                };
+                self.adopt(node);
+                if hello.send((self.index, Ok(first))).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                let _ = hello.send((self.index, Err(e)));
+                return;
+            }
+        }
+        self.serve();
+    }
+
+    fn serve(&mut self) {
+        let jobs = self.rx.clone();
+        // After the handle is dropped, the jobs already queued (releases from
+        // dropped guards) still run; then `recv` fails and the loop ends.
+        loop {
+            let Some(tried) = self.connector.as_ref().map(|c| c.rx.clone()) else {
+                // Connected, or not trying: a plain receive, the cheapest wait.
+                match jobs.recv() {
+                    Ok(job) => self.handle(job),
+                    Err(_) => break,
+                }
+                continue;
+            };
+            crossbeam_channel::select! {
+                recv(jobs) -> job => {
+                    let Ok(job) = job else { break };
+                    // A connection that is ready serves the job.
+                    while let Ok(t) = tried.try_recv() {
+                        self.tried(t);
+                    }
+                    self.handle(job);
+                }
+                recv(tried) -> t => match t {
+                    Ok(t) => self.tried(t),
+                    Err(_) => self.connector = None,
+                },
+            }
+        }
+        self.last_releases();
+    }
+
+    /// Before the thread ends: releases still waiting for a connection get
+    /// one more connect timeout.
+    fn last_releases(&mut self) {
+        let until = Instant::now() + self.cfg.connect_timeout;
+        while self.live.is_none() && !self.deferred.is_empty() {
+            let Some(rx) = self.connector.as_ref().map(|c| c.rx.clone()) else {
+                break;
+            };
+            match rx.recv_deadline(until) {
+                Ok(t) => self.tried(t),
+                Err(_) => break,
+            }
+        }
+        if !self.deferred.is_empty() {
+            log::warn!(
+                "redlock node {}: {} releases not sent before the group stopped ({}); those \
+                 leases end at their expiry",
+                self.cfg.addr,
+                self.deferred.len(),
+                self.why
+            );
+        }
+    }
+
+    fn handle(&mut self, mut job: Job) {
+        let started = Instant::now();
+        if matches!(job.op, Op::Release) && !self.time_for_one(job.deadline, started) {
+            // Behind other jobs past its deadline (or too close to it): a
+            // release is still worth sending, so that a late grant does not
+            // outlive its clean-up.
+            job.deadline = started + self.settings.node_timeout;
+        }
+        if self.live.is_none() && self.connector.is_none() {
+            self.start_connector();
+        }
+        let answer = if self.live.is_none()
+            && matches!(job.op, Op::Release)
+            && job.lease.slots[self.index].lock().sent
+        {
+            // The acquire went out: the release must follow it, once the node
+            // is connected again (and the acquire's connection killed).
+            let why = format!(
+                "{}; the release is sent once the node is connected again",
+                self.why
+            );
+            let answer = Answer {
+                permanent: self.permanent.clone(),
+                ..Answer::of(NodeOutcome::NotConnected(why), Vote::Unknown, false)
+            };
+            self.respond(&mut job, answer, started);
+            self.defer(job, 0);
+            return;
+        } else {
+            self.execute(&job)
+        };
+        // A release without a reply goes out again once the connection it
+        // used is killed: its outcome is then known, and a grant it was meant
+        // to delete is gone.
+        let resend = matches!(job.op, Op::Release) && answer.uncertain;
+        self.respond(&mut job, answer, started);
+        if resend {
+            self.defer(job, 1);
+        }
+    }
+
+    fn respond(&self, job: &mut Job, answer: Answer, started: Instant) {
+        if let Some(reply) = job.reply.take() {
+            let _ = reply.try_send(Reply {
+                node: self.index,
+                tag: job.tag,
+                outcome: answer.outcome,
+                vote: answer.vote,
+                latency: answer.sent.then(|| started.elapsed()),
+                permanent: answer.permanent,
+            });
+        }
+        if let Some(done) = job.done.take() {
+            done.finish();
+        }
+    }
+
+    fn defer(&mut self, job: Job, sent: u32) {
+        self.deferred.push_back((job, sent));
+        if self.deferred.len() > MAX_DEFERRED {
+            self.deferred.pop_front();
+            log::warn!(
+                "redlock node {}: more than {MAX_DEFERRED} releases wait for a connection; \
+                 the oldest is dropped (its lease ends at its expiry)",
+                self.cfg.addr
+            );
+        }
+    }
+
+    /// Runs one job on the node's connection, if it has one.
+    fn execute(&mut self, job: &Job) -> Answer {
+        let i = self.index;
+        let (sent_before, restarted) = {
+            let slot = job.lease.slots[i].lock();
+            (slot.sent, slot.restarted)
+        };
+        let released = job.lease.slots[i].lock().released;
+        match job.op {
+            // A release that waited for the connection was answered since.
+            Op::Release if released.is_some() => {
+                let outcome = if released == Some(true) {
+                    NodeOutcome::Granted
+                } else {
+                    NodeOutcome::Missing
+                };
+                return Answer::of(outcome, Vote::Yes, false);
+            }
+            // FIFO: the acquire, if any, ran before this job, so `sent` is final.
+            Op::Release if !sent_before => {
+                return Answer::of(NodeOutcome::Missing, Vote::Yes, false);
+            }
+            Op::Extend { .. } if !sent_before => {
+                return Answer::not_sent("no acquire of this lease reached the node", Vote::No);
+            }
+            Op::Extend { .. } if restarted => {
+                return Answer::not_sent("the node restarted since the grant", Vote::No);
+            }
+            _ => {}
+        }
+        let now = Instant::now();
+        if now >= job.deadline {
+            return Answer::not_sent(
+                "still queued behind an earlier command when the node timeout ran out",
+                Vote::Unknown,
+            );
+        }
+        if !self.time_for_one(job.deadline, now) {
+            return Answer::not_sent(
+                "still queued behind an earlier command with less of the node timeout \
+                 left than the node's round trip",
+                Vote::Unknown,
+            );
+        }
+        let Some(live) = &self.live else {
+            return Answer {
+                permanent: self.permanent.clone(),
+                ..Answer::of(
+                    NodeOutcome::NotConnected(self.why.clone()),
+                    Vote::Unknown,
+                    false,
+                )
+            };
+        };
+        if let Op::Acquire { .. } = job.op {
+            if let Some(why) = self.too_young(live, now) {
+                return Answer::of(NodeOutcome::NotSent(why), Vote::Unknown, false);
+            }
+            job.lease.slots[i].lock().sent = true;
+        }
+        let sent = Instant::now();
+        match self.run_script(job) {
+            Ok((outcome, vote)) => {
+                self.answered_in(sent.elapsed());
+                Answer::of(outcome, vote, true)
+            }
+            Err(e) => {
+                let broken = self.live.as_ref().is_none_or(|l| l.conn.is_broken());
+                if e.is_uncertain() || broken {
+                    self.disconnect(&e, e.is_uncertain());
+                }
+                Answer {
+                    uncertain: e.is_uncertain(),
+                    permanent: e.duplicate_permanent().map(Arc::new),
+                    ..Answer::of(failed(&e), Vote::Unknown, true)
+                }
+            }
+        }
+    }
+
+    fn run_script(&mut self, job: &Job) -> Result<(NodeOutcome, Vote)> {
+        let i = self.index;
+        let key = job.lease.keys[i].as_str();
+        let value = job.lease.value.as_str();
+        let deadline = job.deadline;
+        let conn = &mut self.live.as_mut().expect("connected before running").conn;
+        match job.op {
+            Op::Acquire { ttl_ms } => {
+                // Plain commands in one round trip, no script: `SET NX PX`
+                // takes the key if it is free; when it is not, `GET` tells a
+                // key of another type (an error, not a holder) and `PTTL` how
+                // long the holder has. Every attempt has its own owner value,
+                // so a late duplicate finds the key set and changes nothing.
+                let mut pipe = redis::pipe();
+                pipe.ignore_errors();
+                pipe.cmd("SET")
+                    .arg(key)
+                    .arg(value)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(ttl_ms);
+                pipe.cmd("GET").arg(key);
+                pipe.cmd("PTTL").arg(key);
+                let reply = conn.pipeline(&pipe, "acquire", deadline)?;
+                let granted = || {
+                    job.lease.slots[i].lock().granted_by = self.run_id.clone();
+                    Ok((NodeOutcome::Granted, Vote::Yes))
+                };
+                match reply.as_slice() {
+                    [redis::Value::Okay, ..] => granted(),
+                    [redis::Value::Nil, redis::Value::BulkString(v), ..]
+                        if v.as_slice() == value.as_bytes() =>
+                    {
+                        granted()
+                    }
+                    [redis::Value::ServerError(e), ..]
+                    | [redis::Value::Nil, redis::Value::ServerError(e), ..]
+                    | [redis::Value::Nil, _, redis::Value::ServerError(e)] => {
+                        Err(acquire_error(key, e))
+                    }
+                    [redis::Value::Nil, _, redis::Value::Int(pttl)] => Ok((
+                        NodeOutcome::HeldByAnother {
+                            remaining: u64::try_from(*pttl).ok().map(Duration::from_millis),
+                        },
+                        Vote::Held,
+                    )),
+                    other => Err(unexpected("acquire", other)),
+                }
+            }
+            Op::Extend { ttl_ms } => {
+                let reply: i64 = conn.script(
+                    &scripts::LEASE_EXTEND,
+                    &[key],
+                    &[value, &ttl_ms.to_string()],
+                    "extend",
+                    deadline,
+                )?;
+                match reply {
+                    1 => Ok(self.judge_extension(&job.lease)),
+                    0 => Ok((NodeOutcome::Missing, Vote::No)),
+                    _ => Ok((NodeOutcome::HeldByAnother { remaining: None }, Vote::Held)),
+                }
+            }
+            Op::Release => {
+                let reply: i64 = conn.script(
+                    &scripts::LEASE_RELEASE,
+                    &[key],
+                    &[value, "exact"],
+                    "release",
+                    deadline,
+                )?;
+                job.lease.slots[i].lock().released = Some(reply == 1);
+                Ok(match reply {
+                    1 => (NodeOutcome::Granted, Vote::Yes),
+                    0 => (NodeOutcome::Missing, Vote::Yes),
+                    _ => (NodeOutcome::HeldByAnother { remaining: None }, Vote::Yes),
+                })
+            }
+        }
+    }
+
+    /// An extension counts only on the server that granted the lease: one that
+    /// restarted since may have lost the key and granted it to someone else.
+    fn judge_extension(&self, lease: &NodeLease) -> (NodeOutcome, Vote) {
+        let mut slot = lease.slots[self.index].lock();
+        match (slot.granted_by.clone(), &self.run_id) {
+            (Some(granted), Some(now)) if granted == *now => (NodeOutcome::Granted, Vote::Yes),
+            (Some(granted), now) => {
+                slot.restarted = true;
+                let why = format!(
+                    "the node restarted since the grant (run id {granted} is now {})",
+                    now.as_deref().unwrap_or("unknown")
+                );
+                (NodeOutcome::Uncounted(why), Vote::No)
+            }
+            (None, _) => (
+                NodeOutcome::Uncounted("its grant was never confirmed".into()),
+                Vote::No,
+            ),
+        }
+    }
+
+    /// Whether a command sent at `now` can be answered by `deadline`. A
+    /// round trip as long as the node timeout says nothing (every command is
+    /// sent then, and one that times out has the link measured again by the
+    /// reconnect).
+    fn time_for_one(&self, deadline: Instant, now: Instant) -> bool {
+        let left = deadline.saturating_duration_since(now);
+        let nt = self.settings.node_timeout;
+        !left.is_zero() && self.round_trip.is_none_or(|rtt| rtt >= nt || left >= rtt)
+    }
+
+    /// A command was answered after `latency`.
+    fn answered_in(&mut self, latency: Duration) {
+        self.round_trip = Some(latency);
+    }
+
+    /// With a restart delay, a server that started less than that long ago
+    /// takes no new leases (antirez's delayed restart, enforced by the client).
+    fn too_young(&self, live: &Live, now: Instant) -> Option<String> {
+        let delay = self.settings.restart_delay?;
+        let ready = live.started_by? + delay;
+        (now < ready).then(|| {
+            format!(
+                "the server started less than the restart delay ({delay:?}) ago; it takes \
+                 leases again in {:?}",
+                ready - now
+            )
+        })
+    }
+
+    /// The connection failed: drop it (marking it for a kill if its command
+    /// may still be applied) and reconnect in the background.
+    fn disconnect(&mut self, e: &Error, uncertain: bool) {
+        let Some(live) = self.live.take() else {
+            return;
+        };
+        if uncertain {
+            match live.conn.id() {
+                Some(id) => self.tainted.push(id),
+                None => log::warn!(
+                    "redlock node {}: a command without a reply cannot be fenced off (no \
+                     CLIENT ID); a later command may be overtaken by it",
+                    self.cfg.addr
+                ),
+            }
+        }
+        drop(live);
+        log::warn!(
+            "redlock node {}: {e}; reconnecting in the background",
+            self.cfg.addr
+        );
+        self.why = format!("reconnecting after: {e}");
+        self.permanent = None;
+        {
+            let mut status = self.status.lock();
+            status.connected = false;
+            status.last_error = Some(self.why.clone());
+        }
+        self.start_connector();
+    }
+
+    fn start_connector(&mut self) {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
+        let cfg = self.cfg.clone();
+        let tainted = self.tainted.clone();
+        let run_id = self.run_id.clone();
+        let nt = self.settings.node_timeout;
+        let spawned = std::thread::Builder::new()
+            .name(format!("respire-conn-{}", self.index))
+            .spawn(move || reconnect(&cfg, &tainted, run_id.as_deref(), nt, &tx, &stop_rx));
+        match spawned {
+            Ok(_) => {
+                self.connector = Some(Connector { rx, _stop: stop_tx });
+            }
+            Err(e) => {
+                // Tried again with the next job.
+                log::warn!(
+                    "redlock node {}: cannot start its connector thread: {e}",
+                    self.cfg.addr
+                );
+                self.why = format!("cannot start the connector thread: {e}");
+            }
+        }
+    }
+
+    /// A connector's news.
+    fn tried(&mut self, tried: Tried) {
+        match tried {
+            Tried::Connected(node) => {
+                self.connector = None;
+                self.adopt(*node);
+                self.send_deferred();
+            }
+            Tried::Failed(e) => {
+                log::debug!("redlock node {}: reconnect failed: {e}", self.cfg.addr);
+                self.why = format!("reconnecting after: {e}");
+                self.permanent = e.duplicate_permanent().map(Arc::new);
+                self.status.lock().last_error = Some(self.why.clone());
+            }
+        }
+    }
+
+    /// Starts using a new connection.
+    fn adopt(&mut self, node: NodeConn) {
+        let run_id: Option<Arc<str>> = node.info.run_id.as_deref().map(Arc::from);
+        if let (Some(old), Some(new)) = (&self.run_id, &run_id)
+            && old != new
+        {
+            log::warn!(
+                "redlock node {} restarted (run id {old} is now {new}); leases it granted \
+                 before no longer count toward a quorum",
+                self.cfg.addr
+            );
+        }
+        let nt = self.settings.node_timeout;
+        if node.round_trip * ROUND_TRIPS_PER_TIMEOUT > nt {
+            log::warn!(
+                "redlock node {}: round trip {:?} is more than half the node timeout {nt:?}; \
+                 its answers may come too late to count",
+                self.cfg.addr,
+                node.round_trip
+            );
+        }
+        self.run_id = run_id;
+        // The connector killed them (or the server restarted, which did).
+        self.tainted.clear();
+        self.permanent = None;
+        self.why.clear();
+        *self.status.lock() = NodeStatus {
+            connected: true,
+            round_trip: Some(node.round_trip),
+            last_error: None,
+        };
+        self.round_trip = Some(node.round_trip);
+        self.live = Some(Live {
+            conn: node.conn,
+            started_by: node.started_by,
+        });
+    }
+
+    /// Sends the releases that waited for the connection, in order, each with
+    /// a budget of its own.
+    fn send_deferred(&mut self) {
+        while self.live.is_some() {
+            let Some((mut job, sent)) = self.deferred.pop_front() else {
+                return;
+            };
+            job.deadline = Instant::now() + self.settings.node_timeout;
+            let answer = self.execute(&job);
+            if !answer.sent && matches!(answer.outcome, NodeOutcome::NotConnected(_)) {
+                self.deferred.push_front((job, sent));
+            } else if answer.uncertain && sent < RESENDS {
+                self.deferred.push_front((job, sent + 1));
+            }
+        }
+    }
+}
+
+/// The connector thread: tries to connect until it succeeds or the worker is
+/// gone, pausing between failed tries.
+fn reconnect(
+    cfg: &ConnConfig,
+    tainted: &[u64],
+    run_id: Option<&str>,
+    node_timeout: Duration,
+    tx: &Sender<Tried>,
+    stop: &Receiver<()>,
+) {
+    let mut failures = 0u32;
+    loop {
+        let budget = try_budget(failures, node_timeout, cfg.connect_timeout);
+        match open_node(cfg, budget, tainted, run_id, false, node_timeout) {
+            Ok(node) => {
+                let _ = tx.send(Tried::Connected(Box::new(node)));
+                return;
+            }
+            Err(e) => {
+                failures = failures.saturating_add(1);
+                if tx.send(Tried::Failed(e)).is_err() {
+                    return;
+                }
+                crossbeam_channel::select! {
+                    recv(stop) -> _ => return,
+                    recv(crossbeam_channel::after(rest_after(failures))) -> _ => {}
+                }
+            }
+        }
+    }
+}
+
+/// How long reconnect try number `failures + 1` of an outage may take: four
+/// node timeouts (at least 100 ms) at first, doubling with each failed try, at
+/// most the connect timeout. Short tries notice a healed link soon (a try
+/// whose packets were dropped waits out its whole budget); longer ones give a
+/// slow link its chance.
+pub(crate) fn try_budget(
+    failures: u32,
+    node_timeout: Duration,
+    connect_timeout: Duration,
+) -> Duration {
+    let first = (node_timeout * 4).max(Duration::from_millis(100));
+    first
+        .saturating_mul(1u32 << failures.min(16))
+        .min(connect_timeout)
+}
+
+/// `CLIENT KILL ID id SKIPME yes`: the number of clients killed (0 or 1).
+fn kill(id: impl redis::ToRedisArgs) -> redis::Cmd {
+    let mut cmd = redis::cmd("CLIENT");
+    cmd.arg("KILL").arg("ID").arg(id).arg("SKIPME").arg("yes");
+    cmd
+}
+
+/// The scripts a node runs, checked with `SCRIPT EXISTS` on every connection.
+fn node_scripts() -> [&'static Script; 2] {
+    [&scripts::LEASE_EXTEND, &scripts::LEASE_RELEASE]
+}
+
+/// The error of an acquire's error reply: a key of another type is
+/// [`Error::BadKey`], a denied command [`Error::Permission`].
+fn acquire_error(key: &str, e: &redis::ServerError) -> Error {
+    let source = redis::RedisError::from(e.clone());
+    if e.code() == "WRONGTYPE" {
+        Error::BadKey {
+            key: key.to_owned(),
+            problem: "holds a value of another type, not a lock".into(),
+        }
+    } else if crate::error::is_noperm(&source) {
+        Error::Permission(format!("acquire: {source}"))
+    } else {
+        Error::Server {
+            op: "acquire",
+            source,
+        }
+    }
+}
+
+/// Connects to a node within `budget` (at most its connect timeout): one round trip for the
+/// setup (see the module docs), then, only when `tainted` connections need
+/// fencing off on the same server, one for their kills, and, only when the
+/// first round trip was more than half the node timeout and the group is
+/// being made (`creating`), a second sample. `creating` also checks the
+/// right to `CLIENT KILL`.
+fn open_node(
+    cfg: &ConnConfig,
+    budget: Duration,
+    tainted: &[u64],
+    run_id: Option<&str>,
+    creating: bool,
+    node_timeout: Duration,
+) -> Result<NodeConn> {
+    let addr = &cfg.addr;
+    let mut extra = vec![redis::cmd("INFO")];
+    let mut exists = redis::cmd("SCRIPT");
+    exists.arg("EXISTS");
+    for script in node_scripts() {
+        exists.arg(&script.sha);
+    }
+    extra.push(exists);
+    if creating {
+        extra.push(kill(NO_CLIENT));
+    }
+    let asked = Instant::now();
+    let budget = budget.min(cfg.connect_timeout);
+    let deadline = asked + budget;
+    let opened = cfg.connect_with(budget, CONN_NAME, &extra)?;
+    let mut conn = opened.conn;
+    if conn.id().is_none() {
+        let why = opened.id_error.unwrap_or_default();
+        let fix = "a redlock node needs CLIENT ID and CLIENT KILL to fence off commands that \
+                   got no reply";
+        return Err(if why.starts_with("NOPERM") {
+            Error::Permission(format!("{addr}: CLIENT ID is denied ({why}); {fix}"))
+        } else {
+            Error::UnexpectedReply {
+                op: "CLIENT ID",
+                reply: format!("{why} ({fix})"),
+            }
+        });
+    }
+    let mut replies = opened.replies.into_iter();
+    let info = match replies.next() {
+        Some(v) => parse_info(&text(addr, "INFO", v)?),
+        None => ServerInfo::default(),
+    };
+    match replies.next() {
+        Some(redis::Value::Array(flags)) => {
+            for (script, flag) in node_scripts().into_iter().zip(flags) {
+                if matches!(flag, redis::Value::Int(0)) {
+                    conn.lacks_script(script);
+                }
+            }
+        }
+        other => {
+            log::debug!("{addr}: SCRIPT EXISTS answered {other:?}; scripts go out as EVALSHA first")
+        }
+    }
+    if creating {
+        confirm_kill(
+            addr,
+            "CLIENT KILL (checking the right to fence)",
+            replies.next(),
+        )?;
+    }
+    if !tainted.is_empty() {
+        let restarted = matches!((run_id, info.run_id.as_deref()), (Some(a), Some(b)) if a != b);
+        if restarted {
+            // A new process: the old one's connections died with it, and its
+            // client ids mean nothing here.
+            log::debug!("{addr}: the server restarted; nothing to fence off");
+        } else {
+            let mut pipe = redis::pipe();
+            for &id in tainted {
+                pipe.add_command(kill(id));
+            }
+            let op = "CLIENT KILL (fencing off an unanswered command)";
+            for reply in conn.pipeline(&pipe, op, deadline)? {
+                confirm_kill(addr, op, Some(reply))?;
+            }
+        }
+    }
+    let mut round_trip = opened.round_trip;
+    if creating && round_trip * ROUND_TRIPS_PER_TIMEOUT > node_timeout {
+        // One sample can be unlucky (a retransmit, a busy host): take a second
+        // before refusing the link.
+        let t = Instant::now();
+        let _: i64 = conn.query(
+            redis::cmd("CLIENT").arg("ID"),
+            "CLIENT ID (a second round-trip sample)",
+            deadline,
+        )?;
+        round_trip = round_trip.min(t.elapsed());
+    }
+    // uptime_in_seconds is a difference of whole-second clock readings, up
+    // to a second more than the true uptime: assume the latest start.
+    let started_by = info
+        .uptime
+        .and_then(|u| (asked + Duration::from_secs(1)).checked_sub(u));
+    Ok(NodeConn {
+        conn,
+        info,
+        round_trip,
+        started_by,
+    })
+}
+
+/// A `CLIENT KILL` reply: a count, or the error that refused it.
+fn confirm_kill(addr: &str, op: &'static str, reply: Option<redis::Value>) -> Result<()> {
+    match reply {
+        Some(redis::Value::Int(_)) => Ok(()),
+        Some(redis::Value::ServerError(e)) if e.code() == "NOPERM" => {
+            Err(Error::Permission(format!(
+                "{addr}: CLIENT KILL is denied ({}); a redlock node needs it to fence off \
+                 commands that got no reply",
+                e.details().unwrap_or_default()
+            )))
+        }
+        Some(redis::Value::ServerError(e)) => Err(Error::Server {
+            op,
+            source: redis::RedisError::from(e),
+        }),
+        other => Err(Error::UnexpectedReply {
+            op,
+            reply: format!("{other:?}"),
+        }),
+    }
+}
+
+/// A text reply (`INFO`), or the error that refused it.
+fn text(addr: &str, op: &'static str, reply: redis::Value) -> Result<String> {
+    match reply {
+        redis::Value::BulkString(bytes) => Ok(String::from_utf8_lossy(&bytes).into_owned()),
+        redis::Value::VerbatimString { text, .. } | redis::Value::SimpleString(text) => Ok(text),
+        redis::Value::ServerError(e) if e.code() == "NOPERM" => Err(Error::Permission(format!(
+            "{addr}: {op} is denied ({}); a redlock group needs it to check that its nodes \
+             are independent and to notice restarts",
+            e.details().unwrap_or_default()
+        ))),
+        redis::Value::ServerError(e) => Err(Error::Server {
+            op,
+            source: redis::RedisError::from(e),
+        }),
+        other => Err(Error::UnexpectedReply {
+            op,
+            reply: format!("{other:?}"),
+        }),
+    }
+}
+
+fn failed(e: &Error) -> NodeOutcome {
+    if e.is_timeout() {
+        NodeOutcome::TimedOut
+    } else {
+        NodeOutcome::Failed(e.to_string())
+    }
+}
+
+fn unexpected(op: &'static str, reply: &(impl std::fmt::Debug + ?Sized)) -> Error {
+    Error::UnexpectedReply {
+        op,
+        reply: format!("{reply:?}"),
+    }
+}
+
+/// The channel a watcher subscribes to; nothing is published there.
+const WATCH_CHANNEL: &str = "respire-redlock-watch";
+
+/// How long a watcher blocks in one read before it checks whether to stop.
+const WATCH_READ: Duration = Duration::from_millis(250);
+
+/// How long a watcher's connection may stay silent before it is pinged.
+const WATCH_PING_EVERY: Duration = Duration::from_secs(5);
+
+/// What a node's watcher learns about its server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum NodeEvent {
+    /// The server closed the watcher's connection, or it failed: the server
+    /// may have stopped, and may come back without its data.
+    Down,
+    /// The watcher is connected to the server running as `run_id`.
+    Up { run_id: Arc<str> },
+}
+
+/// What a group does with its watchers' news: `(node index, event)`.
+pub(crate) type OnNodeEvent = Arc<dyn Fn(usize, NodeEvent) + Send + Sync>;
+
+/// The handle on a watcher thread (`respire-watch-N`): it holds an idle
+/// subscribed connection to its node, so that the moment the server goes away
+/// (the connection closes) is known without any command in flight, and reads
+/// the run id of every server it connects to. It stops when this is dropped.
+pub(crate) struct NodeWatcher {
+    _stop: Sender<()>,
+}
+
+impl NodeWatcher {
+    /// Starts the watcher of node `index`, which reports to `on`.
+    pub(crate) fn spawn(
+        index: usize,
+        cfg: Arc<ConnConfig>,
+        on: OnNodeEvent,
+    ) -> std::io::Result<NodeWatcher> {
+        let (stop_tx, stop) = crossbeam_channel::bounded::<()>(0);
+        std::thread::Builder::new()
+            .name(format!("respire-watch-{index}"))
+            .spawn(move || watch(index, &cfg, &*on, &stop))?;
+        Ok(NodeWatcher { _stop: stop_tx })
+    }
+}
+
+/// The watcher thread: connects, reports the run id, waits on the idle
+/// connection until it fails (reported as [`NodeEvent::Down`]), and connects
+/// again, pausing between failed tries; until the group is gone.
+fn watch(
+    index: usize,
+    cfg: &ConnConfig,
+    on: &(dyn Fn(usize, NodeEvent) + Send + Sync),
+    stop: &Receiver<()>,
+) {
+    let mut failures = 0u32;
+    let mut up = false;
+    loop {
+        let session = watch_session(index, cfg, on, stop, &mut up);
+        match session {
+            Ok(()) => return,
+            Err(e) => {
+                if up {
+                    up = false;
+                    failures = 0;
+                    log::debug!("redlock node {}: watcher lost the server: {e}", cfg.addr);
+                    on(index, NodeEvent::Down);
+                }
+                if matches!(e, Error::Permission(_)) {
+                    log::warn!(
+                        "redlock node {}: cannot watch for restarts ({e}); a restart is noticed \
+                         only by the next command sent there",
+                        cfg.addr
+                    );
+                    return;
+                }
+                failures = failures.saturating_add(1);
+            }
+        }
+        if let Err(crossbeam_channel::RecvTimeoutError::Disconnected) =
+            stop.recv_timeout(rest_after(failures))
+        {
+            return;
+        }
+    }
+}
+
+/// One watcher connection: `Ok` when the group is gone, `Err` when the
+/// connection could not be made or failed.
+fn watch_session(
+    index: usize,
+    cfg: &ConnConfig,
+    on: &(dyn Fn(usize, NodeEvent) + Send + Sync),
+    stop: &Receiver<()>,
+    up: &mut bool,
+) -> Result<()> {
+    let mut conn = cfg.connect_pubsub(cfg.connect_timeout, "respire-redlock-watch")?;
+    let deadline = Instant::now() + cfg.node_timeout;
+    let info: String = conn.query(redis::cmd("INFO").arg("server"), "INFO", deadline)?;
+    let io = |op: &'static str| move |source: redis::RedisError| Error::Io { op, source };
+    let raw = conn.raw();
+    raw.set_read_timeout(Some(cfg.node_timeout.max(WATCH_READ)))
+        .and_then(|()| raw.set_write_timeout(Some(cfg.node_timeout)))
+        .map_err(io("setting socket timeouts"))?;
+    let cmd = redis::cmd("SUBSCRIBE")
+        .arg(WATCH_CHANNEL)
+        .get_packed_command();
+    raw.send_packed_command(&cmd).map_err(io("SUBSCRIBE"))?;
+    match raw
+        .recv_response()
+        .map_err(io("SUBSCRIBE"))?
+        .extract_error()
+    {
+        Ok(redis::Value::Array(_)) => {}
+        Ok(other) => {
+            return Err(Error::UnexpectedReply {
+                op: "SUBSCRIBE",
+                reply: format!("{other:?}"),
+            });
+        }
+        Err(e) if crate::error::is_noperm(&e) => return Err(Error::Permission(e.to_string())),
+        Err(source) => {
+            return Err(Error::Server {
+                op: "SUBSCRIBE",
+                source,
+            });
+        }
+    }
+    let mut pubsub = raw.as_pubsub();
+    pubsub
+        .set_read_timeout(Some(WATCH_READ))
+        .map_err(io("setting socket timeouts"))?;
+    match parse_info(&info).run_id {
+        Some(run_id) => {
+            *up = true;
+            on(
+                index,
+                NodeEvent::Up {
+                    run_id: Arc::from(run_id),
+                },
+            );
+        }
+        None => log::debug!("redlock node {}: INFO names no run id", cfg.addr),
+    }
+    let mut last_heard = Instant::now();
+    loop {
+        match pubsub.get_message() {
+            Ok(_) => last_heard = Instant::now(),
+            Err(e) if e.is_timeout() => {
+                if let Err(crossbeam_channel::TryRecvError::Disconnected) = stop.try_recv() {
+                    return Ok(());
+                }
+                if last_heard.elapsed() >= WATCH_PING_EVERY {
+                    pubsub.ping::<redis::Value>().map_err(io("PING"))?;
+                    last_heard = Instant::now();
+                }
+            }
+            Err(e) => return Err(io("watching the node")(e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reconnect_tries_grow_to_the_connect_timeout() {
+        let ms = Duration::from_millis;
+        let connect = ms(2000);
+        assert_eq!(try_budget(0, ms(50), connect), ms(200));
+        assert_eq!(try_budget(1, ms(50), connect), ms(400));
+        assert_eq!(try_budget(3, ms(50), connect), ms(1600));
+        assert_eq!(try_budget(4, ms(50), connect), connect);
+        assert_eq!(try_budget(u32::MAX, ms(50), connect), connect);
+        assert_eq!(try_budget(0, ms(5), connect), ms(100));
+        assert_eq!(try_budget(0, ms(50), ms(150)), ms(150));
+    }
+
+    #[test]
+    fn rest_grows_and_is_capped() {
+        let ms = Duration::from_millis;
+        assert_eq!(rest_after(1), ms(25));
+        assert_eq!(rest_after(2), ms(50));
+        assert_eq!(rest_after(5), ms(400));
+        assert_eq!(rest_after(7), ms(1000));
+        assert_eq!(rest_after(u32::MAX), ms(1000));
+    }
+
+    #[test]
+    fn parses_the_info_fields() {
+        let info = "# Server\r\nredis_version:7.0.15\r\nrun_id:abc123\r\n\
+                    uptime_in_seconds:42\r\n# Replication\r\nrole:master\r\n\
+                    master_replid:def456\r\n# Cluster\r\ncluster_enabled:1\r\n";
+        let parsed = parse_info(info);
+        assert_eq!(parsed.run_id.as_deref(), Some("abc123"));
+        assert_eq!(parsed.uptime, Some(Duration::from_secs(42)));
+        assert_eq!(parsed.replid.as_deref(), Some("def456"));
+        assert!(parsed.cluster);
+        assert!(!parse_info("cluster_enabled:0\r\n").cluster);
+    }
+
+    #[test]
+    fn a_node_counts_while_the_server_that_granted_runs() {
+        let lease = NodeLease::new(vec!["a".into(), "b".into()], "v".into());
+        assert!(!lease.counts(0), "no grant confirmed");
+        assert!(!lease.seen_run(0, "one"), "nothing to lose");
+        lease.slots[0].lock().granted_by = Some(Arc::from("one"));
+        assert!(lease.counts(0));
+        assert!(!lease.seen_run(0, "one"), "the same server");
+        assert!(lease.counts(0));
+        assert!(lease.seen_run(0, "two"), "another server now");
+        assert!(!lease.counts(0));
+        assert!(!lease.seen_run(0, "one"), "a restart is for good");
+        assert!(!lease.counts(0));
+        assert!(!lease.counts(1));
+    }
+}
