@@ -63,6 +63,13 @@ pub(crate) fn drift(ttl: Duration, factor: f64) -> Duration {
     ttl.mul_f64(factor) + Duration::from_millis(2)
 }
 
+/// How long a Redlock node's connector pauses after its `failures`-th failed
+/// try in a row: 25 ms, doubling, at most 1 s.
+pub(crate) fn rest_after(failures: u32) -> Duration {
+    let shift = failures.clamp(1, 7) - 1;
+    (Duration::from_millis(25) * (1u32 << shift)).min(Duration::from_secs(1))
+}
+
 /// How long to wait before retrying a renewal that failed.
 pub(crate) fn retry_delay(ttl: Duration) -> Duration {
     (ttl / 20).clamp(Duration::from_millis(5), Duration::from_millis(250))

@@ -41,9 +41,9 @@ use parking_lot::Mutex;
 
 use crate::conn::{Conn, ConnConfig};
 use crate::core::quorum::Vote;
+use crate::core::timing::rest_after;
 use crate::error::{Error, Result};
 use crate::report::NodeOutcome;
-use crate::runtime::nodes::rest_after;
 use crate::scripts::{self, Script};
 
 /// The name node connections carry in `CLIENT LIST`.

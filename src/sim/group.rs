@@ -538,7 +538,7 @@ impl World {
             _ => {
                 let w = &mut self.clients[c].workers[node];
                 w.failures += 1;
-                let rest = crate::runtime::nodes::rest_after(w.failures);
+                let rest = crate::core::timing::rest_after(w.failures);
                 self.queue
                     .push(self.now + budget + rest, Ev::Reconnect(c, node));
             }
@@ -578,7 +578,7 @@ impl World {
             if answer == Answer::Unknown {
                 // The kill is not confirmed: another try on another connection.
                 w.failures += 1;
-                let rest = crate::runtime::nodes::rest_after(w.failures);
+                let rest = crate::core::timing::rest_after(w.failures);
                 self.queue.push(self.now + rest, Ev::Reconnect(c, node));
             } else {
                 w.tainted.pop();
