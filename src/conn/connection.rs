@@ -518,4 +518,91 @@ impl Conn {
     pub(crate) fn raw(&mut self) -> &mut redis::Connection {
         &mut self.inner
     }
+
+    /// Subscribes this connection (made with
+    /// [`ConnConfig::connect_pubsub`]) to `channel`, waiting at most
+    /// `node_timeout` for the confirmation, and returns it as a subscriber
+    /// whose reads wait at most `read_every`, so that its owner can look at
+    /// its stop signal between messages.
+    pub(crate) fn subscribe(
+        &mut self,
+        channel: &'static str,
+        node_timeout: Duration,
+        read_every: Duration,
+    ) -> Result<Subscriber<'_>> {
+        let io = |op: &'static str| move |source: redis::RedisError| Error::Io { op, source };
+        let raw = &mut self.inner;
+        raw.set_read_timeout(Some(node_timeout.max(read_every)))
+            .and_then(|()| raw.set_write_timeout(Some(node_timeout)))
+            .map_err(io("setting socket timeouts"))?;
+        let cmd = redis::cmd("SUBSCRIBE").arg(channel).get_packed_command();
+        raw.send_packed_command(&cmd).map_err(io("SUBSCRIBE"))?;
+        match raw
+            .recv_response()
+            .map_err(io("SUBSCRIBE"))?
+            .extract_error()
+        {
+            Ok(redis::Value::Array(reply)) if matches!(reply.first(), Some(redis::Value::BulkString(k)) if k == b"subscribe") =>
+                {}
+            Ok(other) => {
+                return Err(Error::UnexpectedReply {
+                    op: "SUBSCRIBE",
+                    reply: format!("{other:?}"),
+                });
+            }
+            Err(e) if is_noperm(&e) => return Err(Error::Permission(e.to_string())),
+            Err(source) => {
+                return Err(Error::Server {
+                    op: "SUBSCRIBE",
+                    source,
+                });
+            }
+        }
+        let pubsub = raw.as_pubsub();
+        pubsub
+            .set_read_timeout(Some(read_every))
+            .map_err(io("setting socket timeouts"))?;
+        Ok(Subscriber { pubsub })
+    }
+}
+
+/// A subscribed connection (see [`Conn::subscribe`]).
+pub(crate) struct Subscriber<'a> {
+    pubsub: redis::PubSub<'a>,
+}
+
+impl Subscriber<'_> {
+    /// Hands each message to `on` until it returns `false` (`Ok`), `stop`
+    /// says so between messages (`Ok`), or the connection fails (`Err`).
+    /// Pings the server when nothing was heard for `ping_every`, so that a
+    /// dead peer is noticed.
+    pub(crate) fn listen(
+        &mut self,
+        ping_every: Duration,
+        stop: &dyn Fn() -> bool,
+        on: &mut dyn FnMut(redis::Msg) -> bool,
+    ) -> Result<()> {
+        let io = |op: &'static str| move |source: redis::RedisError| Error::Io { op, source };
+        let mut last_heard = Instant::now();
+        loop {
+            match self.pubsub.get_message() {
+                Ok(msg) => {
+                    last_heard = Instant::now();
+                    if !on(msg) {
+                        return Ok(());
+                    }
+                }
+                Err(e) if e.is_timeout() => {
+                    if stop() {
+                        return Ok(());
+                    }
+                    if last_heard.elapsed() >= ping_every {
+                        self.pubsub.ping::<redis::Value>().map_err(io("PING"))?;
+                        last_heard = Instant::now();
+                    }
+                }
+                Err(e) => return Err(io("receiving a subscribed message")(e)),
+            }
+        }
+    }
 }

@@ -1254,39 +1254,7 @@ fn watch_session(
     let mut conn = cfg.connect_pubsub(cfg.connect_timeout, "respire-redlock-watch")?;
     let deadline = Instant::now() + cfg.node_timeout;
     let info: String = conn.query(redis::cmd("INFO").arg("server"), "INFO", deadline)?;
-    let io = |op: &'static str| move |source: redis::RedisError| Error::Io { op, source };
-    let raw = conn.raw();
-    raw.set_read_timeout(Some(cfg.node_timeout.max(WATCH_READ)))
-        .and_then(|()| raw.set_write_timeout(Some(cfg.node_timeout)))
-        .map_err(io("setting socket timeouts"))?;
-    let cmd = redis::cmd("SUBSCRIBE")
-        .arg(WATCH_CHANNEL)
-        .get_packed_command();
-    raw.send_packed_command(&cmd).map_err(io("SUBSCRIBE"))?;
-    match raw
-        .recv_response()
-        .map_err(io("SUBSCRIBE"))?
-        .extract_error()
-    {
-        Ok(redis::Value::Array(_)) => {}
-        Ok(other) => {
-            return Err(Error::UnexpectedReply {
-                op: "SUBSCRIBE",
-                reply: format!("{other:?}"),
-            });
-        }
-        Err(e) if crate::error::is_noperm(&e) => return Err(Error::Permission(e.to_string())),
-        Err(source) => {
-            return Err(Error::Server {
-                op: "SUBSCRIBE",
-                source,
-            });
-        }
-    }
-    let mut pubsub = raw.as_pubsub();
-    pubsub
-        .set_read_timeout(Some(WATCH_READ))
-        .map_err(io("setting socket timeouts"))?;
+    let mut subscriber = conn.subscribe(WATCH_CHANNEL, cfg.node_timeout, WATCH_READ)?;
     match parse_info(&info).run_id {
         Some(run_id) => {
             *up = true;
@@ -1299,22 +1267,13 @@ fn watch_session(
         }
         None => log::debug!("redlock node {}: INFO names no run id", cfg.addr),
     }
-    let mut last_heard = Instant::now();
-    loop {
-        match pubsub.get_message() {
-            Ok(_) => last_heard = Instant::now(),
-            Err(e) if e.is_timeout() => {
-                if let Err(crossbeam_channel::TryRecvError::Disconnected) = stop.try_recv() {
-                    return Ok(());
-                }
-                if last_heard.elapsed() >= WATCH_PING_EVERY {
-                    pubsub.ping::<redis::Value>().map_err(io("PING"))?;
-                    last_heard = Instant::now();
-                }
-            }
-            Err(e) => return Err(io("watching the node")(e)),
-        }
-    }
+    let stopped = || {
+        matches!(
+            stop.try_recv(),
+            Err(crossbeam_channel::TryRecvError::Disconnected)
+        )
+    };
+    subscriber.listen(WATCH_PING_EVERY, &stopped, &mut |_| true)
 }
 
 #[cfg(test)]

@@ -370,72 +370,25 @@ fn subscribe_switches(
     first: &mut bool,
 ) -> Result<()> {
     let mut conn = cfg.connect_pubsub(cfg.connect_timeout, "respire-sentinel")?;
-    let raw = conn.raw();
-    let io = |op: &'static str| move |e: redis::RedisError| Error::Io { op, source: e };
-    raw.set_read_timeout(Some(cfg.node_timeout.max(SENTINEL_READ_TIMEOUT)))
-        .and_then(|()| raw.set_write_timeout(Some(cfg.node_timeout)))
-        .map_err(io("setting socket timeouts"))?;
-    let cmd = redis::cmd("SUBSCRIBE")
-        .arg(SWITCH_CHANNEL)
-        .get_packed_command();
-    raw.send_packed_command(&cmd).map_err(io("SUBSCRIBE"))?;
-    match raw
-        .recv_response()
-        .map_err(io("SUBSCRIBE"))?
-        .extract_error()
-    {
-        Ok(redis::Value::Array(reply)) if matches!(reply.first(), Some(redis::Value::BulkString(k)) if k == b"subscribe") =>
-            {}
-        Ok(other) => {
-            return Err(Error::UnexpectedReply {
-                op: "SUBSCRIBE +switch-master",
-                reply: format!("{other:?}"),
-            });
-        }
-        Err(source) => {
-            return Err(Error::Server {
-                op: "SUBSCRIBE +switch-master",
-                source,
-            });
-        }
-    }
-    let mut pubsub = raw.as_pubsub();
-    pubsub
-        .set_read_timeout(Some(SENTINEL_READ_TIMEOUT))
-        .map_err(io("setting socket timeouts"))?;
+    let mut subscriber = conn.subscribe(SWITCH_CHANNEL, cfg.node_timeout, SENTINEL_READ_TIMEOUT)?;
     if !std::mem::take(first) {
         let _ = events.send(Event::Resubscribed);
     }
-    let mut last_heard = Instant::now();
-    loop {
-        match pubsub.get_message() {
-            Ok(msg) => {
-                last_heard = Instant::now();
-                if msg.get_channel_name() != SWITCH_CHANNEL {
-                    continue;
-                }
-                let payload: String = msg.get_payload().unwrap_or_default();
-                match parse_switch(&payload) {
-                    Some((name, old, new)) if name == service => {
-                        log::info!("{}: {SWITCH_CHANNEL} {payload}", cfg.addr);
-                        if events.send(Event::Switch { old, new }).is_err() {
-                            return Ok(());
-                        }
-                    }
-                    Some(_) => {}
-                    None => log::debug!("unreadable {SWITCH_CHANNEL} message {payload:?}"),
-                }
-            }
-            Err(e) if e.is_timeout() => {
-                if stopped(stop) {
-                    return Ok(());
-                }
-                if last_heard.elapsed() >= SENTINEL_PING_EVERY {
-                    pubsub.ping::<redis::Value>().map_err(io("PING"))?;
-                    last_heard = Instant::now();
-                }
-            }
-            Err(e) => return Err(io("receiving +switch-master")(e)),
+    subscriber.listen(SENTINEL_PING_EVERY, &|| stopped(stop), &mut |msg| {
+        if msg.get_channel_name() != SWITCH_CHANNEL {
+            return true;
         }
-    }
+        let payload: String = msg.get_payload().unwrap_or_default();
+        match parse_switch(&payload) {
+            Some((name, old, new)) if name == service => {
+                log::info!("{}: {SWITCH_CHANNEL} {payload}", cfg.addr);
+                events.send(Event::Switch { old, new }).is_ok()
+            }
+            Some(_) => true,
+            None => {
+                log::debug!("unreadable {SWITCH_CHANNEL} message {payload:?}");
+                true
+            }
+        }
+    })
 }
