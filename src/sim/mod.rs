@@ -35,7 +35,9 @@
 //! - no fencing token reaches two owners while the counter is intact
 //!   (checked against the checker's own record of tokens handed out), and a
 //!   token not above one received before its attempt was sent is refused,
-//!   while no other token is.
+//!   while no other token is;
+//! - liveness: on a calm schedule (nothing lost, nothing slow, no fault) a
+//!   lease kept alive at a TTL keep-alive accepts is never lost.
 //!
 //! `RESPIRE_SIM_CASES=n` sets the number of schedules per test (default
 //! 60,000 single-deployment and 40,000 Redlock ones, which run in under a
@@ -145,6 +147,11 @@ impl Net {
             p_lose_request: scale * rng.unit() * 0.05,
             p_lose_reply: scale * rng.unit() * 0.05,
         }
+    }
+
+    /// Nothing lost, nothing slow.
+    pub(crate) fn is_calm(&self) -> bool {
+        self.p_slow == 0.0 && self.p_lose_request == 0.0 && self.p_lose_reply == 0.0
     }
 
     /// `None`: lost. Otherwise the one-way delay.

@@ -347,6 +347,8 @@ struct Guard {
     deleted: Option<Instant>,
     /// A check found it lost: loss is permanent.
     seen_lost: bool,
+    /// Kept alive since a moment with time enough to renew.
+    renewable: bool,
 }
 
 /// A user thread's acquire in progress: its owner, the attempts that got
@@ -430,6 +432,8 @@ struct World {
     delivered: HashMap<u64, String>,
     /// When each key was last deleted by a fault.
     deleted_at: [Option<Instant>; 2],
+    /// No loss, no slow message, no fault: every kept-alive lease must live.
+    calm: bool,
 }
 
 /// Lease keys 0 and 1 share one fence counter. Users 0 (process 0) and 2
@@ -502,14 +506,17 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         steps_left: 40 + rng.below(40) as u32,
         delivered: HashMap::new(),
         deleted_at: [None; 2],
+        calm: false,
         trace: std::env::var_os("RESPIRE_SIM_TRACE").is_some(),
         rng,
     };
+    let mut faults = false;
     let start = w.server.fence;
     if let Some(r) = &mut w.server.replica {
         r.fence = start;
         let at = w.rng.micros(1_000, 3_000_000);
         w.queue.push(at, Ev::Promote);
+        faults = true;
     }
     for _ in 0..2 {
         let conn = w.conn_at(0);
@@ -545,12 +552,15 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
     if w.rng.chance(0.1) {
         let at = w.rng.micros(1_000, 3_000_000);
         w.queue.push(at, Ev::CounterBack);
+        faults = true;
     }
     if w.rng.chance(0.2) {
         let at = w.rng.micros(1_000, 3_000_000);
         let key = w.rng.below(2) as usize;
         w.queue.push(at, Ev::Delete(key));
+        faults = true;
     }
+    w.calm = w.net.is_calm() && !faults;
     while let Some(t) = w.queue.peek_time() {
         // Every event at this instant, then the invariants.
         while w.queue.peek_time() == Some(t) {
@@ -889,12 +899,20 @@ impl World {
             0..=2 => {
                 // reset_expiry, longer or shorter.
                 let ttl = self.ttls[self.rng.below(self.ttls.len() as u64) as usize];
+                if ttl < self.timing.min_keepalive_ttl() {
+                    // Too short for keep-alive to save: the holder's choice.
+                    self.users[u].guard.as_mut().expect("holding").renewable = false;
+                }
                 return self.reset_expiry(u, ttl, self.now);
             }
             3 => {
                 let g = self.users[u].guard.as_mut().expect("holding");
                 if !g.keepalive && ttl >= self.timing.min_keepalive_ttl() {
                     g.keepalive = true;
+                    // Renewed in time from here on, if the network is kind:
+                    // a node timeout for the renewal and one to spare.
+                    g.renewable = cell.remaining(now)
+                        > self.timing.node_timeout * 2 + Duration::from_millis(5);
                     cell.add_keepalive();
                     self.watch(p, &cell);
                     self.touch(p, &cell);
@@ -1194,6 +1212,7 @@ impl World {
             // Deleted after the grant was sent: perhaps after it was applied.
             deleted: self.deleted_at[key].filter(|d| *d >= sent),
             seen_lost: false,
+            renewable: false,
         });
         self.think(u);
     }
@@ -1366,6 +1385,21 @@ impl World {
             if g.seen_lost && !lost {
                 return Err(format!(
                     "user {u}: is_lost() was true and is false again at {t:?}"
+                ));
+            }
+            // Liveness: on a network that loses and delays nothing past the
+            // node timeout, with no fault, a lease kept alive (at a TTL keep-
+            // alive accepts, since a moment with time to renew) stays held.
+            if lost
+                && !g.seen_lost
+                && self.calm
+                && g.keepalive
+                && g.renewable
+                && g.cell.ttl() >= self.timing.min_keepalive_ttl()
+                && !g.cell.is_finished()
+            {
+                return Err(format!(
+                    "user {u}: a kept-alive lease was lost at {t:?} on a calm network"
                 ));
             }
             if lost {
