@@ -577,6 +577,24 @@ mod tests {
     }
 
     #[test]
+    fn a_clean_up_whose_slot_moved_is_handed_out_only_while_it_runs() {
+        let t0 = Instant::now();
+        let mut ex: Executor<L, &str> = Executor::new(ms(100));
+        ex.clean_up(vec![], "del", t0 + ms(1_000), t0);
+        // Not running: nothing to hand over.
+        assert!(ex.clean_up_moved().is_none());
+        assert_eq!(ex.poll_command(t0), Some(Command::CleanUp(&"del")));
+        let moved = ex.clean_up_moved().expect("the running clean-up");
+        assert_eq!(moved.payload, "del");
+        assert!(ex.is_idle());
+        assert!(ex.clean_up_moved().is_none());
+        // A kill in flight is not a clean-up to hand over.
+        ex.clean_up(vec![4], "del", t0 + ms(1_000), t0);
+        assert_eq!(ex.poll_command(t0), Some(Command::Kill(4)));
+        assert!(ex.clean_up_moved().is_none());
+    }
+
+    #[test]
     fn retiring_frees_the_claims_with_their_worst_case_kept() {
         let t0 = Instant::now();
         let l = lease(t0);
