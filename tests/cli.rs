@@ -834,6 +834,51 @@ fn json_events_of_a_run() {
 }
 
 #[test]
+fn events_on_standard_output_share_it_with_the_command() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-events-stdout");
+    // Standard output is a file the command writes to as well, at the offset
+    // they share.
+    let path = events_path("stdout");
+    let out = std::fs::File::create(&path).unwrap();
+    let status = respire_lock(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &prefix,
+        "--events-fd",
+        "1",
+        "job",
+        "--",
+        "sh",
+        "-c",
+        "echo from-the-command",
+    ])
+    .stdout(Stdio::from(out))
+    .status()
+    .expect("respire-lock runs");
+    assert_eq!(status.code(), Some(0));
+    let written = std::fs::read_to_string(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let lines: Vec<&str> = written.lines().collect();
+    assert!(lines.contains(&"from-the-command"), "{written}");
+    let names: Vec<String> = lines
+        .iter()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a whole JSON line");
+            v["event"].as_str().unwrap_or_default().to_owned()
+        })
+        .collect();
+    assert_eq!(
+        names,
+        ["acquired", "started", "exited", "released"],
+        "{written}"
+    );
+}
+
+#[test]
 fn json_events_of_a_lost_lease_and_kill_after_from_the_environment() {
     let url = shared_server().url();
     let prefix = unique_prefix("cli-json-lost");

@@ -2,7 +2,6 @@
 //! it, stop the group if the lease is lost, release the lease after.
 
 use std::ffi::OsString;
-use std::fs::File;
 use std::hash::{BuildHasher as _, Hasher as _};
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -795,27 +794,39 @@ fn status_code(status: ExitStatus) -> u8 {
 
 /// Where JSON events go: a file descriptor or a file given on the command
 /// line, or nowhere.
-struct Events(Option<Mutex<File>>);
+struct Events(Option<Mutex<Box<dyn std::io::Write + Send>>>);
 
 impl Events {
     fn open(args: &RunArgs) -> Result<Events, Usage> {
         let usage = |what: String| Usage::new(what, Some("run"));
+        let some = |w: Box<dyn std::io::Write + Send>| Events(Some(Mutex::new(w)));
         if let Some(fd) = args.events_fd {
-            // The descriptor is opened again through /dev/fd, which needs no
-            // unsafe code and keeps the caller's descriptor as it is.
-            let path = format!("/dev/fd/{fd}");
-            return std::fs::OpenOptions::new()
-                .append(true)
-                .open(&path)
-                .map(|f| Events(Some(Mutex::new(f))))
-                .map_err(|e| usage(format!("--events-fd {fd}: not an open descriptor ({e})")));
+            return match fd {
+                // The tool's own standard streams are written as they are,
+                // at the offset every other writer of them shares.
+                1 => Ok(some(Box::new(std::io::stdout()))),
+                2 => Ok(some(Box::new(std::io::stderr()))),
+                // Any other descriptor is opened again through /dev/fd, which
+                // needs no unsafe code and leaves the caller's descriptor as
+                // it is; in append mode, so a file is written at its end.
+                _ => {
+                    let path = format!("/dev/fd/{fd}");
+                    std::fs::OpenOptions::new()
+                        .append(true)
+                        .open(&path)
+                        .map(|f| some(Box::new(f)))
+                        .map_err(|e| {
+                            usage(format!("--events-fd {fd}: not an open descriptor ({e})"))
+                        })
+                }
+            };
         }
         if let Some(path) = &args.events_file {
             return std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(path)
-                .map(|f| Events(Some(Mutex::new(f))))
+                .map(|f| some(Box::new(f)))
                 .map_err(|e| usage(format!("--events-file {}: {e}", path.display())));
         }
         Ok(Events(None))
