@@ -43,7 +43,9 @@ campaign run --topology T --workload W [options]
   --capacity N      semaphore capacity (default 2)
   --require-replicas N  Replication::Require on Sentinel (default 1 there; 0 = Off)
   --restart-delay-ms N  Redlock restart_delay (default: the TTL; 0 = None)
-  --gap-ms LO-HI    pause between faults (default 300-1500)
+  --gap-ms LO-HI    pause between faults (default 300-1500; 200-600 for controls)
+  --think-ms N      most time between a grant's fenced read and its write
+                    (default 8; 60 for the plain-pause control)
   --out DIR         histories and summary (default: a temporary directory)
   --json            print only the summary line";
 
@@ -65,6 +67,7 @@ pub(crate) struct RunConfig {
     pub(crate) require_replicas: Option<u32>,
     pub(crate) restart_delay_ms: Option<u64>,
     pub(crate) gap: (u64, u64),
+    pub(crate) think_ms: u64,
     pub(crate) out: Option<PathBuf>,
     pub(crate) json_only: bool,
     pub(crate) args: Vec<String>,
@@ -175,6 +178,7 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
         _ => None,
     };
     let gap = match get("gap-ms") {
+        None if control.is_some() => (200, 600),
         None => (300, 1500),
         Some(g) => {
             let (lo, hi) = g.split_once('-').ok_or("--gap-ms LO-HI")?;
@@ -200,6 +204,14 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
         require_replicas,
         restart_delay_ms,
         gap,
+        think_ms: num(
+            "think-ms",
+            if control == Some(Control::PlainPause) {
+                60
+            } else {
+                8
+            },
+        )?,
         out: get("out").map(PathBuf::from),
         json_only,
         args: args.to_vec(),
@@ -213,6 +225,9 @@ struct Worker {
 
 pub(crate) fn main(args: &[String]) -> Result<(), String> {
     let cfg = parse(args)?;
+    // A fault step that panics (a deployment that would not settle) is
+    // recorded as not applied; its message goes there, not to the terminal.
+    std::panic::set_hook(Box::new(|_| {}));
     let out = match &cfg.out {
         Some(dir) => dir.clone(),
         None => std::env::temp_dir().join(format!(
@@ -279,7 +294,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
             restart_delay_ms: cfg.restart_delay_ms,
             capacity: cfg.capacity,
             keep_alive_pct: 3,
-            think_ms: 8,
+            think_ms: cfg.think_ms,
             out: file.display().to_string(),
         };
         let stderr =
@@ -307,6 +322,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
             _ => physical.clone(),
         },
         slot_keys: keys.iter().map(|k| format!("{{{k}}}")).collect(),
+        histories: workers.iter().map(|w| w.out.clone()).collect(),
     };
     let started = Instant::now();
     let t_start = now_ns();
@@ -455,12 +471,10 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
                 &mut out,
             )
         }
-        Topology::Cluster if has(Fault::Takeover) || has(Fault::Stop) || has(Fault::Kill) => {
-            state_lost(
-                "a forced takeover or an automatic failover loses writes not yet replicated",
-                &mut out,
-            )
-        }
+        Topology::Cluster if has(Fault::Takeover) || has(Fault::Kill) => state_lost(
+            "a forced takeover loses writes not yet replicated",
+            &mut out,
+        ),
         _ => {}
     }
     out
@@ -527,7 +541,13 @@ fn summarize(
     let sum = |pick: fn(&resource::Tally) -> u64| tallies.iter().map(|(_, t)| pick(t)).sum::<u64>();
     let mut errors: Vec<(&String, &u64)> = hist.errors.iter().collect();
     errors.sort_by(|a, b| b.1.cmp(a.1));
-    let reproduce = format!("scripts/campaign run {}", cfg.args.join(" "));
+    let args: Vec<&str> = cfg
+        .args
+        .iter()
+        .map(String::as_str)
+        .filter(|a| *a != "--json")
+        .collect();
+    let reproduce = format!("scripts/campaign run {}", args.join(" "));
     json!({
         "topology": cfg.topology.to_string(),
         "workload": cfg.workload.to_string(),

@@ -5,6 +5,7 @@
 //!
 //! ```text
 //! campaign run --topology T --workload W [--seed N] [--duration D] [--nemesis LIST] ...
+//! campaign table [--check] SUMMARY...   (RELIABILITY.md's table; --check: fail on a violation)
 //! campaign worker          (internal: one worker process, spec in CAMPAIGN_WORKER)
 //! ```
 //!
@@ -20,6 +21,7 @@ mod clock;
 mod driver;
 mod history;
 mod nemesis;
+mod report;
 mod resource;
 mod rng;
 mod sampler;
@@ -34,6 +36,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("worker") => worker::main(),
         Some("run") => driver::main(&args[1..]),
+        Some("table") => report::main(&args[1..]),
         _ => Err(driver::USAGE.to_string()),
     };
     match result {

@@ -183,6 +183,23 @@ pub(crate) struct Nemesis {
     pub(crate) pttl_keys: Vec<String>,
     /// Cluster only: the logical keys, to aim at their slots' primaries.
     pub(crate) slot_keys: Vec<String>,
+    /// The workers' history files, to find one that holds a lease.
+    pub(crate) histories: Vec<std::path::PathBuf>,
+}
+
+/// Whether a worker's history ends inside a grant (its last event is the
+/// grant or one of its resource operations).
+fn mid_grant(file: &std::path::Path) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(file) else {
+        return false;
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(600)));
+    let mut tail = String::new();
+    let _ = f.read_to_string(&mut tail);
+    let last = tail.lines().last().unwrap_or_default();
+    last.contains(r#""ev":"grant""#) || last.contains(r#""ev":"op""#)
 }
 
 fn signal(pid: u32, sig: Signal) {
@@ -278,7 +295,16 @@ impl Nemesis {
                 rec.note = format!("{d} ms");
             }
             Fault::PauseWorker => {
-                let i = self.rng.range(0, workers.len() as u64 - 1) as usize;
+                // A worker in the middle of a grant, when one is: the pause
+                // then falls between a guard's check and its writes.
+                let holding: Vec<usize> = (0..workers.len())
+                    .filter(|&i| self.histories.get(i).is_some_and(|f| mid_grant(f)))
+                    .collect();
+                let i = if holding.is_empty() {
+                    self.rng.range(0, workers.len() as u64 - 1) as usize
+                } else {
+                    *self.rng.pick(&holding)
+                };
                 let d = self.rng.range(ttl * 3 / 2, ttl * 3);
                 rec.target = format!("worker {i}");
                 rec.note = format!("{d} ms");
