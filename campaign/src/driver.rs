@@ -34,16 +34,19 @@ campaign run --topology T --workload W [options]
                     blackhole drop-requests drop-replies client-kill oom
                     failover kill-primary takeover migrate unreplicated-failover
   --control C       a negative control: plain-pause | redlock-restart |
-                    sentinel-unreplicated (sets the workload, the options and
-                    the nemesis; the checkers must find a violation)
+                    sentinel-unreplicated | ignore-loss | restart-no-aof (sets the options and
+                    the nemesis, and the workload unless given; the checkers
+                    must find a violation)
   --workers N       worker processes (default 4)
-  --keys N          keys the workers share (default 2)
+  --keys N          keys the workers share (default 2; 1 for restart-no-aof)
   --ttl-ms N        lease TTL (default 600)
   --node-timeout-ms N  (default 100)
   --capacity N      semaphore capacity (default 2)
   --require-replicas N  Replication::Require on Sentinel (default 1 there; 0 = Off)
   --restart-delay-ms N  Redlock restart_delay (default: the TTL; 0 = None)
   --gap-ms LO-HI    pause between faults (default 300-1500; 200-600 for controls)
+  --keep-alive-pct N  grants held past the TTL with keep_alive (default 3;
+                    50 for the ignore-loss and restart-no-aof controls)
   --think-ms N      most time between a grant's fenced read and its write
                     (default 8; 60 for the plain-pause control)
   --out DIR         histories and summary (default: a temporary directory)
@@ -68,6 +71,7 @@ pub(crate) struct RunConfig {
     pub(crate) restart_delay_ms: Option<u64>,
     pub(crate) gap: (u64, u64),
     pub(crate) think_ms: u64,
+    pub(crate) keep_alive_pct: u64,
     pub(crate) out: Option<PathBuf>,
     pub(crate) json_only: bool,
     pub(crate) args: Vec<String>,
@@ -131,6 +135,16 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             workload.get_or_insert(Workload::Fenced);
             nemesis_arg = "unreplicated-failover".into();
             require = Some(0);
+        }
+        Some(Control::RestartNoAof) => {
+            topology = Some(Topology::Standalone { aof: false });
+            workload.get_or_insert(Workload::Fenced);
+            nemesis_arg = "kill".into();
+        }
+        Some(Control::IgnoreLoss) => {
+            topology.get_or_insert(Topology::Standalone { aof: true });
+            workload.get_or_insert(Workload::Fenced);
+            nemesis_arg = "stop".into();
         }
         None => {}
     }
@@ -197,7 +211,15 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
         nemesis_arg,
         control,
         workers: num("workers", 4)?.max(1),
-        keys: num("keys", 2)?.max(1),
+        keys: num(
+            "keys",
+            if control == Some(Control::RestartNoAof) {
+                1
+            } else {
+                2
+            },
+        )?
+        .max(1),
         ttl_ms,
         node_timeout_ms: num("node-timeout-ms", 100)?,
         capacity: num("capacity", 2)? as u32,
@@ -210,6 +232,14 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
                 60
             } else {
                 8
+            },
+        )?,
+        keep_alive_pct: num(
+            "keep-alive-pct",
+            if matches!(control, Some(Control::IgnoreLoss | Control::RestartNoAof)) {
+                50
+            } else {
+                3
             },
         )?,
         out: get("out").map(PathBuf::from),
@@ -293,7 +323,8 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
             require_replicas: cfg.require_replicas,
             restart_delay_ms: cfg.restart_delay_ms,
             capacity: cfg.capacity,
-            keep_alive_pct: 3,
+            keep_alive_pct: cfg.keep_alive_pct,
+            ignore_loss: cfg.control == Some(Control::IgnoreLoss),
             think_ms: cfg.think_ms,
             out: file.display().to_string(),
         };
@@ -433,6 +464,13 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
             out.push((c, why));
         }
     };
+    if cfg.control == Some(Control::IgnoreLoss) {
+        state_lost(
+            "a planted client bug: workers that ignore is_lost() vouch past their loss",
+            &mut out,
+        );
+        return out;
+    }
     let unfenced = matches!(cfg.workload, Workload::Lock | Workload::Redlock);
     if unfenced && has(Fault::PauseWorker) {
         out.push((
@@ -517,8 +555,18 @@ fn summarize(
             Control::SentinelUnreplicated => &[
                 "overlap",
                 "tokens",
+                "capacity",
+                "writer-beside-reader",
                 "resource-repeated-token",
                 "resource-lost-updates",
+            ],
+            Control::IgnoreLoss => &["vouched-after-expiry", "overlap", "server-oracle"],
+            Control::RestartNoAof => &[
+                "overlap",
+                "tokens",
+                "capacity",
+                "writer-beside-reader",
+                "server-oracle",
             ],
         };
         expected

@@ -103,6 +103,13 @@ pub(crate) enum Control {
     /// Sentinel with `Replication::Off`, the replica's writes paused, then a
     /// failover that loses the grants it never received.
     SentinelUnreplicated,
+    /// Workers that ignore `is_lost()` and vouch for their whole hold (a
+    /// planted bug in the client, standing in for a library whose loss
+    /// signal never fires), servers stopped longer than the TTL.
+    IgnoreLoss,
+    /// A standalone server without persistence killed and restarted while
+    /// guards are kept alive: it forgets every lease and the fence counter.
+    RestartNoAof,
 }
 
 impl FromStr for Control {
@@ -112,9 +119,11 @@ impl FromStr for Control {
             "plain-pause" => Control::PlainPause,
             "redlock-restart" => Control::RedlockRestart,
             "sentinel-unreplicated" => Control::SentinelUnreplicated,
+            "ignore-loss" => Control::IgnoreLoss,
+            "restart-no-aof" => Control::RestartNoAof,
             _ => {
                 return Err(format!(
-                    "unknown control {s:?} (plain-pause, redlock-restart, sentinel-unreplicated)"
+                    "unknown control {s:?} (plain-pause, redlock-restart, sentinel-unreplicated, ignore-loss, restart-no-aof)"
                 ));
             }
         })
@@ -127,6 +136,8 @@ impl fmt::Display for Control {
             Control::PlainPause => "plain-pause",
             Control::RedlockRestart => "redlock-restart",
             Control::SentinelUnreplicated => "sentinel-unreplicated",
+            Control::IgnoreLoss => "ignore-loss",
+            Control::RestartNoAof => "restart-no-aof",
         })
     }
 }
@@ -162,6 +173,8 @@ pub(crate) struct WorkerSpec {
     pub(crate) keep_alive_pct: u64,
     /// Milliseconds between the fenced read and the write, at most.
     pub(crate) think_ms: u64,
+    /// The planted bug of [`Control::IgnoreLoss`].
+    pub(crate) ignore_loss: bool,
     pub(crate) out: String,
 }
 
@@ -182,6 +195,7 @@ impl WorkerSpec {
             "node_timeout_ms": self.node_timeout_ms, "require_replicas": self.require_replicas,
             "restart_delay_ms": self.restart_delay_ms, "capacity": self.capacity,
             "keep_alive_pct": self.keep_alive_pct, "think_ms": self.think_ms, "out": self.out,
+            "ignore_loss": self.ignore_loss,
         })
         .to_string()
     }
@@ -225,6 +239,7 @@ impl WorkerSpec {
             capacity: n("capacity") as u32,
             keep_alive_pct: n("keep_alive_pct"),
             think_ms: n("think_ms"),
+            ignore_loss: v["ignore_loss"].as_bool().unwrap_or(false),
             out: s("out"),
         })
     }

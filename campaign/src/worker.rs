@@ -260,7 +260,7 @@ pub(crate) fn main() -> Result<(), String> {
         let ((), kept) = held.with_keep_alive(keep, || {
             for _ in 0..steps {
                 let t = now_ns();
-                if held.is_lost() {
+                if held.is_lost() && !spec.ignore_loss {
                     lost = true;
                     return;
                 }
@@ -288,7 +288,7 @@ pub(crate) fn main() -> Result<(), String> {
         });
         if !lost {
             let t = now_ns();
-            if held.is_lost() {
+            if held.is_lost() && !spec.ignore_loss {
                 lost = true;
             } else {
                 v = Some(t);
