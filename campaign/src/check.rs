@@ -11,7 +11,8 @@
 //! - `writer-beside-reader`: no writer claim intersects a reader claim;
 //! - `capacity`: never more permit claims at once than the capacity;
 //! - `tokens`: of two claims in real-time order the later has the larger
-//!   token;
+//!   token (for permits, which are concurrent: a permit whose acquire began
+//!   after the other's claim ended);
 //! - `server-oracle`: at every server sample inside a claim the server holds
 //!   that grant (its token, its slot, a quorum of nodes for Redlock);
 //! - `vouched-after-expiry`: a guard whose server was stopped past the lease's
@@ -178,12 +179,16 @@ fn tokens(claims: &[&Grant], f: &mut Findings) {
     for list in by_key.values() {
         let mut by_end: Vec<&Grant> = list.clone();
         by_end.sort_by_key(|g| g.v);
+        // An exclusive grant's server grant lies after every claim that
+        // ended before its acquire returned; a permit's (permits are
+        // concurrent) only after claims that ended before its acquire began.
+        let after = |g: &Grant| if g.mode == 's' { g.a } else { g.g };
         let mut by_start: Vec<&Grant> = list.clone();
-        by_start.sort_by_key(|g| g.g);
+        by_start.sort_by_key(|g| after(g));
         let mut i = 0;
         let mut best: Option<&Grant> = None;
         for b in by_start {
-            while i < by_end.len() && by_end[i].v.unwrap_or(0) < b.g {
+            while i < by_end.len() && by_end[i].v.unwrap_or(0) < after(b) {
                 if best.is_none_or(|x| by_end[i].tok > x.tok) {
                     best = Some(by_end[i]);
                 }

@@ -428,13 +428,19 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
     for r in &faults {
         fault_lines.push_str(
             &json!({"fault": r.fault.name(), "target": r.target, "t0": r.t0, "t1": r.t1,
-                "applied": r.applied, "note": r.note,
+                "applied": r.applied, "note": r.note, "restarted": r.restarted,
                 "pttl": r.pttl.iter().map(|p| json!({"key": p.key, "value": p.value, "pttl_ms": p.pttl_ms, "t_b": p.t_b, "t_a": p.t_a})).collect::<Vec<_>>()})
             .to_string(),
         );
         fault_lines.push('\n');
     }
     fs::write(out.join("faults.jsonl"), fault_lines).map_err(|e| e.to_string())?;
+    let mut sample_lines = String::new();
+    for s in &samples {
+        sample_lines.push_str(&json!({"t_b": s.t_b, "t_a": s.t_a, "nodes": s.nodes}).to_string());
+        sample_lines.push('\n');
+    }
+    fs::write(out.join("samples.jsonl"), sample_lines).map_err(|e| e.to_string())?;
     if !cfg.json_only {
         report_text(&summary, &findings);
     }
@@ -603,6 +609,9 @@ fn summarize(
         "control": cfg.control.map(|c| c.to_string()),
         "control_detections": control_detected,
         "seed": cfg.seed,
+        "capacity": cfg.capacity,
+        "keys": cfg.keys,
+        "tallies": tallies.iter().map(|(k, t)| json!([k, t.accepted, t.refused, t.lost, t.repeated])).collect::<Vec<_>>(),
         "duration_s": elapsed_ns as f64 / 1e9,
         "workers": cfg.workers,
         "ttl_ms": cfg.ttl_ms,

@@ -6,6 +6,7 @@
 //! ```text
 //! campaign run --topology T --workload W [--seed N] [--duration D] [--nemesis LIST] ...
 //! campaign table [--check] SUMMARY...   (RELIABILITY.md's table; --check: fail on a violation)
+//! campaign check DIR                    (the checkers again over a saved run)
 //! campaign worker          (internal: one worker process, spec in CAMPAIGN_WORKER)
 //! ```
 //!
@@ -37,6 +38,7 @@ fn main() -> ExitCode {
         Some("worker") => worker::main(),
         Some("run") => driver::main(&args[1..]),
         Some("table") => report::main(&args[1..]),
+        Some("check") => report::recheck(&args[1..]),
         _ => Err(driver::USAGE.to_string()),
     };
     match result {
