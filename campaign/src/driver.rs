@@ -38,7 +38,8 @@ campaign run --topology T --workload W [options]
                     the nemesis, and the workload unless given; the checkers
                     must find a violation)
   --workers N       worker processes (default 4)
-  --keys N          keys the workers share (default 2; 1 for restart-no-aof)
+  --keys N          keys the workers share (default 2; 1 for ignore-loss and
+                    restart-no-aof)
   --ttl-ms N        lease TTL (default 600)
   --node-timeout-ms N  (default 100)
   --capacity N      semaphore capacity (default 2)
@@ -213,7 +214,7 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
         workers: num("workers", 4)?.max(1),
         keys: num(
             "keys",
-            if control == Some(Control::RestartNoAof) {
+            if matches!(control, Some(Control::IgnoreLoss | Control::RestartNoAof)) {
                 1
             } else {
                 2
