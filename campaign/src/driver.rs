@@ -1,0 +1,670 @@
+//! `campaign run`: starts the servers and the workers, strikes faults on the
+//! seeded schedule for the run's duration, then checks the histories and
+//! prints one summary (a JSON line, and a text report).
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::check::{self, Findings};
+use crate::clock::now_ns;
+use crate::history;
+use crate::nemesis::{self, Fault, FaultRecord, Nemesis};
+use crate::resource;
+use crate::rng::Rng;
+use crate::sampler::Sampler;
+use crate::spec::{self, Control, Topology, WorkerSpec, Workload};
+use crate::support::TestServer;
+use crate::topo::Deployment;
+
+pub(crate) const USAGE: &str = "\
+campaign run --topology T --workload W [options]
+  --topology    standalone | standalone-aof | redlock3 | redlock5 | sentinel | cluster
+  --workload    lock | fenced | rw | semaphore | redlock
+  --seed N          the schedule's seed (default 1)
+  --duration D      campaign time, e.g. 30s or 2m (default 30s)
+  --nemesis LIST    mix (default: every fault of the topology), none, or a
+                    comma list of: kill kill-majority stop pause-worker delay
+                    blackhole drop-requests drop-replies client-kill oom
+                    failover kill-primary takeover migrate unreplicated-failover
+  --control C       a negative control: plain-pause | redlock-restart |
+                    sentinel-unreplicated | ignore-loss | restart-no-aof (sets the options and
+                    the nemesis, and the workload unless given; the checkers
+                    must find a violation)
+  --workers N       worker processes (default 4)
+  --keys N          keys the workers share (default 2; 1 for ignore-loss and
+                    restart-no-aof)
+  --ttl-ms N        lease TTL (default 600)
+  --node-timeout-ms N  (default 100)
+  --capacity N      semaphore capacity (default 2)
+  --require-replicas N  Replication::Require on Sentinel (default 1 there; 0 = Off)
+  --restart-delay-ms N  Redlock restart_delay (default: the TTL; 0 = None)
+  --gap-ms LO-HI    pause between faults (default 300-1500; 200-600 for controls)
+  --keep-alive-pct N  grants held past the TTL with keep_alive (default 3;
+                    50 for the ignore-loss and restart-no-aof controls)
+  --think-ms N      most time between a grant's fenced read and its write
+                    (default 8; 60 for the plain-pause control)
+  --out DIR         histories and summary (default: a temporary directory)
+  --json            print only the summary line";
+
+/// A run's options.
+#[derive(Debug, Clone)]
+pub(crate) struct RunConfig {
+    pub(crate) topology: Topology,
+    pub(crate) workload: Workload,
+    pub(crate) seed: u64,
+    pub(crate) duration: Duration,
+    pub(crate) nemesis: Vec<Fault>,
+    pub(crate) nemesis_arg: String,
+    pub(crate) control: Option<Control>,
+    pub(crate) workers: u64,
+    pub(crate) keys: u64,
+    pub(crate) ttl_ms: u64,
+    pub(crate) node_timeout_ms: u64,
+    pub(crate) capacity: u32,
+    pub(crate) require_replicas: Option<u32>,
+    pub(crate) restart_delay_ms: Option<u64>,
+    pub(crate) gap: (u64, u64),
+    pub(crate) think_ms: u64,
+    pub(crate) keep_alive_pct: u64,
+    pub(crate) out: Option<PathBuf>,
+    pub(crate) json_only: bool,
+    pub(crate) args: Vec<String>,
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: u64 = num.parse().map_err(|_| format!("bad duration {s:?}"))?;
+    Ok(match unit {
+        "ms" => Duration::from_millis(n),
+        "" | "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n * 60),
+        "h" => Duration::from_secs(n * 3600),
+        _ => return Err(format!("bad duration {s:?}")),
+    })
+}
+
+pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
+    let mut opts: BTreeMap<String, String> = BTreeMap::new();
+    let mut json_only = false;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--json" => json_only = true,
+            "-h" | "--help" => return Err(USAGE.to_string()),
+            flag if flag.starts_with("--") => {
+                let v = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+                opts.insert(flag[2..].to_string(), v.clone());
+            }
+            other => return Err(format!("unexpected argument {other:?}\n{USAGE}")),
+        }
+    }
+    let get = |k: &str| opts.get(k).cloned();
+    let num = |k: &str, d: u64| -> Result<u64, String> {
+        get(k).map_or(Ok(d), |v| {
+            v.parse().map_err(|_| format!("--{k}: not a number"))
+        })
+    };
+    let control: Option<Control> = get("control").map(|c| c.parse()).transpose()?;
+    let (mut topology, mut workload): (Option<Topology>, Option<Workload>) = (
+        get("topology").map(|t| t.parse()).transpose()?,
+        get("workload").map(|w| w.parse()).transpose()?,
+    );
+    let mut nemesis_arg = get("nemesis").unwrap_or_else(|| "mix".into());
+    let mut require = None;
+    let mut restart_delay_default = true;
+    match control {
+        Some(Control::PlainPause) => {
+            topology.get_or_insert(Topology::Standalone { aof: true });
+            workload = Some(Workload::Lock);
+            nemesis_arg = "pause-worker".into();
+        }
+        Some(Control::RedlockRestart) => {
+            topology.get_or_insert(Topology::Redlock { nodes: 3 });
+            workload = Some(Workload::Redlock);
+            nemesis_arg = "kill-majority".into();
+            restart_delay_default = false;
+        }
+        Some(Control::SentinelUnreplicated) => {
+            topology = Some(Topology::Sentinel);
+            workload.get_or_insert(Workload::Fenced);
+            nemesis_arg = "unreplicated-failover".into();
+            require = Some(0);
+        }
+        Some(Control::RestartNoAof) => {
+            topology = Some(Topology::Standalone { aof: false });
+            workload.get_or_insert(Workload::Fenced);
+            nemesis_arg = "kill".into();
+        }
+        Some(Control::IgnoreLoss) => {
+            topology.get_or_insert(Topology::Standalone { aof: true });
+            workload.get_or_insert(Workload::Fenced);
+            nemesis_arg = "stop".into();
+        }
+        None => {}
+    }
+    let topology = topology.ok_or_else(|| format!("--topology is required\n{USAGE}"))?;
+    let workload = workload.ok_or_else(|| format!("--workload is required\n{USAGE}"))?;
+    match (topology, workload) {
+        (Topology::Redlock { .. }, Workload::Redlock) => {}
+        (Topology::Redlock { .. }, _) | (_, Workload::Redlock) => {
+            return Err("the redlock workload runs on redlock3 or redlock5, and only it".into());
+        }
+        _ => {}
+    }
+    let nemesis = match nemesis_arg.as_str() {
+        "mix" => Fault::mix(topology),
+        "none" => Vec::new(),
+        list => list
+            .split(',')
+            .map(|s| s.trim().parse())
+            .collect::<Result<Vec<_>, _>>()?,
+    };
+    let ttl_ms = num("ttl-ms", 600)?;
+    let require_replicas = match (
+        topology,
+        get("require-replicas").or(require.map(|r: u32| r.to_string())),
+    ) {
+        (Topology::Sentinel, None) => Some(1),
+        (Topology::Sentinel, Some(v)) => match v
+            .parse::<u32>()
+            .map_err(|_| "--require-replicas: not a number")?
+        {
+            0 => None,
+            n => Some(n),
+        },
+        _ => None,
+    };
+    let restart_delay_ms = match (topology, get("restart-delay-ms")) {
+        (Topology::Redlock { .. }, None) if restart_delay_default => Some(ttl_ms),
+        (Topology::Redlock { .. }, Some(v)) => match v
+            .parse::<u64>()
+            .map_err(|_| "--restart-delay-ms: not a number")?
+        {
+            0 => None,
+            n => Some(n),
+        },
+        _ => None,
+    };
+    let gap = match get("gap-ms") {
+        None if control.is_some() => (200, 600),
+        None => (300, 1500),
+        Some(g) => {
+            let (lo, hi) = g.split_once('-').ok_or("--gap-ms LO-HI")?;
+            (
+                lo.parse().map_err(|_| "--gap-ms")?,
+                hi.parse().map_err(|_| "--gap-ms")?,
+            )
+        }
+    };
+    Ok(RunConfig {
+        topology,
+        workload,
+        seed: num("seed", 1)?,
+        duration: duration(&get("duration").unwrap_or_else(|| "30s".into()))?,
+        nemesis,
+        nemesis_arg,
+        control,
+        workers: num("workers", 4)?.max(1),
+        keys: num(
+            "keys",
+            if matches!(control, Some(Control::IgnoreLoss | Control::RestartNoAof)) {
+                1
+            } else {
+                2
+            },
+        )?
+        .max(1),
+        ttl_ms,
+        node_timeout_ms: num("node-timeout-ms", 100)?,
+        capacity: num("capacity", 2)? as u32,
+        require_replicas,
+        restart_delay_ms,
+        gap,
+        think_ms: num(
+            "think-ms",
+            if control == Some(Control::PlainPause) {
+                60
+            } else {
+                8
+            },
+        )?,
+        keep_alive_pct: num(
+            "keep-alive-pct",
+            if matches!(control, Some(Control::IgnoreLoss | Control::RestartNoAof)) {
+                50
+            } else {
+                3
+            },
+        )?,
+        out: get("out").map(PathBuf::from),
+        json_only,
+        args: args.to_vec(),
+    })
+}
+
+struct Worker {
+    child: Child,
+    out: PathBuf,
+}
+
+pub(crate) fn main(args: &[String]) -> Result<(), String> {
+    let cfg = parse(args)?;
+    // A fault step that panics (a deployment that would not settle) is
+    // recorded as not applied; its message goes there, not to the terminal.
+    std::panic::set_hook(Box::new(|_| {}));
+    let out = match &cfg.out {
+        Some(dir) => dir.clone(),
+        None => std::env::temp_dir().join(format!(
+            "campaign-{}-{}-{}-{}",
+            cfg.topology,
+            cfg.workload,
+            cfg.seed,
+            std::process::id()
+        )),
+    };
+    fs::create_dir_all(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+    let say = |msg: &str| {
+        if !cfg.json_only {
+            eprintln!("campaign: {msg}");
+        }
+    };
+    say(&format!(
+        "starting {} for {} ({})",
+        cfg.topology,
+        cfg.workload,
+        out.display()
+    ));
+    let resource_server = TestServer::start();
+    let dep = Deployment::start(cfg.topology);
+    let prefix = "camp:".to_string();
+    let keys: Vec<String> = (0..cfg.keys).map(|i| format!("k{i}")).collect();
+    let physical: Vec<String> = keys
+        .iter()
+        .map(|k| match cfg.workload {
+            Workload::Rw => format!("{prefix}{{{k}}}rw"),
+            w => spec::lease_key(w, &prefix, k),
+        })
+        .collect();
+
+    // The server oracle, where one place holds the truth.
+    let sampler = match cfg.topology {
+        Topology::Standalone { .. } | Topology::Redlock { .. } => Some(Sampler::start(
+            dep.servers.iter().map(TestServer::url).collect(),
+            physical.clone(),
+            match cfg.workload {
+                Workload::Rw => "rw",
+                Workload::Semaphore => "zset",
+                _ => "str",
+            },
+        )),
+        _ => None,
+    };
+
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut workers = Vec::new();
+    for id in 0..cfg.workers {
+        let file = out.join(format!("worker-{id}.jsonl"));
+        let spec = WorkerSpec {
+            id,
+            seed: cfg.seed,
+            workload: cfg.workload,
+            connect: dep.connect(),
+            resource: resource_server.url(),
+            keys: keys.clone(),
+            prefix: prefix.clone(),
+            ttl_ms: cfg.ttl_ms,
+            node_timeout_ms: cfg.node_timeout_ms,
+            require_replicas: cfg.require_replicas,
+            restart_delay_ms: cfg.restart_delay_ms,
+            capacity: cfg.capacity,
+            keep_alive_pct: cfg.keep_alive_pct,
+            ignore_loss: cfg.control == Some(Control::IgnoreLoss),
+            think_ms: cfg.think_ms,
+            out: file.display().to_string(),
+        };
+        let stderr =
+            fs::File::create(out.join(format!("worker-{id}.log"))).map_err(|e| e.to_string())?;
+        let child = Command::new(&exe)
+            .arg("worker")
+            .env("CAMPAIGN_WORKER", spec.to_json())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .map_err(|e| format!("spawn a worker: {e}"))?;
+        workers.push(Worker { child, out: file });
+    }
+    let pids: Vec<u32> = workers.iter().map(|w| w.child.id()).collect();
+
+    // The schedule.
+    let mut nemesis = Nemesis {
+        kinds: cfg.nemesis.clone(),
+        rng: Rng::derive(cfg.seed, 1),
+        ttl_ms: cfg.ttl_ms,
+        pttl_keys: match cfg.workload {
+            Workload::Rw => physical.iter().map(|k| format!("{k}:w")).collect(),
+            Workload::Semaphore => Vec::new(),
+            _ => physical.clone(),
+        },
+        slot_keys: keys.iter().map(|k| format!("{{{k}}}")).collect(),
+        histories: workers.iter().map(|w| w.out.clone()).collect(),
+    };
+    let started = Instant::now();
+    let t_start = now_ns();
+    let mut faults: Vec<FaultRecord> = Vec::new();
+    // Warm up: let every worker connect before the first fault.
+    thread::sleep(Duration::from_millis(500));
+    while started.elapsed() < cfg.duration {
+        let gap = nemesis.gap(cfg.gap.0, cfg.gap.1);
+        let left = cfg.duration.saturating_sub(started.elapsed());
+        thread::sleep(gap.min(left));
+        if nemesis.kinds.is_empty() || started.elapsed() >= cfg.duration {
+            continue;
+        }
+        let rec = nemesis.strike(&dep, &pids);
+        if !cfg.json_only {
+            eprintln!(
+                "campaign: {:>7.1} s {} {} {}{}",
+                (rec.t0 - t_start) as f64 / 1e9,
+                rec.fault.name(),
+                rec.target,
+                rec.note,
+                if rec.applied { "" } else { " (not applied)" }
+            );
+        }
+        faults.push(rec);
+    }
+    nemesis::heal(&dep);
+    let t_end = now_ns();
+
+    // Stop the workers: close their stdin; each finishes its grant.
+    for w in &mut workers {
+        drop(w.child.stdin.take());
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for w in &mut workers {
+        loop {
+            match w.child.try_wait() {
+                Ok(Some(_)) => break,
+                Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(20)),
+                _ => {
+                    let _ = w.child.kill();
+                    let _ = w.child.wait();
+                    break;
+                }
+            }
+        }
+    }
+    let samples = sampler.map(Sampler::finish).unwrap_or_default();
+    let hist = history::load(&workers.iter().map(|w| w.out.clone()).collect::<Vec<_>>());
+    let tallies = resource::tally(&mut resource_server.client()).map_err(|e| e.to_string())?;
+    let findings = check::check(&check::Inputs {
+        workload: cfg.workload,
+        capacity: cfg.capacity,
+        hist: &hist,
+        samples: &samples,
+        keys: &keys,
+        faults: &faults,
+        tallies: &tallies,
+        restart_delay_ns: cfg.restart_delay_ms.map(|ms| ms * 1_000_000),
+    });
+    let summary = summarize(
+        &cfg,
+        &hist,
+        &faults,
+        &findings,
+        &tallies,
+        samples.len(),
+        t_end - t_start,
+    );
+    fs::write(out.join("summary.json"), format!("{summary}\n")).map_err(|e| e.to_string())?;
+    let mut fault_lines = String::new();
+    for r in &faults {
+        fault_lines.push_str(
+            &json!({"fault": r.fault.name(), "target": r.target, "t0": r.t0, "t1": r.t1,
+                "applied": r.applied, "note": r.note, "restarted": r.restarted,
+                "pttl": r.pttl.iter().map(|p| json!({"key": p.key, "value": p.value, "pttl_ms": p.pttl_ms, "t_b": p.t_b, "t_a": p.t_a})).collect::<Vec<_>>()})
+            .to_string(),
+        );
+        fault_lines.push('\n');
+    }
+    fs::write(out.join("faults.jsonl"), fault_lines).map_err(|e| e.to_string())?;
+    let mut sample_lines = String::new();
+    for s in &samples {
+        sample_lines.push_str(&json!({"t_b": s.t_b, "t_a": s.t_a, "nodes": s.nodes}).to_string());
+        sample_lines.push('\n');
+    }
+    fs::write(out.join("samples.jsonl"), sample_lines).map_err(|e| e.to_string())?;
+    if !cfg.json_only {
+        report_text(&summary, &findings);
+    }
+    println!("{summary}");
+    let _ = std::io::stdout().flush();
+    drop(dep);
+    Ok(())
+}
+
+/// Which checkers the documented model leaves free to fire in this run, and
+/// why; every other checker must find 0.
+pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
+    let mut out = Vec::new();
+    let has = |f: Fault| cfg.nemesis.contains(&f);
+    let state_lost = |why: &'static str, out: &mut Vec<(&'static str, &'static str)>| {
+        for c in [
+            "overlap",
+            "tokens",
+            "server-oracle",
+            "capacity",
+            "writer-beside-reader",
+            "resource-repeated-token",
+            "resource-lost-updates",
+            "late-writes",
+            "vouched-after-expiry",
+        ] {
+            out.push((c, why));
+        }
+    };
+    if cfg.control == Some(Control::IgnoreLoss) {
+        state_lost(
+            "a planted client bug: workers that ignore is_lost() vouch past their loss",
+            &mut out,
+        );
+        return out;
+    }
+    let unfenced = matches!(cfg.workload, Workload::Lock | Workload::Redlock);
+    if unfenced && has(Fault::PauseWorker) {
+        out.push((
+            "resource-lost-updates",
+            "no fencing: a paused holder writes after its lease expired",
+        ));
+        out.push((
+            "late-writes",
+            "no fencing: a paused holder writes after its lease expired",
+        ));
+    }
+    if !unfenced {
+        out.push(("late-writes", "fencing orders writes at the resource; a paused holder's write may land before the next holder's first"));
+    }
+    match cfg.topology {
+        Topology::Standalone { aof: false } if has(Fault::Kill) => state_lost(
+            "a restart without persistence forgets every lease and the fence counter",
+            &mut out,
+        ),
+        Topology::Redlock { .. }
+            if cfg.restart_delay_ms.is_none() && (has(Fault::Kill) || has(Fault::KillMajority)) =>
+        {
+            state_lost(
+                "Redlock nodes restarted without persistence and without restart_delay",
+                &mut out,
+            )
+        }
+        Topology::Sentinel
+            if cfg.require_replicas.is_none()
+                && (has(Fault::Failover)
+                    || has(Fault::KillPrimary)
+                    || has(Fault::UnreplicatedFailover)) =>
+        {
+            state_lost(
+                "a failover with Replication::Off loses grants not yet replicated",
+                &mut out,
+            )
+        }
+        Topology::Cluster if has(Fault::Takeover) || has(Fault::Kill) => state_lost(
+            "a forced takeover loses writes not yet replicated",
+            &mut out,
+        ),
+        _ => {}
+    }
+    out
+}
+
+fn summarize(
+    cfg: &RunConfig,
+    hist: &history::Histories,
+    faults: &[FaultRecord],
+    f: &Findings,
+    tallies: &[(String, resource::Tally)],
+    samples: usize,
+    elapsed_ns: u64,
+) -> serde_json::Value {
+    let mut by_fault: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut not_applied = 0;
+    for r in faults {
+        if r.applied {
+            *by_fault.entry(r.fault.name()).or_default() += 1;
+        } else {
+            not_applied += 1;
+        }
+    }
+    let allowed = allowed(cfg);
+    let mut violations = 0;
+    let mut allowed_hits = 0;
+    for (name, n) in &f.counts {
+        if allowed.iter().any(|(c, _)| c == name) {
+            allowed_hits += n;
+        } else {
+            violations += n;
+        }
+    }
+    // A negative control is detected when a checker it is meant to trip
+    // finds at least one violation.
+    let control_detected = cfg.control.map(|c| {
+        let expected: &[&str] = match c {
+            Control::PlainPause => &["resource-lost-updates", "late-writes"],
+            Control::RedlockRestart => &["overlap", "server-oracle"],
+            Control::SentinelUnreplicated => &[
+                "overlap",
+                "tokens",
+                "capacity",
+                "writer-beside-reader",
+                "resource-repeated-token",
+                "resource-lost-updates",
+            ],
+            Control::IgnoreLoss => &["vouched-after-expiry", "overlap", "server-oracle"],
+            Control::RestartNoAof => &[
+                "overlap",
+                "tokens",
+                "capacity",
+                "writer-beside-reader",
+                "server-oracle",
+            ],
+        };
+        expected
+            .iter()
+            .map(|c| f.counts.get(c).copied().unwrap_or(0))
+            .sum::<u64>()
+    });
+    let lost_grants = hist.grants.iter().filter(|g| g.lost).count();
+    let claims = hist.grants.iter().filter(|g| g.v.is_some()).count();
+    let faulted_grants = hist
+        .grants
+        .iter()
+        .filter(|g| {
+            let end = g.v.unwrap_or(g.g);
+            faults
+                .iter()
+                .any(|r| r.applied && r.t0 <= end + 1_000_000_000 && g.a <= r.t1 + 1_000_000_000)
+        })
+        .count();
+    let sum = |pick: fn(&resource::Tally) -> u64| tallies.iter().map(|(_, t)| pick(t)).sum::<u64>();
+    let mut errors: Vec<(&String, &u64)> = hist.errors.iter().collect();
+    errors.sort_by(|a, b| b.1.cmp(a.1));
+    let args: Vec<&str> = cfg
+        .args
+        .iter()
+        .map(String::as_str)
+        .filter(|a| *a != "--json")
+        .collect();
+    let reproduce = format!("scripts/campaign run {}", args.join(" "));
+    json!({
+        "topology": cfg.topology.to_string(),
+        "workload": cfg.workload.to_string(),
+        "nemesis": cfg.nemesis_arg,
+        "control": cfg.control.map(|c| c.to_string()),
+        "control_detections": control_detected,
+        "seed": cfg.seed,
+        "capacity": cfg.capacity,
+        "keys": cfg.keys,
+        "tallies": tallies.iter().map(|(k, t)| json!([k, t.accepted, t.refused, t.lost, t.repeated])).collect::<Vec<_>>(),
+        "duration_s": elapsed_ns as f64 / 1e9,
+        "workers": cfg.workers,
+        "ttl_ms": cfg.ttl_ms,
+        "require_replicas": cfg.require_replicas,
+        "restart_delay_ms": cfg.restart_delay_ms,
+        "attempts": hist.attempts,
+        "busy": hist.busy,
+        "grants": hist.grants.len(),
+        "grants_vouched": claims,
+        "grants_near_faults": faulted_grants,
+        "grants_lost": lost_grants,
+        "errors": hist.errors.values().sum::<u64>(),
+        "top_errors": errors.iter().take(5).map(|(k, v)| json!([k, v])).collect::<Vec<_>>(),
+        "faults": faults.iter().filter(|r| r.applied).count(),
+        "faults_by_kind": by_fault,
+        "faults_not_applied": not_applied,
+        "resource_accepted": sum(|t| t.accepted),
+        "resource_refused_stale": sum(|t| t.refused),
+        "server_samples": samples,
+        "oracle_checks": f.oracle_checks,
+        "min_expiry_margin_ms": f.min_expiry_margin_ms,
+        "checks": f.counts,
+        "violations": violations,
+        "allowed_by_model": allowed_hits,
+        "allowed": allowed.iter().map(|(c, why)| json!([c, why])).collect::<Vec<_>>(),
+        "examples": f.examples,
+        "workers_finished": hist.workers_finished,
+        "reproduce": reproduce,
+    })
+}
+
+fn report_text(s: &serde_json::Value, f: &Findings) {
+    eprintln!(
+        "campaign: {} {} nemesis={} seed={}: {} grants ({} near faults, {} lost), {} faults, {} errors",
+        s["topology"],
+        s["workload"],
+        s["nemesis"],
+        s["seed"],
+        s["grants"],
+        s["grants_near_faults"],
+        s["grants_lost"],
+        s["faults"],
+        s["errors"]
+    );
+    for (name, n) in &f.counts {
+        eprintln!("campaign:   {name:<24} {n}");
+        for ex in f.examples.get(name).into_iter().flatten() {
+            eprintln!("campaign:       {ex}");
+        }
+    }
+    eprintln!(
+        "campaign: violations of the promised model: {}; allowed by the model: {}",
+        s["violations"], s["allowed_by_model"]
+    );
+}

@@ -1,0 +1,150 @@
+//! Reading the workers' JSON-lines histories back.
+
+use std::collections::HashMap;
+use std::fs;
+use std::path::Path;
+
+use serde_json::Value;
+
+/// One grant with what its worker recorded at the end of it.
+#[derive(Debug, Clone)]
+pub(crate) struct Grant {
+    pub(crate) w: u64,
+    pub(crate) n: u64,
+    pub(crate) key: String,
+    /// When the acquire call started.
+    pub(crate) a: u64,
+    /// When the acquire returned the guard.
+    pub(crate) g: u64,
+    pub(crate) tok: u64,
+    pub(crate) slot: Option<u32>,
+    /// `x` exclusive (lock, fenced, writer, redlock), `r` reader, `s` permit.
+    pub(crate) mode: char,
+    /// The last instant the guard vouched for the lease (read before an
+    /// `is_lost()` that answered `false`); `None` if it never did or the
+    /// worker did not get to record it.
+    pub(crate) v: Option<u64>,
+    pub(crate) lost: bool,
+    pub(crate) outcome: String,
+}
+
+impl Grant {
+    /// The interval the guard vouched for: `[g, v]`.
+    pub(crate) fn claim(&self) -> Option<(u64, u64)> {
+        self.v.map(|v| (self.g, v.max(self.g)))
+    }
+
+    /// The exclusive group: the key, and the slot for a permit.
+    pub(crate) fn group(&self) -> String {
+        match self.slot {
+            Some(s) => format!("{}:{s}", self.key),
+            None => self.key.clone(),
+        }
+    }
+}
+
+/// A resource operation.
+#[derive(Debug, Clone)]
+pub(crate) struct Op {
+    pub(crate) w: u64,
+    pub(crate) n: u64,
+    pub(crate) write: bool,
+    pub(crate) s: u64,
+    pub(crate) r: u64,
+    pub(crate) res: String,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Histories {
+    pub(crate) grants: Vec<Grant>,
+    pub(crate) ops: Vec<Op>,
+    /// Acquire errors by message (numbers stripped), with counts.
+    pub(crate) errors: HashMap<String, u64>,
+    pub(crate) attempts: u64,
+    pub(crate) busy: u64,
+    pub(crate) workers_finished: u64,
+}
+
+/// The error message with digits replaced, so that like errors group.
+fn shape(msg: &str) -> String {
+    let mut out = String::new();
+    let mut digit = false;
+    for c in msg.chars() {
+        if c.is_ascii_digit() {
+            if !digit {
+                out.push('N');
+            }
+            digit = true;
+        } else {
+            digit = false;
+            out.push(c);
+        }
+    }
+    out.chars().take(120).collect()
+}
+
+pub(crate) fn load(files: &[impl AsRef<Path>]) -> Histories {
+    let mut h = Histories::default();
+    let mut ends: HashMap<(u64, u64), Value> = HashMap::new();
+    let mut grants: Vec<Grant> = Vec::new();
+    for file in files {
+        let Ok(text) = fs::read_to_string(file) else {
+            continue;
+        };
+        for line in text.lines() {
+            let Ok(e) = serde_json::from_str::<Value>(line) else {
+                continue;
+            };
+            let u = |k: &str| e[k].as_u64().unwrap_or(0);
+            match e["ev"].as_str() {
+                Some("grant") => grants.push(Grant {
+                    w: u("w"),
+                    n: u("n"),
+                    key: e["key"].as_str().unwrap_or_default().to_string(),
+                    a: u("a"),
+                    g: u("g"),
+                    tok: u("tok"),
+                    slot: e["slot"].as_u64().map(|s| s as u32),
+                    mode: e["mode"]
+                        .as_str()
+                        .and_then(|m| m.chars().next())
+                        .unwrap_or('x'),
+                    v: None,
+                    lost: false,
+                    outcome: String::new(),
+                }),
+                Some("end") => {
+                    ends.insert((u("w"), u("n")), e.clone());
+                }
+                Some("op") => h.ops.push(Op {
+                    w: u("w"),
+                    n: u("n"),
+                    write: e["k"].as_str() == Some("w"),
+                    s: u("s"),
+                    r: u("r"),
+                    res: e["res"].as_str().unwrap_or_default().to_string(),
+                }),
+                Some("err") => {
+                    *h.errors
+                        .entry(shape(e["what"].as_str().unwrap_or_default()))
+                        .or_default() += 1;
+                }
+                Some("stats") => {
+                    h.attempts += u("attempts");
+                    h.busy += u("busy");
+                    h.workers_finished += 1;
+                }
+                _ => {}
+            }
+        }
+    }
+    for g in &mut grants {
+        if let Some(e) = ends.get(&(g.w, g.n)) {
+            g.v = e["v"].as_u64();
+            g.lost = e["lost"].as_bool().unwrap_or(false);
+            g.outcome = e["out"].as_str().unwrap_or_default().to_string();
+        }
+    }
+    h.grants = grants;
+    h
+}

@@ -1,0 +1,512 @@
+//! Faults caused on purpose, one at a time, on a schedule drawn from the
+//! run's seed: which fault, on which server or worker, how long, and the gap
+//! before the next. Every fault is healed before the next one starts, and
+//! each is recorded with its start and end on the shared monotonic clock.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::str::FromStr;
+use std::thread;
+use std::time::Duration;
+
+use rustix::process::{Pid, Signal, kill_process};
+
+use crate::clock::now_ns;
+use crate::rng::Rng;
+use crate::spec::Topology;
+use crate::support::{Mode, TestServer};
+use crate::topo::Deployment;
+
+/// One kind of fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum Fault {
+    /// `kill -9` of a data server, restarted 0–300 ms later (with the AOF
+    /// when the topology has one).
+    Kill,
+    /// `kill -9` of a majority of the Redlock nodes at once, then restarts.
+    KillMajority,
+    /// `SIGSTOP` of a data server for 0.2–2 TTLs.
+    Stop,
+    /// `SIGSTOP` of a worker for 1.5–3 TTLs.
+    PauseWorker,
+    /// Proxy delays both directions by 5–60 ms for 0.5–2 s.
+    Delay,
+    /// Proxy forwards nothing for 0.2–2 TTLs, then resets its connections.
+    Blackhole,
+    /// Proxy drops requests (client → server) for 0.1–1 s.
+    DropRequests,
+    /// Proxy drops replies (server → client) for 0.1–1 s.
+    DropReplies,
+    /// 5–20 `CLIENT KILL TYPE normal` on every data server, 20–100 ms apart.
+    ClientKill,
+    /// `maxmemory 1` (every write refused with OOM) for 0.2–1 s.
+    Oom,
+    /// `SENTINEL FAILOVER`, or `CLUSTER FAILOVER` on the replica of a key's
+    /// primary.
+    Failover,
+    /// `kill -9` of the Sentinel primary; restarted once the replica is
+    /// promoted.
+    KillPrimary,
+    /// `CLUSTER FAILOVER TAKEOVER` on the replica of a key's primary.
+    Takeover,
+    /// A key's slot moved to another primary.
+    Migrate,
+    /// The Sentinel replica's writes paused (`CLIENT PAUSE WRITE`), a few
+    /// grants made on the primary alone, then `SENTINEL FAILOVER`: the new
+    /// primary never saw them.
+    UnreplicatedFailover,
+}
+
+impl Fault {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Fault::Kill => "kill",
+            Fault::KillMajority => "kill-majority",
+            Fault::Stop => "stop",
+            Fault::PauseWorker => "pause-worker",
+            Fault::Delay => "delay",
+            Fault::Blackhole => "blackhole",
+            Fault::DropRequests => "drop-requests",
+            Fault::DropReplies => "drop-replies",
+            Fault::ClientKill => "client-kill",
+            Fault::Oom => "oom",
+            Fault::Failover => "failover",
+            Fault::KillPrimary => "kill-primary",
+            Fault::Takeover => "takeover",
+            Fault::Migrate => "migrate",
+            Fault::UnreplicatedFailover => "unreplicated-failover",
+        }
+    }
+
+    const ALL: [Fault; 15] = [
+        Fault::Kill,
+        Fault::KillMajority,
+        Fault::Stop,
+        Fault::PauseWorker,
+        Fault::Delay,
+        Fault::Blackhole,
+        Fault::DropRequests,
+        Fault::DropReplies,
+        Fault::ClientKill,
+        Fault::Oom,
+        Fault::Failover,
+        Fault::KillPrimary,
+        Fault::Takeover,
+        Fault::Migrate,
+        Fault::UnreplicatedFailover,
+    ];
+
+    /// The default mix of a topology: every fault it supports.
+    pub(crate) fn mix(topology: Topology) -> Vec<Fault> {
+        use Fault::*;
+        match topology {
+            Topology::Standalone { .. } => vec![
+                Kill,
+                Stop,
+                PauseWorker,
+                Delay,
+                Blackhole,
+                DropRequests,
+                DropReplies,
+                ClientKill,
+                Oom,
+            ],
+            Topology::Redlock { .. } => vec![
+                Kill,
+                KillMajority,
+                Stop,
+                PauseWorker,
+                Delay,
+                Blackhole,
+                DropRequests,
+                DropReplies,
+                ClientKill,
+                Oom,
+            ],
+            Topology::Sentinel => vec![Failover, KillPrimary, Stop, PauseWorker, ClientKill, Oom],
+            Topology::Cluster => vec![
+                Failover,
+                Takeover,
+                Migrate,
+                Stop,
+                PauseWorker,
+                ClientKill,
+                Oom,
+            ],
+        }
+    }
+}
+
+impl FromStr for Fault {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Fault, String> {
+        Fault::ALL
+            .into_iter()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| format!("unknown nemesis {s:?}"))
+    }
+}
+
+/// One injected fault.
+#[derive(Debug, Clone)]
+pub(crate) struct FaultRecord {
+    pub(crate) fault: Fault,
+    pub(crate) target: String,
+    pub(crate) t0: u64,
+    pub(crate) t1: u64,
+    /// `false` when the fault could not be caused (a step panicked or the
+    /// deployment refused); such faults are counted apart.
+    pub(crate) applied: bool,
+    pub(crate) note: String,
+    /// For a server `SIGSTOP`: each sampled key's value and PTTL read just
+    /// before the stop, with the read's send and reply times.
+    pub(crate) pttl: Vec<PttlSample>,
+    /// The indices of the servers killed and restarted, if any.
+    pub(crate) restarted: Vec<usize>,
+}
+
+/// A key's value and PTTL read on the server just before a fault.
+#[derive(Debug, Clone)]
+pub(crate) struct PttlSample {
+    pub(crate) key: usize,
+    pub(crate) value: String,
+    pub(crate) pttl_ms: i64,
+    pub(crate) t_b: u64,
+    pub(crate) t_a: u64,
+}
+
+/// The schedule and the means to cause faults.
+pub(crate) struct Nemesis {
+    pub(crate) kinds: Vec<Fault>,
+    pub(crate) rng: Rng,
+    pub(crate) ttl_ms: u64,
+    /// The physical keys whose PTTL a server stop samples first.
+    pub(crate) pttl_keys: Vec<String>,
+    /// Cluster only: the logical keys, to aim at their slots' primaries.
+    pub(crate) slot_keys: Vec<String>,
+    /// The workers' history files, to find one that holds a lease.
+    pub(crate) histories: Vec<std::path::PathBuf>,
+}
+
+/// Whether a worker's history ends inside a grant (its last event is the
+/// grant or one of its resource operations).
+fn mid_grant(file: &std::path::Path) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(file) else {
+        return false;
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(600)));
+    let mut tail = String::new();
+    let _ = f.read_to_string(&mut tail);
+    let last = tail.lines().last().unwrap_or_default();
+    last.contains(r#""ev":"grant""#) || last.contains(r#""ev":"op""#)
+}
+
+fn signal(pid: u32, sig: Signal) {
+    if let Some(pid) = Pid::from_raw(pid as i32) {
+        let _ = kill_process(pid, sig);
+    }
+}
+
+fn sleep_ms(ms: u64) {
+    thread::sleep(Duration::from_millis(ms));
+}
+
+impl Nemesis {
+    /// Draws the gap before the next fault.
+    pub(crate) fn gap(&mut self, lo_ms: u64, hi_ms: u64) -> Duration {
+        Duration::from_millis(self.rng.range(lo_ms, hi_ms))
+    }
+
+    /// Causes one fault drawn from the mix and heals it.
+    pub(crate) fn strike(&mut self, dep: &Deployment, workers: &[u32]) -> FaultRecord {
+        let fault = *self.rng.pick(&self.kinds);
+        let mut record = FaultRecord {
+            fault,
+            target: String::new(),
+            t0: now_ns(),
+            t1: 0,
+            applied: true,
+            note: String::new(),
+            pttl: Vec::new(),
+            restarted: Vec::new(),
+        };
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            self.cause(fault, dep, workers, &mut record);
+        }));
+        if let Err(panic) = outcome {
+            record.applied = false;
+            record.note = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default()
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            // Whatever the step left behind, leave a healthy deployment.
+            heal(dep);
+        }
+        record.t1 = now_ns();
+        record
+    }
+
+    fn cause(&mut self, fault: Fault, dep: &Deployment, workers: &[u32], rec: &mut FaultRecord) {
+        let ttl = self.ttl_ms;
+        match fault {
+            Fault::Kill => {
+                let (i, server) = self.pick_server(dep);
+                rec.target = format!("server {i}");
+                rec.restarted.push(i);
+                rec.t0 = now_ns();
+                server.kill();
+                sleep_ms(self.rng.range(0, 300));
+                server.restart();
+            }
+            Fault::KillMajority => {
+                let n = dep.servers.len();
+                let mut idx: Vec<usize> = (0..n).collect();
+                for i in (1..n).rev() {
+                    idx.swap(i, self.rng.range(0, i as u64) as usize);
+                }
+                idx.truncate(n / 2 + 1);
+                rec.target = format!("servers {idx:?}");
+                rec.restarted.clone_from(&idx);
+                rec.t0 = now_ns();
+                for &i in &idx {
+                    dep.servers[i].kill();
+                }
+                for &i in &idx {
+                    dep.servers[i].restart();
+                }
+            }
+            Fault::Stop => {
+                let (i, server) = self.pick_server(dep);
+                rec.target = format!("server {i} ({})", server.port());
+                if dep.cluster.is_none() && dep.sentinel.is_none() {
+                    rec.pttl = sample_pttl(server, &self.pttl_keys);
+                }
+                let d = self.rng.range(ttl / 5, ttl * 2);
+                rec.t0 = now_ns();
+                server.pause();
+                sleep_ms(d);
+                server.resume();
+                rec.note = format!("{d} ms");
+            }
+            Fault::PauseWorker => {
+                // A worker in the middle of a grant, when one is: the pause
+                // then falls between a guard's check and its writes.
+                let holding: Vec<usize> = (0..workers.len())
+                    .filter(|&i| self.histories.get(i).is_some_and(|f| mid_grant(f)))
+                    .collect();
+                let i = if holding.is_empty() {
+                    self.rng.range(0, workers.len() as u64 - 1) as usize
+                } else {
+                    *self.rng.pick(&holding)
+                };
+                let d = self.rng.range(ttl * 3 / 2, ttl * 3);
+                rec.target = format!("worker {i}");
+                rec.note = format!("{d} ms");
+                rec.t0 = now_ns();
+                signal(workers[i], Signal::STOP);
+                sleep_ms(d);
+                signal(workers[i], Signal::CONT);
+            }
+            Fault::Delay | Fault::Blackhole | Fault::DropRequests | Fault::DropReplies => {
+                let i = self.rng.range(0, dep.proxies.len() as u64 - 1) as usize;
+                let proxy = &dep.proxies[i];
+                let (mode, d) = match fault {
+                    Fault::Delay => (
+                        Mode::Delay(Duration::from_millis(self.rng.range(5, 60))),
+                        self.rng.range(500, 2000),
+                    ),
+                    Fault::Blackhole => (Mode::Blackhole, self.rng.range(ttl / 5, ttl * 2)),
+                    Fault::DropRequests => (Mode::DropClientToServer, self.rng.range(100, 1000)),
+                    _ => (Mode::DropServerToClient, self.rng.range(100, 1000)),
+                };
+                rec.target = format!("proxy {i}");
+                rec.note = format!("{mode:?} for {d} ms");
+                rec.t0 = now_ns();
+                proxy.set_mode(mode);
+                sleep_ms(d);
+                proxy.set_mode(Mode::Pass);
+                if !matches!(mode, Mode::Delay(_)) {
+                    // The byte streams have gaps: make the clients reconnect.
+                    proxy.reset_all();
+                }
+            }
+            Fault::ClientKill => {
+                let storms = self.rng.range(5, 20);
+                rec.target = "every data server".into();
+                rec.note = format!("{storms} rounds");
+                rec.t0 = now_ns();
+                for _ in 0..storms {
+                    for server in dep.data_servers() {
+                        if let Ok(mut con) = quick_client(server) {
+                            let _: redis::RedisResult<i64> = redis::cmd("CLIENT")
+                                .arg("KILL")
+                                .arg("TYPE")
+                                .arg("normal")
+                                .arg("SKIPME")
+                                .arg("yes")
+                                .query(&mut con);
+                        }
+                    }
+                    sleep_ms(self.rng.range(20, 100));
+                }
+            }
+            Fault::Oom => {
+                let servers = dep.data_servers();
+                let d = self.rng.range(200, 1000);
+                rec.target = "every data server".into();
+                rec.note = format!("{d} ms");
+                rec.t0 = now_ns();
+                for server in &servers {
+                    config_set(server, "maxmemory", "1");
+                }
+                sleep_ms(d);
+                for server in &servers {
+                    config_set(server, "maxmemory", "0");
+                }
+            }
+            Fault::Failover => {
+                if let Some(s) = &dep.sentinel {
+                    rec.target = format!("primary {}", s.primary_index());
+                    rec.t0 = now_ns();
+                    let took = s.failover();
+                    rec.note = format!("switched in {} ms", took.as_millis());
+                    // The demoted primary must be reconfigured before the
+                    // next failover can find a good replica.
+                    s.wait_replica_of(1 - s.primary_index(), Duration::from_secs(30));
+                } else if let Some(c) = &dep.cluster {
+                    let key = self.rng.pick(&self.slot_keys).clone();
+                    let replica = c.replica_of(c.primary_for_key(&key));
+                    rec.target = format!("replica {replica} (key {key})");
+                    rec.t0 = now_ns();
+                    let took = c.failover(replica);
+                    rec.note = format!("{} ms", took.as_millis());
+                }
+            }
+            Fault::Takeover => {
+                let c = dep.cluster.as_ref().expect("cluster");
+                let key = self.rng.pick(&self.slot_keys).clone();
+                let replica = c.replica_of(c.primary_for_key(&key));
+                rec.target = format!("replica {replica} (key {key})");
+                rec.t0 = now_ns();
+                let took = c.force_takeover(replica);
+                rec.note = format!("{} ms", took.as_millis());
+            }
+            Fault::Migrate => {
+                let c = dep.cluster.as_ref().expect("cluster");
+                let key = self.rng.pick(&self.slot_keys).clone();
+                let slot = respire_coordination::key_slot(key.as_bytes());
+                let owner = c.primary_for_slot(slot);
+                let others: Vec<usize> =
+                    c.primaries().into_iter().filter(|&p| p != owner).collect();
+                let to = *self.rng.pick(&others);
+                rec.target = format!("slot {slot} {owner}→{to}");
+                rec.t0 = now_ns();
+                c.migrate_slot(slot, to);
+            }
+            Fault::KillPrimary => {
+                let s = dep.sentinel.as_ref().expect("sentinel");
+                let old = s.primary_index();
+                rec.target = format!("primary {old}");
+                rec.t0 = now_ns();
+                s.server(old).kill();
+                let took = s.wait_primary(1 - old, Duration::from_secs(30));
+                s.server(old).restart();
+                s.wait_replica_of(old, Duration::from_secs(30));
+                rec.note = format!("promoted in {} ms", took.as_millis());
+            }
+            Fault::UnreplicatedFailover => {
+                let s = dep.sentinel.as_ref().expect("sentinel");
+                rec.target = format!("primary {}", s.primary_index());
+                rec.t0 = now_ns();
+                let replica = s.pause_replica_writes(Duration::from_secs(10));
+                // Grants made now reach the primary alone.
+                sleep_ms(self.rng.range(300, 800));
+                let took = s.failover();
+                s.unpause_replica(replica);
+                rec.note = format!("switched in {} ms", took.as_millis());
+                s.wait_replica_of(1 - s.primary_index(), Duration::from_secs(30));
+            }
+        }
+    }
+
+    fn pick_server<'a>(&mut self, dep: &'a Deployment) -> (usize, &'a TestServer) {
+        if let Some(s) = &dep.sentinel {
+            let i = s.primary_index();
+            return (i, s.server(i));
+        }
+        if let Some(c) = &dep.cluster {
+            let key = self.rng.pick(&self.slot_keys).clone();
+            let i = c.primary_for_key(&key);
+            return (i, c.node(i));
+        }
+        let i = self.rng.range(0, dep.servers.len() as u64 - 1) as usize;
+        (i, &dep.servers[i])
+    }
+}
+
+/// Undoes whatever a failed step may have left: resumes every server,
+/// resets the proxies, lifts `maxmemory`.
+pub(crate) fn heal(dep: &Deployment) {
+    for server in dep.data_servers() {
+        signal(server.pid(), Signal::CONT);
+    }
+    for proxy in &dep.proxies {
+        proxy.set_mode(Mode::Pass);
+    }
+    for server in dep.data_servers() {
+        config_set(server, "maxmemory", "0");
+    }
+}
+
+fn quick_client(server: &TestServer) -> redis::RedisResult<redis::Connection> {
+    let client = redis::Client::open(server.url())?;
+    let con = client.get_connection_with_timeout(Duration::from_millis(500))?;
+    con.set_read_timeout(Some(Duration::from_millis(500)))?;
+    con.set_write_timeout(Some(Duration::from_millis(500)))?;
+    Ok(con)
+}
+
+fn config_set(server: &TestServer, name: &str, value: &str) {
+    if let Ok(mut con) = quick_client(server) {
+        let _: redis::RedisResult<()> = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query(&mut con);
+    }
+}
+
+/// Each key's value and PTTL, read in one script on a direct connection.
+fn sample_pttl(server: &TestServer, keys: &[String]) -> Vec<PttlSample> {
+    let Ok(mut con) = quick_client(server) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for (i, key) in keys.iter().enumerate() {
+        let t_b = now_ns();
+        let reply: redis::RedisResult<(String, i64)> = redis::Script::new(
+            "return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1])}",
+        )
+        .key(key)
+        .invoke(&mut con);
+        let t_a = now_ns();
+        if let Ok((value, pttl_ms)) = reply
+            && pttl_ms > 0
+        {
+            out.push(PttlSample {
+                key: i,
+                value,
+                pttl_ms,
+                t_b,
+                t_a,
+            });
+        }
+    }
+    out
+}

@@ -1,0 +1,191 @@
+//! `campaign table [--check] FILE...`: the summaries of finished runs (one
+//! JSON line each, as `campaign run` prints them) as the markdown table of
+//! RELIABILITY.md; with `--check`, fails unless every run kept its promised
+//! model (0 violations) and every negative control was detected.
+
+use std::fs;
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::check;
+use crate::history;
+use crate::nemesis::{FaultRecord, PttlSample};
+use crate::resource::Tally;
+use crate::sampler::Sample;
+
+pub(crate) fn main(args: &[String]) -> Result<(), String> {
+    let check = args.iter().any(|a| a == "--check");
+    let mut rows = Vec::new();
+    for file in args.iter().filter(|a| *a != "--check") {
+        let text = fs::read_to_string(file).map_err(|e| format!("{file}: {e}"))?;
+        for line in text.lines().filter(|l| l.starts_with('{')) {
+            rows.push(serde_json::from_str::<Value>(line).map_err(|e| format!("{file}: {e}"))?);
+        }
+    }
+    println!(
+        "| topology | workload | nemesis | seconds | grants | grants within 1 s of a fault | guards lost | faults injected | violations of the promised model | negative control: detections | allowed by the model | reproduce |"
+    );
+    println!("|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|");
+    let mut failures = Vec::new();
+    for r in &rows {
+        let faults: Vec<String> = r["faults_by_kind"]
+            .as_object()
+            .map(|m| m.iter().map(|(k, v)| format!("{k} {v}")).collect())
+            .unwrap_or_default();
+        let control = match r["control"].as_str() {
+            Some(c) => format!("{} ({c})", r["control_detections"]),
+            None => "—".into(),
+        };
+        let nemesis = r["nemesis"].as_str().unwrap_or_default();
+        println!(
+            "| {} | {} | {} | {:.0} | {} | {} | {} | {} ({}){} | {} | {} | {} | `{}` |",
+            r["topology"].as_str().unwrap_or_default(),
+            r["workload"].as_str().unwrap_or_default(),
+            nemesis,
+            r["duration_s"].as_f64().unwrap_or_default(),
+            r["grants"],
+            r["grants_near_faults"],
+            r["grants_lost"],
+            r["faults"],
+            faults.join(", "),
+            match r["faults_not_applied"].as_u64() {
+                Some(0) | None => String::new(),
+                Some(n) => format!("; {n} not applied"),
+            },
+            r["violations"],
+            control,
+            r["allowed_by_model"],
+            r["reproduce"].as_str().unwrap_or_default(),
+        );
+        let name = format!(
+            "{} {} {}",
+            r["topology"].as_str().unwrap_or_default(),
+            r["workload"].as_str().unwrap_or_default(),
+            nemesis
+        );
+        if r["violations"].as_u64() != Some(0) {
+            failures.push(format!("{name}: {} violations", r["violations"]));
+        }
+        if r["control"].is_string() && r["control_detections"].as_u64().unwrap_or(0) == 0 {
+            failures.push(format!("{name}: the negative control was not detected"));
+        }
+        if r["grants"].as_u64().unwrap_or(0) == 0 {
+            failures.push(format!("{name}: no grants"));
+        }
+    }
+    if check && !failures.is_empty() {
+        return Err(failures.join("\n"));
+    }
+    Ok(())
+}
+
+/// `campaign check DIR`: the checkers again over a finished run's saved
+/// histories, faults, server samples and summary; prints the counts and
+/// examples.
+pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
+    let dir = Path::new(args.first().ok_or("campaign check DIR")?);
+    let read = |name: &str| fs::read_to_string(dir.join(name)).unwrap_or_default();
+    let summary: Value = serde_json::from_str(read("summary.json").trim())
+        .map_err(|e| format!("summary.json: {e}"))?;
+    let workload = summary["workload"].as_str().unwrap_or_default().parse()?;
+    let mut files: Vec<_> = fs::read_dir(dir)
+        .map_err(|e| e.to_string())?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.extension().is_some_and(|x| x == "jsonl")
+                && p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("worker-"))
+        })
+        .collect();
+    files.sort();
+    let hist = history::load(&files);
+    let lines = |name: &str| -> Vec<Value> {
+        read(name)
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    };
+    let samples: Vec<Sample> = lines("samples.jsonl")
+        .iter()
+        .map(|v| Sample {
+            t_b: v["t_b"].as_u64().unwrap_or(0),
+            t_a: v["t_a"].as_u64().unwrap_or(0),
+            nodes: serde_json::from_value(v["nodes"].clone()).unwrap_or_default(),
+        })
+        .collect();
+    let faults: Vec<FaultRecord> = lines("faults.jsonl")
+        .iter()
+        .map(|v| FaultRecord {
+            fault: v["fault"]
+                .as_str()
+                .unwrap_or_default()
+                .parse()
+                .unwrap_or(crate::nemesis::Fault::Kill),
+            target: v["target"].as_str().unwrap_or_default().to_string(),
+            t0: v["t0"].as_u64().unwrap_or(0),
+            t1: v["t1"].as_u64().unwrap_or(0),
+            applied: v["applied"].as_bool().unwrap_or(false),
+            note: String::new(),
+            pttl: v["pttl"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|p| PttlSample {
+                    key: p["key"].as_u64().unwrap_or(0) as usize,
+                    value: p["value"].as_str().unwrap_or_default().to_string(),
+                    pttl_ms: p["pttl_ms"].as_i64().unwrap_or(0),
+                    t_b: p["t_b"].as_u64().unwrap_or(0),
+                    t_a: p["t_a"].as_u64().unwrap_or(0),
+                })
+                .collect(),
+            restarted: serde_json::from_value(v["restarted"].clone()).unwrap_or_default(),
+        })
+        .collect();
+    let tallies: Vec<(String, Tally)> = summary["tallies"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|t| {
+            let n = |i: usize| t[i].as_u64().unwrap_or(0);
+            (
+                t[0].as_str().unwrap_or_default().to_string(),
+                Tally {
+                    accepted: n(1),
+                    refused: n(2),
+                    lost: n(3),
+                    repeated: n(4),
+                },
+            )
+        })
+        .collect();
+    let keys: Vec<String> = (0..summary["keys"].as_u64().unwrap_or(2))
+        .map(|i| format!("k{i}"))
+        .collect();
+    let f = check::check(&check::Inputs {
+        workload,
+        capacity: summary["capacity"].as_u64().unwrap_or(2) as u32,
+        hist: &hist,
+        samples: &samples,
+        keys: &keys,
+        faults: &faults,
+        tallies: &tallies,
+        restart_delay_ns: summary["restart_delay_ms"]
+            .as_u64()
+            .map(|ms| ms * 1_000_000),
+    });
+    println!(
+        "{} grants, {} samples, {} faults, {} oracle checks",
+        hist.grants.len(),
+        samples.len(),
+        faults.len(),
+        f.oracle_checks
+    );
+    for (name, n) in &f.counts {
+        println!("{name:<24} {n}");
+        for ex in f.examples.get(name).into_iter().flatten() {
+            println!("    {ex}");
+        }
+    }
+    Ok(())
+}

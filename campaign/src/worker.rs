@@ -1,0 +1,379 @@
+//! A worker process: the campaign binary run again as `campaign worker`, so
+//! that the nemesis can `SIGSTOP` it like any client process.
+//!
+//! It loops until its stdin closes: acquire a lease on one of the run's keys
+//! → fenced read of the resource → think → fenced write → release, and
+//! writes its history as JSON lines, flushed one by one, with times on the
+//! shared monotonic clock:
+//!
+//! - `grant`: `g` when the acquire returned a guard, the token and slot;
+//! - `vouch`: nothing separate — `end` carries `v`, the time read just before
+//!   the last `is_lost()` that answered `false` (the last instant the guard
+//!   vouched for the lease), `lost` and the release outcome;
+//! - `op`: each resource operation with its send and reply times;
+//! - `err`: every acquire error; `stats` at the end.
+
+use std::fs::File;
+use std::io::{BufWriter, Read, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::Duration;
+
+use respire_coordination::{
+    Coordinator, FencedLock, Lock, ReadLease, RedlockGroup, RedlockGuard, RedlockOptions,
+    ReleaseOutcome, Replication, Semaphore, WriteLease,
+};
+use serde_json::json;
+
+use crate::clock::now_ns;
+use crate::resource::{Reply, Resource};
+use crate::rng::Rng;
+use crate::spec::{Connect, WorkerSpec, Workload};
+
+/// The primitive handles for one logical key.
+enum Handle {
+    Lock(Lock),
+    Fenced(FencedLock),
+    Rw(ReadLease, WriteLease),
+    Semaphore(Semaphore),
+    Redlock(String),
+}
+
+/// A held lease of any kind.
+enum Held {
+    Lock(respire_coordination::LockGuard),
+    Fenced(respire_coordination::FencedGuard),
+    Read(respire_coordination::ReadGuard),
+    Write(respire_coordination::WriteGuard),
+    Permit(respire_coordination::Permit),
+    Redlock(RedlockGuard),
+}
+
+impl Held {
+    fn is_lost(&self) -> bool {
+        match self {
+            Held::Lock(g) => g.is_lost(),
+            Held::Fenced(g) => g.is_lost(),
+            Held::Read(g) => g.is_lost(),
+            Held::Write(g) => g.is_lost(),
+            Held::Permit(g) => g.is_lost(),
+            Held::Redlock(g) => g.is_lost(),
+        }
+    }
+
+    /// The fencing token of the grant (0 for unfenced kinds).
+    fn token(&self) -> u64 {
+        match self {
+            Held::Fenced(g) => g.fencing_token().get(),
+            Held::Write(g) => g.fencing_token().get(),
+            Held::Permit(g) => g.fencing_token().get(),
+            _ => 0,
+        }
+    }
+
+    fn slot(&self) -> Option<u32> {
+        match self {
+            Held::Permit(g) => Some(g.slot()),
+            _ => None,
+        }
+    }
+
+    /// `x` exclusive, `r` reader, `s` permit.
+    fn mode(&self) -> &'static str {
+        match self {
+            Held::Read(_) => "r",
+            Held::Permit(_) => "s",
+            _ => "x",
+        }
+    }
+
+    /// Holds a keep-alive for `f`'s duration when `keep` is set.
+    fn with_keep_alive<T>(&self, keep: bool, f: impl FnOnce() -> T) -> (T, bool) {
+        if !keep {
+            return (f(), false);
+        }
+        match self {
+            Held::Redlock(g) => match g.keep_alive() {
+                Ok(k) => {
+                    let out = f();
+                    drop(k);
+                    (out, true)
+                }
+                Err(_) => (f(), false),
+            },
+            Held::Lock(g) => keep_lease(g.keep_alive().ok(), f),
+            Held::Fenced(g) => keep_lease(g.keep_alive().ok(), f),
+            Held::Read(g) => keep_lease(g.keep_alive().ok(), f),
+            Held::Write(g) => keep_lease(g.keep_alive().ok(), f),
+            Held::Permit(g) => keep_lease(g.keep_alive().ok(), f),
+        }
+    }
+
+    fn release(self) -> String {
+        let outcome = match self {
+            Held::Lock(g) => g.release(),
+            Held::Fenced(g) => g.release(),
+            Held::Read(g) => g.release(),
+            Held::Write(g) => g.release(),
+            Held::Permit(g) => g.release(),
+            Held::Redlock(mut g) => {
+                return match g.release() {
+                    Ok(true) => "Released".into(),
+                    Ok(false) => "NotHeld".into(),
+                    Err(e) => format!("error: {e}"),
+                };
+            }
+        };
+        match outcome {
+            Ok(ReleaseOutcome::Released) => "Released".into(),
+            Ok(ReleaseOutcome::Expired) => "Expired".into(),
+            Ok(ReleaseOutcome::TakenOver) => "TakenOver".into(),
+            Ok(ReleaseOutcome::Uncertain) => "Uncertain".into(),
+            Ok(other) => format!("{other:?}"),
+            Err(e) => format!("error: {e}"),
+        }
+    }
+}
+
+fn keep_lease<K, T>(keep: Option<K>, f: impl FnOnce() -> T) -> (T, bool) {
+    let kept = keep.is_some();
+    let out = f();
+    drop(keep);
+    (out, kept)
+}
+
+/// The JSON-lines history file, one flushed line per event.
+struct History(BufWriter<File>);
+
+impl History {
+    fn emit(&mut self, value: serde_json::Value) {
+        let _ = writeln!(self.0, "{value}");
+        let _ = self.0.flush();
+    }
+}
+
+pub(crate) fn main() -> Result<(), String> {
+    let spec_text =
+        std::env::var("CAMPAIGN_WORKER").map_err(|_| "CAMPAIGN_WORKER is not set".to_string())?;
+    let spec = WorkerSpec::from_json(&spec_text)?;
+    let file = File::create(&spec.out).map_err(|e| format!("{}: {e}", spec.out))?;
+    let mut history = History(BufWriter::new(file));
+
+    // The driver closes our stdin to end the run.
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = Arc::clone(&stop);
+        thread::spawn(move || {
+            let mut buf = [0u8; 64];
+            while let Ok(n) = std::io::stdin().read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+            }
+            stop.store(true, Ordering::SeqCst);
+        });
+    }
+
+    let mut rng = Rng::derive(spec.seed, 1000 + spec.id);
+    let (handles, group) = loop {
+        match connect(&spec) {
+            Ok(h) => break h,
+            Err(e) => {
+                history.emit(json!({"ev": "err", "w": spec.id, "t": now_ns(), "what": format!("connect: {e}")}));
+                if stop.load(Ordering::SeqCst) {
+                    return Ok(());
+                }
+                thread::sleep(Duration::from_millis(200));
+            }
+        }
+    };
+    let mut resource = Resource::new(&spec.resource);
+    let ttl = Duration::from_millis(spec.ttl_ms);
+    let wait = ttl * 2;
+    let (mut attempts, mut busy, mut errors, mut n) = (0u64, 0u64, 0u64, 0u64);
+
+    while !stop.load(Ordering::SeqCst) {
+        let ki = rng.range(0, handles.len() as u64 - 1) as usize;
+        let write_mode = rng.chance(30);
+        attempts += 1;
+        let a = now_ns();
+        let got: Result<Option<Held>, String> = match &handles[ki] {
+            Handle::Lock(l) => l.acquire_timeout(ttl, wait).map(|g| g.map(Held::Lock)),
+            Handle::Fenced(l) => l.acquire_timeout(ttl, wait).map(|g| g.map(Held::Fenced)),
+            Handle::Rw(r, w) => {
+                if write_mode {
+                    w.acquire_timeout(ttl, wait).map(|g| g.map(Held::Write))
+                } else {
+                    r.acquire_timeout(ttl, wait).map(|g| g.map(Held::Read))
+                }
+            }
+            Handle::Semaphore(s) => s.acquire_timeout(ttl, wait).map(|g| g.map(Held::Permit)),
+            Handle::Redlock(key) => group
+                .as_ref()
+                .expect("a redlock group")
+                .acquire_timeout(key, ttl, wait)
+                .map(|g| g.map(Held::Redlock)),
+        }
+        .map_err(|e| e.to_string());
+        let held = match got {
+            Ok(Some(h)) => h,
+            Ok(None) => {
+                busy += 1;
+                continue;
+            }
+            Err(e) => {
+                errors += 1;
+                history.emit(json!({"ev": "err", "w": spec.id, "a": a, "t": now_ns(), "what": e}));
+                thread::sleep(Duration::from_millis(rng.range(5, 30)));
+                continue;
+            }
+        };
+        let g = now_ns();
+        n += 1;
+        let key = &spec.keys[ki];
+        let token = held.token();
+        let slot = held.slot();
+        history.emit(
+            json!({"ev": "grant", "w": spec.id, "n": n, "key": key, "a": a, "g": g,
+            "tok": token, "slot": slot, "mode": held.mode()}),
+        );
+
+        let keep = rng.chance(spec.keep_alive_pct);
+        let steps = if keep {
+            rng.range(3, 4)
+        } else {
+            rng.range(1, 2)
+        };
+        let think = if keep {
+            Duration::from_millis(spec.ttl_ms / 3)
+        } else {
+            Duration::from_millis(rng.range(1, spec.think_ms.max(1)))
+        };
+        let res_key = match slot {
+            Some(s) => format!("res:{key}:{s}"),
+            None => format!("res:{key}"),
+        };
+        let owner = format!("w{}:{n}", spec.id);
+        let mut v: Option<u64> = None;
+        let mut lost = false;
+        let ((), kept) = held.with_keep_alive(keep, || {
+            for _ in 0..steps {
+                let t = now_ns();
+                if held.is_lost() && !spec.ignore_loss {
+                    lost = true;
+                    return;
+                }
+                v = Some(t);
+                if held.mode() == "r" {
+                    thread::sleep(think);
+                    continue;
+                }
+                let s = now_ns();
+                let read = resource.op(&res_key, token, &owner, None);
+                let r = now_ns();
+                history.emit(
+                    json!({"ev": "op", "w": spec.id, "n": n, "rk": res_key, "k": "r",
+                    "s": s, "r": r, "res": read.label()}),
+                );
+                thread::sleep(think);
+                if let Reply::Accepted(value) = read {
+                    let s = now_ns();
+                    let wrote = resource.op(&res_key, token, &owner, Some(value));
+                    let r = now_ns();
+                    history.emit(json!({"ev": "op", "w": spec.id, "n": n, "rk": res_key,
+                        "k": "w", "s": s, "r": r, "res": wrote.label()}));
+                }
+            }
+        });
+        if !lost {
+            let t = now_ns();
+            if held.is_lost() && !spec.ignore_loss {
+                lost = true;
+            } else {
+                v = Some(t);
+            }
+        }
+        let rel = now_ns();
+        let outcome = held.release();
+        history.emit(
+            json!({"ev": "end", "w": spec.id, "n": n, "v": v, "lost": lost,
+            "kept": kept, "rel": rel, "out": outcome, "t": now_ns()}),
+        );
+    }
+    history.emit(
+        json!({"ev": "stats", "w": spec.id, "attempts": attempts, "busy": busy,
+        "errors": errors, "grants": n}),
+    );
+    drop(group);
+    Ok(())
+}
+
+fn connect(spec: &WorkerSpec) -> Result<(Vec<Handle>, Option<RedlockGroup>), String> {
+    let node_timeout = Duration::from_millis(spec.node_timeout_ms);
+    let replication = match spec.require_replicas {
+        None => Replication::Off,
+        Some(replicas) => Replication::Require {
+            replicas,
+            timeout: node_timeout,
+        },
+    };
+    let build = |b: respire_coordination::CoordinatorBuilder| {
+        b.key_prefix(&spec.prefix)
+            .node_timeout(node_timeout)
+            .connect_timeout(Duration::from_secs(1))
+            .replication(replication)
+            .build()
+            .map_err(|e| e.to_string())
+    };
+    if let Connect::Redlock(urls) = &spec.connect {
+        let nodes = urls
+            .iter()
+            .map(|u| build(Coordinator::builder(u)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let options = RedlockOptions {
+            node_timeout,
+            restart_delay: spec.restart_delay_ms.map(Duration::from_millis),
+            ..RedlockOptions::default()
+        };
+        let group = RedlockGroup::new(nodes, options).map_err(|e| e.to_string())?;
+        let handles = spec
+            .keys
+            .iter()
+            .map(|k| Handle::Redlock(format!("{{{k}}}lock")))
+            .collect();
+        return Ok((handles, Some(group)));
+    }
+    let coord = match &spec.connect {
+        Connect::Standalone(url) => build(Coordinator::builder(url))?,
+        Connect::Sentinel { sentinels, service } => {
+            let urls: Vec<&str> = sentinels.iter().map(String::as_str).collect();
+            build(Coordinator::sentinel_builder(&urls, service))?
+        }
+        Connect::Cluster(seeds) => {
+            let urls: Vec<&str> = seeds.iter().map(String::as_str).collect();
+            build(Coordinator::cluster_builder(&urls))?
+        }
+        Connect::Redlock(_) => unreachable!("handled above"),
+    };
+    let mut handles = Vec::new();
+    for k in &spec.keys {
+        let h = match spec.workload {
+            Workload::Lock | Workload::Redlock => {
+                coord.lock(&format!("{{{k}}}lock")).map(Handle::Lock)
+            }
+            Workload::Fenced => coord
+                .fenced_lock(&format!("{{{k}}}lease"), &format!("{{{k}}}fence"))
+                .map(Handle::Fenced),
+            Workload::Rw => coord
+                .read_write_lease(&format!("{{{k}}}rw"))
+                .map(|rw| Handle::Rw(rw.read(), rw.write())),
+            Workload::Semaphore => coord
+                .semaphore(&format!("{{{k}}}sem"), spec.capacity)
+                .map(Handle::Semaphore),
+        }
+        .map_err(|e| e.to_string())?;
+        handles.push(h);
+    }
+    Ok((handles, None))
+}
