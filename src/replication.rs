@@ -13,7 +13,12 @@ use std::time::Duration;
 /// many replicas acknowledged ([`LeaseGuard::replicas_acknowledged`](crate::LeaseGuard::replicas_acknowledged)).
 /// An acknowledgement narrows the window but is not consensus: a replica can
 /// acknowledge and still not be the one promoted, and `WAIT` says nothing of
-/// persistence.
+/// persistence. Nor is every acknowledgement real: on Redis 7.0 `WAIT` can
+/// count a replica just after its full resynchronisation although it is
+/// behind, and the nemesis campaign (`RELIABILITY.md`) saw a failover right
+/// then issue fencing tokens again under `Require { replicas: 1 }`. A fenced
+/// resource that refuses a token not above the last one it accepted still
+/// refuses those repeats; one that accepts an equal token does not.
 ///
 /// Each attempt may take up to `timeout` longer (the node timeout plus
 /// `timeout` bounds it).

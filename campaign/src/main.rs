@@ -1,4 +1,4 @@
-//! The nemesis campaign (issue 21, DESIGN §11): every primitive of
+//! The nemesis campaign (DESIGN §11): every primitive of
 //! `respire-coordination` on real `redis-server`s of every topology under a
 //! seeded mix of faults, with histories recorded on the machine's shared
 //! monotonic clock and checked by oracles outside the library.
