@@ -320,17 +320,7 @@ impl Conn {
         }
         let asking = std::mem::take(&mut self.asking);
         let wait = self.wait.take();
-        let mut wrapped = redis::pipe();
-        for cmd in pipe.cmd_iter() {
-            if asking {
-                wrapped.cmd("ASKING");
-            }
-            wrapped.add_command(cmd.clone());
-        }
-        if let Some((replicas, timeout)) = wait {
-            let ms = (timeout.as_millis() as u64).max(1);
-            wrapped.cmd("WAIT").arg(replicas).arg(ms);
-        }
+        let wrapped = wrap(pipe.cmd_iter(), asking, wait);
         let mut values = self.raw_pipeline(&wrapped, op, deadline)?;
         if wait.is_some()
             && let Some(redis::Value::Int(n)) = values.pop()
@@ -468,15 +458,7 @@ impl Conn {
             None => script.evalsha(keys, args),
         };
         for sha in [uncached.is_none(), false] {
-            let mut pipe = redis::pipe();
-            if asking {
-                pipe.cmd("ASKING");
-            }
-            pipe.add_command(cmd.clone());
-            if let Some((replicas, timeout)) = wait {
-                let ms = (timeout.as_millis() as u64).max(1);
-                pipe.cmd("WAIT").arg(replicas).arg(ms);
-            }
+            let pipe = wrap(std::iter::once(&cmd), asking, wait);
             let timeout = left(deadline);
             let mut values = self.raw_pipeline(&pipe, op, deadline)?.into_iter();
             if asking {
@@ -605,4 +587,25 @@ impl Subscriber<'_> {
             }
         }
     }
+}
+
+/// `cmds` as one pipeline, each after `ASKING` when `asking` (a slot being
+/// imported), and `WAIT replicas timeout` after them all when asked for.
+fn wrap<'a>(
+    cmds: impl Iterator<Item = &'a redis::Cmd>,
+    asking: bool,
+    wait: Option<(u32, Duration)>,
+) -> redis::Pipeline {
+    let mut pipe = redis::pipe();
+    for cmd in cmds {
+        if asking {
+            pipe.cmd("ASKING");
+        }
+        pipe.add_command(cmd.clone());
+    }
+    if let Some((replicas, timeout)) = wait {
+        let ms = (timeout.as_millis() as u64).max(1);
+        pipe.cmd("WAIT").arg(replicas).arg(ms);
+    }
+    pipe
 }
