@@ -162,7 +162,8 @@ struct Fence<L> {
     retry_at: Instant,
 }
 
-/// Clean-up after unanswered acquire attempts; `C` is what the transport
+/// Clean-up after unanswered acquire attempts (or a withdrawal sent in the
+/// background, with no connection to kill); `C` is what the transport
 /// runs (a command, or nothing when a later attempt was granted).
 pub(crate) struct CleanUp<C> {
     /// Connections of the attempts, still to be killed.
@@ -360,10 +361,7 @@ impl<L: Claim, C> Executor<L, C> {
         self.cleanups.retain(|c| {
             let keep = now < c.give_up_at;
             if !keep {
-                log::warn!(
-                    "gave up cleaning up after an unanswered acquire; if it was granted, it has \
-                     expired by now"
-                );
+                log::warn!("gave up a clean-up: whatever it was to delete has expired by now");
             }
             keep
         });

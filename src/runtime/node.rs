@@ -366,9 +366,7 @@ impl Executor {
                         hops,
                     });
                 }
-                _ => log::warn!(
-                    "no current server for {key:?}: an unanswered acquire there is not cleaned up"
-                ),
+                _ => log::warn!("no current server for {key:?}: a clean-up there is dropped"),
             }
         }
         let verifies: Vec<Arc<Cell>> = std::mem::take(&mut self.verifies)
@@ -873,7 +871,7 @@ impl Executor {
                     let now = self.clock.now();
                     match result {
                         Ok(v) => {
-                            log::debug!("cleaned up after an unanswered acquire of {key:?}: {v:?}");
+                            log::debug!("clean-up on {key:?} ran: {v:?}");
                             self.machine.clean_up_done(true, now);
                         }
                         Err(e) => {
