@@ -54,6 +54,9 @@ pub(crate) trait Claim: Clone {
     /// The unanswered command can no longer be applied: the claim is freed,
     /// its worst case kept.
     fn fenced(&self, ticket: Ticket, now: Instant);
+    /// The unanswered command cannot be fenced off (its connection's id is
+    /// unknown): the claim is freed, its worst case kept for good.
+    fn unfenceable(&self, ticket: Ticket, now: Instant);
 }
 
 /// What one extension's reply said.
@@ -268,7 +271,8 @@ impl<L: Claim, C> Executor<L, C> {
 
     /// No reply came to `renewal`, sent on connection `conn` (`None`: its id
     /// is unknown). Every lease keeps its claim until the connection is
-    /// fenced off; each is tried again after a pause. Returns those leases.
+    /// fenced off (or, when it cannot be, gives it up with its worst case kept
+    /// for good); each is tried again after a pause. Returns those leases.
     pub(crate) fn renewal_unanswered(
         &mut self,
         renewal: Renewal<L>,
@@ -282,28 +286,37 @@ impl<L: Claim, C> Executor<L, C> {
             done.push((lease.id(), Some(now + retry_delay(ttl))));
             claims.push((lease, ticket));
         }
-        match conn {
-            Some(conn) => self.fences.push(Fence {
-                conn,
-                leases: claims,
-                retry_at: now,
-            }),
-            None => log::warn!(
-                "cannot fence off renewals that got no reply: the connection's id is unknown; \
-                 they stay bounded by their worst case"
-            ),
-        }
+        self.fence_all(conn, claims, now);
         done
     }
 
     /// An extension of `lease` (the holder's own) got no reply on connection
     /// `conn`: kill it, then free the claim.
-    pub(crate) fn fence(&mut self, conn: u64, lease: L, ticket: Ticket, now: Instant) {
-        self.fences.push(Fence {
-            conn,
-            leases: vec![(lease, ticket)],
-            retry_at: now,
-        });
+    /// `conn: None`: its id is unknown, so it cannot be killed; the claim is
+    /// freed at once with its worst case kept for good.
+    pub(crate) fn fence(&mut self, conn: Option<u64>, lease: L, ticket: Ticket, now: Instant) {
+        self.fence_all(conn, vec![(lease, ticket)], now);
+    }
+
+    fn fence_all(&mut self, conn: Option<u64>, leases: Vec<(L, Ticket)>, now: Instant) {
+        match conn {
+            Some(conn) => self.fences.push(Fence {
+                conn,
+                leases,
+                retry_at: now,
+            }),
+            None => {
+                log::warn!(
+                    "cannot fence off {} extension(s) that got no reply: the connection's id is \
+                     unknown (CLIENT ID denied); each lease counts no extension for longer than \
+                     the TTL of the one left unanswered",
+                    leases.len()
+                );
+                for (lease, ticket) in leases {
+                    lease.unfenceable(ticket, now);
+                }
+            }
+        }
     }
 
     /// Acquire attempts got no reply on `conns`: kill them, then hand out
@@ -502,6 +515,9 @@ mod tests {
         fn fenced(&self, ticket: Ticket, _: Instant) {
             self.0.lock().fenced(ticket)
         }
+        fn unfenceable(&self, ticket: Ticket, _: Instant) {
+            self.0.lock().unfenceable(ticket)
+        }
     }
 
     fn lease(t0: Instant) -> L {
@@ -599,7 +615,7 @@ mod tests {
         let mut ex: Executor<L, ()> = Executor::new(ms(100));
         let ticket = l.begin_extend(t0 + ms(10), ms(2_000)).unwrap();
         l.unanswered(ticket, t0 + ms(110));
-        ex.fence(9, l.clone(), ticket, t0 + ms(110));
+        ex.fence(Some(9), l.clone(), ticket, t0 + ms(110));
         let (freed, cleanups) = ex.retire(t0 + ms(120));
         assert_eq!(freed.len(), 1);
         assert!(cleanups.is_empty());

@@ -131,6 +131,10 @@ pub(crate) struct LeaseCore {
     base: Stamp,
     /// A bound left by earlier commands whose effect stayed unknown.
     floor: Option<Instant>,
+    /// The shortest TTL of an extension that got no reply and could not be
+    /// fenced off: it may still be applied at any later time, after any later
+    /// extension, so no confirmed extension counts for longer than this.
+    cap: Option<Duration>,
     pending: Option<Pending>,
     lost: Option<Loss>,
     finished: bool,
@@ -145,6 +149,7 @@ impl LeaseCore {
             origin: sent,
             base: Stamp { sent, ttl },
             floor: None,
+            cap: None,
             pending: None,
             lost: None,
             finished: false,
@@ -264,7 +269,10 @@ impl LeaseCore {
             self.lost = Some(Loss::LateConfirmation);
             return false;
         }
-        self.base = p.stamp;
+        self.base = Stamp {
+            sent: p.stamp.sent,
+            ttl: self.cap.map_or(p.stamp.ttl, |cap| cap.min(p.stamp.ttl)),
+        };
         self.floor = None;
         self.observe(now);
         !self.is_lost(now)
@@ -299,6 +307,22 @@ impl LeaseCore {
         if let Some(p) = self.take(ticket) {
             let until = self.timing.valid_until(p.stamp.sent, p.stamp.ttl);
             self.floor = Some(self.floor.map_or(until, |f| f.min(until)));
+        }
+    }
+
+    /// The unanswered command cannot be fenced off (its connection's id is
+    /// unknown, so it cannot be killed): it may be applied at any later time.
+    /// The claim is released all the same, so that the lease can be extended
+    /// again, and its worst case is kept for good: until a later extension is
+    /// confirmed it bounds the lease as in [`fenced`](LeaseCore::fenced), and
+    /// after that no extension counts for longer than its TTL (applied after
+    /// a later extension sent at `t`, it leaves the lease at least `t + ttl`).
+    pub(crate) fn unfenceable(&mut self, ticket: Ticket) {
+        if let Some(p) = self.pending
+            && p.ticket == ticket
+        {
+            self.fenced(ticket);
+            self.cap = Some(self.cap.map_or(p.stamp.ttl, |c| c.min(p.stamp.ttl)));
         }
     }
 
@@ -408,6 +432,26 @@ mod tests {
         assert_eq!(c.valid_until(), t0 + ms(998));
         c.fenced(t);
         assert_eq!(c.valid_until(), t0 + ms(998));
+    }
+
+    #[test]
+    fn an_extension_that_cannot_be_fenced_off_caps_every_later_one() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 60_000);
+        let t = c.begin_extend(t0 + ms(10), ms(1_500)).unwrap();
+        c.unanswered(t);
+        c.unfenceable(t);
+        // The claim is free again, the shortening still counts from its send.
+        assert!(!c.is_claimed());
+        assert_eq!(c.valid_until(), t0 + ms(10 + 1_498));
+        // It may still land after this one: 60 s count for 1.5 s from its send.
+        let t2 = c.begin_extend(t0 + ms(20), ms(60_000)).unwrap();
+        assert!(c.extended(t2, t0 + ms(21)));
+        assert_eq!(c.valid_until(), t0 + ms(20 + 1_498));
+        assert_eq!(c.ttl(), ms(1_500));
+        // A stale ticket changes nothing.
+        c.unfenceable(t);
+        assert_eq!(c.valid_until(), t0 + ms(20 + 1_498));
     }
 
     #[test]

@@ -196,6 +196,11 @@ impl<X> LeaseCell<X> {
         self.change(now, |c| c.fenced(ticket));
     }
 
+    /// See [`LeaseCore::unfenceable`].
+    pub(crate) fn unfenceable(&self, ticket: Ticket, now: Instant) {
+        self.change(now, |c| c.unfenceable(ticket));
+    }
+
     /// Applies what a verification sent at `sent` found (see
     /// [`LeaseCore::verified`]); whether the lease is still held.
     pub(crate) fn verified(&self, verdict: Verdict, sent: Instant, now: Instant) -> bool {
@@ -284,6 +289,9 @@ impl<X> Claim for Arc<LeaseCell<X>> {
     }
     fn fenced(&self, ticket: Ticket, now: Instant) {
         LeaseCell::fenced(self, ticket, now)
+    }
+    fn unfenceable(&self, ticket: Ticket, now: Instant) {
+        LeaseCell::unfenceable(self, ticket, now)
     }
 }
 

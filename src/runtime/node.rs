@@ -308,14 +308,7 @@ impl Executor {
                 conn,
                 lease,
                 ticket,
-            } => match conn {
-                Some(conn) => self.machine.fence(conn, lease, ticket, self.clock.now()),
-                None => log::warn!(
-                    "cannot fence off an unanswered extension of {:?}: its connection's id is \
-                     unknown (CLIENT ID denied); it stays bounded by its worst case",
-                    lease.key()
-                ),
-            },
+            } => self.machine.fence(conn, lease, ticket, self.clock.now()),
             Job::Cleanup {
                 conns,
                 cmd,

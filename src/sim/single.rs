@@ -379,7 +379,8 @@ enum Job {
     Renew(Vec<Arc<Cell>>),
     /// Verify a lease on the new primary after a switch.
     Verify(Arc<Cell>),
-    Fence(ConnId, Arc<Cell>, Ticket),
+    /// `None`: the connection's id is unknown (`CLIENT ID` denied).
+    Fence(Option<ConnId>, Arc<Cell>, Ticket),
     Cleanup(Vec<ConnId>, usize, String, Duration),
 }
 
@@ -400,6 +401,9 @@ struct Proc {
     wake: Option<Duration>,
     /// The primary this process knows (its connections go there).
     generation: u32,
+    /// Whether its connections know their ids (an ACL may deny `CLIENT
+    /// ID`): without them nothing unanswered can be fenced off.
+    ids: bool,
     exec: Exec,
 }
 
@@ -526,6 +530,7 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
             sched: Schedule::default(),
             wake: None,
             generation: 0,
+            ids: w.rng.below(6) != 0,
             exec: Exec {
                 conn,
                 busy: false,
@@ -1033,8 +1038,9 @@ impl World {
                                 }
                                 None => {
                                     cell.unanswered(ticket, now);
+                                    let conn = self.procs[proc].ids.then_some(p.conn);
                                     self.procs[proc].exec.queue.push_back(Job::Fence(
-                                        p.conn,
+                                        conn,
                                         cell.clone(),
                                         ticket,
                                     ));
@@ -1314,11 +1320,11 @@ impl World {
                     }
                 }
                 None => {
-                    let done = self.procs[p].exec.machine.renewal_unanswered(
-                        renewal,
-                        Some(pend.conn),
-                        now,
-                    );
+                    let conn = self.procs[p].ids.then_some(pend.conn);
+                    let done = self.procs[p]
+                        .exec
+                        .machine
+                        .renewal_unanswered(renewal, conn, now);
                     for (id, retry) in done {
                         self.procs[p].sched.completed(id, now, retry);
                     }
