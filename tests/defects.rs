@@ -95,6 +95,63 @@ fn a_shortening_reset_expiry_without_reply_bounds_the_guard_at_once() {
     assert!(signal.try_recv().unwrap_err().is_disconnected());
 }
 
+/// Without the right to `CLIENT ID`, an extension that got no reply cannot be
+/// fenced off: its connection cannot be killed, and it may land at any time.
+/// The lease is not pinned until its deadline for that: later extensions are
+/// confirmed, and each counts for no longer than the unanswered one's TTL,
+/// which is all the server can be trusted to keep once it lands.
+#[test]
+fn an_extension_whose_connection_cannot_be_killed_caps_the_later_ones() {
+    let server = TestServer::builder()
+        .acl_user("app on >pw ~* &* +@all -client|id")
+        .start();
+    let mut admin = server.client();
+    let proxy = FaultProxy::start(server.addr());
+    let url = format!("redis://app:pw@127.0.0.1:{}", proxy.port());
+    let coord = coordinator(&url, "a3:", ms(300));
+    let guard = coord
+        .lock("job")
+        .unwrap()
+        .try_acquire(Duration::from_secs(60))
+        .unwrap()
+        .unwrap();
+    // The extension script is on the server (else the late one is refused
+    // with NOSCRIPT and changes nothing).
+    assert!(guard.reset_expiry(Duration::from_secs(60)).unwrap());
+    // A shortening to 5 s that reaches the server 2 s late, after its reply
+    // was given up for lost.
+    proxy.set_mode(Mode::Delay(ms(2_000)));
+    let err = guard.reset_expiry(Duration::from_secs(5)).unwrap_err();
+    assert!(err.is_uncertain(), "{err}");
+    proxy.set_mode(Mode::Pass);
+    // The claim is free: a 60 s extension is confirmed at once, on a new
+    // connection, before the late one lands.
+    assert!(guard.reset_expiry(Duration::from_secs(60)).unwrap());
+    assert!(pttl(&mut admin, "a3:job") > 55_000);
+    wait_until(
+        Duration::from_secs(10),
+        "the late shortening landed",
+        || pttl(&mut admin, "a3:job") <= 5_000,
+    );
+    // The server keeps it under 5 s now; the guard never counted on more.
+    let on_server = ms(pttl(&mut admin, "a3:job") as u64);
+    let estimate = guard.remaining_estimate();
+    assert!(
+        estimate <= on_server,
+        "the guard counts on {estimate:?}, the server keeps {on_server:?}"
+    );
+    assert!(!guard.is_lost());
+    let (lost, gone) = race_loss_against_expiry(
+        &mut admin,
+        "a3:job",
+        || guard.is_lost(),
+        Duration::from_secs(10),
+    );
+    let lost = lost.expect("is_lost() before the server dropped the key");
+    println!("a3: flagged lost {:?} before the key expired", gone - lost);
+    assert!(lost < gone);
+}
+
 #[test]
 fn a_renewal_without_reply_keeps_its_claim_until_its_connection_is_fenced() {
     let server = TestServer::start();
