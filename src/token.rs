@@ -50,6 +50,12 @@ impl OwnerToken {
     pub(crate) fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// A given owner value, for the simulation's named owners.
+    #[cfg(test)]
+    pub(crate) fn from_raw(value: String) -> Self {
+        OwnerToken(value)
+    }
 }
 
 /// 16 bytes from the operating system's generator, read 1 KiB at a time per

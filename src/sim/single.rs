@@ -1,18 +1,25 @@
 //! Single-deployment leases: two processes, three user threads, two lease keys
 //! sharing one fence counter, each process with its renewal schedule and
-//! executor, against one model server.
+//! executor, against one model server (`sim::model`, running the shipped
+//! scripts and commands; with a lagging replica and a promotion in some
+//! schedules).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::model::{ClientId, Entry, ModelServer, Reply, Value};
 use super::{Net, Queue, Rng, Stats, instant};
 use crate::core::executor::{Command, Executor as Machine, ExtendReply, Renewal, settle};
 use crate::core::fences::FenceBook;
 use crate::core::lease::{LeaseCore, Refusal, Ticket, Verdict};
 use crate::core::schedule::{Next, Schedule, Watched};
 use crate::core::timing::Timing;
+use crate::lease::string_clean_up;
 use crate::runtime::lease::LeaseCell;
+use crate::runtime::renewal::Ops;
+use crate::scripts;
+use crate::token::OwnerToken;
 
 type ConnId = u64;
 
@@ -33,212 +40,80 @@ impl Watched for Arc<Cell> {
     }
 }
 
-#[derive(Clone, Debug, PartialEq)]
-struct Entry {
-    value: String,
-    /// Server time (ns) at which it expires.
-    expire: f64,
+/// The fence counter both lease keys share.
+const FENCE: &str = "fence";
+
+/// A lease key's name on the model server.
+fn key_name(key: usize) -> String {
+    format!("k{key}")
 }
 
-/// One write as the replica receives it: a key's new state, or the counter.
-#[derive(Clone, Debug)]
-enum Write {
-    Key(usize, Option<Entry>),
-    Fence(u64),
+/// The shipped extension, verification and release commands of a lease held
+/// as `value` on `key`.
+fn ops(key: usize, value: &str) -> Ops {
+    Ops::string_value(&key_name(key), value.to_owned())
 }
 
-/// The primary's replica: what it applied, and the stream on its way (each
-/// write with the instant it is applied; the rest is lost at a promotion).
-struct Replica {
-    keys: Vec<Option<Entry>>,
-    fence: u64,
-    stream: VecDeque<(Duration, Write)>,
-    lag: Duration,
-}
-
-/// One Redis server: keys, a fence counter, a clock running at `rate`.
-struct Server {
-    rate: f64,
-    keys: Vec<Option<Entry>>,
-    fence: u64,
-    went_back: bool,
-    /// Keys taken by a plain `Lock` (`SET NX`, no token) rather than the
-    /// fenced script.
-    plain: Vec<bool>,
-    /// Whether each key's last lease ended by expiry (not a release).
-    expired: Vec<bool>,
-    takeovers: u64,
-    killed: HashSet<ConnId>,
-    /// Per connection, the last delivery and the last reply (order is kept
-    /// per connection only).
-    last_in: HashMap<ConnId, Duration>,
-    last_out: HashMap<ConnId, Duration>,
-    /// The replica, for a primary that has one.
-    replica: Option<Replica>,
-    /// Owners whose clean-up ran here: no attempt of theirs may grant after.
-    cleaned: HashSet<String>,
-}
-
-impl Server {
-    /// Applies `req`, and streams what it changed to the replica.
-    fn run(&mut self, req: &Req, t: Duration) -> Result<Resp, String> {
-        let (keys, fence) = (self.keys.clone(), self.fence);
-        let resp = self.apply(req, t)?;
-        if let Some(r) = &mut self.replica {
-            let at = t + r.lag;
-            for (i, (before, after)) in keys.iter().zip(&self.keys).enumerate() {
-                if before != after {
-                    r.stream.push_back((at, Write::Key(i, after.clone())));
-                }
-            }
-            if fence != self.fence {
-                r.stream.push_back((at, Write::Fence(self.fence)));
-            }
-        }
-        Ok(resp)
-    }
-
-    /// The replica takes over at `t`: what reached it by then, nothing more.
-    /// `None` without a replica.
-    fn promote(&mut self, t: Duration) -> Option<Server> {
-        let mut r = self.replica.take()?;
-        while let Some((at, w)) = r.stream.pop_front() {
-            if at > t {
-                break;
-            }
-            match w {
-                Write::Key(i, e) => r.keys[i] = e,
-                Write::Fence(f) => r.fence = f,
-            }
-        }
-        Some(Server {
-            rate: self.rate,
-            expired: vec![false; r.keys.len()],
-            keys: r.keys,
-            went_back: self.went_back || r.fence < self.fence,
-            fence: r.fence,
-            plain: self.plain.clone(),
-            takeovers: 0,
-            killed: HashSet::new(),
-            last_in: HashMap::new(),
-            last_out: HashMap::new(),
-            replica: None,
-            cleaned: HashSet::new(),
+/// The argument vector of a shipped command.
+fn argv(cmd: &redis::Cmd) -> Vec<Vec<u8>> {
+    cmd.args_iter()
+        .map(|a| match a {
+            redis::Arg::Simple(b) => b.to_vec(),
+            _ => b"0".to_vec(),
         })
-    }
+        .collect()
+}
 
-    fn now(&self, t: Duration) -> f64 {
-        t.as_nanos() as f64 * self.rate
-    }
-
-    fn live(&mut self, key: usize, t: Duration) -> Option<&Entry> {
-        let now = self.now(t);
-        if self.keys[key].as_ref().is_some_and(|e| e.expire <= now) {
-            self.keys[key] = None;
-            self.expired[key] = true;
+/// Runs a shipped command on `client`, as the connection does: `EVALSHA`,
+/// then `EVAL` when the server lost the script. `None`: the connection is
+/// closed.
+fn run_on(server: &mut ModelServer, client: ClientId, cmd: &redis::Cmd) -> Option<Reply> {
+    let mut argv = argv(cmd);
+    let reply = server.command_from(client, &argv)?;
+    match &reply {
+        Reply::Error(e) if e.starts_with("NOSCRIPT") => {
+            let sha = String::from_utf8_lossy(&argv[1]).into_owned();
+            let script = [
+                &*scripts::FENCED_ACQUIRE,
+                &*scripts::LEASE_EXTEND,
+                &*scripts::LEASE_VERIFY,
+                &*scripts::LEASE_RELEASE,
+            ]
+            .into_iter()
+            .find(|s| s.sha == sha)?;
+            argv[0] = b"EVAL".to_vec();
+            argv[1] = script.code.as_bytes().to_vec();
+            server.command_from(client, &argv)
         }
-        self.keys[key].as_ref()
+        _ => Some(reply),
     }
+}
 
-    fn apply(&mut self, req: &Req, t: Duration) -> Result<Resp, String> {
-        let now = self.now(t);
-        Ok(match req {
-            Req::Acquire { key, owner, ttl } => {
-                let mine = format!("{owner}:");
-                let plain = self.plain[*key];
-                match self.live(*key, t) {
-                    Some(e) if e.value.starts_with(&mine) => {
-                        let token = e.value[mine.len()..].parse().expect("token");
-                        if !plain {
-                            // The script: the owner's own grant again, its
-                            // expiry only ever moved later.
-                            let e = self.keys[*key].as_mut().expect("live");
-                            e.expire = e.expire.max(now + ttl.as_nanos() as f64);
-                        }
-                        // A plain lock's SET NX changes nothing; its GET finds the owner.
-                        Resp::Granted(token, true)
-                    }
-                    Some(_) => Resp::Busy,
-                    None => {
-                        if self.cleaned.contains(owner) {
-                            return Err(format!(
-                                "an attempt of {owner} granted after its clean-up ran: the \
-                                 clean-up was overtaken"
-                            ));
-                        }
-                        if std::mem::take(&mut self.expired[*key]) {
-                            self.takeovers += 1;
-                        }
-                        let token = if plain {
-                            0
-                        } else {
-                            self.fence += 1;
-                            self.fence
-                        };
-                        self.keys[*key] = Some(Entry {
-                            value: format!("{owner}:{token}"),
-                            expire: now + ttl.as_nanos() as f64,
-                        });
-                        Resp::Granted(token, false)
-                    }
-                }
-            }
-            Req::Extend { items } => {
-                let mut out = Vec::with_capacity(items.len());
-                for (key, value, ttl) in items {
-                    out.push(match self.live(*key, t) {
-                        None => 0,
-                        Some(e) if e.value == *value => {
-                            self.keys[*key].as_mut().expect("live").expire =
-                                now + ttl.as_nanos() as f64;
-                            1
-                        }
-                        Some(_) => -1,
-                    });
-                }
-                Resp::Ints(out)
-            }
-            // `{1, PTTL}`, the TTL in whole server milliseconds.
-            Req::Verify { key, value } => Resp::Ints(match self.live(*key, t) {
-                None => vec![0],
-                Some(e) if e.value == *value => {
-                    vec![1, ((e.expire - now) / 1e6).floor() as i64]
-                }
-                Some(_) => vec![-1],
-            }),
-            Req::Release { key, value } => {
-                if self.live(*key, t).is_some_and(|e| e.value == *value) {
-                    self.keys[*key] = None;
-                }
-                Resp::Done
-            }
-            Req::ReleasePrefix { key, owner } => {
-                self.cleaned.insert(owner.clone());
-                let mine = format!("{owner}:");
-                if let Some(e) = self.live(*key, t)
-                    && e.value.starts_with(&mine)
-                {
-                    self.keys[*key] = None;
-                }
-                Resp::Done
-            }
-            Req::Kill { target } => {
-                self.killed.insert(*target);
-                Resp::Done
-            }
-        })
+/// A string key's value, if it holds one.
+fn string_at(server: &ModelServer, key: &str) -> Option<String> {
+    match server.entry(key).map(|e| &e.value) {
+        Some(Value::Str(v)) => Some(String::from_utf8_lossy(v).into_owned()),
+        _ => None,
     }
+}
+
+/// The fence counter's value on `server`.
+fn counter(server: &ModelServer) -> u64 {
+    string_at(server, FENCE).map_or(0, |v| v.parse().expect("a counter"))
 }
 
 #[derive(Clone, Debug)]
 enum Req {
+    /// One attempt: `SET NX PX` and `GET` for a plain lock, the shipped
+    /// fenced acquire script otherwise.
     Acquire {
         key: usize,
         owner: String,
-        ttl: Duration,
+        ttl_ms: u64,
     },
+    /// The shipped extension of each lease, in one pipeline.
     Extend {
-        items: Vec<(usize, String, Duration)>,
+        items: Vec<(usize, String, u64)>,
     },
     Verify {
         key: usize,
@@ -248,6 +123,7 @@ enum Req {
         key: usize,
         value: String,
     },
+    /// The shipped clean-up after unanswered attempts of `owner`.
     ReleasePrefix {
         key: usize,
         owner: String,
@@ -310,6 +186,11 @@ enum Ev {
     CounterBack,
     /// The replica takes over.
     Promote,
+    /// `n` more writes of generation `generation`'s stream reach its replica.
+    Replicate {
+        generation: u32,
+        n: usize,
+    },
     /// Process `p` learns of the new primary.
     Switch(usize),
     /// Someone deletes the key (an operator, an eviction).
@@ -327,6 +208,7 @@ impl Ev {
             Ev::ExecNext(p) => format!("exec {p}"),
             Ev::CounterBack => "counter back".into(),
             Ev::Promote => "promote".into(),
+            Ev::Replicate { generation, n } => format!("replicate {n} of {generation}"),
             Ev::Switch(p) => format!("switch {p}"),
             Ev::Delete(key) => format!("delete {key}"),
         }
@@ -413,14 +295,36 @@ struct World {
     now: Duration,
     timing: Timing,
     net: Net,
-    /// The current primary.
-    server: Server,
+    /// The current primary (with a replica, in some schedules).
+    server: ModelServer,
     /// The primary before the last promotion: it still serves the
     /// connections made to it, and what it does there is never replicated.
-    old: Option<Server>,
+    old: Option<ModelServer>,
     generation: u32,
     /// The primary generation each connection was made to.
     conn_gen: HashMap<ConnId, u32>,
+    /// Each connection's id on the server it leads to.
+    clients: HashMap<ConnId, ClientId>,
+    /// Per connection, the last delivery and the last reply (order is kept
+    /// per connection only).
+    last_in: HashMap<ConnId, Duration>,
+    last_out: HashMap<ConnId, Duration>,
+    /// How long a write takes to reach the replica, and how many writes of
+    /// the stream a pending `Replicate` event already covers.
+    lag: Duration,
+    streamed: usize,
+    /// Keys taken by a plain `Lock` (`SET NX`, no token) rather than the
+    /// fenced script.
+    plain: [bool; 2],
+    /// Whether each key's last lease ended by a release or a deletion (not
+    /// by expiry), for the takeover count.
+    ended: [bool; 2],
+    /// Whether a counter ever went back (a promotion that lost increments,
+    /// a fault): tokens may then repeat.
+    went_back: bool,
+    /// Owners whose clean-up ran, by primary generation: no attempt of
+    /// theirs may grant there after it.
+    cleaned: HashSet<(u32, String)>,
     queue: Queue<Ev>,
     procs: Vec<Proc>,
     users: Vec<User>,
@@ -471,33 +375,28 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         node_timeout * 60,
         node_timeout * 240,
     ];
+    // Whole milliseconds, as the shipped code sends them.
+    for t in &mut ttls {
+        *t = Duration::from_millis(t.as_nanos().div_ceil(1_000_000) as u64);
+    }
     ttls.retain(|t| timing.usable_ttl(*t));
     let mut w = World {
         origin: Instant::now(),
         now: Duration::ZERO,
         timing,
         net,
-        server: Server {
-            rate,
-            keys: vec![None, None],
-            fence: rng.below(3) * 99_999_999_999_998,
-            went_back: false,
-            plain: vec![rng.chance(0.5), false],
-            expired: vec![false, false],
-            takeovers: 0,
-            killed: HashSet::new(),
-            last_in: HashMap::new(),
-            last_out: HashMap::new(),
-            cleaned: HashSet::new(),
-            replica: rng.chance(0.3).then(|| Replica {
-                keys: vec![None, None],
-                fence: 0,
-                stream: VecDeque::new(),
-                lag: Duration::from_micros(rng.below(node_timeout.as_micros() as u64 * 3)),
-            }),
-        },
+        server: ModelServer::new(seed, 1_700_000_000_000 + rng.below(1 << 30) as i64),
         old: None,
         generation: 0,
+        clients: HashMap::new(),
+        last_in: HashMap::new(),
+        last_out: HashMap::new(),
+        lag: Duration::from_micros(rng.below(node_timeout.as_micros() as u64 * 3)),
+        streamed: 0,
+        plain: [rng.chance(0.5), false],
+        ended: [true, true],
+        went_back: false,
+        cleaned: HashSet::new(),
         conn_gen: HashMap::new(),
         queue: Queue::new(),
         procs: Vec::new(),
@@ -515,9 +414,19 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         rng,
     };
     let mut faults = false;
-    let start = w.server.fence;
-    if let Some(r) = &mut w.server.replica {
-        r.fence = start;
+    w.server.set_rate(rate);
+    let start = w.rng.below(3) * 99_999_999_999_998;
+    if start > 0 {
+        w.server.put(
+            FENCE,
+            Some(Entry {
+                value: Value::Str(start.to_string().into_bytes()),
+                expire_at: None,
+            }),
+        );
+    }
+    if w.rng.chance(0.3) {
+        w.server.add_replica();
         let at = w.rng.micros(1_000, 3_000_000);
         w.queue.push(at, Ev::Promote);
         faults = true;
@@ -570,7 +479,7 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         // Every event at this instant, then the invariants.
         while w.queue.peek_time() == Some(t) {
             let (at, ev) = w.queue.pop().expect("peeked");
-            w.now = at;
+            w.advance(at);
             w.stats.events += 1;
             if w.stats.events > 1_000_000 {
                 return Err(format!("the schedule did not end at {at:?}"));
@@ -591,7 +500,6 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
             ));
         }
     }
-    w.stats.takeovers = w.server.takeovers;
     Ok(w.stats)
 }
 
@@ -600,10 +508,29 @@ impl World {
         instant(self.origin, self.now)
     }
 
+    /// Lets time pass on the servers' clocks up to `at`.
+    fn advance(&mut self, at: Duration) {
+        let by = at.saturating_sub(self.now);
+        self.server.elapse(by);
+        if let Some(old) = &mut self.old {
+            old.elapse(by);
+        }
+        self.now = at;
+    }
+
     /// A new connection to the primary of generation `generation`.
     fn conn_at(&mut self, generation: u32) -> ConnId {
         self.next_conn += 1;
         self.conn_gen.insert(self.next_conn, generation);
+        let server = if generation == self.generation {
+            Some(&mut self.server)
+        } else {
+            self.old.as_mut()
+        };
+        if let Some(server) = server {
+            let client = server.connect();
+            self.clients.insert(self.next_conn, client);
+        }
         self.next_conn
     }
 
@@ -618,7 +545,7 @@ impl World {
     }
 
     /// The server a connection leads to.
-    fn server_of(&mut self, conn: ConnId) -> Option<&mut Server> {
+    fn server_of(&mut self, conn: ConnId) -> Option<&mut ModelServer> {
         if self.conn_gen.get(&conn) == Some(&self.generation) {
             Some(&mut self.server)
         } else {
@@ -646,10 +573,10 @@ impl World {
         let lose = self.net.p_lose_request;
         if let Some(d) = self.net.hop(&mut self.rng, lose) {
             let now = self.now;
-            if let Some(server) = self.server_of(conn) {
-                let last = server.last_in.get(&conn).copied().unwrap_or_default();
+            if self.server_of(conn).is_some() {
+                let last = self.last_in.get(&conn).copied().unwrap_or_default();
                 let at = (now + d).max(last);
-                server.last_in.insert(conn, at);
+                self.last_in.insert(conn, at);
                 self.queue.push(at, Ev::Deliver { id, conn, req });
             }
         }
@@ -657,30 +584,166 @@ impl World {
         self.queue.push(deadline, Ev::Timeout { id });
     }
 
+    /// Runs `req` on the server `conn` leads to, as the shipped code sends
+    /// it; `None` if the connection was closed (killed).
+    fn deliver(&mut self, conn: ConnId, req: &Req) -> Result<Option<Resp>, String> {
+        let generation = self.conn_gen[&conn];
+        let Some(&client) = self.clients.get(&conn) else {
+            return Ok(None);
+        };
+        let plain = self.plain;
+        let target = match req {
+            Req::Kill { target } => (self.conn_gen.get(target) == Some(&generation))
+                .then(|| self.clients.get(target).copied())
+                .flatten(),
+            _ => None,
+        };
+        let server = if generation == self.generation {
+            &mut self.server
+        } else {
+            match self.old.as_mut() {
+                Some(old) => old,
+                None => return Ok(None),
+            }
+        };
+        if !server.is_connected(client) {
+            return Ok(None);
+        }
+        let int = |r: Reply| r.as_int().ok_or_else(|| format!("not an integer: {r:?}"));
+        let resp = match req {
+            Req::Acquire { key, owner, ttl_ms } => {
+                let name = key_name(*key);
+                let before = string_at(server, &name);
+                let mine = before
+                    .as_ref()
+                    .is_some_and(|v| v == owner || v.starts_with(&format!("{owner}:")));
+                let resp = if plain[*key] {
+                    let set = redis::cmd("SET")
+                        .arg(&name)
+                        .arg(owner)
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(*ttl_ms)
+                        .clone();
+                    run_on(server, client, &set);
+                    match run_on(server, client, redis::cmd("GET").arg(&name)) {
+                        Some(Reply::Bulk(v)) if v == owner.as_bytes() => Resp::Granted(0, mine),
+                        _ => Resp::Busy,
+                    }
+                } else {
+                    let ttl = ttl_ms.to_string();
+                    let cmd = scripts::FENCED_ACQUIRE.evalsha(&[&name, FENCE], &[owner, &ttl]);
+                    match run_on(server, client, &cmd) {
+                        Some(Reply::Array(a)) => match a.as_slice() {
+                            [Reply::Int(1), Reply::Bulk(t)] => Resp::Granted(
+                                String::from_utf8_lossy(t)
+                                    .parse()
+                                    .map_err(|e| format!("{e}"))?,
+                                mine,
+                            ),
+                            [Reply::Int(0), Reply::Int(_)] => Resp::Busy,
+                            other => return Err(format!("acquire reply {other:?}")),
+                        },
+                        other => return Err(format!("acquire reply {other:?}")),
+                    }
+                };
+                if matches!(resp, Resp::Granted(..)) && !mine {
+                    if self.cleaned.contains(&(generation, owner.clone())) {
+                        return Err(format!(
+                            "an attempt of {owner} granted after its clean-up ran: the \
+                             clean-up was overtaken"
+                        ));
+                    }
+                    if !std::mem::replace(&mut self.ended[*key], false) {
+                        self.stats.takeovers += 1;
+                    }
+                }
+                resp
+            }
+            Req::Extend { items } => {
+                let mut out = Vec::with_capacity(items.len());
+                for (key, value, ttl_ms) in items {
+                    let cmd = ops(*key, value).extend_cmd(*ttl_ms);
+                    out.push(int(run_on(server, client, &cmd).ok_or("closed")?)?);
+                }
+                Resp::Ints(out)
+            }
+            Req::Verify { key, value } => {
+                match run_on(server, client, &ops(*key, value).verify_cmd(false)) {
+                    Some(Reply::Array(a)) => {
+                        Resp::Ints(a.into_iter().map(int).collect::<Result<_, _>>()?)
+                    }
+                    other => return Err(format!("verify reply {other:?}")),
+                }
+            }
+            Req::Release { key, value } => {
+                let ops = ops(*key, value);
+                let cmd = ops
+                    .release_script()
+                    .evalsha(&ops.key_refs(), ops.release_arg_refs().as_slice());
+                let had = server.exists(key_name(*key));
+                run_on(server, client, &cmd);
+                if had && !server.exists(key_name(*key)) {
+                    self.ended[*key] = true;
+                }
+                Resp::Done
+            }
+            Req::ReleasePrefix { key, owner } => {
+                let cmd = string_clean_up(&key_name(*key), &OwnerToken::from_raw(owner.clone()));
+                let had = server.exists(key_name(*key));
+                run_on(server, client, &cmd);
+                if had && !server.exists(key_name(*key)) {
+                    self.ended[*key] = true;
+                }
+                self.cleaned.insert((generation, owner.clone()));
+                Resp::Done
+            }
+            Req::Kill { .. } => {
+                if let Some(target) = target {
+                    server.kill_client(target);
+                }
+                Resp::Done
+            }
+        };
+        Ok(Some(resp))
+    }
+
     fn handle(&mut self, ev: Ev) -> Result<(), String> {
         match ev {
             Ev::Deliver { id, conn, req } => {
                 let now = self.now;
                 let hop = self.net.hop(&mut self.rng, self.net.p_lose_reply);
-                let Some(server) = self.server_of(conn) else {
+                let current = self.conn_gen.get(&conn) == Some(&self.generation);
+                let drawn = self.server_of(conn).map(|s| counter(s));
+                let Some(resp) = self.deliver(conn, &req)? else {
                     return Ok(());
                 };
-                if server.killed.contains(&conn) {
-                    return Ok(());
-                }
-                let fence = server.fence;
-                let resp = server.run(&req, now)?;
-                let drew = server.fence != fence;
+                let drew = self.server_of(conn).map(|s| counter(s)) != drawn;
                 if let Some(d) = hop {
-                    let last = server.last_out.get(&conn).copied().unwrap_or_default();
+                    let last = self.last_out.get(&conn).copied().unwrap_or_default();
                     let at = (now + d).max(last);
-                    server.last_out.insert(conn, at);
+                    self.last_out.insert(conn, at);
                     self.queue.push(at, Ev::Reply { id, resp });
                 }
                 // A token drawn on a replaced primary is lost with it: its
                 // successor's counter is behind what clients saw.
-                if drew && self.conn_gen.get(&conn) != Some(&self.generation) {
-                    self.server.went_back = true;
+                if drew && !current {
+                    self.went_back = true;
+                }
+                // What the command wrote reaches the replica after the lag.
+                let stream = self.server.replication_lag();
+                if current && stream > self.streamed {
+                    let n = stream - self.streamed;
+                    self.streamed = stream;
+                    let generation = self.generation;
+                    self.queue
+                        .push(now + self.lag, Ev::Replicate { generation, n });
+                }
+            }
+            Ev::Replicate { generation, n } => {
+                if generation == self.generation {
+                    self.server.replicate(n);
+                    self.streamed = self.streamed.saturating_sub(n);
                 }
             }
             Ev::Reply { id, resp } => {
@@ -697,9 +760,14 @@ impl World {
                 }
             }
             Ev::Promote => {
-                if let Some(new) = self.server.promote(self.now) {
+                {
                     self.stats.failovers += 1;
-                    self.old = Some(std::mem::replace(&mut self.server, new));
+                    let old = self.server.promote();
+                    if counter(&self.server) < counter(&old) {
+                        self.went_back = true;
+                    }
+                    self.old = Some(old);
+                    self.streamed = 0;
                     self.generation += 1;
                     // Every lease is exposed until its process has verified
                     // it on the new primary: what the old one confirmed may
@@ -717,7 +785,8 @@ impl World {
             }
             Ev::Switch(p) => self.switch(p),
             Ev::Delete(key) => {
-                self.server.keys[key] = None;
+                self.server.put(key_name(key), None);
+                self.ended[key] = true;
                 let now = self.at();
                 self.deleted_at[key] = Some(now);
                 // Its holder cannot know until the server tells it.
@@ -755,8 +824,15 @@ impl World {
                 self.arm(p);
             }
             Ev::CounterBack => {
-                self.server.fence = self.server.fence.saturating_sub(1 + self.rng.below(5));
-                self.server.went_back = true;
+                let back = counter(&self.server).saturating_sub(1 + self.rng.below(5));
+                self.server.put(
+                    FENCE,
+                    Some(Entry {
+                        value: Value::Str(back.to_string().into_bytes()),
+                        expire_at: None,
+                    }),
+                );
+                self.went_back = true;
             }
         }
         Ok(())
@@ -883,7 +959,7 @@ impl World {
             let req = Req::Acquire {
                 key: self.users[u].key,
                 owner: a.owner.clone(),
-                ttl: a.ttl,
+                ttl_ms: a.ttl.as_millis() as u64,
             };
             self.users[u].busy = true;
             let conn = self.users[u].conn;
@@ -986,7 +1062,7 @@ impl World {
                 self.touch(p, &cell);
                 self.users[u].busy = true;
                 let conn = self.users[u].conn;
-                let items = vec![(key, value, ttl)];
+                let items = vec![(key, value, ttl.as_millis() as u64)];
                 self.send(
                     Who::User(u),
                     conn,
@@ -1081,7 +1157,7 @@ impl World {
                 let exposed = self.conn_gen.get(&p.conn) != Some(&self.generation);
                 let a = self.users[u].acquiring.take().expect("acquiring");
                 let key = self.users[u].key;
-                if self.server.plain[key] {
+                if self.plain[key] {
                     // A plain lock: no token; a grant found in place dates from
                     // the owner's first unanswered attempt.
                     let sent = if existed {
@@ -1089,7 +1165,7 @@ impl World {
                     } else {
                         p.sent
                     };
-                    let value = format!("{}:{token}", a.owner);
+                    let value = a.owner.clone();
                     self.hold(u, key, value, sent, a.ttl, exposed);
                     return Ok(());
                 }
@@ -1113,7 +1189,7 @@ impl World {
                         if expected { "" } else { "not " }
                     ));
                 }
-                if checked.is_err() && !self.server.went_back {
+                if checked.is_err() && !self.went_back {
                     return Err(format!(
                         "false fencing regression for token {token} sent at {:?} received at \
                          {:?} by user {u}; accepted before: {:?}",
@@ -1146,7 +1222,7 @@ impl World {
                 if !exposed
                     && let Some(before) = self.delivered.insert(token, a.owner.clone())
                     && before != a.owner
-                    && !self.server.went_back
+                    && !self.went_back
                 {
                     return Err(format!(
                         "token {token} reached user {u} ({}) after {before} had it, with the \
@@ -1286,7 +1362,7 @@ impl World {
                             .iter()
                             .map(|(lease, _, ttl)| {
                                 let m = lease.extra();
-                                (m.key, m.value.clone(), *ttl)
+                                (m.key, m.value.clone(), ttl.as_millis() as u64)
                             })
                             .collect();
                         self.procs[p].exec.busy = true;
@@ -1418,10 +1494,16 @@ impl World {
                 self.stats.exposed += 1;
                 continue;
             }
-            let held = match self.server.live(key, t) {
-                Some(e) if e.value == value => Some(e.expire / self.server.rate),
-                Some(_) => None,
-                None => None,
+            // The true time at which the server drops the key: it keeps it
+            // while its clock, in whole milliseconds, is at or before the
+            // expiry.
+            let name = key_name(key);
+            let held = match (string_at(&self.server, &name), self.server.expiry(&name)) {
+                (Some(v), Some(at)) if v == value => {
+                    let ahead = (at + 1) as f64 - self.server.clock_ms();
+                    Some(t.as_nanos() as f64 + ahead / self.server.rate() * 1e6)
+                }
+                _ => None,
             };
             // The guard's bound, not only `is_lost()` (which comes a node
             // timeout earlier), must be at or before the server's real
@@ -1432,18 +1514,17 @@ impl World {
                 && bound > expires + 1.0
             {
                 return Err(format!(
-                    "user {u} holds {value} with a bound of {:?}, past the server's expiry at                      {:?}",
+                    "user {u} holds {value} with a bound of {:?}, past the server's expiry at \
+                     {:?}",
                     Duration::from_nanos(bound as u64),
                     Duration::from_nanos(expires as u64)
                 ));
             }
             if held.is_none() {
-                let server = self.server.keys[key]
-                    .as_ref()
-                    .map(|e| (e.value.clone(), e.expire / self.server.rate / 1e6));
+                let server = (string_at(&self.server, &name), self.server.pttl(&name));
                 return Err(format!(
                     "user {u} believes it holds {value} at {t:?} (valid until {:?}), but the \
-                     server has {server:?} (value, expiry ms)",
+                     server has {server:?} (value, PTTL)",
                     g.cell.valid_until().duration_since(self.origin)
                 ));
             }

@@ -284,6 +284,17 @@ impl ModelServer {
         self.now
     }
 
+    /// The clock with the fraction of a millisecond [`ModelServer::elapse`]
+    /// carries: the server's true reading, of which `now_ms` is the floor.
+    pub(crate) fn clock_ms(&self) -> f64 {
+        self.now as f64 + self.carry
+    }
+
+    /// Server milliseconds per true millisecond.
+    pub(crate) fn rate(&self) -> f64 {
+        self.rate
+    }
+
     /// Sets the server clock to `ms` (earlier than now is a clock step back)
     /// and deletes every key that has expired by then (active expiry), which
     /// the replication stream carries as deletions.
