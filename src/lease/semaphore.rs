@@ -271,6 +271,15 @@ pub(crate) struct SemSpec {
 
 impl SemSpec {
     /// Checks the base key and capacity; nothing is sent.
+    /// A spec over given keys, for the simulation's model servers.
+    #[cfg(test)]
+    pub(crate) fn from_keys(keys: [String; 3], capacity: u32) -> SemSpec {
+        SemSpec {
+            keys,
+            capacity: AtomicU32::new(capacity),
+        }
+    }
+
     pub(crate) fn new(dep: &Deployment, base: &str, capacity: u32) -> Result<SemSpec> {
         check_capacity(capacity)?;
         let base = keys::physical_base(&dep.prefix, base, "semaphore base key")?;

@@ -15,6 +15,8 @@ use crate::core::fences::FenceBook;
 use crate::core::lease::{LeaseCore, Refusal, Ticket, Verdict};
 use crate::core::schedule::{Next, Schedule, Watched};
 use crate::core::timing::Timing;
+use crate::lease::kind::Acquire;
+use crate::lease::semaphore::SemSpec;
 use crate::lease::string_clean_up;
 use crate::runtime::lease::LeaseCell;
 use crate::runtime::renewal::Ops;
@@ -43,15 +45,46 @@ impl Watched for Arc<Cell> {
 /// The fence counter both lease keys share.
 const FENCE: &str = "fence";
 
-/// A lease key's name on the model server.
+/// How a key is held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum KeyKind {
+    /// A plain `Lock`: `SET NX PX`, no token.
+    Plain,
+    /// A fenced lease: the shipped script, a token from [`FENCE`].
+    Fenced,
+    /// A semaphore of this capacity: a permit is a member of the permit set
+    /// with a slot and a token from the meta hash.
+    Permits(u32),
+}
+
+/// A lease key's name on the model server (a semaphore's permit set).
 fn key_name(key: usize) -> String {
     format!("k{key}")
 }
 
+/// A semaphore's permit set, meta hash and slot bitmap.
+fn sem_keys(key: usize) -> [String; 3] {
+    let base = key_name(key);
+    [
+        base.clone(),
+        format!("{base}:meta"),
+        format!("{base}:slots"),
+    ]
+}
+
 /// The shipped extension, verification and release commands of a lease held
 /// as `value` on `key`.
-fn ops(key: usize, value: &str) -> Ops {
-    Ops::string_value(&key_name(key), value.to_owned())
+fn ops(kind: KeyKind, key: usize, value: &str) -> Ops {
+    match kind {
+        KeyKind::Plain | KeyKind::Fenced => Ops::string_value(&key_name(key), value.to_owned()),
+        KeyKind::Permits(_) => Ops::member(
+            sem_keys(key).to_vec(),
+            value.to_owned(),
+            &scripts::SEM_EXTEND,
+            &scripts::SEM_VERIFY,
+            &scripts::SEM_RELEASE,
+        ),
+    }
 }
 
 /// The argument vector of a shipped command.
@@ -78,6 +111,10 @@ fn run_on(server: &mut ModelServer, client: ClientId, cmd: &redis::Cmd) -> Optio
                 &*scripts::LEASE_EXTEND,
                 &*scripts::LEASE_VERIFY,
                 &*scripts::LEASE_RELEASE,
+                &*scripts::SEM_ACQUIRE,
+                &*scripts::SEM_EXTEND,
+                &*scripts::SEM_VERIFY,
+                &*scripts::SEM_RELEASE,
             ]
             .into_iter()
             .find(|s| s.sha == sha)?;
@@ -97,9 +134,35 @@ fn string_at(server: &ModelServer, key: &str) -> Option<String> {
     }
 }
 
-/// The fence counter's value on `server`.
-fn counter(server: &ModelServer) -> u64 {
-    string_at(server, FENCE).map_or(0, |v| v.parse().expect("a counter"))
+/// A hash field, if the key is a hash holding it.
+fn field_at(server: &ModelServer, key: &str, field: &str) -> Option<String> {
+    match server.entry(key).map(|e| &e.value) {
+        Some(Value::Hash(h)) => h
+            .get(field.as_bytes())
+            .map(|v| String::from_utf8_lossy(v).into_owned()),
+        _ => None,
+    }
+}
+
+/// The counters on `server`: the fence counter and key 0's semaphore's.
+fn counters(server: &ModelServer) -> [u64; 2] {
+    let n = |v: Option<String>| v.map_or(0, |v| v.parse().expect("a counter"));
+    [
+        n(string_at(server, FENCE)),
+        n(field_at(server, &sem_keys(0)[1], "fence")),
+    ]
+}
+
+/// The unexpired permits of key `key`'s semaphore: member and expiry score.
+fn permits(server: &ModelServer, key: usize) -> Vec<(String, f64)> {
+    match server.entry(key_name(key)).map(|e| &e.value) {
+        Some(Value::ZSet(z)) => z
+            .iter()
+            .map(|(m, score)| (String::from_utf8_lossy(m).into_owned(), score))
+            .filter(|(_, score)| *score > server.now_ms() as f64)
+            .collect(),
+        _ => Vec::new(),
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -135,8 +198,13 @@ enum Req {
 
 #[derive(Clone, Debug)]
 enum Resp {
-    /// The token, and whether the key held this owner's grant already.
-    Granted(u64, bool),
+    /// The token (0: none), the value or member held, and whether the key
+    /// held this owner's grant already.
+    Granted {
+        token: u64,
+        value: String,
+        existed: bool,
+    },
     Busy,
     Ints(Vec<i64>),
     Done,
@@ -278,7 +346,8 @@ struct Exec {
 
 struct Proc {
     fences: FenceBook,
-    accepted: Vec<(u64, Instant)>,
+    /// Tokens accepted, by counter, with when their reply came.
+    accepted: Vec<(usize, u64, Instant)>,
     sched: Schedule<Arc<Cell>>,
     wake: Option<Duration>,
     /// The primary this process knows (its connections go there).
@@ -313,9 +382,8 @@ struct World {
     /// the stream a pending `Replicate` event already covers.
     lag: Duration,
     streamed: usize,
-    /// Keys taken by a plain `Lock` (`SET NX`, no token) rather than the
-    /// fenced script.
-    plain: [bool; 2],
+    /// How each key is held.
+    kinds: [KeyKind; 2],
     /// Whether each key's last lease ended by a release or a deletion (not
     /// by expiry), for the takeover count.
     ended: [bool; 2],
@@ -337,7 +405,7 @@ struct World {
     trace: bool,
     /// Every fencing token a user was handed, with its owner: the checker's
     /// own record, not the model server's counter.
-    delivered: HashMap<u64, String>,
+    delivered: HashMap<(usize, u64), String>,
     /// When each key was last deleted by a fault.
     deleted_at: [Option<Instant>; 2],
     /// No loss, no slow message, no fault: every kept-alive lease must live.
@@ -393,7 +461,15 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         last_out: HashMap::new(),
         lag: Duration::from_micros(rng.below(node_timeout.as_micros() as u64 * 3)),
         streamed: 0,
-        plain: [rng.chance(0.5), false],
+        kinds: [
+            [
+                KeyKind::Plain,
+                KeyKind::Fenced,
+                KeyKind::Permits(1),
+                KeyKind::Permits(2),
+            ][rng.below(4) as usize],
+            KeyKind::Fenced,
+        ],
         ended: [true, true],
         went_back: false,
         cleaned: HashSet::new(),
@@ -591,7 +667,7 @@ impl World {
         let Some(&client) = self.clients.get(&conn) else {
             return Ok(None);
         };
-        let plain = self.plain;
+        let kinds = self.kinds;
         let target = match req {
             Req::Kill { target } => (self.conn_gen.get(target) == Some(&generation))
                 .then(|| self.clients.get(target).copied())
@@ -613,41 +689,75 @@ impl World {
         let resp = match req {
             Req::Acquire { key, owner, ttl_ms } => {
                 let name = key_name(*key);
-                let before = string_at(server, &name);
-                let mine = before
-                    .as_ref()
-                    .is_some_and(|v| v == owner || v.starts_with(&format!("{owner}:")));
-                let resp = if plain[*key] {
-                    let set = redis::cmd("SET")
-                        .arg(&name)
-                        .arg(owner)
-                        .arg("NX")
-                        .arg("PX")
-                        .arg(*ttl_ms)
-                        .clone();
-                    run_on(server, client, &set);
-                    match run_on(server, client, redis::cmd("GET").arg(&name)) {
-                        Some(Reply::Bulk(v)) if v == owner.as_bytes() => Resp::Granted(0, mine),
-                        _ => Resp::Busy,
+                let kind = kinds[*key];
+                let ttl = ttl_ms.to_string();
+                let mine = match kind {
+                    KeyKind::Permits(_) => {
+                        field_at(server, &sem_keys(*key)[1], &format!("holder:{owner}")).is_some()
                     }
-                } else {
-                    let ttl = ttl_ms.to_string();
-                    let cmd = scripts::FENCED_ACQUIRE.evalsha(&[&name, FENCE], &[owner, &ttl]);
-                    match run_on(server, client, &cmd) {
-                        Some(Reply::Array(a)) => match a.as_slice() {
-                            [Reply::Int(1), Reply::Bulk(t)] => Resp::Granted(
-                                String::from_utf8_lossy(t)
-                                    .parse()
-                                    .map_err(|e| format!("{e}"))?,
-                                mine,
-                            ),
-                            [Reply::Int(0), Reply::Int(_)] => Resp::Busy,
+                    _ => string_at(server, &name)
+                        .is_some_and(|v| v == *owner || v.starts_with(&format!("{owner}:"))),
+                };
+                let resp = match kind {
+                    KeyKind::Plain => {
+                        let set = redis::cmd("SET")
+                            .arg(&name)
+                            .arg(owner)
+                            .arg("NX")
+                            .arg("PX")
+                            .arg(*ttl_ms)
+                            .clone();
+                        run_on(server, client, &set);
+                        match run_on(server, client, redis::cmd("GET").arg(&name)) {
+                            Some(Reply::Bulk(v)) if v == owner.as_bytes() => Resp::Granted {
+                                token: 0,
+                                value: owner.clone(),
+                                existed: mine,
+                            },
+                            _ => Resp::Busy,
+                        }
+                    }
+                    KeyKind::Fenced => {
+                        let cmd = scripts::FENCED_ACQUIRE.evalsha(&[&name, FENCE], &[owner, &ttl]);
+                        match run_on(server, client, &cmd) {
+                            Some(Reply::Array(a)) => match a.as_slice() {
+                                [Reply::Int(1), Reply::Bulk(t)] => {
+                                    let t = String::from_utf8_lossy(t).into_owned();
+                                    Resp::Granted {
+                                        token: t.parse().map_err(|e| format!("{e}"))?,
+                                        value: format!("{owner}:{t}"),
+                                        existed: mine,
+                                    }
+                                }
+                                [Reply::Int(0), Reply::Int(_)] => Resp::Busy,
+                                other => return Err(format!("acquire reply {other:?}")),
+                            },
                             other => return Err(format!("acquire reply {other:?}")),
-                        },
-                        other => return Err(format!("acquire reply {other:?}")),
+                        }
+                    }
+                    KeyKind::Permits(capacity) => {
+                        let keys = sem_keys(*key);
+                        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                        let cmd = scripts::SEM_ACQUIRE
+                            .evalsha(&keys, &[owner, &ttl, &capacity.to_string()]);
+                        match run_on(server, client, &cmd) {
+                            Some(Reply::Array(a)) => match a.as_slice() {
+                                [Reply::Int(1), Reply::Int(slot), Reply::Bulk(t)] => {
+                                    let t = String::from_utf8_lossy(t).into_owned();
+                                    Resp::Granted {
+                                        token: t.parse().map_err(|e| format!("{e}"))?,
+                                        value: format!("{owner}:{slot}:{t}"),
+                                        existed: mine,
+                                    }
+                                }
+                                [Reply::Int(0), Reply::Int(_)] => Resp::Busy,
+                                other => return Err(format!("acquire reply {other:?}")),
+                            },
+                            other => return Err(format!("acquire reply {other:?}")),
+                        }
                     }
                 };
-                if matches!(resp, Resp::Granted(..)) && !mine {
+                if matches!(resp, Resp::Granted { .. }) && !mine {
                     if self.cleaned.contains(&(generation, owner.clone())) {
                         return Err(format!(
                             "an attempt of {owner} granted after its clean-up ran: the \
@@ -663,13 +773,17 @@ impl World {
             Req::Extend { items } => {
                 let mut out = Vec::with_capacity(items.len());
                 for (key, value, ttl_ms) in items {
-                    let cmd = ops(*key, value).extend_cmd(*ttl_ms);
+                    let cmd = ops(kinds[*key], *key, value).extend_cmd(*ttl_ms);
                     out.push(int(run_on(server, client, &cmd).ok_or("closed")?)?);
                 }
                 Resp::Ints(out)
             }
             Req::Verify { key, value } => {
-                match run_on(server, client, &ops(*key, value).verify_cmd(false)) {
+                match run_on(
+                    server,
+                    client,
+                    &ops(kinds[*key], *key, value).verify_cmd(false),
+                ) {
                     Some(Reply::Array(a)) => {
                         Resp::Ints(a.into_iter().map(int).collect::<Result<_, _>>()?)
                     }
@@ -677,7 +791,7 @@ impl World {
                 }
             }
             Req::Release { key, value } => {
-                let ops = ops(*key, value);
+                let ops = ops(kinds[*key], *key, value);
                 let cmd = ops
                     .release_script()
                     .evalsha(&ops.key_refs(), ops.release_arg_refs().as_slice());
@@ -689,7 +803,15 @@ impl World {
                 Resp::Done
             }
             Req::ReleasePrefix { key, owner } => {
-                let cmd = string_clean_up(&key_name(*key), &OwnerToken::from_raw(owner.clone()));
+                let owner_token = OwnerToken::from_raw(owner.clone());
+                let cmd = match kinds[*key] {
+                    KeyKind::Plain | KeyKind::Fenced => {
+                        string_clean_up(&key_name(*key), &owner_token)
+                    }
+                    KeyKind::Permits(capacity) => {
+                        SemSpec::from_keys(sem_keys(*key), capacity).clean_up(&owner_token)
+                    }
+                };
                 let had = server.exists(key_name(*key));
                 run_on(server, client, &cmd);
                 if had && !server.exists(key_name(*key)) {
@@ -714,11 +836,11 @@ impl World {
                 let now = self.now;
                 let hop = self.net.hop(&mut self.rng, self.net.p_lose_reply);
                 let current = self.conn_gen.get(&conn) == Some(&self.generation);
-                let drawn = self.server_of(conn).map(|s| counter(s));
+                let drawn = self.server_of(conn).map(|s| counters(s));
                 let Some(resp) = self.deliver(conn, &req)? else {
                     return Ok(());
                 };
-                let drew = self.server_of(conn).map(|s| counter(s)) != drawn;
+                let drew = self.server_of(conn).map(|s| counters(s)) != drawn;
                 if let Some(d) = hop {
                     let last = self.last_out.get(&conn).copied().unwrap_or_default();
                     let at = (now + d).max(last);
@@ -763,7 +885,8 @@ impl World {
                 {
                     self.stats.failovers += 1;
                     let old = self.server.promote();
-                    if counter(&self.server) < counter(&old) {
+                    let (now, before) = (counters(&self.server), counters(&old));
+                    if now[0] < before[0] || now[1] < before[1] {
                         self.went_back = true;
                     }
                     self.old = Some(old);
@@ -786,6 +909,11 @@ impl World {
             Ev::Switch(p) => self.switch(p),
             Ev::Delete(key) => {
                 self.server.put(key_name(key), None);
+                // Of a semaphore, the permits go; the meta hash with its
+                // counter stays (a deleted counter is a fault of its own).
+                if let KeyKind::Permits(_) = self.kinds[key] {
+                    self.server.put(&sem_keys(key)[2], None);
+                }
                 self.ended[key] = true;
                 let now = self.at();
                 self.deleted_at[key] = Some(now);
@@ -824,7 +952,7 @@ impl World {
                 self.arm(p);
             }
             Ev::CounterBack => {
-                let back = counter(&self.server).saturating_sub(1 + self.rng.below(5));
+                let back = counters(&self.server)[0].saturating_sub(1 + self.rng.below(5));
                 self.server.put(
                     FENCE,
                     Some(Entry {
@@ -1151,13 +1279,17 @@ impl World {
         let now = self.at();
         let proc = self.users[u].proc;
         match resp {
-            Some(Resp::Granted(token, existed)) => {
+            Some(Resp::Granted {
+                token,
+                value,
+                existed,
+            }) => {
                 self.stats.grants += 1;
                 // Granted by a primary that was replaced meanwhile.
                 let exposed = self.conn_gen.get(&p.conn) != Some(&self.generation);
                 let a = self.users[u].acquiring.take().expect("acquiring");
                 let key = self.users[u].key;
-                if self.plain[key] {
+                if self.kinds[key] == KeyKind::Plain {
                     // A plain lock: no token; a grant found in place dates from
                     // the owner's first unanswered attempt.
                     let sent = if existed {
@@ -1165,10 +1297,14 @@ impl World {
                     } else {
                         p.sent
                     };
-                    let value = a.owner.clone();
                     self.hold(u, key, value, sent, a.ttl, exposed);
                     return Ok(());
                 }
+                // The counter the token came from.
+                let (book, counter) = match self.kinds[key] {
+                    KeyKind::Permits(_) => ("sem", 1),
+                    _ => ("fence", 0),
+                };
                 // The grant may date from the owner's first unanswered attempt.
                 let sent = a.first_uncertain.map_or(p.sent, |f| f.min(p.sent));
                 // The fence book, against the definition: a regression is a
@@ -1176,8 +1312,8 @@ impl World {
                 let expected = self.procs[proc]
                     .accepted
                     .iter()
-                    .any(|&(t, r)| r < sent && t >= token);
-                let checked = self.procs[proc].fences.check("fence", token, sent, now);
+                    .any(|&(c, t, r)| c == counter && r < sent && t >= token);
+                let checked = self.procs[proc].fences.check(book, token, sent, now);
                 // The book may miss a regression only for a grant whose first
                 // attempt is older than its horizon; it never reports a false one.
                 let blind = sent + self.timing.node_timeout * 4 < now;
@@ -1198,12 +1334,12 @@ impl World {
                         self.procs[proc]
                             .accepted
                             .iter()
-                            .map(|(t, r)| (*t, r.duration_since(self.origin)))
+                            .filter(|(c, _, _)| *c == counter)
+                            .map(|(_, t, r)| (*t, r.duration_since(self.origin)))
                             .collect::<Vec<_>>()
                     ));
                 }
-                self.procs[proc].accepted.push((token, now));
-                let value = format!("{}:{token}", a.owner);
+                self.procs[proc].accepted.push((counter, token, now));
                 if checked.is_err() {
                     self.stats.regressions += 1;
                     // Refused: the grant is released again.
@@ -1220,7 +1356,7 @@ impl World {
                 // A grant from a replaced primary is history its successor
                 // never had: its token may come again.
                 if !exposed
-                    && let Some(before) = self.delivered.insert(token, a.owner.clone())
+                    && let Some(before) = self.delivered.insert((counter, token), a.owner.clone())
                     && before != a.owner
                     && !self.went_back
                 {
@@ -1449,6 +1585,24 @@ impl World {
     fn check(&mut self) -> Result<(), String> {
         let now = self.at();
         let t = self.now;
+        // A semaphore's unexpired permits never exceed its capacity, and hold
+        // distinct slots (the record is the model server's data, read here
+        // and nowhere by the code under test).
+        if let KeyKind::Permits(capacity) = self.kinds[0] {
+            let held = permits(&self.server, 0);
+            let mut slots: Vec<&str> = held
+                .iter()
+                .filter_map(|(m, _)| m.split(':').nth(1))
+                .collect();
+            slots.sort_unstable();
+            slots.dedup();
+            if held.len() > capacity as usize || slots.len() < held.len() {
+                return Err(format!(
+                    "{} unexpired permits of a semaphore of capacity {capacity} at {t:?}: {held:?}",
+                    held.len()
+                ));
+            }
+        }
         for u in 0..self.users.len() {
             let Some(g) = &self.users[u].guard else {
                 continue;
@@ -1494,17 +1648,24 @@ impl World {
                 self.stats.exposed += 1;
                 continue;
             }
-            // The true time at which the server drops the key: it keeps it
-            // while its clock, in whole milliseconds, is at or before the
-            // expiry.
+            // The true time at which the server drops the lease: a key it
+            // keeps while its clock, in whole milliseconds, is at or before
+            // the expiry; a permit while the clock is before its score.
             let name = key_name(key);
-            let held = match (string_at(&self.server, &name), self.server.expiry(&name)) {
-                (Some(v), Some(at)) if v == value => {
-                    let ahead = (at + 1) as f64 - self.server.clock_ms();
-                    Some(t.as_nanos() as f64 + ahead / self.server.rate() * 1e6)
-                }
-                _ => None,
+            let ends = match self.kinds[key] {
+                KeyKind::Permits(_) => permits(&self.server, key)
+                    .into_iter()
+                    .find(|(m, _)| *m == value)
+                    .map(|(_, score)| score.ceil()),
+                _ => match (string_at(&self.server, &name), self.server.expiry(&name)) {
+                    (Some(v), Some(at)) if v == value => Some((at + 1) as f64),
+                    _ => None,
+                },
             };
+            let held = ends.map(|at| {
+                let ahead = at - self.server.clock_ms();
+                t.as_nanos() as f64 + ahead / self.server.rate() * 1e6
+            });
             // The guard's bound, not only `is_lost()` (which comes a node
             // timeout earlier), must be at or before the server's real
             // expiry. Both change only at events, so checking at every event
@@ -1521,10 +1682,14 @@ impl World {
                 ));
             }
             if held.is_none() {
-                let server = (string_at(&self.server, &name), self.server.pttl(&name));
+                let server = (
+                    string_at(&self.server, &name),
+                    self.server.pttl(&name),
+                    permits(&self.server, key),
+                );
                 return Err(format!(
                     "user {u} believes it holds {value} at {t:?} (valid until {:?}), but the \
-                     server has {server:?} (value, PTTL)",
+                     server has {server:?} (value, PTTL, permits)",
                     g.cell.valid_until().duration_since(self.origin)
                 ));
             }
