@@ -260,7 +260,7 @@ impl LeaseGuard<Write> {
 /// The lifetime of a waiting writer's intent: at most its TTL (a crashed waiter
 /// holds readers back no longer than a crashed holder would), else three node
 /// timeouts but at least a second, so a refresh always arrives in time.
-fn intent_ms(ttl_ms: u64, node_timeout: Duration) -> u64 {
+pub(crate) fn intent_ms(ttl_ms: u64, node_timeout: Duration) -> u64 {
     let floor = (node_timeout.as_millis() as u64)
         .saturating_mul(3)
         .max(1_000);
@@ -292,6 +292,24 @@ fn script_error(e: Error, keys: &[String]) -> Error {
 }
 
 /// The read side's keys and acquire script.
+/// What a reader's (or, `writer`, a writer's) unanswered attempts of `owner`
+/// are cleaned up with, over given keys: for the simulation's model servers.
+#[cfg(test)]
+pub(crate) fn clean_up_rw(keys: [String; 4], writer: bool, owner: &OwnerToken) -> redis::Cmd {
+    let preference = Preference::Writer;
+    if writer {
+        let node_timeout = Duration::ZERO;
+        WriteSpec {
+            keys,
+            preference,
+            node_timeout,
+        }
+        .clean_up(owner)
+    } else {
+        ReadSpec { keys, preference }.clean_up(owner)
+    }
+}
+
 struct ReadSpec {
     /// Writer, readers, intents, fence.
     keys: [String; 4],

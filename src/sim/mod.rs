@@ -9,7 +9,7 @@
 //! switch), the verification verdicts, the renewal `Schedule`, the quorum
 //! `Tally` and the `FenceBook` — and, for single deployments, the shipped
 //! scripts and commands, run by the model server (`sim::model`) for plain,
-//! fenced and semaphore leases. What is still written here rather than run
+//! fenced, semaphore and reader/writer leases. What is still written here rather than run
 //! from the runtime: the I/O around them (which request goes on which
 //! connection), the acquire attempts and their retries, the Redlock node
 //! workers, and the Redlock scripts' effects on its model nodes.

@@ -16,6 +16,7 @@ use crate::core::lease::{LeaseCore, Refusal, Ticket, Verdict};
 use crate::core::schedule::{Next, Schedule, Watched};
 use crate::core::timing::Timing;
 use crate::lease::kind::Acquire;
+use crate::lease::rwlease::{clean_up_rw, intent_ms};
 use crate::lease::semaphore::SemSpec;
 use crate::lease::string_clean_up;
 use crate::runtime::lease::LeaseCell;
@@ -55,6 +56,10 @@ enum KeyKind {
     /// A semaphore of this capacity: a permit is a member of the permit set
     /// with a slot and a token from the meta hash.
     Permits(u32),
+    /// A reader/writer lease, with writer preference or not. An owner ending
+    /// in `r` reads (a member of the reader set, no token), one ending in `w`
+    /// writes (the writer key, `owner:token`, a token from its own counter).
+    Rw { writers_first: bool },
 }
 
 /// A lease key's name on the model server (a semaphore's permit set).
@@ -72,11 +77,31 @@ fn sem_keys(key: usize) -> [String; 3] {
     ]
 }
 
+/// A reader/writer lease's writer key, reader set, intents and counter.
+fn rw_keys(key: usize) -> [String; 4] {
+    let base = key_name(key);
+    [
+        base.clone(),
+        format!("{base}:r"),
+        format!("{base}:q"),
+        format!("{base}:fence"),
+    ]
+}
+
 /// The shipped extension, verification and release commands of a lease held
 /// as `value` on `key`.
 fn ops(kind: KeyKind, key: usize, value: &str) -> Ops {
     match kind {
-        KeyKind::Plain | KeyKind::Fenced => Ops::string_value(&key_name(key), value.to_owned()),
+        KeyKind::Rw { .. } if !value.contains(':') => Ops::member(
+            vec![rw_keys(key)[1].clone()],
+            value.to_owned(),
+            &scripts::RW_READ_EXTEND,
+            &scripts::RW_READ_VERIFY,
+            &scripts::RW_READ_RELEASE,
+        ),
+        KeyKind::Plain | KeyKind::Fenced | KeyKind::Rw { .. } => {
+            Ops::string_value(&key_name(key), value.to_owned())
+        }
         KeyKind::Permits(_) => Ops::member(
             sem_keys(key).to_vec(),
             value.to_owned(),
@@ -115,6 +140,12 @@ fn run_on(server: &mut ModelServer, client: ClientId, cmd: &redis::Cmd) -> Optio
                 &*scripts::SEM_EXTEND,
                 &*scripts::SEM_VERIFY,
                 &*scripts::SEM_RELEASE,
+                &*scripts::RW_READ_ACQUIRE,
+                &*scripts::RW_READ_EXTEND,
+                &*scripts::RW_READ_VERIFY,
+                &*scripts::RW_READ_RELEASE,
+                &*scripts::RW_WRITE_ACQUIRE,
+                &*scripts::RW_WRITE_CLEAN_UP,
             ]
             .into_iter()
             .find(|s| s.sha == sha)?;
@@ -144,18 +175,25 @@ fn field_at(server: &ModelServer, key: &str, field: &str) -> Option<String> {
     }
 }
 
-/// The counters on `server`: the fence counter and key 0's semaphore's.
-fn counters(server: &ModelServer) -> [u64; 2] {
+/// The counters on `server`: the fence counter, key 0's semaphore's and its
+/// reader/writer lease's.
+fn counters(server: &ModelServer) -> [u64; 3] {
     let n = |v: Option<String>| v.map_or(0, |v| v.parse().expect("a counter"));
     [
         n(string_at(server, FENCE)),
         n(field_at(server, &sem_keys(0)[1], "fence")),
+        n(string_at(server, &rw_keys(0)[3])),
     ]
 }
 
-/// The unexpired permits of key `key`'s semaphore: member and expiry score.
+/// The unexpired members of a sorted set scored by expiry (a semaphore's
+/// permits, a lease's readers): member and score.
 fn permits(server: &ModelServer, key: usize) -> Vec<(String, f64)> {
-    match server.entry(key_name(key)).map(|e| &e.value) {
+    members(server, &key_name(key))
+}
+
+fn members(server: &ModelServer, set: &str) -> Vec<(String, f64)> {
+    match server.entry(set).map(|e| &e.value) {
         Some(Value::ZSet(z)) => z
             .iter()
             .map(|(m, score)| (String::from_utf8_lossy(m).into_owned(), score))
@@ -467,7 +505,13 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
                 KeyKind::Fenced,
                 KeyKind::Permits(1),
                 KeyKind::Permits(2),
-            ][rng.below(4) as usize],
+                KeyKind::Rw {
+                    writers_first: true,
+                },
+                KeyKind::Rw {
+                    writers_first: false,
+                },
+            ][rng.below(6) as usize],
             KeyKind::Fenced,
         ],
         ended: [true, true],
@@ -668,6 +712,7 @@ impl World {
             return Ok(None);
         };
         let kinds = self.kinds;
+        let node_timeout = self.timing.node_timeout;
         let target = match req {
             Req::Kill { target } => (self.conn_gen.get(target) == Some(&generation))
                 .then(|| self.clients.get(target).copied())
@@ -691,10 +736,14 @@ impl World {
                 let name = key_name(*key);
                 let kind = kinds[*key];
                 let ttl = ttl_ms.to_string();
+                let reads = matches!(kind, KeyKind::Rw { .. }) && owner.ends_with('r');
                 let mine = match kind {
                     KeyKind::Permits(_) => {
                         field_at(server, &sem_keys(*key)[1], &format!("holder:{owner}")).is_some()
                     }
+                    KeyKind::Rw { .. } if reads => members(server, &rw_keys(*key)[1])
+                        .iter()
+                        .any(|(m, _)| m == owner),
                     _ => string_at(server, &name)
                         .is_some_and(|v| v == *owner || v.starts_with(&format!("{owner}:"))),
                 };
@@ -721,6 +770,44 @@ impl World {
                         let cmd = scripts::FENCED_ACQUIRE.evalsha(&[&name, FENCE], &[owner, &ttl]);
                         match run_on(server, client, &cmd) {
                             Some(Reply::Array(a)) => match a.as_slice() {
+                                [Reply::Int(1), Reply::Bulk(t)] => {
+                                    let t = String::from_utf8_lossy(t).into_owned();
+                                    Resp::Granted {
+                                        token: t.parse().map_err(|e| format!("{e}"))?,
+                                        value: format!("{owner}:{t}"),
+                                        existed: mine,
+                                    }
+                                }
+                                [Reply::Int(0), Reply::Int(_)] => Resp::Busy,
+                                other => return Err(format!("acquire reply {other:?}")),
+                            },
+                            other => return Err(format!("acquire reply {other:?}")),
+                        }
+                    }
+                    KeyKind::Rw { writers_first } => {
+                        let keys = rw_keys(*key);
+                        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                        let cmd = if reads {
+                            let preference = if writers_first { "writer" } else { "reader" };
+                            scripts::RW_READ_ACQUIRE.evalsha(&keys, &[owner, &ttl, preference])
+                        } else {
+                            // A waiting writer's intent, as the shipped writer
+                            // records it under writer preference.
+                            let intent = if writers_first {
+                                intent_ms(*ttl_ms, node_timeout)
+                            } else {
+                                0
+                            };
+                            scripts::RW_WRITE_ACQUIRE
+                                .evalsha(&keys, &[owner, &ttl, &intent.to_string()])
+                        };
+                        match run_on(server, client, &cmd) {
+                            Some(Reply::Array(a)) => match a.as_slice() {
+                                [Reply::Int(1), Reply::Bulk(t)] if reads => Resp::Granted {
+                                    token: 0,
+                                    value: owner.clone(),
+                                    existed: mine,
+                                },
                                 [Reply::Int(1), Reply::Bulk(t)] => {
                                     let t = String::from_utf8_lossy(t).into_owned();
                                     Resp::Granted {
@@ -811,6 +898,9 @@ impl World {
                     KeyKind::Permits(capacity) => {
                         SemSpec::from_keys(sem_keys(*key), capacity).clean_up(&owner_token)
                     }
+                    KeyKind::Rw { .. } => {
+                        clean_up_rw(rw_keys(*key), owner.ends_with('w'), &owner_token)
+                    }
                 };
                 let had = server.exists(key_name(*key));
                 run_on(server, client, &cmd);
@@ -886,7 +976,7 @@ impl World {
                     self.stats.failovers += 1;
                     let old = self.server.promote();
                     let (now, before) = (counters(&self.server), counters(&old));
-                    if now[0] < before[0] || now[1] < before[1] {
+                    if now.iter().zip(before).any(|(n, b)| *n < b) {
                         self.went_back = true;
                     }
                     self.old = Some(old);
@@ -1078,8 +1168,14 @@ impl World {
                 let n = self.users[u].owners;
                 self.users[u].owners += 1;
                 let ttl = self.ttls[self.rng.below(self.ttls.len() as u64) as usize];
+                // Of a reader/writer lease, a reader or a writer.
+                let mode = match self.kinds[self.users[u].key] {
+                    KeyKind::Rw { .. } if self.rng.chance(0.5) => "r",
+                    KeyKind::Rw { .. } => "w",
+                    _ => "",
+                };
                 let a = self.users[u].acquiring.as_mut().expect("set");
-                a.owner = format!("u{u}o{n}");
+                a.owner = format!("u{u}o{n}{mode}");
                 a.ttl = ttl;
                 a.tries = 1 + self.rng.below(4) as u32;
             }
@@ -1289,6 +1385,12 @@ impl World {
                 let exposed = self.conn_gen.get(&p.conn) != Some(&self.generation);
                 let a = self.users[u].acquiring.take().expect("acquiring");
                 let key = self.users[u].key;
+                if matches!(self.kinds[key], KeyKind::Rw { .. }) && token == 0 {
+                    // A reader: no token; a repeated grant moves its expiry to
+                    // ttl from now if later, so its own send stands.
+                    self.hold(u, key, value, p.sent, a.ttl, exposed);
+                    return Ok(());
+                }
                 if self.kinds[key] == KeyKind::Plain {
                     // A plain lock: no token; a grant found in place dates from
                     // the owner's first unanswered attempt.
@@ -1303,6 +1405,7 @@ impl World {
                 // The counter the token came from.
                 let (book, counter) = match self.kinds[key] {
                     KeyKind::Permits(_) => ("sem", 1),
+                    KeyKind::Rw { .. } => ("write", 2),
                     _ => ("fence", 0),
                 };
                 // The grant may date from the owner's first unanswered attempt.
@@ -1588,6 +1691,17 @@ impl World {
         // A semaphore's unexpired permits never exceed its capacity, and hold
         // distinct slots (the record is the model server's data, read here
         // and nowhere by the code under test).
+        // A writer never holds a reader/writer lease beside an unexpired
+        // reader (the server's data again).
+        if let KeyKind::Rw { .. } = self.kinds[0] {
+            let [writer, readers, ..] = rw_keys(0);
+            let readers = members(&self.server, &readers);
+            if let Some(w) = string_at(&self.server, &writer)
+                && !readers.is_empty()
+            {
+                return Err(format!("writer {w} beside readers {readers:?} at {t:?}"));
+            }
+        }
         if let KeyKind::Permits(capacity) = self.kinds[0] {
             let held = permits(&self.server, 0);
             let mut slots: Vec<&str> = held
@@ -1657,6 +1771,12 @@ impl World {
                     .into_iter()
                     .find(|(m, _)| *m == value)
                     .map(|(_, score)| score.ceil()),
+                KeyKind::Rw { .. } if !value.contains(':') => {
+                    members(&self.server, &rw_keys(key)[1])
+                        .into_iter()
+                        .find(|(m, _)| *m == value)
+                        .map(|(_, score)| score.ceil())
+                }
                 _ => match (string_at(&self.server, &name), self.server.expiry(&name)) {
                     (Some(v), Some(at)) if v == value => Some((at + 1) as f64),
                     _ => None,
@@ -1686,10 +1806,11 @@ impl World {
                     string_at(&self.server, &name),
                     self.server.pttl(&name),
                     permits(&self.server, key),
+                    members(&self.server, &rw_keys(key)[1]),
                 );
                 return Err(format!(
                     "user {u} believes it holds {value} at {t:?} (valid until {:?}), but the \
-                     server has {server:?} (value, PTTL, permits)",
+                     server has {server:?} (value, PTTL, permits, readers)",
                     g.cell.valid_until().duration_since(self.origin)
                 ));
             }
