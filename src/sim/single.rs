@@ -766,74 +766,64 @@ impl World {
                             _ => Resp::Busy,
                         }
                     }
-                    KeyKind::Fenced => {
-                        let cmd = scripts::FENCED_ACQUIRE.evalsha(&[&name, FENCE], &[owner, &ttl]);
-                        match run_on(server, client, &cmd) {
-                            Some(Reply::Array(a)) => match a.as_slice() {
-                                [Reply::Int(1), Reply::Bulk(t)] => {
-                                    let t = String::from_utf8_lossy(t).into_owned();
-                                    Resp::Granted {
-                                        token: t.parse().map_err(|e| format!("{e}"))?,
-                                        value: format!("{owner}:{t}"),
-                                        existed: mine,
-                                    }
+                    KeyKind::Fenced | KeyKind::Rw { .. } | KeyKind::Permits(_) => {
+                        let cmd = match kind {
+                            KeyKind::Rw { writers_first } => {
+                                let keys = rw_keys(*key);
+                                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                                if reads {
+                                    let preference =
+                                        if writers_first { "writer" } else { "reader" };
+                                    scripts::RW_READ_ACQUIRE
+                                        .evalsha(&keys, &[owner, &ttl, preference])
+                                } else {
+                                    // A waiting writer's intent, as the shipped
+                                    // writer records it under writer preference.
+                                    let intent = if writers_first {
+                                        intent_ms(*ttl_ms, node_timeout)
+                                    } else {
+                                        0
+                                    };
+                                    scripts::RW_WRITE_ACQUIRE
+                                        .evalsha(&keys, &[owner, &ttl, &intent.to_string()])
                                 }
-                                [Reply::Int(0), Reply::Int(_)] => Resp::Busy,
-                                other => return Err(format!("acquire reply {other:?}")),
-                            },
-                            other => return Err(format!("acquire reply {other:?}")),
-                        }
-                    }
-                    KeyKind::Rw { writers_first } => {
-                        let keys = rw_keys(*key);
-                        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-                        let cmd = if reads {
-                            let preference = if writers_first { "writer" } else { "reader" };
-                            scripts::RW_READ_ACQUIRE.evalsha(&keys, &[owner, &ttl, preference])
-                        } else {
-                            // A waiting writer's intent, as the shipped writer
-                            // records it under writer preference.
-                            let intent = if writers_first {
-                                intent_ms(*ttl_ms, node_timeout)
-                            } else {
-                                0
-                            };
-                            scripts::RW_WRITE_ACQUIRE
-                                .evalsha(&keys, &[owner, &ttl, &intent.to_string()])
+                            }
+                            KeyKind::Permits(capacity) => {
+                                let keys = sem_keys(*key);
+                                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                                scripts::SEM_ACQUIRE
+                                    .evalsha(&keys, &[owner, &ttl, &capacity.to_string()])
+                            }
+                            _ => scripts::FENCED_ACQUIRE.evalsha(&[&name, FENCE], &[owner, &ttl]),
+                        };
+                        // `{1, token}`, `{1, epoch}` for a reader, `{1, slot,
+                        // token}` for a permit; `{0, hint}` when busy.
+                        let token = |t: &[u8]| {
+                            let t = String::from_utf8_lossy(t).into_owned();
+                            t.parse::<u64>().map(|n| (n, t)).map_err(|e| format!("{e}"))
                         };
                         match run_on(server, client, &cmd) {
                             Some(Reply::Array(a)) => match a.as_slice() {
-                                [Reply::Int(1), Reply::Bulk(t)] if reads => Resp::Granted {
+                                [Reply::Int(1), Reply::Bulk(_)] if reads => Resp::Granted {
                                     token: 0,
                                     value: owner.clone(),
                                     existed: mine,
                                 },
                                 [Reply::Int(1), Reply::Bulk(t)] => {
-                                    let t = String::from_utf8_lossy(t).into_owned();
+                                    let (token, t) = token(t)?;
+                                    let value = format!("{owner}:{t}");
                                     Resp::Granted {
-                                        token: t.parse().map_err(|e| format!("{e}"))?,
-                                        value: format!("{owner}:{t}"),
+                                        token,
+                                        value,
                                         existed: mine,
                                     }
                                 }
-                                [Reply::Int(0), Reply::Int(_)] => Resp::Busy,
-                                other => return Err(format!("acquire reply {other:?}")),
-                            },
-                            other => return Err(format!("acquire reply {other:?}")),
-                        }
-                    }
-                    KeyKind::Permits(capacity) => {
-                        let keys = sem_keys(*key);
-                        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-                        let cmd = scripts::SEM_ACQUIRE
-                            .evalsha(&keys, &[owner, &ttl, &capacity.to_string()]);
-                        match run_on(server, client, &cmd) {
-                            Some(Reply::Array(a)) => match a.as_slice() {
                                 [Reply::Int(1), Reply::Int(slot), Reply::Bulk(t)] => {
-                                    let t = String::from_utf8_lossy(t).into_owned();
+                                    let (token, t) = token(t)?;
+                                    let value = format!("{owner}:{slot}:{t}");
                                     Resp::Granted {
-                                        token: t.parse().map_err(|e| format!("{e}"))?,
-                                        value: format!("{owner}:{slot}:{t}"),
+                                        token,
+                                        value,
                                         existed: mine,
                                     }
                                 }
