@@ -34,6 +34,18 @@ pub enum ReleaseOutcome {
     Uncertain,
 }
 
+impl ReleaseOutcome {
+    /// What a release script's reply says: 1 deleted while ours, 0 gone
+    /// (expired or deleted), anything else someone else's.
+    pub(crate) fn of(code: i64) -> ReleaseOutcome {
+        match code {
+            1 => ReleaseOutcome::Released,
+            0 => ReleaseOutcome::Expired,
+            _ => ReleaseOutcome::TakenOver,
+        }
+    }
+}
+
 /// A held lease of kind `K` on one deployment: [`LockGuard`](crate::LockGuard),
 /// [`FencedGuard`](crate::FencedGuard), [`ReadGuard`](crate::ReadGuard),
 /// [`WriteGuard`](crate::WriteGuard) and [`Permit`](crate::Permit) are this type.
@@ -346,9 +358,7 @@ impl<K: Kind> LeaseGuard<K> {
             }
         }
         match reply {
-            Ok(1) => Ok(ReleaseOutcome::Released),
-            Ok(0) => Ok(ReleaseOutcome::Expired),
-            Ok(_) => Ok(ReleaseOutcome::TakenOver),
+            Ok(code) => Ok(ReleaseOutcome::of(code)),
             Err(e) if e.is_uncertain() => {
                 log::warn!(
                     "release of {:?} is uncertain ({e}); it ends at its expiry at the latest",

@@ -20,7 +20,8 @@ use crate::lease::rwlease::{clean_up_rw, intent_ms};
 use crate::lease::semaphore::SemSpec;
 use crate::lease::string_clean_up;
 use crate::runtime::lease::LeaseCell;
-use crate::runtime::renewal::Ops;
+use crate::lease::guard::ReleaseOutcome;
+use crate::runtime::renewal::{Ops, Shape};
 use crate::scripts;
 use crate::token::OwnerToken;
 
@@ -245,6 +246,11 @@ enum Resp {
     },
     Busy,
     Ints(Vec<i64>),
+    /// A release's reply, and the outcome the server's data called for.
+    Released {
+        code: i64,
+        expected: ReleaseOutcome,
+    },
     Done,
 }
 
@@ -872,12 +878,29 @@ impl World {
                 let cmd = ops
                     .release_script()
                     .evalsha(&ops.key_refs(), ops.release_arg_refs().as_slice());
+                // What the release must report, from the server's data.
+                let expected = match ops.shape {
+                    Shape::Member { .. } => {
+                        if members(server, &ops.keys[0]).iter().any(|(m, _)| m == value) {
+                            ReleaseOutcome::Released
+                        } else {
+                            ReleaseOutcome::Expired
+                        }
+                    }
+                    Shape::StringValue => match server.entry(&ops.keys[0]) {
+                        None => ReleaseOutcome::Expired,
+                        Some(_) if string_at(server, &ops.keys[0]).as_ref() == Some(value) => {
+                            ReleaseOutcome::Released
+                        }
+                        Some(_) => ReleaseOutcome::TakenOver,
+                    },
+                };
                 let had = server.exists(key_name(*key));
-                run_on(server, client, &cmd);
+                let code = int(run_on(server, client, &cmd).ok_or("closed")?)?;
                 if had && !server.exists(key_name(*key)) {
                     self.ended[*key] = true;
                 }
-                Resp::Done
+                Resp::Released { code, expected }
             }
             Req::ReleasePrefix { key, owner } => {
                 let owner_token = OwnerToken::from_raw(owner.clone());
@@ -1352,7 +1375,19 @@ impl World {
                         }
                         self.think(u);
                     }
-                    Purpose::Release => self.think(u),
+                    Purpose::Release => {
+                        // The shipped reading of the reply, against the data.
+                        if let Some(Resp::Released { code, expected }) = resp
+                            && ReleaseOutcome::of(code) != expected
+                        {
+                            return Err(format!(
+                                "user {u}: a release answered {code} ({:?}) where the server \
+                                 held what calls for {expected:?}",
+                                ReleaseOutcome::of(code)
+                            ));
+                        }
+                        self.think(u)
+                    }
                     _ => return Err("user purpose".into()),
                 }
             }
