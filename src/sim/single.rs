@@ -15,12 +15,12 @@ use crate::core::fences::FenceBook;
 use crate::core::lease::{LeaseCore, Refusal, Ticket, Verdict};
 use crate::core::schedule::{Next, Schedule, Watched};
 use crate::core::timing::Timing;
+use crate::lease::guard::ReleaseOutcome;
 use crate::lease::kind::Acquire;
 use crate::lease::rwlease::{clean_up_rw, intent_ms};
 use crate::lease::semaphore::SemSpec;
 use crate::lease::string_clean_up;
 use crate::runtime::lease::LeaseCell;
-use crate::lease::guard::ReleaseOutcome;
 use crate::runtime::renewal::{Ops, Shape};
 use crate::scripts;
 use crate::token::OwnerToken;
@@ -881,7 +881,10 @@ impl World {
                 // What the release must report, from the server's data.
                 let expected = match ops.shape {
                     Shape::Member { .. } => {
-                        if members(server, &ops.keys[0]).iter().any(|(m, _)| m == value) {
+                        if members(server, &ops.keys[0])
+                            .iter()
+                            .any(|(m, _)| m == value)
+                        {
                             ReleaseOutcome::Released
                         } else {
                             ReleaseOutcome::Expired
@@ -1188,7 +1191,7 @@ impl World {
                     _ => "",
                 };
                 let a = self.users[u].acquiring.as_mut().expect("set");
-                a.owner = format!("u{u}o{n}{mode}");
+                a.owner = format!("u{u}o{n:04}{mode}");
                 a.ttl = ttl;
                 a.tries = 1 + self.rng.below(4) as u32;
             }
