@@ -6,6 +6,7 @@
 //! in `src/sim/` drives it with model ones (after quinn-proto and rustls,
 //! whose protocol cores are fed events rather than sockets).
 
+pub(crate) mod acquire;
 pub(crate) mod executor;
 pub(crate) mod fences;
 pub(crate) mod lease;

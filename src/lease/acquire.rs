@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::cancel::CancelToken;
 use crate::conn::Connect;
+use crate::core::acquire::{Attempts, dated};
 use crate::core::lease::LeaseCore;
 use crate::error::{Error, Result};
 use crate::lease::deployment::Deployment;
@@ -194,7 +195,7 @@ impl<K: Kind> Lease<K> {
             Wait::Until(Some(deadline), _) if deadline <= Instant::now() => Wait::Once,
             other => other,
         };
-        let (result, uncertain) = match wait {
+        let (result, attempts) = match wait {
             Wait::Once => self.once(&owner, ttl_ms),
             Wait::Until(deadline, cancel) => {
                 let keys = self.spec.wait_keys();
@@ -205,17 +206,15 @@ impl<K: Kind> Lease<K> {
                     node_timeout: dep.node_timeout() + dep.replication.timeout(),
                     settle: dep.connect_timeout,
                 };
-                let mut uncertain_since = None;
-                let mut granted_at = None;
+                let mut attempts = Attempts::default();
                 let waited = waiters::wait_for(&*dep.topology, &w, |conn, d| {
                     let started = dep.now();
-                    let since = rerun_since(uncertain_since, granted_at);
-                    let r = self.attempt(conn, &owner, ttl_ms, d, true, since);
+                    let r = self.attempt(conn, &owner, ttl_ms, d, true, attempts.since());
                     if r.as_ref().is_err_and(Error::is_uncertain) {
-                        uncertain_since.get_or_insert(started);
+                        attempts.unanswered(started, []);
                     }
                     if matches!(r, Ok(Attempt::Acquired(_))) {
-                        granted_at.get_or_insert(started);
+                        attempts.granted(started);
                     }
                     r
                 });
@@ -228,19 +227,18 @@ impl<K: Kind> Lease<K> {
                     });
                     self.spec.stopped_waiting(dep, &owner, by);
                 }
-                (waited.result, waited.uncertain)
+                attempts.went_out_on(waited.uncertain);
+                (waited.result, attempts)
             }
         };
-        // Attempts that got no reply may still arrive. Their connections are
-        // killed; when nothing was granted, what they may have set is deleted
-        // by owner. When a later attempt was granted, an earlier one arriving
-        // after the release would grant this owner again, a lease nobody
-        // holds (and burn a token): killing its connection stops that.
-        if !uncertain.is_empty() {
-            let acquired = matches!(result, Ok(Some(_)));
+        // Attempts that got no reply may still arrive (see `core::acquire`):
+        // their connections are killed, and what they may have set deleted by
+        // owner unless a later attempt was granted.
+        let acquired = matches!(result, Ok(Some(_)));
+        if let Some(left) = attempts.finish(acquired) {
             dep.clean_up(
-                &uncertain,
-                (!acquired).then(|| self.spec.clean_up(&owner)),
+                &left.conns,
+                left.delete.then(|| self.spec.clean_up(&owner)),
                 &self.spec.keys()[0],
                 Duration::from_millis(ttl_ms),
             );
@@ -283,12 +281,10 @@ impl<K: Kind> Lease<K> {
         ttl_ms: u64,
     ) -> (
         Result<Option<(LeaseGuard<K>, Instant, Instant)>>,
-        Vec<Uncertain>,
+        Attempts<Uncertain>,
     ) {
         let dep = &self.dep;
-        let mut uncertain = Vec::new();
-        let mut uncertain_since = None;
-        let mut granted_at = None;
+        let mut attempts = Attempts::default();
         let deadline = dep.now() + dep.node_timeout() + dep.replication.timeout();
         let mut result = Err(Error::Cancelled);
         for retry in [false, true] {
@@ -301,10 +297,9 @@ impl<K: Kind> Lease<K> {
                 |conn, deadline| {
                     reused = !conn.is_fresh();
                     started = dep.now();
-                    let since = rerun_since(uncertain_since, granted_at);
-                    let r = self.attempt(conn, owner, ttl_ms, deadline, false, since);
+                    let r = self.attempt(conn, owner, ttl_ms, deadline, false, attempts.since());
                     if matches!(r, Ok(Attempt::Acquired(_))) {
-                        granted_at.get_or_insert(started);
+                        attempts.granted(started);
                     }
                     r
                 },
@@ -314,16 +309,17 @@ impl<K: Kind> Lease<K> {
                 Attempt::Busy(_) => None,
             });
             if result.as_ref().is_err_and(Error::is_uncertain) {
-                uncertain_since.get_or_insert(started);
+                attempts.unanswered(started, lost);
+            } else {
+                attempts.went_out_on(lost);
             }
             let dead_pooled = reused && matches!(result, Err(Error::Io { .. }));
-            uncertain.extend(lost);
             if dead_pooled && !retry {
                 continue;
             }
             break;
         }
-        (result, uncertain)
+        (result, attempts)
     }
 
     #[allow(clippy::type_complexity, reason = "a private helper's result")]
@@ -364,7 +360,7 @@ impl<K: Kind> Lease<K> {
                 // A token is checked against the history from the earliest
                 // attempt that may have drawn it (a repeated grant to this
                 // owner returns the token an unanswered attempt drew).
-                let sent = uncertain_since.map_or(g.sent, |t| t.min(g.sent));
+                let sent = dated(uncertain_since, g.sent);
                 Attempt::Acquired((self.guard(g, ttl_ms, acknowledged), sent, received))
             }
             Attempt::Busy(pttl) => Attempt::Busy(pttl),
@@ -378,15 +374,6 @@ impl<K: Kind> Lease<K> {
         self.dep.granted(&cell);
         LeaseGuard::new(self.dep.clone(), cell, g.grant, acknowledged)
     }
-}
-
-/// The earliest send that may have made a grant an attempt finds in place:
-/// the first attempt that got no reply, or the first whose grant came back but
-/// was discarded. An attempt runs again after a grant only when its reply came
-/// from a server retired during the call (a failover): the grant may have
-/// reached the new primary and count from that earlier send.
-fn rerun_since(uncertain_since: Option<Instant>, granted_at: Option<Instant>) -> Option<Instant> {
-    uncertain_since.into_iter().chain(granted_at).min()
 }
 
 impl<K: Kind> fmt::Debug for Lease<K> {

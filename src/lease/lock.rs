@@ -7,6 +7,7 @@ use std::fmt;
 use std::time::Instant;
 
 use crate::conn::Conn;
+use crate::core::acquire::dated;
 use crate::error::{Error, Result};
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::Deployment;
@@ -120,7 +121,7 @@ impl Acquire<()> for PlainSpec {
             {
                 // Set by an earlier attempt of this owner whose reply was
                 // lost: its expiry counts from that attempt at the earliest.
-                granted(uncertain_since.map_or(sent, |t| t.min(sent)))
+                granted(dated(uncertain_since, sent))
             }
             [redis::Value::Nil, redis::Value::ServerError(e), ..]
             | [redis::Value::Nil, _, redis::Value::ServerError(e)] => fail(e),

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::model::{ClientId, Entry, ModelServer, Reply, Value};
 use super::{Net, Queue, Rng, Stats, instant};
+use crate::core::acquire::{Attempts, CleanUp, dated};
 use crate::core::executor::{Command, Executor as Machine, ExtendReply, Renewal, settle};
 use crate::core::fences::FenceBook;
 use crate::core::lease::{LeaseCore, Refusal, Ticket, Verdict};
@@ -345,15 +346,12 @@ struct Guard {
     renewable: bool,
 }
 
-/// A user thread's acquire in progress: its owner, the attempts that got
-/// no reply, how many attempts are left.
+/// A user thread's acquire in progress: its owner, its attempts (the shipped
+/// bookkeeping), how many attempts are left.
 struct Acquiring {
     owner: String,
     ttl: Duration,
-    uncertain: Vec<ConnId>,
-    /// When the first attempt that got no reply was sent: a grant returned
-    /// later to the same owner may date from then.
-    first_uncertain: Option<Instant>,
+    attempts: Attempts<ConnId>,
     tries: u32,
 }
 
@@ -375,7 +373,8 @@ enum Job {
     Verify(Arc<Cell>),
     /// `None`: the connection's id is unknown (`CLIENT ID` denied).
     Fence(Option<ConnId>, Arc<Cell>, Ticket),
-    Cleanup(Vec<ConnId>, usize, String, Duration),
+    /// Kill these connections, then delete by owner (`None`: only kill).
+    Cleanup(Vec<ConnId>, usize, Option<String>, Duration),
 }
 
 /// A process's executor: the shipped machine, driven over one model
@@ -385,7 +384,7 @@ struct Exec {
     busy: bool,
     queue: VecDeque<Job>,
     /// Clean-ups carry the key and the owner to delete by.
-    machine: Machine<Arc<Cell>, (usize, String)>,
+    machine: Machine<Arc<Cell>, (usize, Option<String>)>,
 }
 
 struct Proc {
@@ -1176,8 +1175,7 @@ impl World {
             let a = self.users[u].acquiring.get_or_insert_with(|| Acquiring {
                 owner: String::new(),
                 ttl: Duration::ZERO,
-                uncertain: Vec::new(),
-                first_uncertain: None,
+                attempts: Attempts::default(),
                 tries: 0,
             });
             if a.owner.is_empty() {
@@ -1411,8 +1409,12 @@ impl World {
                 self.stats.grants += 1;
                 // Granted by a primary that was replaced meanwhile.
                 let exposed = self.conn_gen.get(&p.conn) != Some(&self.generation);
-                let a = self.users[u].acquiring.take().expect("acquiring");
+                let mut a = self.users[u].acquiring.take().expect("acquiring");
                 let key = self.users[u].key;
+                // Attempts that got no reply are stopped from granting again.
+                let attempts = std::mem::take(&mut a.attempts);
+                let since = attempts.since();
+                self.clean_up_after(proc, key, None, attempts.finish(true), a.ttl);
                 if matches!(self.kinds[key], KeyKind::Rw { .. }) && token == 0 {
                     // A reader: no token; a repeated grant moves its expiry to
                     // ttl from now if later, so its own send stands.
@@ -1423,7 +1425,7 @@ impl World {
                     // A plain lock: no token; a grant found in place dates from
                     // the owner's first unanswered attempt.
                     let sent = if existed {
-                        a.first_uncertain.map_or(p.sent, |f| f.min(p.sent))
+                        dated(since, p.sent)
                     } else {
                         p.sent
                     };
@@ -1437,7 +1439,7 @@ impl World {
                     _ => ("fence", 0),
                 };
                 // The grant may date from the owner's first unanswered attempt.
-                let sent = a.first_uncertain.map_or(p.sent, |f| f.min(p.sent));
+                let sent = dated(since, p.sent);
                 // The fence book, against the definition: a regression is a
                 // token not above one whose reply came before this send.
                 let expected = self.procs[proc]
@@ -1502,25 +1504,15 @@ impl World {
             Some(Resp::Busy) | None => {
                 let a = self.users[u].acquiring.as_mut().expect("acquiring");
                 if resp.is_none() {
-                    a.uncertain.push(p.conn);
-                    a.first_uncertain.get_or_insert(p.sent);
+                    a.attempts.unanswered(p.sent, [p.conn]);
                 }
                 a.tries = a.tries.saturating_sub(1);
                 if a.tries == 0 {
                     // The wait ends without the lease: clean up after the
                     // attempts that got no reply.
                     let a = self.users[u].acquiring.take().expect("acquiring");
-                    if !a.uncertain.is_empty() {
-                        let key = self.users[u].key;
-                        let give_up = self.now + a.ttl + self.timing.node_timeout;
-                        self.procs[proc].exec.queue.push_back(Job::Cleanup(
-                            a.uncertain,
-                            key,
-                            a.owner,
-                            give_up,
-                        ));
-                        self.exec_kick(proc);
-                    }
+                    let key = self.users[u].key;
+                    self.clean_up_after(proc, key, Some(a.owner), a.attempts.finish(false), a.ttl);
                     self.think(u);
                 } else {
                     let pause = self.rng.micros(0, 20_000);
@@ -1530,6 +1522,28 @@ impl World {
             other => return Err(format!("acquire reply {other:?}")),
         }
         Ok(())
+    }
+
+    /// Hands what an ended acquire left to its process's executor: kill the
+    /// connections of its unanswered attempts, then delete by `owner` what
+    /// they may have set (`None`: a later attempt was granted, only kill).
+    fn clean_up_after(
+        &mut self,
+        proc: usize,
+        key: usize,
+        owner: Option<String>,
+        left: Option<CleanUp<ConnId>>,
+        ttl: Duration,
+    ) {
+        if let Some(c) = left {
+            debug_assert_eq!(c.delete, owner.is_some());
+            let give_up = self.now + ttl + self.timing.node_timeout;
+            self.procs[proc]
+                .exec
+                .queue
+                .push_back(Job::Cleanup(c.conns, key, owner, give_up));
+            self.exec_kick(proc);
+        }
     }
 
     /// The user now holds `value` on `key`, granted by a command sent at `sent`.
@@ -1576,16 +1590,22 @@ impl World {
             }
             let exec = &mut self.procs[p].exec;
             let conn = exec.conn;
-            let command = exec.machine.poll_command(now).map(|c| match c {
-                Command::Kill(target) => (Req::Kill { target }, Purpose::Kill),
-                Command::CleanUp((key, owner)) => (
+            let command = match exec.machine.poll_command(now) {
+                None => None,
+                Some(Command::Kill(target)) => Some((Req::Kill { target }, Purpose::Kill)),
+                Some(Command::CleanUp((key, Some(owner)))) => Some((
                     Req::ReleasePrefix {
                         key: *key,
                         owner: owner.clone(),
                     },
                     Purpose::CleanupRelease,
-                ),
-            });
+                )),
+                // Only the kills were asked for: done once they are.
+                Some(Command::CleanUp((_, None))) => {
+                    exec.machine.clean_up_done(true, now);
+                    continue;
+                }
+            };
             if let Some((req, purpose)) = command {
                 exec.busy = true;
                 self.send(Who::Exec(p), conn, req, purpose);
