@@ -13,38 +13,11 @@ use crate::conn::Connect;
 use crate::core::executor::{ExtendReply, Settled, settle};
 use crate::core::lease::{Loss, Refusal, Verdict};
 use crate::error::{Error, Result};
+use crate::guard::{Fencing, Guard, ReleaseOutcome, Verifiable, sealed};
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::kind::{Fenced, Kind};
 use crate::runtime::renewal::Cell;
 use crate::token::FencingToken;
-
-/// What a guard's `release` found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum ReleaseOutcome {
-    /// The lease was still ours and is now deleted.
-    Released,
-    /// The key was gone: the lease had expired (or was deleted by someone else).
-    Expired,
-    /// Someone else holds the key now: the lease expired and was taken over (or the
-    /// key was overwritten). Their lease was left alone.
-    TakenOver,
-    /// The release was sent but got no answer (timeout or connection failure):
-    /// it may or may not have happened. The lease ends at its expiry at the latest.
-    Uncertain,
-}
-
-impl ReleaseOutcome {
-    /// What a release script's reply says: 1 deleted while ours, 0 gone
-    /// (expired or deleted), anything else someone else's.
-    pub(crate) fn of(code: i64) -> ReleaseOutcome {
-        match code {
-            1 => ReleaseOutcome::Released,
-            0 => ReleaseOutcome::Expired,
-            _ => ReleaseOutcome::TakenOver,
-        }
-    }
-}
 
 /// A held lease of kind `K` on one deployment: [`LockGuard`](crate::LockGuard),
 /// [`FencedGuard`](crate::FencedGuard), [`ReadGuard`](crate::ReadGuard),
@@ -376,6 +349,48 @@ impl LeaseGuard<Fenced> {
     /// protected resource.
     pub fn fencing_token(&self) -> FencingToken {
         *self.grant()
+    }
+}
+
+impl<K: Kind> sealed::Sealed for LeaseGuard<K> {}
+
+/// The single-deployment backend of the one guard API: each verb is the
+/// inherent method of the same name.
+impl<K: Kind> Guard for LeaseGuard<K> {
+    type KeepAlive<'a> = KeepAlive<'a>;
+
+    fn key(&self) -> &str {
+        LeaseGuard::key(self)
+    }
+    fn is_lost(&self) -> bool {
+        LeaseGuard::is_lost(self)
+    }
+    fn lost_signal(&self) -> &Receiver<()> {
+        LeaseGuard::lost_signal(self)
+    }
+    fn remaining_estimate(&self) -> Duration {
+        LeaseGuard::remaining_estimate(self)
+    }
+    fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
+        LeaseGuard::reset_expiry(self, ttl)
+    }
+    fn keep_alive(&self) -> Result<KeepAlive<'_>> {
+        LeaseGuard::keep_alive(self)
+    }
+    fn release(self) -> Result<ReleaseOutcome> {
+        LeaseGuard::release(self)
+    }
+}
+
+impl<K: Kind> Verifiable for LeaseGuard<K> {
+    fn verify_still_held(&self) -> Result<Option<Duration>> {
+        LeaseGuard::verify_still_held(self)
+    }
+}
+
+impl Fencing for LeaseGuard<Fenced> {
+    fn fencing_token(&self) -> FencingToken {
+        LeaseGuard::<Fenced>::fencing_token(self)
     }
 }
 

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use crate::conn::{Conn, Connect};
 use crate::error::{Error, Result};
+use crate::guard::Fencing;
 use crate::keys;
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key_in};
@@ -246,6 +247,12 @@ impl LeaseGuard<Read> {
     /// was written after this read lease was granted.
     pub fn write_epoch(&self) -> FencingToken {
         *self.grant()
+    }
+}
+
+impl Fencing for LeaseGuard<Write> {
+    fn fencing_token(&self) -> FencingToken {
+        LeaseGuard::<Write>::fencing_token(self)
     }
 }
 

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use crate::conn::{Conn, Connect};
 use crate::error::{Error, Result};
+use crate::guard::Fencing;
 use crate::keys;
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key_in};
@@ -233,6 +234,12 @@ impl Lease<Slot> {
             .0
             .map_err(|e| bad_key_in(e, &[permits, meta, slots]))?;
         parse_status(&reply)
+    }
+}
+
+impl Fencing for LeaseGuard<Slot> {
+    fn fencing_token(&self) -> FencingToken {
+        LeaseGuard::<Slot>::fencing_token(self)
     }
 }
 

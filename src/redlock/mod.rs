@@ -13,6 +13,7 @@
 //! or restarts (`restarts.rs`).
 
 mod attempt;
+mod family;
 mod fanout;
 mod guard;
 mod independence;

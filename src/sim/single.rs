@@ -16,7 +16,7 @@ use crate::core::fences::FenceBook;
 use crate::core::lease::{LeaseCore, Refusal, Ticket, Verdict};
 use crate::core::schedule::{Next, Schedule, Watched};
 use crate::core::timing::Timing;
-use crate::lease::guard::ReleaseOutcome;
+use crate::guard::ReleaseOutcome;
 use crate::lease::kind::Acquire;
 use crate::lease::rwlease::{clean_up_rw, intent_ms};
 use crate::lease::semaphore::SemSpec;

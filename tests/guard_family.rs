@@ -1,0 +1,128 @@
+//! One guard API over both backends: the same generic code holds, extends,
+//! keeps alive and releases a single-deployment lease and a Redlock lock, and
+//! what it reports is judged by the servers' own view of the keys.
+
+mod support;
+
+use std::time::Duration;
+
+use respire_coordination::{
+    Coordinator, Fencing, Guard, RedlockGroup, RedlockOptions, ReleaseOutcome, Verifiable,
+};
+use support::{TestServer, wait_until};
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// The key's remaining TTL on `server`, in ms (−2: gone).
+fn pttl(server: &TestServer, key: &str) -> i64 {
+    redis::cmd("PTTL")
+        .arg(key)
+        .query(&mut server.client())
+        .unwrap()
+}
+
+/// What generic code does with any guard: renew in the background, reset
+/// the expiry, release. Returns what the release reported and the remaining
+/// estimate right after the reset.
+fn hold<G: Guard>(guard: G, ttl: Duration) -> (Duration, ReleaseOutcome) {
+    let renewal = guard.keep_alive().unwrap();
+    assert!(!guard.is_lost());
+    assert!(guard.reset_expiry(ttl).unwrap());
+    let estimate = guard.remaining_estimate();
+    assert!(
+        guard.lost_signal().try_recv().is_err(),
+        "nothing is sent on a loss signal"
+    );
+    drop(renewal);
+    (estimate, guard.release().unwrap())
+}
+
+/// Releases a guard whose lease the servers already dropped.
+fn release_lapsed<G: Guard>(guard: G) -> ReleaseOutcome {
+    assert!(guard.is_lost());
+    assert!(guard.lost_signal().recv().is_err(), "closed once lost");
+    guard.release().unwrap()
+}
+
+fn token<G: Fencing>(guard: &G) -> u64 {
+    guard.fencing_token().get()
+}
+
+fn time_left<G: Verifiable>(guard: &G) -> Option<Duration> {
+    guard.verify_still_held().unwrap()
+}
+
+#[test]
+fn the_same_code_holds_a_single_deployment_lease_and_a_redlock_lock() {
+    let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
+    let coords: Vec<Coordinator> = servers
+        .iter()
+        .map(|s| {
+            Coordinator::builder(&s.url())
+                .node_timeout(ms(300))
+                .build()
+                .unwrap()
+        })
+        .collect();
+
+    // One deployment.
+    let lock = coords[0].fenced_lock("{f}:lease", "{f}:fence").unwrap();
+    let guard = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    assert!(token(&guard) >= 1);
+    let held = time_left(&guard).expect("held");
+    assert!(held <= Duration::from_secs(30));
+    let (estimate, outcome) = hold(guard, Duration::from_secs(5));
+    assert_eq!(outcome, ReleaseOutcome::Released);
+    assert!(estimate <= Duration::from_secs(5), "{estimate:?}");
+    assert_eq!(pttl(&servers[0], "{f}:lease"), -2, "deleted on the server");
+
+    // A quorum of three.
+    let group = RedlockGroup::new(coords.clone(), RedlockOptions::default()).unwrap();
+    let guard = group
+        .try_acquire("job", Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    let (estimate, outcome) = hold(guard, Duration::from_secs(5));
+    assert_eq!(outcome, ReleaseOutcome::Released);
+    assert!(estimate <= Duration::from_secs(5), "{estimate:?}");
+    for server in &servers {
+        assert_eq!(pttl(server, "job"), -2, "deleted on every node");
+    }
+
+    // Lapsed before the release, on both backends.
+    let guard = lock.try_acquire(ms(800)).unwrap().unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "the lease expired on the server",
+        || pttl(&servers[0], "{f}:lease") == -2,
+    );
+    assert_eq!(release_lapsed(guard), ReleaseOutcome::Expired);
+    let guard = group.try_acquire("job", ms(800)).unwrap().unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "the lock expired on every node",
+        || servers.iter().all(|s| pttl(s, "job") == -2),
+    );
+    assert_eq!(release_lapsed(guard), ReleaseOutcome::Expired);
+}
+
+#[test]
+fn every_grant_with_a_token_is_fencing() {
+    let server = TestServer::start();
+    let coord = Coordinator::connect(&server.url()).unwrap();
+    let ttl = Duration::from_secs(30);
+    let fenced = coord.fenced_lock("{g}:lease", "{g}:fence").unwrap();
+    let rw = coord.read_write_lease("{g2}").unwrap();
+    let sem = coord.semaphore("{g3}", 2).unwrap();
+    let a = fenced.try_acquire(ttl).unwrap().unwrap();
+    let w = rw.write().try_acquire(ttl).unwrap().unwrap();
+    let p = sem.try_acquire(ttl).unwrap().unwrap();
+    // Through the trait, the same tokens the kinds' own methods give.
+    assert_eq!(token(&a), a.fencing_token().get());
+    assert_eq!(token(&w), w.fencing_token().get());
+    assert_eq!(token(&p), p.fencing_token().get());
+    // Each from its own counter: the first grant of each.
+    assert_eq!((token(&a), token(&w), token(&p)), (1, 1, 1));
+}
