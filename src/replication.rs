@@ -148,11 +148,22 @@ pub(crate) struct History {
 
 #[derive(Debug, Default)]
 struct HistoryState {
-    /// The history and offset of the last acknowledged grant.
-    anchor: Option<(String, u64)>,
+    /// The point of the last acknowledged grant.
+    anchor: Option<Anchor>,
     /// Why the history is deemed lost, once it is: it stays so.
     lost: Option<String>,
 }
+
+/// An offset, and the replication ids of the primaries seen to hold it
+/// (offsets continue across a promotion, under a new id), newest last.
+#[derive(Debug)]
+struct Anchor {
+    replids: Vec<String>,
+    offset: u64,
+}
+
+/// How many replication ids an [`Anchor`] keeps.
+const ANCHOR_REPLIDS: usize = 8;
 
 impl History {
     /// Judges what one attempt read on `addr` right after its script:
@@ -162,26 +173,40 @@ impl History {
         if state.lost.is_some() {
             return;
         }
-        if let Some((replid, offset)) = &state.anchor
-            && !point.contains(replid, *offset)
-        {
-            let why = format!(
-                "{addr} is the primary, but its replication history ({}) does not contain \
-                 offset {offset} of history {replid}, where replicas had acknowledged a grant",
-                describe(point)
-            );
-            log::error!("{why}: fencing tokens issued since may be issued again");
-            state.lost = Some(why);
-            return;
+        if let Some(anchor) = &mut state.anchor {
+            if !anchor
+                .replids
+                .iter()
+                .any(|replid| point.contains(replid, anchor.offset))
+            {
+                let why = format!(
+                    "{addr} is the primary, but its replication history ({}) does not contain \
+                     offset {} of {}, where replicas had acknowledged a grant",
+                    describe(point),
+                    anchor.offset,
+                    anchor.replids.join(" or ")
+                );
+                log::error!("{why}: fencing tokens issued since may be issued again");
+                state.lost = Some(why);
+                return;
+            }
+            if !acknowledged {
+                // The same point, in the history this primary writes now.
+                if !anchor.replids.contains(&point.replid) {
+                    if anchor.replids.len() == ANCHOR_REPLIDS {
+                        anchor.replids.remove(0);
+                    }
+                    anchor.replids.push(point.replid.clone());
+                }
+                return;
+            }
         }
-        let offset = match (&state.anchor, acknowledged) {
-            (Some((_, kept)), true) => point.offset.max(*kept),
-            (None, true) => point.offset,
-            (Some((_, kept)), false) => *kept,
-            (None, false) => return,
-        };
-        // The same point, named in the history this primary writes now.
-        state.anchor = Some((point.replid.clone(), offset));
+        if acknowledged {
+            state.anchor = Some(Anchor {
+                replids: vec![point.replid.clone()],
+                offset: point.offset,
+            });
+        }
     }
 
     /// Why the history is deemed lost, if it is.
@@ -246,6 +271,8 @@ mod tests {
         h.observe("q", &point("bb", 650, Some(("aa", 601))), false);
         // And again, with no acknowledged grant in between.
         h.observe("p", &point("cc", 700, Some(("bb", 680))), false);
+        // The deposed primary promoted back: its own history still holds it.
+        h.observe("p", &point("aa", 950, None), false);
         assert_eq!(h.lost(), None);
         // A server restarted from an old RDB: a new id, continuing an older point.
         h.observe("r", &point("dd", 400, Some(("cc", 401))), false);
