@@ -224,9 +224,10 @@ pub enum Error {
     /// point at which replicas had acknowledged a grant to this coordinator
     /// (such as a server restarted from an old RDB file and promoted; see
     /// [`Replication`](crate::Replication)). Grants and fencing tokens issued
-    /// since that point may be issued again. The grant was released, and
-    /// every later grant through this coordinator fails the same way: a new
-    /// `Coordinator` accepts the history the deployment has now.
+    /// since that point may be issued again. The grant that found it out was
+    /// released, and every later acquire through this coordinator fails the
+    /// same way at once, sending nothing: a new `Coordinator` accepts the
+    /// history the deployment has now.
     #[error(
         "{key:?} was granted, but the replication history may have been lost: {detail}; it was released, and this coordinator grants nothing more"
     )]

@@ -27,8 +27,10 @@ use parking_lot::Mutex;
 /// failover (it does not look at the role a replica reports), then resync
 /// every other server from it. The acknowledged grants since that RDB are
 /// then gone from every server, and their fencing tokens are issued again.
-/// No client can prevent that; set `rdb-del-sync-files yes` (or real
-/// persistence) on servers that Sentinel may promote.
+/// No client can prevent that: a server without persistence that Sentinel
+/// may promote must not come back by itself after a crash (the sync RDB is
+/// not persistence; `rdb-del-sync-files yes` removes it, and the server then
+/// comes back empty, which loses even more if promoted).
 ///
 /// Under `Require` on a Sentinel deployment, the coordinator detects it: each
 /// attempt also reads the primary's replication history (`INFO
@@ -36,9 +38,9 @@ use parking_lot::Mutex;
 /// the point of the last grant replicas acknowledged, and a primary whose
 /// history does not contain that point fails the grant with
 /// [`Error::ReplicationHistoryLost`](crate::Error::ReplicationHistoryLost)
-/// (the grant is released), as does every later grant through that
-/// coordinator, since any token it would hand out may have been handed out
-/// before. The limits of that check:
+/// (the grant is released); so does every later acquire through that
+/// coordinator, at once and sending nothing, since any token it would hand
+/// out may have been handed out before. The limits of that check:
 ///
 /// - It knows only what this coordinator saw acknowledged: a coordinator
 ///   built after the loss, or one that never had a grant acknowledged before

@@ -184,6 +184,12 @@ impl<K: Kind> Lease<K> {
     fn run(&self, ttl: Duration, wait: Wait<'_>) -> Result<Option<LeaseGuard<K>>> {
         let dep = &self.dep;
         let ttl_ms = dep.check_ttl(ttl)?;
+        if let (Replication::Require { .. }, Some(detail)) = (dep.replication, dep.history.lost()) {
+            return Err(Error::ReplicationHistoryLost {
+                key: self.spec.keys()[0].clone(),
+                detail,
+            });
+        }
         if let Wait::Until(_, Some(cancel)) = wait
             && cancel.is_cancelled()
         {
