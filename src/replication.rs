@@ -49,6 +49,10 @@ use parking_lot::Mutex;
 /// - A primary remembers one earlier replication id: two failovers in a row
 ///   with no attempt of this coordinator in between look like a loss (the
 ///   error is then a false alarm).
+/// - It judges replication histories, not persistence: a primary restarted
+///   from its own AOF starts a new history (a new replication id, offset 0)
+///   and is reported the same way, although with `appendfsync always` it
+///   lost nothing.
 /// - A user without the right to run `INFO` gets no check (logged at debug
 ///   level).
 ///
