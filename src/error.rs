@@ -219,6 +219,25 @@ pub enum Error {
         required: u32,
     },
 
+    /// The replication guard's `Require` mode on a Sentinel deployment: the
+    /// primary now serving does not have, in its replication history, the
+    /// point at which replicas had acknowledged a grant to this coordinator
+    /// (such as a server restarted from an old RDB file and promoted; see
+    /// [`Replication`](crate::Replication)). Grants and fencing tokens issued
+    /// since that point may be issued again. The grant that found it out was
+    /// released, and every later acquire through this coordinator fails the
+    /// same way at once, sending nothing: a new `Coordinator` accepts the
+    /// history the deployment has now.
+    #[error(
+        "{key:?} was granted, but the replication history may have been lost: {detail}; it was released, and this coordinator grants nothing more"
+    )]
+    ReplicationHistoryLost {
+        /// The physical key that was granted.
+        key: String,
+        /// Which primary, and what its history lacks.
+        detail: String,
+    },
+
     /// A Redlock group's node timeout is too short for a node: its round trip,
     /// measured when the group connected (the smaller of two samples), is more
     /// than half the node timeout. Raise

@@ -695,3 +695,109 @@ fn calls_keep_their_bounds_with_a_sentinel_or_the_primary_stopped() {
         .unwrap();
     drop(g);
 }
+
+/// The fence counter stored on `server`, read straight from it.
+fn counter_on(server: &TestServer, fence: &str) -> Option<u64> {
+    redis::cmd("GET")
+        .arg(fence)
+        .query(&mut server.client())
+        .unwrap()
+}
+
+/// What the nemesis campaign found under `Require { replicas: 1 }`: a primary
+/// killed and restarted without persistence comes back holding the data of
+/// the RDB file its last full synchronisation as a replica left on disk,
+/// Sentinel promotes it in the next failover (it does not look at the role a
+/// replica reports; in the campaign the sentinels did so on their own, after
+/// deeming the new primary down), and resynchronises the other server from
+/// it: grants that replica had acknowledged are gone everywhere, and their
+/// fencing tokens are issued again. A coordinator that saw a grant
+/// acknowledged refuses every grant on that history.
+#[test]
+fn a_primary_restarted_from_an_old_sync_file_and_promoted_is_refused_as_a_lost_history() {
+    let deployment = TestSentinel::start();
+    let require = Replication::Require {
+        replicas: 1,
+        timeout: Duration::from_millis(500),
+    };
+    let a = builder(&deployment).replication(require).build().unwrap();
+    let b = builder(&deployment).replication(require).build().unwrap();
+    let tag = format!("{{{}}}", unique_prefix("old-sync-file"));
+    let (lease, fence) = (format!("{tag}:lease"), format!("{tag}:fence"));
+    let lock_a = a.fenced_lock(&lease, &fence).unwrap();
+    let lock_b = b.fenced_lock(&lease, &fence).unwrap();
+    let other_b = fenced(&b, "old-sync-file-other");
+    let ttl = Duration::from_secs(30);
+    let wait = Duration::from_secs(15);
+    let grant = |lock: &respire_coordination::FencedLock| {
+        let guard = lock.acquire_timeout(ttl, wait).unwrap().expect("granted");
+        assert_eq!(guard.replicas_acknowledged(), Some(1));
+        guard.fencing_token().get()
+    };
+    let first = grant(&lock_a);
+
+    // The primary, server 0, killed and restarted once server 1 is promoted:
+    // it has no RDB file yet and comes back empty; the sentinels make it a
+    // replica, and its full synchronisation leaves one in its directory.
+    deployment.server(0).kill();
+    deployment.wait_primary(1, Duration::from_secs(30));
+    deployment.server(0).restart();
+    deployment.wait_replica_of(0, Duration::from_secs(30));
+    assert_eq!(counter_on(deployment.server(0), &fence), Some(first));
+
+    // Grants server 0 acknowledges, in its memory only; then it is the
+    // primary again, and server 1 acknowledges more.
+    let mut last = first;
+    for _ in 0..3 {
+        last = grant(&lock_a);
+    }
+    grant(&other_b);
+    deployment.wait_selectable(0, "slave", Duration::from_secs(30));
+    deployment.failover();
+    deployment.wait_replica_of(1, Duration::from_secs(30));
+    for _ in 0..3 {
+        last = grant(&lock_a);
+    }
+    grant(&other_b);
+
+    // Server 0 killed again: server 1, promoted, holds every acknowledged
+    // grant. B follows it without alarm (the promoted replica's history
+    // contains them); no replica acknowledges yet.
+    deployment.server(0).kill();
+    deployment.wait_primary(1, Duration::from_secs(30));
+    assert_eq!(counter_on(deployment.server(1), &fence), Some(last));
+    let err = other_b.acquire_timeout(ttl, wait).unwrap_err();
+    assert!(matches!(err, Error::NotReplicated { .. }), "{err}");
+
+    // Restarted, server 0 is a primary again (no `--replicaof`) holding
+    // what its RDB file held; a failover now selects it, and server 1
+    // resynchronises from it.
+    deployment.server(0).restart();
+    assert_eq!(counter_on(deployment.server(0), &fence), Some(first));
+    deployment.wait_selectable(0, "master", Duration::from_secs(30));
+    deployment.failover();
+    deployment.wait_replica_of(1, Duration::from_secs(30));
+    assert_eq!(counter_on(deployment.server(1), &fence), Some(first));
+
+    // B never saw a token of this lock; without the history check it would
+    // get `first + 1` again, acknowledged by server 1.
+    match lock_b.acquire_timeout(ttl, wait) {
+        Err(Error::ReplicationHistoryLost { key, detail }) => {
+            assert_eq!(key, lease);
+            assert!(
+                detail.contains(&deployment.server(0).port().to_string()),
+                "{detail}"
+            );
+        }
+        Ok(Some(guard)) => panic!(
+            "token {} issued again (tokens up to {last} were acknowledged), {:?} replica(s) acknowledged",
+            guard.fencing_token().get(),
+            guard.replicas_acknowledged()
+        ),
+        other => panic!("{other:?}"),
+    }
+    let err = lock_a.acquire_timeout(ttl, wait).unwrap_err();
+    assert!(matches!(err, Error::ReplicationHistoryLost { .. }), "{err}");
+    let err = other_b.acquire_timeout(ttl, wait).unwrap_err();
+    assert!(matches!(err, Error::ReplicationHistoryLost { .. }), "{err}");
+}

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use redis::{ConnectionLike, FromRedisValue};
 
 use crate::error::{Error, Result, is_noperm};
+use crate::replication::ReplicationPoint;
 use crate::scripts::Script;
 
 use super::config::{ConnConfig, RoleCheck};
@@ -68,6 +69,7 @@ impl ConnConfig {
             asking: false,
             wait: None,
             waited: None,
+            history: None,
             replicas: None,
             fresh: true,
             uncached: Vec::new(),
@@ -205,9 +207,12 @@ pub(crate) struct Conn {
     /// Send `ASKING` before the next script (an `ASK` redirection's target).
     asking: bool,
     /// Pipeline `WAIT replicas timeout` after the next script.
-    wait: Option<(u32, Duration)>,
+    wait: Option<WaitAfter>,
     /// What that `WAIT` answered.
     waited: Option<u32>,
+    /// Where the primary's replication history stood right after that
+    /// script, when asked for.
+    history: Option<ReplicationPoint>,
     /// How many replicas `ROLE` listed when the connection was made.
     replicas: Option<u32>,
     /// Not yet returned to a pool: just opened.
@@ -231,6 +236,11 @@ impl Conn {
     /// the server may have closed it meanwhile).
     pub(crate) fn is_fresh(&self) -> bool {
         self.fresh
+    }
+
+    /// The server's address, as configured.
+    pub(crate) fn addr(&self) -> &str {
+        &self.addr
     }
 
     /// Whether a transport failure made this connection unusable.
@@ -307,8 +317,8 @@ impl Conn {
     /// would block n times the deadline.)
     ///
     /// After [`Conn::ask_next`], every command goes after its own `ASKING`;
-    /// after [`Conn::wait_after_next`], `WAIT` follows the last one (their
-    /// replies are not returned).
+    /// after [`Conn::wait_after_next`], `WAIT` (and `INFO replication`, when
+    /// asked for) follows the last one (their replies are not returned).
     pub(crate) fn pipeline(
         &mut self,
         pipe: &redis::Pipeline,
@@ -322,10 +332,10 @@ impl Conn {
         let wait = self.wait.take();
         let wrapped = wrap(pipe.cmd_iter(), asking, wait);
         let mut values = self.raw_pipeline(&wrapped, op, deadline)?;
-        if wait.is_some()
-            && let Some(redis::Value::Int(n)) = values.pop()
-        {
-            self.waited = u32::try_from(n).ok();
+        if let Some(wait) = wait {
+            let waited = values.pop();
+            let history = if wait.history { values.pop() } else { None };
+            self.note_wait(waited, history);
         }
         Ok(if asking {
             values.into_iter().skip(1).step_by(2).collect()
@@ -417,11 +427,19 @@ impl Conn {
     }
 
     /// Pipelines `WAIT replicas timeout` after the next script, in the same
-    /// round trip; [`Conn::take_waited`] then tells what it answered. The
-    /// caller's deadline must leave room for `timeout`.
-    pub(crate) fn wait_after_next(&mut self, replicas: u32, timeout: Duration) {
-        self.wait = Some((replicas, timeout));
+    /// round trip; [`Conn::take_waited`] then tells what it answered. With
+    /// `history`, `INFO replication` goes between the script and `WAIT`, and
+    /// [`Conn::take_history`] tells where the primary's replication history
+    /// stood right after the script. The caller's deadline must leave room
+    /// for `timeout`.
+    pub(crate) fn wait_after_next(&mut self, replicas: u32, timeout: Duration, history: bool) {
+        self.wait = Some(WaitAfter {
+            replicas,
+            timeout,
+            history,
+        });
         self.waited = None;
+        self.history = None;
     }
 
     /// How many replicas acknowledged the script's writes, if a `WAIT` was
@@ -429,6 +447,32 @@ impl Conn {
     pub(crate) fn take_waited(&mut self) -> Option<u32> {
         self.wait = None;
         self.waited.take()
+    }
+
+    /// Where the primary's replication history stood right after the script,
+    /// if [`Conn::wait_after_next`] asked and the server told (a replica, or
+    /// a user without the right to run `INFO`, does not).
+    pub(crate) fn take_history(&mut self) -> Option<ReplicationPoint> {
+        self.history.take()
+    }
+
+    /// Keeps the replies to the `WAIT` and `INFO replication` pipelined
+    /// after a script.
+    fn note_wait(&mut self, waited: Option<redis::Value>, history: Option<redis::Value>) {
+        if let Some(redis::Value::Int(n)) = waited {
+            self.waited = u32::try_from(n).ok();
+        }
+        self.history = match history {
+            Some(redis::Value::BulkString(text)) => {
+                ReplicationPoint::parse(&String::from_utf8_lossy(&text))
+            }
+            Some(redis::Value::VerbatimString { text, .. }) => ReplicationPoint::parse(&text),
+            None => None,
+            Some(other) => {
+                log::debug!("no replication history from {}: {other:?}", self.addr);
+                None
+            }
+        };
     }
 
     /// How many replicas `ROLE` listed when this connection was made (`None`
@@ -465,8 +509,9 @@ impl Conn {
                 values.next();
             }
             let reply = values.next().unwrap_or(redis::Value::Nil);
-            if let Some(redis::Value::Int(n)) = values.next() {
-                self.waited = u32::try_from(n).ok();
+            if let Some(wait) = wait {
+                let history = if wait.history { values.next() } else { None };
+                self.note_wait(values.next(), history);
             }
             match reply {
                 redis::Value::ServerError(e) if sha && e.code() == "NOSCRIPT" => {
@@ -589,12 +634,22 @@ impl Subscriber<'_> {
     }
 }
 
+/// A `WAIT` to pipeline after the next script.
+#[derive(Clone, Copy, Debug)]
+struct WaitAfter {
+    replicas: u32,
+    timeout: Duration,
+    /// `INFO replication` before the `WAIT`.
+    history: bool,
+}
+
 /// `cmds` as one pipeline, each after `ASKING` when `asking` (a slot being
-/// imported), and `WAIT replicas timeout` after them all when asked for.
+/// imported), and `WAIT replicas timeout` after them all when asked for,
+/// after `INFO replication` when that is asked for too.
 fn wrap<'a>(
     cmds: impl Iterator<Item = &'a redis::Cmd>,
     asking: bool,
-    wait: Option<(u32, Duration)>,
+    wait: Option<WaitAfter>,
 ) -> redis::Pipeline {
     let mut pipe = redis::pipe();
     for cmd in cmds {
@@ -603,9 +658,12 @@ fn wrap<'a>(
         }
         pipe.add_command(cmd.clone());
     }
-    if let Some((replicas, timeout)) = wait {
-        let ms = (timeout.as_millis() as u64).max(1);
-        pipe.cmd("WAIT").arg(replicas).arg(ms);
+    if let Some(wait) = wait {
+        if wait.history {
+            pipe.cmd("INFO").arg("replication");
+        }
+        let ms = (wait.timeout.as_millis() as u64).max(1);
+        pipe.cmd("WAIT").arg(wait.replicas).arg(ms);
     }
     pipe
 }

@@ -185,6 +185,12 @@ impl<K: Kind> Lease<K> {
     fn run(&self, ttl: Duration, wait: Wait<'_>) -> Result<Option<LeaseGuard<K>>> {
         let dep = &self.dep;
         let ttl_ms = dep.check_ttl(ttl)?;
+        if let (Replication::Require { .. }, Some(detail)) = (dep.replication, dep.history.lost()) {
+            return Err(Error::ReplicationHistoryLost {
+                key: self.spec.keys()[0].clone(),
+                detail,
+            });
+        }
         if let Wait::Until(_, Some(cancel)) = wait
             && cancel.is_cancelled()
         {
@@ -247,6 +253,14 @@ impl<K: Kind> Lease<K> {
             return Ok(None);
         };
         if let Replication::Require { replicas, .. } = dep.replication {
+            if let Some(detail) = dep.history.lost() {
+                let key = guard.key().to_owned();
+                log::warn!(
+                    "{key:?} was granted on a primary that lost acknowledged grants; releasing it"
+                );
+                drop(guard);
+                return Err(Error::ReplicationHistoryLost { key, detail });
+            }
             let acknowledged = guard.replicas_acknowledged().unwrap_or(0);
             if acknowledged < replicas {
                 let key = guard.key().to_owned();
@@ -336,9 +350,11 @@ impl<K: Kind> Lease<K> {
         match replication {
             Replication::Off => {}
             Replication::Report { timeout } => {
-                conn.wait_after_next(conn.replicas().unwrap_or(1), timeout)
+                conn.wait_after_next(conn.replicas().unwrap_or(1), timeout, false)
             }
-            Replication::Require { replicas, timeout } => conn.wait_after_next(replicas, timeout),
+            Replication::Require { replicas, timeout } => {
+                conn.wait_after_next(replicas, timeout, self.dep.topology.is_sentinel())
+            }
         }
         let attempt = self.spec.attempt(
             &self.dep,
@@ -353,6 +369,13 @@ impl<K: Kind> Lease<K> {
             Replication::Off => None,
             _ => Some(conn.take_waited().unwrap_or(0)),
         };
+        if let (Some(point), Replication::Require { replicas, .. }) =
+            (conn.take_history(), replication)
+        {
+            let granted = matches!(attempt, Ok(Attempt::Acquired(_)));
+            let acknowledged = granted && acknowledged.unwrap_or(0) >= replicas;
+            self.dep.history.observe(conn.addr(), &point, acknowledged);
+        }
         let attempt = attempt?;
         let received = self.dep.now();
         Ok(match attempt {

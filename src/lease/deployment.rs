@@ -21,7 +21,7 @@ use crate::core::fences::{self, FenceBook, REMEMBERED_KEYS};
 use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::keys;
-use crate::replication::Replication;
+use crate::replication::{History, Replication};
 use crate::runtime::node::{Job, Node};
 use crate::runtime::renewal::{Cell, Ops, Renewal, RenewalStats};
 use crate::runtime::topology::{Topology, Uncertain};
@@ -32,6 +32,8 @@ pub(crate) struct Deployment {
     pub(crate) timing: Timing,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) replication: Replication,
+    /// The replication history the replication guard vouched for.
+    pub(crate) history: History,
     /// The connect timeout (the bound on opening a connection).
     pub(crate) connect_timeout: Duration,
     fences: Mutex<FenceBook>,
@@ -55,6 +57,7 @@ impl Deployment {
             timing,
             clock,
             replication,
+            history: History::default(),
             connect_timeout,
             fences: Mutex::new(FenceBook::new(
                 fences::horizon(timing.node_timeout, replication.timeout()),

@@ -135,8 +135,11 @@ impl TestSentinelBuilder {
 /// when the test process exits. Pause, resume, kill or restart any of them
 /// through [`TestSentinel::primary`], [`TestSentinel::replica`],
 /// [`TestSentinel::server`] and [`TestSentinel::sentinel`]. A restarted data
-/// server comes back empty with its start-time `--replicaof` (none for
-/// server 0); the sentinels reconfigure it.
+/// server comes back with its start-time `--replicaof` (none for server 0)
+/// and with the data of the RDB file its last full synchronisation as a
+/// replica left in its directory (Redis keeps that file although
+/// persistence is off), or empty if it never had one; the sentinels
+/// reconfigure it.
 pub(crate) struct TestSentinel {
     service: String,
     servers: Vec<TestServer>,
@@ -338,6 +341,46 @@ impl TestSentinel {
                         && redis::from_redis_value_ref::<u16>(&role[2]).ok() == Some(primary_port)
                         && text(&role[3]) == "connected"
                 })
+            },
+        );
+        started.elapsed()
+    }
+
+    /// Waits until every live sentinel lists data server `index` among the
+    /// replicas of the primary as one a failover can select: a live link, no
+    /// down flag, an `INFO` less than 5 seconds old in which it reported the
+    /// role `role` (`"slave"`, or `"master"` for a server restarted without
+    /// `--replicaof` that the sentinels have not reconfigured yet: Sentinel
+    /// selects it all the same), and no replication link down. Returns how
+    /// long that took.
+    ///
+    /// # Panics
+    ///
+    /// Panics if that is not so within `deadline`.
+    pub(crate) fn wait_selectable(&self, index: usize, role: &str, deadline: Duration) -> Duration {
+        let started = Instant::now();
+        let port = self.servers[index].port().to_string();
+        let mut probe = Probe::new(self);
+        self.wait(
+            deadline,
+            &format!("the sentinels to see server {index} selectable, reporting the role {role}"),
+            || {
+                (0..SENTINELS)
+                    .filter(|&i| is_live(&self.sentinels[i]))
+                    .all(|i| {
+                        probe.replica_fields(i).is_some_and(|replicas| {
+                            replicas.iter().any(|fields| {
+                                let field = |name: &str| fields.get(name).map(String::as_str);
+                                field("port") == Some(port.as_str())
+                                    && field("flags") == Some("slave")
+                                    && field("role-reported") == Some(role)
+                                    && field("master-link-down-time") == Some("0")
+                                    && field("info-refresh")
+                                        .and_then(|ms| ms.parse::<u64>().ok())
+                                        .is_some_and(|ms| ms < 5_000)
+                            })
+                        })
+                    })
             },
         );
         started.elapsed()
@@ -749,6 +792,17 @@ impl<'a> Probe<'a> {
             &deployment.sentinels[sentinel],
             redis::cmd("SENTINEL")
                 .arg("MASTER")
+                .arg(&deployment.service),
+        )
+    }
+
+    /// `SENTINEL REPLICAS <service>`: each replica's fields as field → value.
+    fn replica_fields(&mut self, sentinel: usize) -> Option<Vec<HashMap<String, String>>> {
+        let deployment = self.deployment;
+        self.query(
+            &deployment.sentinels[sentinel],
+            redis::cmd("SENTINEL")
+                .arg("REPLICAS")
                 .arg(&deployment.service),
         )
     }
