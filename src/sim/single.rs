@@ -352,6 +352,9 @@ struct Acquiring {
     owner: String,
     ttl: Duration,
     attempts: Attempts<ConnId>,
+    /// The checker's own record of the connections whose attempt got no
+    /// reply: each must be killed when the acquire ends.
+    lost: Vec<ConnId>,
     tries: u32,
 }
 
@@ -1176,6 +1179,7 @@ impl World {
                 owner: String::new(),
                 ttl: Duration::ZERO,
                 attempts: Attempts::default(),
+                lost: Vec::new(),
                 tries: 0,
             });
             if a.owner.is_empty() {
@@ -1414,7 +1418,7 @@ impl World {
                 // Attempts that got no reply are stopped from granting again.
                 let attempts = std::mem::take(&mut a.attempts);
                 let since = attempts.since();
-                self.clean_up_after(proc, key, None, attempts.finish(true), a.ttl);
+                self.clean_up_after(proc, key, None, &a.lost, attempts.finish(true), a.ttl)?;
                 if matches!(self.kinds[key], KeyKind::Rw { .. }) && token == 0 {
                     // A reader: no token; a repeated grant moves its expiry to
                     // ttl from now if later, so its own send stands.
@@ -1504,7 +1508,11 @@ impl World {
             Some(Resp::Busy) | None => {
                 let a = self.users[u].acquiring.as_mut().expect("acquiring");
                 if resp.is_none() {
-                    a.attempts.unanswered(p.sent, [p.conn]);
+                    // As the shipped wait records it: the attempt's send
+                    // first, the connection once the call returned.
+                    a.attempts.unanswered(p.sent, []);
+                    a.attempts.went_out_on([p.conn]);
+                    a.lost.push(p.conn);
                 }
                 a.tries = a.tries.saturating_sub(1);
                 if a.tries == 0 {
@@ -1512,7 +1520,8 @@ impl World {
                     // attempts that got no reply.
                     let a = self.users[u].acquiring.take().expect("acquiring");
                     let key = self.users[u].key;
-                    self.clean_up_after(proc, key, Some(a.owner), a.attempts.finish(false), a.ttl);
+                    let left = a.attempts.finish(false);
+                    self.clean_up_after(proc, key, Some(a.owner), &a.lost, left, a.ttl)?;
                     self.think(u);
                 } else {
                     let pause = self.rng.micros(0, 20_000);
@@ -1532,9 +1541,17 @@ impl World {
         proc: usize,
         key: usize,
         owner: Option<String>,
+        lost: &[ConnId],
         left: Option<CleanUp<ConnId>>,
         ttl: Duration,
-    ) {
+    ) -> Result<(), String> {
+        let kills = left.as_ref().map_or(&[][..], |c| &c.conns[..]);
+        if let Some(missed) = lost.iter().find(|c| !kills.contains(c)) {
+            return Err(format!(
+                "the attempt on connection {missed} got no reply, but the ended acquire \
+                 leaves {left:?} to clean up"
+            ));
+        }
         if let Some(c) = left {
             debug_assert_eq!(c.delete, owner.is_some());
             let give_up = self.now + ttl + self.timing.node_timeout;
@@ -1544,6 +1561,7 @@ impl World {
                 .push_back(Job::Cleanup(c.conns, key, owner, give_up));
             self.exec_kick(proc);
         }
+        Ok(())
     }
 
     /// The user now holds `value` on `key`, granted by a command sent at `sent`.
