@@ -389,6 +389,7 @@ pub use coordinator::{Coordinator, CoordinatorBuilder};
 pub use error::{Error, Result};
 pub use keys::{MAX_TTL, key_slot};
 pub use lease::acquire::Lease;
+pub use lease::election::{Election, Leader, LeaderChanges, Leadership};
 pub use lease::fenced::{FencedGuard, FencedLock};
 pub use lease::guard::{KeepAlive, LeaseGuard, ReleaseOutcome};
 pub use lease::kind::{Fenced, Kind, Plain, Read, Slot, Write};
@@ -430,6 +431,10 @@ fn _ensure_send_sync() {
     check::<WriteGuard>();
     check::<Semaphore>();
     check::<Permit>();
+    check::<Election>();
+    check::<Leadership>();
+    check::<Leader>();
+    check::<LeaderChanges>();
     check::<KeepAlive<'static>>();
     check::<RedlockGroup>();
     check::<RedlockGuard>();

@@ -1,0 +1,441 @@
+//! Leader election: one leader at a time, hand-over on resignation, loss of a
+//! stopped leader before the server's expiry, the advertised value, the
+//! observer's order, and refusals.
+//!
+//! Oracles are the server's: what its keys hold (read with plain commands),
+//! `PEXPIRETIME` with `TIME`, and the term counter.
+
+mod support;
+
+use std::io::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use redis::Commands;
+use respire_coordination::{CancelToken, Coordinator, Error, Leader, ReleaseOutcome};
+use rustix::process::{Pid, Signal, kill_process};
+use support::{
+    ChildProc, TestServer, block_on_stdin, env, server_now, shared_server, snapshot, unique_prefix,
+    wait_until,
+};
+
+const CHILD_ENV: &str = "RESPIRE_ELECTION_CHILD";
+const NODE_TIMEOUT: Duration = Duration::from_millis(200);
+const TTL: Duration = Duration::from_secs(2);
+
+fn coordinator(url: &str, prefix: &str) -> Coordinator {
+    Coordinator::builder(url)
+        .key_prefix(prefix)
+        .node_timeout(NODE_TIMEOUT)
+        .build()
+        .expect("connect")
+}
+
+#[test]
+fn two_contenders_never_lead_at_once_and_terms_rise() {
+    let prefix = unique_prefix("two");
+    let coord = coordinator(&shared_server().url(), &prefix);
+    let election = coord.election("{two}").unwrap();
+    let leading = AtomicBool::new(false);
+    let wins = AtomicUsize::new(0);
+    let terms = std::sync::Mutex::new(Vec::new());
+    thread::scope(|s| {
+        for name in ["a", "b"] {
+            let (election, leading, wins, terms) = (&election, &leading, &wins, &terms);
+            s.spawn(move || {
+                for _ in 0..100 {
+                    let l = election
+                        .campaign_timeout(name, TTL, Duration::from_secs(30))
+                        .unwrap()
+                        .expect("elected within 30 s");
+                    assert!(!leading.swap(true, Ordering::SeqCst), "two leaders at once");
+                    // Everyone reads this leader, with its own value.
+                    let seen = election.leader().unwrap().expect("a leader");
+                    assert_eq!(seen.term, l.term());
+                    assert_eq!(seen.value.as_deref(), Some(name));
+                    terms.lock().unwrap().push(l.term().get());
+                    wins.fetch_add(1, Ordering::SeqCst);
+                    leading.store(false, Ordering::SeqCst);
+                    assert_eq!(l.resign().unwrap(), ReleaseOutcome::Released);
+                }
+            });
+        }
+    });
+    assert_eq!(wins.load(Ordering::SeqCst), 200);
+    let terms = terms.into_inner().unwrap();
+    for pair in terms.windows(2) {
+        assert!(pair[0] < pair[1], "term {} after {}", pair[1], pair[0]);
+    }
+    let counter: u64 = shared_server().client().get(election.term_key()).unwrap();
+    assert_eq!(counter, 200);
+    assert_eq!(election.leader().unwrap(), None);
+}
+
+#[test]
+fn resigning_hands_over_to_a_waiting_contender() {
+    // A server of its own: its tracking table shows when the contender waits.
+    let server = TestServer::start();
+    let coord = coordinator(&server.url(), "");
+    let election = coord.election("{h}").unwrap();
+    let long = Duration::from_secs(60);
+    let a = election.try_campaign("a", long).unwrap().expect("free");
+    let a_term = a.term();
+    assert!(
+        election.try_campaign("b", TTL).unwrap().is_none(),
+        "a leads"
+    );
+    let mut c = server.client();
+    thread::scope(|s| {
+        // b gives up long before a's lease could expire on its own: only the
+        // resignation can elect it.
+        let waiter = s.spawn(|| election.campaign_timeout("b", TTL, long / 2));
+        wait_until(Duration::from_secs(10), "b to wait on the lease", || {
+            let info: String = redis::cmd("INFO").arg("stats").query(&mut c).unwrap();
+            info.lines()
+                .find_map(|l| l.strip_prefix("tracking_total_keys:"))
+                .is_some_and(|n| n.trim() != "0")
+        });
+        assert_eq!(a.resign().unwrap(), ReleaseOutcome::Released);
+        let b = waiter
+            .join()
+            .unwrap()
+            .unwrap()
+            .expect("b elected after the resignation");
+        assert!(b.term() > a_term);
+        let seen = election.leader().unwrap().expect("b leads");
+        assert_eq!(seen.term, b.term());
+        assert_eq!(seen.value.as_deref(), Some("b"));
+        // The server's own view.
+        let lease: String = c.get(election.lease_key()).unwrap();
+        assert!(lease.ends_with(&format!(":{}", b.term())), "{lease}");
+        let value: String = c.get(election.value_key()).unwrap();
+        assert_eq!(value, format!("{}:b", b.term()));
+        drop(b);
+    });
+}
+
+#[test]
+fn a_stopped_leader_is_lost_before_the_servers_expiry_and_the_next_term_is_higher() {
+    const TEST: &str =
+        "a_stopped_leader_is_lost_before_the_servers_expiry_and_the_next_term_is_higher";
+    if std::env::var(CHILD_ENV).as_deref() == Ok("leader") {
+        let url = env("RESPIRE_ELECTION_URL");
+        let coord = coordinator(&url, "");
+        let election = coord.election("{stop}").unwrap();
+        let l = election.try_campaign("stopped", TTL).unwrap().unwrap();
+        let _alive = l.keep_alive().unwrap();
+        let mut clock = redis::Client::open(url).unwrap().get_connection().unwrap();
+        let mut out = std::io::stdout();
+        writeln!(out, "@@pid {} {}", std::process::id(), l.term()).unwrap();
+        out.flush().unwrap();
+        // Each time the bound moves (a confirmed renewal), say where it is on
+        // the server's clock, and how many renewals were confirmed so far.
+        let mut last_bound = None;
+        while !l.is_lost() {
+            let (now_ms, at) = server_now(&mut clock);
+            let bound = at + l.remaining_estimate();
+            if last_bound.is_none_or(|b: Instant| bound > b + TTL / 4) {
+                last_bound = Some(bound);
+                let bound_us = now_ms * 1000 + (bound - at).as_micros() as i64;
+                let renewals = coord.renewal_stats().renewals;
+                writeln!(out, "@@bound {bound_us} {renewals}").unwrap();
+                out.flush().unwrap();
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+        // Woken up: it knows it is lost before doing anything else, and may
+        // not advertise any more.
+        let refused = !l.proclaim("after the pause").unwrap();
+        writeln!(out, "@@lost {} {refused}", coord.renewal_stats().renewals).unwrap();
+        out.flush().unwrap();
+        block_on_stdin();
+        return;
+    }
+    let server = TestServer::start();
+    let mut child = ChildProc::spawn(
+        CHILD_ENV,
+        TEST,
+        "leader",
+        &[("RESPIRE_ELECTION_URL", server.url())],
+    );
+    let pid_term = child.expect("pid");
+    let (pid, term) = pid_term.split_once(' ').unwrap();
+    let (pid, term): (i32, u64) = (pid.parse().unwrap(), term.parse().unwrap());
+    // The first bound is the grant's; wait for one after a renewal, then stop
+    // the leader at once (the next renewal is half a TTL away).
+    child.expect("bound");
+    let line = child.expect("bound");
+    let (bound_us, renewals) = line.split_once(' ').unwrap();
+    let (bound_us, renewals): (i64, u64) = (bound_us.parse().unwrap(), renewals.parse().unwrap());
+    assert!(renewals >= 1);
+    kill_process(Pid::from_raw(pid).unwrap(), Signal::STOP).unwrap();
+    let coord = coordinator(&server.url(), "");
+    let election = coord.election("{stop}").unwrap();
+    let mut c = server.client();
+    // After the stop the leader can renew no more; a renewal the server
+    // applies now is one the leader never hears of.
+    let expiry_ms: i64 = redis::cmd("PEXPIRETIME")
+        .arg(election.lease_key())
+        .query(&mut c)
+        .unwrap();
+    assert!(
+        bound_us < expiry_ms * 1000,
+        "the leader counted on its lease until {bound_us} µs, past the server's expiry at {expiry_ms} ms"
+    );
+    println!(
+        "the stopped leader's bound came {} µs before the server's expiry",
+        expiry_ms * 1000 - bound_us
+    );
+    // A contender wins once the server lets the lease go, with a higher term.
+    let next = election
+        .campaign_timeout("next", TTL, Duration::from_secs(10))
+        .unwrap()
+        .expect("elected after the stopped leader's expiry");
+    let (now_ms, _) = server_now(&mut c);
+    assert!(now_ms >= expiry_ms, "elected before the old lease expired");
+    assert!(next.term().get() > term);
+    kill_process(Pid::from_raw(pid).unwrap(), Signal::CONT).unwrap();
+    let lost = child.expect("lost");
+    let (renewals_after, refused) = lost.split_once(' ').unwrap();
+    assert_eq!(
+        renewals_after.parse::<u64>().unwrap(),
+        renewals,
+        "a renewal was confirmed after the last bound the leader printed"
+    );
+    assert_eq!(refused, "true", "a lost leader proclaimed");
+    let seen = election.leader().unwrap().expect("next leads");
+    assert_eq!(seen.term, next.term());
+    assert_eq!(seen.value.as_deref(), Some("next"));
+    child.finish();
+}
+
+#[test]
+fn proclaiming_after_loss_is_refused_and_changes_nothing() {
+    let prefix = unique_prefix("proclaim");
+    let coord = coordinator(&shared_server().url(), &prefix);
+    let election = coord.election("{p}").unwrap();
+    let mut c = shared_server().client();
+
+    // Held: the value changes, the term does not.
+    let a = election.try_campaign("a1", TTL).unwrap().unwrap();
+    assert!(a.proclaim("a2").unwrap());
+    let seen = election.leader().unwrap().unwrap();
+    assert_eq!((seen.term, seen.value.as_deref()), (a.term(), Some("a2")));
+
+    // Taken over on the server while the guard still counts on its lease:
+    // the script refuses, the guard learns it is lost.
+    let _: () = c.del(election.lease_key()).unwrap();
+    let b = election
+        .try_campaign("b", TTL)
+        .unwrap()
+        .expect("free again");
+    assert!(!a.is_lost());
+    let before = snapshot(&mut c, &prefix);
+    assert!(!a.proclaim("a3").unwrap(), "proclaimed over another leader");
+    assert!(a.is_lost(), "a refused proclamation did not flag the loss");
+    assert_eq!(snapshot(&mut c, &prefix), before);
+    let seen = election.leader().unwrap().unwrap();
+    assert_eq!((seen.term, seen.value.as_deref()), (b.term(), Some("b")));
+
+    // Lost on the local clock: nothing is sent at all.
+    let short = Duration::from_millis(500);
+    b.resign().unwrap();
+    let d = election.try_campaign("d", short).unwrap().unwrap();
+    wait_until(Duration::from_secs(5), "the lease to count as lost", || {
+        d.is_lost()
+    });
+    let before = snapshot(&mut c, &prefix);
+    assert!(!d.proclaim("d2").unwrap());
+    assert_eq!(snapshot(&mut c, &prefix), before);
+}
+
+#[test]
+fn bad_input_is_refused_and_changes_nothing() {
+    let prefix = unique_prefix("bad");
+    let coord = coordinator(&shared_server().url(), &prefix);
+    for name in ["", "no-tag", "{}"] {
+        match coord.election(name) {
+            Err(Error::InvalidArgument(msg)) => assert!(msg.contains("election name"), "{msg}"),
+            other => panic!("{name:?}: {other:?}"),
+        }
+    }
+    let election = coord.election("{bad}").unwrap();
+    let mut c = shared_server().client();
+    for ttl in [Duration::ZERO, NODE_TIMEOUT] {
+        match election.try_campaign("v", ttl) {
+            Err(Error::InvalidArgument(msg)) => assert!(msg.contains("ttl"), "{msg}"),
+            other => panic!("{ttl:?}: {other:?}"),
+        }
+    }
+    let cancel = CancelToken::new();
+    assert!(matches!(
+        election.campaign("v", Duration::ZERO, &cancel),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(snapshot(&mut c, &prefix).is_empty(), "something was sent");
+    // A value key of another type: refused by the script, nothing changed,
+    // and the error names that key.
+    let _: () = c.hset(election.value_key(), "f", "v").unwrap();
+    let before = snapshot(&mut c, &prefix);
+    match election.try_campaign("v", TTL) {
+        Err(Error::BadKey { key, problem }) => {
+            assert_eq!(key, election.value_key());
+            assert!(problem.contains("hash"), "{problem}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(snapshot(&mut c, &prefix), before);
+    // A lease key that is no leader's lease: `leader()` says so.
+    let _: () = c.del(election.value_key()).unwrap();
+    let _: () = c.set(election.lease_key(), "not-a-lease").unwrap();
+    assert!(matches!(election.leader(), Err(Error::BadKey { .. })));
+}
+
+#[test]
+fn an_expired_lease_reads_as_no_leader() {
+    let prefix = unique_prefix("expired");
+    let coord = coordinator(&shared_server().url(), &prefix);
+    let election = coord.election("{x}").unwrap();
+    assert_eq!(election.leader().unwrap(), None);
+    let l = election
+        .try_campaign("x", Duration::from_millis(400))
+        .unwrap()
+        .unwrap();
+    assert_eq!(election.leader().unwrap().unwrap().term, l.term());
+    let mut c = shared_server().client();
+    wait_until(
+        Duration::from_secs(5),
+        "the server to expire the lease",
+        || {
+            let pttl: i64 = c.pttl(election.lease_key()).unwrap();
+            pttl == -2
+        },
+    );
+    // The value key is still there, but belongs to no live term.
+    let value: Option<String> = c.get(election.value_key()).unwrap();
+    assert_eq!(value.as_deref(), Some("1:x"));
+    assert_eq!(election.leader().unwrap(), None);
+    drop(l);
+}
+
+/// Collects what an observer yields, in a thread, on a channel.
+fn spawn_observer(
+    election: respire_coordination::Election,
+    cancel: CancelToken,
+) -> (
+    crossbeam_channel::Receiver<respire_coordination::Result<Option<Leader>>>,
+    thread::JoinHandle<()>,
+) {
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let handle = thread::spawn(move || {
+        for item in election.observe().cancel_on(cancel) {
+            if tx.send(item).is_err() {
+                return;
+            }
+        }
+    });
+    (rx, handle)
+}
+
+fn next(
+    rx: &crossbeam_channel::Receiver<respire_coordination::Result<Option<Leader>>>,
+) -> respire_coordination::Result<Option<Leader>> {
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("the observer reported within 10 s")
+}
+
+#[test]
+fn observe_reports_each_change_in_order_and_never_a_lower_term() {
+    let prefix = unique_prefix("observe");
+    let coord = coordinator(&shared_server().url(), &prefix);
+    let election = coord.election("{o}").unwrap();
+    let cancel = CancelToken::new();
+    let (rx, handle) = spawn_observer(election.clone(), cancel.clone());
+    let long = Duration::from_secs(60);
+    let value = |r: respire_coordination::Result<Option<Leader>>| {
+        r.unwrap().map(|l| (l.term.get(), l.value.unwrap()))
+    };
+    assert_eq!(value(next(&rx)), None, "first: nobody leads");
+    let a = election.try_campaign("a", long).unwrap().unwrap();
+    assert_eq!(value(next(&rx)), Some((1, "a".into())));
+    assert!(a.proclaim("a2").unwrap());
+    assert_eq!(value(next(&rx)), Some((1, "a2".into())));
+    a.resign().unwrap();
+    assert_eq!(value(next(&rx)), None);
+    let b = election.try_campaign("b", long).unwrap().unwrap();
+    assert_eq!(value(next(&rx)), Some((2, "b".into())));
+    // A leader whose lease simply runs out (no delete): the expiry is seen
+    // (by the invalidation, or at the latest by the timer at its PTTL).
+    drop(b);
+    assert_eq!(value(next(&rx)), None);
+    let c3 = election
+        .try_campaign("c", Duration::from_millis(600))
+        .unwrap()
+        .unwrap();
+    assert_eq!(value(next(&rx)), Some((3, "c".into())));
+    std::mem::forget(c3); // no release: the server expires it
+    assert_eq!(value(next(&rx)), None);
+
+    // The counter's history is lost (as after a restart without
+    // persistence): a term below one reported is an error, once, never a
+    // leader.
+    let mut c = shared_server().client();
+    let _: () = c.set(election.term_key(), 0).unwrap();
+    let elsewhere = coordinator(&shared_server().url(), &prefix);
+    let low = elsewhere
+        .election("{o}")
+        .unwrap()
+        .try_campaign("low", long)
+        .unwrap()
+        .unwrap();
+    assert_eq!(low.term().get(), 1);
+    match next(&rx) {
+        Err(Error::FencingRegression { issued, seen, .. }) => assert_eq!((issued, seen), (1, 3)),
+        other => panic!("{other:?}"),
+    }
+    low.resign().unwrap();
+    assert_eq!(value(next(&rx)), None);
+    let _: () = c.set(election.term_key(), 10).unwrap();
+    let high = elsewhere
+        .election("{o}")
+        .unwrap()
+        .try_campaign("high", long)
+        .unwrap()
+        .unwrap();
+    assert_eq!(value(next(&rx)), Some((11, "high".into())));
+    cancel.cancel();
+    handle.join().unwrap();
+    assert!(rx.try_recv().is_err(), "nothing after the cancellation");
+    drop(high);
+}
+
+#[test]
+fn observing_a_server_that_went_away_reports_an_error_not_the_last_leader() {
+    let server = TestServer::start();
+    let coord = coordinator(&server.url(), "");
+    let election = coord.election("{down}").unwrap();
+    let l = election.try_campaign("up", TTL).unwrap().unwrap();
+    let cancel = CancelToken::new();
+    let (rx, handle) = spawn_observer(election.clone(), cancel.clone());
+    assert_eq!(next(&rx).unwrap().map(|l| l.term), Some(l.term()));
+    server.kill();
+    match next(&rx) {
+        Err(e) => assert!(e.is_retryable(), "{e:?}"),
+        Ok(state) => panic!("reported {state:?} from a server that is gone"),
+    }
+    server.restart();
+    // Back, empty (no persistence): nobody leads.
+    loop {
+        match next(&rx) {
+            Err(_) => continue,
+            Ok(state) => {
+                assert_eq!(state, None);
+                break;
+            }
+        }
+    }
+    cancel.cancel();
+    handle.join().unwrap();
+    drop(l);
+}
