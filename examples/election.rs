@@ -31,11 +31,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut changes = election.observe();
         std::thread::spawn(move || {
             let deadline = Instant::now() + Duration::from_secs(10);
-            let mut terms = 0;
+            let (mut terms, mut last_term) = (0, None);
             while let Some(change) = changes.next_until(deadline) {
                 match change {
                     Ok(Some(leader)) => {
-                        terms += 1;
+                        if last_term != Some(leader.term) {
+                            terms += 1;
+                            last_term = Some(leader.term);
+                        }
                         println!(
                             "{:>7.1} ms  observer: term {} led by {}",
                             at(),
