@@ -439,3 +439,287 @@ fn observing_a_server_that_went_away_reports_an_error_not_the_last_leader() {
     handle.join().unwrap();
     drop(l);
 }
+
+// ----- five processes under kill -9, SIGSTOP and resignations -----
+
+/// Nanoseconds on `CLOCK_MONOTONIC`: one clock for every process of the
+/// machine, so intervals recorded by different processes compare.
+fn mono_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+/// A small seeded generator (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// One leadership as its process recorded it: every instant at which it
+/// had checked that it was not lost (taken before the check) and acted as
+/// leader.
+#[derive(Clone, Debug)]
+struct Reign {
+    term: u64,
+    pid: u32,
+    first: u64,
+    last: u64,
+}
+
+/// Folds `(pid, term, instant)` claims into one reign per term and checks
+/// them: one process per term, and, ordered by their first claim, terms
+/// strictly increase and each reign's last claim comes before the next one's
+/// first. Returns the reigns in order.
+fn check_reigns(claims: &[(u32, u64, u64)]) -> Result<Vec<Reign>, String> {
+    let mut by_term: std::collections::BTreeMap<u64, Reign> = Default::default();
+    for &(pid, term, at) in claims {
+        let reign = by_term.entry(term).or_insert(Reign {
+            term,
+            pid,
+            first: at,
+            last: at,
+        });
+        if reign.pid != pid {
+            return Err(format!("term {term} claimed by {} and {pid}", reign.pid));
+        }
+        reign.first = reign.first.min(at);
+        reign.last = reign.last.max(at);
+    }
+    let mut reigns: Vec<Reign> = by_term.into_values().collect();
+    reigns.sort_by_key(|r| r.first);
+    for pair in reigns.windows(2) {
+        let (a, b) = (&pair[0], &pair[1]);
+        if b.term <= a.term {
+            return Err(format!("term {} began after term {}", b.term, a.term));
+        }
+        if a.last >= b.first {
+            return Err(format!(
+                "term {} (pid {}) acted {} µs after term {} (pid {}) began",
+                a.term,
+                a.pid,
+                (a.last - b.first) / 1000,
+                b.term,
+                b.pid
+            ));
+        }
+    }
+    Ok(reigns)
+}
+
+#[test]
+fn the_reign_checker_finds_overlaps_inversions_and_shared_terms() {
+    let ok = [(1, 1, 10), (1, 1, 20), (2, 2, 21), (2, 2, 30), (3, 4, 40)];
+    assert_eq!(check_reigns(&ok).unwrap().len(), 3);
+    // Term 1 acts after term 2 began.
+    let overlap = [(1, 1, 10), (2, 2, 15), (1, 1, 20)];
+    assert!(check_reigns(&overlap).unwrap_err().contains("acted"));
+    // Touching is overlapping too.
+    let touching = [(1, 1, 10), (1, 1, 15), (2, 2, 15)];
+    assert!(check_reigns(&touching).is_err());
+    // A later reign with a lower term.
+    let inverted = [(1, 5, 10), (2, 4, 20)];
+    assert!(check_reigns(&inverted).unwrap_err().contains("began after"));
+    // One term, two processes.
+    let shared = [(1, 3, 10), (2, 3, 20)];
+    assert!(check_reigns(&shared).unwrap_err().contains("claimed by"));
+}
+
+#[test]
+fn five_processes_under_kills_and_stops_never_lead_at_once() {
+    const TEST: &str = "five_processes_under_kills_and_stops_never_lead_at_once";
+    const CHAOS_TTL: Duration = Duration::from_secs(1);
+    const CHAOS_NODE_TIMEOUT: Duration = Duration::from_millis(100);
+    if std::env::var(CHILD_ENV).as_deref() == Ok("contender") {
+        let coord = Coordinator::builder(&env("RESPIRE_ELECTION_URL"))
+            .node_timeout(CHAOS_NODE_TIMEOUT)
+            .build()
+            .unwrap();
+        let election = coord.election("{chaos}").unwrap();
+        let pid = std::process::id();
+        let mut rng = Rng(u64::from(pid) << 32 | mono_ns() & 0xffff_ffff | 1);
+        let never = CancelToken::new();
+        let mut out = std::io::stdout();
+        // The negative control: a leader that never looks whether it lost.
+        let heedless = std::env::var("RESPIRE_ELECTION_HEEDLESS").is_ok();
+        loop {
+            let l = match election.campaign(&pid.to_string(), CHAOS_TTL, &never) {
+                Ok(l) => l,
+                Err(e) => {
+                    writeln!(out, "@@error {e}").unwrap();
+                    thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            };
+            let term = l.term().get();
+            writeln!(out, "@@granted {term} {}", mono_ns()).unwrap();
+            let renewal = l.keep_alive().unwrap();
+            let hold = Duration::from_millis(50 + rng.below(1500));
+            let until = Instant::now() + hold;
+            loop {
+                let at = mono_ns();
+                if l.is_lost() && !heedless {
+                    writeln!(out, "@@end {term} lost").unwrap();
+                    break;
+                }
+                writeln!(out, "@@claim {term} {at}").unwrap();
+                if Instant::now() >= until {
+                    writeln!(out, "@@end {term} resigned").unwrap();
+                    break;
+                }
+                thread::sleep(Duration::from_millis(2));
+            }
+            drop(renewal);
+            drop(l.resign());
+            thread::sleep(Duration::from_millis(rng.below(50)));
+        }
+    }
+    let seconds: u64 = std::env::var("RESPIRE_ELECTION_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    let seed: u64 = std::env::var("RESPIRE_ELECTION_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| mono_ns() | 1);
+    println!("seed {seed} (RESPIRE_ELECTION_SEED), {seconds} s (RESPIRE_ELECTION_SECS)");
+    // RESPIRE_ELECTION_HEEDLESS=1 (passed on to the contenders) runs the
+    // negative control: leaders that act without checking for loss, which
+    // this test must catch.
+    let mut rng = Rng(seed);
+    let server = TestServer::start();
+    let url = server.url();
+
+    // Every line of every contender, with its pid.
+    let (lines_tx, lines_rx) = crossbeam_channel::unbounded::<(u32, String)>();
+    let spawn = |lines_tx: &crossbeam_channel::Sender<(u32, String)>| {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([TEST, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, "contender")
+            .env("RESPIRE_ELECTION_URL", &url)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let stdout = child.stdout.take().unwrap();
+        let tx = lines_tx.clone();
+        thread::spawn(move || {
+            use std::io::BufRead as _;
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { return };
+                if tx.send((pid, line)).is_err() {
+                    return;
+                }
+            }
+        });
+        child
+    };
+    let mut children: Vec<std::process::Child> = (0..5).map(|_| spawn(&lines_tx)).collect();
+
+    // The observer, in this process: what it reported and when.
+    let coord = coordinator(&url, "");
+    let election = coord.election("{chaos}").unwrap();
+    let stop = CancelToken::new();
+    let observed = {
+        let changes = election.observe().cancel_on(stop.clone());
+        thread::spawn(move || {
+            changes
+                .map(|c| (mono_ns(), c.map(|l| l.map(|l| l.term.get()))))
+                .collect::<Vec<_>>()
+        })
+    };
+
+    let (mut kills, mut stops) = (0, 0);
+    let end = Instant::now() + Duration::from_secs(seconds);
+    while Instant::now() < end {
+        thread::sleep(Duration::from_millis(200 + rng.below(600)));
+        let i = rng.below(children.len() as u64) as usize;
+        if rng.below(2) == 0 {
+            children[i].kill().unwrap();
+            children[i].wait().unwrap();
+            children[i] = spawn(&lines_tx);
+            kills += 1;
+        } else {
+            let pid = Pid::from_raw(children[i].id() as i32).unwrap();
+            kill_process(pid, Signal::STOP).unwrap();
+            thread::sleep(CHAOS_TTL + Duration::from_millis(rng.below(1000)));
+            kill_process(pid, Signal::CONT).unwrap();
+            stops += 1;
+        }
+    }
+    for mut child in children {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    drop(lines_tx);
+    stop.cancel();
+    let observed = observed.join().unwrap();
+
+    let (mut claims, mut ends, mut errors) = (Vec::new(), 0, 0);
+    let mut granted = std::collections::HashMap::new();
+    for (pid, line) in lines_rx.iter() {
+        let Some(at) = line.find("@@") else { continue };
+        let mut words = line[at + 2..].split_whitespace();
+        match (words.next(), words.next(), words.next()) {
+            (Some("claim"), Some(term), Some(t)) => {
+                // A line cut short by kill -9 does not parse and is no claim.
+                if let (Ok(term), Ok(t)) = (term.parse::<u64>(), t.parse::<u64>()) {
+                    claims.push((pid, term, t));
+                }
+            }
+            (Some("granted"), Some(term), Some(t)) => {
+                if let (Ok(term), Ok(t)) = (term.parse::<u64>(), t.parse::<u64>()) {
+                    granted.insert(term, t);
+                }
+            }
+            (Some("end"), _, _) => ends += 1,
+            (Some("error"), _, _) => errors += 1,
+            _ => {}
+        }
+    }
+    let reigns = check_reigns(&claims).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    assert!(reigns.len() >= 5, "only {} leaderships", reigns.len());
+
+    // The observer never went back, and saw leaders the processes had.
+    let mut highest = 0;
+    let mut delays = Vec::new();
+    for (at, change) in &observed {
+        match change {
+            Ok(Some(term)) => {
+                assert!(*term >= highest, "observed term {term} after {highest}");
+                highest = *term;
+                // From the instant the campaign returned to the leader (the
+                // observer may hear of it first: the delay is then negative).
+                if let Some(&t) = granted.get(term) {
+                    delays.push(*at as i64 - t as i64);
+                }
+            }
+            Ok(None) => {}
+            Err(e) => panic!("the observer failed on a healthy server: {e}"),
+        }
+    }
+    delays.sort();
+    let seen = observed
+        .iter()
+        .filter(|(_, c)| matches!(c, Ok(Some(_))))
+        .count();
+    println!(
+        "{} leaderships ({kills} kill -9, {stops} SIGSTOP past the TTL, {ends} ended, {errors} \
+         campaign errors); no overlap, terms strictly increasing; the observer reported {seen} \
+         leaders, never going back, {} µs after the leader's campaign returned (median of {})",
+        reigns.len(),
+        delays.get(delays.len() / 2).map_or(0, |d| d / 1000),
+        delays.len()
+    );
+    assert!(seen >= 1, "the observer reported no leader");
+}
