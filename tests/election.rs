@@ -723,3 +723,46 @@ fn five_processes_under_kills_and_stops_never_lead_at_once() {
     );
     assert!(seen >= 1, "the observer reported no leader");
 }
+
+#[test]
+fn an_election_on_a_cluster_campaigns_reads_and_observes_on_the_slots_primary() {
+    let cluster = support::shared_cluster();
+    let seeds = cluster.seed_urls();
+    let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
+    let prefix = unique_prefix("cluster");
+    let coord = Coordinator::cluster_builder(&seeds)
+        .key_prefix(&prefix)
+        .node_timeout(NODE_TIMEOUT)
+        .build()
+        .unwrap();
+    // Names in different slots, so more than one primary is used.
+    let names = ["{alpha}", "{beta}", "{gamma}"];
+    let primaries: std::collections::HashSet<usize> = names
+        .iter()
+        .map(|n| cluster.primary_for_key(format!("{prefix}{n}:leader")))
+        .collect();
+    assert!(primaries.len() >= 2, "the names share a primary");
+    for name in names {
+        let election = coord.election(name).unwrap();
+        let cancel = CancelToken::new();
+        let (rx, handle) = spawn_observer(election.clone(), cancel.clone());
+        assert_eq!(next(&rx).unwrap(), None);
+        let a = election.try_campaign("a", TTL).unwrap().unwrap();
+        assert!(election.try_campaign("b", TTL).unwrap().is_none());
+        let seen = next(&rx).unwrap().expect("a leads");
+        assert_eq!((seen.term, seen.value.as_deref()), (a.term(), Some("a")));
+        assert!(a.proclaim("a2").unwrap());
+        assert_eq!(next(&rx).unwrap().unwrap().value.as_deref(), Some("a2"));
+        assert_eq!(election.leader().unwrap().unwrap().term, a.term());
+        // On the primary that owns the name's slot.
+        let value: String = cluster
+            .client_for_key(election.value_key())
+            .get(election.value_key())
+            .unwrap();
+        assert_eq!(value, format!("{}:a2", a.term()));
+        a.resign().unwrap();
+        assert_eq!(next(&rx).unwrap(), None);
+        cancel.cancel();
+        handle.join().unwrap();
+    }
+}

@@ -1,6 +1,7 @@
 //! `respire-lock leader`: who leads an election, once or as it changes,
 //! through the library's `Election::leader` and `Election::observe`.
 
+use std::io::Write as _;
 use std::process::ExitCode;
 
 use respire_coordination::Leader;
@@ -8,7 +9,7 @@ use respire_coordination::Leader;
 use crate::args::{EXIT_USAGE, LeaderArgs, Usage};
 use crate::endpoint::{self, Tls};
 use crate::json::Object;
-use crate::{EXIT_UNAVAILABLE, say, show};
+use crate::{EXIT_UNAVAILABLE, say};
 
 pub(crate) fn main(args: LeaderArgs) -> ExitCode {
     let tls = match Tls::read(&args.tls, "leader") {
@@ -43,39 +44,48 @@ pub(crate) fn main(args: LeaderArgs) -> ExitCode {
     if !args.watch {
         return match election.leader() {
             Ok(leader) => {
-                print(&args, leader.as_ref());
+                let _ = print(&args, leader.as_ref());
                 ExitCode::SUCCESS
             }
             Err(e) => failed(e),
         };
     }
-    // Ends only when a signal ends the process.
+    // Ends when a signal ends the process, or when a line cannot be written
+    // (the reader of stdout went away).
     for change in election.observe() {
-        match change {
+        let written = match change {
             Ok(leader) => print(&args, leader.as_ref()),
             Err(e) => {
                 say(&format!(
                     "respire-lock: cannot tell who leads {:?}: {e}",
                     args.name
                 ));
-                if args.json {
-                    show(
+                !args.json
+                    || line(
                         &Object::new()
                             .str("name", &args.name)
                             .str("error", &e.to_string())
                             .finish(),
-                    );
-                }
+                    )
             }
+        };
+        if !written {
+            break;
         }
     }
     ExitCode::SUCCESS
 }
 
-/// One state, as a line of text or a JSON object.
-fn print(args: &LeaderArgs, leader: Option<&Leader>) {
+/// Writes one line on stdout, scrubbed of passwords as everything the tool
+/// prints; whether it could.
+fn line(text: &str) -> bool {
+    writeln!(std::io::stdout().lock(), "{}", crate::scrub(text)).is_ok()
+}
+
+/// One state, as a line of text or a JSON object; whether it was written.
+fn print(args: &LeaderArgs, leader: Option<&Leader>) -> bool {
     if args.json {
-        show(
+        return line(
             &Object::new()
                 .str("name", &args.name)
                 .bool("leader", leader.is_some())
@@ -83,13 +93,12 @@ fn print(args: &LeaderArgs, leader: Option<&Leader>) {
                 .opt_str("value", leader.and_then(|l| l.value.as_deref()))
                 .finish(),
         );
-        return;
     }
-    show(&match leader {
+    line(&match leader {
         None => format!("{}: no leader", args.name),
         Some(l) => match &l.value {
             Some(value) => format!("{}: led by {value:?} (term {})", args.name, l.term),
             None => format!("{}: led with term {} (no value)", args.name, l.term),
         },
-    });
+    })
 }
