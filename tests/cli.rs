@@ -2227,6 +2227,11 @@ fn elect_stops_the_command_on_loss_and_recampaigns_with_a_higher_term() {
         "the first command to be stopped",
         || !group_alive(first),
     );
+    wait_until(Duration::from_secs(10), "a new campaign", || {
+        events_in(&events)
+            .iter()
+            .any(|e| e["event"] == "recampaign")
+    });
     let evs = events_in(&events);
     // Taken over, or (when a renewal found the key deleted before the other
     // contender got in) gone.

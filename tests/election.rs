@@ -374,8 +374,9 @@ fn observe_reports_each_change_in_order_and_never_a_lower_term() {
         .unwrap()
         .unwrap();
     assert_eq!(value(next(&rx)), Some((3, "c".into())));
-    std::mem::forget(c3); // no release: the server expires it
+    // Not released: the server expires it.
     assert_eq!(value(next(&rx)), None);
+    assert_eq!(c3.resign().unwrap(), ReleaseOutcome::Expired);
 
     // The counter's history is lost (as after a restart without
     // persistence): a term below one reported is an error, once, never a
