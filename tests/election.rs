@@ -767,3 +767,40 @@ fn an_election_on_a_cluster_campaigns_reads_and_observes_on_the_slots_primary() 
         handle.join().unwrap();
     }
 }
+
+#[test]
+fn observe_polls_where_tracking_is_denied_and_still_sees_every_change() {
+    let server = TestServer::builder()
+        .acl_user("user u on >pw ~* &* +@all -client|tracking")
+        .start();
+    let coord = coordinator(&server.url_for_user("u", "pw"), "");
+    let election = coord.election("{poll}").unwrap();
+    let cancel = CancelToken::new();
+    let (rx, handle) = spawn_observer(election.clone(), cancel.clone());
+    assert_eq!(next(&rx).unwrap(), None);
+    // Changes made elsewhere (no tracking here, no invalidation to wake it).
+    let other = coordinator(&server.url(), "");
+    let elsewhere = other.election("{poll}").unwrap();
+    let a = elsewhere
+        .try_campaign("a", Duration::from_secs(60))
+        .unwrap()
+        .unwrap();
+    assert_eq!(next(&rx).unwrap().map(|l| l.term), Some(a.term()));
+    assert!(a.proclaim("a2").unwrap());
+    assert_eq!(
+        next(&rx).unwrap().and_then(|l| l.value),
+        Some("a2".to_owned())
+    );
+    a.resign().unwrap();
+    assert_eq!(next(&rx).unwrap(), None);
+    cancel.cancel();
+    handle.join().unwrap();
+    // It polled: tracking was never turned on for the denied user.
+    let mut c = server.client();
+    let info: String = redis::cmd("INFO").arg("stats").query(&mut c).unwrap();
+    let tracked = info
+        .lines()
+        .find_map(|l| l.strip_prefix("tracking_total_keys:"))
+        .map(|n| n.trim().to_owned());
+    assert_eq!(tracked.as_deref(), Some("0"));
+}

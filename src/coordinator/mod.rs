@@ -238,8 +238,10 @@ impl Coordinator {
     /// A leader election (see [`Election`]): contenders campaign with a value
     /// to advertise, the winner leads with a term (a fencing token) until it
     /// resigns or loses its lease, and anyone can read or follow the leader.
-    /// Its keys are `name:leader`, `name:term` and `name:value`, after the key
-    /// prefix.
+    /// Its keys are `name:leader` (the lease), `name:term` (the term counter)
+    /// and `name:value` (the advertised value), after the key prefix; the
+    /// latter two never expire and are never deleted by this crate (the
+    /// counter must not go back).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for an empty name or one without a non-empty
