@@ -2109,6 +2109,40 @@ fn a_wait_says_when_redis_stops_answering_and_when_it_answers_again() {
     drop(held);
 }
 
+/// A running tool that is killed if the test ends without waiting for it (a
+/// failed assertion): an `elect --recampaign` or a `leader --watch` would
+/// otherwise outlive the test.
+struct KillOnDrop(Option<std::process::Child>);
+
+impl KillOnDrop {
+    fn into_inner(mut self) -> std::process::Child {
+        self.0.take().expect("still held")
+    }
+}
+
+impl std::ops::Deref for KillOnDrop {
+    type Target = std::process::Child;
+
+    fn deref(&self) -> &std::process::Child {
+        self.0.as_ref().expect("still held")
+    }
+}
+
+impl std::ops::DerefMut for KillOnDrop {
+    fn deref_mut(&mut self) -> &mut std::process::Child {
+        self.0.as_mut().expect("still held")
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 #[test]
 fn elect_runs_the_command_while_leader_and_leader_reports_it() {
     let server = TestServer::start();
@@ -2133,6 +2167,7 @@ fn elect_runs_the_command_while_leader_and_leader_reports_it() {
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
     .spawn()
+    .map(|c| KillOnDrop(Some(c)))
     .unwrap();
     let pgid = started_pid(&events);
     let acquired = event(&events_in(&events), "acquired").clone();
@@ -2162,7 +2197,7 @@ fn elect_runs_the_command_while_leader_and_leader_reports_it() {
 
     // SIGTERM goes to the command's group; the leadership is resigned after.
     signal(&leading, rustix::process::Signal::TERM);
-    let out = leading.wait_with_output().unwrap();
+    let out = leading.into_inner().wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(128 + 15), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "term=1 token=1 value=10.0.0.1:80\n");
     assert!(!group_alive(pgid));
@@ -2209,6 +2244,7 @@ fn elect_stops_the_command_on_loss_and_recampaigns_with_a_higher_term() {
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
     .spawn()
+    .map(|c| KillOnDrop(Some(c)))
     .unwrap();
     let first = started_pid(&events);
     // Another contender takes over on the server: the lease is deleted and
@@ -2267,7 +2303,7 @@ fn elect_stops_the_command_on_loss_and_recampaigns_with_a_higher_term() {
     let seen = election.leader().unwrap().expect("the tool leads again");
     assert_eq!(seen.term.get(), 3);
     signal(&child, rustix::process::Signal::TERM);
-    let out = child.wait_with_output().unwrap();
+    let out = child.into_inner().wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(128 + 15), "{}", text(&out.stderr));
     std::fs::remove_file(&events).unwrap();
     std::fs::remove_file(&terms).unwrap();
@@ -2281,6 +2317,7 @@ fn leader_watch_follows_every_change() {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
+        .map(|c| KillOnDrop(Some(c)))
         .unwrap();
     let mut lines = std::io::BufReader::new(watch.stdout.take().unwrap());
     let mut next = || {
@@ -2313,8 +2350,7 @@ fn leader_watch_follows_every_change() {
     let error = next();
     assert_eq!(error["name"], "jobs");
     assert!(error["error"].as_str().is_some(), "{error}");
-    watch.kill().unwrap();
-    watch.wait().unwrap();
+    drop(watch);
 }
 
 #[test]
