@@ -535,6 +535,19 @@ fn the_reign_checker_finds_overlaps_inversions_and_shared_terms() {
     assert!(check_reigns(&shared).unwrap_err().contains("claimed by"));
 }
 
+/// The contender processes, killed (SIGKILL; a stopped one too) when the
+/// test ends, however it ends.
+struct Contenders(Vec<std::process::Child>);
+
+impl Drop for Contenders {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 #[test]
 fn five_processes_under_kills_and_stops_never_lead_at_once() {
     const TEST: &str = "five_processes_under_kills_and_stops_never_lead_at_once";
@@ -625,7 +638,7 @@ fn five_processes_under_kills_and_stops_never_lead_at_once() {
         });
         child
     };
-    let mut children: Vec<std::process::Child> = (0..5).map(|_| spawn(&lines_tx)).collect();
+    let mut children = Contenders((0..5).map(|_| spawn(&lines_tx)).collect());
 
     // The observer, in this process: what it reported and when.
     let coord = coordinator(&url, "");
@@ -644,24 +657,21 @@ fn five_processes_under_kills_and_stops_never_lead_at_once() {
     let end = Instant::now() + Duration::from_secs(seconds);
     while Instant::now() < end {
         thread::sleep(Duration::from_millis(200 + rng.below(600)));
-        let i = rng.below(children.len() as u64) as usize;
+        let i = rng.below(children.0.len() as u64) as usize;
         if rng.below(2) == 0 {
-            children[i].kill().unwrap();
-            children[i].wait().unwrap();
-            children[i] = spawn(&lines_tx);
+            children.0[i].kill().unwrap();
+            children.0[i].wait().unwrap();
+            children.0[i] = spawn(&lines_tx);
             kills += 1;
         } else {
-            let pid = Pid::from_raw(children[i].id() as i32).unwrap();
+            let pid = Pid::from_raw(children.0[i].id() as i32).unwrap();
             kill_process(pid, Signal::STOP).unwrap();
             thread::sleep(CHAOS_TTL + Duration::from_millis(rng.below(1000)));
             kill_process(pid, Signal::CONT).unwrap();
             stops += 1;
         }
     }
-    for mut child in children {
-        child.kill().unwrap();
-        child.wait().unwrap();
-    }
+    drop(children);
     drop(lines_tx);
     stop.cancel();
     let observed = observed.join().unwrap();
