@@ -2376,3 +2376,52 @@ fn elect_and_leader_refuse_bad_input_before_sending_anything() {
     let out = run(&["leader", "--url", &url, ""]);
     assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
 }
+
+#[test]
+fn elect_without_recampaign_ends_with_the_lost_status_when_leadership_is_lost() {
+    let server = TestServer::start();
+    let events = events_path("elect-lost");
+    let child = respire_lock(&[
+        "elect",
+        "--url",
+        &server.url(),
+        "--ttl",
+        "1s",
+        "--node-timeout",
+        "100ms",
+        "--kill-after",
+        "1s",
+        "--events-file",
+        events.to_str().unwrap(),
+        "jobs",
+        "--",
+        "sh",
+        "-c",
+        "sleep 30 & sleep 30; echo done",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .map(|c| KillOnDrop(Some(c)))
+    .unwrap();
+    let pgid = started_pid(&events);
+    wait_until(Duration::from_secs(5), "sh and its two sleeps", || {
+        group_members(pgid) == 3
+    });
+    let mut admin = server.client();
+    let _: () = admin
+        .set("respire-lock:{jobs}:leader", "intruder:99")
+        .unwrap();
+    let out = child.into_inner().wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(76), "{}", text(&out.stderr));
+    assert!(!text(&out.stdout).contains("done"));
+    assert!(
+        !group_alive(pgid),
+        "the command's group outlived the leadership"
+    );
+    let evs = events_in(&events);
+    assert_eq!(event(&evs, "lost")["cause"], "taken_over");
+    assert_eq!(event(&evs, "released")["outcome"], "taken_over");
+    assert!(evs.iter().all(|e| e["event"] != "recampaign"));
+    std::fs::remove_file(&events).unwrap();
+}
