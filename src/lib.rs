@@ -31,6 +31,7 @@
 //! | Many readers or one writer on one deployment | [`ReadWriteLease`] → [`ReadGuard`] / [`WriteGuard`] | writers fenced like [`FencedLock`]; a waiting writer's expiring intent holds back new readers (no starvation); each reader expires by its own score; readers get the last write token |
 //! | At most N holders | [`Semaphore`] → [`Permit`] | capacity stored beside the permits (a disagreeing participant gets [`Error::CapacityMismatch`]); every permit expires on the server's clock; each permit holds a slot `0..N` with a fencing token |
 //! | A majority across independent deployments | [`RedlockGroup`] → [`RedlockGuard`] | an odd number ≥ 3 of independent standalone servers; no fencing, no consensus |
+//! | One leader at a time, and everyone can see who | [`Election`] → [`Leadership`] | a fenced lease whose fencing token is the leader's term, with an advertised value beside it |
 //!
 //! The single-deployment primitives work on a standalone server, a Sentinel
 //! deployment or a Redis Cluster alike; see [Topologies](#topologies-standalone-sentinel-cluster).
@@ -110,6 +111,32 @@
 //!
 //! A [`RedlockGroup`] offers neither: a reader set or a permit set needs one
 //! authority that orders every change.
+//!
+//! # Leader election
+//!
+//! [`Coordinator::election`] elects one leader among contenders that
+//! [`campaign`](Election::campaign) with a value to advertise. A
+//! [`Leadership`] is a [`FencedGuard`] whose fencing token is the leader's
+//! *term*, so a leader that paused past its lease is fenced like any holder;
+//! [`proclaim`](Leadership::proclaim) changes the value only while the lease is
+//! still this leader's. Everyone else reads the leader with
+//! [`leader`](Election::leader) or follows it with
+//! [`observe`](Election::observe), a blocking iterator woken by invalidations
+//! that never goes back a term. Not offered on a [`RedlockGroup`]: see
+//! [`Election`] for why.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use respire_coordination::{CancelToken, Coordinator};
+//!
+//! # fn main() -> Result<(), respire_coordination::Error> {
+//! let coord = Coordinator::connect("redis://127.0.0.1:6379")?;
+//! let election = coord.election("{scheduler}")?;
+//! let leading = election.campaign("10.0.0.7:8080", Duration::from_secs(10), &CancelToken::new())?;
+//! let _renewal = leading.keep_alive()?;
+//! // lead, sending leading.term() with every write, until leading.is_lost()
+//! # Ok(()) }
+//! ```
 //!
 //! # Waiting and cancellation
 //!
@@ -391,6 +418,7 @@ pub use error::{Error, Result};
 pub use guard::{Fencing, Guard, ReleaseOutcome, Verifiable};
 pub use keys::{MAX_TTL, key_slot};
 pub use lease::acquire::Lease;
+pub use lease::election::{Election, Leader, LeaderChanges, Leadership};
 pub use lease::fenced::{FencedGuard, FencedLock};
 pub use lease::guard::{KeepAlive, LeaseGuard};
 pub use lease::kind::{Fenced, Kind, Plain, Read, Slot, Write};
@@ -432,6 +460,10 @@ fn _ensure_send_sync() {
     check::<WriteGuard>();
     check::<Semaphore>();
     check::<Permit>();
+    check::<Election>();
+    check::<Leadership>();
+    check::<Leader>();
+    check::<LeaderChanges>();
     check::<KeepAlive<'static>>();
     check::<RedlockGroup>();
     check::<RedlockGuard>();

@@ -38,7 +38,7 @@ fn assert_waiting_after_an_attempt(url: &str, before: u64, waiting: &mut std::pr
 const BIN: &str = env!("CARGO_BIN_EXE_respire-lock");
 
 /// Every environment variable `run` reads.
-const ENV_VARS: [&str; 21] = [
+const ENV_VARS: [&str; 24] = [
     "REDIS_URL",
     "RESPIRE_LOCK_REDLOCK",
     "RESPIRE_LOCK_THROWAWAY",
@@ -61,6 +61,9 @@ const ENV_VARS: [&str; 21] = [
     // Read by the other subcommands only.
     "RESPIRE_LOCK_JSON",
     "RESPIRE_LOCK_DOCTOR_KEY",
+    "RESPIRE_LOCK_VALUE",
+    "RESPIRE_LOCK_RECAMPAIGN",
+    "RESPIRE_LOCK_WATCH",
 ];
 
 /// The tool with `args`, and none of its environment variables set.
@@ -446,6 +449,8 @@ fn help_and_version_on_every_subcommand() {
         None,
         Some("run"),
         Some("status"),
+        Some("elect"),
+        Some("leader"),
         Some("doctor"),
         Some("completions"),
     ] {
@@ -2102,4 +2107,320 @@ fn a_wait_says_when_redis_stops_answering_and_when_it_answers_again() {
     assert!(names.contains(&"acquired".to_owned()), "{names:?}");
     std::fs::remove_file(&events).unwrap();
     drop(held);
+}
+
+/// A running tool that is killed if the test ends without waiting for it (a
+/// failed assertion): an `elect --recampaign` or a `leader --watch` would
+/// otherwise outlive the test.
+struct KillOnDrop(Option<std::process::Child>);
+
+impl KillOnDrop {
+    fn into_inner(mut self) -> std::process::Child {
+        self.0.take().expect("still held")
+    }
+}
+
+impl std::ops::Deref for KillOnDrop {
+    type Target = std::process::Child;
+
+    fn deref(&self) -> &std::process::Child {
+        self.0.as_ref().expect("still held")
+    }
+}
+
+impl std::ops::DerefMut for KillOnDrop {
+    fn deref_mut(&mut self) -> &mut std::process::Child {
+        self.0.as_mut().expect("still held")
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[test]
+fn elect_runs_the_command_while_leader_and_leader_reports_it() {
+    let server = TestServer::start();
+    let url = server.url();
+    let events = events_path("elect");
+    let leading = respire_lock(&[
+        "elect",
+        "--url",
+        &url,
+        "--ttl",
+        "3s",
+        "--value",
+        "10.0.0.1:80",
+        "--events-file",
+        events.to_str().unwrap(),
+        "jobs",
+        "--",
+        "sh",
+        "-c",
+        "echo term=$RESPIRE_LEADER_TERM token=$RESPIRE_FENCING_TOKEN value=$RESPIRE_LEADER_VALUE; exec sleep 30",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .map(|c| KillOnDrop(Some(c)))
+    .unwrap();
+    let pgid = started_pid(&events);
+    let acquired = event(&events_in(&events), "acquired").clone();
+    assert_eq!(acquired["mode"], "leader");
+    assert_eq!(acquired["token"], 1);
+    assert_eq!(acquired["lease_key"], "respire-lock:{jobs}:leader");
+
+    // `leader`, in text and JSON, reads what the server holds.
+    let out = run(&["leader", "--url", &url, "jobs"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "jobs: led by \"10.0.0.1:80\" (term 1)\n");
+    let out = run(&["leader", "--url", &url, "--json", "jobs"]);
+    let json = json_lines(&out.stdout);
+    assert_eq!(
+        json,
+        vec![
+            serde_json::json!({"name": "jobs", "leader": true, "term": 1, "value": "10.0.0.1:80"})
+        ]
+    );
+    let mut admin = server.client();
+    let value: String = admin.get("respire-lock:{jobs}:value").unwrap();
+    assert_eq!(value, "1:10.0.0.1:80");
+
+    // A second contender that will not wait is not elected.
+    let out = run(&["elect", "--url", &url, "-n", "jobs", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", text(&out.stderr));
+
+    // SIGTERM goes to the command's group; the leadership is resigned after.
+    signal(&leading, rustix::process::Signal::TERM);
+    let out = leading.into_inner().wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(128 + 15), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "term=1 token=1 value=10.0.0.1:80\n");
+    assert!(!group_alive(pgid));
+    assert_eq!(
+        event(&events_in(&events), "released")["outcome"],
+        "released"
+    );
+    let out = run(&["leader", "--url", &url, "--json", "jobs"]);
+    assert_eq!(
+        json_lines(&out.stdout),
+        vec![serde_json::json!({"name": "jobs", "leader": false, "term": null, "value": null})]
+    );
+    std::fs::remove_file(&events).unwrap();
+}
+
+#[test]
+fn elect_stops_the_command_on_loss_and_recampaigns_with_a_higher_term() {
+    let server = TestServer::start();
+    let url = server.url();
+    let events = events_path("recampaign");
+    let terms = events_path("recampaign-terms");
+    let child = respire_lock(&[
+        "elect",
+        "--url",
+        &url,
+        "--ttl",
+        "1s",
+        "--node-timeout",
+        "100ms",
+        "--kill-after",
+        "1s",
+        "--recampaign",
+        "--events-file",
+        events.to_str().unwrap(),
+        "jobs",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "echo $RESPIRE_LEADER_TERM >> {}; exec sleep 30",
+            terms.display()
+        ),
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .map(|c| KillOnDrop(Some(c)))
+    .unwrap();
+    let first = started_pid(&events);
+    // Another contender takes over on the server: the lease is deleted and
+    // it campaigns through the library.
+    let coord = Coordinator::connect(&url).unwrap();
+    let election = coord.election("respire-lock:{jobs}").unwrap();
+    let mut admin = server.client();
+    let _: () = admin.del("respire-lock:{jobs}:leader").unwrap();
+    let other = election
+        .try_campaign("other", Duration::from_secs(60))
+        .unwrap()
+        .expect("free after the delete");
+    assert_eq!(other.term().get(), 2);
+    wait_until(
+        Duration::from_secs(10),
+        "the first command to be stopped",
+        || !group_alive(first),
+    );
+    wait_until(Duration::from_secs(10), "a new campaign", || {
+        events_in(&events)
+            .iter()
+            .any(|e| e["event"] == "recampaign")
+    });
+    let evs = events_in(&events);
+    // Taken over, or (when a renewal found the key deleted before the other
+    // contender got in) gone.
+    let cause = event(&evs, "lost")["cause"].clone();
+    assert!(cause == "taken_over" || cause == "expired", "{cause}");
+    assert_eq!(event(&evs, "recampaign")["event"], "recampaign");
+    // It campaigns again, and leads once the other resigns.
+    assert_eq!(
+        other.resign().unwrap(),
+        respire_coordination::ReleaseOutcome::Released
+    );
+    wait_until(
+        Duration::from_secs(10),
+        "the command to start again",
+        || {
+            events_in(&events)
+                .iter()
+                .filter(|e| e["event"] == "started")
+                .count()
+                == 2
+        },
+    );
+    let evs = events_in(&events);
+    let acquired: Vec<_> = evs
+        .iter()
+        .filter(|e| e["event"] == "acquired")
+        .map(|e| e["token"].as_u64().unwrap())
+        .collect();
+    assert_eq!(acquired, vec![1, 3]);
+    wait_until(Duration::from_secs(5), "the second command's term", || {
+        std::fs::read_to_string(&terms).unwrap_or_default() == "1\n3\n"
+    });
+    let seen = election.leader().unwrap().expect("the tool leads again");
+    assert_eq!(seen.term.get(), 3);
+    signal(&child, rustix::process::Signal::TERM);
+    let out = child.into_inner().wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(128 + 15), "{}", text(&out.stderr));
+    std::fs::remove_file(&events).unwrap();
+    std::fs::remove_file(&terms).unwrap();
+}
+
+#[test]
+fn leader_watch_follows_every_change() {
+    let server = TestServer::start();
+    let url = server.url();
+    let mut watch = respire_lock(&["leader", "--url", &url, "--watch", "--json", "jobs"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map(|c| KillOnDrop(Some(c)))
+        .unwrap();
+    let mut lines = std::io::BufReader::new(watch.stdout.take().unwrap());
+    let mut next = || {
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut lines, &mut line).unwrap();
+        serde_json::from_str::<serde_json::Value>(&line)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {line:?}"))
+    };
+    let nobody = serde_json::json!({"name": "jobs", "leader": false, "term": null, "value": null});
+    assert_eq!(next(), nobody);
+    let coord = Coordinator::connect(&url).unwrap();
+    let election = coord.election("respire-lock:{jobs}").unwrap();
+    let a = election
+        .try_campaign("a", Duration::from_secs(60))
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        next(),
+        serde_json::json!({"name": "jobs", "leader": true, "term": 1, "value": "a"})
+    );
+    assert!(a.proclaim("a2").unwrap());
+    assert_eq!(
+        next(),
+        serde_json::json!({"name": "jobs", "leader": true, "term": 1, "value": "a2"})
+    );
+    a.resign().unwrap();
+    assert_eq!(next(), nobody);
+    // The server goes away: an error, not the last state.
+    server.kill();
+    let error = next();
+    assert_eq!(error["name"], "jobs");
+    assert!(error["error"].as_str().is_some(), "{error}");
+    drop(watch);
+}
+
+#[test]
+fn elect_and_leader_refuse_bad_input_before_sending_anything() {
+    let url = shared_server().url();
+    let out = run(&["elect", "--url", &url, "--shared", "jobs", "--", "true"]);
+    assert_usage_error(&out, &["--shared"], "respire-lock elect --help");
+    let out = run(&[
+        "elect",
+        "--redlock",
+        "redis://a,redis://b,redis://c",
+        "jobs",
+        "--",
+        "true",
+    ]);
+    assert_usage_error(&out, &["--redlock"], "respire-lock elect --help");
+    let out = run(&["elect", "--url", &url, "--ttl", "1s", "jobs", "--", "true"]);
+    assert_usage_error(&out, &["--ttl"], "respire-lock elect --help");
+    let out = run(&["elect", "--url", &url, "", "--", "true"]);
+    assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
+    let out = run(&["leader", "jobs"]);
+    assert_usage_error(&out, &["--url"], "respire-lock leader --help");
+    let out = run(&["leader", "--url", &url, ""]);
+    assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
+}
+
+#[test]
+fn elect_without_recampaign_ends_with_the_lost_status_when_leadership_is_lost() {
+    let server = TestServer::start();
+    let events = events_path("elect-lost");
+    let child = respire_lock(&[
+        "elect",
+        "--url",
+        &server.url(),
+        "--ttl",
+        "1s",
+        "--node-timeout",
+        "100ms",
+        "--kill-after",
+        "1s",
+        "--events-file",
+        events.to_str().unwrap(),
+        "jobs",
+        "--",
+        "sh",
+        "-c",
+        "sleep 30 & sleep 30; echo done",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .map(|c| KillOnDrop(Some(c)))
+    .unwrap();
+    let pgid = started_pid(&events);
+    wait_until(Duration::from_secs(5), "sh and its two sleeps", || {
+        group_members(pgid) == 3
+    });
+    let mut admin = server.client();
+    let _: () = admin
+        .set("respire-lock:{jobs}:leader", "intruder:99")
+        .unwrap();
+    let out = child.into_inner().wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(76), "{}", text(&out.stderr));
+    assert!(!text(&out.stdout).contains("done"));
+    wait_until(Duration::from_secs(2), "the whole group to be gone", || {
+        !group_alive(pgid)
+    });
+    let evs = events_in(&events);
+    assert_eq!(event(&evs, "lost")["cause"], "taken_over");
+    assert_eq!(event(&evs, "released")["outcome"], "taken_over");
+    assert!(evs.iter().all(|e| e["event"] != "recampaign"));
+    std::fs::remove_file(&events).unwrap();
 }

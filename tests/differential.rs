@@ -63,6 +63,14 @@ const SHIPPED: &[(&str, &str)] = &[
         include_str!("../src/scripts/fenced_acquire.lua"),
     ),
     (
+        "election_leader.lua",
+        include_str!("../src/scripts/election_leader.lua"),
+    ),
+    (
+        "election_proclaim.lua",
+        include_str!("../src/scripts/election_proclaim.lua"),
+    ),
+    (
         "lease_extend.lua",
         include_str!("../src/scripts/lease_extend.lua"),
     ),
@@ -356,9 +364,11 @@ const WRITE_FENCE: &str = "rw:fence";
 const PERMITS: &str = "sem:permits";
 const META: &str = "sem:meta";
 const SLOTS: &str = "sem:slots";
-const ALL_KEYS: [&str; 9] = [
+const VALUE: &str = "value";
+const ALL_KEYS: [&str; 10] = [
     LEASE,
     FENCE,
+    VALUE,
     WRITER,
     READERS,
     INTENTS,
@@ -384,7 +394,7 @@ impl Generator {
     }
 
     fn focused(mut self) -> Self {
-        self.focus = self.rng.below(4);
+        self.focus = self.rng.below(5);
         self.capacity = self.rng.pick(&["1", "2", "3"]);
         self
     }
@@ -448,6 +458,11 @@ impl Generator {
         format!("{}:{}", self.owner(), self.rng.below(3) + 1)
     }
 
+    /// A value a leader advertises.
+    fn advertised(&mut self) -> String {
+        self.rng.pick(&["v", "", "a:b", "10.0.0.1:80"]).to_owned()
+    }
+
     fn permit(&mut self) -> String {
         if !self.permits.is_empty() && self.rng.chance(80) {
             return self.permits[self.rng.below(self.permits.len())].clone();
@@ -500,17 +515,34 @@ impl Generator {
         let rw = [WRITER, READERS, INTENTS, WRITE_FENCE];
         let sem = [PERMITS, META, SLOTS];
         // Scripts 0..4 are the fenced lease's, 4..11 the reader/writer
-        // lease's, 11..17 the semaphore's.
+        // lease's, 11..17 the semaphore's, 17..19 the election's (with the
+        // fenced lease's).
         let script = match self.focus {
             0 if self.rng.chance(70) => self.rng.below(4),
             1 if self.rng.chance(70) => 4 + self.rng.below(7),
             2 if self.rng.chance(70) => 11 + self.rng.below(6),
-            _ => self.rng.below(17),
+            3 if self.rng.chance(70) => [0, 1, 3, 17, 18][self.rng.below(5)],
+            _ => self.rng.below(19),
         };
         match script {
+            0 if self.rng.chance(40) => {
+                let args = vec![self.owner(), self.ttl(), self.advertised()];
+                self.script("fenced_acquire.lua", &[LEASE, FENCE, VALUE], args)
+            }
             0 => {
                 let args = vec![self.owner(), self.ttl()];
                 self.script("fenced_acquire.lua", &[LEASE, FENCE], args)
+            }
+            17 => self.script("election_leader.lua", &[LEASE, VALUE], Vec::new()),
+            18 => {
+                let lease = self.lease_value();
+                let term = if self.rng.chance(80) {
+                    lease.rsplit(':').next().unwrap_or_default().to_owned()
+                } else {
+                    self.rng.pick(&["1", "2", ""]).to_owned()
+                };
+                let args = vec![lease, term, self.advertised()];
+                self.script("election_proclaim.lua", &[LEASE, VALUE], args)
             }
             1 => {
                 let args = vec![self.lease_value(), self.ttl()];

@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::keys;
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::Deployment;
+use crate::lease::election::Election;
 use crate::lease::fenced::{FencedLock, FencedSpec};
 use crate::lease::lock::{Lock, PlainSpec};
 use crate::lease::rwlease::{Preference, ReadWriteLease};
@@ -232,6 +233,22 @@ impl Coordinator {
     /// hash tag. Nothing is sent to Redis.
     pub fn semaphore(&self, base: &str, capacity: u32) -> Result<Semaphore> {
         crate::lease::semaphore::semaphore(&self.dep, base, capacity)
+    }
+
+    /// A leader election (see [`Election`]): contenders campaign with a value
+    /// to advertise, the winner leads with a term (a fencing token) until it
+    /// resigns or loses its lease, and anyone can read or follow the leader.
+    /// Its keys are `name:leader` (the lease), `name:term` (the term counter)
+    /// and `name:value` (the advertised value), after the key prefix; the
+    /// latter two never expire and are never deleted by this crate (the
+    /// counter must not go back).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty name or one without a non-empty
+    /// hash tag (`{jobs}`, `{jobs}:scheduler`): the keys must share a cluster
+    /// slot. Nothing is sent to Redis.
+    pub fn election(&self, name: &str) -> Result<Election> {
+        Election::new(&self.dep, name)
     }
 
     /// The prefix added to every key.

@@ -18,7 +18,7 @@ use crate::lease::kind::{Acquire, Granted, Kind};
 use crate::replication::Replication;
 use crate::runtime::renewal::Cell;
 use crate::runtime::topology::Uncertain;
-use crate::runtime::waiters::{self, Attempt, WaitFor};
+use crate::runtime::waiters::{self, Attempt, Failures, WaitFor};
 use crate::token::OwnerToken;
 
 /// A single-deployment primitive of kind `K`: [`Lock`](crate::Lock),
@@ -211,6 +211,7 @@ impl<K: Kind> Lease<K> {
                     cancel,
                     node_timeout: dep.node_timeout() + dep.replication.timeout(),
                     settle: dep.connect_timeout,
+                    failures: Failures::RideOut,
                 };
                 let mut attempts = Attempts::default();
                 let waited = waiters::wait_for(&*dep.topology, &w, |conn, d| {

@@ -14,7 +14,7 @@ use std::time::Instant;
 use crate::conn::Conn;
 use crate::error::{Error, Result};
 use crate::lease::acquire::Lease;
-use crate::lease::deployment::{Deployment, bad_key};
+use crate::lease::deployment::{Deployment, bad_key, bad_key_in};
 use crate::lease::guard::LeaseGuard;
 use crate::lease::kind::{Acquire, Fenced, Granted};
 use crate::lease::{busy, parse_token, string_clean_up};
@@ -48,14 +48,31 @@ impl Lease<Fenced> {
 
 /// The keys and acquire script of a [`FencedLock`].
 pub(crate) struct FencedSpec {
-    /// Lease, fence.
-    keys: [String; 2],
+    /// Lease, fence, and the value key when there is one.
+    keys: Vec<String>,
+    /// The value every grant writes to the value key (with its token).
+    value: Option<String>,
 }
 
 impl FencedSpec {
     pub(crate) fn new(lease: String, fence: String) -> Self {
         FencedSpec {
-            keys: [lease, fence],
+            keys: vec![lease, fence],
+            value: None,
+        }
+    }
+
+    /// A fenced lease whose every grant also sets `value_key` to
+    /// `token:value`, in the same script call.
+    pub(crate) fn advertising(
+        lease: String,
+        fence: String,
+        value_key: String,
+        value: String,
+    ) -> Self {
+        FencedSpec {
+            keys: vec![lease, fence, value_key],
+            value: Some(value),
         }
     }
 }
@@ -79,16 +96,14 @@ impl Acquire<FencingToken> for FencedSpec {
         _waiting: bool,
         _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<FencingToken>>> {
-        let [lease, fence] = &self.keys;
+        let (lease, fence) = (&self.keys[0], &self.keys[1]);
+        let keys: Vec<&str> = self.keys.iter().map(String::as_str).collect();
+        let ttl = ttl_ms.to_string();
+        let mut args = vec![owner.as_str(), &ttl];
+        args.extend(self.value.as_deref());
         let sent = dep.now();
         let reply: Vec<redis::Value> = conn
-            .script(
-                &scripts::FENCED_ACQUIRE,
-                &[lease, fence],
-                &[owner.as_str(), &ttl_ms.to_string()],
-                "acquire",
-                deadline,
-            )
+            .script(&scripts::FENCED_ACQUIRE, &keys, &args, "acquire", deadline)
             .map_err(|e| {
                 let key = match &e {
                     Error::Server { source, .. }
@@ -108,6 +123,8 @@ impl Acquire<FencingToken> for FencedSpec {
                                 .into(),
                         }
                     }
+                    // BADKEY names its key by index (KEYS[3], the value).
+                    e if key == lease => bad_key_in(e, &keys),
                     e => bad_key(e, key),
                 }
             })?;

@@ -128,11 +128,30 @@ impl<K: Kind> LeaseGuard<K> {
         let ops = self.cell.extra();
         let (keys, args) = ops.verify_args();
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.run_check(ops.verify_script(), &keys, &args, "verify")
+    }
+
+    /// The value this guard's lease key holds while it is ours.
+    pub(crate) fn lease_value(&self) -> &str {
+        &self.cell.extra().member
+    }
+
+    /// Runs `script`, which answers as `lease_verify` does (`{1, pttl}` held,
+    /// `{0}` gone, `{-1}` taken over), once within the node timeout (once
+    /// more on a fresh connection when a pooled one was dead: the script must
+    /// be idempotent), and applies the answer as a verification of the lease.
+    pub(crate) fn run_check(
+        &self,
+        script: &crate::scripts::Script,
+        keys: &[&str],
+        args: &[&str],
+        op: &'static str,
+    ) -> Result<Option<Duration>> {
         let deadline = self.dep.now() + self.dep.node_timeout();
         let mut reply = Err(Error::Cancelled);
         let mut sent = self.dep.now();
         // A pooled connection the server closed (a restart): once more on a
-        // fresh one, which is safe for a read.
+        // fresh one, which is safe for an idempotent script.
         for retry in [false, true] {
             let mut reused = false;
             reply = self
@@ -140,10 +159,10 @@ impl<K: Kind> LeaseGuard<K> {
                 .on_key(self.key(), deadline, Connect::Own, |conn, deadline| {
                     reused = !conn.is_fresh();
                     sent = self.dep.now();
-                    conn.script::<Vec<i64>>(ops.verify_script(), &keys, &args, "verify", deadline)
+                    conn.script::<Vec<i64>>(script, keys, args, op, deadline)
                 })
                 .0
-                .map_err(|e| bad_key_in(e, &keys));
+                .map_err(|e| bad_key_in(e, keys));
             if !(reused && !retry && matches!(reply, Err(Error::Io { .. }))) {
                 break;
             }
@@ -163,7 +182,7 @@ impl<K: Kind> LeaseGuard<K> {
                 Ok(left)
             }
             None => Err(Error::UnexpectedReply {
-                op: "verify",
+                op,
                 reply: format!("{reply:?}"),
             }),
         }

@@ -4,10 +4,12 @@
 //! (`acquire.rs`) and guard `LeaseGuard<K>` (`guard.rs`), and the reply
 //! helpers below. Then one file per primitive, side by side: `lock.rs`,
 //! `fenced.rs`, `rwlease.rs` and `semaphore.rs`; each imports the shared
-//! pieces only, never another primitive.
+//! pieces only, never another primitive, except `election.rs`, which is a
+//! fenced lease with a value (it builds on `fenced.rs`).
 
 pub(crate) mod acquire;
 pub(crate) mod deployment;
+pub(crate) mod election;
 pub(crate) mod fenced;
 pub(crate) mod guard;
 pub(crate) mod kind;

@@ -401,6 +401,17 @@ pub(crate) fn ensure_tracking(
     }
 }
 
+/// What a wait does with a failure that may pass (a timeout, an I/O error, a
+/// refused connection).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Failures {
+    /// Pause and try again until the deadline (acquires).
+    RideOut,
+    /// End the wait with the error at once (an observer, who must hear that
+    /// it can no longer tell what the server holds).
+    Report,
+}
+
 /// What a wait is for and how long it may take.
 pub(crate) struct WaitFor<'a> {
     /// Every key whose change may free it; the first keeps the expiry timer.
@@ -412,6 +423,8 @@ pub(crate) struct WaitFor<'a> {
     pub(crate) node_timeout: Duration,
     /// How long the subscriber may take to connect before the first attempt.
     pub(crate) settle: Duration,
+    /// What a failure that may pass does to the wait.
+    pub(crate) failures: Failures,
 }
 
 /// How a wait ended.
@@ -538,6 +551,7 @@ fn wait_loop<R: Route, T>(
                     None => Err(Error::PoolTimeout(after)),
                 };
             }
+            Err(e) if e.is_retryable() && w.failures == Failures::Report => return Err(e),
             Err(e) if e.is_retryable() => {
                 failures = failures.saturating_add(1);
                 if !warned {

@@ -8,14 +8,25 @@
 -- that was extended since).
 -- KEYS[1]  lease key
 -- KEYS[2]  fence counter key (same cluster slot as the lease)
+-- KEYS[3]  optional: a value key (same slot), set to token:ARGV[3] with every
+--          grant, the repeated one included; it never expires, and the token
+--          ties it to the grant that set it
 -- ARGV[1]  owner value
 -- ARGV[2]  ttl in milliseconds
+-- ARGV[3]  with KEYS[3]: the value
 -- returns  {1, token} when granted, the token as a string (a Lua number would
 --          print 1e+14 and lose digits above 2^53); {0, pttl} when held (pttl -1:
 --          no expiry)
 -- errors   BADKEY (lease of another type), BADFENCE (counter of another type, with
 --          an expiry, or not a non-negative integer), and INCR's overflow error
---          at the counter's maximum; nothing is changed
+--          at the counter's maximum; BADKEY KEYS[3] (a value key of another
+--          type); nothing is changed
+if KEYS[3] then
+  local vt = redis.call('TYPE', KEYS[3]).ok
+  if vt ~= 'none' and vt ~= 'string' then
+    return redis.error_reply('BADKEY KEYS[3] holds a ' .. vt .. ', not a value')
+  end
+end
 local ft = redis.call('TYPE', KEYS[2]).ok
 if ft ~= 'none' then
   if ft ~= 'string' then
@@ -34,6 +45,7 @@ if lt == 'none' then
   redis.call('INCR', KEYS[2])
   local token = redis.call('GET', KEYS[2])
   redis.call('SET', KEYS[1], ARGV[1] .. ':' .. token, 'PX', ARGV[2])
+  if KEYS[3] then redis.call('SET', KEYS[3], token .. ':' .. ARGV[3]) end
   return {1, token}
 end
 if lt ~= 'string' then
@@ -46,6 +58,8 @@ if string.sub(held, 1, string.len(mine)) == mine then
   if left >= 0 and left < tonumber(ARGV[2]) then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
   end
-  return {1, string.sub(held, string.len(mine) + 1)}
+  local token = string.sub(held, string.len(mine) + 1)
+  if KEYS[3] then redis.call('SET', KEYS[3], token .. ':' .. ARGV[3]) end
+  return {1, token}
 end
 return {0, redis.call('PTTL', KEYS[1])}

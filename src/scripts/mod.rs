@@ -44,6 +44,10 @@ script!(LEASE_RELEASE, "lease_release.lua");
 script!(LEASE_EXTEND, "lease_extend.lua");
 script!(LEASE_VERIFY, "lease_verify.lua");
 
+// The election (its campaign is `fenced_acquire` with a value key).
+script!(ELECTION_LEADER, "election_leader.lua");
+script!(ELECTION_PROCLAIM, "election_proclaim.lua");
+
 // The reader/writer lease.
 script!(RW_READ_ACQUIRE, "rw_read_acquire.lua");
 script!(RW_READ_EXTEND, "rw_read_extend.lua");

@@ -12,6 +12,11 @@
 //!   is recorded, no read grant while another writer is; write tokens rise;
 //!   a reader's epoch is the last write token; an attempt on a free lease
 //!   (no recorded writer, no reader, no intent) is granted.
+//! - Election (`fenced_acquire` with a value key, `election_proclaim`,
+//!   `election_leader`, and the lease scripts): the value key holds the
+//!   recorded term and value; a proclamation changes it only for the recorded
+//!   holder; a read names the recorded holder's term, and its value only when
+//!   the value key belongs to that term.
 //! - Semaphore (the `sem_*` scripts): unexpired recorded permits never
 //!   exceed the capacity and hold distinct slots below it; tokens rise; an
 //!   attempt with fewer permits than the capacity is granted; status, verify
@@ -71,6 +76,8 @@ fn server(seed: u64) -> ModelServer {
         &*scripts::SEM_RELEASE,
         &*scripts::SEM_SET_CAPACITY,
         &*scripts::SEM_STATUS,
+        &*scripts::ELECTION_LEADER,
+        &*scripts::ELECTION_PROCLAIM,
     ] {
         s.command(&["SCRIPT", "LOAD", script.code]);
     }
@@ -239,6 +246,187 @@ fn fenced_case(seed: u64) -> Result<Stats, String> {
             return Err(format!(
                 "step {step} at {now}: the lease expires at {truth:?} on the server, \
                  the record says {recorded:?}"
+            ));
+        }
+        stats.checks += 1;
+        stats.events += 1;
+    }
+    Ok(stats)
+}
+
+// ----- the election -----
+
+fn election_case(seed: u64) -> Result<Stats, String> {
+    let mut rng = Rng::new(seed);
+    let mut s = server(seed);
+    let (lease, fence, value_key) = ("{e}leader", "{e}term", "{e}value");
+    let values = ["v", "", "a:b"];
+    let mut holder: Option<Holder> = None;
+    // What the value key holds: the term that wrote it, and the value.
+    let mut advertised: Option<(u64, String)> = None;
+    let mut issued = 0u64;
+    let mut stats = Stats::default();
+    for step in 0..STEPS {
+        let edges: Vec<i64> = holder.iter().map(|h| h.until).collect();
+        tick(&mut s, &mut rng, &edges);
+        let now = s.now_ms();
+        if holder.as_ref().is_some_and(|h| now > h.until) {
+            holder = None;
+        }
+        let who = owner(&mut rng);
+        let said = values[rng.below(values.len() as u64) as usize];
+        // Mostly the holder's own value, sometimes a stale or foreign one.
+        let mine = match &holder {
+            Some(h) if rng.chance(0.6) => h.value(),
+            _ => format!("{who}:{}", issued.saturating_sub(rng.below(2))),
+        };
+        let ctx = |what: &str, got: &Reply, want: &Reply| {
+            format!("step {step} at {now}: {what}: got {got}, the contract says {want}")
+        };
+        match rng.below(5) {
+            0 => {
+                let ttl = ttl(&mut rng);
+                // Sometimes a plain fenced lock on the same keys, which
+                // leaves the value key alone.
+                let advertises = rng.chance(0.8);
+                let got = if advertises {
+                    call(
+                        &mut s,
+                        &scripts::FENCED_ACQUIRE,
+                        &[lease, fence, value_key],
+                        &[who, &ttl.to_string(), said],
+                    )
+                } else {
+                    call(
+                        &mut s,
+                        &scripts::FENCED_ACQUIRE,
+                        &[lease, fence],
+                        &[who, &ttl.to_string()],
+                    )
+                };
+                let want = match &mut holder {
+                    None => {
+                        issued += 1;
+                        holder = Some(Holder {
+                            owner: who,
+                            token: issued,
+                            until: now + ttl,
+                        });
+                        if advertises {
+                            advertised = Some((issued, said.to_owned()));
+                        }
+                        stats.grants += 1;
+                        Reply::Array(vec![Reply::Int(1), bulk(&issued.to_string())])
+                    }
+                    Some(h) if h.owner == who => {
+                        h.until = h.until.max(now + ttl);
+                        if advertises {
+                            advertised = Some((h.token, said.to_owned()));
+                        }
+                        Reply::Array(vec![Reply::Int(1), bulk(&h.token.to_string())])
+                    }
+                    Some(h) => {
+                        stats.takeovers += 1;
+                        Reply::Array(vec![Reply::Int(0), Reply::Int(h.until - now)])
+                    }
+                };
+                if got != want {
+                    return Err(ctx(&format!("{who} campaigns for {ttl} ms"), &got, &want));
+                }
+            }
+            1 => {
+                let ttl = ttl(&mut rng);
+                let got = call(
+                    &mut s,
+                    &scripts::LEASE_EXTEND,
+                    &[lease],
+                    &[&mine, &ttl.to_string()],
+                );
+                let want = match &mut holder {
+                    None => Reply::Int(0),
+                    Some(h) if h.value() == mine => {
+                        h.until = now + ttl;
+                        stats.extensions += 1;
+                        Reply::Int(1)
+                    }
+                    Some(_) => Reply::Int(-1),
+                };
+                if got != want {
+                    return Err(ctx(&format!("{mine} extends by {ttl} ms"), &got, &want));
+                }
+            }
+            2 => {
+                let term = mine.rsplit(':').next().unwrap_or_default().to_owned();
+                let got = call(
+                    &mut s,
+                    &scripts::ELECTION_PROCLAIM,
+                    &[lease, value_key],
+                    &[&mine, &term, said],
+                );
+                let want = match &holder {
+                    None => Reply::Array(vec![Reply::Int(0)]),
+                    Some(h) if h.value() == mine => {
+                        advertised = Some((h.token, said.to_owned()));
+                        Reply::Array(vec![Reply::Int(1), Reply::Int(h.until - now)])
+                    }
+                    Some(_) => {
+                        stats.losses += 1;
+                        Reply::Array(vec![Reply::Int(-1)])
+                    }
+                };
+                if got != want {
+                    return Err(ctx(&format!("{mine} proclaims {said:?}"), &got, &want));
+                }
+            }
+            3 => {
+                let got = call(&mut s, &scripts::ELECTION_LEADER, &[lease, value_key], &[]);
+                let want = match &holder {
+                    None => Reply::Array(vec![Reply::Int(0)]),
+                    Some(h) => Reply::Array(vec![
+                        Reply::Int(1),
+                        bulk(&h.token.to_string()),
+                        match &advertised {
+                            Some((term, v)) if *term == h.token => bulk(v),
+                            _ => Reply::Nil,
+                        },
+                        Reply::Int(h.until - now),
+                    ]),
+                };
+                if got != want {
+                    return Err(ctx("the leader is read", &got, &want));
+                }
+                stats.checks += 1;
+            }
+            _ => {
+                let got = call(&mut s, &scripts::LEASE_RELEASE, &[lease], &[&mine, "exact"]);
+                let want = match &holder {
+                    None => Reply::Int(0),
+                    Some(h) if h.value() == mine => {
+                        holder = None;
+                        Reply::Int(1)
+                    }
+                    Some(_) => Reply::Int(-1),
+                };
+                if got != want {
+                    return Err(ctx(&format!("{mine} resigns"), &got, &want));
+                }
+            }
+        }
+        let truth = s.expiry(lease);
+        let recorded = holder.as_ref().map(|h| h.until);
+        if truth != recorded {
+            return Err(format!(
+                "step {step} at {now}: the lease expires at {truth:?} on the server, \
+                 the record says {recorded:?}"
+            ));
+        }
+        let stored = s.command(&["GET", value_key]);
+        let want = advertised
+            .as_ref()
+            .map_or(Reply::Nil, |(term, v)| bulk(&format!("{term}:{v}")));
+        if stored != want {
+            return Err(format!(
+                "step {step} at {now}: the value key holds {stored}, the record says {want}"
             ));
         }
         stats.checks += 1;
@@ -627,6 +815,17 @@ fn shipped_fenced_lease_scripts_keep_their_contract() {
     if stats.cases >= 100 {
         assert!(
             stats.grants > stats.cases && stats.takeovers > 0,
+            "{stats:?}"
+        );
+    }
+}
+
+#[test]
+fn shipped_election_scripts_keep_their_contract() {
+    let stats = run("shipped_election_scripts", seeds(CASES, 14), election_case);
+    if stats.cases >= 100 {
+        assert!(
+            stats.grants > stats.cases && stats.takeovers > 0 && stats.losses > 0,
             "{stats:?}"
         );
     }

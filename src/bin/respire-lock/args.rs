@@ -102,6 +102,37 @@ With --json, one object on stdout: ok (bool: no check failed) and findings, a li
 objects with level (\"ok\" | \"warn\" | \"fail\"), check (one of the ids above) and
 message.";
 
+const ELECT_AFTER_HELP: &str = "\
+Campaigns to lead NAME on one deployment (--url or REDIS_URL; --throwaway to try it
+out), runs CMD while leader, and stops CMD's process group when the leadership is
+lost. Every option of `run` applies, with the same supervision (see
+respire-lock run --help), except --redlock, --shared and --max: a leader's term is a
+fencing token, which needs the one counter of one deployment.
+
+CMD sees RESPIRE_LEADER_TERM and RESPIRE_FENCING_TOKEN (the term: strictly increasing
+per NAME; pass it to what the leader writes to, and have it refuse lower ones),
+RESPIRE_LEADER_VALUE (what this leader advertises) and RESPIRE_LOCK_KEY (the lease
+key). Keys: <prefix>{NAME}:leader, <prefix>{NAME}:term, <prefix>{NAME}:value.
+
+Without --recampaign, elect ends when CMD ends, with CMD's status, or with 76 when the
+leadership was lost. With --recampaign, a lost leadership stops CMD and elect
+campaigns again; once elected again it runs CMD again. JSON events are those of
+`run`, with mode \"leader\", and a \"recampaign\" event after each loss.";
+
+const LEADER_AFTER_HELP: &str = "\
+Prints who leads NAME: its advertised value and its term, or that nobody does (a lease
+that expired counts as nobody). One read; changes nothing. Exits 0 whether or not
+someone leads, 69 when Redis cannot be asked, 64 without --url or REDIS_URL.
+
+With --json, one object on stdout: name, leader (bool), term (or null), value (or null).
+
+With --watch, it keeps running and prints the current state, then one line (or JSON
+object) per change: a new leader, a new value, nobody leading. It sleeps until the
+election's keys change (client tracking; it polls only where tracking is denied).
+When Redis cannot be read it says so (on stderr, and with --json as an object with
+name and error on stdout) rather than print the last leader it knew, and tries again;
+it never prints a term lower than one it printed. Stop it with a signal.";
+
 /// `flock(1)` for a fleet: run commands under fenced Redis leases.
 #[derive(Parser, Debug)]
 #[command(
@@ -128,6 +159,15 @@ pub(crate) enum Command {
     /// Report who holds KEY, in which mode, by which token and for how long.
     #[command(after_long_help = STATUS_AFTER_HELP)]
     Status(StatusArgs),
+    /// Campaign to lead NAME, run CMD while leader, stop it if leadership is lost.
+    ///
+    /// The leadership is a fenced lease renewed at half its TTL; its fencing
+    /// token is the leader's term. CMD runs supervised as under `run`.
+    #[command(after_long_help = ELECT_AFTER_HELP)]
+    Elect(ElectArgs),
+    /// Print who leads NAME (its value and term), or follow changes with --watch.
+    #[command(after_long_help = LEADER_AFTER_HELP)]
+    Leader(LeaderArgs),
     /// Report what on a deployment weakens the guarantees.
     ///
     /// Checks persistence and fsync, the eviction policy, replication, cluster mode,
@@ -283,6 +323,48 @@ pub(crate) struct RunArgs {
     pub(crate) command: Vec<OsString>,
 }
 
+#[derive(Args, Debug)]
+pub(crate) struct ElectArgs {
+    /// The value to advertise while leading (an address, a node name). Defaults
+    /// to this host's name and the process id, as host:pid.
+    #[arg(long, env = "RESPIRE_LOCK_VALUE", value_name = "VALUE")]
+    pub(crate) value: Option<String>,
+
+    /// After the leadership is lost and CMD stopped, campaign again, and run CMD
+    /// again once elected.
+    #[arg(long, env = "RESPIRE_LOCK_RECAMPAIGN", value_parser = clap::builder::BoolishValueParser::new())]
+    pub(crate) recampaign: bool,
+
+    /// The options of `run` (KEY is the election's NAME).
+    #[command(flatten)]
+    pub(crate) run: RunArgs,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct LeaderArgs {
+    /// The Redis deployment to ask.
+    #[arg(long, env = "REDIS_URL", value_name = "URL", hide_env_values = true)]
+    pub(crate) url: Option<String>,
+
+    #[command(flatten)]
+    pub(crate) keys: KeyOptions,
+
+    #[command(flatten)]
+    pub(crate) tls: TlsOptions,
+
+    /// Print one JSON object on stdout per state (see --help).
+    #[arg(long, env = "RESPIRE_LOCK_JSON", value_parser = clap::builder::BoolishValueParser::new())]
+    pub(crate) json: bool,
+
+    /// Keep running and print every change of leader.
+    #[arg(long, env = "RESPIRE_LOCK_WATCH", value_parser = clap::builder::BoolishValueParser::new())]
+    pub(crate) watch: bool,
+
+    /// The name of the election, as given to `elect`.
+    #[arg(value_parser = parse_key)]
+    pub(crate) name: String,
+}
+
 /// The options that decide the physical keys and the bound on each command.
 #[derive(Args, Debug)]
 pub(crate) struct KeyOptions {
@@ -359,7 +441,7 @@ pub(crate) struct DoctorArgs {
 }
 
 /// The rules between `run`'s options, checked before anything is sent.
-pub(crate) fn check_run(args: &RunArgs) -> Result<(), Usage> {
+pub(crate) fn check_run(args: &RunArgs, subcommand: &str) -> Result<(), Usage> {
     let min = Coordinator::builder("redis://unused")
         .node_timeout(args.keys.node_timeout)
         .min_keep_alive_ttl();
@@ -373,10 +455,10 @@ pub(crate) fn check_run(args: &RunArgs) -> Result<(), Usage> {
                 humantime::format_duration(args.keys.node_timeout),
                 humantime::format_duration(min_ms)
             ),
-            Some("run"),
+            Some(subcommand),
         ));
     }
-    check_tls(&args.tls, "run")
+    check_tls(&args.tls, subcommand)
 }
 
 /// TLS options need the `tls` feature.
@@ -579,7 +661,7 @@ fn subcommand_of(args: &[OsString]) -> Option<&'static str> {
         .skip(1)
         .map(OsString::as_os_str)
         .find(|a| !a.as_encoded_bytes().starts_with(b"-"))?;
-    ["run", "status", "doctor", "completions"]
+    ["run", "status", "elect", "leader", "doctor", "completions"]
         .into_iter()
         .find(|name| OsStr::new(name) == first)
 }

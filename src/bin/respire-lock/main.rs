@@ -9,6 +9,10 @@
 //!   with CMD's status.
 //! - `respire-lock status KEY` reports who holds KEY, in which mode, by which
 //!   token and for how long.
+//! - `respire-lock elect NAME CMD [ARGS...]` campaigns to lead the election
+//!   NAME and runs CMD, supervised as by `run`, while leader; with
+//!   `--recampaign` it campaigns again after a loss.
+//! - `respire-lock leader NAME` prints who leads NAME (`--watch` follows it).
 //! - `respire-lock doctor URL` reports what on a deployment weakens the
 //!   guarantees.
 //! - `respire-lock completions SHELL` prints a shell completion script.
@@ -20,6 +24,7 @@ mod args;
 mod doctor;
 mod endpoint;
 mod json;
+mod leader;
 mod run;
 mod status;
 mod supervise;
@@ -65,6 +70,13 @@ fn main() -> ExitCode {
                 .expect("the status subcommand was parsed");
             status::main(args, sub)
         }
+        Command::Elect(args) => {
+            let sub = matches
+                .subcommand_matches("elect")
+                .expect("the elect subcommand was parsed");
+            run::elect_main(args, sub)
+        }
+        Command::Leader(args) => leader::main(args),
         Command::Doctor(args) => doctor::main(args),
         Command::Completions { shell } => {
             let mut out = std::io::stdout().lock();

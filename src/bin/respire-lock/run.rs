@@ -1,5 +1,6 @@
 //! `respire-lock run`: take the lease, run the command's process group under
 //! it, stop the group if the lease is lost, release the lease after.
+//! `respire-lock elect` is the same supervision under a leadership.
 
 use std::ffi::OsString;
 use std::hash::{BuildHasher as _, Hasher as _};
@@ -13,13 +14,13 @@ use clap::parser::ValueSource;
 use crossbeam_channel::{Receiver, select};
 use parking_lot::Mutex;
 use respire_coordination::{
-    CancelToken, Coordinator, Error, Kind, Lease, LeaseGuard, MAX_TTL, NodeOutcome, RedlockGroup,
-    RedlockGuard, RedlockOptions, ReleaseOutcome,
+    CancelToken, Coordinator, Election, Error, FencingToken, Kind, Leadership, Lease, LeaseGuard,
+    MAX_TTL, NodeOutcome, RedlockGroup, RedlockGuard, RedlockOptions, ReleaseOutcome,
 };
 use rustix::process::{Pid, Signal};
 use signal_hook::consts::{SIGCHLD, SIGHUP, SIGINT, SIGQUIT, SIGTERM};
 
-use crate::args::{EXIT_USAGE, RunArgs, Usage, Wait, check_run};
+use crate::args::{EXIT_USAGE, ElectArgs, RunArgs, Usage, Wait, check_run};
 use crate::endpoint::{self, Tls};
 use crate::json::{self, Object};
 use crate::supervise::{self, Guardian};
@@ -42,7 +43,7 @@ enum Target {
 /// `--redlock` and `--throwaway` together on the command line are refused;
 /// from the environment, `RESPIRE_LOCK_REDLOCK` beats `REDIS_URL`. Nothing
 /// at all is a usage error.
-fn target(args: &RunArgs, matches: &ArgMatches) -> Result<Target, Usage> {
+fn target(args: &RunArgs, matches: &ArgMatches, subcommand: &str) -> Result<Target, Usage> {
     let on_command_line = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
     let given = ["url", "redlock", "throwaway"]
         .into_iter()
@@ -55,7 +56,7 @@ fn target(args: &RunArgs, matches: &ArgMatches) -> Result<Target, Usage> {
     if given > 1 {
         return Err(Usage::new(
             "--url, --redlock and --throwaway exclude each other",
-            Some("run"),
+            Some(subcommand),
         ));
     }
     Ok(match (&args.url, &args.redlock) {
@@ -68,29 +69,75 @@ fn target(args: &RunArgs, matches: &ArgMatches) -> Result<Target, Usage> {
             return Err(Usage::new(
                 "no Redis deployment given: set --url or REDIS_URL (or --redlock; \
                  --throwaway to try the tool on a private server)",
-                Some("run"),
+                Some(subcommand),
             ));
         }
     })
 }
 
 pub(crate) fn main(args: RunArgs, matches: &ArgMatches) -> ExitCode {
+    drive(&args, matches, "run", |run, target| match target {
+        Target::Redlock(urls) => run.redlock(&urls),
+        Target::Url(url) => run.single(&url),
+        Target::Throwaway => run.on_throwaway(|run, url| run.single(url)),
+    })
+}
+
+/// `respire-lock elect`: `run`'s supervision, under a leadership.
+pub(crate) fn elect_main(args: ElectArgs, matches: &ArgMatches) -> ExitCode {
+    let value = args.value.clone().unwrap_or_else(default_value);
+    drive(&args.run, matches, "elect", |run, target| match target {
+        Target::Url(url) => run.elect(&url, &value, args.recampaign),
+        Target::Throwaway => run.on_throwaway(|run, url| run.elect(url, &value, args.recampaign)),
+        // Refused before anything starts.
+        Target::Redlock(_) => ExitCode::from(EXIT_USAGE),
+    })
+}
+
+/// This host's name and this process's id, `host:pid`: what a leader
+/// advertises unless told otherwise.
+fn default_value() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into());
+    format!("{host}:{}", std::process::id())
+}
+
+/// Checks everything before anything is sent, then runs `body` on the
+/// deployment with the signal handlers and the guardian in place.
+fn drive(
+    args: &RunArgs,
+    matches: &ArgMatches,
+    subcommand: &str,
+    body: impl FnOnce(&mut Run<'_>, Target) -> ExitCode,
+) -> ExitCode {
     let prepared = (|| {
-        let target = target(&args, matches)?;
+        let target = target(args, matches, subcommand)?;
+        if subcommand == "elect"
+            && (matches!(target, Target::Redlock(_)) || args.shared || args.max.is_some())
+        {
+            return Err(Usage::new(
+                "--redlock, --shared and --max do not apply to elect: a leader's term is a \
+                 fencing token, which needs the one counter of one deployment (--url)",
+                Some(subcommand),
+            ));
+        }
         if let Target::Redlock(_) = &target
             && let Some(list) = &args.redlock
         {
-            list.check("run")?;
+            list.check(subcommand)?;
         }
-        check_run(&args)?;
+        check_run(args, subcommand)?;
         if matches!(target, Target::Redlock(_)) && (args.shared || args.max.is_some()) {
             return Err(Usage::new(
                 "--shared and --max need one deployment (--url): a Redlock group has neither mode",
-                Some("run"),
+                Some(subcommand),
             ));
         }
-        let tls = Tls::read(&args.tls, "run")?;
-        let events = Events::open(&args)?;
+        let tls = Tls::read(&args.tls, subcommand)?;
+        let events = Events::open(args, subcommand)?;
         Ok((target, tls, events))
     })();
     let (target, tls, events) = match prepared {
@@ -116,26 +163,13 @@ pub(crate) fn main(args: RunArgs, matches: &ArgMatches) -> ExitCode {
     };
     let mut guardian = Guardian::lazy();
     let mut run = Run {
-        args: &args,
+        args,
         report: &report,
         signals: &signals,
         guardian: &mut guardian,
         tls: &tls,
     };
-    match target {
-        Target::Redlock(urls) => run.redlock(&urls),
-        Target::Url(url) => run.single(&url),
-        Target::Throwaway => {
-            let server = match ThrowawayServer::start(run.guardian) {
-                Ok(server) => server,
-                Err(e) => return report.error(EXIT_UNAVAILABLE, &e),
-            };
-            report.throwaway(&server.url(), &server.dir);
-            let code = run.single(&server.url());
-            server.stop(run.guardian);
-            code
-        }
-    }
+    body(&mut run, target)
 }
 
 /// The mode of a single-deployment run.
@@ -278,22 +312,81 @@ impl Run<'_> {
         let why_lost = || single_loss_cause(coord, &base, grant.token, mode);
         let ended = self.run_child(&grant.env(), guard.lost_signal(), &why_lost);
         drop(renewal);
-        let (outcome, detail) = match guard.release() {
-            Ok(ReleaseOutcome::Released) => ("released", None),
-            Ok(ReleaseOutcome::Expired) => ("expired", Some("the lease had expired before".into())),
-            Ok(ReleaseOutcome::TakenOver) => (
-                "taken_over",
-                Some("another holder had the key; it was left alone".into()),
-            ),
-            Ok(ReleaseOutcome::Uncertain) => (
-                "uncertain",
-                Some("no reply; the lease ends at its expiry at the latest".into()),
-            ),
-            Ok(other) => ("uncertain", Some(format!("{other:?}"))),
-            Err(e) => ("failed", Some(e.to_string())),
-        };
+        let (outcome, detail) = release_words(guard.release());
         self.report.released(outcome, detail.as_deref());
         self.finish(ended)
+    }
+
+    /// Starts a throwaway server, runs `body` on it, stops it.
+    fn on_throwaway(&mut self, body: impl FnOnce(&mut Self, &str) -> ExitCode) -> ExitCode {
+        let server = match ThrowawayServer::start(self.guardian) {
+            Ok(server) => server,
+            Err(e) => return self.report.error(EXIT_UNAVAILABLE, &e),
+        };
+        self.report.throwaway(&server.url(), &server.dir);
+        let code = body(self, &server.url());
+        server.stop(self.guardian);
+        code
+    }
+
+    /// Campaigns for NAME, runs the command while leader, resigns after;
+    /// with `recampaign`, a lost leadership means campaigning again.
+    fn elect(&mut self, url: &str, value: &str, recampaign: bool) -> ExitCode {
+        let args = self.args;
+        let coord = match endpoint::connect(url, &args.keys, self.tls) {
+            Ok(c) => c,
+            Err(e) if endpoint::is_usage(&e) => {
+                return self.report.error(EXIT_USAGE, &e.to_string());
+            }
+            Err(e) => return self.report.error(EXIT_UNAVAILABLE, &e.to_string()),
+        };
+        let election = match coord.election(&endpoint::base(&args.key)) {
+            Ok(e) => e,
+            Err(e) => return self.report.error(EXIT_USAGE, &e.to_string()),
+        };
+        let ttl = args.ttl;
+        loop {
+            let leadership = match self.acquire(
+                |deadline, cancel| match deadline {
+                    Some(d) if d <= Instant::now() => election.try_campaign(value, ttl),
+                    Some(d) => election.campaign_until(value, ttl, d, cancel),
+                    None => election.campaign(value, ttl, cancel).map(Some),
+                },
+                |_| Ok(None),
+                |l: Leadership| drop(l.resign()),
+                || election.leader().map(drop).map_err(|e| e.to_string()),
+            ) {
+                Ok(l) => l,
+                Err(code) => return code,
+            };
+            let renewal = match leadership.keep_alive() {
+                Ok(r) => r,
+                Err(e @ Error::InvalidArgument(_)) => {
+                    return self.report.error(EXIT_USAGE, &e.to_string());
+                }
+                Err(e) => return self.report.error(EXIT_UNAVAILABLE, &e.to_string()),
+            };
+            let term = leadership.term();
+            let grant = Grant {
+                lease_key: election.lease_key().to_owned(),
+                token: Some(term.get()),
+                write_epoch: None,
+                slot: None,
+            };
+            self.report.acquired(&grant, "leader", ttl);
+            let mut env = grant.env();
+            env.push(("RESPIRE_LEADER_TERM", term.to_string()));
+            env.push(("RESPIRE_LEADER_VALUE", value.to_owned()));
+            let why_lost = || election_loss_cause(&election, term);
+            let ended = self.run_child(&env, leadership.lost_signal(), &why_lost);
+            drop(renewal);
+            let (outcome, detail) = release_words(leadership.resign());
+            self.report.released(outcome, detail.as_deref());
+            match ended {
+                Ended::LeaseLost(_) if recampaign => self.report.recampaign(),
+                ended => return self.finish(ended),
+            }
+        }
     }
 
     fn redlock(&mut self, urls: &[String]) -> ExitCode {
@@ -640,6 +733,26 @@ impl Run<'_> {
     }
 }
 
+/// What a release found, as the `released` event's outcome and detail.
+fn release_words(
+    released: respire_coordination::Result<ReleaseOutcome>,
+) -> (&'static str, Option<String>) {
+    match released {
+        Ok(ReleaseOutcome::Released) => ("released", None),
+        Ok(ReleaseOutcome::Expired) => ("expired", Some("the lease had expired before".into())),
+        Ok(ReleaseOutcome::TakenOver) => (
+            "taken_over",
+            Some("another holder had the key; it was left alone".into()),
+        ),
+        Ok(ReleaseOutcome::Uncertain) => (
+            "uncertain",
+            Some("no reply; the lease ends at its expiry at the latest".into()),
+        ),
+        Ok(other) => ("uncertain", Some(format!("{other:?}"))),
+        Err(e) => ("failed", Some(e.to_string())),
+    }
+}
+
 /// A pause of 20–220 ms before trying again after a conflict with another
 /// mode, different in every process so that two modes do not keep meeting.
 fn backoff() -> Duration {
@@ -759,6 +872,31 @@ fn single_loss_cause(coord: &Coordinator, base: &str, token: Option<u64>, mode: 
     }
 }
 
+/// Reads the election once after a loss to say what happened to the
+/// leadership of `term`.
+fn election_loss_cause(election: &Election, term: FencingToken) -> LossCause {
+    match election.leader() {
+        Err(e) => LossCause {
+            cause: "unreachable",
+            reason: format!("no renewal was confirmed before the local loss deadline ({e})"),
+        },
+        Ok(None) => LossCause {
+            cause: "expired",
+            reason: "the leader's lease is gone: it expired or was deleted".into(),
+        },
+        Ok(Some(l)) if l.term == term => LossCause {
+            cause: "deadline",
+            reason: "no renewal was confirmed before the local loss deadline \
+                     (the server still had the lease)"
+                .into(),
+        },
+        Ok(Some(l)) => LossCause {
+            cause: "taken_over",
+            reason: format!("another leader was elected, with term {}", l.term),
+        },
+    }
+}
+
 fn redlock_loss_cause(guard: &RedlockGuard) -> LossCause {
     let nodes: Vec<String> = guard
         .last_evidence()
@@ -797,8 +935,8 @@ fn status_code(status: ExitStatus) -> u8 {
 struct Events(Option<Mutex<Box<dyn std::io::Write + Send>>>);
 
 impl Events {
-    fn open(args: &RunArgs) -> Result<Events, Usage> {
-        let usage = |what: String| Usage::new(what, Some("run"));
+    fn open(args: &RunArgs, subcommand: &str) -> Result<Events, Usage> {
+        let usage = |what: String| Usage::new(what, Some(subcommand));
         let some = |w: Box<dyn std::io::Write + Send>| Events(Some(Mutex::new(w)));
         if let Some(fd) = args.events_fd {
             return match fd {
@@ -920,6 +1058,17 @@ impl Reporter {
             Some(format!(
                 "the lease was lost ({}); stopping the command",
                 cause.reason
+            )),
+        );
+    }
+
+    fn recampaign(&self) {
+        self.emit(
+            "recampaign",
+            |o| o,
+            Some(format!(
+                "campaigning again for {:?} (--recampaign)",
+                self.key
             )),
         );
     }
