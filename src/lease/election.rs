@@ -26,11 +26,12 @@ use crossbeam_channel::Receiver;
 use crate::cancel::CancelToken;
 use crate::conn::{Conn, Connect};
 use crate::error::{Error, Result};
+use crate::guard::{Fencing, Guard, ReleaseOutcome, Verifiable, sealed};
 use crate::keys;
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::fenced::{FencedGuard, FencedSpec};
-use crate::lease::guard::{KeepAlive, ReleaseOutcome};
+use crate::lease::guard::KeepAlive;
 use crate::lease::kind::Fenced;
 use crate::lease::parse_token;
 use crate::runtime::waiters::{self, Attempt, Failures, WaitFor, failure_pause};
@@ -437,6 +438,48 @@ impl Leadership {
     /// As [`LeaseGuard::verify_still_held`](crate::LeaseGuard::verify_still_held).
     pub fn verify_still_held(&self) -> Result<Option<Duration>> {
         self.guard.verify_still_held()
+    }
+}
+
+impl sealed::Sealed for Leadership {}
+
+/// A leadership is a guard like any other: [`release`](Guard::release) is
+/// [`resign`](Leadership::resign) and the fencing token is the term.
+impl Guard for Leadership {
+    type KeepAlive<'a> = KeepAlive<'a>;
+
+    fn key(&self) -> &str {
+        self.guard.key()
+    }
+    fn is_lost(&self) -> bool {
+        Leadership::is_lost(self)
+    }
+    fn lost_signal(&self) -> &Receiver<()> {
+        Leadership::lost_signal(self)
+    }
+    fn remaining_estimate(&self) -> Duration {
+        Leadership::remaining_estimate(self)
+    }
+    fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
+        Leadership::reset_expiry(self, ttl)
+    }
+    fn keep_alive(&self) -> Result<KeepAlive<'_>> {
+        Leadership::keep_alive(self)
+    }
+    fn release(self) -> Result<ReleaseOutcome> {
+        self.resign()
+    }
+}
+
+impl Fencing for Leadership {
+    fn fencing_token(&self) -> FencingToken {
+        self.term()
+    }
+}
+
+impl Verifiable for Leadership {
+    fn verify_still_held(&self) -> Result<Option<Duration>> {
+        Leadership::verify_still_held(self)
     }
 }
 
