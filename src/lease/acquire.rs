@@ -207,10 +207,10 @@ impl<K: Kind> Lease<K> {
                 };
                 let mut uncertain_since = None;
                 let mut granted_at = None;
-                let waited = waiters::wait_for(&*dep.topology, &w, |conn, d| {
+                let waited = waiters::wait_for(&*dep.topology, &w, |conn, d, waiting| {
                     let started = dep.now();
                     let since = rerun_since(uncertain_since, granted_at);
-                    let r = self.attempt(conn, &owner, ttl_ms, d, true, since);
+                    let r = self.attempt(conn, &owner, ttl_ms, d, waiting, since);
                     if r.as_ref().is_err_and(Error::is_uncertain) {
                         uncertain_since.get_or_insert(started);
                     }
