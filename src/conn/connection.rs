@@ -626,8 +626,8 @@ impl Subscriber<'_> {
     }
 }
 
-/// `cmds` as one pipeline, each after `ASKING` when `asking` (a slot being
-/// imported), after `CLIENT CACHING yes` when `track`, and `WAIT replicas
+/// `cmds` as one pipeline: after `CLIENT CACHING yes` when `track`, each after
+/// `ASKING` when `asking` (a slot being imported), and `WAIT replicas
 /// timeout` after them all when asked for.
 fn wrap<'a>(
     cmds: impl Iterator<Item = &'a redis::Cmd>,
