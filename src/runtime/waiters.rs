@@ -31,12 +31,16 @@
 //! after the failed attempt, instead of a whole attempt, costs the same
 //! round trip but cannot take a lease freed meanwhile. The price is one
 //! round trip more for a wait that finds the key held (it waits anyway).
-//! Measured side by side with the raw `SET NX PX` + compare-and-delete pair
-//! (`scripts/bench-compare`, BENCHMARKS.md), `Lock::acquire` + release
-//! went from 1.77× (one CPU) and 1.28× (across CPUs) the raw pair, with
-//! tracking on from the first attempt, to the cost of `try_acquire` +
-//! release; `FencedLock::acquire` from 2.48× and 1.42× the raw pair to
-//! that of its `try_acquire`.
+//! Measured side by side (`scripts/bench-compare`, BENCHMARKS.md; p50 of
+//! acquire + release, servers and client on one CPU / on different CPUs):
+//! with tracking on from the first attempt, `Lock::acquire` cost 1.77× /
+//! 1.28× the raw `SET NX PX` + compare-and-delete pair and
+//! `FencedLock::acquire` 2.48× / 1.42× it; with the plain first attempt,
+//! `Lock::acquire` costs 1.10× / 1.04× the raw pair (`try_acquire` 1.11× /
+//! 1.03× in the same run), `FencedLock::acquire` 1.04× / 1.03× the raw
+//! fenced script pair, and the waits of the reader/writer lease and the
+//! semaphore 1.02–1.03× their raw script pairs, with client CPU per pair
+//! 1.05–1.18× the raw pairs'.
 //!
 //! Where the ACL denies `CLIENT CACHING` (but allows `CLIENT TRACKING`),
 //! connections fall back to tracking every read (logged once): waits are
