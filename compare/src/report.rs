@@ -668,7 +668,7 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
                     out,
                     "\n## 5. Idle cost of {} blocked waiters ({cpus})\n\n\
                      One held key per waiter (held for 10 minutes), one waiter each, all in one \
-                     process; once every waiter has made its first attempt and 500 ms have \
+                     process; once every waiter has made the attempts before its sleep and 500 ms have \
                      passed, the commands Redis ran over {} ms (`INFO commandstats`, `INFO` left \
                      out; commands run inside scripts count as Redis counts them). A waiter woken \
                      only by changes costs nothing here, so there is no ratio: the floor is 0. \
