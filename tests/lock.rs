@@ -340,8 +340,8 @@ fn a_least_privilege_acl_user_can_do_everything() {
     let server = TestServer::builder()
         .acl_user(
             "user locker on >pw resetkeys ~app:* resetchannels &__redis__:invalidate -@all \
-             +ping +hello +auth +select +client|id +client|kill +client|tracking +client|setname \
-             +subscribe +script|load +eval +evalsha +type +get +set +pttl +pexpire +del +incr",
+             +ping +hello +auth +select +client|id +client|kill +client|tracking +client|caching \
+             +client|setname +subscribe +script|load +eval +evalsha +type +get +set +pttl +pexpire +del +incr",
         )
         .start();
     let coord = Coordinator::builder(&server.url_for_user("locker", "pw"))

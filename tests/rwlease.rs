@@ -1035,17 +1035,29 @@ fn what_an_unanswered_acquire_may_have_set_is_deleted_afterwards() {
         });
     }
 
-    // A waiting writer's intent, recorded by attempts whose replies were lost.
+    // A waiting writer's intent, refreshed by an attempt whose reply was lost
+    // (a wait records one once its first attempt found the lease held).
     let reader = rw.read().try_acquire(ttl).unwrap().unwrap();
     assert!(reader.verify_still_held().unwrap().is_some());
-    proxy.set_mode(support::Mode::DropServerToClient);
-    let e = rw.write().acquire_timeout(ttl, ms(500)).unwrap_err();
-    assert!(e.is_uncertain(), "{e}");
-    assert_eq!(
-        c.zcard::<_, u64>(rw.intents_key()).unwrap(),
-        1,
-        "the intent"
-    );
+    thread::scope(|s| {
+        let writer = s.spawn(|| rw.write().acquire_timeout(ttl, Duration::from_secs(2)));
+        let intent = |c: &mut redis::Connection| -> Option<f64> {
+            let top: Vec<(String, f64)> = c.zrange_withscores(rw.intents_key(), 0, -1).unwrap();
+            top.first().map(|(_, expiry)| *expiry)
+        };
+        let mut recorded = None;
+        wait_until(Duration::from_secs(10), "the writer's intent", || {
+            recorded = intent(&mut c);
+            recorded.is_some()
+        });
+        // Its next attempt, the intent's refresh, gets no reply.
+        proxy.set_mode(support::Mode::DropServerToClient);
+        wait_until(Duration::from_secs(10), "the unanswered refresh", || {
+            intent(&mut c) > recorded
+        });
+        let e = writer.join().unwrap().unwrap_err();
+        assert!(e.is_retryable(), "{e}");
+    });
     proxy.set_mode(support::Mode::Pass);
     wait_until(Duration::from_secs(10), "the intent's clean-up", || {
         c.zcard::<_, u64>(rw.intents_key()).unwrap() == 0

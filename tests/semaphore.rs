@@ -590,7 +590,7 @@ fn a_least_privilege_acl_user_can_use_both_primitives() {
         .acl_user(format!(
             "user sharer on >pw resetkeys ~app:* resetchannels &__redis__:invalidate -@all \
              +ping +hello +auth +select +client|id +client|kill +client|tracking \
-             +client|setname +subscribe +eval +evalsha +type +get +set +pttl +pexpire +del \
+             +client|caching +client|setname +subscribe +eval +evalsha +type +get +set +pttl +pexpire +del \
              +incr {RW_SEM_COMMANDS}"
         ))
         .start();

@@ -736,6 +736,248 @@ fn a_zero_wait_is_exactly_one_attempt_and_starts_no_subscriber() {
     assert_eq!(script_calls(&mut admin) - before, 4);
 }
 
+/// How many commands the server ran, those scripts ran included, `INFO`
+/// excluded (`INFO commandstats`).
+fn every_call(admin: &mut redis::Connection) -> HashMap<String, u64> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(admin)
+        .expect("INFO commandstats");
+    info.lines()
+        .filter_map(|l| {
+            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+            let n = rest
+                .split(',')
+                .find_map(|f| f.strip_prefix("calls="))?
+                .parse()
+                .ok()?;
+            (name != "info").then(|| (name.to_owned(), n))
+        })
+        .collect()
+}
+
+/// The commands run since `before`, by name (those run at least once).
+fn calls_since(
+    admin: &mut redis::Connection,
+    before: &HashMap<String, u64>,
+) -> std::collections::BTreeMap<String, u64> {
+    every_call(admin)
+        .into_iter()
+        .map(|(name, n)| {
+            let since = n - before.get(&name).copied().unwrap_or(0);
+            (name, since)
+        })
+        .filter(|(_, n)| *n > 0)
+        .collect()
+}
+
+/// Keys the server tracks for client-side caching (`INFO stats`): every one
+/// costs an invalidation when it next changes.
+fn tracked_keys(admin: &mut redis::Connection) -> u64 {
+    let info: String = redis::cmd("INFO").arg("stats").query(admin).expect("INFO");
+    info.lines()
+        .find_map(|l| l.strip_prefix("tracking_total_keys:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("tracking_total_keys")
+}
+
+#[test]
+fn a_wait_that_finds_the_key_free_costs_what_one_attempt_costs() {
+    let server = TestServer::start();
+    let mut admin = server.client();
+    let coord = Coordinator::builder(&server.url())
+        .key_prefix("free:")
+        .node_timeout(Duration::from_millis(500))
+        .pool_size(1)
+        .build()
+        .unwrap();
+    let lock = coord.lock("job").unwrap();
+    let fenced = coord.fenced_lock("{f}:lease", "{f}:fence").unwrap();
+    let rw = coord.read_write_lease("{rw}").unwrap();
+    let sem = coord.semaphore("{sem}", 2).unwrap();
+    let cancel = CancelToken::new();
+    let tracking = ["client|tracking", "client|caching"];
+    let try_pair = |what: &str| match what {
+        "lock" => lock.try_acquire(LONG_TTL).unwrap().map(|g| g.release()),
+        "fenced" => fenced.try_acquire(LONG_TTL).unwrap().map(|g| g.release()),
+        "read" => rw
+            .read()
+            .try_acquire(LONG_TTL)
+            .unwrap()
+            .map(|g| g.release()),
+        "write" => rw
+            .write()
+            .try_acquire(LONG_TTL)
+            .unwrap()
+            .map(|g| g.release()),
+        _ => sem.try_acquire(LONG_TTL).unwrap().map(|g| g.release()),
+    };
+    // The commands (those scripts run included) of a waiting acquire and its
+    // release are those of a single attempt and its release; nothing is
+    // tracked, so the release invalidates nothing.
+    let check = |admin: &mut redis::Connection, what: &str| {
+        let before = every_call(admin);
+        assert_eq!(try_pair(what).unwrap().unwrap(), ReleaseOutcome::Released);
+        let single = calls_since(admin, &before);
+        let before = every_call(admin);
+        let acquired = match what {
+            "lock" => lock.acquire(LONG_TTL, &cancel).map(|g| g.release()),
+            "fenced" => fenced.acquire(LONG_TTL, &cancel).map(|g| g.release()),
+            "read" => rw.read().acquire(LONG_TTL, &cancel).map(|g| g.release()),
+            "write" => rw.write().acquire(LONG_TTL, &cancel).map(|g| g.release()),
+            _ => sem.acquire(LONG_TTL, &cancel).map(|g| g.release()),
+        };
+        assert_eq!(acquired.unwrap().unwrap(), ReleaseOutcome::Released);
+        assert_eq!(calls_since(admin, &before), single, "{what}");
+        assert_eq!(tracked_keys(admin), 0, "{what}");
+    };
+    // The first use of each script loads it (`EVALSHA`, then `EVAL`).
+    for what in ["lock", "fenced", "read", "write", "permit"] {
+        let _ = try_pair(what);
+    }
+    for what in ["lock", "fenced", "read", "write", "permit"] {
+        check(&mut admin, what);
+    }
+    assert_eq!(calls(&mut admin, &tracking), 0);
+    assert!(
+        subscriber_ids(&server).is_empty(),
+        "{:?}",
+        client_list(&server)
+    );
+    // A wait that found the lock held turns tracking on for its connection
+    // (the only one in the pool) and has its read tracked...
+    let () = admin.set_ex("free:job", "holder", 600).unwrap();
+    let released = AtomicBool::new(false);
+    thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let g = lock.acquire(LONG_TTL, &cancel).unwrap();
+            assert!(released.load(Ordering::SeqCst), "granted while held");
+            g.release().unwrap()
+        });
+        wait_until(
+            Duration::from_secs(10),
+            "the waiter to arm tracking",
+            || tracked_keys(&mut admin) == 1,
+        );
+        released.store(true, Ordering::SeqCst);
+        let () = admin.del("free:job").unwrap();
+        assert_eq!(waiter.join().unwrap(), ReleaseOutcome::Released);
+    });
+    assert!(calls(&mut admin, &tracking) >= 1);
+    assert_eq!(subscriber_ids(&server).len(), 1);
+    // ...and later uncontended waits on that same connection track nothing.
+    wait_until(
+        Duration::from_secs(10),
+        "the grant's read to be invalidated",
+        || tracked_keys(&mut admin) == 0,
+    );
+    for what in ["lock", "fenced", "read", "write", "permit"] {
+        check(&mut admin, what);
+    }
+}
+
+/// A release lands after the server ran a waiter's first (plain) attempt and
+/// before the waiter has turned tracking on: its reply is held back by the
+/// proxy meanwhile. The waiter must see the release (its next attempt gets the
+/// lease) rather than sleep until its deadline; the holder's key has no
+/// expiry the waiter knows of, and the wait is long.
+fn a_release_before_tracking_is_not_missed(
+    what: &str,
+    key: &str,
+    attempts: &[&str],
+    expected: u64,
+    acquire: impl FnOnce() -> Option<ReleaseOutcome> + Send,
+    proxy: &FaultProxy,
+    admin: &mut redis::Connection,
+) {
+    let () = admin
+        .set_ex(key, "someone else", 600)
+        .expect("hold the key");
+    let before = calls(admin, attempts);
+    proxy.set_mode(support::Mode::DelayServerToClient(Duration::from_millis(
+        200,
+    )));
+    thread::scope(|s| {
+        let waiter = s.spawn(acquire);
+        wait_until(
+            Duration::from_secs(10),
+            "the server to run the first attempt",
+            || calls(admin, attempts) > before,
+        );
+        let () = admin.del(key).expect("release");
+        let acquired = waiter.join().expect("waiter");
+        proxy.set_mode(support::Mode::Pass);
+        assert_eq!(
+            acquired,
+            Some(ReleaseOutcome::Released),
+            "{what}: the release before tracking was missed"
+        );
+    });
+    // The plain attempt and the tracked one that got the lease (and the
+    // release, when it is the same command).
+    assert_eq!(calls(admin, attempts) - before, expected, "{what}");
+}
+
+#[test]
+fn a_release_between_the_first_attempt_and_tracking_wakes_the_waiter() {
+    let server = TestServer::start();
+    let proxy = FaultProxy::start(server.addr());
+    let mut admin = server.client();
+    let coord = coordinator(&proxy.url(), "window:");
+    let lock = coord.lock("job").unwrap();
+    let fenced = coord.fenced_lock("{f}:lease", "{f}:fence").unwrap();
+    // The subscriber is up (a wait that ran out started it), so a lost
+    // release would not be rescued by polling.
+    let () = admin.set_ex("window:job", "holder", 600).unwrap();
+    assert!(
+        lock.acquire_timeout(LONG_TTL, Duration::from_millis(300))
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(subscriber_ids(&server).len(), 1);
+    // The release scripts are loaded (`EVALSHA`, then `EVAL`, the first time).
+    let () = admin.del("window:job").unwrap();
+    lock.try_acquire(LONG_TTL)
+        .unwrap()
+        .unwrap()
+        .release()
+        .unwrap();
+    fenced
+        .try_acquire(LONG_TTL)
+        .unwrap()
+        .unwrap()
+        .release()
+        .unwrap();
+    let wait = Duration::from_secs(30);
+    a_release_before_tracking_is_not_missed(
+        "Lock",
+        "window:job",
+        &["set"],
+        2,
+        || {
+            lock.acquire_timeout(LONG_TTL, wait)
+                .unwrap()
+                .map(|g| g.release().unwrap())
+        },
+        &proxy,
+        &mut admin,
+    );
+    a_release_before_tracking_is_not_missed(
+        "FencedLock",
+        "window:{f}:lease",
+        &["evalsha", "eval"],
+        3,
+        || {
+            fenced
+                .acquire_timeout(LONG_TTL, wait)
+                .unwrap()
+                .map(|g| g.release().unwrap())
+        },
+        &proxy,
+        &mut admin,
+    );
+}
+
 #[test]
 fn a_token_cancelled_before_the_call_sends_nothing() {
     let server = TestServer::start();
@@ -1287,6 +1529,55 @@ fn waits_poll_when_the_acl_denies_the_invalidation_channel() {
     );
 }
 
+#[test]
+fn waits_track_every_read_when_the_acl_denies_client_caching() {
+    capture_logs();
+    let server = TestServer::builder()
+        .acl_user("user u on >pw ~* &* +@all -client|caching")
+        .start();
+    let mut admin = server.client();
+    let prefix = unique_prefix("nocaching");
+    let coord = coordinator(&server.url_for_user("u", "pw"), &prefix);
+    let lock = coord.lock("job").unwrap();
+    let fenced = coord.fenced_lock("{f}:lease", "{f}:fence").unwrap();
+    let key = format!("{prefix}job");
+    let lease = format!("{prefix}{{f}}:lease");
+    let () = admin.set_ex(&key, "holder", 600).unwrap();
+    let () = admin.set_ex(&lease, "holder", 600).unwrap();
+    thread::scope(|s| {
+        let plain = s.spawn(|| lock.acquire_timeout(LONG_TTL, Duration::from_secs(30)));
+        let fenced = s.spawn(|| fenced.acquire_timeout(LONG_TTL, Duration::from_secs(30)));
+        // Both tracked their keys (the fenced script reads its counter too),
+        // and then sleep: no polling.
+        wait_until(Duration::from_secs(10), "both keys to be tracked", || {
+            tracked_keys(&mut admin) >= 3
+        });
+        wait_for_quiet(
+            &mut admin,
+            Duration::from_millis(500),
+            Duration::from_secs(10),
+        );
+        let () = admin.del(&[&key, &lease]).unwrap();
+        let p = plain
+            .join()
+            .unwrap()
+            .unwrap()
+            .expect("the lock after its release");
+        let f = fenced
+            .join()
+            .unwrap()
+            .unwrap()
+            .expect("the lease after its release");
+        assert_eq!(p.release().unwrap(), ReleaseOutcome::Released);
+        assert_eq!(f.release().unwrap(), ReleaseOutcome::Released);
+    });
+    let port = server.port().to_string();
+    assert!(logged(&["falls back to polling", &port]).is_empty());
+    let warnings = logged(&["track every key", &port]);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains("CLIENT CACHING"), "{warnings:?}");
+}
+
 // ---------------------------------------------------------------------------
 // Hand-off within one process, and the fenced lock
 // ---------------------------------------------------------------------------
@@ -1312,9 +1603,10 @@ fn waiters_in_one_process_acquire_in_arrival_order() {
                 inside.store(false, Ordering::SeqCst);
                 assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
             });
-            // Arrival: the waiter's first attempt reached the server.
+            // Arrival: the waiter found the lock held and joined the queue,
+            // which it does before its second attempt reaches the server.
             wait_until(Duration::from_secs(10), "the waiter to arrive", || {
-                script_calls(&mut admin) > baseline
+                script_calls(&mut admin) > baseline + 1
             });
         }
         wait_for_quiet(

@@ -10,6 +10,7 @@
 
 use std::error::Error;
 use std::io::{BufRead, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::plan::{Case, Figures, Sizes};
@@ -95,8 +96,37 @@ pub(crate) fn runtime() -> Res<tokio::runtime::Runtime> {
         .build()?)
 }
 
+/// CPU time (user + system, every thread) this process has used so far, by
+/// `getrusage(RUSAGE_SELF)`.
+fn cpu_used() -> Res<Duration> {
+    use nix::sys::resource::{UsageWho, getrusage};
+    let usage = getrusage(UsageWho::RUSAGE_SELF)?;
+    let time = |t: nix::sys::time::TimeVal| {
+        Duration::from_secs(t.tv_sec().max(0) as u64)
+            + Duration::from_micros(t.tv_usec().max(0) as u64)
+    };
+    Ok(time(usage.user_time()) + time(usage.system_time()))
+}
+
+/// Nanoseconds of CPU time used during turns (see [`turns_cpu`]).
+static TURNS_CPU_NS: AtomicU64 = AtomicU64::new(0);
+
+/// The CPU time this process used during its timed turns so far: set-up,
+/// warm-up and the waits between turns left out.
+pub(crate) fn turns_cpu() -> Duration {
+    Duration::from_nanos(TURNS_CPU_NS.load(Ordering::Relaxed))
+}
+
+/// Client CPU per 1,000 operations, in microseconds, from the CPU time of
+/// the turns that did `ops` operations.
+pub(crate) fn cpu_per_1000(figures: &mut Figures, ops: usize) {
+    if ops > 0 {
+        figures.insert("cpu".into(), micros(turns_cpu()) * 1_000.0 / ops as f64);
+    }
+}
+
 /// Prints `READY`, then runs `turn` once per `GO` on stdin (printing `DONE`
-/// after each) until `END`.
+/// after each) until `END`; adds the CPU time of each turn to [`turns_cpu`].
 pub(crate) fn lockstep(mut turn: impl FnMut() -> Res<()>) -> Res<()> {
     let say = |word: &str| -> Res<()> {
         let mut out = std::io::stdout().lock();
@@ -112,7 +142,10 @@ pub(crate) fn lockstep(mut turn: impl FnMut() -> Res<()>) -> Res<()> {
         }
         match line.trim() {
             "GO" => {
+                let before = cpu_used()?;
                 turn()?;
+                let used = cpu_used()?.saturating_sub(before);
+                TURNS_CPU_NS.fetch_add(used.as_nanos() as u64, Ordering::Relaxed);
                 say("DONE")?;
             }
             "END" => return Ok(()),

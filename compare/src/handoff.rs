@@ -142,10 +142,13 @@ pub(crate) fn run(imp: &str, ctx: &Ctx) -> Res<Figures> {
             let mut states = Vec::new();
             for who in 0..n {
                 let coord = Coordinator::builder(url).key_prefix(&ctx.prefix).build()?;
-                // A wait starts the coordinator's invalidation subscriber.
+                // A wait that finds its key held starts the coordinator's
+                // invalidation subscriber (one that finds it free does not).
                 let warm = coord.lock(&format!("warm:{who}"))?;
-                let guard = warm.acquire_timeout(TTL, Duration::from_secs(5))?;
-                guard.ok_or("warm-up was contended")?.release()?;
+                let guard = warm.try_acquire(TTL)?.ok_or("warm-up was contended")?;
+                let waited = warm.acquire_timeout(TTL, Duration::from_millis(200))?;
+                expect(waited.is_none(), "warm-up wait acquired a held lock")?;
+                guard.release()?;
                 let lock = coord.lock("handoff")?;
                 states.push((coord, lock));
             }

@@ -179,14 +179,69 @@ const SINGLE: &[Impl] = &[
         Some("raw-pair"),
     ),
     imp(
+        "raw-read",
+        "raw read pair: this crate's read acquire (writer preference) and read release scripts by `EVALSHA`, one connection",
+        Some("raw-pair"),
+    ),
+    imp(
+        "raw-write",
+        "raw write pair: this crate's write acquire (no intent) and lease release scripts by `EVALSHA`, one connection",
+        Some("raw-pair"),
+    ),
+    imp(
+        "raw-permit",
+        "raw permit pair: this crate's semaphore acquire (capacity 4) and release scripts by `EVALSHA`, one connection",
+        Some("raw-pair"),
+    ),
+    imp(
         "lock",
         "**this crate, `Lock::try_acquire` + `release`**",
+        Some("raw-pair"),
+    ),
+    imp(
+        "lock-wait",
+        "**this crate, `Lock::acquire(ttl, &cancel)` + `release`** (the waiting verb, finding the lock free)",
         Some("raw-pair"),
     ),
     imp(
         "fenced",
         "**this crate, `FencedLock::try_acquire` + `release`**",
         Some("raw-fenced"),
+    ),
+    imp(
+        "fenced-wait",
+        "**this crate, `FencedLock::acquire(ttl, &cancel)` + `release`**",
+        Some("raw-fenced"),
+    ),
+    imp(
+        "read",
+        "**this crate, `ReadLease::try_acquire` + `release`**",
+        Some("raw-read"),
+    ),
+    imp(
+        "read-wait",
+        "**this crate, `ReadLease::acquire(ttl, &cancel)` + `release`**",
+        Some("raw-read"),
+    ),
+    imp(
+        "write",
+        "**this crate, `WriteLease::try_acquire` + `release`**",
+        Some("raw-write"),
+    ),
+    imp(
+        "write-wait",
+        "**this crate, `WriteLease::acquire(ttl, &cancel)` + `release`**",
+        Some("raw-write"),
+    ),
+    imp(
+        "permit",
+        "**this crate, `Semaphore::try_acquire` + `release`** (capacity 4)",
+        Some("raw-permit"),
+    ),
+    imp(
+        "permit-wait",
+        "**this crate, `Semaphore::acquire(ttl, &cancel)` + `release`** (capacity 4)",
+        Some("raw-permit"),
     ),
     imp(
         "rlock",

@@ -121,6 +121,7 @@ pub(crate) fn run_local(imp: &str, ctx: &Ctx) -> Res<Figures> {
         other => return Err(format!("no such implementation {other:?}").into()),
     };
     let mut figures = Figures::new();
+    crate::child::cpu_per_1000(&mut figures, pairs.len());
     latency(&mut figures, "", pairs);
     latency(&mut figures, "acquire_", acquires);
     Ok(figures)

@@ -208,21 +208,26 @@ fn implementations(out: &mut String, case: Section) {
 
 /// The table for cases measured as latency pairs (1 and 2).
 fn latency_case(out: &mut String, results: &Results, case: Section, acquire_column: bool) {
-    out.push_str("\n| implementation | p50 × baseline | p99 × baseline | p50 µs | p99 µs |");
+    out.push_str(
+        "\n| implementation | p50 × baseline | p99 × baseline | p50 µs | p99 µs \
+         | CPU × baseline | CPU µs per 1,000 |",
+    );
     out.push_str(if acquire_column {
-        " acquire p50 µs |\n|---|---|---|---|---|---|\n"
+        " acquire p50 µs |\n|---|---|---|---|---|---|---|---|\n"
     } else {
-        "\n|---|---|---|---|---|\n"
+        "\n|---|---|---|---|---|---|---|\n"
     });
     for imp in case.impls() {
         let _ = write!(
             out,
-            "| `{}` | {} | {} | {} | {} |",
+            "| `{}` | {} | {} | {} | {} | {} | {} |",
             imp.name,
             ratio(med(&ratios(results, case, imp, "p50"))),
             ratio(med(&ratios(results, case, imp, "p99"))),
             num(med(&values(results, case, imp.name, "p50"))),
             num(med(&values(results, case, imp.name, "p99"))),
+            ratio(med(&ratios(results, case, imp, "cpu"))),
+            num(med(&values(results, case, imp.name, "cpu"))),
         );
         if acquire_column {
             let _ = write!(
@@ -239,6 +244,12 @@ fn latency_case(out: &mut String, results: &Results, case: Section, acquire_colu
          µs); a baseline's own cell is the median of its runs that round.\n",
     );
     rounds_table(out, results, case, "p50", "µs");
+    out.push_str(
+        "\nEvery round's client CPU per 1,000 pairs (user + system time of the measuring \
+         process during its timed turns, by `getrusage`): × the baseline run next to it \
+         (its figure vs the baseline's, in µs).\n",
+    );
+    rounds_table(out, results, case, "cpu", "µs");
     problems(out, results, case);
 }
 
@@ -468,20 +479,104 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
     );
     let sections = Section::all(&options.cases, info.cpus);
     out.push_str("\n## Targets\n\n| target | measured | |\n|---|---|---|\n");
-    let targets: [(Case, &str, &str, &str, f64); 5] = [
+    let targets: [(Case, &str, &str, &str, f64); 17] = [
         (
             Case::Single,
             "lock",
             "p50",
-            "`Lock` acquire + release p50 ≤ 1.05× the raw pair",
+            "`Lock::try_acquire` + release p50 ≤ 1.05× the raw pair",
+            1.05,
+        ),
+        (
+            Case::Single,
+            "lock-wait",
+            "p50",
+            "`Lock::acquire` + release p50 ≤ 1.05× the raw pair",
             1.05,
         ),
         (
             Case::Single,
             "fenced",
             "p50",
-            "`FencedLock` acquire + release p50 ≤ 1.05× the raw fenced pair",
+            "`FencedLock::try_acquire` + release p50 ≤ 1.05× the raw fenced pair",
             1.05,
+        ),
+        (
+            Case::Single,
+            "fenced-wait",
+            "p50",
+            "`FencedLock::acquire` + release p50 ≤ 1.05× the raw fenced pair",
+            1.05,
+        ),
+        (
+            Case::Single,
+            "read-wait",
+            "p50",
+            "`ReadLease::acquire` + release p50 ≤ 1.05× the raw read pair",
+            1.05,
+        ),
+        (
+            Case::Single,
+            "write-wait",
+            "p50",
+            "`WriteLease::acquire` + release p50 ≤ 1.05× the raw write pair",
+            1.05,
+        ),
+        (
+            Case::Single,
+            "permit-wait",
+            "p50",
+            "`Semaphore::acquire` + release p50 ≤ 1.05× the raw permit pair",
+            1.05,
+        ),
+        (
+            Case::Single,
+            "lock",
+            "cpu",
+            "`Lock::try_acquire` + release client CPU ≤ 1.2× the raw pair's",
+            1.2,
+        ),
+        (
+            Case::Single,
+            "lock-wait",
+            "cpu",
+            "`Lock::acquire` + release client CPU ≤ 1.2× the raw pair's",
+            1.2,
+        ),
+        (
+            Case::Single,
+            "fenced",
+            "cpu",
+            "`FencedLock::try_acquire` + release client CPU ≤ 1.2× the raw fenced pair's",
+            1.2,
+        ),
+        (
+            Case::Single,
+            "fenced-wait",
+            "cpu",
+            "`FencedLock::acquire` + release client CPU ≤ 1.2× the raw fenced pair's",
+            1.2,
+        ),
+        (
+            Case::Single,
+            "read-wait",
+            "cpu",
+            "`ReadLease::acquire` + release client CPU ≤ 1.2× the raw read pair's",
+            1.2,
+        ),
+        (
+            Case::Single,
+            "write-wait",
+            "cpu",
+            "`WriteLease::acquire` + release client CPU ≤ 1.2× the raw write pair's",
+            1.2,
+        ),
+        (
+            Case::Single,
+            "permit-wait",
+            "cpu",
+            "`Semaphore::acquire` + release client CPU ≤ 1.2× the raw permit pair's",
+            1.2,
         ),
         (
             Case::Redlock,
@@ -573,7 +668,7 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
                     out,
                     "\n## 5. Idle cost of {} blocked waiters ({cpus})\n\n\
                      One held key per waiter (held for 10 minutes), one waiter each, all in one \
-                     process; once every waiter has made its first attempt and 500 ms have \
+                     process; once every waiter has made the attempts before its sleep and 500 ms have \
                      passed, the commands Redis ran over {} ms (`INFO commandstats`, `INFO` left \
                      out; commands run inside scripts count as Redis counts them). A waiter woken \
                      only by changes costs nothing here, so there is no ratio: the floor is 0. \

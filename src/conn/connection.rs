@@ -70,6 +70,7 @@ impl ConnConfig {
             wait: None,
             waited: None,
             history: None,
+            track: false,
             replicas: None,
             fresh: true,
             uncached: Vec::new(),
@@ -208,6 +209,8 @@ pub(crate) struct Conn {
     asking: bool,
     /// Pipeline `WAIT replicas timeout` after the next script.
     wait: Option<WaitAfter>,
+    /// Send `CLIENT CACHING yes` right before the next script or pipeline.
+    track: bool,
     /// What that `WAIT` answered.
     waited: Option<u32>,
     /// Where the primary's replication history stood right after that
@@ -318,20 +321,29 @@ impl Conn {
     ///
     /// After [`Conn::ask_next`], every command goes after its own `ASKING`;
     /// after [`Conn::wait_after_next`], `WAIT` (and `INFO replication`, when
-    /// asked for) follows the last one (their replies are not returned).
+    /// asked for) follows the last one; after [`Conn::track_next`], `CLIENT
+    /// CACHING yes` goes first, so the keys the first command reads are
+    /// tracked (their replies are not returned).
     pub(crate) fn pipeline(
         &mut self,
         pipe: &redis::Pipeline,
         op: &'static str,
         deadline: Instant,
     ) -> Result<Vec<redis::Value>> {
-        if !self.asking && self.wait.is_none() {
+        if !self.asking && self.wait.is_none() && !self.track {
             return self.raw_pipeline(pipe, op, deadline);
         }
         let asking = std::mem::take(&mut self.asking);
         let wait = self.wait.take();
-        let wrapped = wrap(pipe.cmd_iter(), asking, wait);
+        let track = std::mem::take(&mut self.track);
+        let wrapped = wrap(pipe.cmd_iter(), asking, wait, track);
         let mut values = self.raw_pipeline(&wrapped, op, deadline)?;
+        if track {
+            let timeout = left(deadline);
+            if let redis::Value::ServerError(e) = values.remove(0) {
+                return Err(self.fail(redis::RedisError::from(e), op, timeout));
+            }
+        }
         if let Some(wait) = wait {
             let waited = values.pop();
             let history = if wait.history { values.pop() } else { None };
@@ -393,7 +405,7 @@ impl Conn {
         op: &'static str,
         deadline: Instant,
     ) -> Result<T> {
-        if self.asking || self.wait.is_some() {
+        if self.asking || self.wait.is_some() || self.track {
             return self.wrapped_script(script, keys, args, op, deadline);
         }
         if let Some(i) = self.uncached.iter().position(|sha| *sha == script.sha) {
@@ -424,6 +436,27 @@ impl Conn {
     /// target of an `ASK` redirection serves a slot it is importing only then).
     pub(crate) fn ask_next(&mut self) {
         self.asking = true;
+    }
+
+    /// Sends `CLIENT CACHING yes` right before the next script or pipeline, in
+    /// the same round trip, so that on a connection with `CLIENT TRACKING …
+    /// OPTIN` on, the keys it reads are tracked (and only those: every other
+    /// command on the connection tracks nothing). Not combined with
+    /// [`Conn::ask_next`]: `ASKING` would clear it.
+    pub(crate) fn track_next(&mut self) {
+        self.track = true;
+    }
+
+    /// Takes the request of [`Conn::track_next`], for a caller that places
+    /// `CLIENT CACHING yes` in its pipeline itself (right before the command
+    /// whose keys are to be tracked).
+    pub(crate) fn take_track(&mut self) -> bool {
+        std::mem::take(&mut self.track)
+    }
+
+    /// Whether the next script or pipeline goes after `ASKING`.
+    pub(crate) fn is_asking(&self) -> bool {
+        self.asking
     }
 
     /// Pipelines `WAIT replicas timeout` after the next script, in the same
@@ -481,8 +514,9 @@ impl Conn {
         self.replicas
     }
 
-    /// [`Conn::script`] with `ASKING` before and/or `WAIT` after it, in one
-    /// pipeline; a server without the script gets `EVAL` the same way.
+    /// [`Conn::script`] with `ASKING` or `CLIENT CACHING yes` before and/or
+    /// `WAIT` after it, in one pipeline; a server without the script gets
+    /// `EVAL` the same way.
     fn wrapped_script<T: FromRedisValue>(
         &mut self,
         script: &Script,
@@ -493,6 +527,7 @@ impl Conn {
     ) -> Result<T> {
         let asking = std::mem::take(&mut self.asking);
         let wait = self.wait.take();
+        let track = std::mem::take(&mut self.track);
         let uncached = self.uncached.iter().position(|sha| *sha == script.sha);
         let mut cmd = match uncached {
             Some(i) => {
@@ -502,9 +537,12 @@ impl Conn {
             None => script.evalsha(keys, args),
         };
         for sha in [uncached.is_none(), false] {
-            let pipe = wrap(std::iter::once(&cmd), asking, wait);
+            let pipe = wrap(std::iter::once(&cmd), asking, wait, track);
             let timeout = left(deadline);
             let mut values = self.raw_pipeline(&pipe, op, deadline)?.into_iter();
+            if track && let Some(redis::Value::ServerError(e)) = values.next() {
+                return Err(self.fail(redis::RedisError::from(e), op, timeout));
+            }
             if asking {
                 values.next();
             }
@@ -643,15 +681,20 @@ struct WaitAfter {
     history: bool,
 }
 
-/// `cmds` as one pipeline, each after `ASKING` when `asking` (a slot being
-/// imported), and `WAIT replicas timeout` after them all when asked for,
-/// after `INFO replication` when that is asked for too.
+/// `cmds` as one pipeline: after `CLIENT CACHING yes` when `track`, each after
+/// `ASKING` when `asking` (a slot being imported), and `WAIT replicas
+/// timeout` after them all when asked for, after `INFO replication` when that
+/// is asked for too.
 fn wrap<'a>(
     cmds: impl Iterator<Item = &'a redis::Cmd>,
     asking: bool,
     wait: Option<WaitAfter>,
+    track: bool,
 ) -> redis::Pipeline {
     let mut pipe = redis::pipe();
+    if track {
+        pipe.cmd("CLIENT").arg("CACHING").arg("yes");
+    }
     for cmd in cmds {
         if asking {
             pipe.cmd("ASKING");

@@ -41,9 +41,13 @@ use crate::token::OwnerToken;
 ///   ([`Error::Cancelled`]).
 /// - [`acquire_until`](Lease::acquire_until): both.
 ///
-/// Waits are woken by invalidations of the keys whose change may free them
-/// (client tracking) and by a timer at the earliest expiry that could free
-/// them, and do not poll unless tracking is unavailable. How they ride out
+/// A wait's first attempt is the one [`try_acquire`](Lease::try_acquire)
+/// makes, so a wait that finds the primitive free costs what `try_acquire`
+/// costs. Only when that attempt is not granted does the wait proper begin
+/// (at once, with the next attempt): waits are woken by invalidations of the
+/// keys whose change may free them (client tracking) and by a timer at the
+/// earliest expiry that could free them, and do not poll unless tracking is
+/// unavailable. How they ride out
 /// failures that may pass and end at once on the others is the crate's one rule
 /// for every wait: see [Waiting and cancellation](crate#waiting-and-cancellation).
 /// A wait whose attempts
@@ -214,9 +218,9 @@ impl<K: Kind> Lease<K> {
                     failures: Failures::RideOut,
                 };
                 let mut attempts = Attempts::default();
-                let waited = waiters::wait_for(&*dep.topology, &w, |conn, d| {
+                let waited = waiters::wait_for(&*dep.topology, &w, |conn, d, waiting| {
                     let started = dep.now();
-                    let r = self.attempt(conn, &owner, ttl_ms, d, true, attempts.since());
+                    let r = self.attempt(conn, &owner, ttl_ms, d, waiting, attempts.since());
                     if r.as_ref().is_err_and(Error::is_uncertain) {
                         attempts.unanswered(started, []);
                     }

@@ -578,7 +578,7 @@ impl LeaderChanges {
             failures: Failures::Report,
         };
         let last = &self.last;
-        let waited = waiters::wait_for(&*dep.topology, &w, |conn, d| {
+        let waited = waiters::wait_for(&*dep.topology, &w, |conn, d, _tracked| {
             let read = self.election.read(conn, d)?;
             if last.as_ref() == Some(&read.leader) {
                 // Nothing new: sleep until a key changes or the lease's

@@ -1,6 +1,6 @@
 //! `Lock`: a plain mutex on one key — `SET key owner NX PX ttl` pipelined with
-//! reads of the key (`GET`, and `PTTL` in a wait, which arms client tracking for
-//! waiters); renew and delete only when the key still holds our owner token. No fencing token: use it where two
+//! reads of the key (`GET`, and in a wait that found it held `PTTL`, with the
+//! read arming client tracking); renew and delete only when the key still holds our owner token. No fencing token: use it where two
 //! holders at once would waste work, not corrupt data.
 
 use std::fmt;
@@ -72,10 +72,13 @@ impl Acquire<()> for PlainSpec {
         // lock if it is free; `GET` tells a grant of this owner's earlier
         // attempt (whose reply was lost) from another holder, and a key of
         // another type (an error, not a lock held by someone else); in a
-        // wait, `PTTL`, a read, arms client tracking and says how long the
-        // holder has. An earlier attempt that lands late finds the key set and
+        // wait that found the lock held, `PTTL` says how long the holder has,
+        // and `CLIENT CACHING yes` right before the `GET` (which must follow
+        // the `SET`, whose write would clear it) has the read arm client
+        // tracking. An earlier attempt that lands late finds the key set and
         // changes nothing: it can never shorten the lock.
         let key = &self.keys[0];
+        let track = conn.take_track();
         let mut pipe = redis::pipe();
         pipe.ignore_errors();
         pipe.cmd("SET")
@@ -84,12 +87,25 @@ impl Acquire<()> for PlainSpec {
             .arg("NX")
             .arg("PX")
             .arg(ttl_ms);
+        if track {
+            pipe.cmd("CLIENT").arg("CACHING").arg("yes");
+        }
         pipe.cmd("GET").arg(key);
         if waiting {
             pipe.cmd("PTTL").arg(key);
         }
         let sent = dep.now();
-        let reply = conn.pipeline(&pipe, "acquire", deadline)?;
+        let mut reply = conn.pipeline(&pipe, "acquire", deadline)?;
+        if track && reply.len() > 1 {
+            // `CLIENT CACHING yes` answers `OK` on a connection whose
+            // tracking was turned on (and its `CLIENT CACHING` allowed).
+            if let redis::Value::ServerError(e) = reply.remove(1) {
+                return Err(Error::Server {
+                    op: "CLIENT CACHING",
+                    source: e.into(),
+                });
+            }
+        }
         let granted = |sent| {
             Ok(Attempt::Acquired(Granted {
                 grant: (),

@@ -43,8 +43,9 @@ pub type ReadLease = Lease<Read>;
 ///
 /// A write attempt is busy while another writer holds the lease or any reader
 /// holds an unexpired read lease. Inside a wait (every verb but
-/// [`try_acquire`](Lease::try_acquire)), a busy attempt records this writer's
-/// *intent*, which holds new readers back under [`Preference::Writer`]; the
+/// [`try_acquire`](Lease::try_acquire)), every busy attempt after the first
+/// (which is the plain one `try_acquire` makes, and follows at once when it
+/// was not granted) records this writer's *intent*, which holds new readers back under [`Preference::Writer`]; the
 /// intent is refreshed while the writer waits and withdrawn when the wait ends
 /// without the lease (timed out, cancelled, failed), which wakes the readers
 /// it held back. The withdrawal fits in the wait's

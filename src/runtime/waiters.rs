@@ -1,9 +1,57 @@
 //! The waiter registry and the wait loop shared by every primitive.
 //!
-//! A waiter registers the key it waits on *before* each attempt, and the attempt
-//! (one script that tries, else reads the key's PTTL) arms client tracking on the
-//! connection it runs on, so an invalidation sent after the attempt always finds
-//! the waiter registered: no wake-up is lost between "it was busy" and "sleep".
+//! # Paying for waiting only when waiting
+//!
+//! A wait's first attempt is the plain one a single attempt makes (what
+//! `try_acquire` sends): no subscriber is started or consulted, no queue
+//! joined, no key tracked, no expiry hint (`PTTL`) asked for. A wait that
+//! finds the key free thus costs what `try_acquire` costs, and so does its
+//! release: nothing tracked the key, so the release sends no invalidation
+//! and the subscriber thread reads nothing.
+//!
+//! Only when that attempt is not granted (the key is held, or the attempt
+//! failed) does the wait proper begin: it starts the server's subscriber if
+//! needed (giving it a moment to connect), registers the waiter, and makes
+//! the next attempt at once. That attempt, and every later one, arms client
+//! tracking with its own read of the key and carries the expiry hint. So no
+//! release is missed: one that lands between the plain attempt and the
+//! tracked one is seen by the tracked attempt itself (it gets the lease); one
+//! after it sends an invalidation to a waiter already registered.
+//!
+//! Tracking is `CLIENT TRACKING ON REDIRECT <subscriber> OPTIN`, turned on
+//! once per pooled connection; a tracked attempt sends `CLIENT CACHING yes`
+//! in the same round trip, right before the command that reads the key (a
+//! `Lock`'s `GET`, after its `SET`, whose write would clear it; the script
+//! of the others). In `OPTIN` mode the plain attempts, releases and
+//! renewals that later run on a connection that once waited track nothing.
+//! Plain tracking (`ON` without `OPTIN`) would make every read on such a
+//! connection, the uncontended ones included, cost an invalidation;
+//! `NOLOOP` only spares a connection the changes it makes itself, and a
+//! release often goes out on another pooled connection; a tracked read
+//! after the failed attempt, instead of a whole attempt, costs the same
+//! round trip but cannot take a lease freed meanwhile. The price is one
+//! round trip more for a wait that finds the key held (it waits anyway).
+//! Measured side by side (`scripts/bench-compare`, BENCHMARKS.md; p50 of
+//! acquire + release, servers and client on one CPU / on different CPUs):
+//! with tracking on from the first attempt, `Lock::acquire` cost 1.77× /
+//! 1.28× the raw `SET NX PX` + compare-and-delete pair and
+//! `FencedLock::acquire` 2.48× / 1.42× it (figures of an earlier run);
+//! with the plain first attempt, `Lock::acquire` costs 1.10× / 1.04× the
+//! raw pair (`try_acquire` 1.10× / 1.05× in the same run),
+//! `FencedLock::acquire` 1.04× / 1.03× the raw fenced script pair, and the
+//! waits of the reader/writer lease and the semaphore 1.02–1.04× their raw
+//! script pairs, with client CPU per pair 1.04–1.18× the raw pairs'.
+//!
+//! Where the ACL denies `CLIENT CACHING` (but allows `CLIENT TRACKING`),
+//! connections fall back to tracking every read (logged once): waits are
+//! still woken by invalidations, but an uncontended acquire on a connection
+//! that once waited then costs one.
+//!
+//! A waiter registers *before* its tracked attempts, and each such attempt
+//! (one script that tries, else reads the key's PTTL) arms tracking on the
+//! connection it runs on, so an invalidation sent after the attempt always
+//! finds the waiter registered: no wake-up is lost between "it was busy" and
+//! "sleep".
 //!
 //! The server tracks a key for a connection only while that connection is open.
 //! When a command connection whose tracking is current closes on our side (a
@@ -117,6 +165,8 @@ pub(crate) struct Tracker {
     status: Mutex<Status>,
     status_changed: Condvar,
     denied: AtomicBool,
+    /// `CLIENT CACHING` is denied: connections track every key they read.
+    every_read: AtomicBool,
     /// The first connection attempt has settled (status left `Starting`).
     settled: AtomicBool,
 }
@@ -127,6 +177,7 @@ impl Tracker {
             status: Mutex::new(Status::Starting),
             status_changed: Condvar::new(),
             denied: AtomicBool::new(false),
+            every_read: AtomicBool::new(false),
             settled: AtomicBool::new(false),
         }
     }
@@ -170,6 +221,19 @@ impl Tracker {
     }
 
     /// Whether tracking was refused for good.
+    /// The ACL denies `CLIENT CACHING`: from now on command connections
+    /// turn on tracking of every key they read (logged once).
+    fn track_every_read(&self, registry: &Registry, why: &str) {
+        if !self.every_read.swap(true, Ordering::AcqRel) {
+            log::warn!(
+                "waiters on {} track every key their connections read, since {why}: an \
+                 uncontended acquire on a connection that once waited then costs an \
+                 invalidation",
+                registry.addr
+            );
+        }
+    }
+
     pub(crate) fn is_denied(&self) -> bool {
         self.denied.load(Ordering::Acquire)
     }
@@ -315,8 +379,20 @@ fn poll_interval() -> Duration {
 /// waiter re-checks, and so re-arms its key on a connection that is open.
 pub(crate) struct Armed {
     generation: u64,
+    reads: Reads,
     tracker: Weak<Tracker>,
     registry: Weak<Registry>,
+}
+
+/// Which reads of a command connection arm invalidations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reads {
+    /// None: no subscriber, or tracking refused (waiters poll).
+    Untracked,
+    /// Those right after `CLIENT CACHING yes` (`OPTIN` mode).
+    OnRequest,
+    /// Every one (the ACL denies `CLIENT CACHING`).
+    All,
 }
 
 impl Drop for Armed {
@@ -336,57 +412,110 @@ impl Drop for Armed {
 }
 
 /// Turns on tracking for this connection, redirected to the current subscriber
-/// of its server. Returns whether the connection's reads now arm invalidations.
+/// of its server, in `OPTIN` mode: the connection's commands track no key
+/// unless `CLIENT CACHING yes` goes right before them ([`Conn::track_next`]),
+/// so the plain attempts and releases that share the pooled connection never
+/// cost an invalidation. Where the ACL denies `CLIENT CACHING`, tracking of
+/// every read instead. Returns which reads of the connection now arm
+/// invalidations.
 pub(crate) fn ensure_tracking(
     conn: &mut Conn,
     tracker: &Arc<Tracker>,
     registry: &Arc<Registry>,
     deadline: Instant,
-) -> Result<bool> {
+) -> Result<Reads> {
     let Status::Ready {
         redirect,
         generation,
     } = tracker.status()
     else {
-        return Ok(false);
+        return Ok(Reads::Untracked);
     };
     let armed = conn
         .attachment
         .as_ref()
         .and_then(|a| a.downcast_ref::<Armed>());
-    if armed.is_some_and(|a| a.generation == generation) {
-        return Ok(true);
+    if let Some(armed) = armed.filter(|a| a.generation == generation) {
+        return Ok(armed.reads);
     }
-    let cmd = redis::cmd("CLIENT")
-        .arg("TRACKING")
-        .arg("ON")
-        .arg("REDIRECT")
-        .arg(redirect)
-        .clone();
-    match conn.query::<()>(&cmd, "CLIENT TRACKING", deadline) {
-        Ok(()) => {
+    let mut reads = if tracker.every_read.load(Ordering::Acquire) {
+        Reads::All
+    } else {
+        Reads::OnRequest
+    };
+    let on = |reads| {
+        let mut pipe = redis::pipe();
+        let cmd = pipe
+            .cmd("CLIENT")
+            .arg("TRACKING")
+            .arg("ON")
+            .arg("REDIRECT")
+            .arg(redirect);
+        if reads == Reads::OnRequest {
+            // `CLIENT CACHING yes` is sent here too, so that an ACL that
+            // denies it is found now; what it marks is the attempt that
+            // follows on this connection, which marks itself anyway.
+            cmd.arg("OPTIN");
+            pipe.cmd("CLIENT").arg("CACHING").arg("yes");
+        }
+        pipe
+    };
+    let error = |v: redis::Value| match v {
+        redis::Value::ServerError(e) => Some(redis::RedisError::from(e)),
+        _ => None,
+    };
+    let mut replies = conn
+        .pipeline(&on(reads), "CLIENT TRACKING", deadline)?
+        .into_iter();
+    let mut refusal = replies.next().and_then(error);
+    if refusal.is_none()
+        && let Some(caching) = replies.next().and_then(error)
+    {
+        if !crate::error::is_noperm(&caching) {
+            return Err(Error::Server {
+                op: "CLIENT CACHING",
+                source: caching,
+            });
+        }
+        tracker.track_every_read(
+            registry,
+            &format!("the ACL denies CLIENT CACHING ({caching})"),
+        );
+        reads = Reads::All;
+        refusal = conn
+            .pipeline(&on(reads), "CLIENT TRACKING", deadline)?
+            .into_iter()
+            .next()
+            .and_then(error);
+    }
+    match refusal {
+        None => {
             match conn
                 .attachment
                 .as_mut()
                 .and_then(|a| a.downcast_mut::<Armed>())
             {
                 // Re-pointed at a new subscriber: the same connection, still open.
-                Some(armed) => armed.generation = generation,
+                Some(armed) => {
+                    armed.generation = generation;
+                    armed.reads = reads;
+                }
                 None => {
                     conn.attachment = Some(Box::new(Armed {
                         generation,
+                        reads,
                         tracker: Arc::downgrade(tracker),
                         registry: Arc::downgrade(registry),
                     }));
                 }
             }
-            Ok(true)
+            Ok(reads)
         }
-        Err(Error::Permission(why)) => {
-            tracker.deny(registry, &format!("the ACL denies CLIENT TRACKING ({why})"));
-            Ok(false)
+        Some(e) if crate::error::is_noperm(&e) => {
+            tracker.deny(registry, &format!("the ACL denies CLIENT TRACKING ({e})"));
+            Ok(Reads::Untracked)
         }
-        Err(Error::Server { source, .. }) => {
+        Some(source) => {
             let why = format!("the server refused CLIENT TRACKING ({source})");
             if source.code() == Some("ERR") && source.to_string().contains("redirect") {
                 // The subscriber went away between the status read and this
@@ -395,9 +524,8 @@ pub(crate) fn ensure_tracking(
             } else {
                 tracker.deny(registry, &why);
             }
-            Ok(false)
+            Ok(Reads::Untracked)
         }
-        Err(e) => Err(e),
     }
 }
 
@@ -435,8 +563,10 @@ pub(crate) struct Waited<T, U> {
     pub(crate) uncertain: Vec<U>,
 }
 
-/// What a [`Route`] runs on a connection: it gets the server's subscriber.
-pub(crate) type OnTracked<'a, T> = dyn FnMut(&Arc<Tracker>, &mut Conn, Instant) -> Result<T> + 'a;
+/// What a [`Route`] runs on a connection: it gets the server's subscriber
+/// when the attempt is to arm tracking.
+pub(crate) type OnTracked<'a, T> =
+    dyn FnMut(Option<&Arc<Tracker>>, &mut Conn, Instant) -> Result<T> + 'a;
 
 /// How a wait reaches the server that holds its key: routing, redirections,
 /// and that server's invalidation subscriber.
@@ -449,11 +579,13 @@ pub(crate) trait Route {
     fn registry(&self) -> &Arc<Registry>;
     /// Runs `f` on a connection to the server that holds `key`, following
     /// redirections, within `deadline` (plus the connect timeout when it
-    /// opens a connection). `f` gets that server's subscriber.
+    /// opens a connection). When `track`, `f` gets that server's subscriber
+    /// (started if needed); otherwise the subscriber is not touched.
     fn attempt<T>(
         &self,
         key: &str,
         deadline: Instant,
+        track: bool,
         f: &mut OnTracked<'_, T>,
     ) -> (Result<T>, Option<Self::Uncertain>);
 }
@@ -480,29 +612,41 @@ pub(crate) fn failure_pause(n: u32) -> Duration {
 /// one, and any permanent error at once.
 ///
 /// `attempt` runs one acquire on the connection, finishing by the deadline it
-/// is given.
+/// is given; its flag is false for the first attempt, which must be the plain
+/// one a single attempt makes, and true for every later one (the wait proper,
+/// once the first was not granted).
 pub(crate) fn wait_for<R: Route, T>(
     route: &R,
     w: &WaitFor<'_>,
-    mut attempt: impl FnMut(&mut Conn, Instant) -> Result<Attempt<T>>,
+    mut attempt: impl FnMut(&mut Conn, Instant, bool) -> Result<Attempt<T>>,
 ) -> Waited<T, R::Uncertain> {
     let mut uncertain = Vec::new();
     let result = wait_loop(route, w, &mut uncertain, &mut attempt);
     Waited { result, uncertain }
 }
 
-fn wait_loop<R: Route, T>(
-    route: &R,
-    w: &WaitFor<'_>,
-    uncertain: &mut Vec<R::Uncertain>,
-    attempt: &mut impl FnMut(&mut Conn, Instant) -> Result<Attempt<T>>,
-) -> Result<Option<T>> {
-    let registry = route.registry();
+/// Joins the queue of a wait whose first attempt was not granted, after
+/// giving a subscriber started now a moment to connect (so that the next
+/// attempt arms tracking instead of polling once).
+fn join<'r, R: Route>(route: &'r R, w: &WaitFor<'_>) -> Waiter<'r> {
     let settle = Instant::now() + w.settle;
     if let Ok(tracker) = route.tracker(w.keys[0]) {
         tracker.await_settled(w.deadline.map_or(settle, |d| d.min(settle)));
     }
-    let waiter = registry.register(w.keys);
+    route.registry().register(w.keys)
+}
+
+fn wait_loop<R: Route, T>(
+    route: &R,
+    w: &WaitFor<'_>,
+    uncertain: &mut Vec<R::Uncertain>,
+    attempt: &mut impl FnMut(&mut Conn, Instant, bool) -> Result<Attempt<T>>,
+) -> Result<Option<T>> {
+    let registry = route.registry();
+    // Registered once the first attempt was not granted (held, or failed);
+    // until then the wait is the plain attempt a single attempt makes: no
+    // subscriber, no queue, no tracked read, no expiry hint.
+    let mut waiter: Option<Waiter<'_>> = None;
     let never = crossbeam_channel::never();
     let cancelled = w.cancel.map_or(&never, |c| c.receiver());
     let is_cancelled = || w.cancel.is_some_and(CancelToken::is_cancelled);
@@ -515,13 +659,32 @@ fn wait_loop<R: Route, T>(
         if is_cancelled() {
             return Err(Error::Cancelled);
         }
+        let waiting = waiter.is_some();
         let started = Instant::now();
         let (outcome, lost) = route.attempt(
             w.keys[0],
             started + w.node_timeout,
+            waiting,
             &mut |tracker, conn, deadline| {
-                let tracked = ensure_tracking(conn, tracker, registry, deadline)?;
-                attempt(conn, deadline).map(|a| (a, tracked))
+                let reads = match tracker {
+                    Some(tracker) => ensure_tracking(conn, tracker, registry, deadline)?,
+                    None => Reads::Untracked,
+                };
+                let tracked = match reads {
+                    Reads::Untracked => false,
+                    Reads::All => true,
+                    // `ASKING` would clear `CLIENT CACHING yes`: an attempt
+                    // redirected to a slot being imported polls once instead.
+                    Reads::OnRequest if conn.is_asking() => false,
+                    Reads::OnRequest => {
+                        conn.track_next();
+                        true
+                    }
+                };
+                let a = attempt(conn, deadline, waiting);
+                // Not left for a later command on the pooled connection.
+                conn.take_track();
+                a.map(|a| (a, tracked))
             },
         );
         if let Some(lost) = lost {
@@ -532,6 +695,21 @@ fn wait_loop<R: Route, T>(
             // stop, so what it got is released (by dropping it).
             Ok((Attempt::Acquired(_), _)) if is_cancelled() => return Err(Error::Cancelled),
             Ok((Attempt::Acquired(t), _)) => return Ok(Some(t)),
+            Ok((Attempt::Busy(_), _)) if !waiting => {
+                last_error = None;
+                verdict = true;
+                failures = 0;
+                if past(Instant::now()) {
+                    return Ok(None);
+                }
+                // Held: from now on the wait pays for waiting. The next
+                // attempt goes out at once, registered, and arms tracking
+                // with its own read of the key: a release before that attempt
+                // is seen by it, one after it sends an invalidation to a
+                // registered waiter. No release is missed.
+                waiter = Some(join(route, w));
+                continue;
+            }
             Ok((Attempt::Busy(pttl), tracked)) => {
                 last_error = None;
                 verdict = true;
@@ -572,11 +750,14 @@ fn wait_loop<R: Route, T>(
                     failure_pause(failures)
                 };
                 last_error = Some(e);
-                let now = Instant::now();
-                if past(now) {
+                if past(Instant::now()) {
                     return Err(last_error.take().expect("set above"));
                 }
-                let wake = now + pause;
+                if waiter.is_none() {
+                    // Not granted: the wait proper begins, as when held.
+                    waiter = Some(join(route, w));
+                }
+                let wake = Instant::now() + pause;
                 let wake = w.deadline.map_or(wake, |d| d.min(wake));
                 crossbeam_channel::select! {
                     recv(cancelled) -> _ => return Err(Error::Cancelled),
@@ -586,6 +767,9 @@ fn wait_loop<R: Route, T>(
             }
             Err(e) => return Err(e),
         };
+        let waiter = waiter
+            .as_ref()
+            .expect("a tracked attempt is made registered");
         let now = Instant::now();
         if past(now) {
             return match last_error {
@@ -685,6 +869,7 @@ mod tests {
         let other = reg.register(&["j"]);
         let armed = |generation| Armed {
             generation,
+            reads: Reads::OnRequest,
             tracker: Arc::downgrade(&tracker),
             registry: Arc::downgrade(&reg),
         };

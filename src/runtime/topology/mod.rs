@@ -554,9 +554,13 @@ impl Route for Topology {
         &self,
         key: &str,
         deadline: Instant,
+        track: bool,
         f: &mut OnTracked<'_, T>,
     ) -> (Result<T>, Option<Uncertain>) {
         self.run(key, deadline, Connect::Own, &mut |node, conn, deadline| {
+            if !track {
+                return f(None, conn, deadline);
+            }
             let tracker = node.tracker()?;
             // A server waited on for the first time (a slot moved to it, a
             // new primary): give its subscriber a moment to connect, so the
@@ -564,7 +568,7 @@ impl Route for Topology {
             // the attempt's time).
             let now = Instant::now();
             tracker.await_settled(now + deadline.saturating_duration_since(now) / 2);
-            f(&tracker, conn, deadline)
+            f(Some(&tracker), conn, deadline)
         })
     }
 }
