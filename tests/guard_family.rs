@@ -87,9 +87,12 @@ fn the_same_code_holds_a_single_deployment_lease_and_a_redlock_lock() {
     let (estimate, outcome) = hold(guard, Duration::from_secs(5));
     assert_eq!(outcome, ReleaseOutcome::Released);
     assert!(estimate <= Duration::from_secs(5), "{estimate:?}");
-    for server in &servers {
-        assert_eq!(pttl(server, "job"), -2, "deleted on every node");
-    }
+    // Decided by a quorum; the last node gets it in the background.
+    let gone = servers.iter().filter(|s| pttl(s, "job") == -2).count();
+    assert!(gone >= 2, "deleted on a quorum: {gone}");
+    wait_until(Duration::from_secs(5), "deleted on every node", || {
+        servers.iter().all(|s| pttl(s, "job") == -2)
+    });
 
     // Lapsed before the release, on both backends.
     let guard = lock.try_acquire(ms(800)).unwrap().unwrap();
