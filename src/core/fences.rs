@@ -207,6 +207,32 @@ mod tests {
     }
 
     #[test]
+    fn a_full_book_forgets_exactly_its_least_recently_used_tenth() {
+        let t0 = Instant::now();
+        let mut book = FenceBook::new(ms(100), 20);
+        for i in 0..20 {
+            book.check(&format!("f{i}"), 1, t0, t0).unwrap();
+        }
+        // f0 used again: f1 and f2 are now the least recently used.
+        book.check("f0", 2, t0 + ms(1), t0 + ms(1)).unwrap();
+        assert_eq!(book.len(), 20);
+        book.check("new", 1, t0, t0).unwrap();
+        assert_eq!(book.len(), 19, "two of twenty forgotten, one added");
+        for i in 0..20 {
+            let remembered = book.keys.contains_key(&format!("f{i}"));
+            assert_eq!(remembered, !(1..=2).contains(&i), "f{i}");
+        }
+    }
+
+    #[test]
+    fn a_reply_received_at_the_very_send_of_another_attempt_is_not_before_it() {
+        let t0 = Instant::now();
+        let mut book = FenceBook::new(ms(2_000), 100);
+        book.check("f", 7, t0, t0 + ms(1)).unwrap();
+        assert_eq!(book.check("f", 7, t0 + ms(1), t0 + ms(2)), Ok(()));
+    }
+
+    #[test]
     fn keys_are_bounded() {
         let t0 = Instant::now();
         let mut book = FenceBook::new(ms(100), 50);
