@@ -36,6 +36,7 @@ use parking_lot::Mutex;
 
 use crate::core::lease::{Loss, Ticket};
 use crate::core::quorum::{AcquireVerdict, ExtendVerdict, Tally, Vote};
+use crate::core::timing::drift;
 use crate::error::Error;
 use crate::report::NodeOutcome;
 
@@ -316,11 +317,6 @@ impl<J> Node<J> {
     /// Releases still waiting for a connection.
     pub(crate) fn deferred(&self) -> usize {
         self.deferred.len()
-    }
-
-    /// Whether nothing is queued, out or due to be answered.
-    pub(crate) fn is_idle(&self) -> bool {
-        self.queue.is_empty() && self.in_flight.is_none() && self.out.is_empty()
     }
 
     /// A job for this node, run after those before it.
@@ -755,16 +751,6 @@ impl Extension {
         }
     }
 
-    /// The answers so far.
-    pub(crate) fn tally(&self) -> &Tally {
-        &self.tally
-    }
-
-    /// The verdict, once settled.
-    pub(crate) fn verdict(&self) -> Option<ExtendVerdict> {
-        self.verdict
-    }
-
     /// One node's answer.
     pub(crate) fn handle_answer(&mut self, vote: Vote, outcome: &NodeOutcome) {
         self.tally.add(vote, *outcome == NodeOutcome::Granted);
@@ -814,6 +800,11 @@ impl Extension {
         }
         fence
     }
+}
+
+/// `ttl − elapsed − (ttl × drift + 2 ms)`, or zero.
+pub(crate) fn validity(ttl: Duration, elapsed: Duration, drift_factor: f64) -> Duration {
+    ttl.saturating_sub(elapsed + drift(ttl, drift_factor))
 }
 
 /// Whether an acquire attempt's answers give the lock: a quorum granted and
@@ -886,6 +877,13 @@ impl Release {
             return Ok(outcome);
         }
         Err(yes)
+    }
+
+    /// The nodes that confirmed.
+    pub(crate) fn confirmed_nodes(&self) -> Vec<usize> {
+        (0..self.released.len())
+            .filter(|&i| self.released[i].is_some())
+            .collect()
     }
 
     fn confirmed(&self) -> usize {
@@ -999,7 +997,6 @@ mod tests {
             n.poll(t0 + ms(501)).is_none(),
             "nobody waits for its answer"
         );
-        assert!(n.is_idle());
     }
 
     #[test]

@@ -6,9 +6,8 @@ use std::time::{Duration, Instant};
 
 use super::Group;
 use super::guard::RedlockGuard;
-use super::options::validity;
 use crate::core::quorum::AcquireVerdict;
-use crate::core::redlock::{NodeLease, Op, acquired};
+use crate::core::redlock::{NodeLease, Op, acquired, validity};
 use crate::error::{Error, Result};
 use crate::report::{NodeOutcome, NodeReport};
 use crate::token::OwnerToken;

@@ -759,7 +759,11 @@ fn open_node(
 }
 
 /// A `CLIENT KILL` reply: a count, or the error that refused it.
-fn confirm_kill(addr: &str, op: &'static str, reply: Option<redis::Value>) -> Result<()> {
+pub(crate) fn confirm_kill(
+    addr: &str,
+    op: &'static str,
+    reply: Option<redis::Value>,
+) -> Result<()> {
     match reply {
         Some(redis::Value::Int(_)) => Ok(()),
         Some(redis::Value::ServerError(e)) if e.code() == "NOPERM" => {
