@@ -879,7 +879,8 @@ impl Release {
         Err(yes)
     }
 
-    /// The nodes that confirmed.
+    /// The nodes that confirmed (for the simulation's checks).
+    #[cfg(test)]
     pub(crate) fn confirmed_nodes(&self) -> Vec<usize> {
         (0..self.released.len())
             .filter(|&i| self.released[i].is_some())
