@@ -81,15 +81,18 @@ impl Server {
         }
     }
 
-    /// Until when (true time, ns) this server holds the key for `value`.
-    fn holds_until(&self, value: &str) -> Option<f64> {
+    /// Until when (true time, ns) this server holds the key for `value`,
+    /// if it still does at true time `t` (its clock may not have been moved
+    /// there: it is moved only when a command reaches it).
+    fn holds_until(&self, value: &str, t: Duration) -> Option<f64> {
         let e = self.model.entry(KEY)?;
-        if e.value != Value::Str(value.as_bytes().to_vec()) {
+        if !matches!(&e.value, Value::Str(v) if v.as_slice() == value.as_bytes()) {
             return None;
         }
         // The key exists while the server clock is at or before its expiry.
         let end_ms = (e.expire_at? + 1 - self.start_ms) as f64 / self.rate;
-        Some(end_ms * 1e6)
+        let end = end_ms * 1e6;
+        (end > t.as_nanos() as f64).then_some(end)
     }
 
     fn run(&mut self, conn: ClientId, argv: &[&str]) -> Option<Wire> {
@@ -423,9 +426,6 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         while w.queue.peek_time() == Some(t) {
             let (at, ev) = w.queue.pop().expect("peeked");
             w.now = at;
-            for s in &mut w.servers {
-                s.sync(at);
-            }
             w.stats.events += 1;
             if w.stats.events > 1_000_000 {
                 return Err(format!("the schedule did not end at {at:?}"));
@@ -494,6 +494,7 @@ impl World {
             Ev::Reconnect(t) => self.try_connect(t),
             Ev::Setup(t, back) => {
                 let s = &mut self.servers[t.i];
+                s.sync(self.now);
                 let conn = s.model.connect();
                 let run_id = s.model.run_id().to_owned();
                 let at = self.now + back;
@@ -521,6 +522,7 @@ impl World {
             }
             Ev::Kill(t, conn, ids, back) => {
                 let s = &mut self.servers[t.i];
+                s.sync(self.now);
                 let replies: Option<Vec<Wire>> = ids
                     .iter()
                     .map(|id| {
@@ -569,15 +571,16 @@ impl World {
     }
 
     fn deliver(&mut self, req: u64, c: usize, i: usize, conn: ClientId, op: Op, lease: &NodeLease) {
-        let value = lease.value().to_owned();
+        let (value, t) = (lease.value(), self.now);
         let s = &mut self.servers[i];
-        let held = s.holds_until(&value).is_some();
+        s.sync(t);
+        let held = s.holds_until(value, t).is_some();
         let Some(reply) = s.apply(conn, i, op, lease) else {
             // A killed connection: the command never runs.
             return;
         };
-        if op == Op::Release && held && s.holds_until(&value).is_none() {
-            self.deleted.entry(value).or_default().insert(i);
+        if op == Op::Release && held && s.holds_until(value, t).is_none() {
+            self.deleted.entry(value.to_owned()).or_default().insert(i);
         }
         let lose = self.net.p_lose_reply;
         if let Some(d) = self.net.hop(&mut self.rng, lose) {
@@ -946,7 +949,7 @@ impl World {
     ) -> Result<(), String> {
         let value = lease.value();
         for i in release.confirmed_nodes() {
-            if let Some(until) = self.servers[i].holds_until(value) {
+            if let Some(until) = self.servers[i].holds_until(value, self.now) {
                 return Err(format!(
                     "the release of {value} counts node {i} as confirmed at {:?}, but it holds \
                      the lease until {:?}",
@@ -1200,7 +1203,7 @@ impl World {
         let mut expiries: Vec<f64> = self
             .servers
             .iter()
-            .filter_map(|s| s.holds_until(value))
+            .filter_map(|s| s.holds_until(value, t))
             .collect();
         let holding = expiries.len();
         // The guard's bound (not only `is_lost()`, a node timeout earlier)
