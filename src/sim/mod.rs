@@ -7,10 +7,14 @@
 //! its loss signal), the executor machine (`core::executor`: renewal claims
 //! and their settlement, fences by confirmed kill, clean-ups, retirement at a
 //! switch), the verification verdicts, the renewal `Schedule`, the quorum
-//! `Tally` and the `FenceBook`. What is still written here rather than run
-//! from the runtime: the I/O around them (which request goes on which
-//! connection), the acquire attempts and their retries, the Redlock node
-//! workers, and the scripts' effects on the model server.
+//! `Tally` and the `FenceBook`; for Redlock, the node machines, the
+//! extension's settle, the release's count and the acquire verdict
+//! (`core::redlock`) against model servers running the shipped Lua
+//! (`model`). What is still written here rather than run from the runtime:
+//! the I/O around them (which request goes on which connection, the Redlock
+//! connector's tries, the fan-outs' waits), the single-deployment acquire
+//! attempts and their retries, and, for single deployments, the scripts'
+//! effects on the model server.
 //! Around it: model servers (keys with an owner and an expiry on a server
 //! clock that runs fast or slow within the drift factor, a fence counter, for
 //! single deployments a replica fed by a lagging stream that is promoted at a
@@ -40,8 +44,8 @@
 //!   lease kept alive at a TTL keep-alive accepts is never lost.
 //!
 //! `RESPIRE_SIM_CASES=n` sets the number of schedules per test (default
-//! 60,000 single-deployment and 40,000 Redlock ones, which run in under a
-//! minute on 2 cores in a debug build); `RESPIRE_SIM_SEED=s` replays one, and `RESPIRE_SIM_TRACE=1` prints
+//! 90,000 single-deployment and 10,000 Redlock ones, whose every extension
+//! and release runs the shipped Lua on three to five model servers); `RESPIRE_SIM_SEED=s` replays one, and `RESPIRE_SIM_TRACE=1` prints
 //! its events. A failure prints its seed.
 
 mod contracts;
@@ -274,9 +278,10 @@ pub(crate) fn instant(origin: Instant, at: Duration) -> Instant {
 }
 
 /// The default number of schedules of each test in `cargo test`: 100,000 in
-/// all, the Redlock ones (five nodes' worth of events each) fewer.
-const SINGLE_CASES: u64 = 60_000;
-const REDLOCK_CASES: u64 = 40_000;
+/// all, the Redlock ones (up to five model servers running the shipped Lua,
+/// about five times the cost of a single-deployment one) fewer.
+const SINGLE_CASES: u64 = 90_000;
+const REDLOCK_CASES: u64 = 10_000;
 
 #[test]
 fn redlock_leases() {
