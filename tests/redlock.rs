@@ -1076,6 +1076,7 @@ fn loss_is_flagged_before_a_quorum_of_servers_expires_the_lock() {
 
 #[test]
 fn release_reports_whether_a_quorum_still_held_the_lock() {
+    let _x = exclusive();
     let nodes = Nodes::start(3);
     let prefix = unique_prefix("release-outcome");
     let group = nodes.group(&prefix, options(200));
@@ -1129,6 +1130,33 @@ fn release_reports_whether_a_quorum_still_held_the_lock() {
     assert!(
         !guard.release().unwrap(),
         "a second release repeats the result"
+    );
+
+    // Two nodes reconnecting after an extension they did not answer: their
+    // releases wait for the kills, and nothing is counted before its reply.
+    for i in [0, 1] {
+        let _: () = nodes.servers[i].client().del(&key).unwrap();
+    }
+    let mut guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    everywhere(&guard);
+    nodes.proxies[0].set_mode(Mode::Blackhole);
+    nodes.proxies[1].set_mode(Mode::Blackhole);
+    assert!(matches!(
+        guard.extend(ttl),
+        Err(Error::QuorumNotReached { .. })
+    ));
+    match guard.release() {
+        Err(Error::QuorumNotReached { confirmed, .. }) => assert_eq!(confirmed, 1),
+        other => panic!("expected QuorumNotReached with one confirmation, got {other:?}"),
+    }
+    assert!(guard.is_lost());
+    assert_eq!(nodes.get(0, &key).is_some(), nodes.get(1, &key).is_some());
+    nodes.proxies[0].set_mode(Mode::Pass);
+    nodes.proxies[1].set_mode(Mode::Pass);
+    nowhere();
+    assert!(
+        guard.release().unwrap(),
+        "the kept releases deleted it on every node"
     );
 }
 
