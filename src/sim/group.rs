@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use super::model::{ClientId, ModelServer, Reply as Wire, Value};
 use super::{Net, Queue, Rng, Stats, instant};
-use crate::core::lease::{LeaseCore, Refusal};
+use crate::core::lease::{LeaseCore, Refusal, Ticket};
 use crate::core::quorum::Tally;
 use crate::core::redlock::{
     Action, Answer, Connected, Extension, Job, Node, NodeLease, NodeReply, NodeSettings, Op,
@@ -1095,22 +1095,37 @@ impl World {
                 self.touch(&cell);
                 self.clients[c].busy = true;
                 let deadline = (now + self.timing.node_timeout).min(cell.valid_until());
-                let nodes = self.servers.len();
-                let fan = Fan {
-                    client: c,
-                    purpose: Purpose::Extend {
-                        cell: cell.clone(),
-                        extension: Extension::new(ticket, nodes, nodes),
-                        user: true,
-                    },
-                    tally: Tally::new(nodes, nodes),
-                    decided: false,
-                };
-                let ttl_ms = ttl.as_millis() as u64;
-                let all = self.all();
-                self.fan_out(c, Op::Extend { ttl_ms }, &lease, &all, deadline, Some(fan));
+                self.extend_everywhere(c, ttl, ticket, &cell, &lease, deadline, true);
             }
         }
+    }
+
+    /// Sends an extension to `ttl`, claimed with `ticket`, to every node.
+    #[allow(clippy::too_many_arguments, reason = "one fan-out's every part")]
+    fn extend_everywhere(
+        &mut self,
+        c: usize,
+        ttl: Duration,
+        ticket: Ticket,
+        cell: &Arc<Cell>,
+        lease: &Arc<NodeLease>,
+        deadline: Instant,
+        user: bool,
+    ) {
+        let nodes = self.servers.len();
+        let fan = Fan {
+            client: c,
+            purpose: Purpose::Extend {
+                cell: cell.clone(),
+                extension: Extension::new(ticket, nodes, nodes),
+                user,
+            },
+            tally: Tally::new(nodes, nodes),
+            decided: false,
+        };
+        let ttl_ms = ttl.as_millis() as u64;
+        let all = self.all();
+        self.fan_out(c, Op::Extend { ttl_ms }, lease, &all, deadline, Some(fan));
     }
 
     /// The renewal thread's dispatch of one due lease.
@@ -1131,20 +1146,7 @@ impl World {
             Ok(ticket) => {
                 self.stats.extensions += 1;
                 let deadline = (now + self.timing.node_timeout).min(cell.lost_at());
-                let nodes = self.servers.len();
-                let fan = Fan {
-                    client: c,
-                    purpose: Purpose::Extend {
-                        cell: cell.clone(),
-                        extension: Extension::new(ticket, nodes, nodes),
-                        user: false,
-                    },
-                    tally: Tally::new(nodes, nodes),
-                    decided: false,
-                };
-                let ttl_ms = ttl.as_millis() as u64;
-                let all = self.all();
-                self.fan_out(c, Op::Extend { ttl_ms }, &lease, &all, deadline, Some(fan));
+                self.extend_everywhere(c, ttl, ticket, cell, &lease, deadline, false);
             }
             Err(_) => self.sched.completed(cell.id(), now, None),
         }
