@@ -71,6 +71,20 @@ impl Nodes {
     }
 }
 
+/// Waits (at most 5 s) until every node of three holds `key`.
+fn held_everywhere(nodes: &Nodes, key: &str) {
+    wait_until(Duration::from_secs(5), "every node to hold the key", || {
+        (0..3).all(|i| nodes.get(i, key).is_some())
+    });
+}
+
+/// Waits (at most 5 s) until no node of three holds `key`.
+fn dropped_everywhere(nodes: &Nodes, key: &str) {
+    wait_until(Duration::from_secs(5), "every node to drop the key", || {
+        (0..3).all(|i| nodes.get(i, key).is_none())
+    });
+}
+
 fn refs(urls: &[String]) -> Vec<&str> {
     urls.iter().map(String::as_str).collect()
 }
@@ -296,9 +310,7 @@ fn acquire_contend_extend_release() {
     let mut guard = attempt.into_guard().unwrap();
     assert!(!guard.is_lost());
     assert!(guard.remaining_estimate() > Duration::from_millis(9_800));
-    wait_until(Duration::from_secs(5), "every node to hold the key", || {
-        (0..3).all(|i| nodes.get(i, &key).is_some())
-    });
+    held_everywhere(&nodes, &key);
 
     // Contention is Ok(None), and the loser's grants are cleaned up.
     assert!(group.try_acquire("job", ttl).unwrap().is_none());
@@ -338,9 +350,7 @@ fn acquire_contend_extend_release() {
         "a second release repeats the result"
     );
     // Decided at a quorum: the third node's release may land a little later.
-    wait_until(Duration::from_secs(5), "every node to drop the key", || {
-        (0..3).all(|i| nodes.get(i, &key).is_none())
-    });
+    dropped_everywhere(&nodes, &key);
     assert!(
         !guard.extend(ttl).unwrap(),
         "a released lock cannot be extended"
@@ -352,9 +362,7 @@ fn acquire_contend_extend_release() {
     // Dropping releases too.
     let guard = group.try_acquire("job", ttl).unwrap().unwrap();
     drop(guard);
-    wait_until(Duration::from_secs(5), "every node to drop the key", || {
-        (0..3).all(|i| nodes.get(i, &key).is_none())
-    });
+    dropped_everywhere(&nodes, &key);
 }
 
 #[test]
@@ -420,9 +428,7 @@ fn extend_needs_a_quorum_and_never_recreates_the_key() {
         .try_acquire("job", Duration::from_secs(10))
         .unwrap()
         .unwrap();
-    wait_until(Duration::from_secs(5), "every node to hold the key", || {
-        (0..3).all(|i| nodes.get(i, &key).is_some())
-    });
+    held_everywhere(&nodes, &key);
     let _: () = nodes.servers[0].client().del(&key).unwrap();
     assert!(
         guard.extend(Duration::from_secs(10)).unwrap(),
@@ -448,9 +454,7 @@ fn a_failed_release_gives_up_ownership_and_can_be_retried() {
         .try_acquire("job", Duration::from_secs(30))
         .unwrap()
         .unwrap();
-    wait_until(Duration::from_secs(5), "every node to hold the key", || {
-        (0..3).all(|i| nodes.get(i, &key).is_some())
-    });
+    held_everywhere(&nodes, &key);
     nodes.proxies[0].set_mode(Mode::Blackhole);
     nodes.proxies[1].set_mode(Mode::Blackhole);
     match guard.release() {
@@ -756,9 +760,7 @@ fn extend_does_not_count_a_node_that_restarted() {
     let key = format!("{prefix}job");
     let ttl = Duration::from_secs(30);
     let guard = group.try_acquire("job", ttl).unwrap().unwrap();
-    wait_until(Duration::from_secs(5), "every node to hold the key", || {
-        (0..3).all(|i| nodes.get(i, &key).is_some())
-    });
+    held_everywhere(&nodes, &key);
     // Node 1 loses the key: nodes 0 and 2 must both count from now on.
     let _: () = nodes.servers[1].client().del(&key).unwrap();
     assert!(guard.extend(ttl).unwrap(), "nodes 0 and 2 still hold it");
@@ -814,9 +816,7 @@ fn restart_delay_keeps_a_node_that_lost_its_data_out() {
     let key = format!("{prefix}job");
     let ttl = Duration::from_secs(30);
     let first = group.try_acquire("job", ttl).unwrap().unwrap();
-    wait_until(Duration::from_secs(5), "every node to hold the key", || {
-        (0..3).all(|i| nodes.get(i, &key).is_some())
-    });
+    held_everywhere(&nodes, &key);
     let delay = Duration::from_secs(2);
     wait_until(Duration::from_secs(10), "node 2 to be up for 2 s", || {
         let info: String = redis::cmd("INFO")
@@ -1082,28 +1082,17 @@ fn release_reports_whether_a_quorum_still_held_the_lock() {
     let group = nodes.group(&prefix, options(200));
     let key = format!("{prefix}job");
     let ttl = Duration::from_secs(30);
-    let everywhere = |guard: &respire_coordination::RedlockGuard| {
-        wait_until(Duration::from_secs(5), "every node to hold the key", || {
-            (0..3).all(|i| nodes.get(i, &key).is_some())
-        });
-        assert!(!guard.is_lost());
-    };
-    let nowhere = || {
-        wait_until(Duration::from_secs(5), "every node to drop the key", || {
-            (0..3).all(|i| nodes.get(i, &key).is_none())
-        });
-    };
 
     // Held on every node but one: still deleted on a quorum.
     let mut guard = group.try_acquire("job", ttl).unwrap().unwrap();
-    everywhere(&guard);
+    held_everywhere(&nodes, &key);
     let _: () = nodes.servers[0].client().del(&key).unwrap();
     assert!(guard.release().unwrap(), "two of three still held it");
-    nowhere();
+    dropped_everywhere(&nodes, &key);
 
     // Gone from two nodes before the release: it had lapsed.
     let mut guard = group.try_acquire("job", ttl).unwrap().unwrap();
-    everywhere(&guard);
+    held_everywhere(&nodes, &key);
     for i in [0, 1] {
         let _: () = nodes.servers[i].client().del(&key).unwrap();
     }
@@ -1112,11 +1101,11 @@ fn release_reports_whether_a_quorum_still_held_the_lock() {
         "a release that deleted it on one node of three reports it deleted"
     );
     assert!(guard.is_lost());
-    nowhere();
+    dropped_everywhere(&nodes, &key);
 
     // Another owner's on two nodes: theirs stays, and the release says so.
     let mut guard = group.try_acquire("job", ttl).unwrap().unwrap();
-    everywhere(&guard);
+    held_everywhere(&nodes, &key);
     for i in [0, 1] {
         let _: () = nodes.servers[i].client().set(&key, "someone-else").unwrap();
     }
@@ -1138,7 +1127,7 @@ fn release_reports_whether_a_quorum_still_held_the_lock() {
         let _: () = nodes.servers[i].client().del(&key).unwrap();
     }
     let mut guard = group.try_acquire("job", ttl).unwrap().unwrap();
-    everywhere(&guard);
+    held_everywhere(&nodes, &key);
     nodes.proxies[0].set_mode(Mode::Blackhole);
     nodes.proxies[1].set_mode(Mode::Blackhole);
     assert!(matches!(
@@ -1153,7 +1142,7 @@ fn release_reports_whether_a_quorum_still_held_the_lock() {
     assert_eq!(nodes.get(0, &key).is_some(), nodes.get(1, &key).is_some());
     nodes.proxies[0].set_mode(Mode::Pass);
     nodes.proxies[1].set_mode(Mode::Pass);
-    nowhere();
+    dropped_everywhere(&nodes, &key);
     assert!(
         guard.release().unwrap(),
         "the kept releases deleted it on every node"
@@ -1171,9 +1160,7 @@ fn an_extension_without_a_quorum_bounds_the_lock_by_its_worst_case() {
         .try_acquire("job", Duration::from_secs(10))
         .unwrap()
         .unwrap();
-    wait_until(Duration::from_secs(5), "every node to hold the key", || {
-        (0..3).all(|i| nodes.get(i, &key).is_some())
-    });
+    held_everywhere(&nodes, &key);
     nodes.proxies[0].set_mode(Mode::Blackhole);
     nodes.proxies[1].set_mode(Mode::Blackhole);
 
