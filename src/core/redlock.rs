@@ -1000,6 +1000,203 @@ mod tests {
         );
     }
 
+    /// What an extension did to a lease's bounds, in order.
+    #[derive(Default)]
+    struct Seen(std::cell::RefCell<Vec<&'static str>>);
+
+    impl Bounds for Seen {
+        fn extended(&self, _: Ticket, _: Instant) -> bool {
+            self.0.borrow_mut().push("extended");
+            true
+        }
+        fn refused(&self, _: Ticket, _: Instant, _: Loss) {
+            self.0.borrow_mut().push("refused");
+        }
+        fn unanswered(&self, _: Ticket, _: Instant) {
+            self.0.borrow_mut().push("unanswered");
+        }
+        fn fenced(&self, _: Ticket, _: Instant) {
+            self.0.borrow_mut().push("fenced");
+        }
+    }
+
+    fn ticket(now: Instant) -> Ticket {
+        let timing = crate::core::timing::Timing {
+            drift_factor: 0.01,
+            node_timeout: Duration::from_millis(50),
+        };
+        let ttl = Duration::from_secs(10);
+        let mut core = crate::core::lease::LeaseCore::granted(timing, now, ttl);
+        core.begin_extend(now, ttl).expect("a claim")
+    }
+
+    #[test]
+    fn an_extension_settles_once_and_frees_its_claim_only_without_a_verdict() {
+        let now = Instant::now();
+        let granted = NodeOutcome::Granted;
+        let timed_out = NodeOutcome::TimedOut;
+        // Three of five confirm: decided before the last two answer.
+        let seen = Seen::default();
+        let mut e = Extension::new(ticket(now), 5, 5);
+        for _ in 0..3 {
+            assert!(!e.is_due());
+            e.handle_answer(Vote::Yes, &granted);
+        }
+        assert!(e.is_due() && !e.is_finished());
+        assert_eq!(e.settle(&seen, now, String::new), ExtendVerdict::Confirmed);
+        assert!(!e.is_due(), "settled once");
+        e.handle_answer(Vote::Unknown, &timed_out);
+        e.handle_answer(Vote::Unknown, &timed_out);
+        assert!(e.is_finished());
+        assert!(
+            !e.finish(&seen, now),
+            "a confirmed extension has no claim to free"
+        );
+        assert_eq!(*seen.0.borrow(), ["extended"]);
+
+        // Two of three unanswered: no verdict, the worst case stands until
+        // every node's share is finished.
+        let seen = Seen::default();
+        let mut e = Extension::new(ticket(now), 3, 3);
+        e.handle_answer(Vote::Yes, &granted);
+        e.handle_answer(Vote::Unknown, &timed_out);
+        assert!(!e.is_due(), "the third node may still make a quorum");
+        assert_eq!(e.settle(&seen, now, String::new), ExtendVerdict::Unknown);
+        e.handle_answer(Vote::Unknown, &timed_out);
+        assert_eq!(e.settle(&seen, now, String::new), ExtendVerdict::Unknown);
+        assert!(e.finish(&seen, now));
+        assert_eq!(*seen.0.borrow(), ["unanswered", "fenced"]);
+
+        // Two of three refuse: lost.
+        let seen = Seen::default();
+        let mut e = Extension::new(ticket(now), 3, 3);
+        e.handle_answer(Vote::No, &NodeOutcome::Missing);
+        e.handle_answer(Vote::Held, &NodeOutcome::HeldByAnother { remaining: None });
+        assert!(e.is_due());
+        assert_eq!(
+            e.settle(&seen, now, || "gone".into()),
+            ExtendVerdict::Refused
+        );
+        assert_eq!(*seen.0.borrow(), ["refused"]);
+    }
+
+    #[test]
+    fn an_acquire_needs_a_quorum_and_validity_left() {
+        let mut t = Tally::new(3, 3);
+        t.add(Vote::Yes, true);
+        t.add(Vote::Yes, true);
+        assert!(acquired(&t, Duration::from_millis(1)));
+        assert!(!acquired(&t, Duration::ZERO), "the attempt used up the TTL");
+        let mut t = Tally::new(3, 3);
+        t.add(Vote::Yes, true);
+        t.add(Vote::Unknown, false);
+        t.add(Vote::Unknown, false);
+        assert!(!acquired(&t, Duration::from_secs(1)));
+    }
+
+    /// Polls until the machine waits, returning what it answered.
+    fn answers(n: &mut Node<u32>, now: Instant) -> Vec<(u32, Answer)> {
+        let mut out = Vec::new();
+        while let Some(a) = n.poll(now) {
+            if let Action::Respond { handle, answer } = a {
+                out.push((handle, answer));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn an_extension_counts_only_on_the_server_that_granted() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut n = node(t0);
+        let l = lease();
+        n.handle_job(Job::new(
+            Op::Acquire { ttl_ms: 1000 },
+            l.clone(),
+            t0 + ms(50),
+            1,
+        ));
+        assert!(matches!(n.poll(t0), Some(Action::Send { .. })));
+        n.handle_result(Ok(NodeReply::Acquired), false, ms(1));
+        assert_eq!(answers(&mut n, t0)[0].1.vote, Vote::Yes);
+        assert!(l.counts(0));
+        // The server restarts (with its data): a new run id.
+        let e = Error::Timeout {
+            op: "extend",
+            after: ms(50),
+        };
+        n.handle_job(Job::new(
+            Op::Extend { ttl_ms: 1000 },
+            l.clone(),
+            t0 + ms(60),
+            2,
+        ));
+        assert!(matches!(n.poll(t0 + ms(10)), Some(Action::Send { .. })));
+        n.handle_result(Err(e), true, ms(1));
+        let _ = answers(&mut n, t0 + ms(11));
+        let c = Connected {
+            id: Some(1),
+            run_id: Some(Arc::from("r2")),
+            started_by: None,
+            round_trip: ms(1),
+        };
+        n.handle_connected(c, t0 + ms(20));
+        n.handle_job(Job::new(
+            Op::Extend { ttl_ms: 1000 },
+            l.clone(),
+            t0 + ms(70),
+            3,
+        ));
+        assert!(matches!(n.poll(t0 + ms(20)), Some(Action::Send { .. })));
+        n.handle_result(Ok(NodeReply::Extend(1)), false, ms(1));
+        let got = answers(&mut n, t0 + ms(21));
+        assert_eq!(got[0].1.vote, Vote::No, "{got:?}");
+        assert!(matches!(got[0].1.outcome, NodeOutcome::Uncounted(_)));
+        assert!(!l.counts(0), "a restart is for good");
+        // Later extensions are not even sent there.
+        n.handle_job(Job::new(Op::Extend { ttl_ms: 1000 }, l, t0 + ms(80), 4));
+        let got = answers(&mut n, t0 + ms(22));
+        assert!(!got[0].1.sent && got[0].1.vote == Vote::No, "{got:?}");
+    }
+
+    #[test]
+    fn a_job_past_its_deadline_is_not_sent_but_a_release_is() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut n = node(t0);
+        let l = lease();
+        n.handle_job(Job::new(
+            Op::Acquire { ttl_ms: 1000 },
+            l.clone(),
+            t0 + ms(50),
+            1,
+        ));
+        let late = t0 + ms(60);
+        let got = answers(&mut n, late);
+        assert!(!got[0].1.sent && got[0].1.vote == Vote::Unknown, "{got:?}");
+        // Not sent: nothing to release, and the release says so at once.
+        n.handle_job(Job::new(Op::Release, l.clone(), t0 + ms(50), 2));
+        let got = answers(&mut n, late);
+        assert!(!got[0].1.sent && got[0].1.vote == Vote::Yes, "{got:?}");
+        // Sent: the release goes out past its deadline, with a budget of its own.
+        n.handle_job(Job::new(
+            Op::Acquire { ttl_ms: 1000 },
+            l.clone(),
+            late + ms(50),
+            3,
+        ));
+        assert!(matches!(n.poll(late), Some(Action::Send { .. })));
+        n.handle_result(Ok(NodeReply::Acquired), false, ms(1));
+        let _ = answers(&mut n, late);
+        n.handle_job(Job::new(Op::Release, l, late, 4));
+        let later = late + ms(5);
+        assert!(matches!(
+            n.poll(later),
+            Some(Action::Send { op: Op::Release, deadline, .. }) if deadline == later + ms(50)
+        ));
+    }
+
     #[test]
     fn a_release_counts_only_what_confirmed() {
         let mut r = Release::new(3);

@@ -10,6 +10,10 @@
 //! connection of a command that got no reply before sending another, so the
 //! next extension cannot be overtaken on any node.
 //!
+//! How the nodes' answers add up to a verdict, and what the verdict does to
+//! the bounds, is `core::redlock::Extension` (and, for a release,
+//! `core::redlock::Release`), which the simulation drives too.
+//!
 //! The renewal thread (`respire-redlock`, started by the first guard that
 //! needs it) hands due extensions to the node workers and counts their
 //! answers as they come; it never waits on a node, so loss signals close on
