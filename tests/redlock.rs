@@ -1027,7 +1027,10 @@ fn loss_is_flagged_before_a_quorum_of_servers_expires_the_lock() {
     let group = nodes.group(&prefix, options(50));
     let key = format!("{prefix}job");
     let ttl = Duration::from_millis(800);
-    let guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    let guard = group
+        .acquire_timeout("job", ttl, Duration::from_secs(5))
+        .unwrap()
+        .expect("nobody else holds it");
     let keep = guard.keep_alive().unwrap();
     let lost = guard.lost_signal().clone();
     let held_since = Instant::now();

@@ -34,9 +34,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::core::lease::{Loss, Ticket};
+use crate::core::lease::{Loss, Refusal, Ticket};
 use crate::core::quorum::{AcquireVerdict, ExtendVerdict, Tally, Vote};
-use crate::core::timing::drift;
+use crate::core::timing::{drift, retry_delay};
 use crate::error::Error;
 use crate::report::NodeOutcome;
 
@@ -799,6 +799,84 @@ impl Extension {
             lease.fenced(self.ticket, now);
         }
         fence
+    }
+}
+
+/// What the renewal thread needs of a lease besides its [`Bounds`].
+pub(crate) trait Renewable: Bounds {
+    /// The TTL renewals extend it by.
+    fn ttl(&self) -> Duration;
+    /// When it is lost unless an extension is confirmed first.
+    fn lost_at(&self) -> Instant;
+    /// Claims it for an extension to `ttl` sent at `now`.
+    fn begin_extend(&self, now: Instant, ttl: Duration) -> Result<Ticket, Refusal>;
+}
+
+/// The renewal thread's extension of one lease by its TTL: claimed like any
+/// extension, bounded by a node timeout (or the loss deadline, if sooner),
+/// settled when its answers decide (it has no deadline of its own: every
+/// node's job answers by its own), and planned again: as usual after a
+/// verdict, after a retry delay when it reached none, and once more when
+/// every node's share is finished and its claim freed.
+#[derive(Debug)]
+pub(crate) struct Renewal {
+    extension: Extension,
+    retry: Duration,
+}
+
+impl Renewal {
+    /// Claims `lease` at `now` for a renewal sent to every one of `nodes`:
+    /// the renewal and its deadline, or `None` when it cannot be claimed
+    /// (lost, or the holder's own extension is in flight, whose end plans
+    /// the lease again).
+    pub(crate) fn begin(
+        lease: &impl Renewable,
+        now: Instant,
+        node_timeout: Duration,
+        nodes: usize,
+    ) -> Option<(Renewal, Instant)> {
+        let ttl = lease.ttl();
+        let ticket = lease.begin_extend(now, ttl).ok()?;
+        let deadline = (now + node_timeout).min(lease.lost_at());
+        let renewal = Renewal {
+            extension: Extension::new(ticket, nodes, nodes),
+            retry: retry_delay(ttl),
+        };
+        Some((renewal, deadline))
+    }
+
+    /// One node's answer.
+    pub(crate) fn handle_answer(&mut self, vote: Vote, outcome: &NodeOutcome) {
+        self.extension.handle_answer(vote, outcome);
+    }
+
+    /// See [`Extension::is_due`].
+    pub(crate) fn is_due(&self) -> bool {
+        self.extension.is_due()
+    }
+
+    /// See [`Extension::is_finished`].
+    pub(crate) fn is_finished(&self) -> bool {
+        self.extension.is_finished()
+    }
+
+    /// Settles it (see [`Extension::settle`]): the verdict, and when to try
+    /// again if it reached none.
+    pub(crate) fn settle(
+        &mut self,
+        lease: &impl Bounds,
+        now: Instant,
+        refusal: impl FnOnce() -> String,
+    ) -> (ExtendVerdict, Option<Instant>) {
+        let verdict = self.extension.settle(lease, now, refusal);
+        let retry = (verdict == ExtendVerdict::Unknown).then(|| now + self.retry);
+        (verdict, retry)
+    }
+
+    /// Every node's share is finished (see [`Extension::finish`]): when to
+    /// try again, if it freed a claim.
+    pub(crate) fn finish(&self, lease: &impl Bounds, now: Instant) -> Option<Instant> {
+        self.extension.finish(lease, now).then(|| now + self.retry)
     }
 }
 

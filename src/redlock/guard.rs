@@ -32,9 +32,9 @@ use super::Group;
 use super::worker::{Completion, Reply};
 use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket};
 use crate::core::quorum::{ExtendVerdict, Tally};
-use crate::core::redlock::{Bounds, Extension, NodeLease, Op, Release};
+use crate::core::redlock::{Bounds, Extension, NodeLease, Op, Release, Renewable, Renewal};
 use crate::core::schedule::{Next, Watched};
-use crate::core::timing::{self, Timing};
+use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::report::{NodeOutcome, NodeReport, summarize};
 use crate::runtime::lease::LeaseCell;
@@ -356,6 +356,20 @@ fn refusal(nodes: &[NodeReport]) -> String {
     format!("no quorum holds it any more ({})", summarize(nodes))
 }
 
+impl<X> Renewable for LeaseCell<X> {
+    fn ttl(&self) -> Duration {
+        LeaseCell::ttl(self)
+    }
+
+    fn lost_at(&self) -> Instant {
+        LeaseCell::lost_at(self)
+    }
+
+    fn begin_extend(&self, now: Instant, ttl: Duration) -> std::result::Result<Ticket, Refusal> {
+        LeaseCell::begin_extend(self, now, ttl)
+    }
+}
+
 impl<X> Bounds for LeaseCell<X> {
     fn extended(&self, ticket: Ticket, now: Instant) -> bool {
         LeaseCell::extended(self, ticket, now)
@@ -516,7 +530,7 @@ impl GroupRenewal {
 /// One renewal in flight: its answers so far.
 struct InFlight {
     lease: Arc<RedlockLease>,
-    extension: Extension,
+    renewal: Renewal,
     replies: Vec<Option<Reply>>,
     deadline: Instant,
 }
@@ -550,16 +564,12 @@ impl Dispatch for ToNodes {
                 done.push((id, None));
                 continue;
             };
-            let ticket = match lease.cell.begin_extend(now, ttl) {
-                Ok(ticket) => ticket,
-                // The holder's own extend is in flight; its end plans this
-                // lease again. Lost: nothing more to do.
-                Err(_) => {
-                    done.push((id, None));
-                    continue;
-                }
+            let nt = group.options.node_timeout;
+            let Some((renewal, deadline)) = Renewal::begin(&lease.cell, now, nt, group.len())
+            else {
+                done.push((id, None));
+                continue;
             };
-            let deadline = (now + group.options.node_timeout).min(lease.cell.lost_at());
             let targets = group.all();
             let route = super::fanout::Route {
                 reply: Some(&self.tx),
@@ -577,7 +587,7 @@ impl Dispatch for ToNodes {
                 id,
                 InFlight {
                     lease,
-                    extension: Extension::new(ticket, group.len(), targets.len()),
+                    renewal,
                     replies: vec![None; group.len()],
                     deadline,
                 },
@@ -596,10 +606,10 @@ impl Dispatch for ToNodes {
         let Some(f) = self.in_flight.get_mut(&id) else {
             return done;
         };
-        f.extension.handle_answer(reply.vote, &reply.outcome);
+        f.renewal.handle_answer(reply.vote, &reply.outcome);
         let node = reply.node;
         f.replies[node] = Some(reply);
-        if f.extension.is_due() {
+        if f.renewal.is_due() {
             let group = &f.lease.group;
             let targets = group.all();
             let nodes = group.reports(
@@ -609,7 +619,7 @@ impl Dispatch for ToNodes {
                 &NodeOutcome::Abandoned,
             );
             *f.lease.evidence.lock() = nodes.clone();
-            let verdict = f.extension.settle(&f.lease.cell, now, || refusal(&nodes));
+            let (verdict, retry) = f.renewal.settle(&f.lease.cell, now, || refusal(&nodes));
             if verdict == ExtendVerdict::Unknown {
                 log::warn!(
                     "extending redlock {:?} reached no verdict ({}); retrying while time remains",
@@ -617,15 +627,13 @@ impl Dispatch for ToNodes {
                     summarize(&nodes)
                 );
             }
-            let retry = (verdict == ExtendVerdict::Unknown)
-                .then(|| now + timing::retry_delay(f.lease.cell.ttl()));
             done.push((id, retry));
         }
-        if f.extension.is_finished() {
+        if f.renewal.is_finished() {
             let f = self.in_flight.remove(&id).expect("present");
             // Every node's share is finished: later extensions run after it.
-            if f.extension.finish(&f.lease.cell, now) {
-                done.push((id, Some(now + timing::retry_delay(f.lease.cell.ttl()))));
+            if let Some(retry) = f.renewal.finish(&f.lease.cell, now) {
+                done.push((id, Some(retry)));
             }
         }
         done

@@ -25,14 +25,14 @@ use std::time::{Duration, Instant};
 
 use super::model::{ClientId, ModelServer, Reply as Wire, Value};
 use super::{Net, Queue, Rng, Stats, instant};
-use crate::core::lease::{LeaseCore, Refusal, Ticket};
+use crate::core::lease::{LeaseCore, Refusal};
 use crate::core::quorum::Tally;
 use crate::core::redlock::{
     Action, Answer, Connected, Extension, Job, Node, NodeLease, NodeReply, NodeSettings, Op,
-    Release, acquired, fences_for, validity,
+    Release, Renewal, acquired, fences_for, validity,
 };
 use crate::core::schedule::{Next, Schedule, Watched};
-use crate::core::timing::{Timing, rest_after, retry_delay};
+use crate::core::timing::{Timing, rest_after};
 use crate::error::Error;
 use crate::redlock::{acquire_reply, confirm_kill, try_budget};
 use crate::runtime::lease::LeaseCell;
@@ -190,10 +190,7 @@ enum Purpose {
     },
     Extend {
         cell: Arc<Cell>,
-        extension: Extension,
-        /// The holder's own `extend` (waits, settles at its deadline), or
-        /// a renewal (settles when its answers decide).
-        user: bool,
+        claimed: Claimed,
     },
     Release {
         lease: Arc<NodeLease>,
@@ -202,6 +199,36 @@ enum Purpose {
         answers: Vec<(usize, Answer)>,
         tries: u32,
     },
+}
+
+/// Who extends: the holder's own `extend` (which waits, and settles at its
+/// deadline), or the renewal thread (which settles when the answers decide).
+enum Claimed {
+    User(Extension),
+    Renewal(Renewal),
+}
+
+impl Claimed {
+    fn handle_answer(&mut self, answer: &Answer) {
+        match self {
+            Claimed::User(e) => e.handle_answer(answer.vote, &answer.outcome),
+            Claimed::Renewal(r) => r.handle_answer(answer.vote, &answer.outcome),
+        }
+    }
+
+    fn is_due(&self) -> bool {
+        match self {
+            Claimed::User(e) => e.is_due(),
+            Claimed::Renewal(r) => r.is_due(),
+        }
+    }
+
+    fn is_finished(&self) -> bool {
+        match self {
+            Claimed::User(e) => e.is_finished(),
+            Claimed::Renewal(r) => r.is_finished(),
+        }
+    }
 }
 
 /// A fan-out in progress.
@@ -795,34 +822,34 @@ impl World {
                 }
                 !f.decided && (release.is_decided(&f.tally) || f.tally.outstanding == 0)
             }
-            Purpose::Extend {
-                extension, cell, ..
-            } => {
-                extension.handle_answer(answer.vote, &answer.outcome);
-                if extension.is_finished() {
-                    let cell = cell.clone();
+            Purpose::Extend { claimed, .. } => {
+                claimed.handle_answer(&answer);
+                if claimed.is_finished() {
                     let mut f = self.fans.remove(&id).expect("present");
-                    let Purpose::Extend {
-                        extension, user, ..
-                    } = &mut f.purpose
-                    else {
+                    let Purpose::Extend { cell, claimed } = &mut f.purpose else {
                         unreachable!("an extension")
                     };
+                    let cell = cell.clone();
                     if !f.decided {
-                        self.settled(f.client, &cell, extension, *user);
+                        self.settled(f.client, &cell, claimed);
                     }
                     // Every node's share is finished: later extensions run after it.
-                    if extension.finish(&*cell, now) {
+                    let fenced = match claimed {
+                        Claimed::User(e) => e.finish(&*cell, now),
+                        Claimed::Renewal(r) => r
+                            .finish(&*cell, now)
+                            .map(|retry| {
+                                self.sched.completed(cell.id(), now, Some(retry));
+                            })
+                            .is_some(),
+                    };
+                    if fenced {
                         self.stats.fences += 1;
-                        if !*user {
-                            let retry = now + retry_delay(cell.ttl());
-                            self.sched.completed(cell.id(), now, Some(retry));
-                        }
                         self.touch(&cell);
                     }
                     return Ok(());
                 }
-                extension.is_due()
+                claimed.is_due()
             }
         };
         if due {
@@ -833,16 +860,19 @@ impl World {
 
     /// Applies an extension's verdict (the holder's `extend` returns, or
     /// the renewal is done).
-    fn settled(&mut self, c: usize, cell: &Arc<Cell>, extension: &mut Extension, user: bool) {
+    fn settled(&mut self, c: usize, cell: &Arc<Cell>, claimed: &mut Claimed) {
         let now = self.at();
-        let verdict = extension.settle(&**cell, now, || "no quorum holds it any more".into());
-        if user {
-            self.clients[c].busy = false;
-            self.think(c);
-        } else {
-            let retry = (verdict == crate::core::quorum::ExtendVerdict::Unknown)
-                .then(|| now + retry_delay(cell.ttl()));
-            self.sched.completed(cell.id(), now, retry);
+        let refusal = || "no quorum holds it any more".to_owned();
+        match claimed {
+            Claimed::User(e) => {
+                e.settle(&**cell, now, refusal);
+                self.clients[c].busy = false;
+                self.think(c);
+            }
+            Claimed::Renewal(r) => {
+                let (_, retry) = r.settle(&**cell, now, refusal);
+                self.sched.completed(cell.id(), now, retry);
+            }
         }
         self.touch(cell);
     }
@@ -885,25 +915,18 @@ impl World {
                 }
                 self.think(c);
             }
-            Purpose::Extend {
-                extension, user, ..
-            } => {
-                if !*user && !extension.is_due() {
+            Purpose::Extend { claimed, .. } => {
+                if matches!(claimed, Claimed::Renewal(_)) && !claimed.is_due() {
                     // A renewal waits for its answers.
                     return Ok(());
                 }
                 f.decided = true;
                 let mut f = self.fans.remove(&id).expect("present");
-                let Purpose::Extend {
-                    extension,
-                    user,
-                    cell,
-                } = &mut f.purpose
-                else {
+                let Purpose::Extend { claimed, cell } = &mut f.purpose else {
                     unreachable!("an extension")
                 };
                 let cell = cell.clone();
-                self.settled(c, &cell, extension, *user);
+                self.settled(c, &cell, claimed);
                 self.fans.insert(id, f);
             }
             Purpose::Release {
@@ -1095,30 +1118,29 @@ impl World {
                 self.touch(&cell);
                 self.clients[c].busy = true;
                 let deadline = (now + self.timing.node_timeout).min(cell.valid_until());
-                self.extend_everywhere(c, ttl, ticket, &cell, &lease, deadline, true);
+                let nodes = self.servers.len();
+                let claimed = Claimed::User(Extension::new(ticket, nodes, nodes));
+                self.extend_everywhere(c, ttl, claimed, &cell, &lease, deadline);
             }
         }
     }
 
-    /// Sends an extension to `ttl`, claimed with `ticket`, to every node.
-    #[allow(clippy::too_many_arguments, reason = "one fan-out's every part")]
+    /// Sends an extension to `ttl` to every node.
     fn extend_everywhere(
         &mut self,
         c: usize,
         ttl: Duration,
-        ticket: Ticket,
+        claimed: Claimed,
         cell: &Arc<Cell>,
         lease: &Arc<NodeLease>,
         deadline: Instant,
-        user: bool,
     ) {
         let nodes = self.servers.len();
         let fan = Fan {
             client: c,
             purpose: Purpose::Extend {
                 cell: cell.clone(),
-                extension: Extension::new(ticket, nodes, nodes),
-                user,
+                claimed,
             },
             tally: Tally::new(nodes, nodes),
             decided: false,
@@ -1141,14 +1163,14 @@ impl World {
             return;
         }
         let lease = held.lease.clone();
-        let ttl = cell.ttl();
-        match cell.begin_extend(now, ttl) {
-            Ok(ticket) => {
+        let nodes = self.servers.len();
+        match Renewal::begin(&**cell, now, self.timing.node_timeout, nodes) {
+            Some((renewal, deadline)) => {
                 self.stats.extensions += 1;
-                let deadline = (now + self.timing.node_timeout).min(cell.lost_at());
-                self.extend_everywhere(c, ttl, ticket, cell, &lease, deadline, false);
+                let claimed = Claimed::Renewal(renewal);
+                self.extend_everywhere(c, cell.ttl(), claimed, cell, &lease, deadline);
             }
-            Err(_) => self.sched.completed(cell.id(), now, None),
+            None => self.sched.completed(cell.id(), now, None),
         }
     }
 
