@@ -1021,19 +1021,20 @@ mod tests {
         Arc::new(NodeLease::new(vec!["k".into()], "v".into()))
     }
 
+    /// Queues an acquire of `l` with `deadline` and has it sent at `now`.
+    fn send_acquire(n: &mut Node<u32>, l: &Arc<NodeLease>, deadline: Instant, now: Instant) {
+        let op = Op::Acquire { ttl_ms: 1000 };
+        n.handle_job(Job::new(op, l.clone(), deadline, 1));
+        assert!(matches!(n.poll(now), Some(Action::Send { .. })));
+    }
+
     #[test]
     fn an_unanswered_command_taints_and_the_release_waits_for_the_kill() {
         let t0 = Instant::now();
         let ms = Duration::from_millis;
         let mut n = node(t0);
         let l = lease();
-        n.handle_job(Job::new(
-            Op::Acquire { ttl_ms: 1000 },
-            l.clone(),
-            t0 + ms(50),
-            1,
-        ));
-        assert!(matches!(n.poll(t0), Some(Action::Send { .. })));
+        send_acquire(&mut n, &l, t0 + ms(50), t0);
         assert!(n.poll(t0).is_none(), "one command out at a time");
         let timeout = Error::Timeout {
             op: "acquire",
@@ -1189,13 +1190,7 @@ mod tests {
         let ms = Duration::from_millis;
         let mut n = node(t0);
         let l = lease();
-        n.handle_job(Job::new(
-            Op::Acquire { ttl_ms: 1000 },
-            l.clone(),
-            t0 + ms(50),
-            1,
-        ));
-        assert!(matches!(n.poll(t0), Some(Action::Send { .. })));
+        send_acquire(&mut n, &l, t0 + ms(50), t0);
         n.handle_result(Ok(NodeReply::Acquired), false, ms(1));
         assert_eq!(answers(&mut n, t0)[0].1.vote, Vote::Yes);
         assert!(l.counts(0));
@@ -1258,13 +1253,7 @@ mod tests {
         let got = answers(&mut n, late);
         assert!(!got[0].1.sent && got[0].1.vote == Vote::Yes, "{got:?}");
         // Sent: the release goes out past its deadline, with a budget of its own.
-        n.handle_job(Job::new(
-            Op::Acquire { ttl_ms: 1000 },
-            l.clone(),
-            late + ms(50),
-            3,
-        ));
-        assert!(matches!(n.poll(late), Some(Action::Send { .. })));
+        send_acquire(&mut n, &l, late + ms(50), late);
         n.handle_result(Ok(NodeReply::Acquired), false, ms(1));
         let _ = answers(&mut n, late);
         n.handle_job(Job::new(Op::Release, l, late, 4));
