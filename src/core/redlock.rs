@@ -109,6 +109,25 @@ impl NodeLease {
         slot.granted_by.is_some() && !slot.restarted
     }
 
+    /// How many nodes can still be counted on for a lease that is lost at
+    /// `lost_at`: those that granted it and have not restarted since, unless
+    /// they are down (`down[j]`: since when a node's watcher has lost its
+    /// server) and could come back without the key and grant it again before
+    /// `lost_at` (always, without a restart delay).
+    pub(crate) fn counted(
+        &self,
+        down: &[Option<Instant>],
+        restart_delay: Option<Duration>,
+        lost_at: Instant,
+    ) -> usize {
+        let may_grant_again = |since: Instant| {
+            restart_delay.is_none_or(|d| since.checked_add(d).is_none_or(|at| at < lost_at))
+        };
+        (0..self.slots.len())
+            .filter(|&j| self.counts(j) && !down[j].is_some_and(may_grant_again))
+            .count()
+    }
+
     /// Node `i` now runs as `run_id`: if that is not the server that granted
     /// the lease, the node never counts for it again. Returns whether it
     /// stopped counting now.
@@ -992,6 +1011,40 @@ mod tests {
         assert!(!lease.seen_run(0, "one"), "a restart is for good");
         assert!(!lease.counts(0));
         assert!(!lease.counts(1));
+    }
+
+    #[test]
+    fn a_node_that_went_away_counts_only_if_the_restart_delay_outlasts_the_lease() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let lease = NodeLease::new(vec!["a".into(), "b".into(), "c".into()], "v".into());
+        for i in 0..3 {
+            lease.slots[i].lock().granted_by = Some(Arc::from("one"));
+        }
+        let lost_at = t0 + s(10);
+        assert_eq!(lease.counted(&[None; 3], None, lost_at), 3);
+        let down = [Some(t0), None, None];
+        assert_eq!(
+            lease.counted(&down, None, lost_at),
+            2,
+            "no delay: it may grant at once"
+        );
+        assert_eq!(
+            lease.counted(&down, Some(s(5)), lost_at),
+            2,
+            "back before the deadline"
+        );
+        assert_eq!(
+            lease.counted(&down, Some(s(10)), lost_at),
+            3,
+            "back after it"
+        );
+        assert!(lease.seen_run(1, "two"));
+        assert_eq!(
+            lease.counted(&down, Some(s(10)), lost_at),
+            2,
+            "a restart is for good"
+        );
     }
 
     #[test]
