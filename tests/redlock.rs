@@ -71,6 +71,20 @@ impl Nodes {
     }
 }
 
+/// Waits (at most 5 s) until every node of three holds `key`.
+fn held_everywhere(nodes: &Nodes, key: &str) {
+    wait_until(Duration::from_secs(5), "every node to hold the key", || {
+        (0..3).all(|i| nodes.get(i, key).is_some())
+    });
+}
+
+/// Waits (at most 5 s) until no node of three holds `key`.
+fn dropped_everywhere(nodes: &Nodes, key: &str) {
+    wait_until(Duration::from_secs(5), "every node to drop the key", || {
+        (0..3).all(|i| nodes.get(i, key).is_none())
+    });
+}
+
 fn refs(urls: &[String]) -> Vec<&str> {
     urls.iter().map(String::as_str).collect()
 }
@@ -296,9 +310,7 @@ fn acquire_contend_extend_release() {
     let mut guard = attempt.into_guard().unwrap();
     assert!(!guard.is_lost());
     assert!(guard.remaining_estimate() > Duration::from_millis(9_800));
-    wait_until(Duration::from_secs(5), "every node to hold the key", || {
-        (0..3).all(|i| nodes.get(i, &key).is_some())
-    });
+    held_everywhere(&nodes, &key);
 
     // Contention is Ok(None), and the loser's grants are cleaned up.
     assert!(group.try_acquire("job", ttl).unwrap().is_none());
@@ -338,9 +350,7 @@ fn acquire_contend_extend_release() {
         "a second release repeats the result"
     );
     // Decided at a quorum: the third node's release may land a little later.
-    wait_until(Duration::from_secs(5), "every node to drop the key", || {
-        (0..3).all(|i| nodes.get(i, &key).is_none())
-    });
+    dropped_everywhere(&nodes, &key);
     assert!(
         !guard.extend(ttl).unwrap(),
         "a released lock cannot be extended"
@@ -352,9 +362,7 @@ fn acquire_contend_extend_release() {
     // Dropping releases too.
     let guard = group.try_acquire("job", ttl).unwrap().unwrap();
     drop(guard);
-    wait_until(Duration::from_secs(5), "every node to drop the key", || {
-        (0..3).all(|i| nodes.get(i, &key).is_none())
-    });
+    dropped_everywhere(&nodes, &key);
 }
 
 #[test]
@@ -420,9 +428,7 @@ fn extend_needs_a_quorum_and_never_recreates_the_key() {
         .try_acquire("job", Duration::from_secs(10))
         .unwrap()
         .unwrap();
-    wait_until(Duration::from_secs(5), "every node to hold the key", || {
-        (0..3).all(|i| nodes.get(i, &key).is_some())
-    });
+    held_everywhere(&nodes, &key);
     let _: () = nodes.servers[0].client().del(&key).unwrap();
     assert!(
         guard.extend(Duration::from_secs(10)).unwrap(),
@@ -448,9 +454,7 @@ fn a_failed_release_gives_up_ownership_and_can_be_retried() {
         .try_acquire("job", Duration::from_secs(30))
         .unwrap()
         .unwrap();
-    wait_until(Duration::from_secs(5), "every node to hold the key", || {
-        (0..3).all(|i| nodes.get(i, &key).is_some())
-    });
+    held_everywhere(&nodes, &key);
     nodes.proxies[0].set_mode(Mode::Blackhole);
     nodes.proxies[1].set_mode(Mode::Blackhole);
     match guard.release() {
@@ -756,9 +760,7 @@ fn extend_does_not_count_a_node_that_restarted() {
     let key = format!("{prefix}job");
     let ttl = Duration::from_secs(30);
     let guard = group.try_acquire("job", ttl).unwrap().unwrap();
-    wait_until(Duration::from_secs(5), "every node to hold the key", || {
-        (0..3).all(|i| nodes.get(i, &key).is_some())
-    });
+    held_everywhere(&nodes, &key);
     // Node 1 loses the key: nodes 0 and 2 must both count from now on.
     let _: () = nodes.servers[1].client().del(&key).unwrap();
     assert!(guard.extend(ttl).unwrap(), "nodes 0 and 2 still hold it");
@@ -814,9 +816,7 @@ fn restart_delay_keeps_a_node_that_lost_its_data_out() {
     let key = format!("{prefix}job");
     let ttl = Duration::from_secs(30);
     let first = group.try_acquire("job", ttl).unwrap().unwrap();
-    wait_until(Duration::from_secs(5), "every node to hold the key", || {
-        (0..3).all(|i| nodes.get(i, &key).is_some())
-    });
+    held_everywhere(&nodes, &key);
     let delay = Duration::from_secs(2);
     wait_until(Duration::from_secs(10), "node 2 to be up for 2 s", || {
         let info: String = redis::cmd("INFO")
@@ -981,6 +981,230 @@ fn keep_alive_extends_and_flags_loss_before_validity_ends() {
     let margin = valid_until.saturating_duration_since(lost_at);
     eprintln!("keep-alive flagged loss {margin:?} before the validity ended");
     assert!(lost_at < valid_until, "loss flagged after validity ended");
+}
+
+/// When `key` expires on `server`, on this machine's monotonic clock, from
+/// the server's own `PEXPIRETIME` and `TIME` (taken as read at the instant
+/// before they were asked for, so never later than the truth); `None` when
+/// the server has no such key.
+fn server_expiry(server: &TestServer, key: &str) -> Option<Instant> {
+    let mut c = server.client();
+    let asked = Instant::now();
+    let (at_ms, (secs, micros)): (i64, (i64, i64)) = redis::pipe()
+        .cmd("PEXPIRETIME")
+        .arg(key)
+        .cmd("TIME")
+        .query(&mut c)
+        .unwrap();
+    if at_ms < 0 {
+        return None;
+    }
+    let left_us = at_ms * 1_000 - (secs * 1_000_000 + micros);
+    Some(if left_us >= 0 {
+        asked + Duration::from_micros(left_us as u64)
+    } else {
+        asked - Duration::from_micros(left_us.unsigned_abs())
+    })
+}
+
+/// When fewer than a quorum of `nodes` still hold `key`, by the servers'
+/// clocks (see [`server_expiry`]); `None` if fewer than a quorum hold it now.
+fn quorum_expiry(nodes: &Nodes, key: &str) -> Option<Instant> {
+    let mut ends: Vec<Instant> = nodes
+        .servers
+        .iter()
+        .filter_map(|s| server_expiry(s, key))
+        .collect();
+    ends.sort_unstable_by(|a, b| b.cmp(a));
+    ends.get(nodes.servers.len() / 2).copied()
+}
+
+#[test]
+fn loss_is_flagged_before_a_quorum_of_servers_expires_the_lock() {
+    let _x = exclusive();
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("loss-oracle");
+    let group = nodes.group(&prefix, options(50));
+    let key = format!("{prefix}job");
+    let ttl = Duration::from_millis(800);
+    let guard = group
+        .acquire_timeout("job", ttl, Duration::from_secs(5))
+        .unwrap()
+        .expect("nobody else holds it");
+    let keep = guard.keep_alive().unwrap();
+    let lost = guard.lost_signal().clone();
+    let held_since = Instant::now();
+    wait_until(
+        Duration::from_secs(10),
+        "two TTLs to pass while held",
+        || {
+            assert!(!guard.is_lost(), "lost while all nodes answer");
+            held_since.elapsed() > ttl * 2
+        },
+    );
+    // The renewals stop reaching a majority: the lock must be flagged lost
+    // before the servers' own clocks end it on a quorum.
+    nodes.proxies[0].set_mode(Mode::Blackhole);
+    nodes.proxies[1].set_mode(Mode::Blackhole);
+    let cut = Instant::now();
+    match lost.recv_timeout(ttl * 4) {
+        Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {}
+        other => panic!("not flagged lost {:?} after the cut: {other:?}", ttl * 4),
+    }
+    let lost_at = Instant::now();
+    assert!(guard.is_lost() && keep.is_lost());
+    // Read after the loss: whatever reached the servers before the cut is in.
+    let ends = quorum_expiry(&nodes, &key).unwrap_or_else(|| {
+        panic!(
+            "the servers no longer hold it on a quorum {:?} after the cut, when the guard \
+             was flagged lost {:?} after it",
+            cut.elapsed(),
+            lost_at - cut
+        )
+    });
+    eprintln!(
+        "flagged lost {:?} after the cut, {:?} before a quorum of servers expire it",
+        lost_at - cut,
+        ends.saturating_duration_since(lost_at)
+    );
+    assert!(
+        lost_at < ends,
+        "flagged lost {:?} after a quorum of servers expired the lock",
+        lost_at - ends
+    );
+    drop(keep);
+    nodes.proxies[0].set_mode(Mode::Pass);
+    nodes.proxies[1].set_mode(Mode::Pass);
+}
+
+#[test]
+fn release_reports_whether_a_quorum_still_held_the_lock() {
+    let _x = exclusive();
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("release-outcome");
+    let group = nodes.group(&prefix, options(200));
+    let key = format!("{prefix}job");
+    let ttl = Duration::from_secs(30);
+
+    // Held on every node but one: still deleted on a quorum.
+    let mut guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    held_everywhere(&nodes, &key);
+    let _: () = nodes.servers[0].client().del(&key).unwrap();
+    assert!(guard.release().unwrap(), "two of three still held it");
+    dropped_everywhere(&nodes, &key);
+
+    // Gone from two nodes before the release: it had lapsed.
+    let mut guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    held_everywhere(&nodes, &key);
+    for i in [0, 1] {
+        let _: () = nodes.servers[i].client().del(&key).unwrap();
+    }
+    assert!(
+        !guard.release().unwrap(),
+        "a release that deleted it on one node of three reports it deleted"
+    );
+    assert!(guard.is_lost());
+    dropped_everywhere(&nodes, &key);
+
+    // Another owner's on two nodes: theirs stays, and the release says so.
+    let mut guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    held_everywhere(&nodes, &key);
+    for i in [0, 1] {
+        let _: () = nodes.servers[i].client().set(&key, "someone-else").unwrap();
+    }
+    assert!(!guard.release().unwrap());
+    for i in [0, 1] {
+        assert_eq!(nodes.get(i, &key).as_deref(), Some("someone-else"));
+    }
+    wait_until(Duration::from_secs(5), "node 2 to drop the key", || {
+        nodes.get(2, &key).is_none()
+    });
+    assert!(
+        !guard.release().unwrap(),
+        "a second release repeats the result"
+    );
+
+    // Two nodes reconnecting after an extension they did not answer: their
+    // releases wait for the kills, and nothing is counted before its reply.
+    for i in [0, 1] {
+        let _: () = nodes.servers[i].client().del(&key).unwrap();
+    }
+    let mut guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    held_everywhere(&nodes, &key);
+    nodes.proxies[0].set_mode(Mode::Blackhole);
+    nodes.proxies[1].set_mode(Mode::Blackhole);
+    assert!(matches!(
+        guard.extend(ttl),
+        Err(Error::QuorumNotReached { .. })
+    ));
+    // Only node 2 can confirm (if it answers in time).
+    match guard.release() {
+        Err(Error::QuorumNotReached { confirmed, .. }) => assert!(confirmed <= 1),
+        other => panic!("expected QuorumNotReached, got {other:?}"),
+    }
+    assert!(guard.is_lost());
+    assert_eq!(nodes.get(0, &key).is_some(), nodes.get(1, &key).is_some());
+    nodes.proxies[0].set_mode(Mode::Pass);
+    nodes.proxies[1].set_mode(Mode::Pass);
+    dropped_everywhere(&nodes, &key);
+    assert!(
+        guard.release().unwrap(),
+        "the kept releases deleted it on every node"
+    );
+}
+
+#[test]
+fn an_extension_without_a_quorum_bounds_the_lock_by_its_worst_case() {
+    let _x = exclusive();
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("extend-worst");
+    let group = nodes.group(&prefix, options(100));
+    let key = format!("{prefix}job");
+    let guard = group
+        .try_acquire("job", Duration::from_secs(10))
+        .unwrap()
+        .unwrap();
+    held_everywhere(&nodes, &key);
+    nodes.proxies[0].set_mode(Mode::Blackhole);
+    nodes.proxies[1].set_mode(Mode::Blackhole);
+
+    // A longer TTL that only one node confirmed counts for nothing.
+    // Read so that `bound` is at or after the guard's bound, `believed`
+    // at or before it.
+    let left = guard.remaining_estimate();
+    let bound = Instant::now() + left;
+    match guard.extend(Duration::from_secs(60)) {
+        Err(Error::QuorumNotReached { confirmed, .. }) => assert!(confirmed <= 1),
+        other => panic!("expected QuorumNotReached, got {other:?}"),
+    }
+    assert!(!guard.is_lost());
+    let believed = Instant::now() + guard.remaining_estimate();
+    assert!(
+        believed <= bound,
+        "an extension one node of three confirmed moved the bound"
+    );
+    wait_until(Duration::from_secs(5), "node 2 to apply it", || {
+        let pttl: i64 = nodes.servers[2].client().pttl(&key).unwrap();
+        pttl > 30_000
+    });
+    let ends = quorum_expiry(&nodes, &key).expect("a quorum holds it");
+    assert!(
+        Instant::now() + guard.remaining_estimate() <= ends,
+        "the guard's bound is past the quorum's expiry"
+    );
+
+    // A shorter one bounds the lock from its send, confirmed or not.
+    match guard.extend(Duration::from_secs(2)) {
+        Err(Error::QuorumNotReached { .. }) => {}
+        other => panic!("expected QuorumNotReached, got {other:?}"),
+    }
+    assert!(
+        guard.remaining_estimate() <= Duration::from_secs(2),
+        "a shorter extension without a verdict left a longer belief: {:?}",
+        guard.remaining_estimate()
+    );
+    nodes.proxies[0].set_mode(Mode::Pass);
+    nodes.proxies[1].set_mode(Mode::Pass);
 }
 
 // ---------------------------------------------------------------- distances

@@ -11,5 +11,6 @@ pub(crate) mod executor;
 pub(crate) mod fences;
 pub(crate) mod lease;
 pub(crate) mod quorum;
+pub(crate) mod redlock;
 pub(crate) mod schedule;
 pub(crate) mod timing;

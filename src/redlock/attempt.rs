@@ -6,9 +6,8 @@ use std::time::{Duration, Instant};
 
 use super::Group;
 use super::guard::RedlockGuard;
-use super::options::validity;
-use super::worker::{NodeLease, Op};
 use crate::core::quorum::AcquireVerdict;
+use crate::core::redlock::{NodeLease, Op, acquired, validity};
 use crate::error::{Error, Result};
 use crate::report::{NodeOutcome, NodeReport};
 use crate::token::OwnerToken;
@@ -53,7 +52,7 @@ impl Group {
         let validity = validity(ttl, elapsed, this.options.drift_factor);
         let verdict = tally.acquire();
         let granted = verdict == AcquireVerdict::Granted;
-        let guard = if granted && !validity.is_zero() {
+        let guard = if acquired(&tally, validity) {
             Some(RedlockGuard::new(
                 this,
                 key,

@@ -6,8 +6,9 @@ use std::time::{Duration, Instant};
 
 use super::Group;
 use super::options::check_ttl;
-use super::worker::{Completion, Job, NodeLease, Op, Reply};
+use super::worker::{Completion, Job, Reply};
 use crate::core::quorum::Tally;
+use crate::core::redlock::{NodeLease, Op};
 use crate::error::Result;
 use crate::report::{NodeOutcome, NodeReport};
 

@@ -10,6 +10,10 @@
 //! connection of a command that got no reply before sending another, so the
 //! next extension cannot be overtaken on any node.
 //!
+//! How the nodes' answers add up to a verdict, and what the verdict does to
+//! the bounds, is `core::redlock::Extension` (and, for a release,
+//! `core::redlock::Release`), which the simulation drives too.
+//!
 //! The renewal thread (`respire-redlock`, started by the first guard that
 //! needs it) hands due extensions to the node workers and counts their
 //! answers as they come; it never waits on a node, so loss signals close on
@@ -25,11 +29,12 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
 use super::Group;
-use super::worker::{Completion, NodeLease, Op, Reply};
+use super::worker::{Completion, Reply};
 use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket};
-use crate::core::quorum::{ExtendVerdict, Tally, Vote};
+use crate::core::quorum::{ExtendVerdict, Tally};
+use crate::core::redlock::{Bounds, Extension, NodeLease, Op, Release, Renewable, Renewal};
 use crate::core::schedule::{Next, Watched};
-use crate::core::timing::{self, Timing};
+use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::report::{NodeOutcome, NodeReport, summarize};
 use crate::runtime::lease::LeaseCell;
@@ -95,10 +100,8 @@ impl Watched for Arc<RedlockLease> {
 #[must_use = "if unused the lock is released immediately"]
 pub struct RedlockGuard {
     inner: Arc<RedlockLease>,
-    /// Per node, once a release confirmed it: whether it deleted the key then.
-    released: Vec<Option<bool>>,
-    /// The result of the release that reached a quorum.
-    outcome: Option<bool>,
+    /// What the releases so far confirmed.
+    release: Release,
 }
 
 impl RedlockGuard {
@@ -119,8 +122,7 @@ impl RedlockGuard {
         group.restarts.register(&inner);
         RedlockGuard {
             inner,
-            released: vec![None; group.len()],
-            outcome: None,
+            release: Release::new(group.len()),
         }
     }
 
@@ -224,13 +226,14 @@ impl RedlockGuard {
         );
         let nodes = group.reports(replies, &targets, deadline, &NodeOutcome::Abandoned);
         *self.inner.evidence.lock() = nodes.clone();
-        let verdict = settle(&self.inner, ticket, &tally, &nodes, Instant::now());
+        let mut extension = Extension::counted(ticket, tally);
+        let verdict = extension.settle(&self.inner.cell, Instant::now(), || refusal(&nodes));
         if verdict == ExtendVerdict::Unknown {
             // Released once every node's share is finished: from then on, each
             // node runs a later extension after this one or not at all.
             let lease = self.inner.clone();
             done.then(move || {
-                lease.cell.fenced(ticket, Instant::now());
+                extension.finish(&lease.cell, Instant::now());
                 lease.group.renewal.touch(&lease);
             });
         }
@@ -316,83 +319,78 @@ impl RedlockGuard {
         let group = &self.inner.group;
         self.inner.cell.finish(Instant::now());
         group.renewal.forget(&self.inner);
-        if let Some(outcome) = self.outcome {
+        if let Some(outcome) = self.release.outcome() {
             return Ok(outcome);
         }
-        let quorum = group.quorum;
-        let targets: Vec<usize> = (0..self.released.len())
-            .filter(|&i| self.released[i].is_none())
-            .collect();
-        let prior_yes = self.released.iter().flatten().count();
-        let prior_deleted = self.released.iter().filter(|r| **r == Some(true)).count();
+        let targets = self.release.targets();
         let deadline = Instant::now() + group.options.node_timeout;
+        let release = &self.release;
         let (replies, _) = group.fan_out(
             Op::Release,
             self.inner.nodes(),
             &targets,
             deadline,
             None,
-            |c| {
-                let yes = prior_yes + c.yes;
-                let deleted = prior_deleted + c.changed;
-                deleted >= quorum
-                    || (yes >= quorum && deleted + c.outstanding < quorum)
-                    || yes + c.outstanding < quorum
-            },
+            |t| release.is_decided(t),
         );
         for reply in replies.iter().flatten() {
-            if reply.vote == Vote::Yes {
-                self.released[reply.node] = Some(reply.outcome == NodeOutcome::Granted);
-            }
+            self.release
+                .handle_answer(reply.node, reply.vote, &reply.outcome);
         }
         let skipped = NodeOutcome::NotSent("confirmed by an earlier release".into());
         let nodes = group.reports(replies, &targets, deadline, &skipped);
         *self.inner.evidence.lock() = nodes.clone();
-        let yes = self.released.iter().flatten().count();
-        let deleted = self.released.iter().filter(|r| **r == Some(true)).count();
-        if yes >= quorum {
-            let outcome = deleted >= quorum;
-            self.outcome = Some(outcome);
-            return Ok(outcome);
-        }
-        Err(Error::QuorumNotReached {
-            op: "release",
-            confirmed: yes,
-            needed: quorum,
-            nodes,
-        })
+        self.release
+            .conclude()
+            .map_err(|confirmed| Error::QuorumNotReached {
+                op: "release",
+                confirmed,
+                needed: group.quorum,
+                nodes,
+            })
     }
 }
 
-/// Applies an extension's verdict to the lease; returns it.
-fn settle(
-    lease: &RedlockLease,
-    ticket: Ticket,
-    tally: &Tally,
-    nodes: &[NodeReport],
-    now: Instant,
-) -> ExtendVerdict {
-    let verdict = tally.extend();
-    match verdict {
-        ExtendVerdict::Confirmed => {
-            lease.cell.extended(ticket, now);
-        }
-        ExtendVerdict::Refused => lease.cell.refused(
-            ticket,
-            now,
-            Loss::Other(format!(
-                "no quorum holds it any more ({})",
-                summarize(nodes)
-            )),
-        ),
-        ExtendVerdict::Unknown => lease.cell.unanswered(ticket, now),
+/// Why a refused extension's lock is lost.
+fn refusal(nodes: &[NodeReport]) -> String {
+    format!("no quorum holds it any more ({})", summarize(nodes))
+}
+
+impl<X> Renewable for LeaseCell<X> {
+    fn ttl(&self) -> Duration {
+        LeaseCell::ttl(self)
     }
-    verdict
+
+    fn lost_at(&self) -> Instant {
+        LeaseCell::lost_at(self)
+    }
+
+    fn begin_extend(&self, now: Instant, ttl: Duration) -> std::result::Result<Ticket, Refusal> {
+        LeaseCell::begin_extend(self, now, ttl)
+    }
+}
+
+impl<X> Bounds for LeaseCell<X> {
+    fn extended(&self, ticket: Ticket, now: Instant) -> bool {
+        LeaseCell::extended(self, ticket, now)
+    }
+
+    fn refused(&self, ticket: Ticket, now: Instant, loss: Loss) {
+        LeaseCell::refused(self, ticket, now, loss);
+    }
+
+    fn unanswered(&self, ticket: Ticket, now: Instant) {
+        LeaseCell::unanswered(self, ticket, now);
+    }
+
+    fn fenced(&self, ticket: Ticket, now: Instant) {
+        LeaseCell::fenced(self, ticket, now);
+    }
 }
 
 impl Drop for RedlockGuard {
     fn drop(&mut self) {
-        if self.outcome.is_some() {
+        if self.release.outcome().is_some() {
             return;
         }
         match self.release() {
@@ -532,10 +530,8 @@ impl GroupRenewal {
 /// One renewal in flight: its answers so far.
 struct InFlight {
     lease: Arc<RedlockLease>,
-    ticket: Ticket,
-    tally: Tally,
+    renewal: Renewal,
     replies: Vec<Option<Reply>>,
-    verdict: Option<ExtendVerdict>,
     deadline: Instant,
 }
 
@@ -568,16 +564,12 @@ impl Dispatch for ToNodes {
                 done.push((id, None));
                 continue;
             };
-            let ticket = match lease.cell.begin_extend(now, ttl) {
-                Ok(ticket) => ticket,
-                // The holder's own extend is in flight; its end plans this
-                // lease again. Lost: nothing more to do.
-                Err(_) => {
-                    done.push((id, None));
-                    continue;
-                }
+            let nt = group.options.node_timeout;
+            let Some((renewal, deadline)) = Renewal::begin(&lease.cell, now, nt, group.len())
+            else {
+                done.push((id, None));
+                continue;
             };
-            let deadline = (now + group.options.node_timeout).min(lease.cell.lost_at());
             let targets = group.all();
             let route = super::fanout::Route {
                 reply: Some(&self.tx),
@@ -595,10 +587,8 @@ impl Dispatch for ToNodes {
                 id,
                 InFlight {
                     lease,
-                    ticket,
-                    tally: Tally::new(group.len(), targets.len()),
+                    renewal,
                     replies: vec![None; group.len()],
-                    verdict: None,
                     deadline,
                 },
             );
@@ -616,11 +606,10 @@ impl Dispatch for ToNodes {
         let Some(f) = self.in_flight.get_mut(&id) else {
             return done;
         };
-        f.tally
-            .add(reply.vote, reply.outcome == NodeOutcome::Granted);
+        f.renewal.handle_answer(reply.vote, &reply.outcome);
         let node = reply.node;
         f.replies[node] = Some(reply);
-        if f.verdict.is_none() && (f.tally.decided() || f.tally.outstanding == 0) {
+        if f.renewal.is_due() {
             let group = &f.lease.group;
             let targets = group.all();
             let nodes = group.reports(
@@ -630,7 +619,7 @@ impl Dispatch for ToNodes {
                 &NodeOutcome::Abandoned,
             );
             *f.lease.evidence.lock() = nodes.clone();
-            let verdict = settle(&f.lease, f.ticket, &f.tally, &nodes, now);
+            let (verdict, retry) = f.renewal.settle(&f.lease.cell, now, || refusal(&nodes));
             if verdict == ExtendVerdict::Unknown {
                 log::warn!(
                     "extending redlock {:?} reached no verdict ({}); retrying while time remains",
@@ -638,17 +627,13 @@ impl Dispatch for ToNodes {
                     summarize(&nodes)
                 );
             }
-            f.verdict = Some(verdict);
-            let retry = (verdict == ExtendVerdict::Unknown)
-                .then(|| now + timing::retry_delay(f.lease.cell.ttl()));
             done.push((id, retry));
         }
-        if f.tally.outstanding == 0 {
+        if f.renewal.is_finished() {
             let f = self.in_flight.remove(&id).expect("present");
-            if f.verdict == Some(ExtendVerdict::Unknown) {
-                // Every node's share is finished: later extensions run after it.
-                f.lease.cell.fenced(f.ticket, now);
-                done.push((id, Some(now + timing::retry_delay(f.lease.cell.ttl()))));
+            // Every node's share is finished: later extensions run after it.
+            if let Some(retry) = f.renewal.finish(&f.lease.cell, now) {
+                done.push((id, Some(retry)));
             }
         }
         done

@@ -39,6 +39,8 @@ use guard::GroupRenewal;
 use independence::check_independent;
 use options::{check_options, random_unit, retry_pause};
 use restarts::Restarts;
+#[cfg(test)]
+pub(crate) use worker::{acquire_reply, confirm_kill, try_budget};
 
 /// A lock held by a majority of independent Redis servers: antirez's Redlock.
 ///

@@ -108,11 +108,6 @@ pub(super) fn check_ttl(ttl: Duration, options: &RedlockOptions) -> Result<u64> 
     Ok(ms)
 }
 
-/// `ttl − elapsed − (ttl × drift + 2 ms)`, or zero.
-pub(super) fn validity(ttl: Duration, elapsed: Duration, drift_factor: f64) -> Duration {
-    ttl.saturating_sub(elapsed + timing::drift(ttl, drift_factor))
-}
-
 /// The pause before retry number `tries` (from 1): random between half and all
 /// of `base × 2^(tries − 1)`, capped at `max`. `unit` is in `0.0..1.0`.
 pub(super) fn retry_pause(tries: u32, base: Duration, max: Duration, unit: f64) -> Duration {
@@ -140,8 +135,14 @@ mod tests {
 
     #[test]
     fn validity_is_ttl_minus_elapsed_minus_drift() {
-        assert_eq!(validity(ms(10_000), ms(30), 0.01), ms(10_000 - 30 - 102));
-        assert_eq!(validity(ms(100), ms(99), 0.01), Duration::ZERO);
+        assert_eq!(
+            crate::core::redlock::validity(ms(10_000), ms(30), 0.01),
+            ms(10_000 - 30 - 102)
+        );
+        assert_eq!(
+            crate::core::redlock::validity(ms(100), ms(99), 0.01),
+            Duration::ZERO
+        );
     }
 
     #[test]

@@ -95,16 +95,7 @@ impl Group {
         let down = self.restarts.down.lock().clone();
         let restart_delay = self.options.restart_delay;
         for lease in leases {
-            let lost_at = lease.lost_at();
-            // A node that went away at `since` may grant again from `since`
-            // plus the restart delay on: it matters if that is before the
-            // lock's deadline.
-            let may_grant_again = |since: Instant| {
-                restart_delay.is_none_or(|d| since.checked_add(d).is_none_or(|at| at < lost_at))
-            };
-            let counted = (0..self.len())
-                .filter(|&j| lease.nodes().counts(j) && !down[j].is_some_and(may_grant_again))
-                .count();
+            let counted = lease.nodes().counted(&down, restart_delay, lease.lost_at());
             if counted < self.quorum {
                 lease.lose_quorum(
                     now,

@@ -31,8 +31,11 @@
 //! be confirmed, nothing is sent there. A release that waited past its deadline
 //! (behind other jobs, or for the connection) is still sent, with a budget of
 //! its own, so a late grant does not outlive its clean-up.
+//!
+//! Those rules are kept by the node machine (`core::redlock::Node`), which
+//! the simulation drives too; this file is its transport: the thread, the
+//! connection and the commands on it, the connector and the watcher.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -41,6 +44,11 @@ use parking_lot::Mutex;
 
 use crate::conn::{Conn, ConnConfig};
 use crate::core::quorum::Vote;
+use crate::core::redlock::{
+    self as machine, Action, Answer, Connected, Node, NodeReply, fences_for,
+};
+use crate::core::redlock::{NodeLease, Op};
+pub(crate) use crate::core::redlock::{NodeSettings, ROUND_TRIPS_PER_TIMEOUT};
 use crate::core::timing::rest_after;
 use crate::error::{Error, Result};
 use crate::report::NodeOutcome;
@@ -49,32 +57,9 @@ use crate::scripts::{self, Script};
 /// The name node connections carry in `CLIENT LIST`.
 pub(crate) const CONN_NAME: &str = "respire-redlock";
 
-/// A node timeout must be at least this many of the node's round trips.
-pub(crate) const ROUND_TRIPS_PER_TIMEOUT: u32 = 2;
-
-/// Releases a node keeps while it is not connected; beyond this, the oldest
-/// are dropped (their leases then end at their expiry).
-const MAX_DEFERRED: usize = 4096;
-
-/// How many times a release that got no reply is sent again, each time on
-/// a new connection after the old one was killed.
-const RESENDS: u32 = 3;
-
 /// A client id no connection has (ids count up from 1): `CLIENT KILL ID` of it
 /// checks the right to kill without killing anything.
 const NO_CLIENT: i64 = i64::MAX;
-
-/// What one job asks of its node.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Op {
-    /// Set the key to the lease's value if it is free (`SET NX PX`, with `GET`
-    /// and `PTTL` in the same round trip).
-    Acquire { ttl_ms: u64 },
-    /// Move the key's expiry if it still holds the value (`lease_extend.lua`).
-    Extend { ttl_ms: u64 },
-    /// Delete the key if it still holds the value (`lease_release.lua`).
-    Release,
-}
 
 /// One node's answer to one job.
 #[derive(Clone, Debug)]
@@ -89,57 +74,6 @@ pub(crate) struct Reply {
     /// The node's failure, when trying again will not cure it (credentials,
     /// permissions, an error reply).
     pub(crate) permanent: Option<Arc<Error>>,
-}
-
-/// What the group knows about one lease on one node.
-#[derive(Debug, Default)]
-struct Slot {
-    /// An acquire was sent: the node may hold the key.
-    sent: bool,
-    /// The run id of the server that granted it.
-    granted_by: Option<Arc<str>>,
-    /// The server restarted since the grant: it never counts again.
-    restarted: bool,
-    /// A release got its answer: whether it deleted the key (`false`: the key
-    /// had expired or belonged to another owner). Later releases repeat it.
-    released: Option<bool>,
-}
-
-/// One lease across the nodes: its key on each node (with that node's prefix),
-/// its value, and what each node did with it. Shared by the guard and the jobs.
-#[derive(Debug)]
-pub(crate) struct NodeLease {
-    keys: Vec<String>,
-    value: String,
-    slots: Vec<Mutex<Slot>>,
-}
-
-impl NodeLease {
-    pub(crate) fn new(keys: Vec<String>, value: String) -> Self {
-        let slots = keys.iter().map(|_| Mutex::new(Slot::default())).collect();
-        NodeLease { keys, value, slots }
-    }
-
-    /// Whether node `i` counts for this lease: it confirmed the grant and has
-    /// not restarted since.
-    pub(crate) fn counts(&self, i: usize) -> bool {
-        let slot = self.slots[i].lock();
-        slot.granted_by.is_some() && !slot.restarted
-    }
-
-    /// Node `i` now runs as `run_id`: if that is not the server that granted
-    /// the lease, the node never counts for it again. Returns whether it
-    /// stopped counting now.
-    pub(crate) fn seen_run(&self, i: usize, run_id: &str) -> bool {
-        let mut slot = self.slots[i].lock();
-        match &slot.granted_by {
-            Some(granted) if !slot.restarted && &**granted != run_id => {
-                slot.restarted = true;
-                true
-            }
-            _ => false,
-        }
-    }
 }
 
 /// One node's share of a group operation.
@@ -188,15 +122,6 @@ impl Completion {
             f();
         }
     }
-}
-
-/// How a node's worker runs its jobs.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct NodeSettings {
-    /// The bound on one command; also the fresh budget of a late release.
-    pub(crate) node_timeout: Duration,
-    /// No acquire goes to a server that started less than this long ago.
-    pub(crate) restart_delay: Option<Duration>,
 }
 
 /// What a node's first connection found, for the group's checks.
@@ -256,27 +181,40 @@ impl NodeWorker {
         let (tx, rx) = crossbeam_channel::unbounded();
         let addr = cfg.addr.to_string();
         let status = Arc::new(Mutex::new(NodeStatus::default()));
-        let worker = Worker {
-            index,
-            cfg,
-            settings,
-            rx,
-            live: None,
-            run_id: None,
-            connector: None,
-            tainted: Vec::new(),
-            deferred: VecDeque::new(),
-            why: String::new(),
-            permanent: None,
-            status: status.clone(),
-            round_trip: None,
-        };
+        let worker_status = status.clone();
         let (end_tx, ended) = crossbeam_channel::bounded::<()>(0);
         let handle = std::thread::Builder::new()
             .name(format!("respire-node-{index}"))
             .spawn(move || {
                 let _end = end_tx;
-                worker.run(&hello);
+                let nt = settings.node_timeout;
+                let first = match open_node(&cfg, cfg.connect_timeout, &[], None, true, nt) {
+                    Ok(first) => first,
+                    Err(e) => {
+                        let _ = hello.send((index, Err(e)));
+                        return;
+                    }
+                };
+                let greeting = Hello {
+                    info: first.info.clone(),
+                    round_trip: first.round_trip,
+                };
+                let node = Node::new(index, cfg.addr.to_string(), settings, first.connected());
+                let mut worker = Worker {
+                    index,
+                    cfg,
+                    settings,
+                    rx,
+                    node,
+                    conn: None,
+                    connector: None,
+                    status: worker_status,
+                };
+                worker.adopt_conn(first);
+                if hello.send((index, Ok(greeting))).is_err() {
+                    return;
+                }
+                worker.serve();
             })?;
         Ok(NodeWorker {
             tx,
@@ -341,46 +279,24 @@ pub(crate) fn parse_info(info: &str) -> ServerInfo {
     out
 }
 
-/// One node's answer to one job, before it is sent back.
-struct Answer {
-    outcome: NodeOutcome,
-    vote: Vote,
-    /// Whether the command went out.
-    sent: bool,
-    /// It went out and got no reply: it may or may not have been applied.
-    uncertain: bool,
-    permanent: Option<Arc<Error>>,
-}
-
-impl Answer {
-    fn of(outcome: NodeOutcome, vote: Vote, sent: bool) -> Answer {
-        Answer {
-            outcome,
-            vote,
-            sent,
-            uncertain: false,
-            permanent: None,
-        }
-    }
-
-    fn not_sent(why: &str, vote: Vote) -> Answer {
-        Answer::of(NodeOutcome::NotSent(why.to_owned()), vote, false)
-    }
-}
-
-/// A usable connection and what it is connected to.
-struct Live {
-    conn: Conn,
-    /// The latest the server behind it can have started.
-    started_by: Option<Instant>,
-}
-
 /// A connection made by [`open_node`].
 struct NodeConn {
     conn: Conn,
     info: ServerInfo,
     round_trip: Duration,
     started_by: Option<Instant>,
+}
+
+impl NodeConn {
+    /// What the node's machine needs to know of it.
+    fn connected(&self) -> Connected {
+        Connected {
+            id: self.conn.id(),
+            run_id: self.info.run_id.as_deref().map(Arc::from),
+            started_by: self.started_by,
+            round_trip: self.round_trip,
+        }
+    }
 }
 
 /// What a connector says after each try.
@@ -395,57 +311,30 @@ struct Connector {
     _stop: Sender<()>,
 }
 
+/// How a job is answered: where its reply goes, and when it was taken up.
+struct Handle {
+    reply: Option<Sender<Reply>>,
+    tag: u64,
+    done: Option<Arc<Completion>>,
+    started: Instant,
+}
+
+/// The worker thread: the transport of one [`Node`] machine, which decides
+/// what is sent, answered, kept and fenced off.
 struct Worker {
     index: usize,
     cfg: Arc<ConnConfig>,
     settings: NodeSettings,
     rx: Receiver<Job>,
-    live: Option<Live>,
-    /// The run id of the server behind the last connection (kept while
-    /// reconnecting, to tell a restart).
-    run_id: Option<Arc<str>>,
-    /// Making a new connection, while `live` is `None`.
+    node: Node<Handle>,
+    /// The connection the machine uses, while it has one.
+    conn: Option<Conn>,
+    /// Making a new connection, while the machine has none.
     connector: Option<Connector>,
-    /// Connections whose last command got no reply: killed (and the kill
-    /// confirmed) before anything else is sent to the node.
-    tainted: Vec<u64>,
-    /// Releases waiting for a connection, in the order they came, with how
-    /// many times each was sent without a reply.
-    deferred: VecDeque<(Job, u32)>,
-    /// Why the node is not connected.
-    why: String,
-    /// The connect failure, when trying again will not cure it.
-    permanent: Option<Arc<Error>>,
     status: Arc<Mutex<NodeStatus>>,
-    /// The node's round trip as commands see it: the setup round trip, then
-    /// the last answered command's. A command with less time left than this
-    /// is not sent: its answer could not come in time, and its connection
-    /// would be lost for it.
-    round_trip: Option<Duration>,
 }
 
 impl Worker {
-    fn run(mut self, hello: &Sender<(usize, Result<Hello>)>) {
-        let nt = self.settings.node_timeout;
-        match open_node(&self.cfg, self.cfg.connect_timeout, &[], None, true, nt) {
-            Ok(node) => {
-                let first = Hello {
-                    info: node.info.clone(),
-                    round_trip: node.round_trip,
-                };
-                self.adopt(node);
-                if hello.send((self.index, Ok(first))).is_err() {
-                    return;
-                }
-            }
-            Err(e) => {
-                let _ = hello.send((self.index, Err(e)));
-                return;
-            }
-        }
-        self.serve();
-    }
-
     fn serve(&mut self) {
         let jobs = self.rx.clone();
         // After the handle is dropped, the jobs already queued (releases from
@@ -470,7 +359,10 @@ impl Worker {
                 }
                 recv(tried) -> t => match t {
                     Ok(t) => self.tried(t),
-                    Err(_) => self.connector = None,
+                    Err(_) => {
+                        self.connector = None;
+                        self.node.handle_connector_gone("the connector stopped".into());
+                    }
                 },
             }
         }
@@ -481,7 +373,7 @@ impl Worker {
     /// one more connect timeout.
     fn last_releases(&mut self) {
         let until = Instant::now() + self.cfg.connect_timeout;
-        while self.live.is_none() && !self.deferred.is_empty() {
+        while !self.node.is_connected() && self.node.deferred() > 0 {
             let Some(rx) = self.connector.as_ref().map(|c| c.rx.clone()) else {
                 break;
             };
@@ -490,173 +382,81 @@ impl Worker {
                 Err(_) => break,
             }
         }
-        if !self.deferred.is_empty() {
+        if self.node.deferred() > 0 {
             log::warn!(
                 "redlock node {}: {} releases not sent before the group stopped ({}); those \
                  leases end at their expiry",
                 self.cfg.addr,
-                self.deferred.len(),
-                self.why
+                self.node.deferred(),
+                self.node.why()
             );
         }
     }
 
-    fn handle(&mut self, mut job: Job) {
-        let started = Instant::now();
-        if matches!(job.op, Op::Release) && !self.time_for_one(job.deadline, started) {
-            // Behind other jobs past its deadline (or too close to it): a
-            // release is still worth sending, so that a late grant does not
-            // outlive its clean-up.
-            job.deadline = started + self.settings.node_timeout;
-        }
-        if self.live.is_none() && self.connector.is_none() {
-            self.start_connector();
-        }
-        let answer = if self.live.is_none()
-            && matches!(job.op, Op::Release)
-            && job.lease.slots[self.index].lock().sent
-        {
-            // The acquire went out: the release must follow it, once the node
-            // is connected again (and the acquire's connection killed).
-            let why = format!(
-                "{}; the release is sent once the node is connected again",
-                self.why
-            );
-            let answer = Answer {
-                permanent: self.permanent.clone(),
-                ..Answer::of(NodeOutcome::NotConnected(why), Vote::Unknown, false)
-            };
-            self.respond(&mut job, answer, started);
-            self.defer(job, 0);
-            return;
-        } else {
-            self.execute(&job)
+    fn handle(&mut self, job: Job) {
+        let handle = Handle {
+            reply: job.reply,
+            tag: job.tag,
+            done: job.done,
+            started: Instant::now(),
         };
-        // A release without a reply goes out again once the connection it
-        // used is killed: its outcome is then known, and a grant it was meant
-        // to delete is gone.
-        let resend = matches!(job.op, Op::Release) && answer.uncertain;
-        self.respond(&mut job, answer, started);
-        if resend {
-            self.defer(job, 1);
+        self.node
+            .handle_job(machine::Job::new(job.op, job.lease, job.deadline, handle));
+        self.drive();
+    }
+
+    /// Does what the machine asks until it waits for something.
+    fn drive(&mut self) {
+        while let Some(action) = self.node.poll(Instant::now()) {
+            match action {
+                Action::Respond { handle, answer } => self.respond(handle, answer),
+                Action::Connect { tainted, run_id } => self.start_connector(tainted, run_id),
+                Action::Send {
+                    op,
+                    lease,
+                    deadline,
+                } => {
+                    let sent = Instant::now();
+                    let result = self.run_command(op, &lease, deadline);
+                    let broken = self.conn.as_ref().is_none_or(Conn::is_broken);
+                    self.node.handle_result(result, broken, sent.elapsed());
+                    if !self.node.is_connected() && self.conn.take().is_some() {
+                        let mut status = self.status.lock();
+                        status.connected = false;
+                        status.last_error = Some(self.node.why().to_owned());
+                    }
+                }
+            }
         }
     }
 
-    fn respond(&self, job: &mut Job, answer: Answer, started: Instant) {
-        if let Some(reply) = job.reply.take() {
+    fn respond(&self, mut handle: Handle, answer: Answer) {
+        if let Some(reply) = handle.reply.take() {
             let _ = reply.try_send(Reply {
                 node: self.index,
-                tag: job.tag,
+                tag: handle.tag,
                 outcome: answer.outcome,
                 vote: answer.vote,
-                latency: answer.sent.then(|| started.elapsed()),
+                latency: answer.sent.then(|| handle.started.elapsed()),
                 permanent: answer.permanent,
             });
         }
-        if let Some(done) = job.done.take() {
+        if let Some(done) = handle.done.take() {
             done.finish();
         }
     }
 
-    fn defer(&mut self, job: Job, sent: u32) {
-        self.deferred.push_back((job, sent));
-        if self.deferred.len() > MAX_DEFERRED {
-            self.deferred.pop_front();
-            log::warn!(
-                "redlock node {}: more than {MAX_DEFERRED} releases wait for a connection; \
-                 the oldest is dropped (its lease ends at its expiry)",
-                self.cfg.addr
-            );
-        }
-    }
-
-    /// Runs one job on the node's connection, if it has one.
-    fn execute(&mut self, job: &Job) -> Answer {
-        let i = self.index;
-        let (sent_before, restarted) = {
-            let slot = job.lease.slots[i].lock();
-            (slot.sent, slot.restarted)
+    /// Sends one command and reads its reply off the wire.
+    fn run_command(&mut self, op: Op, lease: &NodeLease, deadline: Instant) -> Result<NodeReply> {
+        let key = lease.key(self.index);
+        let value = lease.value();
+        let Some(conn) = self.conn.as_mut() else {
+            return Err(Error::UnexpectedReply {
+                op: "redlock node",
+                reply: "no connection to send on".into(),
+            });
         };
-        let released = job.lease.slots[i].lock().released;
-        match job.op {
-            // A release that waited for the connection was answered since.
-            Op::Release if released.is_some() => {
-                let outcome = if released == Some(true) {
-                    NodeOutcome::Granted
-                } else {
-                    NodeOutcome::Missing
-                };
-                return Answer::of(outcome, Vote::Yes, false);
-            }
-            // FIFO: the acquire, if any, ran before this job, so `sent` is final.
-            Op::Release if !sent_before => {
-                return Answer::of(NodeOutcome::Missing, Vote::Yes, false);
-            }
-            Op::Extend { .. } if !sent_before => {
-                return Answer::not_sent("no acquire of this lease reached the node", Vote::No);
-            }
-            Op::Extend { .. } if restarted => {
-                return Answer::not_sent("the node restarted since the grant", Vote::No);
-            }
-            _ => {}
-        }
-        let now = Instant::now();
-        if now >= job.deadline {
-            return Answer::not_sent(
-                "still queued behind an earlier command when the node timeout ran out",
-                Vote::Unknown,
-            );
-        }
-        if !self.time_for_one(job.deadline, now) {
-            return Answer::not_sent(
-                "still queued behind an earlier command with less of the node timeout \
-                 left than the node's round trip",
-                Vote::Unknown,
-            );
-        }
-        let Some(live) = &self.live else {
-            return Answer {
-                permanent: self.permanent.clone(),
-                ..Answer::of(
-                    NodeOutcome::NotConnected(self.why.clone()),
-                    Vote::Unknown,
-                    false,
-                )
-            };
-        };
-        if let Op::Acquire { .. } = job.op {
-            if let Some(why) = self.too_young(live, now) {
-                return Answer::of(NodeOutcome::NotSent(why), Vote::Unknown, false);
-            }
-            job.lease.slots[i].lock().sent = true;
-        }
-        let sent = Instant::now();
-        match self.run_script(job) {
-            Ok((outcome, vote)) => {
-                self.answered_in(sent.elapsed());
-                Answer::of(outcome, vote, true)
-            }
-            Err(e) => {
-                let broken = self.live.as_ref().is_none_or(|l| l.conn.is_broken());
-                if e.is_uncertain() || broken {
-                    self.disconnect(&e, e.is_uncertain());
-                }
-                Answer {
-                    uncertain: e.is_uncertain(),
-                    permanent: e.duplicate_permanent().map(Arc::new),
-                    ..Answer::of(failed(&e), Vote::Unknown, true)
-                }
-            }
-        }
-    }
-
-    fn run_script(&mut self, job: &Job) -> Result<(NodeOutcome, Vote)> {
-        let i = self.index;
-        let key = job.lease.keys[i].as_str();
-        let value = job.lease.value.as_str();
-        let deadline = job.deadline;
-        let conn = &mut self.live.as_mut().expect("connected before running").conn;
-        match job.op {
+        match op {
             Op::Acquire { ttl_ms } => {
                 // Plain commands in one round trip, no script: `SET NX PX`
                 // takes the key if it is free; when it is not, `GET` tells a
@@ -674,150 +474,33 @@ impl Worker {
                 pipe.cmd("GET").arg(key);
                 pipe.cmd("PTTL").arg(key);
                 let reply = conn.pipeline(&pipe, "acquire", deadline)?;
-                let granted = || {
-                    job.lease.slots[i].lock().granted_by = self.run_id.clone();
-                    Ok((NodeOutcome::Granted, Vote::Yes))
-                };
-                match reply.as_slice() {
-                    [redis::Value::Okay, ..] => granted(),
-                    [redis::Value::Nil, redis::Value::BulkString(v), ..]
-                        if v.as_slice() == value.as_bytes() =>
-                    {
-                        granted()
-                    }
-                    [redis::Value::ServerError(e), ..]
-                    | [redis::Value::Nil, redis::Value::ServerError(e), ..]
-                    | [redis::Value::Nil, _, redis::Value::ServerError(e)] => {
-                        Err(acquire_error(key, e))
-                    }
-                    [redis::Value::Nil, _, redis::Value::Int(pttl)] => Ok((
-                        NodeOutcome::HeldByAnother {
-                            remaining: u64::try_from(*pttl).ok().map(Duration::from_millis),
-                        },
-                        Vote::Held,
-                    )),
-                    other => Err(unexpected("acquire", other)),
-                }
+                acquire_reply(&reply, key, value)
             }
-            Op::Extend { ttl_ms } => {
-                let reply: i64 = conn.script(
+            Op::Extend { ttl_ms } => conn
+                .script(
                     &scripts::LEASE_EXTEND,
                     &[key],
                     &[value, &ttl_ms.to_string()],
                     "extend",
                     deadline,
-                )?;
-                match reply {
-                    1 => Ok(self.judge_extension(&job.lease)),
-                    0 => Ok((NodeOutcome::Missing, Vote::No)),
-                    _ => Ok((NodeOutcome::HeldByAnother { remaining: None }, Vote::Held)),
-                }
-            }
-            Op::Release => {
-                let reply: i64 = conn.script(
+                )
+                .map(NodeReply::Extend),
+            Op::Release => conn
+                .script(
                     &scripts::LEASE_RELEASE,
                     &[key],
                     &[value, "exact"],
                     "release",
                     deadline,
-                )?;
-                job.lease.slots[i].lock().released = Some(reply == 1);
-                Ok(match reply {
-                    1 => (NodeOutcome::Granted, Vote::Yes),
-                    0 => (NodeOutcome::Missing, Vote::Yes),
-                    _ => (NodeOutcome::HeldByAnother { remaining: None }, Vote::Yes),
-                })
-            }
+                )
+                .map(NodeReply::Release),
         }
     }
 
-    /// An extension counts only on the server that granted the lease: one that
-    /// restarted since may have lost the key and granted it to someone else.
-    fn judge_extension(&self, lease: &NodeLease) -> (NodeOutcome, Vote) {
-        let mut slot = lease.slots[self.index].lock();
-        match (slot.granted_by.clone(), &self.run_id) {
-            (Some(granted), Some(now)) if granted == *now => (NodeOutcome::Granted, Vote::Yes),
-            (Some(granted), now) => {
-                slot.restarted = true;
-                let why = format!(
-                    "the node restarted since the grant (run id {granted} is now {})",
-                    now.as_deref().unwrap_or("unknown")
-                );
-                (NodeOutcome::Uncounted(why), Vote::No)
-            }
-            (None, _) => (
-                NodeOutcome::Uncounted("its grant was never confirmed".into()),
-                Vote::No,
-            ),
-        }
-    }
-
-    /// Whether a command sent at `now` can be answered by `deadline`. A
-    /// round trip as long as the node timeout says nothing (every command is
-    /// sent then, and one that times out has the link measured again by the
-    /// reconnect).
-    fn time_for_one(&self, deadline: Instant, now: Instant) -> bool {
-        let left = deadline.saturating_duration_since(now);
-        let nt = self.settings.node_timeout;
-        !left.is_zero() && self.round_trip.is_none_or(|rtt| rtt >= nt || left >= rtt)
-    }
-
-    /// A command was answered after `latency`.
-    fn answered_in(&mut self, latency: Duration) {
-        self.round_trip = Some(latency);
-    }
-
-    /// With a restart delay, a server that started less than that long ago
-    /// takes no new leases (antirez's delayed restart, enforced by the client).
-    fn too_young(&self, live: &Live, now: Instant) -> Option<String> {
-        let delay = self.settings.restart_delay?;
-        let ready = live.started_by? + delay;
-        (now < ready).then(|| {
-            format!(
-                "the server started less than the restart delay ({delay:?}) ago; it takes \
-                 leases again in {:?}",
-                ready - now
-            )
-        })
-    }
-
-    /// The connection failed: drop it (marking it for a kill if its command
-    /// may still be applied) and reconnect in the background.
-    fn disconnect(&mut self, e: &Error, uncertain: bool) {
-        let Some(live) = self.live.take() else {
-            return;
-        };
-        if uncertain {
-            match live.conn.id() {
-                Some(id) => self.tainted.push(id),
-                None => log::warn!(
-                    "redlock node {}: a command without a reply cannot be fenced off (no \
-                     CLIENT ID); a later command may be overtaken by it",
-                    self.cfg.addr
-                ),
-            }
-        }
-        drop(live);
-        log::warn!(
-            "redlock node {}: {e}; reconnecting in the background",
-            self.cfg.addr
-        );
-        self.why = format!("reconnecting after: {e}");
-        self.permanent = None;
-        {
-            let mut status = self.status.lock();
-            status.connected = false;
-            status.last_error = Some(self.why.clone());
-        }
-        self.start_connector();
-    }
-
-    fn start_connector(&mut self) {
+    fn start_connector(&mut self, tainted: Vec<u64>, run_id: Option<Arc<str>>) {
         let (tx, rx) = crossbeam_channel::unbounded();
         let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
         let cfg = self.cfg.clone();
-        let tainted = self.tainted.clone();
-        let run_id = self.run_id.clone();
         let nt = self.settings.node_timeout;
         let spawned = std::thread::Builder::new()
             .name(format!("respire-conn-{}", self.index))
@@ -832,7 +515,8 @@ impl Worker {
                     "redlock node {}: cannot start its connector thread: {e}",
                     self.cfg.addr
                 );
-                self.why = format!("cannot start the connector thread: {e}");
+                self.node
+                    .handle_connector_gone(format!("cannot start the connector thread: {e}"));
             }
         }
     }
@@ -843,70 +527,47 @@ impl Worker {
             Tried::Connected(node) => {
                 self.connector = None;
                 self.adopt(*node);
-                self.send_deferred();
+                self.drive();
             }
             Tried::Failed(e) => {
                 log::debug!("redlock node {}: reconnect failed: {e}", self.cfg.addr);
-                self.why = format!("reconnecting after: {e}");
-                self.permanent = e.duplicate_permanent().map(Arc::new);
-                self.status.lock().last_error = Some(self.why.clone());
+                self.node.handle_connect_failed(&e);
+                self.status.lock().last_error = Some(self.node.why().to_owned());
             }
         }
     }
 
     /// Starts using a new connection.
     fn adopt(&mut self, node: NodeConn) {
-        let run_id: Option<Arc<str>> = node.info.run_id.as_deref().map(Arc::from);
-        if let (Some(old), Some(new)) = (&self.run_id, &run_id)
-            && old != new
-        {
-            log::warn!(
-                "redlock node {} restarted (run id {old} is now {new}); leases it granted \
-                 before no longer count toward a quorum",
-                self.cfg.addr
-            );
-        }
-        let nt = self.settings.node_timeout;
-        if node.round_trip * ROUND_TRIPS_PER_TIMEOUT > nt {
-            log::warn!(
-                "redlock node {}: round trip {:?} is more than half the node timeout {nt:?}; \
-                 its answers may come too late to count",
-                self.cfg.addr,
-                node.round_trip
-            );
-        }
-        self.run_id = run_id;
-        // The connector killed them (or the server restarted, which did).
-        self.tainted.clear();
-        self.permanent = None;
-        self.why.clear();
+        self.node.handle_connected(node.connected(), Instant::now());
+        self.adopt_conn(node);
+    }
+
+    fn adopt_conn(&mut self, node: NodeConn) {
         *self.status.lock() = NodeStatus {
             connected: true,
             round_trip: Some(node.round_trip),
             last_error: None,
         };
-        self.round_trip = Some(node.round_trip);
-        self.live = Some(Live {
-            conn: node.conn,
-            started_by: node.started_by,
-        });
+        self.conn = Some(node.conn);
     }
+}
 
-    /// Sends the releases that waited for the connection, in order, each with
-    /// a budget of its own.
-    fn send_deferred(&mut self) {
-        while self.live.is_some() {
-            let Some((mut job, sent)) = self.deferred.pop_front() else {
-                return;
-            };
-            job.deadline = Instant::now() + self.settings.node_timeout;
-            let answer = self.execute(&job);
-            if !answer.sent && matches!(answer.outcome, NodeOutcome::NotConnected(_)) {
-                self.deferred.push_front((job, sent));
-            } else if answer.uncertain && sent < RESENDS {
-                self.deferred.push_front((job, sent + 1));
-            }
+/// What the acquire's `SET NX PX`, `GET`, `PTTL` answered, or the error that
+/// refused it.
+pub(crate) fn acquire_reply(reply: &[redis::Value], key: &str, value: &str) -> Result<NodeReply> {
+    match reply {
+        [redis::Value::Okay, ..] => Ok(NodeReply::Acquired),
+        [redis::Value::Nil, redis::Value::BulkString(v), ..]
+            if v.as_slice() == value.as_bytes() =>
+        {
+            Ok(NodeReply::Acquired)
         }
+        [redis::Value::ServerError(e), ..]
+        | [redis::Value::Nil, redis::Value::ServerError(e), ..]
+        | [redis::Value::Nil, _, redis::Value::ServerError(e)] => Err(acquire_error(key, e)),
+        [redis::Value::Nil, _, redis::Value::Int(pttl)] => Ok(NodeReply::Held { pttl: *pttl }),
+        other => Err(unexpected("acquire", other)),
     }
 }
 
@@ -1056,21 +717,20 @@ fn open_node(
             replies.next(),
         )?;
     }
-    if !tainted.is_empty() {
-        let restarted = matches!((run_id, info.run_id.as_deref()), (Some(a), Some(b)) if a != b);
-        if restarted {
-            // A new process: the old one's connections died with it, and its
-            // client ids mean nothing here.
-            log::debug!("{addr}: the server restarted; nothing to fence off");
-        } else {
-            let mut pipe = redis::pipe();
-            for &id in tainted {
-                pipe.add_command(kill(id));
-            }
-            let op = "CLIENT KILL (fencing off an unanswered command)";
-            for reply in conn.pipeline(&pipe, op, deadline)? {
-                confirm_kill(addr, op, Some(reply))?;
-            }
+    let fences = fences_for(tainted, run_id, info.run_id.as_deref());
+    if fences.len() < tainted.len() {
+        // A new process: the old one's connections died with it, and its
+        // client ids mean nothing here.
+        log::debug!("{addr}: the server restarted; nothing to fence off");
+    }
+    if !fences.is_empty() {
+        let mut pipe = redis::pipe();
+        for &id in fences {
+            pipe.add_command(kill(id));
+        }
+        let op = "CLIENT KILL (fencing off an unanswered command)";
+        for reply in conn.pipeline(&pipe, op, deadline)? {
+            confirm_kill(addr, op, Some(reply))?;
         }
     }
     let mut round_trip = opened.round_trip;
@@ -1099,7 +759,11 @@ fn open_node(
 }
 
 /// A `CLIENT KILL` reply: a count, or the error that refused it.
-fn confirm_kill(addr: &str, op: &'static str, reply: Option<redis::Value>) -> Result<()> {
+pub(crate) fn confirm_kill(
+    addr: &str,
+    op: &'static str,
+    reply: Option<redis::Value>,
+) -> Result<()> {
     match reply {
         Some(redis::Value::Int(_)) => Ok(()),
         Some(redis::Value::ServerError(e)) if e.code() == "NOPERM" => {
@@ -1138,14 +802,6 @@ fn text(addr: &str, op: &'static str, reply: redis::Value) -> Result<String> {
             op,
             reply: format!("{other:?}"),
         }),
-    }
-}
-
-fn failed(e: &Error) -> NodeOutcome {
-    if e.is_timeout() {
-        NodeOutcome::TimedOut
-    } else {
-        NodeOutcome::Failed(e.to_string())
     }
 }
 
@@ -1314,21 +970,5 @@ mod tests {
         assert_eq!(parsed.replid.as_deref(), Some("def456"));
         assert!(parsed.cluster);
         assert!(!parse_info("cluster_enabled:0\r\n").cluster);
-    }
-
-    #[test]
-    fn a_node_counts_while_the_server_that_granted_runs() {
-        let lease = NodeLease::new(vec!["a".into(), "b".into()], "v".into());
-        assert!(!lease.counts(0), "no grant confirmed");
-        assert!(!lease.seen_run(0, "one"), "nothing to lose");
-        lease.slots[0].lock().granted_by = Some(Arc::from("one"));
-        assert!(lease.counts(0));
-        assert!(!lease.seen_run(0, "one"), "the same server");
-        assert!(lease.counts(0));
-        assert!(lease.seen_run(0, "two"), "another server now");
-        assert!(!lease.counts(0));
-        assert!(!lease.seen_run(0, "one"), "a restart is for good");
-        assert!(!lease.counts(0));
-        assert!(!lease.counts(1));
     }
 }

@@ -1,202 +1,42 @@
-//! Redlock guards over 3 and 5 model nodes: a holder with a user thread, a
-//! renewal schedule and one worker per node, and a contender that takes the
-//! lock whenever a quorum lets it.
+//! Redlock guards over 3 and 5 model servers: a holder with a user thread, a
+//! renewal schedule and one node machine per server, and a contender that
+//! takes the lock whenever a quorum lets it.
 //!
-//! The node workers follow the runtime's rules: one queue per node run in
-//! order; a job dequeued past its deadline is not sent (a release is, with a
-//! budget of its own); a command that got no reply taints its connection, and
-//! the node reconnects in the background: a new connection (one round trip,
-//! which may be lost or late, retried after a pause), on which the tainted
-//! connection is killed, and the kill confirmed, before anything else goes to
-//! that node. While it is not connected, acquires and extensions are answered
-//! "unknown" at once, and releases wait (in order) to be sent, each with a
-//! budget of its own, once it is.
+//! What runs is the shipped Redlock choreography (`core::redlock`): each
+//! client's [`Node`] machine per server (jobs in order, deadline skips,
+//! taints, kills before reuse, releases kept for later), the extension's
+//! settle and fence ([`Extension`]), the release's count ([`Release`]), the
+//! acquire verdict ([`acquired`]) and the readers of the servers' replies
+//! (`acquire_reply`, `confirm_kill`, `fences_for`). What is written here is
+//! what lies outside the process or on the wire: model servers
+//! (`src/sim/model`, running the shipped Lua), a network that delays, loses
+//! and keeps order per connection only, and the transport of each machine
+//! (which command goes on which model connection, the connector's tries).
+//!
+//! Invariants, besides the bound of the holder's guard against the moment
+//! fewer than a quorum of servers still hold it (see `sim/mod.rs`): a release
+//! counted as confirmed on a server never leaves the lease there, and one
+//! that reports the lease deleted had it deleted by its own commands on a
+//! quorum (the checker's record, taken from the servers before and after).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::model::{ClientId, ModelServer, Reply as Wire, Value};
 use super::{Net, Queue, Rng, Stats, instant};
-use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket};
-use crate::core::quorum::{AcquireVerdict, ExtendVerdict, Tally, Vote};
+use crate::core::lease::{LeaseCore, Refusal};
+use crate::core::quorum::Tally;
+use crate::core::redlock::{
+    Action, Answer, Connected, Extension, Job, Node, NodeLease, NodeReply, NodeSettings, Op,
+    Release, Renewal, acquired, fences_for, validity,
+};
 use crate::core::schedule::{Next, Schedule, Watched};
-use crate::core::timing::{Timing, retry_delay};
+use crate::core::timing::{Timing, rest_after};
+use crate::error::Error;
+use crate::redlock::{acquire_reply, confirm_kill, try_budget};
 use crate::runtime::lease::LeaseCell;
-
-type ConnId = u64;
-
-struct Entry {
-    value: String,
-    expire: f64,
-}
-
-struct Node {
-    rate: f64,
-    key: Option<Entry>,
-    killed: HashSet<ConnId>,
-    last_in: HashMap<ConnId, Duration>,
-    last_out: HashMap<ConnId, Duration>,
-}
-
-impl Node {
-    fn now(&self, t: Duration) -> f64 {
-        t.as_nanos() as f64 * self.rate
-    }
-
-    fn live(&mut self, t: Duration) -> Option<&Entry> {
-        let now = self.now(t);
-        if self.key.as_ref().is_some_and(|e| e.expire <= now) {
-            self.key = None;
-        }
-        self.key.as_ref()
-    }
-
-    fn apply(&mut self, op: &Op, t: Duration) -> Answer {
-        let now = self.now(t);
-        match op {
-            Op::Acquire { value, ttl } => match self.live(t) {
-                // `SET NX` leaves a key that is set, also this attempt's own.
-                Some(e) if e.value == *value => Answer::Yes,
-                Some(_) => Answer::Held,
-                None => {
-                    self.key = Some(Entry {
-                        value: value.clone(),
-                        expire: now + ttl.as_nanos() as f64,
-                    });
-                    Answer::Yes
-                }
-            },
-            Op::Extend { value, ttl } => match self.live(t) {
-                Some(e) if e.value == *value => {
-                    self.key.as_mut().expect("live").expire = now + ttl.as_nanos() as f64;
-                    Answer::Yes
-                }
-                Some(_) => Answer::Held,
-                None => Answer::No,
-            },
-            Op::Release { value } => {
-                if self.live(t).is_some_and(|e| e.value == *value) {
-                    self.key = None;
-                }
-                Answer::Yes
-            }
-            Op::Kill { target } => {
-                self.killed.insert(*target);
-                Answer::Yes
-            }
-        }
-    }
-}
-
-#[derive(Clone, Debug)]
-enum Op {
-    Acquire { value: String, ttl: Duration },
-    Extend { value: String, ttl: Duration },
-    Release { value: String },
-    Kill { target: ConnId },
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Answer {
-    Yes,
-    Held,
-    No,
-    Unknown,
-}
-
-/// Which fan-out a job belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct FanId(u64);
-
-struct Job {
-    op: Op,
-    deadline: Duration,
-    fan: Option<FanId>,
-    /// How many times a release was sent without a reply.
-    resent: u32,
-}
-
-/// One node's worker: its queue, connection and tainted connections.
-struct Worker {
-    queue: VecDeque<Job>,
-    conn: ConnId,
-    tainted: Vec<ConnId>,
-    /// The job whose request is in flight.
-    busy: Option<(u64, Job)>,
-    /// Whether `conn` is ready for jobs (false while reconnecting).
-    connected: bool,
-    /// The kill in flight on the reconnect path.
-    fencing: Option<u64>,
-    /// Failed reconnect tries in a row.
-    failures: u32,
-    /// Releases waiting for a connection.
-    deferred: VecDeque<Job>,
-}
-
-enum Purpose {
-    Acquire,
-    Extend { ticket: Ticket, user: bool },
-}
-
-/// A fan-out in progress: its tally, and what it is for.
-struct Fan {
-    client: usize,
-    purpose: Purpose,
-    tally: Tally,
-    sent: Instant,
-    decided: bool,
-    verdict: Option<ExtendVerdict>,
-    jobs_left: usize,
-    ttl: Duration,
-    value: String,
-}
-
-enum Ev {
-    Deliver {
-        req: u64,
-        node: usize,
-        conn: ConnId,
-        op: Op,
-    },
-    Reply {
-        req: u64,
-        node: usize,
-        answer: Answer,
-    },
-    Timeout {
-        req: u64,
-        node: usize,
-    },
-    Decide(FanId),
-    UserNext(usize),
-    SchedWake,
-    /// A reconnect try of client `.0`'s worker for node `.1`.
-    Reconnect(usize, usize),
-    /// That try's setup round trip came back: a new connection.
-    Connected(usize, usize),
-}
-
-impl Ev {
-    fn name(&self) -> String {
-        match self {
-            Ev::Deliver { req, node, op, .. } => format!("deliver {req} node {node} {op:?}"),
-            Ev::Reply { req, node, answer } => format!("reply {req} node {node} {answer:?}"),
-            Ev::Timeout { req, node } => format!("timeout {req} node {node}"),
-            Ev::Decide(f) => format!("decide {f:?}"),
-            Ev::UserNext(c) => format!("user {c}"),
-            Ev::SchedWake => "wake".into(),
-            Ev::Reconnect(c, node) => format!("reconnect client {c} node {node}"),
-            Ev::Connected(c, node) => format!("connected client {c} node {node}"),
-        }
-    }
-}
-
-struct Held {
-    cell: Arc<Cell>,
-    value: String,
-    keepalive: bool,
-    signal: bool,
-}
+use crate::scripts;
 
 type Cell = LeaseCell<()>;
 
@@ -209,9 +49,267 @@ impl Watched for Arc<Cell> {
     }
 }
 
+/// Which fan-out a job's answer goes to; `None` for a clean-up nobody
+/// waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct FanId(u64);
+
+type Handle = Option<FanId>;
+
+/// The key every lease uses, on every server.
+const KEY: &str = "k";
+
+/// One model server and its clock.
+struct Server {
+    model: ModelServer,
+    /// Server milliseconds per true millisecond.
+    rate: f64,
+    start_ms: i64,
+    /// The true time its clock was last moved to.
+    at: Duration,
+    /// Per connection: when its last request and last reply arrive (order
+    /// is kept per connection only).
+    last_in: HashMap<ClientId, Duration>,
+    last_out: HashMap<ClientId, Duration>,
+}
+
+impl Server {
+    fn sync(&mut self, t: Duration) {
+        if t > self.at {
+            self.model.elapse(t - self.at);
+            self.at = t;
+        }
+    }
+
+    /// Until when (true time, ns) this server holds the key for `value`,
+    /// if it still does at true time `t` (its clock may not have been moved
+    /// there: it is moved only when a command reaches it).
+    fn holds_until(&self, value: &str, t: Duration) -> Option<f64> {
+        let e = self.model.entry(KEY)?;
+        if !matches!(&e.value, Value::Str(v) if v.as_slice() == value.as_bytes()) {
+            return None;
+        }
+        // The key exists while the server clock is at or before its expiry.
+        let end_ms = (e.expire_at? + 1 - self.start_ms) as f64 / self.rate;
+        let end = end_ms * 1e6;
+        (end > t.as_nanos() as f64).then_some(end)
+    }
+
+    fn run(&mut self, conn: ClientId, argv: &[&str]) -> Option<Wire> {
+        self.model.command_from(conn, argv)
+    }
+
+    /// Runs one job's command on `conn`; `None` if the connection is closed.
+    fn apply(
+        &mut self,
+        conn: ClientId,
+        i: usize,
+        op: Op,
+        lease: &NodeLease,
+    ) -> Option<Result<NodeReply, String>> {
+        let (key, value) = (lease.key(i), lease.value());
+        Some(match op {
+            Op::Acquire { ttl_ms } => {
+                let ttl = ttl_ms.to_string();
+                let set = self.run(conn, &["SET", key, value, "NX", "PX", &ttl])?;
+                let get = self.run(conn, &["GET", key])?;
+                let pttl = self.run(conn, &["PTTL", key])?;
+                let wire = [set, get, pttl];
+                if wire.iter().any(Wire::is_error) {
+                    Err(format!("{wire:?}"))
+                } else {
+                    let values: Vec<redis::Value> = wire.into_iter().map(to_value).collect();
+                    acquire_reply(&values, key, value).map_err(|e| e.to_string())
+                }
+            }
+            Op::Extend { ttl_ms } => {
+                let ttl = ttl_ms.to_string();
+                let sha = scripts::LEASE_EXTEND.sha.as_str();
+                let reply = self.run(conn, &["EVALSHA", sha, "1", key, value, &ttl])?;
+                reply
+                    .as_int()
+                    .map(NodeReply::Extend)
+                    .ok_or(format!("{reply}"))
+            }
+            Op::Release => {
+                let sha = scripts::LEASE_RELEASE.sha.as_str();
+                let reply = self.run(conn, &["EVALSHA", sha, "1", key, value, "exact"])?;
+                reply
+                    .as_int()
+                    .map(NodeReply::Release)
+                    .ok_or(format!("{reply}"))
+            }
+        })
+    }
+}
+
+/// A reply as the client library reads it off the wire.
+fn to_value(w: Wire) -> redis::Value {
+    match w {
+        Wire::Nil => redis::Value::Nil,
+        Wire::Int(n) => redis::Value::Int(n),
+        Wire::Bulk(b) => redis::Value::BulkString(b),
+        Wire::Status(s) if s == "OK" => redis::Value::Okay,
+        Wire::Status(s) => redis::Value::SimpleString(s),
+        Wire::Error(e) => redis::Value::SimpleString(format!("-{e}")),
+        Wire::Array(items) => redis::Value::Array(items.into_iter().map(to_value).collect()),
+    }
+}
+
+/// One client's transport of one server's node machine.
+struct Link {
+    node: Node<Handle>,
+    /// The model connection the machine uses while it is connected.
+    conn: ClientId,
+    /// The request out and when it was sent.
+    out: Option<(u64, Duration)>,
+    /// Failed connect tries in a row.
+    failures: u32,
+    /// The connector try under way, while not connected.
+    trying: Option<u64>,
+}
+
+/// A connector try in progress (the state a `respire-conn-N` thread keeps).
+#[derive(Clone, Debug)]
+struct Try {
+    id: u64,
+    c: usize,
+    i: usize,
+    tainted: Vec<u64>,
+    run_id: Option<Arc<str>>,
+    started: Duration,
+    /// The try fails if it is not done by then.
+    deadline: Duration,
+}
+
+enum Purpose {
+    Acquire {
+        sent: Instant,
+        ttl: Duration,
+        lease: Arc<NodeLease>,
+    },
+    Extend {
+        cell: Arc<Cell>,
+        claimed: Claimed,
+    },
+    Release {
+        lease: Arc<NodeLease>,
+        release: Release,
+        /// This call's answers while undecided: (node, answer).
+        answers: Vec<(usize, Answer)>,
+        tries: u32,
+    },
+}
+
+/// Who extends: the holder's own `extend` (which waits, and settles at its
+/// deadline), or the renewal thread (which settles when the answers decide).
+enum Claimed {
+    User(Extension),
+    Renewal(Renewal),
+}
+
+impl Claimed {
+    fn handle_answer(&mut self, answer: &Answer) {
+        match self {
+            Claimed::User(e) => e.handle_answer(answer.vote, &answer.outcome),
+            Claimed::Renewal(r) => r.handle_answer(answer.vote, &answer.outcome),
+        }
+    }
+
+    fn is_due(&self) -> bool {
+        match self {
+            Claimed::User(e) => e.is_due(),
+            Claimed::Renewal(r) => r.is_due(),
+        }
+    }
+
+    fn is_finished(&self) -> bool {
+        match self {
+            Claimed::User(e) => e.is_finished(),
+            Claimed::Renewal(r) => r.is_finished(),
+        }
+    }
+}
+
+/// A fan-out in progress.
+struct Fan {
+    client: usize,
+    purpose: Purpose,
+    tally: Tally,
+    decided: bool,
+}
+
+enum Ev {
+    Deliver {
+        req: u64,
+        c: usize,
+        i: usize,
+        conn: ClientId,
+        op: Op,
+        lease: Arc<NodeLease>,
+    },
+    Reply {
+        req: u64,
+        c: usize,
+        i: usize,
+        reply: Result<NodeReply, String>,
+    },
+    Timeout {
+        req: u64,
+        c: usize,
+        i: usize,
+    },
+    Decide(FanId),
+    UserNext(usize),
+    SchedWake,
+    /// A connector try starts.
+    Reconnect(Try),
+    /// Its setup request reaches the server.
+    Setup(Try, Duration),
+    /// Its setup reply is back: a new connection to `run_id`.
+    Opened(Try, ClientId, String),
+    /// Its kills reach the server.
+    Kill(Try, ClientId, Vec<u64>, Option<Duration>),
+    /// Their replies are back.
+    Killed(Try, ClientId, Vec<Wire>),
+    /// The try ran out of time.
+    TryFailed(Try),
+}
+
+impl Ev {
+    fn name(&self) -> String {
+        match self {
+            Ev::Deliver { req, c, i, op, .. } => {
+                format!("deliver {req} client {c} node {i} {op:?}")
+            }
+            Ev::Reply { req, c, i, reply } => format!("reply {req} client {c} node {i} {reply:?}"),
+            Ev::Timeout { req, c, i } => format!("timeout {req} client {c} node {i}"),
+            Ev::Decide(f) => format!("decide {f:?}"),
+            Ev::UserNext(c) => format!("user {c}"),
+            Ev::SchedWake => "wake".into(),
+            Ev::Reconnect(t) => format!("reconnect client {} node {} {:?}", t.c, t.i, t.tainted),
+            Ev::Setup(t, _) => format!("setup client {} node {}", t.c, t.i),
+            Ev::Opened(t, conn, ..) => format!("opened client {} node {} conn {conn}", t.c, t.i),
+            Ev::Kill(t, conn, ids, _) => {
+                format!("kill client {} node {} from {conn}: {ids:?}", t.c, t.i)
+            }
+            Ev::Killed(t, conn, r) => {
+                format!("killed client {} node {} from {conn}: {r:?}", t.c, t.i)
+            }
+            Ev::TryFailed(t) => format!("connect failed client {} node {}", t.c, t.i),
+        }
+    }
+}
+
+struct Held {
+    cell: Arc<Cell>,
+    lease: Arc<NodeLease>,
+    keepalive: bool,
+    signal: bool,
+}
+
 struct Client {
-    /// One worker per node.
-    workers: Vec<Worker>,
+    links: Vec<Link>,
     held: Option<Held>,
     busy: bool,
     owners: u64,
@@ -226,20 +324,20 @@ struct World {
     now: Duration,
     timing: Timing,
     net: Net,
-    nodes: Vec<Node>,
+    servers: Vec<Server>,
     quorum: usize,
     queue: Queue<Ev>,
     clients: Vec<Client>,
     fans: HashMap<FanId, Fan>,
     next_fan: u64,
     next_req: u64,
-    next_conn: ConnId,
-    /// Requests in flight: request id → (client, node).
-    reqs: HashMap<u64, (usize, usize)>,
     sched: Schedule<Arc<Cell>>,
     wake: Option<Duration>,
-    /// The renewal in flight for the held lease.
-    renewing: Option<FanId>,
+    /// Links whose machine may have something to do.
+    dirty: Vec<(usize, usize)>,
+    /// The checker's own record: per owner value, the servers where one of
+    /// its releases deleted the key.
+    deleted: HashMap<String, HashSet<usize>>,
     ttls: Vec<Duration>,
     stats: Stats,
     steps_left: u32,
@@ -256,13 +354,23 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         node_timeout,
     };
     let net = Net::random(&mut rng, node_timeout);
-    let nodes = (0..n)
-        .map(|_| Node {
-            rate: 1.0 + drift_factor * (2.0 * rng.unit() - 1.0) * 0.999,
-            key: None,
-            killed: HashSet::new(),
-            last_in: HashMap::new(),
-            last_out: HashMap::new(),
+    let mut servers: Vec<Server> = (0..n)
+        .map(|_| {
+            let start_ms = 1_000_000 + rng.below(1_000_000) as i64;
+            let mut model = ModelServer::new(rng.next_u64(), start_ms);
+            let rate = 1.0 + drift_factor * (2.0 * rng.unit() - 1.0) * 0.999;
+            model.set_rate(rate);
+            for script in [&scripts::LEASE_EXTEND, &scripts::LEASE_RELEASE] {
+                model.command(&["SCRIPT", "LOAD", script.code]);
+            }
+            Server {
+                model,
+                rate,
+                start_ms,
+                at: Duration::ZERO,
+                last_in: HashMap::new(),
+                last_out: HashMap::new(),
+            }
         })
         .collect();
     // Redlock refuses a TTL unless node timeout + drift is under half of it.
@@ -278,23 +386,59 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         keepalive * 3,
         timing.node_timeout * 200,
     ];
+    let settings = NodeSettings {
+        node_timeout,
+        restart_delay: None,
+    };
+    let round_trip = Duration::from_micros(net.delay.0 + net.delay.1);
+    let clients = (0..2)
+        .map(|c| {
+            let links = servers
+                .iter_mut()
+                .enumerate()
+                .map(|(i, s)| {
+                    let conn = s.model.connect();
+                    let first = Connected {
+                        id: Some(conn),
+                        run_id: Some(Arc::from(s.model.run_id())),
+                        started_by: None,
+                        round_trip,
+                    };
+                    Link {
+                        node: Node::new(i, format!("node {i}"), settings, first),
+                        conn,
+                        out: None,
+                        failures: 0,
+                        trying: None,
+                    }
+                })
+                .collect();
+            Client {
+                links,
+                held: None,
+                busy: false,
+                owners: 0,
+                claim_wait: None,
+                full: c == 0,
+            }
+        })
+        .collect();
     let mut w = World {
         origin: Instant::now(),
         now: Duration::ZERO,
         timing,
         net,
-        nodes,
+        servers,
         quorum: n / 2 + 1,
         queue: Queue::new(),
-        clients: Vec::new(),
+        clients,
         fans: HashMap::new(),
         next_fan: 0,
         next_req: 0,
-        next_conn: 0,
-        reqs: HashMap::new(),
         sched: Schedule::default(),
         wake: None,
-        renewing: None,
+        dirty: Vec::new(),
+        deleted: HashMap::new(),
         ttls,
         stats: Stats::default(),
         steps_left: 30 + rng.below(30) as u32,
@@ -302,26 +446,6 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         rng,
     };
     for c in 0..2 {
-        let workers = (0..n)
-            .map(|_| Worker {
-                queue: VecDeque::new(),
-                conn: w.conn(),
-                tainted: Vec::new(),
-                busy: None,
-                connected: true,
-                fencing: None,
-                failures: 0,
-                deferred: VecDeque::new(),
-            })
-            .collect();
-        w.clients.push(Client {
-            workers,
-            held: None,
-            busy: false,
-            owners: 0,
-            claim_wait: None,
-            full: c == 0,
-        });
         let at = w.rng.micros(0, 5_000);
         w.queue.push(at, Ev::UserNext(c));
     }
@@ -337,6 +461,7 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
                 eprintln!("{at:?} {}", ev.name());
             }
             w.handle(ev)?;
+            w.drive()?;
         }
         w.check()?;
         if w.steps_left == 0 && w.clients.iter().all(|c| !c.busy) {
@@ -351,51 +476,112 @@ impl World {
         instant(self.origin, self.now)
     }
 
-    fn conn(&mut self) -> ConnId {
-        self.next_conn += 1;
-        self.next_conn
-    }
-
     fn handle(&mut self, ev: Ev) -> Result<(), String> {
         match ev {
             Ev::Deliver {
                 req,
-                node,
+                c,
+                i,
                 conn,
                 op,
-            } => {
-                let n = &mut self.nodes[node];
-                if n.killed.contains(&conn) {
-                    return Ok(());
-                }
-                let answer = n.apply(&op, self.now);
-                let lose = self.net.p_lose_reply;
-                if let Some(d) = self.net.hop(&mut self.rng, lose) {
-                    let n = &mut self.nodes[node];
-                    let last = n.last_out.get(&conn).copied().unwrap_or_default();
-                    let at = (self.now + d).max(last);
-                    n.last_out.insert(conn, at);
-                    self.queue.push(at, Ev::Reply { req, node, answer });
-                }
-            }
-            Ev::Reply { req, node, answer } => {
-                if let Some((c, _)) = self.reqs.remove(&req) {
-                    self.job_done(c, node, req, answer)?;
+                lease,
+            } => self.deliver(req, c, i, conn, op, &lease),
+            Ev::Reply { req, c, i, reply } => {
+                let link = &mut self.clients[c].links[i];
+                if let Some((out, sent)) = link.out
+                    && out == req
+                {
+                    link.out = None;
+                    let reply = reply.map_err(|reply| Error::UnexpectedReply {
+                        op: "redlock node",
+                        reply,
+                    });
+                    link.node.handle_result(reply, false, self.now - sent);
+                    self.dirty.push((c, i));
                 }
             }
-            Ev::Timeout { req, node } => {
-                if let Some((c, _)) = self.reqs.remove(&req) {
+            Ev::Timeout { req, c, i } => {
+                let link = &mut self.clients[c].links[i];
+                if let Some((out, sent)) = link.out
+                    && out == req
+                {
+                    link.out = None;
                     self.stats.unanswered += 1;
-                    self.job_done(c, node, req, Answer::Unknown)?;
+                    let after = self.now - sent;
+                    let e = Error::Timeout {
+                        op: "redlock node",
+                        after,
+                    };
+                    link.node.handle_result(Err(e), true, after);
+                    self.dirty.push((c, i));
                 }
             }
-            Ev::Decide(fan) => self.decide(fan, true)?,
+            Ev::Decide(fan) => self.decide(fan)?,
             Ev::UserNext(c) => self.user_step(c)?,
-            Ev::Reconnect(c, node) => self.try_connect(c, node),
-            Ev::Connected(c, node) => {
-                let fresh = self.conn();
-                self.clients[c].workers[node].conn = fresh;
-                self.fence_next(c, node);
+            Ev::Reconnect(t) => self.try_connect(t),
+            Ev::Setup(t, back) => {
+                let s = &mut self.servers[t.i];
+                s.sync(self.now);
+                let conn = s.model.connect();
+                let run_id = s.model.run_id().to_owned();
+                let at = self.now + back;
+                if at < t.deadline {
+                    self.queue.push(at, Ev::Opened(t, conn, run_id));
+                }
+            }
+            Ev::Opened(t, conn, run_id) => {
+                let fences = fences_for(&t.tainted, t.run_id.as_deref(), Some(&run_id)).to_vec();
+                if fences.is_empty() {
+                    self.connected(&t, conn, &run_id);
+                } else {
+                    // One round trip for the kills, within the try's budget.
+                    let lose = (self.net.p_lose_request, self.net.p_lose_reply);
+                    let out = self.net.hop(&mut self.rng, lose.0);
+                    let back = self.net.hop(&mut self.rng, lose.1);
+                    if let Some(out) = out {
+                        let s = &mut self.servers[t.i];
+                        let last = s.last_in.get(&conn).copied().unwrap_or_default();
+                        let at = (self.now + out).max(last);
+                        s.last_in.insert(conn, at);
+                        self.queue.push(at, Ev::Kill(t, conn, fences, back));
+                    }
+                }
+            }
+            Ev::Kill(t, conn, ids, back) => {
+                let s = &mut self.servers[t.i];
+                s.sync(self.now);
+                let replies: Option<Vec<Wire>> = ids
+                    .iter()
+                    .map(|id| {
+                        s.run(
+                            conn,
+                            &["CLIENT", "KILL", "ID", &id.to_string(), "SKIPME", "yes"],
+                        )
+                    })
+                    .collect();
+                if let (Some(replies), Some(back)) = (replies, back) {
+                    let at = self.now + back;
+                    if at < t.deadline {
+                        self.queue.push(at, Ev::Killed(t, conn, replies));
+                    }
+                }
+            }
+            Ev::Killed(t, conn, replies) => {
+                let op = "CLIENT KILL (fencing off an unanswered command)";
+                let confirmed = replies
+                    .into_iter()
+                    .all(|r| confirm_kill("model", op, Some(to_value(r))).is_ok());
+                if confirmed {
+                    let run_id = self.servers[t.i].model.run_id().to_owned();
+                    self.connected(&t, conn, &run_id);
+                } else {
+                    self.try_failed(t);
+                }
+            }
+            Ev::TryFailed(t) => {
+                if self.clients[t.c].links[t.i].trying == Some(t.id) {
+                    self.try_failed(t);
+                }
             }
             Ev::SchedWake => {
                 if self.wake == Some(self.now) {
@@ -403,12 +589,159 @@ impl World {
                 }
                 let now = self.at();
                 for lease in self.sched.due(now) {
-                    self.renew(&lease)?;
+                    self.renew(&lease);
                 }
                 self.arm();
             }
         }
         Ok(())
+    }
+
+    fn deliver(&mut self, req: u64, c: usize, i: usize, conn: ClientId, op: Op, lease: &NodeLease) {
+        let (value, t) = (lease.value(), self.now);
+        let s = &mut self.servers[i];
+        s.sync(t);
+        let held = s.holds_until(value, t).is_some();
+        let Some(reply) = s.apply(conn, i, op, lease) else {
+            // A killed connection: the command never runs.
+            return;
+        };
+        if op == Op::Release && held && s.holds_until(value, t).is_none() {
+            self.deleted.entry(value.to_owned()).or_default().insert(i);
+        }
+        let lose = self.net.p_lose_reply;
+        if let Some(d) = self.net.hop(&mut self.rng, lose) {
+            let s = &mut self.servers[i];
+            let last = s.last_out.get(&conn).copied().unwrap_or_default();
+            let at = (self.now + d).max(last);
+            s.last_out.insert(conn, at);
+            self.queue.push(at, Ev::Reply { req, c, i, reply });
+        }
+    }
+
+    /// Runs every machine that may have something to do, until none has.
+    fn drive(&mut self) -> Result<(), String> {
+        while let Some((c, i)) = self.dirty.pop() {
+            loop {
+                let now = self.at();
+                let Some(action) = self.clients[c].links[i].node.poll(now) else {
+                    break;
+                };
+                match action {
+                    Action::Respond { handle, answer } => {
+                        if let Some(fan) = handle {
+                            self.answered(fan, i, answer)?;
+                        }
+                    }
+                    Action::Send {
+                        op,
+                        lease,
+                        deadline,
+                    } => self.send(c, i, op, lease, deadline),
+                    Action::Connect { tainted, run_id } => {
+                        let t = Try {
+                            id: 0,
+                            c,
+                            i,
+                            tainted,
+                            run_id,
+                            started: self.now,
+                            deadline: self.now,
+                        };
+                        self.queue.push(self.now, Ev::Reconnect(t));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, c: usize, i: usize, op: Op, lease: Arc<NodeLease>, deadline: Instant) {
+        let req = self.next_req;
+        self.next_req += 1;
+        let link = &mut self.clients[c].links[i];
+        link.out = Some((req, self.now));
+        let conn = link.conn;
+        let lose = self.net.p_lose_request;
+        if let Some(d) = self.net.hop(&mut self.rng, lose) {
+            let s = &mut self.servers[i];
+            let last = s.last_in.get(&conn).copied().unwrap_or_default();
+            let at = (self.now + d).max(last);
+            s.last_in.insert(conn, at);
+            self.queue.push(
+                at,
+                Ev::Deliver {
+                    req,
+                    c,
+                    i,
+                    conn,
+                    op,
+                    lease,
+                },
+            );
+        }
+        let deadline = deadline.saturating_duration_since(self.origin);
+        self.queue
+            .push(deadline.max(self.now), Ev::Timeout { req, c, i });
+    }
+
+    /// One connector try: the setup round trip (and the kills') within its
+    /// budget, or a failure and another try after a pause.
+    fn try_connect(&mut self, mut t: Try) {
+        t.id = self.next_req;
+        self.next_req += 1;
+        let link = &mut self.clients[t.c].links[t.i];
+        link.trying = Some(t.id);
+        let budget = try_budget(
+            link.failures,
+            self.timing.node_timeout,
+            self.timing.node_timeout * 40,
+        );
+        t.started = self.now;
+        t.deadline = self.now + budget;
+        self.queue.push(t.deadline, Ev::TryFailed(t.clone()));
+        let lose = (self.net.p_lose_request, self.net.p_lose_reply);
+        let out = self.net.hop(&mut self.rng, lose.0);
+        let back = self.net.hop(&mut self.rng, lose.1);
+        if let (Some(out), Some(back)) = (out, back) {
+            self.queue.push(self.now + out, Ev::Setup(t, back));
+        }
+    }
+
+    fn try_failed(&mut self, t: Try) {
+        let link = &mut self.clients[t.c].links[t.i];
+        link.trying = None;
+        link.failures += 1;
+        let e = Error::Timeout {
+            op: "connect",
+            after: self.now - t.started,
+        };
+        link.node.handle_connect_failed(&e);
+        let rest = rest_after(link.failures);
+        let again = Try {
+            started: self.now + rest,
+            ..t
+        };
+        self.queue.push(self.now + rest, Ev::Reconnect(again));
+    }
+
+    fn connected(&mut self, t: &Try, conn: ClientId, run_id: &str) {
+        let now = self.at();
+        let link = &mut self.clients[t.c].links[t.i];
+        if link.trying != Some(t.id) || !self.servers[t.i].model.is_connected(conn) {
+            return;
+        }
+        link.trying = None;
+        let connected = Connected {
+            id: Some(conn),
+            run_id: Some(Arc::from(run_id)),
+            started_by: None,
+            round_trip: self.now - t.started,
+        };
+        link.node.handle_connected(connected, now);
+        link.conn = conn;
+        link.failures = 0;
+        self.dirty.push((t.c, t.i));
     }
 
     fn arm(&mut self) {
@@ -429,221 +762,124 @@ impl World {
         }
     }
 
-    /// Queues `op` on every node of client `c`, as one fan-out.
-    fn fan_out(&mut self, c: usize, op: Op, deadline: Duration, fan: Fan) -> FanId {
-        let id = FanId(self.next_fan);
-        self.next_fan += 1;
-        self.fans.insert(id, fan);
-        for node in 0..self.nodes.len() {
-            self.clients[c].workers[node].queue.push_back(Job {
-                op: op.clone(),
-                deadline,
-                fan: Some(id),
-                resent: 0,
-            });
-            self.kick(c, node);
-        }
-        self.queue.push(deadline, Ev::Decide(id));
-        id
-    }
-
-    /// Releases `value` on every node, nobody waiting.
-    fn release_everywhere(&mut self, c: usize, value: String) {
-        let deadline = self.now + self.timing.node_timeout;
-        for node in 0..self.nodes.len() {
-            self.clients[c].workers[node].queue.push_back(Job {
-                op: Op::Release {
-                    value: value.clone(),
-                },
-                deadline,
-                fan: None,
-                resent: 0,
-            });
-            self.kick(c, node);
+    /// Queues `op` on every listed node of client `c`, as one fan-out
+    /// (`None`: nobody waits).
+    fn fan_out(
+        &mut self,
+        c: usize,
+        op: Op,
+        lease: &Arc<NodeLease>,
+        targets: &[usize],
+        deadline: Instant,
+        fan: Option<Fan>,
+    ) {
+        let id = fan.map(|f| {
+            let id = FanId(self.next_fan);
+            self.next_fan += 1;
+            self.fans.insert(id, f);
+            let at = deadline
+                .saturating_duration_since(self.origin)
+                .max(self.now);
+            self.queue.push(at, Ev::Decide(id));
+            id
+        });
+        for &i in targets {
+            let job = Job::new(op, lease.clone(), deadline, id);
+            self.clients[c].links[i].node.handle_job(job);
+            self.dirty.push((c, i));
         }
     }
 
-    fn send(&mut self, c: usize, node: usize, conn: ConnId, op: Op, deadline: Duration) -> u64 {
-        let req = self.next_req;
-        self.next_req += 1;
-        self.reqs.insert(req, (c, node));
-        let lose = self.net.p_lose_request;
-        if let Some(d) = self.net.hop(&mut self.rng, lose) {
-            let n = &mut self.nodes[node];
-            let last = n.last_in.get(&conn).copied().unwrap_or_default();
-            let at = (self.now + d).max(last);
-            n.last_in.insert(conn, at);
-            self.queue.push(
-                at,
-                Ev::Deliver {
-                    req,
-                    node,
-                    conn,
-                    op,
-                },
-            );
-        }
-        self.queue.push(deadline, Ev::Timeout { req, node });
-        req
-    }
-
-    /// Starts the node's next job, if it is idle; while it is not connected,
-    /// answers jobs at once (keeping releases for later).
-    fn kick(&mut self, c: usize, node: usize) {
-        loop {
-            let w = &mut self.clients[c].workers[node];
-            if w.busy.is_some() {
-                return;
-            }
-            let Some(mut job) = w.queue.pop_front() else {
-                return;
-            };
-            let release = matches!(job.op, Op::Release { .. });
-            if !w.connected {
-                if release {
-                    w.deferred.push_back(job);
-                } else {
-                    self.answer(c, node, &job, Answer::Unknown);
-                }
-                continue;
-            }
-            if self.now >= job.deadline {
-                if release {
-                    job.deadline = self.now + self.timing.node_timeout;
-                } else {
-                    // Still queued when its time ran out: not sent.
-                    self.answer(c, node, &job, Answer::Unknown);
-                    continue;
-                }
-            }
-            let w = &self.clients[c].workers[node];
-            let (conn, op, deadline) = (w.conn, job.op.clone(), job.deadline);
-            let req = self.send(c, node, conn, op, deadline);
-            self.clients[c].workers[node].busy = Some((req, job));
-            return;
-        }
-    }
-
-    /// One reconnect try: its setup round trip within four node timeouts,
-    /// or a failure and another try after a pause.
-    fn try_connect(&mut self, c: usize, node: usize) {
-        let budget = self.timing.node_timeout * 4;
-        let (lose_out, lose_back) = (self.net.p_lose_request, self.net.p_lose_reply);
-        let out = self.net.hop(&mut self.rng, lose_out);
-        let back = self.net.hop(&mut self.rng, lose_back);
-        match (out, back) {
-            (Some(a), Some(b)) if a + b < budget => {
-                self.queue.push(self.now + a + b, Ev::Connected(c, node));
-            }
-            _ => {
-                let w = &mut self.clients[c].workers[node];
-                w.failures += 1;
-                let rest = crate::core::timing::rest_after(w.failures);
-                self.queue
-                    .push(self.now + budget + rest, Ev::Reconnect(c, node));
-            }
-        }
-    }
-
-    /// On a new connection: kill the next tainted connection from it, or, with
-    /// none left, start using it.
-    fn fence_next(&mut self, c: usize, node: usize) {
-        let w = &mut self.clients[c].workers[node];
-        if let Some(&old) = w.tainted.last() {
-            let conn = w.conn;
-            let deadline = self.now + self.timing.node_timeout * 4;
-            let req = self.send(c, node, conn, Op::Kill { target: old }, deadline);
-            self.clients[c].workers[node].fencing = Some(req);
-            return;
-        }
-        w.connected = true;
-        w.failures = 0;
-        // The releases that waited go first, in order, each with a budget of
-        // its own.
-        let deadline = self.now + self.timing.node_timeout;
-        let mut deferred = std::mem::take(&mut w.deferred);
-        for job in &mut deferred {
-            job.deadline = deadline;
-        }
-        while let Some(job) = deferred.pop_back() {
-            w.queue.push_front(job);
-        }
-        self.kick(c, node);
-    }
-
-    fn job_done(&mut self, c: usize, node: usize, req: u64, answer: Answer) -> Result<(), String> {
-        let w = &mut self.clients[c].workers[node];
-        if w.fencing == Some(req) {
-            w.fencing = None;
-            if answer == Answer::Unknown {
-                // The kill is not confirmed: another try on another connection.
-                w.failures += 1;
-                let rest = crate::core::timing::rest_after(w.failures);
-                self.queue.push(self.now + rest, Ev::Reconnect(c, node));
-            } else {
-                w.tainted.pop();
-                self.fence_next(c, node);
-            }
-            return Ok(());
-        }
-        let Some((busy_req, job)) = w.busy.take() else {
-            return Ok(());
-        };
-        if busy_req != req {
-            w.busy = Some((busy_req, job));
-            return Ok(());
-        }
-        if answer == Answer::Unknown {
-            // Anything sent on the connection may still apply: it is killed
-            // from the next one, made in the background.
-            let old = w.conn;
-            w.tainted.push(old);
-            w.connected = false;
-            self.queue.push(self.now, Ev::Reconnect(c, node));
-            // A release goes out again after the kill, a few times at most.
-            if matches!(job.op, Op::Release { .. }) && job.resent < 3 {
-                w.deferred.push_front(Job {
-                    op: job.op.clone(),
-                    deadline: job.deadline,
-                    fan: None,
-                    resent: job.resent + 1,
-                });
-            }
-        }
-        self.answer(c, node, &job, answer);
-        self.kick(c, node);
-        Ok(())
+    fn all(&self) -> Vec<usize> {
+        (0..self.servers.len()).collect()
     }
 
     /// A job's answer reaches its fan-out.
-    fn answer(&mut self, _c: usize, _node: usize, job: &Job, answer: Answer) {
-        let Some(id) = job.fan else {
-            return;
-        };
+    fn answered(&mut self, id: FanId, node: usize, answer: Answer) -> Result<(), String> {
+        let now = self.at();
         let Some(f) = self.fans.get_mut(&id) else {
-            return;
+            return Ok(());
         };
-        f.jobs_left -= 1;
-        if !f.decided {
-            let vote = match (&f.purpose, answer) {
-                (_, Answer::Unknown) => Vote::Unknown,
-                (_, Answer::Yes) => Vote::Yes,
-                (_, Answer::Held) => Vote::Held,
-                (_, Answer::No) => Vote::No,
-            };
-            f.tally.add(vote, answer == Answer::Yes);
+        let due = match &mut f.purpose {
+            Purpose::Acquire { .. } => {
+                if !f.decided {
+                    f.tally.add(
+                        answer.vote,
+                        answer.outcome == crate::report::NodeOutcome::Granted,
+                    );
+                }
+                !f.decided && (f.tally.decided() || f.tally.outstanding == 0)
+            }
+            Purpose::Release {
+                release, answers, ..
+            } => {
+                if !f.decided {
+                    f.tally.add(
+                        answer.vote,
+                        answer.outcome == crate::report::NodeOutcome::Granted,
+                    );
+                    answers.push((node, answer));
+                }
+                !f.decided && (release.is_decided(&f.tally) || f.tally.outstanding == 0)
+            }
+            Purpose::Extend { claimed, .. } => {
+                claimed.handle_answer(&answer);
+                if claimed.is_finished() {
+                    let mut f = self.fans.remove(&id).expect("present");
+                    let Purpose::Extend { cell, claimed } = &mut f.purpose else {
+                        unreachable!("an extension")
+                    };
+                    let cell = cell.clone();
+                    if !f.decided {
+                        self.settled(f.client, &cell, claimed);
+                    }
+                    // Every node's share is finished: later extensions run after it.
+                    let fenced = match claimed {
+                        Claimed::User(e) => e.finish(&*cell, now),
+                        Claimed::Renewal(r) => r
+                            .finish(&*cell, now)
+                            .map(|retry| {
+                                self.sched.completed(cell.id(), now, Some(retry));
+                            })
+                            .is_some(),
+                    };
+                    if fenced {
+                        self.stats.fences += 1;
+                        self.touch(&cell);
+                    }
+                    return Ok(());
+                }
+                claimed.is_due()
+            }
+        };
+        if due {
+            self.decide(id)?;
         }
-        let (decided, left) = (f.tally.decided() || f.tally.outstanding == 0, f.jobs_left);
-        if decided {
-            let _ = self.decide(id, false);
-        }
-        if left == 0 {
-            self.all_done(id);
-        }
+        Ok(())
     }
 
-    /// Decides a fan-out (when its tally is decided, or at its deadline).
-    fn decide(&mut self, id: FanId, at_deadline: bool) -> Result<(), String> {
+    /// Applies an extension's verdict (the holder's `extend` returns, or
+    /// the renewal is done).
+    fn settled(&mut self, c: usize, cell: &Arc<Cell>, claimed: &mut Claimed) {
+        let now = self.at();
+        let refusal = || "no quorum holds it any more".to_owned();
+        match claimed {
+            Claimed::User(e) => {
+                e.settle(&**cell, now, refusal);
+                self.clients[c].busy = false;
+                self.think(c);
+            }
+            Claimed::Renewal(r) => {
+                let (_, retry) = r.settle(&**cell, now, refusal);
+                self.sched.completed(cell.id(), now, retry);
+            }
+        }
+        self.touch(cell);
+    }
+
+    /// Decides a fan-out: its answers decided it, or its deadline came (a
+    /// renewal has none: it waits for its answers).
+    fn decide(&mut self, id: FanId) -> Result<(), String> {
         let now = self.at();
         let Some(f) = self.fans.get_mut(&id) else {
             return Ok(());
@@ -651,82 +887,109 @@ impl World {
         if f.decided {
             return Ok(());
         }
-        if !at_deadline && !f.tally.decided() && f.tally.outstanding > 0 {
-            return Ok(());
-        }
-        f.decided = true;
         let c = f.client;
-        let tally = f.tally;
-        match f.purpose {
-            Purpose::Acquire => {
-                let (sent, ttl, value) = (f.sent, f.ttl, f.value.clone());
+        match &mut f.purpose {
+            Purpose::Acquire { sent, ttl, lease } => {
+                f.decided = true;
+                let (sent, ttl, lease, tally) = (*sent, *ttl, lease.clone(), f.tally);
+                self.fans.remove(&id);
                 self.clients[c].busy = false;
-                let core = LeaseCore::granted(self.timing, sent, ttl);
-                let validity_left = now < core.valid_until();
-                if tally.acquire() == AcquireVerdict::Granted && validity_left {
+                let elapsed = now - sent;
+                if acquired(&tally, validity(ttl, elapsed, self.timing.drift_factor)) {
                     self.stats.grants += 1;
                     if c == 1 && self.clients[0].held.is_some() {
                         self.stats.takeovers += 1;
                     }
-                    // The contender's grant while the holder believes it holds
-                    // is what the invariant catches.
-                    let cell = Arc::new(LeaseCell::new("k".into(), (), core));
+                    let core = LeaseCore::granted(self.timing, sent, ttl);
+                    let cell = Arc::new(LeaseCell::new(KEY.into(), (), core));
                     self.clients[c].held = Some(Held {
                         cell,
-                        value,
+                        lease,
                         keepalive: false,
                         signal: false,
                     });
                 } else {
-                    self.release_everywhere(c, value);
+                    let deadline = now + self.timing.node_timeout;
+                    let all = self.all();
+                    self.fan_out(c, Op::Release, &lease, &all, deadline, None);
                 }
                 self.think(c);
             }
-            Purpose::Extend { ticket, user } => {
-                let verdict = tally.extend();
-                f.verdict = Some(verdict);
-                let Some(held) = &self.clients[c].held else {
+            Purpose::Extend { claimed, .. } => {
+                if matches!(claimed, Claimed::Renewal(_)) && !claimed.is_due() {
+                    // A renewal waits for its answers.
                     return Ok(());
+                }
+                f.decided = true;
+                let mut f = self.fans.remove(&id).expect("present");
+                let Purpose::Extend { claimed, cell } = &mut f.purpose else {
+                    unreachable!("an extension")
                 };
-                let cell = held.cell.clone();
-                match verdict {
-                    ExtendVerdict::Confirmed => {
-                        cell.extended(ticket, now);
+                let cell = cell.clone();
+                self.settled(c, &cell, claimed);
+                self.fans.insert(id, f);
+            }
+            Purpose::Release {
+                lease,
+                release,
+                answers,
+                tries,
+            } => {
+                f.decided = true;
+                for (node, answer) in answers.drain(..) {
+                    release.handle_answer(node, answer.vote, &answer.outcome);
+                }
+                let (lease, mut release, tries) = (lease.clone(), release.clone(), *tries);
+                self.fans.remove(&id);
+                match release.conclude() {
+                    Ok(deleted) => {
+                        self.check_release(&lease, &release, deleted)?;
+                        self.clients[c].busy = false;
+                        self.think(c);
                     }
-                    ExtendVerdict::Refused => cell.refused(ticket, now, Loss::Gone),
-                    ExtendVerdict::Unknown => cell.unanswered(ticket, now),
+                    Err(_) if tries < 3 => {
+                        // The user calls `release` again.
+                        self.release_call(c, lease, release, tries + 1);
+                    }
+                    Err(_) => {
+                        self.clients[c].busy = false;
+                        self.think(c);
+                    }
                 }
-                if user {
-                    self.clients[c].busy = false;
-                    self.think(c);
-                } else {
-                    self.renewing = None;
-                    let retry =
-                        (verdict == ExtendVerdict::Unknown).then(|| now + retry_delay(cell.ttl()));
-                    self.sched.completed(cell.id(), now, retry);
-                }
-                self.touch(&cell);
             }
         }
         Ok(())
     }
 
-    /// Every node's share of a fan-out is finished: an extension without a
-    /// verdict releases its claim now.
-    fn all_done(&mut self, id: FanId) {
-        let now = self.at();
-        let Some(f) = self.fans.remove(&id) else {
-            return;
-        };
-        if let (Purpose::Extend { ticket, .. }, Some(ExtendVerdict::Unknown)) =
-            (&f.purpose, f.verdict)
-            && let Some(held) = &self.clients[f.client].held
-        {
-            let cell = held.cell.clone();
-            cell.fenced(*ticket, now);
-            self.stats.fences += 1;
-            self.touch(&cell);
+    /// What a release that reached a quorum reports must be true of the
+    /// servers: none it counts as confirmed still holds the lease, and if it
+    /// reports the lease deleted, its commands deleted it on a quorum.
+    fn check_release(
+        &self,
+        lease: &NodeLease,
+        release: &Release,
+        deleted: bool,
+    ) -> Result<(), String> {
+        let value = lease.value();
+        for i in release.confirmed_nodes() {
+            if let Some(until) = self.servers[i].holds_until(value, self.now) {
+                return Err(format!(
+                    "the release of {value} counts node {i} as confirmed at {:?}, but it holds \
+                     the lease until {:?}",
+                    self.now,
+                    Duration::from_nanos(until as u64)
+                ));
+            }
         }
+        let by_us = self.deleted.get(value).map_or(0, HashSet::len);
+        if deleted && by_us < self.quorum {
+            return Err(format!(
+                "the release of {value} reports it deleted on a quorum at {:?}, but its \
+                 commands deleted it on {by_us} nodes",
+                self.now
+            ));
+        }
+        Ok(())
     }
 
     fn think(&mut self, c: usize) {
@@ -742,7 +1005,8 @@ impl World {
         }
         let now = self.at();
         if let Some((since, ttl)) = self.clients[c].claim_wait {
-            return self.extend(c, ttl, since);
+            self.extend(c, ttl, since);
+            return Ok(());
         }
         let Some(held) = &self.clients[c].held else {
             if self.steps_left == 0 {
@@ -752,21 +1016,24 @@ impl World {
             let n = self.clients[c].owners;
             self.clients[c].owners += 1;
             let value = format!("c{c}o{n}");
+            let lease = Arc::new(NodeLease::new(vec![KEY.into(); self.servers.len()], value));
             let ttl = self.ttls[self.rng.below(self.ttls.len() as u64) as usize];
             self.clients[c].busy = true;
-            let deadline = self.now + self.timing.node_timeout;
+            let deadline = now + self.timing.node_timeout;
+            let nodes = self.servers.len();
             let fan = Fan {
                 client: c,
-                purpose: Purpose::Acquire,
-                tally: Tally::new(self.nodes.len(), self.nodes.len()),
-                sent: now,
+                purpose: Purpose::Acquire {
+                    sent: now,
+                    ttl,
+                    lease: lease.clone(),
+                },
+                tally: Tally::new(nodes, nodes),
                 decided: false,
-                verdict: None,
-                jobs_left: self.nodes.len(),
-                ttl,
-                value: value.clone(),
             };
-            self.fan_out(c, Op::Acquire { value, ttl }, deadline, fan);
+            let ttl_ms = ttl.as_millis() as u64;
+            let all = self.all();
+            self.fan_out(c, Op::Acquire { ttl_ms }, &lease, &all, deadline, Some(fan));
             return Ok(());
         };
         let cell = held.cell.clone();
@@ -785,7 +1052,8 @@ impl World {
         match self.rng.below(8) {
             0..=2 => {
                 let ttl = self.ttls[self.rng.below(self.ttls.len() as u64) as usize];
-                return self.extend(c, ttl, self.now);
+                self.extend(c, ttl, self.now);
+                return Ok(());
             }
             3 => {
                 let h = self.clients[c].held.as_mut().expect("held");
@@ -822,13 +1090,13 @@ impl World {
     }
 
     /// The guard's `extend`: claim (waiting at most a node timeout), fan out.
-    fn extend(&mut self, c: usize, ttl: Duration, since: Duration) -> Result<(), String> {
+    fn extend(&mut self, c: usize, ttl: Duration, since: Duration) {
         let now = self.at();
         let Some(held) = &self.clients[c].held else {
             self.clients[c].claim_wait = None;
-            return Ok(());
+            return;
         };
-        let (cell, value) = (held.cell.clone(), held.value.clone());
+        let (cell, lease) = (held.cell.clone(), held.lease.clone());
         match cell.begin_extend(now, ttl) {
             Err(Refusal::Lost) => {
                 self.clients[c].claim_wait = None;
@@ -849,57 +1117,64 @@ impl World {
                 self.stats.extensions += 1;
                 self.touch(&cell);
                 self.clients[c].busy = true;
-                let valid = cell.valid_until().saturating_duration_since(self.origin);
-                let deadline = (self.now + self.timing.node_timeout).min(valid);
-                let fan = self.extension(c, ticket, true, ttl, value.clone());
-                self.fan_out(c, Op::Extend { value, ttl }, deadline, fan);
+                let deadline = (now + self.timing.node_timeout).min(cell.valid_until());
+                let nodes = self.servers.len();
+                let claimed = Claimed::User(Extension::new(ticket, nodes, nodes));
+                self.extend_everywhere(c, ttl, claimed, &cell, &lease, deadline);
             }
         }
-        Ok(())
     }
 
-    fn extension(&self, c: usize, ticket: Ticket, user: bool, ttl: Duration, value: String) -> Fan {
-        Fan {
+    /// Sends an extension to `ttl` to every node.
+    fn extend_everywhere(
+        &mut self,
+        c: usize,
+        ttl: Duration,
+        claimed: Claimed,
+        cell: &Arc<Cell>,
+        lease: &Arc<NodeLease>,
+        deadline: Instant,
+    ) {
+        let nodes = self.servers.len();
+        let fan = Fan {
             client: c,
-            purpose: Purpose::Extend { ticket, user },
-            tally: Tally::new(self.nodes.len(), self.nodes.len()),
-            sent: self.at(),
+            purpose: Purpose::Extend {
+                cell: cell.clone(),
+                claimed,
+            },
+            tally: Tally::new(nodes, nodes),
             decided: false,
-            verdict: None,
-            jobs_left: self.nodes.len(),
-            ttl,
-            value,
-        }
+        };
+        let ttl_ms = ttl.as_millis() as u64;
+        let all = self.all();
+        self.fan_out(c, Op::Extend { ttl_ms }, lease, &all, deadline, Some(fan));
     }
 
     /// The renewal thread's dispatch of one due lease.
-    fn renew(&mut self, lease: &Arc<Cell>) -> Result<(), String> {
+    fn renew(&mut self, cell: &Arc<Cell>) {
         let now = self.at();
         let c = 0;
         let Some(held) = &self.clients[c].held else {
-            self.sched.completed(lease.id(), now, None);
-            return Ok(());
+            self.sched.completed(cell.id(), now, None);
+            return;
         };
-        if !Arc::ptr_eq(&held.cell, lease) {
-            self.sched.completed(lease.id(), now, None);
-            return Ok(());
+        if !Arc::ptr_eq(&held.cell, cell) {
+            self.sched.completed(cell.id(), now, None);
+            return;
         }
-        let value = held.value.clone();
-        let ttl = lease.ttl();
-        match lease.begin_extend(now, ttl) {
-            Ok(ticket) => {
+        let lease = held.lease.clone();
+        let nodes = self.servers.len();
+        match Renewal::begin(&**cell, now, self.timing.node_timeout, nodes) {
+            Some((renewal, deadline)) => {
                 self.stats.extensions += 1;
-                let lost_at = lease.lost_at().saturating_duration_since(self.origin);
-                let deadline = (self.now + self.timing.node_timeout).min(lost_at);
-                let fan = self.extension(c, ticket, false, ttl, value.clone());
-                let id = self.fan_out(c, Op::Extend { value, ttl }, deadline, fan);
-                self.renewing = Some(id);
+                let claimed = Claimed::Renewal(renewal);
+                self.extend_everywhere(c, cell.ttl(), claimed, cell, &lease, deadline);
             }
-            Err(_) => self.sched.completed(lease.id(), now, None),
+            None => self.sched.completed(cell.id(), now, None),
         }
-        Ok(())
     }
 
+    /// The guard's `release`: flagged finished, then sent to every node.
     fn release(&mut self, c: usize) -> Result<(), String> {
         let now = self.at();
         let Some(h) = self.clients[c].held.take() else {
@@ -907,9 +1182,28 @@ impl World {
         };
         h.cell.finish(now);
         self.sched.forget(h.cell.id());
-        self.release_everywhere(c, h.value);
-        self.think(c);
+        self.clients[c].busy = true;
+        let release = Release::new(self.servers.len());
+        self.release_call(c, h.lease, release, 0);
         Ok(())
+    }
+
+    /// One call of `release`: to the nodes that have not confirmed.
+    fn release_call(&mut self, c: usize, lease: Arc<NodeLease>, release: Release, tries: u32) {
+        let deadline = self.at() + self.timing.node_timeout;
+        let targets = release.targets();
+        let fan = Fan {
+            client: c,
+            purpose: Purpose::Release {
+                lease: lease.clone(),
+                release,
+                answers: Vec::new(),
+                tries,
+            },
+            tally: Tally::new(self.servers.len(), targets.len()),
+            decided: false,
+        };
+        self.fan_out(c, Op::Release, &lease, &targets, deadline, Some(fan));
     }
 
     fn check(&mut self) -> Result<(), String> {
@@ -928,17 +1222,12 @@ impl World {
         if lost {
             return Ok(());
         }
-        let value = h.value.clone();
-        // Each node's expiry of this holder's value, in client time.
+        let value = h.lease.value();
+        // Each server's expiry of this holder's value, in true time.
         let mut expiries: Vec<f64> = self
-            .nodes
-            .iter_mut()
-            .filter_map(|n| {
-                let rate = n.rate;
-                n.live(t)
-                    .filter(|e| e.value == value)
-                    .map(|e| e.expire / rate)
-            })
+            .servers
+            .iter()
+            .filter_map(|s| s.holds_until(value, t))
             .collect();
         let holding = expiries.len();
         // The guard's bound (not only `is_lost()`, a node timeout earlier)
@@ -959,7 +1248,7 @@ impl World {
                 "the guard believes it holds {value} at {t:?} (valid until {:?}), but only \
                  {holding} of {} nodes do",
                 h.cell.valid_until().duration_since(self.origin),
-                self.nodes.len()
+                self.servers.len()
             ));
         }
         Ok(())
