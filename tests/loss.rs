@@ -1,6 +1,7 @@
 //! Keep-alive flags loss before the lease can expire, for every kind of fault:
 //! the key deleted, the key overwritten, the server stopped, the network
-//! blackholed, replies delayed past the node timeout. 30 trials each.
+//! blackholed, replies delayed past the node timeout. 20 trials each
+//! (`RESPIRE_LOSS_TRIALS=n` for more).
 //!
 //! The oracle is the server's: the lease's `PEXPIRETIME` read at the fault
 //! together with the server's `TIME`, converted to the local monotonic clock.
@@ -14,7 +15,13 @@ use redis::Commands;
 use respire_coordination::{Coordinator, FencedGuard};
 use support::{FaultProxy, Mode, TestServer, wait_until};
 
-const TRIALS: usize = 30;
+/// Trials per fault: `RESPIRE_LOSS_TRIALS`, 20 by default.
+fn trials() -> usize {
+    std::env::var("RESPIRE_LOSS_TRIALS")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(20)
+}
 const TTL: Duration = Duration::from_millis(800);
 const NODE_TIMEOUT: Duration = Duration::from_millis(100);
 
@@ -146,8 +153,9 @@ fn flagged_before(flagged: Instant, expiry: Instant) -> Result<Duration, String>
 
 fn run(fault: Fault) {
     let rig = Rig::new();
-    let mut margins = Vec::with_capacity(TRIALS);
-    for trial in 0..TRIALS {
+    let trials = trials();
+    let mut margins = Vec::with_capacity(trials);
+    for trial in 0..trials {
         // A fresh coordinator per trial, so no connection spoiled by the last
         // fault is reused.
         let coord = Coordinator::builder(&rig.proxy.url())
@@ -185,9 +193,9 @@ fn run(fault: Fault) {
     }
     margins.sort();
     println!(
-        "{fault:?}: {TRIALS} trials, loss flagged before expiry in all; margin min {:?}, median {:?}",
+        "{fault:?}: {trials} trials, loss flagged before expiry in all; margin min {:?}, median {:?}",
         margins[0],
-        margins[TRIALS / 2]
+        margins[trials / 2]
     );
 }
 
