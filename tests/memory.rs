@@ -77,4 +77,3 @@ fn e_memory_does_not_grow_with_completed_leases() {
         cycles - warm
     );
 }
-
