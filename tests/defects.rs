@@ -11,18 +11,12 @@ use std::time::{Duration, Instant};
 
 use redis::Commands;
 use respire_coordination::{CancelToken, Coordinator, Error, ReleaseOutcome};
-use support::{FaultProxy, Mode, TestServer, shared_server, unique_prefix, wait_until};
+use support::{
+    FaultProxy, Mode, TestServer, coordinator, shared_server, unique_prefix, wait_until,
+};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
-}
-
-fn coordinator(url: &str, prefix: &str, node_timeout: Duration) -> Coordinator {
-    Coordinator::builder(url)
-        .key_prefix(prefix)
-        .node_timeout(node_timeout)
-        .build()
-        .expect("connect")
 }
 
 /// The key's remaining TTL on the server (−2: gone).

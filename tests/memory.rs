@@ -6,19 +6,11 @@ mod support;
 
 use std::time::Duration;
 
-use respire_coordination::{Coordinator, ReleaseOutcome};
-use support::{shared_server, unique_prefix};
+use respire_coordination::ReleaseOutcome;
+use support::{coordinator, shared_server, unique_prefix};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
-}
-
-fn coordinator(url: &str, prefix: &str, node_timeout: Duration) -> Coordinator {
-    Coordinator::builder(url)
-        .key_prefix(prefix)
-        .node_timeout(node_timeout)
-        .build()
-        .expect("connect")
 }
 
 /// Resident set size of this process.

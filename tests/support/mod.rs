@@ -103,3 +103,16 @@ pub(crate) fn wait_until(deadline: Duration, what: &str, mut cond: impl FnMut() 
         thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// A coordinator on `url` with a key prefix and a node timeout of its own.
+pub(crate) fn coordinator(
+    url: &str,
+    prefix: &str,
+    node_timeout: Duration,
+) -> respire_coordination::Coordinator {
+    respire_coordination::Coordinator::builder(url)
+        .key_prefix(prefix)
+        .node_timeout(node_timeout)
+        .build()
+        .expect("connect")
+}
