@@ -45,9 +45,10 @@
 //!   lease kept alive at a TTL keep-alive accepts is never lost.
 //!
 //! `RESPIRE_SIM_CASES=n` sets the number of schedules per test (default
-//! 30,000 single-deployment and 10,000 Redlock ones, every command a script
-//! or command run on a model server); `RESPIRE_SIM_SEED=s` replays one, and `RESPIRE_SIM_TRACE=1` prints
-//! its events. A failure prints its seed.
+//! 60,000 single-deployment and 40,000 Redlock ones, every command a script
+//! or command run on a model server); `RESPIRE_SIM_SEED=s` replays one,
+//! `RESPIRE_SIM_BASE=b` starts the seeds elsewhere (for long runs in chunks),
+//! and `RESPIRE_SIM_TRACE=1` prints its events. A failure prints its seed.
 
 mod contracts;
 mod group;
@@ -281,8 +282,8 @@ pub(crate) fn instant(origin: Instant, at: Duration) -> Instant {
 /// The default number of schedules of each test in `cargo test`: 100,000 in
 /// all, within the test suite's time budget (every command of both runs the
 /// shipped Lua on a model server; a Redlock schedule, on three to five).
-const SINGLE_CASES: u64 = 30_000;
-const REDLOCK_CASES: u64 = 10_000;
+const SINGLE_CASES: u64 = 60_000;
+const REDLOCK_CASES: u64 = 40_000;
 
 #[test]
 fn redlock_leases() {
