@@ -143,6 +143,69 @@ impl NodeLease {
     }
 }
 
+/// What the node watchers know (each watches its server on an idle
+/// connection of its own), and the judgement of a live lease that their news
+/// prompts: a node counts for a lease while it granted it, has not restarted
+/// since and, unless the restart delay keeps a restarted server from granting
+/// anything before the lease's deadline, is not down.
+#[derive(Debug)]
+pub(crate) struct Watch {
+    /// Per node: since when its watcher has lost the server, if it has.
+    down: Vec<Option<Instant>>,
+}
+
+impl Watch {
+    pub(crate) fn new(nodes: usize) -> Self {
+        Watch {
+            down: vec![None; nodes],
+        }
+    }
+
+    /// Node `i`'s watcher lost its server at `now` (it keeps the first
+    /// instant while the server stays away).
+    pub(crate) fn went_away(&mut self, i: usize, now: Instant) {
+        self.down[i].get_or_insert(now);
+    }
+
+    /// Node `i`'s watcher reached its server again, running as `run_id`:
+    /// every lease in `leases` that another server granted on that node
+    /// stops counting it. Returns how many did.
+    pub(crate) fn came_back<'a>(
+        &mut self,
+        i: usize,
+        run_id: &str,
+        leases: impl IntoIterator<Item = &'a NodeLease>,
+    ) -> usize {
+        self.down[i] = None;
+        leases.into_iter().filter(|l| l.seen_run(i, run_id)).count()
+    }
+
+    /// Whether a lease lost at `lost_at` can still be counted on by a
+    /// quorum; `Err(counted)` when fewer than `quorum` nodes can.
+    pub(crate) fn judge(
+        &self,
+        lease: &NodeLease,
+        lost_at: Instant,
+        restart_delay: Option<Duration>,
+        quorum: usize,
+    ) -> Result<(), usize> {
+        let counted = lease.counted(&self.down, restart_delay, lost_at);
+        if counted < quorum {
+            Err(counted)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// When a server started, at the latest, from its `INFO` uptime
+/// (`uptime_in_seconds`) read by a request sent at `asked`: the uptime is a
+/// difference of whole-second clock readings, up to a second more than the
+/// true uptime, so the latest start is assumed.
+pub(crate) fn started_by(asked: Instant, uptime: Option<Duration>) -> Option<Instant> {
+    uptime.and_then(|u| (asked + Duration::from_secs(1)).checked_sub(u))
+}
+
 /// A node's reply to one command, as read off the wire.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum NodeReply {

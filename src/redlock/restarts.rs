@@ -8,8 +8,9 @@
 //! then judges every live lock at once: a node counts for a lock while it
 //! granted it, has not restarted since and, unless the restart delay keeps a
 //! restarted server from granting anything before the lock's deadline, is not
-//! down. A lock that fewer than a quorum of nodes count for is flagged lost
-//! before a restarted node can take a new acquire.
+//! down (`core::redlock::Watch`, which the simulation runs too). A lock that
+//! fewer than a quorum of nodes count for is flagged lost before a restarted
+//! node can take a new acquire.
 
 use std::sync::{Arc, Weak};
 use std::time::Instant;
@@ -19,12 +20,12 @@ use parking_lot::Mutex;
 use super::Group;
 use super::guard::RedlockLease;
 use super::worker::NodeEvent;
+use crate::core::redlock::Watch;
 
 /// The group's live locks and what its watchers know of each node.
 pub(super) struct Restarts {
     live: Mutex<Live>,
-    /// Per node: since when its watcher has lost the server, if it has.
-    down: Mutex<Vec<Option<Instant>>>,
+    watch: Mutex<Watch>,
 }
 
 struct Live {
@@ -39,7 +40,7 @@ impl Restarts {
                 leases: Vec::new(),
                 prune_at: 64,
             }),
-            down: Mutex::new(vec![None; nodes]),
+            watch: Mutex::new(Watch::new(nodes)),
         }
     }
 
@@ -70,17 +71,14 @@ impl Group {
     pub(super) fn node_event(&self, i: usize, event: NodeEvent) {
         let now = Instant::now();
         let leases = self.restarts.leases();
+        let mut watch = self.restarts.watch.lock();
         let what = match &event {
             NodeEvent::Down => {
-                self.restarts.down.lock()[i] = Some(now);
+                watch.went_away(i, now);
                 "went away"
             }
             NodeEvent::Up { run_id } => {
-                self.restarts.down.lock()[i] = None;
-                let restarted = leases
-                    .iter()
-                    .filter(|l| l.nodes().seen_run(i, run_id))
-                    .count();
+                let restarted = watch.came_back(i, run_id, leases.iter().map(|l| &**l.nodes()));
                 if restarted == 0 {
                     // Back as the same server: no lock lost anything.
                     return;
@@ -92,21 +90,26 @@ impl Group {
                 "restarted"
             }
         };
-        let down = self.restarts.down.lock().clone();
         let restart_delay = self.options.restart_delay;
-        for lease in leases {
-            let counted = lease.nodes().counted(&down, restart_delay, lease.lost_at());
-            if counted < self.quorum {
-                lease.lose_quorum(
-                    now,
-                    format!(
-                        "only {counted} node(s) that granted it can still be counted on, fewer \
-                         than the quorum of {}: node {i} {what} and may grant it again without \
-                         the key",
-                        self.quorum
-                    ),
-                );
-            }
+        let short: Vec<(&Arc<RedlockLease>, usize)> = leases
+            .iter()
+            .filter_map(|lease| {
+                let verdict =
+                    watch.judge(lease.nodes(), lease.lost_at(), restart_delay, self.quorum);
+                verdict.err().map(|counted| (lease, counted))
+            })
+            .collect();
+        drop(watch);
+        for (lease, counted) in short {
+            lease.lose_quorum(
+                now,
+                format!(
+                    "only {counted} node(s) that granted it can still be counted on, fewer \
+                     than the quorum of {}: node {i} {what} and may grant it again without \
+                     the key",
+                    self.quorum
+                ),
+            );
         }
     }
 }

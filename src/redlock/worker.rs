@@ -45,7 +45,7 @@ use parking_lot::Mutex;
 use crate::conn::{Conn, ConnConfig};
 use crate::core::quorum::Vote;
 use crate::core::redlock::{
-    self as machine, Action, Answer, Connected, Node, NodeReply, fences_for,
+    self as machine, Action, Answer, Connected, Node, NodeReply, fences_for, started_by,
 };
 use crate::core::redlock::{NodeLease, Op};
 pub(crate) use crate::core::redlock::{NodeSettings, ROUND_TRIPS_PER_TIMEOUT};
@@ -745,11 +745,7 @@ fn open_node(
         )?;
         round_trip = round_trip.min(t.elapsed());
     }
-    // uptime_in_seconds is a difference of whole-second clock readings, up
-    // to a second more than the true uptime: assume the latest start.
-    let started_by = info
-        .uptime
-        .and_then(|u| (asked + Duration::from_secs(1)).checked_sub(u));
+    let started_by = started_by(asked, info.uptime);
     Ok(NodeConn {
         conn,
         info,

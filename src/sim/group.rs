@@ -13,23 +13,35 @@
 //! and keeps order per connection only, and the transport of each machine
 //! (which command goes on which model connection, the connector's tries).
 //!
+//! Servers crash (`kill -9`) and start again, with their data (an
+//! append-only file) or without it (only with a restart delay longer than
+//! any lease, as documented): every connection dies with the process, and
+//! each client's node watchers notice after a hop (or, when the close is
+//! lost, at their next ping), reconnect after growing pauses and report the
+//! new run id. What the group does with that news is the shipped judgement
+//! (`core::redlock::Watch`), and the restart delay is the node machine's
+//! own refusal to grant on a server that started too recently, from the
+//! uptime its connection read (`core::redlock::started_by`).
+//!
 //! Invariants, besides the bound of the holder's guard against the moment
-//! fewer than a quorum of servers still hold it (see `sim/mod.rs`): a release
-//! counted as confirmed on a server never leaves the lease there, and one
-//! that reports the lease deleted had it deleted by its own commands on a
-//! quorum (the checker's record, taken from the servers before and after).
+//! fewer than a quorum of servers still hold it (see `sim/mod.rs`; a server
+//! that a crash emptied counts while it is down and for the restart delay
+//! after it starts): no two guards are valid at once; a release counted as
+//! confirmed on a server never leaves the lease there, and one that reports
+//! the lease deleted had it deleted by its own commands on a quorum (the
+//! checker's record, taken from the servers before and after).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::model::{ClientId, ModelServer, Reply as Wire, Value};
+use super::model::{ClientId, ModelServer, Persistence, Reply as Wire, Value};
 use super::{Net, Queue, Rng, Stats, instant};
-use crate::core::lease::{LeaseCore, Refusal};
+use crate::core::lease::{LeaseCore, Loss, Refusal};
 use crate::core::quorum::Tally;
 use crate::core::redlock::{
     Action, Answer, Connected, Extension, Job, Node, NodeLease, NodeReply, NodeSettings, Op,
-    Release, Renewal, acquired, fences_for, validity,
+    Release, Renewal, Watch, acquired, fences_for, started_by, validity,
 };
 use crate::core::schedule::{Next, Schedule, Watched};
 use crate::core::timing::{Timing, rest_after};
@@ -71,6 +83,18 @@ struct Server {
     /// is kept per connection only).
     last_in: HashMap<ClientId, Duration>,
     last_out: HashMap<ClientId, Duration>,
+    /// Bumped at every crash: a connection of an earlier process is dead
+    /// even where its id is reused.
+    epoch: u32,
+    /// While the process is down: until when (true time).
+    down_until: Option<Duration>,
+    /// The server clock when the running process started (for `INFO`'s
+    /// uptime).
+    process_start_ms: i64,
+    /// What the crashes took: the value the key held, and until when (true
+    /// time) no client may take the key there (`None`: until the process
+    /// starts again, not yet known). The checker's record.
+    crashes: Vec<(String, Option<Duration>)>,
 }
 
 impl Server {
@@ -97,6 +121,18 @@ impl Server {
 
     fn run(&mut self, conn: ClientId, argv: &[&str]) -> Option<Wire> {
         self.model.command_from(conn, argv)
+    }
+
+    /// Until when (true time, ns) the checker counts this server as keeping
+    /// others from `value`'s key after a crash took it: while the process
+    /// is down and, once it is back, until the restart delay has passed.
+    fn shields_until(&self, value: &str, t: Duration) -> Option<f64> {
+        self.crashes
+            .iter()
+            .filter(|(v, _)| v == value)
+            .map(|(_, until)| until.map_or(f64::INFINITY, |u| u.as_nanos() as f64))
+            .filter(|&end| end > t.as_nanos() as f64)
+            .reduce(f64::max)
     }
 
     /// Runs one job's command on `conn`; `None` if the connection is closed.
@@ -167,6 +203,8 @@ struct Link {
     failures: u32,
     /// The connector try under way, while not connected.
     trying: Option<u64>,
+    /// The server process `conn` belongs to.
+    epoch: u32,
 }
 
 /// A connector try in progress (the state a `respire-conn-N` thread keeps).
@@ -180,6 +218,10 @@ struct Try {
     started: Duration,
     /// The try fails if it is not done by then.
     deadline: Duration,
+    /// The server process its connection was made to.
+    epoch: u32,
+    /// That process's `INFO` uptime, whole seconds.
+    uptime: u64,
 }
 
 enum Purpose {
@@ -245,6 +287,7 @@ enum Ev {
         c: usize,
         i: usize,
         conn: ClientId,
+        epoch: u32,
         op: Op,
         lease: Arc<NodeLease>,
     },
@@ -274,6 +317,13 @@ enum Ev {
     Killed(Try, ClientId, Vec<Wire>),
     /// The try ran out of time.
     TryFailed(Try),
+    /// Server `i`'s process is killed (`kill -9`), with or without its data.
+    Crash(usize, Persistence),
+    /// It starts again.
+    Start(usize),
+    /// Client `c`'s watcher of server `i` lost it (`None`) or reached it
+    /// again, running as the run id given.
+    Watched(usize, usize, Option<String>),
 }
 
 impl Ev {
@@ -297,6 +347,9 @@ impl Ev {
                 format!("killed client {} node {} from {conn}: {r:?}", t.c, t.i)
             }
             Ev::TryFailed(t) => format!("connect failed client {} node {}", t.c, t.i),
+            Ev::Crash(i, p) => format!("crash node {i} {p:?}"),
+            Ev::Start(i) => format!("start node {i}"),
+            Ev::Watched(c, i, run) => format!("watcher client {c} node {i}: {run:?}"),
         }
     }
 }
@@ -316,6 +369,8 @@ struct Client {
     claim_wait: Option<(Duration, Duration)>,
     /// Only the holder under test keeps alive and extends.
     full: bool,
+    /// What this client's node watchers know.
+    watch: Watch,
 }
 
 struct World {
@@ -339,6 +394,7 @@ struct World {
     /// its releases deleted the key.
     deleted: HashMap<String, HashSet<usize>>,
     ttls: Vec<Duration>,
+    restart_delay: Option<Duration>,
     stats: Stats,
     steps_left: u32,
     trace: bool,
@@ -370,6 +426,10 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
                 at: Duration::ZERO,
                 last_in: HashMap::new(),
                 last_out: HashMap::new(),
+                epoch: 0,
+                down_until: None,
+                process_start_ms: start_ms - 1_000_000,
+                crashes: Vec::new(),
             }
         })
         .collect();
@@ -386,9 +446,20 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         keepalive * 3,
         timing.node_timeout * 200,
     ];
+    // Crashes come from a generator of their own, so that a schedule
+    // without them is the one the seed gave before they existed.
+    let mut crashes = Rng::new(seed ^ 0x00c7_a5e5);
+    // Without a restart delay a server may crash only with its data (an
+    // append-only file): coming back empty, it could grant the lock again
+    // at once, which the documented model allows. With one longer than any
+    // lease, it may come back empty.
+    let longest = *ttls.iter().max().expect("ttls");
+    let restart_delay = crashes.chance(0.6).then(|| {
+        longest.mul_f64(1.0 + 4.0 * drift_factor) + node_timeout * 2 + Duration::from_secs(1)
+    });
     let settings = NodeSettings {
         node_timeout,
-        restart_delay: None,
+        restart_delay,
     };
     let round_trip = Duration::from_micros(net.delay.0 + net.delay.1);
     let clients = (0..2)
@@ -410,6 +481,7 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
                         out: None,
                         failures: 0,
                         trying: None,
+                        epoch: 0,
                     }
                 })
                 .collect();
@@ -420,6 +492,7 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
                 owners: 0,
                 claim_wait: None,
                 full: c == 0,
+                watch: Watch::new(n),
             }
         })
         .collect();
@@ -440,6 +513,7 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         dirty: Vec::new(),
         deleted: HashMap::new(),
         ttls,
+        restart_delay,
         stats: Stats::default(),
         steps_left: 30 + rng.below(30) as u32,
         trace: std::env::var_os("RESPIRE_SIM_TRACE").is_some(),
@@ -448,6 +522,35 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
     for c in 0..2 {
         let at = w.rng.micros(0, 5_000);
         w.queue.push(at, Ev::UserNext(c));
+    }
+    if crashes.chance(0.4) {
+        let within = (w.ttls[0].as_micros() as u64) * 30;
+        let persistence = |crashes: &mut Rng| {
+            if restart_delay.is_some() && crashes.chance(0.7) {
+                Persistence::None
+            } else {
+                Persistence::Aof
+            }
+        };
+        let mut at = Vec::new();
+        if crashes.chance(0.5) {
+            // A majority at about the same time (a rack's power).
+            let t = crashes.micros(0, within);
+            let first = crashes.below(n as u64) as usize;
+            for k in 0..w.quorum {
+                let spread = crashes.micros(0, node_timeout.as_micros() as u64);
+                at.push((t + spread, (first + k) % n, persistence(&mut crashes)));
+            }
+        } else {
+            for _ in 0..1 + crashes.below(3) {
+                let i = crashes.below(n as u64) as usize;
+                let p = persistence(&mut crashes);
+                at.push((crashes.micros(0, within), i, p));
+            }
+        }
+        for (t, i, p) in at {
+            w.queue.push(t, Ev::Crash(i, p));
+        }
     }
     while let Some(t) = w.queue.peek_time() {
         while w.queue.peek_time() == Some(t) {
@@ -483,9 +586,14 @@ impl World {
                 c,
                 i,
                 conn,
+                epoch,
                 op,
                 lease,
-            } => self.deliver(req, c, i, conn, op, &lease),
+            } => {
+                if epoch == self.servers[i].epoch {
+                    self.deliver(req, c, i, conn, op, &lease);
+                }
+            }
             Ev::Reply { req, c, i, reply } => {
                 let link = &mut self.clients[c].links[i];
                 if let Some((out, sent)) = link.out
@@ -519,9 +627,16 @@ impl World {
             Ev::Decide(fan) => self.decide(fan)?,
             Ev::UserNext(c) => self.user_step(c)?,
             Ev::Reconnect(t) => self.try_connect(t),
-            Ev::Setup(t, back) => {
+            Ev::Setup(mut t, back) => {
                 let s = &mut self.servers[t.i];
+                if s.down_until.is_some() {
+                    // Refused: the try fails at its deadline.
+                    return Ok(());
+                }
                 s.sync(self.now);
+                t.epoch = s.epoch;
+                // `INFO`'s uptime_in_seconds: whole seconds of the server's clock.
+                t.uptime = ((s.model.now_ms() - s.process_start_ms).max(0) / 1_000) as u64;
                 let conn = s.model.connect();
                 let run_id = s.model.run_id().to_owned();
                 let at = self.now + back;
@@ -549,6 +664,9 @@ impl World {
             }
             Ev::Kill(t, conn, ids, back) => {
                 let s = &mut self.servers[t.i];
+                if s.epoch != t.epoch {
+                    return Ok(());
+                }
                 s.sync(self.now);
                 let replies: Option<Vec<Wire>> = ids
                     .iter()
@@ -583,6 +701,9 @@ impl World {
                     self.try_failed(t);
                 }
             }
+            Ev::Crash(i, persistence) => self.crash(i, persistence),
+            Ev::Start(i) => self.start(i),
+            Ev::Watched(c, i, run_id) => self.watched(c, i, run_id.as_deref()),
             Ev::SchedWake => {
                 if self.wake == Some(self.now) {
                     self.wake = None;
@@ -647,6 +768,8 @@ impl World {
                             run_id,
                             started: self.now,
                             deadline: self.now,
+                            epoch: 0,
+                            uptime: 0,
                         };
                         self.queue.push(self.now, Ev::Reconnect(t));
                     }
@@ -661,7 +784,7 @@ impl World {
         self.next_req += 1;
         let link = &mut self.clients[c].links[i];
         link.out = Some((req, self.now));
-        let conn = link.conn;
+        let (conn, epoch) = (link.conn, link.epoch);
         let lose = self.net.p_lose_request;
         if let Some(d) = self.net.hop(&mut self.rng, lose) {
             let s = &mut self.servers[i];
@@ -675,6 +798,7 @@ impl World {
                     c,
                     i,
                     conn,
+                    epoch,
                     op,
                     lease,
                 },
@@ -727,21 +851,132 @@ impl World {
 
     fn connected(&mut self, t: &Try, conn: ClientId, run_id: &str) {
         let now = self.at();
+        let asked = instant(self.origin, t.started);
         let link = &mut self.clients[t.c].links[t.i];
-        if link.trying != Some(t.id) || !self.servers[t.i].model.is_connected(conn) {
+        let s = &self.servers[t.i];
+        if link.trying != Some(t.id) || s.epoch != t.epoch || !s.model.is_connected(conn) {
             return;
         }
         link.trying = None;
         let connected = Connected {
             id: Some(conn),
             run_id: Some(Arc::from(run_id)),
-            started_by: None,
+            started_by: started_by(asked, Some(Duration::from_secs(t.uptime))),
             round_trip: self.now - t.started,
         };
         link.node.handle_connected(connected, now);
         link.conn = conn;
+        link.epoch = t.epoch;
         link.failures = 0;
         self.dirty.push((t.c, t.i));
+    }
+
+    /// `kill -9` of server `i`: every connection dies with the process (and,
+    /// without persistence, the data); each client's watcher notices after
+    /// one hop.
+    fn crash(&mut self, i: usize, persistence: Persistence) {
+        let t = self.now;
+        let s = &mut self.servers[i];
+        if s.down_until.is_some() {
+            return;
+        }
+        s.sync(t);
+        let held = match s.model.entry(KEY).map(|e| &e.value) {
+            Some(Value::Str(v)) => Some(String::from_utf8_lossy(v).into_owned()),
+            _ => None,
+        };
+        if let (Some(value), Persistence::None) = (held, persistence) {
+            s.crashes.push((value, None));
+        }
+        s.model.restart(persistence);
+        s.epoch += 1;
+        s.last_in.clear();
+        s.last_out.clear();
+        let downtime = self
+            .rng
+            .micros(0, self.timing.node_timeout.as_micros() as u64 * 20);
+        s.down_until = Some(t + downtime);
+        self.stats.restarts += 1;
+        self.queue.push(t + downtime, Ev::Start(i));
+        // Each watcher notices the closed connection after one hop (or, if
+        // the close is lost on the way, when its ping of the silent
+        // connection goes unanswered: within 5 s and a node timeout), then
+        // tries to connect again after pauses that grow (`rest_after`); the
+        // first try after the start reports the new run id.
+        let run_id = s.model.run_id().to_owned();
+        let nt = self.timing.node_timeout;
+        for c in 0..self.clients.len() {
+            let unseen = self.rng.chance(self.net.p_lose_reply);
+            let ping = self.rng.micros(0, 5_000_000) + nt;
+            let mut hop = || self.net.hop(&mut self.rng, 0.0).expect("not lost");
+            let noticed = if unseen { t + ping } else { t + hop() };
+            let mut tried = noticed;
+            let mut failures = 0;
+            while tried < t + downtime {
+                failures += 1;
+                tried += rest_after(failures);
+            }
+            let up = tried + hop() + hop();
+            self.queue.push(noticed, Ev::Watched(c, i, None));
+            self.queue.push(up, Ev::Watched(c, i, Some(run_id.clone())));
+        }
+    }
+
+    /// Server `i`'s process starts again.
+    fn start(&mut self, i: usize) {
+        let t = self.now;
+        let delay = self.restart_delay.unwrap_or_default();
+        let s = &mut self.servers[i];
+        s.sync(t);
+        s.down_until = None;
+        s.process_start_ms = s.model.now_ms();
+        for (_, until) in &mut s.crashes {
+            until.get_or_insert(t + delay);
+        }
+    }
+
+    /// What client `c`'s group does with its watcher's news of node `i`:
+    /// its live lease is judged again, and lost if too few nodes can still
+    /// be counted on.
+    fn watched(&mut self, c: usize, i: usize, run_id: Option<&str>) {
+        let now = self.at();
+        let quorum = self.quorum;
+        let restart_delay = self.restart_delay;
+        let client = &mut self.clients[c];
+        let live: Vec<(Arc<Cell>, Arc<NodeLease>)> = client
+            .held
+            .iter()
+            .filter(|h| !h.cell.is_finished())
+            .map(|h| (h.cell.clone(), h.lease.clone()))
+            .collect();
+        match run_id {
+            None => client.watch.went_away(i, now),
+            Some(run_id) => {
+                if client
+                    .watch
+                    .came_back(i, run_id, live.iter().map(|(_, l)| &**l))
+                    == 0
+                {
+                    return;
+                }
+            }
+        }
+        let short: Vec<Arc<Cell>> = live
+            .into_iter()
+            .filter(|(cell, lease)| {
+                client
+                    .watch
+                    .judge(lease, cell.lost_at(), restart_delay, quorum)
+                    .is_err()
+            })
+            .map(|(cell, _)| cell)
+            .collect();
+        for cell in short {
+            if !cell.is_lost(now) {
+                cell.mark_lost(now, Loss::Other("too few nodes can be counted on".into()));
+                self.touch(&cell);
+            }
+        }
     }
 
     fn arm(&mut self) {
@@ -1223,11 +1458,25 @@ impl World {
             return Ok(());
         }
         let value = h.lease.value();
+        if let Some(other) = &self.clients[1].held
+            && !other.cell.is_finished()
+            && !other.cell.peek_lost(now)
+        {
+            return Err(format!(
+                "two guards hold the lock at {t:?}: {value} (valid until {:?}) and {} (valid \
+                 until {:?})",
+                h.cell.valid_until().duration_since(self.origin),
+                other.lease.value(),
+                other.cell.valid_until().duration_since(self.origin)
+            ));
+        }
         // Each server's expiry of this holder's value, in true time.
+        // A server a crash took the key from keeps others from it while it
+        // is down and then for the restart delay.
         let mut expiries: Vec<f64> = self
             .servers
             .iter()
-            .filter_map(|s| s.holds_until(value, t))
+            .filter_map(|s| s.holds_until(value, t).or(s.shields_until(value, t)))
             .collect();
         let holding = expiries.len();
         // The guard's bound (not only `is_lost()`, a node timeout earlier)

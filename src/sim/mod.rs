@@ -8,8 +8,9 @@
 //! and their settlement, fences by confirmed kill, clean-ups, retirement at a
 //! switch), the verification verdicts, the renewal `Schedule`, the quorum
 //! `Tally` and the `FenceBook`; for Redlock, the node machines, the
-//! extension's settle, the release's count and the acquire verdict
-//! (`core::redlock`); for single deployments, the acquire's bookkeeping
+//! extension's settle, the release's count, the acquire verdict, the restart
+//! delay and the judgement of live leases on the watchers' news of a
+//! restart (`core::redlock`); for single deployments, the acquire's bookkeeping
 //! (`core::acquire`) and the release's reading. Every server is a model
 //! server (`model`) running the shipped Lua and commands: plain, fenced,
 //! semaphore and reader/writer leases, and Redlock's scripts. What is still
@@ -21,7 +22,8 @@
 //! single deployments a replica fed by a lagging stream that is promoted at a
 //! random instant, losing the unreplicated tail, while the old primary keeps
 //! serving the connections made to it until each process learns of the
-//! switch) and a model network (delays, lost requests, lost replies, replies
+//! switch; for Redlock, crashes and restarts with and without the data) and
+//! a model network (delays, lost requests, lost replies, replies
 //! arriving after the client gave up, order kept per connection only, killed
 //! connections).
 
@@ -34,6 +36,8 @@
 //!   promotion, a lease is exempt until its process verified it on the new
 //!   primary: until it learns of the switch, no client can know (counted as
 //!   `exposed`);
+//! - for Redlock, no two guards are valid at once (a server a crash emptied
+//!   counts as holding the lease while it is down and for the restart delay);
 //! - a lease the server no longer holds for its owner (expired, deleted,
 //!   someone else's) is already `is_lost()` for its guard;
 //! - a watched guard's loss signal is closed once `is_lost()` is true;
@@ -253,6 +257,8 @@ pub(crate) struct Stats {
     pub(crate) checks: u64,
     /// Promotions of a replica that lost the unreplicated tail.
     pub(crate) failovers: u64,
+    /// Server processes killed and started again.
+    pub(crate) restarts: u64,
     /// Checks skipped for a lease between a promotion and its verification
     /// on the new primary, where the model allows a wrong bound.
     pub(crate) exposed: u64,
@@ -270,6 +276,7 @@ impl Stats {
         self.regressions += o.regressions;
         self.checks += o.checks;
         self.failovers += o.failovers;
+        self.restarts += o.restarts;
         self.exposed += o.exposed;
     }
 }
@@ -292,6 +299,7 @@ fn redlock_leases() {
         assert!(stats.grants > stats.cases, "{stats:?}");
         assert!(stats.unanswered > 0 && stats.fences > 0, "{stats:?}");
         assert!(stats.losses > 0 && stats.takeovers > 0, "{stats:?}");
+        assert!(stats.restarts > 0, "{stats:?}");
     }
 }
 
