@@ -136,13 +136,13 @@ impl RedlockGuard {
     /// clock drift, on the local monotonic clock. Zero once lost or released.
     /// Does not touch the network.
     pub fn remaining_estimate(&self) -> Duration {
-        self.inner.cell.remaining(Instant::now())
+        self.inner.cell.remaining(self.inner.group.now())
     }
 
     /// Whether the lock is lost (see [Loss](RedlockGuard#loss)) or released.
     /// Does not block.
     pub fn is_lost(&self) -> bool {
-        self.inner.cell.is_lost(Instant::now())
+        self.inner.cell.is_lost(self.inner.group.now())
     }
 
     /// A channel that disconnects when the lock is lost or released, for
@@ -152,10 +152,10 @@ impl RedlockGuard {
     /// the channel closes at the loss deadline; that thread never waits on a
     /// node. If it cannot be started, the guard is flagged lost at once.
     pub fn lost_signal(&self) -> &Receiver<()> {
-        let rx = self.inner.cell.signal(Instant::now());
+        let rx = self.inner.cell.signal(self.inner.group.now());
         if let Err(e) = self.inner.group.renewal.watch(&self.inner) {
             self.inner.cell.mark_lost(
-                Instant::now(),
+                self.inner.group.now(),
                 Loss::Other(format!("its loss deadline cannot be watched: {e}")),
             );
         }
@@ -198,7 +198,7 @@ impl RedlockGuard {
         let nt = group.options.node_timeout;
         let waited = Instant::now() + nt;
         let ticket = loop {
-            match cell.begin_extend(Instant::now(), ttl) {
+            match cell.begin_extend(self.inner.group.now(), ttl) {
                 Ok(ticket) => break ticket,
                 Err(Refusal::Lost) => return Ok(false),
                 Err(Refusal::Busy) => {
@@ -212,7 +212,7 @@ impl RedlockGuard {
             }
         };
         group.renewal.touch(&self.inner);
-        let now = Instant::now();
+        let now = self.inner.group.now();
         let deadline = (now + nt).min(cell.valid_until());
         let targets = group.all();
         let done = Completion::new(targets.len());
@@ -227,22 +227,23 @@ impl RedlockGuard {
         let nodes = group.reports(replies, &targets, deadline, &NodeOutcome::Abandoned);
         *self.inner.evidence.lock() = nodes.clone();
         let mut extension = Extension::counted(ticket, tally);
-        let verdict = extension.settle(&self.inner.cell, Instant::now(), || refusal(&nodes));
+        let verdict =
+            extension.settle(&self.inner.cell, self.inner.group.now(), || refusal(&nodes));
         if verdict == ExtendVerdict::Unknown {
             // Released once every node's share is finished: from then on, each
             // node runs a later extension after this one or not at all.
             let lease = self.inner.clone();
             done.then(move || {
-                extension.finish(&lease.cell, Instant::now());
+                extension.finish(&lease.cell, lease.group.now());
                 lease.group.renewal.touch(&lease);
             });
         }
         done.finish();
         group.renewal.touch(&self.inner);
         match verdict {
-            ExtendVerdict::Confirmed => Ok(!cell.is_lost(Instant::now())),
+            ExtendVerdict::Confirmed => Ok(!cell.is_lost(self.inner.group.now())),
             ExtendVerdict::Refused => Ok(false),
-            ExtendVerdict::Unknown if cell.is_lost(Instant::now()) => Ok(false),
+            ExtendVerdict::Unknown if cell.is_lost(self.inner.group.now()) => Ok(false),
             ExtendVerdict::Unknown => Err(Error::QuorumNotReached {
                 op: "extend",
                 confirmed: tally.yes,
@@ -317,7 +318,7 @@ impl RedlockGuard {
     /// expiry, or earlier on the nodes that get the queued release.
     pub fn release(&mut self) -> Result<bool> {
         let group = &self.inner.group;
-        self.inner.cell.finish(Instant::now());
+        self.inner.cell.finish(self.inner.group.now());
         group.renewal.forget(&self.inner);
         if let Some(outcome) = self.release.outcome() {
             return Ok(outcome);
@@ -430,7 +431,7 @@ pub struct RedlockKeepAlive<'a> {
 impl RedlockKeepAlive<'_> {
     /// Whether the lock is lost (same as the guard's `is_lost()`). Does not block.
     pub fn is_lost(&self) -> bool {
-        self.inner.cell.is_lost(Instant::now())
+        self.inner.cell.is_lost(self.inner.group.now())
     }
 }
 
@@ -451,6 +452,11 @@ impl fmt::Debug for RedlockKeepAlive<'_> {
 }
 
 impl Group {
+    /// The instant now, by the group's clock.
+    pub(super) fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
     pub(super) fn timing(&self) -> Timing {
         Timing {
             drift_factor: self.options.drift_factor,
@@ -486,7 +492,11 @@ impl GroupRenewal {
             return Ok(s);
         }
         let group = self.group.clone();
-        let s = Scheduler::spawn("respire-redlock", crate::clock::system(), move |_replies| {
+        let clock = self
+            .group
+            .upgrade()
+            .map_or_else(crate::clock::system, |g| g.clock.clone());
+        let s = Scheduler::spawn("respire-redlock", clock, move |_replies| {
             let (tx, rx) = crossbeam_channel::unbounded();
             ToNodes {
                 group,

@@ -26,6 +26,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use crate::cancel::CancelToken;
+use crate::clock::Clock;
 use crate::conn::ConnConfig;
 use crate::coordinator::Coordinator;
 use crate::error::{Error, Result};
@@ -244,6 +245,9 @@ pub(crate) struct Group {
     quorum: usize,
     renewal: GroupRenewal,
     restarts: Restarts,
+    /// The clock every decision about a lease reads (the monotonic clock;
+    /// socket and wait deadlines read the system's own).
+    clock: Arc<dyn Clock>,
     /// Stop when the group is dropped.
     _watchers: Vec<NodeWatcher>,
 }
@@ -603,6 +607,7 @@ impl Group {
                 quorum,
                 renewal: GroupRenewal::new(this.clone()),
                 restarts: Restarts::new(n),
+                clock: crate::clock::system(),
                 _watchers: watchers(cfgs, this),
             }),
         })

@@ -13,7 +13,6 @@
 //! node can take a new acquire.
 
 use std::sync::{Arc, Weak};
-use std::time::Instant;
 
 use parking_lot::Mutex;
 
@@ -69,7 +68,7 @@ impl Restarts {
 impl Group {
     /// A watcher's news about node `i`: every live lock is judged again.
     pub(super) fn node_event(&self, i: usize, event: NodeEvent) {
-        let now = Instant::now();
+        let now = self.now();
         let leases = self.restarts.leases();
         let mut watch = self.restarts.watch.lock();
         let what = match &event {
