@@ -1111,6 +1111,45 @@ mod tests {
     }
 
     #[test]
+    fn the_watchers_news_judges_every_live_lease() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let lease = NodeLease::new(vec!["a".into(), "b".into(), "c".into()], "v".into());
+        for i in 0..3 {
+            lease.slots[i].lock().granted_by = Some(Arc::from("one"));
+        }
+        let other = NodeLease::new(vec!["a".into(), "b".into(), "c".into()], "w".into());
+        let lost_at = t0 + s(10);
+        let mut watch = Watch::new(3);
+        assert_eq!(watch.judge(&lease, lost_at, None, 2), Ok(()));
+        watch.went_away(0, t0);
+        watch.went_away(0, t0 + s(3));
+        // Down since t0 (the first news), back after the deadline: counts.
+        assert_eq!(watch.judge(&lease, lost_at, Some(s(10)), 2), Ok(()));
+        watch.went_away(1, t0);
+        assert_eq!(watch.judge(&lease, lost_at, Some(s(10)), 2), Ok(()));
+        assert_eq!(watch.judge(&lease, lost_at, None, 2), Err(1));
+        // Back as the same server: it counts again.
+        assert_eq!(watch.came_back(0, "one", [&lease, &other]), 0);
+        assert_eq!(watch.judge(&lease, lost_at, None, 2), Ok(()));
+        // Back as another: only the lease it granted stops counting it, for good.
+        assert_eq!(watch.came_back(1, "two", [&lease, &other]), 1);
+        assert_eq!(watch.judge(&lease, lost_at, Some(s(10)), 3), Err(2));
+        assert_eq!(watch.judge(&lease, lost_at, Some(s(10)), 2), Ok(()));
+        assert_eq!(watch.came_back(1, "one", [&lease, &other]), 0);
+        assert_eq!(watch.judge(&lease, lost_at, Some(s(10)), 3), Err(2));
+    }
+
+    #[test]
+    fn a_server_is_assumed_to_have_started_as_late_as_its_uptime_allows() {
+        let asked = Instant::now() + Duration::from_secs(100);
+        let s = Duration::from_secs;
+        assert_eq!(started_by(asked, Some(s(10))), Some(asked - s(9)));
+        assert_eq!(started_by(asked, Some(s(0))), Some(asked + s(1)));
+        assert_eq!(started_by(asked, None), None);
+    }
+
+    #[test]
     fn a_restarted_server_has_nothing_to_kill() {
         let t = [3, 4];
         assert_eq!(fences_for(&t, Some("a"), Some("a")), &t);
