@@ -423,6 +423,10 @@ pub use lease::fenced::{FencedGuard, FencedLock};
 pub use lease::guard::{KeepAlive, LeaseGuard};
 pub use lease::kind::{Fenced, Kind, Plain, Read, Slot, Write};
 pub use lease::lock::{Lock, LockGuard};
+pub use lease::multi::{
+    FencedMultiGuard, FencedMultiLock, MultiGuard, MultiKeepAlive, MultiLease, MultiLock,
+    MultiLockGuard,
+};
 pub use lease::rwlease::{
     Preference, ReadGuard, ReadLease, ReadWriteLease, WriteGuard, WriteLease,
 };
@@ -462,6 +466,10 @@ fn _ensure_send_sync() {
     check::<Permit>();
     check::<Election>();
     check::<Leadership>();
+    check::<MultiLock>();
+    check::<MultiLockGuard>();
+    check::<FencedMultiLock>();
+    check::<FencedMultiGuard>();
     check::<Leader>();
     check::<LeaderChanges>();
     check::<KeepAlive<'static>>();
