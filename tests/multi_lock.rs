@@ -448,12 +448,16 @@ fn the_hold_checker_finds_overlaps_and_tokens_that_go_back() {
 
 const THREADS_PER_PROCESS: usize = 4;
 const KEYS: usize = 10;
-const HOLD_TTL: Duration = Duration::from_secs(2);
+/// Longer than any wait: a set left waiting on a lease another waiter holds
+/// (the deadlock of taking keys in the order given) cannot be undone by that
+/// lease running out, and shows as a wait that ran out.
+const HOLD_TTL: Duration = Duration::from_secs(30);
+const WAIT: Duration = Duration::from_secs(10);
 
 /// A child: four threads, each taking random subsets of the ten keys in
 /// random orders until the end, printing `@@hold <lost> <from> <to>
-/// <key>=<token>…` for every grant and `@@done <grants> <not granted>` at
-/// the end.
+/// <key>=<token>…` for every grant and `@@done <grants> <not granted>
+/// <longest wait in µs>` at the end.
 fn run_child(coord: &Coordinator, seconds: u64) {
     let end = Instant::now() + Duration::from_secs(seconds);
     let out = std::sync::Mutex::new(std::io::stdout());
@@ -462,7 +466,7 @@ fn run_child(coord: &Coordinator, seconds: u64) {
             let out = &out;
             s.spawn(move || {
                 let mut rng = Rng(mono_ns() ^ (t as u64 + 1) << 40 | 1);
-                let (mut grants, mut missed) = (0u64, 0u64);
+                let (mut grants, mut missed, mut longest) = (0u64, 0u64, 0u64);
                 while Instant::now() < end {
                     let mut keys: Vec<usize> = (0..KEYS).collect();
                     for i in (1..keys.len()).rev() {
@@ -474,8 +478,10 @@ fn run_child(coord: &Coordinator, seconds: u64) {
                         .map(|k| (format!("{{k{k}}}:lease"), format!("{{k{k}}}:fence")))
                         .collect();
                     let set = coord.fenced_lock_all(&pairs).unwrap();
-                    match set.acquire_timeout(HOLD_TTL, Duration::from_secs(10)) {
+                    let asked = Instant::now();
+                    match set.acquire_timeout(HOLD_TTL, WAIT) {
                         Ok(Some(g)) => {
+                            longest = longest.max(asked.elapsed().as_micros() as u64);
                             let from = mono_ns();
                             // The work: a few milliseconds with the keys.
                             let busy = Instant::now() + ms(rng.below(5));
@@ -505,7 +511,7 @@ fn run_child(coord: &Coordinator, seconds: u64) {
                         }
                     }
                 }
-                writeln!(out.lock().unwrap(), "@@done {grants} {missed}").unwrap();
+                writeln!(out.lock().unwrap(), "@@done {grants} {missed} {longest}").unwrap();
             });
         }
     });
@@ -574,10 +580,11 @@ fn eight_threads_in_two_processes(test: &str, url: &str, cluster: bool, prefix: 
                             });
                         }
                     }
-                    ["done", grants, missed] => done.push((
+                    ["done", grants, missed, longest] => done.push((
                         pid,
                         grants.parse::<u64>().unwrap(),
                         missed.parse::<u64>().unwrap(),
+                        longest.parse::<u64>().unwrap(),
                     )),
                     ["error", ..] => errors.push(line[at..].to_owned()),
                     _ => {}
@@ -599,15 +606,19 @@ fn eight_threads_in_two_processes(test: &str, url: &str, cluster: bool, prefix: 
     check_holds(&holds).unwrap_or_else(|e| panic!("{e}"));
     let grants: u64 = done.iter().map(|d| d.1).sum();
     let missed: u64 = done.iter().map(|d| d.2).sum();
+    let longest = done.iter().map(|d| d.3).max().unwrap_or(0);
     let per_key: Vec<usize> = holds.values().map(Vec::len).collect();
     println!(
-        "{grants} sets granted, {missed} waits ran out or failed, {lost} found lost; holds per \
-         key {per_key:?}"
+        "{grants} sets granted, {missed} waits ran out or failed, {lost} found lost, longest \
+         wait {} ms; holds per key {per_key:?}",
+        longest / 1000
     );
     assert!(
         errors.is_empty(),
         "errors on a healthy deployment: {errors:?}"
     );
+    // No deadlock: no wait ran out.
+    assert_eq!(missed, 0, "waits ran out on a healthy deployment");
     assert_eq!(lost, 0, "sets lost on a healthy deployment");
     // Every thread made progress.
     assert_eq!(done.len(), 2 * THREADS_PER_PROCESS, "{done:?}");
