@@ -3,7 +3,11 @@
 //! failure in the middle of the global order, loss of one member, keep-alive,
 //! the clean-up of an unanswered grant, and eight threads in two processes
 //! taking random subsets in random orders, checked on the machine's shared
-//! monotonic clock and on the servers.
+//! monotonic clock and on the servers (`RESPIRE_MULTI_SECS`, 3 s by default).
+//!
+//! `tests/mutants/multi/*.patch` put back defects these tests must catch; each
+//! names the test that catches it (`git apply` it, run that test, `git apply
+//! -R` it).
 
 mod support;
 

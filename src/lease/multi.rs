@@ -456,17 +456,14 @@ impl<K: Kind> MultiLease<K> {
         uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Grant<K>>> {
         let dep = &self.dep;
-        let mut keys: Vec<&str> = self.keys().collect();
-        let fenced = self.members[0].physical_keys().len() > 1;
-        if fenced {
-            keys.extend(self.members.iter().map(|m| m.physical_keys()[1].as_str()));
-        }
+        let leases: Vec<&str> = self.keys().collect();
+        let fences: Vec<&str> = self
+            .members
+            .iter()
+            .filter_map(|m| m.physical_keys().get(1).map(String::as_str))
+            .collect();
         let ttl = ttl_ms.to_string();
-        let args = [
-            owner.as_str(),
-            ttl.as_str(),
-            if fenced { "fenced" } else { "plain" },
-        ];
+        let (keys, args) = acquire_call(&leases, &fences, owner.as_str(), &ttl);
         let sent = dep.now();
         let reply: Vec<redis::Value> = conn
             .script(&scripts::MULTI_ACQUIRE, &keys, &args, "acquire", deadline)
@@ -499,6 +496,19 @@ impl<K: Kind> MultiLease<K> {
             }),
         }
     }
+}
+
+/// The keys and arguments of one `multi_acquire` call for `owner`: the lease
+/// keys, then (for fenced leases) their counters in the same order.
+pub(crate) fn acquire_call<'a>(
+    leases: &[&'a str],
+    fences: &[&'a str],
+    owner: &'a str,
+    ttl_ms: &'a str,
+) -> (Vec<&'a str>, [&'a str; 3]) {
+    let kind = if fences.is_empty() { "plain" } else { "fenced" };
+    let keys = leases.iter().chain(fences).copied().collect();
+    (keys, [owner, ttl_ms, kind])
 }
 
 /// Releases `guards` in turn (each as its `Drop` does).

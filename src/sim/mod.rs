@@ -283,6 +283,8 @@ pub(crate) fn instant(origin: Instant, at: Duration) -> Instant {
 /// shipped Lua on a model server; a Redlock schedule, on three to five).
 const SINGLE_CASES: u64 = 30_000;
 const REDLOCK_CASES: u64 = 10_000;
+/// Schedules of sets of leases taken all or nothing.
+const SETS_CASES: u64 = 3_000;
 
 #[test]
 fn redlock_leases() {
@@ -291,6 +293,19 @@ fn redlock_leases() {
         assert!(stats.grants > stats.cases, "{stats:?}");
         assert!(stats.unanswered > 0 && stats.fences > 0, "{stats:?}");
         assert!(stats.losses > 0 && stats.takeovers > 0, "{stats:?}");
+    }
+}
+
+#[test]
+fn single_deployment_lease_sets() {
+    let stats = run(
+        "single_deployment_lease_sets",
+        seeds(SETS_CASES, 3),
+        single::sets_case,
+    );
+    if stats.cases >= 1_000 {
+        assert!(stats.grants > stats.cases, "{stats:?}");
+        assert!(stats.unanswered > 0 && stats.checks > 0, "{stats:?}");
     }
 }
 
