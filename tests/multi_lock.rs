@@ -253,6 +253,107 @@ fn a_failure_in_the_middle_of_the_global_order_leaves_nothing_held() {
     );
 }
 
+#[test]
+fn a_wait_in_the_global_order_that_is_cancelled_leaves_nothing_held() {
+    let prefix = unique_prefix("cancel");
+    let coord = cluster_coordinator(&prefix);
+    let keys = spread_keys();
+    let mut order: Vec<String> = keys.iter().map(|k| format!("{prefix}{k}")).collect();
+    order.sort_by_key(|k| (key_slot(k.as_bytes()), k.clone()));
+    let last = order[order.len() - 1].clone();
+    let mut admin = shared_cluster().client_for_key(&last);
+    let () = admin.pset_ex(&last, "outsider", 60_000).unwrap();
+    let set = coord.lock_all(&keys).unwrap();
+    let cancel = CancelToken::new();
+    thread::scope(|s| {
+        let waiter = s.spawn(|| set.acquire(Duration::from_secs(30), &cancel));
+        // Every lease before the last is taken; the wait is on the last.
+        wait_until(
+            Duration::from_secs(10),
+            "the leases before the last",
+            || order[..order.len() - 1].iter().all(|k| exists_cluster(k)),
+        );
+        cancel.cancel();
+        let err = waiter.join().unwrap().unwrap_err();
+        assert!(matches!(err, Error::Cancelled), "{err}");
+    });
+    // Released before the call returned.
+    for k in order.iter().filter(|k| **k != last) {
+        assert!(!exists_cluster(k), "{k} was left set");
+    }
+    let v: String = admin.get(&last).unwrap();
+    assert_eq!(v, "outsider");
+}
+
+#[test]
+fn a_set_whose_early_lease_ran_out_during_the_wait_is_taken_again_whole() {
+    let prefix = unique_prefix("again");
+    let seeds = shared_cluster().seed_urls();
+    let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
+    let coord = Coordinator::cluster_builder(&seeds)
+        .key_prefix(&prefix)
+        .node_timeout(ms(100))
+        .build()
+        .unwrap();
+    let keys = spread_keys();
+    let mut order: Vec<String> = keys.iter().map(|k| format!("{prefix}{k}")).collect();
+    order.sort_by_key(|k| (key_slot(k.as_bytes()), k.clone()));
+    let last = order[order.len() - 1].clone();
+    // The last lease in the order is held for longer than the set's TTL.
+    let mut admin = shared_cluster().client_for_key(&last);
+    let () = admin.pset_ex(&last, "outsider", 1_500).unwrap();
+    let set = coord.lock_all(&keys).unwrap();
+    let g = set
+        .acquire_timeout(ms(500), Duration::from_secs(10))
+        .unwrap()
+        .expect("granted once the outsider's lease ran out");
+    // Not a set with members that ran out while the last was waited for.
+    assert!(!g.is_lost());
+    let values: Vec<Option<String>> = order
+        .iter()
+        .map(|k| shared_cluster().client_for_key(k).get(k).unwrap())
+        .collect();
+    // Each lease of the set is held (each by the owner of its own grant:
+    // across slots, every lease is taken by its own primitive).
+    assert!(
+        values
+            .iter()
+            .all(|v| v.as_deref().is_some_and(|v| v != "outsider")),
+        "{values:?}"
+    );
+    assert!(g.verify_still_held().unwrap().is_some());
+    drop(g);
+}
+
+#[test]
+fn a_kept_alive_set_is_renewed_in_one_pipeline_per_server() {
+    let prefix = unique_prefix("pipeline");
+    // A coordinator of its own: its renewal counters count this set only.
+    let coord = coordinator(&shared_server().url(), &prefix, ms(100));
+    let keys = ["a", "b", "c", "d", "e"];
+    let g = coord
+        .lock_all(&keys)
+        .unwrap()
+        .try_acquire(ms(1_000))
+        .unwrap()
+        .unwrap();
+    let renewal = g.keep_alive().unwrap();
+    wait_until(Duration::from_secs(10), "three renewals of the set", || {
+        coord.renewal_stats().renewals >= 3 * keys.len() as u64
+    });
+    drop(renewal);
+    let stats = coord.renewal_stats();
+    assert!(!g.is_lost());
+    assert_eq!(stats.failures, 0, "{stats:?}");
+    // Every round trip renewed the whole set.
+    assert_eq!(
+        stats.renewals,
+        stats.round_trips * keys.len() as u64,
+        "{stats:?}"
+    );
+    drop(g);
+}
+
 // ----- loss, keep-alive, release outcomes -------------------------------------
 
 #[test]
