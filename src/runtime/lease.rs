@@ -357,6 +357,24 @@ mod tests {
     }
 
     #[test]
+    fn a_shared_signal_closes_when_the_first_of_its_leases_is_lost() {
+        let t0 = Instant::now();
+        let (early, late) = (cell(t0), cell(t0 + ms(500)));
+        let (tx, rx) = crossbeam_channel::bounded::<()>(0);
+        let shared = Arc::new(Mutex::new(Some(tx)));
+        early.close_on_loss(&shared, t0);
+        late.close_on_loss(&shared, t0);
+        assert!(!late.is_lost(t0 + ms(898)));
+        assert!(rx.try_recv().unwrap_err().is_empty());
+        assert!(early.is_lost(t0 + ms(898)));
+        assert!(rx.try_recv().unwrap_err().is_disconnected());
+        // A lease lost already closes a signal joined later at once.
+        let (tx, rx) = crossbeam_channel::bounded::<()>(0);
+        early.close_on_loss(&Arc::new(Mutex::new(Some(tx))), t0 + ms(898));
+        assert!(rx.try_recv().unwrap_err().is_disconnected());
+    }
+
+    #[test]
     fn a_signal_asked_for_after_the_loss_is_closed_at_once() {
         let t0 = Instant::now();
         let c = cell(t0);
