@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use redis::Commands;
 use respire_coordination::{CancelToken, Coordinator, Error, Guard, ReleaseOutcome, key_slot};
 use support::{
-    FaultProxy, Mode, TestServer, coordinator, shared_cluster, shared_server, unique_prefix,
-    wait_until,
+    FaultProxy, Mode, TestServer, coordinator, shared_cluster, shared_sentinel, shared_server,
+    unique_prefix, wait_until,
 };
 
 const CHILD_ENV: &str = "RESPIRE_MULTI_CHILD";
@@ -183,6 +183,35 @@ fn each_lease_of_a_fenced_set_gets_its_own_increasing_token() {
     // The lease keys hold owner:token, as a single fenced lock's do.
     let v: String = admin.get(format!("{prefix}{{b}}lease")).unwrap();
     assert!(v.ends_with(":43"), "{v}");
+    assert_eq!(Guard::release(g).unwrap(), ReleaseOutcome::Released);
+}
+
+#[test]
+fn behind_sentinel_a_set_of_keys_in_many_slots_is_one_call() {
+    let prefix = unique_prefix("sentinel");
+    let deployment = shared_sentinel();
+    let urls = deployment.sentinel_urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let coord = Coordinator::sentinel_builder(&urls, deployment.service())
+        .key_prefix(&prefix)
+        .node_timeout(ms(500))
+        .build()
+        .unwrap();
+    let set = coord.lock_all(&["{a}x", "{b}y", "{c}z"]).unwrap();
+    assert!(set.is_one_call());
+    let mut primary = deployment.primary().client();
+    let () = primary
+        .pset_ex(format!("{prefix}{{b}}y"), "outsider", 60_000)
+        .unwrap();
+    assert!(set.try_acquire(Duration::from_secs(10)).unwrap().is_none());
+    for k in ["{a}x", "{c}z"] {
+        assert!(!primary.exists::<_, bool>(format!("{prefix}{k}")).unwrap());
+    }
+    let () = primary.del(format!("{prefix}{{b}}y")).unwrap();
+    let g = set.try_acquire(Duration::from_secs(10)).unwrap().unwrap();
+    for k in ["{a}x", "{b}y", "{c}z"] {
+        assert!(primary.exists::<_, bool>(format!("{prefix}{k}")).unwrap());
+    }
     assert_eq!(Guard::release(g).unwrap(), ReleaseOutcome::Released);
 }
 
