@@ -12,7 +12,8 @@
 //! (`core::redlock`); for single deployments, the acquire's bookkeeping
 //! (`core::acquire`) and the release's reading. Every server is a model
 //! server (`model`) running the shipped Lua and commands: plain, fenced,
-//! semaphore and reader/writer leases, and Redlock's scripts. What is still
+//! semaphore and reader/writer leases, sets of leases taken all or nothing,
+//! and Redlock's scripts. What is still
 //! written here rather than run from the runtime: the I/O around them (which
 //! request goes on which connection, the Redlock connector's tries, the
 //! fan-outs' waits) and the acquire attempts' retry loop.
