@@ -493,6 +493,36 @@ fn a_wait_that_ends_after_an_unanswered_grant_cleans_up_every_key() {
     );
 }
 
+#[test]
+fn a_single_attempt_whose_reply_is_lost_is_assumed_granted_and_cleaned_up() {
+    let server = TestServer::start();
+    let mut admin = server.client();
+    let proxy = FaultProxy::start(server.addr());
+    let coord = coordinator(&proxy.url(), "once:", ms(200));
+    let set = coord.lock_all(&["a", "b", "c"]).unwrap();
+    // A first grant and release open the pooled connection.
+    drop(set.try_acquire(Duration::from_secs(60)).unwrap().unwrap());
+    proxy.set_mode(Mode::DropServerToClient);
+    let e = set.try_acquire(Duration::from_secs(60)).unwrap_err();
+    assert!(e.is_timeout() || matches!(e, Error::Io { .. }), "{e}");
+    // The script ran: the set was granted to nobody who knows it.
+    let held: Vec<bool> = ["once:a", "once:b", "once:c"]
+        .iter()
+        .map(|k| admin.exists(*k).unwrap())
+        .collect();
+    assert_eq!(held, [true, true, true]);
+    proxy.set_mode(Mode::Pass);
+    wait_until(
+        Duration::from_secs(5),
+        "the unheard grant to be cleaned up",
+        || {
+            ["once:a", "once:b", "once:c"]
+                .iter()
+                .all(|k| !admin.exists::<_, bool>(*k).unwrap())
+        },
+    );
+}
+
 // ----- eight threads in two processes -------------------------------------------
 
 /// Nanoseconds on `CLOCK_MONOTONIC`: one clock for every process of the
