@@ -32,6 +32,7 @@
 //! | At most N holders | [`Semaphore`] → [`Permit`] | capacity stored beside the permits (a disagreeing participant gets [`Error::CapacityMismatch`]); every permit expires on the server's clock; each permit holds a slot `0..N` with a fencing token |
 //! | A majority across independent deployments | [`RedlockGroup`] → [`RedlockGuard`] | an odd number ≥ 3 of independent standalone servers; no fencing, no consensus |
 //! | One leader at a time, and everyone can see who | [`Election`] → [`Leadership`] | a fenced lease whose fencing token is the leader's term, with an advertised value beside it |
+//! | Several resources at once, all or none | [`Coordinator::lock_all`] / [`Coordinator::fenced_lock_all`] → [`MultiGuard`] | plain or fenced leases granted by one script call when they share a cluster slot, otherwise taken in one global order (slot, then key bytes); one guard for the set, a fencing token per key |
 //!
 //! The single-deployment primitives work on a standalone server, a Sentinel
 //! deployment or a Redis Cluster alike; see [Topologies](#topologies-standalone-sentinel-cluster).
@@ -423,6 +424,10 @@ pub use lease::fenced::{FencedGuard, FencedLock};
 pub use lease::guard::{KeepAlive, LeaseGuard};
 pub use lease::kind::{Fenced, Kind, Plain, Read, Slot, Write};
 pub use lease::lock::{Lock, LockGuard};
+pub use lease::multi::{
+    FencedMultiGuard, FencedMultiLock, MultiGuard, MultiKeepAlive, MultiLease, MultiLock,
+    MultiLockGuard,
+};
 pub use lease::rwlease::{
     Preference, ReadGuard, ReadLease, ReadWriteLease, WriteGuard, WriteLease,
 };
@@ -462,6 +467,10 @@ fn _ensure_send_sync() {
     check::<Permit>();
     check::<Election>();
     check::<Leadership>();
+    check::<MultiLock>();
+    check::<MultiLockGuard>();
+    check::<FencedMultiLock>();
+    check::<FencedMultiGuard>();
     check::<Leader>();
     check::<LeaderChanges>();
     check::<KeepAlive<'static>>();

@@ -134,6 +134,14 @@ const SHIPPED: &[(&str, &str)] = &[
         "sem_verify.lua",
         include_str!("../src/scripts/sem_verify.lua"),
     ),
+    (
+        "multi_acquire.lua",
+        include_str!("../src/scripts/multi_acquire.lua"),
+    ),
+    (
+        "multi_clean_up.lua",
+        include_str!("../src/scripts/multi_clean_up.lua"),
+    ),
 ];
 
 /// Reads every key of a case: the server time, then per key its type,
@@ -516,13 +524,13 @@ impl Generator {
         let sem = [PERMITS, META, SLOTS];
         // Scripts 0..4 are the fenced lease's, 4..11 the reader/writer
         // lease's, 11..17 the semaphore's, 17..19 the election's (with the
-        // fenced lease's).
+        // fenced lease's), 19..21 those of a set of leases.
         let script = match self.focus {
             0 if self.rng.chance(70) => self.rng.below(4),
             1 if self.rng.chance(70) => 4 + self.rng.below(7),
             2 if self.rng.chance(70) => 11 + self.rng.below(6),
             3 if self.rng.chance(70) => [0, 1, 3, 17, 18][self.rng.below(5)],
-            _ => self.rng.below(19),
+            _ => self.rng.below(21),
         };
         match script {
             0 if self.rng.chance(40) => {
@@ -534,6 +542,24 @@ impl Generator {
                 self.script("fenced_acquire.lua", &[LEASE, FENCE], args)
             }
             17 => self.script("election_leader.lua", &[LEASE, VALUE], Vec::new()),
+            19 => {
+                // Two leases (the writer key is a string lease too), plain
+                // or each with its counter; now and then one alone.
+                let fenced = self.rng.chance(50);
+                let keys: &[&str] = match (fenced, self.rng.chance(20)) {
+                    (true, true) => &[LEASE, FENCE],
+                    (true, false) => &[LEASE, WRITER, FENCE, WRITE_FENCE],
+                    (false, true) => &[LEASE],
+                    (false, false) => &[WRITER, LEASE],
+                };
+                let kind = if fenced { "fenced" } else { "plain" };
+                let args = vec![self.owner(), self.ttl(), kind.to_owned()];
+                self.script("multi_acquire.lua", keys, args)
+            }
+            20 => {
+                let args = vec![self.owner()];
+                self.script("multi_clean_up.lua", &[LEASE, WRITER], args)
+            }
             18 => {
                 let lease = self.lease_value();
                 let term = if self.rng.chance(80) {
@@ -740,6 +766,12 @@ impl Generator {
         }
         match SHIPPED[*script].0 {
             "fenced_acquire.lua" | "rw_write_acquire.lua" => {
+                if let Some(token) = items.get(1).and_then(text) {
+                    self.leases.push(format!("{}:{token}", args[0]));
+                }
+            }
+            "multi_acquire.lua" if args[2] == "fenced" => {
+                // The first lease of the set is `LEASE`, or the writer key.
                 if let Some(token) = items.get(1).and_then(text) {
                     self.leases.push(format!("{}:{token}", args[0]));
                 }

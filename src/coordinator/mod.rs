@@ -20,6 +20,7 @@ use crate::lease::deployment::Deployment;
 use crate::lease::election::Election;
 use crate::lease::fenced::{FencedLock, FencedSpec};
 use crate::lease::lock::{Lock, PlainSpec};
+use crate::lease::multi::{FencedMultiLock, MultiLease, MultiLock};
 use crate::lease::rwlease::{Preference, ReadWriteLease};
 use crate::lease::semaphore::Semaphore;
 use crate::replication::Replication;
@@ -194,6 +195,47 @@ impl Coordinator {
         ))
     }
 
+    /// Several plain locks taken all together or not at all (see
+    /// [`MultiLease`]): one script call per attempt when every key hashes to
+    /// one cluster slot after the prefix (always on a standalone server or
+    /// behind Sentinel), otherwise one lease at a time in a global order (by
+    /// slot, then key bytes) under one wait budget. The keys may be given in
+    /// any order; two callers with overlapping sets never deadlock.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for no key at all, an empty key, or the same
+    /// key twice. Nothing is sent to Redis.
+    pub fn lock_all<S: AsRef<str>>(&self, keys: &[S]) -> Result<MultiLock> {
+        let members = keys
+            .iter()
+            .map(|k| self.lock(k.as_ref()))
+            .collect::<Result<Vec<_>>>()?;
+        distinct(members.iter().map(Lock::key))?;
+        Ok(MultiLease::plain(self.dep.clone(), members))
+    }
+
+    /// Several fenced locks taken all together or not at all, each grant
+    /// with its own fencing token (see [`MultiLease`] and
+    /// [`fenced_lock`](Coordinator::fenced_lock)): `pairs` holds each lease key
+    /// with its fence counter key, the two of a pair in one cluster slot.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for no pair at all, an empty key, or a key
+    /// used twice (as a lease or a counter, in one pair or across pairs);
+    /// [`Error::CrossSlot`] when a lease and its counter land in different
+    /// slots. Nothing is sent to Redis.
+    pub fn fenced_lock_all<A: AsRef<str>, B: AsRef<str>>(
+        &self,
+        pairs: &[(A, B)],
+    ) -> Result<FencedMultiLock> {
+        let members = pairs
+            .iter()
+            .map(|(lease, fence)| self.fenced_lock(lease.as_ref(), fence.as_ref()))
+            .collect::<Result<Vec<_>>>()?;
+        distinct(members.iter().flat_map(|m| [m.lease_key(), m.fence_key()]))?;
+        Ok(MultiLease::fenced(self.dep.clone(), members))
+    }
+
     /// A reader/writer lease with writer preference: many readers or one
     /// fenced writer, and a waiting writer holds new readers back (see
     /// [`ReadWriteLease`]). Its four keys are `base:w`, `base:r`, `base:q` and
@@ -322,6 +364,24 @@ pub struct CoordinatorBuilder {
     tls: crate::conn::TlsMaterial,
     #[cfg(feature = "tls")]
     sentinel_tls: Option<crate::conn::TlsMaterial>,
+}
+
+/// Refuses an empty key set and a key that comes twice.
+fn distinct<'a>(keys: impl Iterator<Item = &'a str>) -> Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    for key in keys {
+        if !seen.insert(key) {
+            return Err(Error::InvalidArgument(format!(
+                "key {key:?} is given twice: each lease of a set needs keys of its own"
+            )));
+        }
+    }
+    if seen.is_empty() {
+        return Err(Error::InvalidArgument(
+            "a set of leases needs at least one key".into(),
+        ));
+    }
+    Ok(())
 }
 
 impl CoordinatorBuilder {

@@ -395,7 +395,12 @@ impl<K: Kind> Lease<K> {
         })
     }
 
-    fn guard(&self, g: Granted<K::Grant>, ttl_ms: u64, acknowledged: Option<u32>) -> LeaseGuard<K> {
+    pub(crate) fn guard(
+        &self,
+        g: Granted<K::Grant>,
+        ttl_ms: u64,
+        acknowledged: Option<u32>,
+    ) -> LeaseGuard<K> {
         let core = LeaseCore::granted(self.dep.timing, g.sent, Duration::from_millis(ttl_ms));
         let key = g.ops.keys[0].clone();
         let cell = Arc::new(Cell::new(key, g.ops, core));

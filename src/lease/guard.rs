@@ -63,6 +63,10 @@ impl<K: Kind> LeaseGuard<K> {
         }
     }
 
+    pub(crate) fn cell(&self) -> &Arc<Cell> {
+        &self.cell
+    }
+
     pub(crate) fn grant(&self) -> &K::Grant {
         &self.grant
     }

@@ -5,7 +5,9 @@
 //! helpers below. Then one file per primitive, side by side: `lock.rs`,
 //! `fenced.rs`, `rwlease.rs` and `semaphore.rs`; each imports the shared
 //! pieces only, never another primitive, except `election.rs`, which is a
-//! fenced lease with a value (it builds on `fenced.rs`).
+//! fenced lease with a value (it builds on `fenced.rs`). `multi.rs` holds
+//! several plain or fenced leases as one set (the coordinator hands it the
+//! leases).
 
 pub(crate) mod acquire;
 pub(crate) mod deployment;
@@ -14,6 +16,7 @@ pub(crate) mod fenced;
 pub(crate) mod guard;
 pub(crate) mod kind;
 pub(crate) mod lock;
+pub(crate) mod multi;
 pub(crate) mod rwlease;
 pub(crate) mod semaphore;
 

@@ -24,9 +24,16 @@ struct State {
     core: LeaseCore,
     /// Dropped (closing the signal) when the lease is lost or finished.
     signal: Option<Sender<()>>,
+    /// Signals shared with other leases, each emptied (closing it) when this
+    /// lease is lost or finished.
+    shared: Vec<Arc<SharedSignal>>,
     keepalives: usize,
     warned: bool,
 }
+
+/// The sender of a loss signal shared by several leases: whichever of them is
+/// lost first takes it out, closing the signal.
+pub(crate) type SharedSignal = Mutex<Option<Sender<()>>>;
 
 /// A lease shared by its guard and the runtime; `X` is what the runtime needs
 /// to renew it (the commands for one deployment, the node keys of a group).
@@ -49,6 +56,7 @@ impl<X> LeaseCell<X> {
             state: Mutex::new(State {
                 core,
                 signal: None,
+                shared: Vec::new(),
                 keepalives: 0,
                 warned: false,
             }),
@@ -82,6 +90,9 @@ impl<X> LeaseCell<X> {
                 log::warn!("lease {:?} lost: {loss}", self.key);
             }
             s.signal.take();
+            for shared in s.shared.drain(..) {
+                shared.lock().take();
+            }
         }
     }
 
@@ -123,6 +134,17 @@ impl<X> LeaseCell<X> {
             }
             rx
         })
+    }
+
+    /// Has `shared` emptied when this lease is lost or finished, or at once
+    /// if it is already.
+    pub(crate) fn close_on_loss(&self, shared: &Arc<SharedSignal>, now: Instant) {
+        let mut s = self.lock(now);
+        if s.core.is_lost(now) {
+            shared.lock().take();
+        } else {
+            s.shared.push(shared.clone());
+        }
     }
 
     /// Marks the lease watched by the renewal thread; true the first time.
@@ -332,6 +354,24 @@ mod tests {
         // Permanent, even if a confirmation arrives.
         assert_eq!(c.begin_extend(t0 + ms(10), ms(1_000)), Err(Refusal::Lost));
         assert!(c.is_lost(t0 + ms(10)));
+    }
+
+    #[test]
+    fn a_shared_signal_closes_when_the_first_of_its_leases_is_lost() {
+        let t0 = Instant::now();
+        let (early, late) = (cell(t0), cell(t0 + ms(500)));
+        let (tx, rx) = crossbeam_channel::bounded::<()>(0);
+        let shared = Arc::new(Mutex::new(Some(tx)));
+        early.close_on_loss(&shared, t0);
+        late.close_on_loss(&shared, t0);
+        assert!(!late.is_lost(t0 + ms(898)));
+        assert!(rx.try_recv().unwrap_err().is_empty());
+        assert!(early.is_lost(t0 + ms(898)));
+        assert!(rx.try_recv().unwrap_err().is_disconnected());
+        // A lease lost already closes a signal joined later at once.
+        let (tx, rx) = crossbeam_channel::bounded::<()>(0);
+        early.close_on_loss(&Arc::new(Mutex::new(Some(tx))), t0 + ms(898));
+        assert!(rx.try_recv().unwrap_err().is_disconnected());
     }
 
     #[test]

@@ -48,6 +48,11 @@ script!(LEASE_VERIFY, "lease_verify.lua");
 script!(ELECTION_LEADER, "election_leader.lua");
 script!(ELECTION_PROCLAIM, "election_proclaim.lua");
 
+// Several leases at once (their release, extension and verification are
+// each lease's own).
+script!(MULTI_ACQUIRE, "multi_acquire.lua");
+script!(MULTI_CLEAN_UP, "multi_clean_up.lua");
+
 // The reader/writer lease.
 script!(RW_READ_ACQUIRE, "rw_read_acquire.lua");
 script!(RW_READ_EXTEND, "rw_read_extend.lua");

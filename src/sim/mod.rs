@@ -13,7 +13,8 @@
 //! restart (`core::redlock`); for single deployments, the acquire's bookkeeping
 //! (`core::acquire`) and the release's reading. Every server is a model
 //! server (`model`) running the shipped Lua and commands: plain, fenced,
-//! semaphore and reader/writer leases, and Redlock's scripts. What is still
+//! semaphore and reader/writer leases, sets of leases taken all or nothing,
+//! and Redlock's scripts. What is still
 //! written here rather than run from the runtime: the I/O around them (which
 //! request goes on which connection, the Redlock connector's tries, the
 //! fan-outs' waits) and the acquire attempts' retry loop.
@@ -49,7 +50,7 @@
 //!   lease kept alive at a TTL keep-alive accepts is never lost.
 //!
 //! `RESPIRE_SIM_CASES=n` sets the number of schedules per test (default
-//! 60,000 single-deployment and 40,000 Redlock ones, every command a script
+//! 60,000 single-deployment, 40,000 Redlock and 3,000 lease-set ones, every command a script
 //! or command run on a model server); `RESPIRE_SIM_SEED=s` replays one,
 //! `RESPIRE_SIM_BASE=b` starts the seeds elsewhere (for long runs in chunks),
 //! and `RESPIRE_SIM_TRACE=1` prints its events. A failure prints its seed.
@@ -286,11 +287,13 @@ pub(crate) fn instant(origin: Instant, at: Duration) -> Instant {
     origin + at
 }
 
-/// The default number of schedules of each test in `cargo test`: 100,000 in
-/// all, within the test suite's time budget (every command of both runs the
+/// The default number of schedules of each test in `cargo test`: 103,000 in
+/// all, within the test suite's time budget (every command of each runs the
 /// shipped Lua on a model server; a Redlock schedule, on three to five).
 const SINGLE_CASES: u64 = 60_000;
 const REDLOCK_CASES: u64 = 40_000;
+/// Schedules of sets of leases taken all or nothing.
+const SETS_CASES: u64 = 3_000;
 
 #[test]
 fn redlock_leases() {
@@ -300,6 +303,19 @@ fn redlock_leases() {
         assert!(stats.unanswered > 0 && stats.fences > 0, "{stats:?}");
         assert!(stats.losses > 0 && stats.takeovers > 0, "{stats:?}");
         assert!(stats.restarts > 0, "{stats:?}");
+    }
+}
+
+#[test]
+fn single_deployment_lease_sets() {
+    let stats = run(
+        "single_deployment_lease_sets",
+        seeds(SETS_CASES, 3),
+        single::sets_case,
+    );
+    if stats.cases >= 1_000 {
+        assert!(stats.grants > stats.cases, "{stats:?}");
+        assert!(stats.unanswered > 0 && stats.checks > 0, "{stats:?}");
     }
 }
 

@@ -3,6 +3,13 @@
 //! executor, against one model server (`sim::model`, running the shipped
 //! scripts and commands; with a lagging replica and a promotion in some
 //! schedules).
+//!
+//! Sets of leases taken all or nothing (`sets_case`): three clients take
+//! random subsets of four plain or fenced leases in random orders with the
+//! shipped `multi_acquire`, on a server whose clock runs fast or slow; replies
+//! are lost, attempts arrive late, and an acquire that gives up kills its
+//! connections and deletes by owner with the shipped `multi_clean_up`. No key
+//! is ever held by two owners whose bounds have not run out.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -148,6 +155,8 @@ fn run_on(server: &mut ModelServer, client: ClientId, cmd: &redis::Cmd) -> Optio
                 &*scripts::RW_READ_RELEASE,
                 &*scripts::RW_WRITE_ACQUIRE,
                 &*scripts::RW_WRITE_CLEAN_UP,
+                &*scripts::MULTI_ACQUIRE,
+                &*scripts::MULTI_CLEAN_UP,
             ]
             .into_iter()
             .find(|s| s.sha == sha)?;
@@ -1883,4 +1892,289 @@ impl World {
         }
         Ok(())
     }
+}
+
+// ----- sets of leases, all or nothing ------------------------------------------
+
+/// The leases of the set schedules; fenced ones count on `<key>:fence`.
+const SET_KEYS: usize = 4;
+
+/// A set one client believes it holds: its owner, keys, the value each key
+/// holds, and the bound of the set (the shipped lease core).
+struct HeldSet {
+    keys: Vec<usize>,
+    values: Vec<String>,
+    core: LeaseCore,
+}
+
+/// An attempt whose reply was lost and that is still on its way: it reaches
+/// the server at `at` on `client`, unless that connection was killed.
+struct Late {
+    at: Duration,
+    client: ClientId,
+    cmd: redis::Cmd,
+}
+
+struct SetClient {
+    client: ClientId,
+    held: Option<HeldSet>,
+    /// An acquire whose last attempt got no reply: its owner, set, send
+    /// times and the connections its attempts went out on (shipped
+    /// bookkeeping).
+    trying: Option<(String, Vec<usize>, Attempts<ClientId>)>,
+    owners: u64,
+}
+
+fn set_key(key: usize) -> String {
+    format!("m{key}")
+}
+
+/// One schedule of sets; see the module docs.
+pub(crate) fn sets_case(seed: u64) -> Result<Stats, String> {
+    let mut rng = Rng::new(seed);
+    let node_timeout = Duration::from_millis(10 + rng.below(190));
+    let drift_factor = [0.0, 0.01, 0.05][rng.below(3) as usize];
+    let timing = Timing {
+        drift_factor,
+        node_timeout,
+    };
+    let fenced = rng.chance(0.5);
+    let mut server = ModelServer::new(seed, 1_700_000_000_000 + rng.below(1 << 30) as i64);
+    server.set_rate(1.0 + drift_factor * (2.0 * rng.unit() - 1.0) * 0.999);
+    let usable = (0..)
+        .map(|i| node_timeout + Duration::from_millis(5 + i * 7))
+        .find(|t| timing.usable_ttl(*t))
+        .expect("some ttl is usable");
+    let ttls = [usable, usable * 3, node_timeout * 20];
+    let origin = Instant::now();
+    let mut now = Duration::ZERO;
+    let mut stats = Stats::default();
+    let mut late: Vec<Late> = Vec::new();
+    // Owners whose acquire gave up and cleaned up: nothing of theirs may
+    // be held afterwards.
+    let mut abandoned: HashSet<String> = HashSet::new();
+    // The highest token handed out per key, by the checker's own record.
+    let mut tokens = [0u64; SET_KEYS];
+    let mut clients: Vec<SetClient> = (0..3)
+        .map(|_| SetClient {
+            client: server.connect(),
+            held: None,
+            trying: None,
+            owners: 0,
+        })
+        .collect();
+    let value_of = |server: &ModelServer, key: usize| string_at(server, &set_key(key));
+    for _ in 0..40 + rng.below(40) {
+        let ttl = ttls[rng.below(3) as usize];
+        let step = rng.micros(0, ttl.as_micros() as u64 / 2);
+        now += step;
+        server.elapse(step);
+        let at = instant(origin, now);
+        // Late attempts that are due arrive (on a connection still open).
+        let (due, rest): (Vec<Late>, Vec<Late>) = late.into_iter().partition(|l| l.at <= now);
+        late = rest;
+        for l in due {
+            run_on(&mut server, l.client, &l.cmd);
+        }
+        'step: {
+            let c = rng.below(clients.len() as u64) as usize;
+            let me = &mut clients[c];
+            if let Some(held) = me.held.take_if(|_| rng.chance(0.5)) {
+                // Release every lease with the shipped script of its kind.
+                for (key, value) in held.keys.iter().zip(&held.values) {
+                    let ops = Ops::string_value(&set_key(*key), value.clone());
+                    let cmd = ops
+                        .release_script()
+                        .evalsha(&ops.key_refs(), ops.release_arg_refs().as_slice());
+                    let code = run_on(&mut server, me.client, &cmd).and_then(|r| r.as_int());
+                    if !held.core.is_lost(at) && code != Some(1) {
+                        return Err(format!(
+                            "a release of {value} on {} within its bound answered {code:?}",
+                            set_key(*key)
+                        ));
+                    }
+                }
+                break 'step;
+            }
+            if me.held.is_some() {
+                break 'step;
+            }
+            let (owner, keys, mut attempts) = match me.trying.take() {
+                Some(trying) if rng.chance(0.7) => trying,
+                Some((owner, keys, attempts)) => {
+                    // Give up: kill the connections the unanswered attempts went
+                    // out on, then delete by owner what they may have set.
+                    if let Some(CleanUp { conns, delete }) = attempts.finish(false) {
+                        for conn in conns {
+                            server.kill_client(conn);
+                        }
+                        me.client = server.connect();
+                        if delete {
+                            let names: Vec<String> = keys.iter().map(|k| set_key(*k)).collect();
+                            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                            let cmd = scripts::MULTI_CLEAN_UP.evalsha(&names, &[owner.as_str()]);
+                            run_on(&mut server, me.client, &cmd);
+                        }
+                    }
+                    abandoned.insert(owner);
+                    break 'step;
+                }
+                None => {
+                    let mut keys: Vec<usize> = (0..SET_KEYS).collect();
+                    for i in (1..keys.len()).rev() {
+                        keys.swap(i, rng.below(i as u64 + 1) as usize);
+                    }
+                    keys.truncate(1 + rng.below(3) as usize);
+                    me.owners += 1;
+                    (format!("o{c}.{}", me.owners), keys, Attempts::default())
+                }
+            };
+            let names: Vec<String> = keys.iter().map(|k| set_key(*k)).collect();
+            let counters: Vec<String> = keys
+                .iter()
+                .map(|k| format!("{}:fence", set_key(*k)))
+                .collect();
+            let leases: Vec<&str> = names.iter().map(String::as_str).collect();
+            let fences: Vec<&str> = if fenced {
+                counters.iter().map(String::as_str).collect()
+            } else {
+                Vec::new()
+            };
+            let ttl_ms = ttl.as_millis().to_string();
+            let (script_keys, args) =
+                crate::lease::multi::acquire_call(&leases, &fences, &owner, &ttl_ms);
+            let cmd = scripts::MULTI_ACQUIRE.evalsha(&script_keys, &args);
+            let before: Vec<Option<String>> = keys.iter().map(|k| value_of(&server, *k)).collect();
+            if rng.chance(0.25) {
+                // No reply: the attempt may arrive now, later, or never.
+                stats.unanswered += 1;
+                attempts.unanswered(at, [me.client]);
+                match rng.below(3) {
+                    0 => {
+                        run_on(&mut server, me.client, &cmd);
+                    }
+                    1 => late.push(Late {
+                        at: now + rng.micros(0, 3 * node_timeout.as_micros() as u64),
+                        client: me.client,
+                        cmd,
+                    }),
+                    _ => {}
+                }
+                // Later attempts go out on a new connection.
+                me.client = server.connect();
+                me.trying = Some((owner, keys, attempts));
+                break 'step;
+            }
+            let reply = run_on(&mut server, me.client, &cmd);
+            let after: Vec<Option<String>> = keys.iter().map(|k| value_of(&server, *k)).collect();
+            match reply {
+                Some(Reply::Array(items)) if items.first() == Some(&Reply::Int(1)) => {
+                    stats.grants += 1;
+                    attempts.granted(at);
+                    let since = attempts.since();
+                    // The connections of earlier unanswered attempts are killed:
+                    // none may grant this owner again after a release.
+                    if let Some(CleanUp { conns, .. }) = attempts.finish(true) {
+                        for conn in conns {
+                            server.kill_client(conn);
+                        }
+                    }
+                    let mut values = Vec::new();
+                    for (i, key) in keys.iter().enumerate() {
+                        let token = match items.get(i + 1) {
+                            Some(Reply::Bulk(t)) => String::from_utf8_lossy(t).into_owned(),
+                            other => return Err(format!("a grant without token {i}: {other:?}")),
+                        };
+                        let value = if fenced {
+                            format!("{owner}:{token}")
+                        } else {
+                            owner.clone()
+                        };
+                        if after[i].as_deref() != Some(value.as_str()) {
+                            return Err(format!(
+                                "{owner} was granted {} but it holds {:?}",
+                                set_key(*key),
+                                after[i]
+                            ));
+                        }
+                        if fenced {
+                            let t: u64 = token.parse().map_err(|_| format!("token {token}"))?;
+                            let repeated = before[i].as_deref() == Some(value.as_str());
+                            if !repeated && t <= tokens[*key] {
+                                return Err(format!(
+                                    "{} issued token {t} after {}",
+                                    set_key(*key),
+                                    tokens[*key]
+                                ));
+                            }
+                            tokens[*key] = tokens[*key].max(t);
+                        }
+                        values.push(value);
+                    }
+                    me.held = Some(HeldSet {
+                        keys,
+                        values,
+                        core: LeaseCore::granted(timing, dated(since, at), ttl),
+                    });
+                }
+                Some(Reply::Array(items)) if items.first() == Some(&Reply::Int(0)) => {
+                    // Busy: all or nothing, so nothing changed.
+                    if before != after {
+                        return Err(format!(
+                            "{owner}'s attempt was refused but changed {before:?} to {after:?}"
+                        ));
+                    }
+                    me.trying = None;
+                    let _ = attempts.finish(false).map(|CleanUp { conns, delete }| {
+                        for conn in conns {
+                            server.kill_client(conn);
+                        }
+                        if delete {
+                            let cmd = scripts::MULTI_CLEAN_UP.evalsha(&leases, &[owner.as_str()]);
+                            run_on(&mut server, me.client, &cmd);
+                        }
+                    });
+                    abandoned.insert(owner);
+                }
+                other => return Err(format!("multi_acquire answered {other:?}")),
+            }
+        }
+        // The invariants, at this instant.
+        stats.checks += 1;
+        let mut holder: [Option<usize>; SET_KEYS] = [None; SET_KEYS];
+        for (i, c) in clients.iter().enumerate() {
+            let Some(held) = &c.held else { continue };
+            if held.core.is_lost(at) {
+                continue;
+            }
+            for (key, value) in held.keys.iter().zip(&held.values) {
+                if let Some(other) = holder[*key].replace(i) {
+                    return Err(format!(
+                        "{} held by clients {other} and {i}, neither bound run out",
+                        set_key(*key)
+                    ));
+                }
+                let on_server = value_of(&server, *key);
+                if on_server.as_deref() != Some(value.as_str()) {
+                    return Err(format!(
+                        "client {i} holds {} as {value} within its bound, but the server has \
+                         {on_server:?}",
+                        set_key(*key)
+                    ));
+                }
+            }
+        }
+        for key in 0..SET_KEYS {
+            if let Some(v) = value_of(&server, key) {
+                let owner = v.split(':').next().unwrap_or_default();
+                if abandoned.contains(owner) {
+                    return Err(format!(
+                        "{} still holds {v} after its acquire gave up and cleaned up",
+                        set_key(key)
+                    ));
+                }
+            }
+        }
+    }
+    Ok(stats)
 }
