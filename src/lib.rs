@@ -400,6 +400,7 @@ mod error;
 mod guard;
 mod keys;
 mod lease;
+mod observe;
 mod redlock;
 mod replication;
 mod report;
@@ -427,6 +428,15 @@ pub use lease::rwlease::{
     Preference, ReadGuard, ReadLease, ReadWriteLease, WriteGuard, WriteLease,
 };
 pub use lease::semaphore::{Permit, PermitHolder, Semaphore};
+#[cfg(feature = "metrics")]
+pub use observe::MetricsObserver;
+#[cfg(feature = "tracing")]
+pub use observe::TracingObserver;
+pub use observe::{
+    AttemptEvent, ContentionEvent, GrantEvent, LeaseId, LossCause, LossEvent, Observer,
+    PollingEvent, Primitive, ReleaseEvent, RenewalEvent, TopologyChange, TopologyEvent, WaitEnd,
+    WaitEndEvent,
+};
 pub use redlock::{
     RedlockAttempt, RedlockGroup, RedlockGuard, RedlockKeepAlive, RedlockNode, RedlockOptions,
 };

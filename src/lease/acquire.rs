@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::lease::deployment::Deployment;
 use crate::lease::guard::LeaseGuard;
 use crate::lease::kind::{Acquire, Granted, Kind};
+use crate::observe::Acquiring;
 use crate::replication::Replication;
 use crate::runtime::renewal::Cell;
 use crate::runtime::topology::Uncertain;
@@ -187,6 +188,24 @@ impl<K: Kind> Lease<K> {
     }
 
     fn run(&self, ttl: Duration, wait: Wait<'_>) -> Result<Option<LeaseGuard<K>>> {
+        let once = matches!(wait, Wait::Once);
+        let mut seen = Acquiring::start(self.dep.observer(), self.first_key(), K::PRIMITIVE, !once);
+        let result = self.run_seen(ttl, wait, &mut seen);
+        Acquiring::finish(seen, &result, once, |g| (g.lease_id(), K::token(g.grant())));
+        result
+    }
+
+    /// The key observers are told of.
+    fn first_key(&self) -> &str {
+        &self.spec.keys()[0]
+    }
+
+    fn run_seen(
+        &self,
+        ttl: Duration,
+        wait: Wait<'_>,
+        seen: &mut Option<Acquiring<'_>>,
+    ) -> Result<Option<LeaseGuard<K>>> {
         let dep = &self.dep;
         let ttl_ms = dep.check_ttl(ttl)?;
         if let (Replication::Require { .. }, Some(detail)) = (dep.replication, dep.history.lost()) {
@@ -206,7 +225,7 @@ impl<K: Kind> Lease<K> {
             other => other,
         };
         let (result, attempts) = match wait {
-            Wait::Once => self.once(&owner, ttl_ms),
+            Wait::Once => self.once(&owner, ttl_ms, seen),
             Wait::Until(deadline, cancel) => {
                 let keys = self.spec.wait_keys();
                 let w = WaitFor {
@@ -221,6 +240,7 @@ impl<K: Kind> Lease<K> {
                 let waited = waiters::wait_for(&*dep.topology, &w, |conn, d, waiting| {
                     let started = dep.now();
                     let r = self.attempt(conn, &owner, ttl_ms, d, waiting, attempts.since());
+                    Acquiring::busy(seen, r.as_ref().ok().and_then(Attempt::holder_ttl));
                     if r.as_ref().is_err_and(Error::is_uncertain) {
                         attempts.unanswered(started, []);
                     }
@@ -298,6 +318,7 @@ impl<K: Kind> Lease<K> {
         &self,
         owner: &OwnerToken,
         ttl_ms: u64,
+        seen: &mut Option<Acquiring<'_>>,
     ) -> (
         Result<Option<(LeaseGuard<K>, Instant, Instant)>>,
         Attempts<Uncertain>,
@@ -317,6 +338,7 @@ impl<K: Kind> Lease<K> {
                     reused = !conn.is_fresh();
                     started = dep.now();
                     let r = self.attempt(conn, owner, ttl_ms, deadline, false, attempts.since());
+                    Acquiring::busy(seen, r.as_ref().ok().and_then(Attempt::holder_ttl));
                     if matches!(r, Ok(Attempt::Acquired(_))) {
                         attempts.granted(started);
                     }
@@ -399,6 +421,7 @@ impl<K: Kind> Lease<K> {
         let core = LeaseCore::granted(self.dep.timing, g.sent, Duration::from_millis(ttl_ms));
         let key = g.ops.keys[0].clone();
         let cell = Arc::new(Cell::new(key, g.ops, core));
+        cell.observe_with(self.dep.observer(), K::PRIMITIVE);
         self.dep.granted(&cell);
         LeaseGuard::new(self.dep.clone(), cell, g.grant, acknowledged)
     }
