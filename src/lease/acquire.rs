@@ -240,7 +240,9 @@ impl<K: Kind> Lease<K> {
                 let waited = waiters::wait_for(&*dep.topology, &w, |conn, d, waiting| {
                     let started = dep.now();
                     let r = self.attempt(conn, &owner, ttl_ms, d, waiting, attempts.since());
-                    Acquiring::busy(seen, r.as_ref().ok().and_then(Attempt::holder_ttl));
+                    if let Ok(Attempt::Busy(pttl)) = &r {
+                        Acquiring::busy(seen, Some(*pttl));
+                    }
                     if r.as_ref().is_err_and(Error::is_uncertain) {
                         attempts.unanswered(started, []);
                     }
@@ -338,7 +340,9 @@ impl<K: Kind> Lease<K> {
                     reused = !conn.is_fresh();
                     started = dep.now();
                     let r = self.attempt(conn, owner, ttl_ms, deadline, false, attempts.since());
-                    Acquiring::busy(seen, r.as_ref().ok().and_then(Attempt::holder_ttl));
+                    if let Ok(Attempt::Busy(pttl)) = &r {
+                        Acquiring::busy(seen, Some(*pttl));
+                    }
                     if matches!(r, Ok(Attempt::Acquired(_))) {
                         attempts.granted(started);
                     }

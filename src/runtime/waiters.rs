@@ -108,16 +108,6 @@ pub(crate) enum Attempt<T> {
     Busy(Option<Duration>),
 }
 
-impl<T> Attempt<T> {
-    /// When held: how long the holder had left (`None` inside: no expiry).
-    pub(crate) fn holder_ttl(&self) -> Option<Option<Duration>> {
-        match self {
-            Attempt::Acquired(_) => None,
-            Attempt::Busy(pttl) => Some(*pttl),
-        }
-    }
-}
-
 /// Whether invalidations from one server can be relied on right now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Status {
