@@ -615,7 +615,8 @@ mod tests {
     #[test]
     fn results_map_to_how_the_call_ended() {
         let grant = |_: &()| (LeaseId(7), None);
-        let cases: [(Result<Option<()>, Error>, bool, &str); 5] = [
+        type Case = (Result<Option<()>, Error>, bool, &'static str);
+        let cases: [Case; 5] = [
             (Ok(Some(())), true, "granted"),
             (Ok(None), true, "busy"),
             (Ok(None), false, "timed_out"),

@@ -585,9 +585,12 @@ mod metrics_observer {
     };
     use respire_coordination::MetricsObserver;
 
-    /// Every value recorded, by metric name and sorted labels.
+    /// One value recorded: metric name, sorted labels, value.
+    type Value = (String, Vec<(String, String)>, f64);
+
+    /// Every value recorded.
     #[derive(Default)]
-    struct Values(Mutex<Vec<(String, Vec<(String, String)>, f64)>>);
+    struct Values(Mutex<Vec<Value>>);
 
     struct Handle(Arc<Values>, Key);
 
