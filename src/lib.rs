@@ -385,6 +385,48 @@
 //! Through the `log` crate: `warn!` for lost leases, failed renewals and the
 //! polling fallback, `error!` for a fencing counter that went back, `debug!` for
 //! routine events.
+//!
+//! # Observing locks
+//!
+//! An [`Observer`] given to [`CoordinatorBuilder::observer`] or
+//! [`RedlockOptions::with_observer`] hears every acquire call (its
+//! [attempt](Observer::attempt), [contention](Observer::contended) with the
+//! holder's TTL, and its end: a [grant](Observer::granted) with its fencing
+//! token and wait time, or the [reason](WaitEnd) it ended without one), every
+//! confirmed [renewal](Observer::renewed) with its margin (how long the lease
+//! was still sure to be held when the renewal was confirmed), every
+//! [loss](Observer::lost) with its [cause](LossCause), every
+//! [release](Observer::released) with its outcome, Sentinel switches and
+//! cluster slot moves, and the fall-back to polling. Its methods run on the
+//! library's threads and must not block; a panic in one is caught and
+//! logged. With no observer set, none of this runs: no clock read, no
+//! allocation, no dynamic call.
+//!
+//! Two implementations come with optional features: `tracing`
+//! (`TracingObserver`: a span per acquire call and per held lease) and
+//! `metrics` (`MetricsObserver`: counters and histograms, with the key as a
+//! label only through a function you give, so the number of series stays
+//! your choice).
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use respire_coordination::{Coordinator, LossEvent, Observer};
+//!
+//! struct Alert;
+//!
+//! impl Observer for Alert {
+//!     fn lost(&self, e: &LossEvent<'_>) {
+//!         eprintln!("lost {} ({}): {}", e.key, e.cause.as_str(), e.detail);
+//!     }
+//! }
+//!
+//! # fn main() -> Result<(), respire_coordination::Error> {
+//! let coord = Coordinator::builder("redis://127.0.0.1:6379")
+//!     .observer(Arc::new(Alert))
+//!     .build()?;
+//! # let _ = coord;
+//! # Ok(()) }
+//! ```
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_code)]

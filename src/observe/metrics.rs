@@ -33,6 +33,7 @@ type KeyLabel = dyn Fn(&str) -> Option<String> + Send + Sync;
 /// | `respire_lease_releases_total` | counter | `outcome`: `released`, `expired`, `taken_over`, `uncertain`, `failed` |
 /// | `respire_topology_changes_total` | counter | `change`: `primary_switched`, `slots_moved` (no `primitive`) |
 /// | `respire_polling_fallbacks_total` | counter | (no `primitive`) |
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub struct MetricsObserver {
     key_label: Option<Box<KeyLabel>>,
 }

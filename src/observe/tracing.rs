@@ -39,6 +39,7 @@ thread_local! {
 /// Keys are recorded as they are: spans are not metrics, and a subscriber
 /// chooses what to keep.
 #[derive(Default)]
+#[cfg_attr(docsrs, doc(cfg(feature = "tracing")))]
 pub struct TracingObserver {
     leases: Mutex<HashMap<u64, Span>>,
 }
