@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 use redis::Commands;
 use respire_coordination::{
     AttemptEvent, ContentionEvent, Coordinator, FencingToken, GrantEvent, LeaseId, LossCause,
-    LossEvent, Observer, Primitive, RedlockGroup, RedlockOptions, ReleaseEvent, ReleaseOutcome,
-    RenewalEvent, WaitEnd, WaitEndEvent,
+    LossEvent, Observer, PollingEvent, Primitive, RedlockGroup, RedlockOptions, ReleaseEvent,
+    ReleaseOutcome, RenewalEvent, TopologyChange, TopologyEvent, WaitEnd, WaitEndEvent, key_slot,
 };
-use support::{TestServer, shared_server, unique_prefix, wait_until};
+use support::{TestCluster, TestServer, shared_server, unique_prefix, wait_until};
 
 const NODE_TIMEOUT: Duration = Duration::from_millis(200);
 const TTL: Duration = Duration::from_secs(2);
@@ -51,6 +51,12 @@ enum Ev {
     Released {
         lease: LeaseId,
         outcome: Option<ReleaseOutcome>,
+    },
+    Polling {
+        reason: String,
+    },
+    SlotsMoved {
+        slots: usize,
     },
 }
 
@@ -166,6 +172,17 @@ impl Observer for Recorder {
             outcome: e.outcome,
         };
         self.push(ev, Measured::default());
+    }
+    fn polling(&self, e: &PollingEvent<'_>) {
+        let ev = Ev::Polling {
+            reason: e.reason.to_owned(),
+        };
+        self.push(ev, Measured::default());
+    }
+    fn topology_changed(&self, e: &TopologyEvent<'_>) {
+        if let TopologyChange::SlotsMoved { slots } = e.change {
+            self.push(Ev::SlotsMoved { slots }, Measured::default());
+        }
     }
 }
 
@@ -437,6 +454,65 @@ fn a_try_acquire_that_finds_the_lock_held_reports_contention_and_busy() {
     let all = recorder.since(0);
     assert!(matches!(all[1].ev, Ev::Granted { token: Some(t), .. } if t == permit.fencing_token()));
     assert!(matches!(&all[0].ev, Ev::Attempt { key, .. } if key.starts_with(&prefix)));
+}
+
+#[test]
+fn waits_that_cannot_track_report_the_fall_back_to_polling_once() {
+    let server = TestServer::builder()
+        .acl_user("user u on >pw ~* &* +@all -client|tracking")
+        .start();
+    let recorder = Arc::new(Recorder::default());
+    let coord = Coordinator::builder(&server.url_for_user("u", "pw"))
+        .node_timeout(NODE_TIMEOUT)
+        .observer(recorder.clone())
+        .build()
+        .unwrap();
+    let lock = coord.lock("job").unwrap();
+    let _: () = server.client().set_ex("job", "someone", 600).unwrap();
+    for _ in 0..2 {
+        let wait = Duration::from_millis(300);
+        assert!(lock.acquire_timeout(TTL, wait).unwrap().is_none());
+    }
+    let polling: Vec<Ev> = evs(&recorder.since(0))
+        .into_iter()
+        .filter(|e| matches!(e, Ev::Polling { .. }))
+        .collect();
+    assert_eq!(polling.len(), 1, "{polling:?}");
+    assert!(matches!(&polling[0], Ev::Polling { reason } if reason.contains("CLIENT TRACKING")));
+}
+
+#[test]
+fn a_slot_moved_in_a_cluster_is_reported() {
+    let cluster = TestCluster::start();
+    let recorder = Arc::new(Recorder::default());
+    let seeds = cluster.seed_urls();
+    let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
+    let coord = Coordinator::cluster_builder(&seeds)
+        .node_timeout(NODE_TIMEOUT)
+        .observer(recorder.clone())
+        .build()
+        .unwrap();
+    let key = "{moving}job";
+    let guard = coord.lock(key).unwrap().try_acquire(TTL).unwrap().unwrap();
+    let from = cluster.primary_for_key(key);
+    let to = *cluster
+        .primaries()
+        .iter()
+        .find(|p| **p != from)
+        .expect("another primary");
+    let mark = recorder.len();
+    cluster.migrate_slot(key_slot(key.as_bytes()), to);
+    // The next command on the key meets MOVED and refreshes the map.
+    assert!(guard.verify_still_held().unwrap().is_some());
+    wait_until(Duration::from_secs(10), "the slot move", || {
+        recorder.has(mark, |e| matches!(e, Ev::SlotsMoved { .. }))
+    });
+    let moved: Vec<Ev> = evs(&recorder.since(mark))
+        .into_iter()
+        .filter(|e| matches!(e, Ev::SlotsMoved { .. }))
+        .collect();
+    assert_eq!(moved, [Ev::SlotsMoved { slots: 1 }]);
+    assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
 }
 
 /// Panics in every method it implements.

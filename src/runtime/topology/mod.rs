@@ -47,7 +47,7 @@ use crate::conn::cluster::{NodeAddr, Redirect, redirect};
 use crate::conn::{Conn, ConnConfig, Connect, RoleCheck};
 use crate::error::{Error, Result};
 use crate::keys::key_slot;
-use crate::observe::Observer;
+use crate::observe::{self, Observer};
 use crate::runtime::node::{Directory, Job, Node};
 use crate::runtime::renewal::{Cell, Counters, Lanes, Renewal, RenewalStats};
 use crate::runtime::waiters::{OnTracked, Registry, Route, Tracker};
@@ -505,6 +505,7 @@ impl Directory for Topology {
         };
         if changed {
             log::debug!("slot {slot} of {} moved to {addr}", self.describe);
+            observe::slots_moved(self.observer(), &self.describe, 1);
             self.slots_changed(&|s| s == slot);
         }
         self.suspect();
