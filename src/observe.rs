@@ -428,29 +428,26 @@ pub(crate) struct Acquiring<'a> {
 }
 
 impl<'a> Acquiring<'a> {
-    /// Reports the attempt and starts the call's clock; `None` (nothing
-    /// done) without an observer.
-    #[inline]
+    /// Reports the attempt to `observer` and starts the call's clock.
     pub(crate) fn start(
-        observer: Option<&'a Arc<dyn Observer>>,
+        observer: &'a Arc<dyn Observer>,
         key: &'a str,
         primitive: Primitive,
         waits: bool,
-    ) -> Option<Acquiring<'a>> {
-        let observer = &**observer?;
+    ) -> Acquiring<'a> {
         let event = AttemptEvent {
             key,
             primitive,
             waits,
         };
-        call(observer, "attempt", |o| o.attempt(&event));
-        Some(Acquiring {
-            observer,
+        call(&**observer, "attempt", |o| o.attempt(&event));
+        Acquiring {
+            observer: &**observer,
             key,
             primitive,
             started: Instant::now(),
             contended: false,
-        })
+        }
     }
 
     /// An attempt found the lease held (`holder_ttl`: `None` for no expiry);
@@ -602,14 +599,8 @@ mod tests {
     fn a_panicking_observer_is_caught_and_the_call_goes_on() {
         let panics = Arc::new(Panics(AtomicUsize::new(0)));
         let observer: Arc<dyn Observer> = panics.clone();
-        let started = Acquiring::start(Some(&observer), "k", Primitive::Lock, false);
-        assert!(started.is_some());
+        let _started = Acquiring::start(&observer, "k", Primitive::Lock, false);
         assert_eq!(panics.0.load(Ordering::Relaxed), 1);
-    }
-
-    #[test]
-    fn without_an_observer_nothing_starts() {
-        assert!(Acquiring::start(None, "k", Primitive::Lock, true).is_none());
     }
 
     #[test]

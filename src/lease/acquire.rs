@@ -189,7 +189,8 @@ impl<K: Kind> Lease<K> {
 
     fn run(&self, ttl: Duration, wait: Wait<'_>) -> Result<Option<LeaseGuard<K>>> {
         let once = matches!(wait, Wait::Once);
-        let mut seen = Acquiring::start(self.dep.observer(), self.first_key(), K::PRIMITIVE, !once);
+        let start = |o| Acquiring::start(o, self.first_key(), K::PRIMITIVE, !once);
+        let mut seen = self.dep.observer().map(start);
         let result = self.run_seen(ttl, wait, &mut seen);
         Acquiring::finish(seen, &result, once, |g| (g.lease_id(), K::token(g.grant())));
         result

@@ -402,7 +402,8 @@ impl RedlockGroup {
     /// key that holds another type, an error reply, ...) when
     /// so many nodes failed that way that no quorum can form without them.
     pub fn try_acquire(&self, key: &str, ttl: Duration) -> Result<Option<RedlockGuard>> {
-        let mut seen = Acquiring::start(self.observer(), key, Primitive::Redlock, false);
+        let start = |o| Acquiring::start(o, key, Primitive::Redlock, false);
+        let mut seen = self.observer().map(start);
         let result = self.try_once(key, ttl, &mut seen);
         Acquiring::finish(seen, &result, true, RedlockGuard::observed);
         result
@@ -506,7 +507,8 @@ impl RedlockGroup {
         deadline: Option<Instant>,
         cancel: Option<&CancelToken>,
     ) -> Result<Option<RedlockGuard>> {
-        let mut seen = Acquiring::start(self.observer(), key, Primitive::Redlock, true);
+        let start = |o| Acquiring::start(o, key, Primitive::Redlock, true);
+        let mut seen = self.observer().map(start);
         let result = self.wait_seen(key, ttl, deadline, cancel, &mut seen);
         Acquiring::finish(seen, &result, false, RedlockGuard::observed);
         result
