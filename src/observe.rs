@@ -59,7 +59,8 @@ pub use self::tracing::TracingObserver;
 /// the loss deadline for a lease with a keep-alive or a loss signal,
 /// otherwise at the next call that looks), then one
 /// [`released`](Observer::released) (by `release()` or by dropping the
-/// guard). A loss found only by the release itself is reported in its
+/// guard; a Redlock release that reached no quorum reports again when it is
+/// called again). A loss found only by the release itself is reported in its
 /// outcome, not as a loss.
 pub trait Observer: Send + Sync {
     /// An acquire call starts.
