@@ -15,7 +15,7 @@ use respire_coordination::{
     LossEvent, Observer, PollingEvent, Primitive, RedlockGroup, RedlockOptions, ReleaseEvent,
     ReleaseOutcome, RenewalEvent, TopologyChange, TopologyEvent, WaitEnd, WaitEndEvent, key_slot,
 };
-use support::{TestCluster, TestServer, shared_server, unique_prefix, wait_until};
+use support::{TestCluster, TestSentinel, TestServer, shared_server, unique_prefix, wait_until};
 
 const NODE_TIMEOUT: Duration = Duration::from_millis(200);
 const TTL: Duration = Duration::from_secs(2);
@@ -57,6 +57,10 @@ enum Ev {
     },
     SlotsMoved {
         slots: usize,
+    },
+    Switched {
+        from: String,
+        to: String,
     },
 }
 
@@ -180,9 +184,15 @@ impl Observer for Recorder {
         self.push(ev, Measured::default());
     }
     fn topology_changed(&self, e: &TopologyEvent<'_>) {
-        if let TopologyChange::SlotsMoved { slots } = e.change {
-            self.push(Ev::SlotsMoved { slots }, Measured::default());
-        }
+        let ev = match e.change {
+            TopologyChange::SlotsMoved { slots } => Ev::SlotsMoved { slots },
+            TopologyChange::PrimarySwitched { from, to } => Ev::Switched {
+                from: from.to_owned(),
+                to: to.to_owned(),
+            },
+            _ => return,
+        };
+        self.push(ev, Measured::default());
     }
 }
 
@@ -513,6 +523,44 @@ fn a_slot_moved_in_a_cluster_is_reported() {
         .collect();
     assert_eq!(moved, [Ev::SlotsMoved { slots: 1 }]);
     assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
+}
+
+#[test]
+fn a_sentinel_switch_is_reported_with_both_primaries() {
+    let deployment = TestSentinel::start();
+    let recorder = Arc::new(Recorder::default());
+    let sentinels = deployment.sentinel_urls();
+    let sentinels: Vec<&str> = sentinels.iter().map(String::as_str).collect();
+    let coord = Coordinator::sentinel_builder(&sentinels, deployment.service())
+        .node_timeout(NODE_TIMEOUT)
+        .observer(recorder.clone())
+        .build()
+        .unwrap();
+    let guard = coord
+        .lock("job")
+        .unwrap()
+        .try_acquire(TTL)
+        .unwrap()
+        .unwrap();
+    let old = deployment.primary().port();
+    let mark = recorder.len();
+    deployment.failover();
+    let new = deployment.primary().port();
+    assert_ne!(old, new);
+    wait_until(Duration::from_secs(20), "the switch", || {
+        recorder.has(mark, |e| matches!(e, Ev::Switched { .. }))
+    });
+    let switched: Vec<Ev> = evs(&recorder.since(mark))
+        .into_iter()
+        .filter(|e| matches!(e, Ev::Switched { .. }))
+        .collect();
+    assert_eq!(switched.len(), 1, "{switched:?}");
+    let Ev::Switched { from, to } = &switched[0] else {
+        unreachable!()
+    };
+    assert!(from.ends_with(&format!(":{old}")), "{from}");
+    assert!(to.ends_with(&format!(":{new}")), "{to}");
+    drop(guard);
 }
 
 /// Panics in every method it implements.
