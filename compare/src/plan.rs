@@ -204,6 +204,11 @@ const SINGLE: &[Impl] = &[
         Some("raw-pair"),
     ),
     imp(
+        "lock-observed",
+        "**this crate, `Lock::try_acquire` + `release` with an observer** that does nothing (`CoordinatorBuilder::observer`): the cost of the event calls themselves; `lock` is the same without one",
+        Some("raw-pair"),
+    ),
+    imp(
         "fenced",
         "**this crate, `FencedLock::try_acquire` + `release`**",
         Some("raw-fenced"),

@@ -11,6 +11,12 @@ use crate::child::{
 use crate::plan::{Case, Figures};
 
 const TTL: Duration = Duration::from_secs(30);
+/// An observer that implements no event: every call is the trait's empty
+/// default body.
+struct Silent;
+
+impl respire_coordination::Observer for Silent {}
+
 /// Compare-and-delete: the release every Redis lock recipe uses.
 pub(crate) const COMPARE_AND_DELETE: &str =
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0";
@@ -225,8 +231,12 @@ pub(crate) fn run(imp: &str, ctx: &Ctx) -> Res<Figures> {
                 },
             },
         )?,
-        "lock" | "lock-wait" => {
-            let coord = Coordinator::builder(url).key_prefix(&ctx.prefix).build()?;
+        "lock" | "lock-wait" | "lock-observed" => {
+            let mut builder = Coordinator::builder(url).key_prefix(&ctx.prefix);
+            if imp == "lock-observed" {
+                builder = builder.observer(std::sync::Arc::new(Silent));
+            }
+            let coord = builder.build()?;
             let lock = coord.lock("lock")?;
             ours(
                 warm,

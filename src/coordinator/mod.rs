@@ -23,6 +23,7 @@ use crate::lease::lock::{Lock, PlainSpec};
 use crate::lease::multi::{FencedMultiLock, MultiLease, MultiLock};
 use crate::lease::rwlease::{Preference, ReadWriteLease};
 use crate::lease::semaphore::Semaphore;
+use crate::observe::Observer;
 use crate::replication::Replication;
 use crate::runtime::renewal::RenewalStats;
 use crate::runtime::topology::{MIN_REFRESH, Settings, Topology};
@@ -360,6 +361,7 @@ pub struct CoordinatorBuilder {
     sentinel_username: Option<String>,
     sentinel_password: Option<String>,
     node_tls: Option<bool>,
+    observer: Option<Arc<dyn Observer>>,
     #[cfg(feature = "tls")]
     tls: crate::conn::TlsMaterial,
     #[cfg(feature = "tls")]
@@ -402,6 +404,7 @@ impl CoordinatorBuilder {
             sentinel_username: None,
             sentinel_password: None,
             node_tls: None,
+            observer: None,
             #[cfg(feature = "tls")]
             tls: Default::default(),
             #[cfg(feature = "tls")]
@@ -429,6 +432,17 @@ impl CoordinatorBuilder {
     /// which a lease is declared lost before it can expire. Defaults to 500 ms.
     pub fn node_timeout(mut self, timeout: Duration) -> Self {
         self.node_timeout = timeout;
+        self
+    }
+
+    /// Tells `observer` what this coordinator's locks do: every acquire
+    /// call, grant, contention, end of a wait, renewal, loss and release,
+    /// Sentinel switches and cluster slot moves, and the fall-back to
+    /// polling. See [`Observer`] for the threads it is called on and why it
+    /// must not block. Without one, none of this costs anything. Defaults to
+    /// no observer.
+    pub fn observer(mut self, observer: Arc<dyn Observer>) -> Self {
+        self.observer = Some(observer);
         self
     }
 
@@ -605,6 +619,7 @@ impl CoordinatorBuilder {
             pool_size: self.pool_size,
             refresh: self.refresh,
             clock: clock::system(),
+            observer: self.observer.clone(),
         };
         let role = match self.replication {
             Replication::Off => RoleCheck::None,
@@ -893,6 +908,7 @@ impl fmt::Debug for CoordinatorBuilder {
             .field("database", &self.database)
             .field("topology_refresh", &self.refresh)
             .field("replication", &self.replication)
+            .field("observer", &self.observer.is_some())
             .field("sentinel_username", &self.sentinel_username)
             .field(
                 "sentinel_password",

@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::lease::deployment::Deployment;
 use crate::lease::guard::LeaseGuard;
 use crate::lease::kind::{Acquire, Granted, Kind};
+use crate::observe::Acquiring;
 use crate::replication::Replication;
 use crate::runtime::renewal::Cell;
 use crate::runtime::topology::Uncertain;
@@ -187,6 +188,25 @@ impl<K: Kind> Lease<K> {
     }
 
     fn run(&self, ttl: Duration, wait: Wait<'_>) -> Result<Option<LeaseGuard<K>>> {
+        let once = matches!(wait, Wait::Once);
+        let start = |o| Acquiring::start(o, self.first_key(), K::PRIMITIVE, !once);
+        let mut seen = self.dep.observer().map(start);
+        let result = self.run_seen(ttl, wait, &mut seen);
+        Acquiring::finish(seen, &result, once, |g| (g.lease_id(), K::token(g.grant())));
+        result
+    }
+
+    /// The key observers are told of.
+    fn first_key(&self) -> &str {
+        &self.spec.keys()[0]
+    }
+
+    fn run_seen(
+        &self,
+        ttl: Duration,
+        wait: Wait<'_>,
+        seen: &mut Option<Acquiring<'_>>,
+    ) -> Result<Option<LeaseGuard<K>>> {
         let dep = &self.dep;
         let ttl_ms = dep.check_ttl(ttl)?;
         if let (Replication::Require { .. }, Some(detail)) = (dep.replication, dep.history.lost()) {
@@ -206,7 +226,7 @@ impl<K: Kind> Lease<K> {
             other => other,
         };
         let (result, attempts) = match wait {
-            Wait::Once => self.once(&owner, ttl_ms),
+            Wait::Once => self.once(&owner, ttl_ms, seen),
             Wait::Until(deadline, cancel) => {
                 let keys = self.spec.wait_keys();
                 let w = WaitFor {
@@ -221,6 +241,9 @@ impl<K: Kind> Lease<K> {
                 let waited = waiters::wait_for(&*dep.topology, &w, |conn, d, waiting| {
                     let started = dep.now();
                     let r = self.attempt(conn, &owner, ttl_ms, d, waiting, attempts.since());
+                    if let Ok(Attempt::Busy(pttl)) = &r {
+                        Acquiring::busy(seen, Some(*pttl));
+                    }
                     if r.as_ref().is_err_and(Error::is_uncertain) {
                         attempts.unanswered(started, []);
                     }
@@ -298,6 +321,7 @@ impl<K: Kind> Lease<K> {
         &self,
         owner: &OwnerToken,
         ttl_ms: u64,
+        seen: &mut Option<Acquiring<'_>>,
     ) -> (
         Result<Option<(LeaseGuard<K>, Instant, Instant)>>,
         Attempts<Uncertain>,
@@ -317,6 +341,9 @@ impl<K: Kind> Lease<K> {
                     reused = !conn.is_fresh();
                     started = dep.now();
                     let r = self.attempt(conn, owner, ttl_ms, deadline, false, attempts.since());
+                    if let Ok(Attempt::Busy(pttl)) = &r {
+                        Acquiring::busy(seen, Some(*pttl));
+                    }
                     if matches!(r, Ok(Attempt::Acquired(_))) {
                         attempts.granted(started);
                     }
@@ -404,6 +431,7 @@ impl<K: Kind> Lease<K> {
         let core = LeaseCore::granted(self.dep.timing, g.sent, Duration::from_millis(ttl_ms));
         let key = g.ops.keys[0].clone();
         let cell = Arc::new(Cell::new(key, g.ops, core));
+        cell.observe_with(self.dep.observer(), K::PRIMITIVE);
         self.dep.granted(&cell);
         LeaseGuard::new(self.dep.clone(), cell, g.grant, acknowledged)
     }

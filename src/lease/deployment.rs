@@ -21,6 +21,7 @@ use crate::core::fences::{self, FenceBook, REMEMBERED_KEYS};
 use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::keys;
+use crate::observe::Observer;
 use crate::replication::{History, Replication};
 use crate::runtime::node::{Job, Node};
 use crate::runtime::renewal::{Cell, Ops, Renewal, RenewalStats};
@@ -104,6 +105,11 @@ impl Deployment {
 
     /// Remembers a new grant, so that it is verified after a failover or a
     /// slot move (Cluster and Sentinel deployments only).
+    /// The coordinator's observer, if any.
+    pub(crate) fn observer(&self) -> Option<&Arc<dyn Observer>> {
+        self.topology.observer()
+    }
+
     pub(crate) fn granted(&self, cell: &Arc<Cell>) {
         self.topology.register(cell);
     }

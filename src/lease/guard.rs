@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::guard::{Fencing, Guard, ReleaseOutcome, Verifiable, sealed};
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::kind::{Fenced, Kind};
+use crate::observe::LeaseId;
 use crate::runtime::renewal::Cell;
 use crate::token::FencingToken;
 
@@ -69,6 +70,11 @@ impl<K: Kind> LeaseGuard<K> {
 
     pub(crate) fn grant(&self) -> &K::Grant {
         &self.grant
+    }
+
+    /// The lease's id, for observers.
+    pub(crate) fn lease_id(&self) -> LeaseId {
+        LeaseId(self.cell.id())
     }
 
     /// How many replicas acknowledged the grant within the replication
@@ -353,7 +359,7 @@ impl<K: Kind> LeaseGuard<K> {
                 break;
             }
         }
-        match reply {
+        let outcome = match reply {
             Ok(code) => Ok(ReleaseOutcome::of(code)),
             Err(e) if e.is_uncertain() => {
                 log::warn!(
@@ -363,7 +369,11 @@ impl<K: Kind> LeaseGuard<K> {
                 Ok(ReleaseOutcome::Uncertain)
             }
             Err(e) => Err(bad_key_in(e, &keys)),
+        };
+        if let Some(w) = self.cell.watching() {
+            w.released(self.key(), self.cell.id(), outcome.as_ref().ok().copied());
         }
+        outcome
     }
 }
 
@@ -520,6 +530,7 @@ mod tests {
             pool_size: 1,
             refresh: ms(1_000),
             clock: clock.clone(),
+            observer: None,
         };
         let topology = Topology::standalone(Arc::new(cfg), None, &settings);
         Arc::new(Deployment::new(

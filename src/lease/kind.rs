@@ -12,6 +12,7 @@ use std::time::Instant;
 use crate::conn::Conn;
 use crate::error::Result;
 use crate::lease::deployment::Deployment;
+use crate::observe::Primitive;
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
 use crate::token::{FencingToken, OwnerToken};
@@ -28,6 +29,13 @@ pub trait Kind: sealed::Sealed + Send + Sync + 'static {
     /// The grant's name, for `Debug` (empty: nothing to show).
     #[doc(hidden)]
     const GRANT: &'static str;
+    /// The primitive, for observers.
+    #[doc(hidden)]
+    const PRIMITIVE: Primitive;
+    /// The fencing token a grant carries, for observers (a reader's write
+    /// epoch is not its own token).
+    #[doc(hidden)]
+    fn token(grant: &Self::Grant) -> Option<FencingToken>;
 }
 
 mod sealed {
@@ -73,30 +81,50 @@ impl Kind for Plain {
     type Grant = ();
     const GUARD: &'static str = "LockGuard";
     const GRANT: &'static str = "";
+    const PRIMITIVE: Primitive = Primitive::Lock;
+    fn token(_: &Self::Grant) -> Option<FencingToken> {
+        None
+    }
 }
 
 impl Kind for Fenced {
     type Grant = FencingToken;
     const GUARD: &'static str = "FencedGuard";
     const GRANT: &'static str = "fencing_token";
+    const PRIMITIVE: Primitive = Primitive::FencedLock;
+    fn token(grant: &Self::Grant) -> Option<FencingToken> {
+        Some(*grant)
+    }
 }
 
 impl Kind for Read {
     type Grant = FencingToken;
     const GUARD: &'static str = "ReadGuard";
     const GRANT: &'static str = "write_epoch";
+    const PRIMITIVE: Primitive = Primitive::Read;
+    fn token(_: &Self::Grant) -> Option<FencingToken> {
+        None
+    }
 }
 
 impl Kind for Write {
     type Grant = FencingToken;
     const GUARD: &'static str = "WriteGuard";
     const GRANT: &'static str = "fencing_token";
+    const PRIMITIVE: Primitive = Primitive::Write;
+    fn token(grant: &Self::Grant) -> Option<FencingToken> {
+        Some(*grant)
+    }
 }
 
 impl Kind for Slot {
     type Grant = (u32, FencingToken);
     const GUARD: &'static str = "Permit";
     const GRANT: &'static str = "slot_and_fencing_token";
+    const PRIMITIVE: Primitive = Primitive::Semaphore;
+    fn token(grant: &Self::Grant) -> Option<FencingToken> {
+        Some(grant.1)
+    }
 }
 
 /// One grant, as an attempt returns it.

@@ -36,9 +36,12 @@ use crate::core::redlock::{Bounds, Extension, NodeLease, Op, Release, Renewable,
 use crate::core::schedule::{Next, Watched};
 use crate::core::timing::Timing;
 use crate::error::{Error, Result};
+use crate::guard::ReleaseOutcome;
+use crate::observe::{LeaseId, Primitive};
 use crate::report::{NodeOutcome, NodeReport, summarize};
 use crate::runtime::lease::LeaseCell;
 use crate::runtime::scheduler::{Dispatch, Scheduler};
+use crate::token::FencingToken;
 
 /// One Redlock lease, shared by its guard and the renewal thread.
 pub(super) struct RedlockLease {
@@ -120,6 +123,7 @@ impl RedlockGuard {
             evidence: Mutex::new(evidence),
         });
         group.restarts.register(&inner);
+        (inner.cell).observe_with(group.options.observer.as_ref(), Primitive::Redlock);
         RedlockGuard {
             inner,
             release: Release::new(group.len()),
@@ -341,14 +345,28 @@ impl RedlockGuard {
         let skipped = NodeOutcome::NotSent("confirmed by an earlier release".into());
         let nodes = group.reports(replies, &targets, deadline, &skipped);
         *self.inner.evidence.lock() = nodes.clone();
-        self.release
+        let result = self
+            .release
             .conclude()
             .map_err(|confirmed| Error::QuorumNotReached {
                 op: "release",
                 confirmed,
                 needed: group.quorum,
                 nodes,
-            })
+            });
+        if let Some(w) = self.inner.cell.watching() {
+            let outcome = result.as_ref().ok().map(|held| match held {
+                true => ReleaseOutcome::Released,
+                false => ReleaseOutcome::Expired,
+            });
+            w.released(self.key(), self.inner.cell.id(), outcome);
+        }
+        result
+    }
+
+    /// The lease's id and (no) fencing token, for observers.
+    pub(super) fn observed(&self) -> (LeaseId, Option<FencingToken>) {
+        (LeaseId(self.inner.cell.id()), None)
     }
 }
 

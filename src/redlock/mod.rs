@@ -30,6 +30,7 @@ use crate::clock::Clock;
 use crate::conn::ConnConfig;
 use crate::coordinator::Coordinator;
 use crate::error::{Error, Result};
+use crate::observe::{Acquiring, Observer, Primitive};
 use worker::{Hello, NodeSettings, NodeWatcher, NodeWorker, OnNodeEvent, ROUND_TRIPS_PER_TIMEOUT};
 
 pub use attempt::RedlockAttempt;
@@ -405,7 +406,29 @@ impl RedlockGroup {
     /// key that holds another type, an error reply, ...) when
     /// so many nodes failed that way that no quorum can form without them.
     pub fn try_acquire(&self, key: &str, ttl: Duration) -> Result<Option<RedlockGuard>> {
-        self.attempt(key, ttl)?.into_result()
+        let start = |o| Acquiring::start(o, key, Primitive::Redlock, false);
+        let mut seen = self.observer().map(start);
+        let result = self.try_once(key, ttl, &mut seen);
+        Acquiring::finish(seen, &result, true, RedlockGuard::observed);
+        result
+    }
+
+    fn observer(&self) -> Option<&Arc<dyn Observer>> {
+        self.inner.options.observer.as_ref()
+    }
+
+    /// One attempt, telling `seen` of contention.
+    fn try_once(
+        &self,
+        key: &str,
+        ttl: Duration,
+        seen: &mut Option<Acquiring<'_>>,
+    ) -> Result<Option<RedlockGuard>> {
+        let result = self.attempt(key, ttl).and_then(RedlockAttempt::into_result);
+        if matches!(result, Ok(None)) {
+            Acquiring::busy(seen, None);
+        }
+        result
     }
 
     /// Tries until acquired or `wait` runs out. A zero wait makes one attempt;
@@ -488,6 +511,21 @@ impl RedlockGroup {
         deadline: Option<Instant>,
         cancel: Option<&CancelToken>,
     ) -> Result<Option<RedlockGuard>> {
+        let start = |o| Acquiring::start(o, key, Primitive::Redlock, true);
+        let mut seen = self.observer().map(start);
+        let result = self.wait_seen(key, ttl, deadline, cancel, &mut seen);
+        Acquiring::finish(seen, &result, false, RedlockGuard::observed);
+        result
+    }
+
+    fn wait_seen(
+        &self,
+        key: &str,
+        ttl: Duration,
+        deadline: Option<Instant>,
+        cancel: Option<&CancelToken>,
+        seen: &mut Option<Acquiring<'_>>,
+    ) -> Result<Option<RedlockGuard>> {
         let never = crossbeam_channel::never();
         let cancelled = cancel.map_or(&never, CancelToken::receiver);
         let options = &self.inner.options;
@@ -498,7 +536,7 @@ impl RedlockGroup {
             if cancel.is_some_and(CancelToken::is_cancelled) {
                 return Err(Error::Cancelled);
             }
-            match self.try_acquire(key, ttl) {
+            match self.try_once(key, ttl, seen) {
                 Ok(Some(guard)) => {
                     if cancel.is_some_and(CancelToken::is_cancelled) {
                         drop(guard);

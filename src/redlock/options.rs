@@ -1,10 +1,13 @@
 //! The settings of a Redlock group and the checks that refuse unsound ones.
 
+use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::core::timing;
 use crate::error::{Error, Result};
 use crate::keys;
+use crate::observe::Observer;
 
 /// Settings of a [`RedlockGroup`](crate::RedlockGroup). Build it with struct update syntax:
 ///
@@ -18,7 +21,7 @@ use crate::keys;
 /// };
 /// assert_eq!(options.drift_factor, 0.01);
 /// ```
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone)]
 pub struct RedlockOptions {
     /// The longest one node may take to answer one command; connections are
     /// made outside it, in the background. It must be at least twice every
@@ -49,6 +52,49 @@ pub struct RedlockOptions {
     pub retry_base: Duration,
     /// The largest ceiling of the pauses between attempts. Defaults to 200 ms.
     pub retry_max: Duration,
+    /// Told what the group's locks do: acquire calls, grants, contention,
+    /// ends of waits, renewals, losses and releases (see [`Observer`]; set
+    /// it with [`with_observer`](RedlockOptions::with_observer)). Two options
+    /// compare equal only if they share the same observer. Defaults to `None`.
+    pub observer: Option<Arc<dyn Observer>>,
+}
+
+impl RedlockOptions {
+    /// These options with `observer`; see [`observer`](RedlockOptions#structfield.observer).
+    #[must_use]
+    pub fn with_observer(mut self, observer: Arc<dyn Observer>) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+}
+
+impl PartialEq for RedlockOptions {
+    fn eq(&self, other: &Self) -> bool {
+        let same_observer = match (&self.observer, &other.observer) {
+            (None, None) => true,
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        self.node_timeout == other.node_timeout
+            && self.drift_factor == other.drift_factor
+            && self.restart_delay == other.restart_delay
+            && self.retry_base == other.retry_base
+            && self.retry_max == other.retry_max
+            && same_observer
+    }
+}
+
+impl fmt::Debug for RedlockOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedlockOptions")
+            .field("node_timeout", &self.node_timeout)
+            .field("drift_factor", &self.drift_factor)
+            .field("restart_delay", &self.restart_delay)
+            .field("retry_base", &self.retry_base)
+            .field("retry_max", &self.retry_max)
+            .field("observer", &self.observer.is_some())
+            .finish()
+    }
 }
 
 impl Default for RedlockOptions {
@@ -59,6 +105,7 @@ impl Default for RedlockOptions {
             restart_delay: None,
             retry_base: Duration::from_millis(10),
             retry_max: Duration::from_millis(200),
+            observer: None,
         }
     }
 }

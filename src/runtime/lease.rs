@@ -7,6 +7,7 @@
 //! signal before it returns, so `is_lost()` never turns false again and the
 //! signal is closed by the time anyone sees `is_lost()` true.
 
+use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -17,6 +18,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use crate::core::executor::Claim;
 use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket, Verdict};
 use crate::core::schedule::Next;
+use crate::observe::{LossCause, Observer, Primitive, Watching};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -29,6 +31,38 @@ struct State {
     shared: Vec<Arc<SharedSignal>>,
     keepalives: usize,
     warned: bool,
+    /// A loss recorded for the observer, reported once the lock is released.
+    unreported: Option<(LossCause, String)>,
+}
+
+/// The locked state; reports a loss recorded under the lock after unlocking,
+/// so that an observer never runs under it.
+struct Locked<'a, X> {
+    cell: &'a LeaseCell<X>,
+    state: Option<MutexGuard<'a, State>>,
+}
+
+impl<X> Deref for Locked<'_, X> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        self.state.as_ref().expect("held until dropped")
+    }
+}
+
+impl<X> DerefMut for Locked<'_, X> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.state.as_mut().expect("held until dropped")
+    }
+}
+
+impl<X> Drop for Locked<'_, X> {
+    fn drop(&mut self) {
+        let loss = self.state.as_mut().and_then(|s| s.unreported.take());
+        self.state = None;
+        if let (Some((cause, detail)), Some(w)) = (loss, self.cell.watching.get()) {
+            w.lost(&self.cell.key, self.cell.id, cause, &detail);
+        }
+    }
 }
 
 /// The sender of a loss signal shared by several leases: whichever of them is
@@ -45,6 +79,8 @@ pub(crate) struct LeaseCell<X> {
     claim_freed: Condvar,
     signal: OnceLock<Receiver<()>>,
     watched: AtomicBool,
+    /// The observer told of renewals, loss and release, if any.
+    watching: OnceLock<Watching>,
 }
 
 impl<X> LeaseCell<X> {
@@ -59,10 +95,12 @@ impl<X> LeaseCell<X> {
                 shared: Vec::new(),
                 keepalives: 0,
                 warned: false,
+                unreported: None,
             }),
             claim_freed: Condvar::new(),
             signal: OnceLock::new(),
             watched: AtomicBool::new(false),
+            watching: OnceLock::new(),
         }
     }
 
@@ -78,6 +116,21 @@ impl<X> LeaseCell<X> {
         &self.extra
     }
 
+    /// Has `observer`, if any, hear of this lease's renewals, loss and release.
+    pub(crate) fn observe_with(&self, observer: Option<&Arc<dyn Observer>>, primitive: Primitive) {
+        if let Some(observer) = observer {
+            let _ = self.watching.set(Watching {
+                observer: observer.clone(),
+                primitive,
+            });
+        }
+    }
+
+    /// The observer of this lease, if any.
+    pub(crate) fn watching(&self) -> Option<&Watching> {
+        self.watching.get()
+    }
+
     /// Records a loss the core reports at `now` and closes the signal.
     fn settle(&self, s: &mut State, now: Instant) {
         s.core.observe(now);
@@ -88,6 +141,9 @@ impl<X> LeaseCell<X> {
             {
                 s.warned = true;
                 log::warn!("lease {:?} lost: {loss}", self.key);
+                if self.watching.get().is_some() {
+                    s.unreported = Some((cause_of(loss, s.keepalives), loss.to_string()));
+                }
             }
             s.signal.take();
             for shared in s.shared.drain(..) {
@@ -96,10 +152,17 @@ impl<X> LeaseCell<X> {
         }
     }
 
-    fn lock(&self, now: Instant) -> MutexGuard<'_, State> {
-        let mut s = self.state.lock();
+    fn lock(&self, now: Instant) -> Locked<'_, X> {
+        let mut s = self.locked();
         self.settle(&mut s, now);
         s
+    }
+
+    fn locked(&self) -> Locked<'_, X> {
+        Locked {
+            cell: self,
+            state: Some(self.state.lock()),
+        }
     }
 
     /// Lost at `now` (permanently, once true).
@@ -186,7 +249,7 @@ impl<X> LeaseCell<X> {
     }
 
     fn change(&self, now: Instant, f: impl FnOnce(&mut LeaseCore)) {
-        let mut s = self.state.lock();
+        let mut s = self.locked();
         let claimed = s.core.is_claimed();
         f(&mut s.core);
         self.settle(&mut s, now);
@@ -198,7 +261,14 @@ impl<X> LeaseCell<X> {
     /// The extension was confirmed at `now`; whether the lease is still held.
     pub(crate) fn extended(&self, ticket: Ticket, now: Instant) -> bool {
         let mut held = false;
-        self.change(now, |c| held = c.extended(ticket, now));
+        let mut margin = Duration::ZERO;
+        self.change(now, |c| {
+            margin = c.valid_until().saturating_duration_since(now);
+            held = c.extended(ticket, now);
+        });
+        if held && let Some(w) = self.watching.get() {
+            w.renewed(&self.key, self.id, self.ttl(), margin);
+        }
         held
     }
 
@@ -268,6 +338,18 @@ impl<X> LeaseCell<X> {
             lost_at: s.core.lost_at(),
             renew,
         }
+    }
+}
+
+/// How a loss is told to observers: a deadline is an expiry for a lease no
+/// keep-alive renews, and a renewal not confirmed for one it does.
+fn cause_of(loss: &Loss, keepalives: usize) -> LossCause {
+    match loss {
+        Loss::Deadline if keepalives == 0 => LossCause::Expired,
+        Loss::Deadline | Loss::LateConfirmation => LossCause::RenewalUnconfirmed,
+        Loss::Gone => LossCause::Gone,
+        Loss::TakenOver => LossCause::TakenOver,
+        Loss::Other(_) => LossCause::Other,
     }
 }
 

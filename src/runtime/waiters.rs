@@ -98,6 +98,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::cancel::CancelToken;
 use crate::conn::Conn;
 use crate::error::{Error, Result};
+use crate::observe::{self, Observer};
 
 /// The outcome of one acquire attempt.
 pub(crate) enum Attempt<T> {
@@ -157,6 +158,8 @@ pub(crate) struct Registry {
     queues: Mutex<HashMap<Vec<u8>, Queue>>,
     warned: AtomicBool,
     next_id: AtomicU64,
+    /// Told of the fall-back to polling, and of topology changes.
+    observer: Option<Arc<dyn Observer>>,
 }
 
 /// The invalidation subscriber of one server, as its command connections see
@@ -246,7 +249,18 @@ impl Registry {
             queues: Mutex::new(HashMap::new()),
             warned: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
+            observer: None,
         }
+    }
+
+    /// The same registry, telling `observer` what it logs once.
+    pub(crate) fn observed_by(self, observer: Option<Arc<dyn Observer>>) -> Self {
+        Registry { observer, ..self }
+    }
+
+    /// The deployment's observer, if any.
+    pub(crate) fn observer(&self) -> Option<&Arc<dyn Observer>> {
+        self.observer.as_ref()
     }
 
     /// Logs, once per coordinator, that waiters poll because of `why`.
@@ -257,6 +271,7 @@ impl Registry {
                  (logged once per coordinator)",
                 self.addr
             );
+            observe::polling(self.observer(), &self.addr, why);
         }
     }
 

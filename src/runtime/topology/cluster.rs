@@ -13,6 +13,7 @@ use crate::conn::cluster::{NodeAddr, Shard, parse_shards, parse_slots};
 use crate::conn::{Conn, ConnConfig};
 use crate::error::{Error, Result, is_noperm};
 use crate::keys::SLOTS;
+use crate::observe;
 use crate::runtime::node::Node;
 
 use super::{MIN_REFRESH, Settings, Shape, Topology};
@@ -197,6 +198,7 @@ impl Topology {
         if any {
             let count = changed.iter().filter(|c| **c).count();
             log::info!("{count} slot(s) of {} changed owner", self.describe);
+            observe::slots_moved(self.observer(), &self.describe, count);
             self.slots_changed(&|slot| changed[usize::from(slot)]);
         }
     }

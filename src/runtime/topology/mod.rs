@@ -47,6 +47,7 @@ use crate::conn::cluster::{NodeAddr, Redirect, redirect};
 use crate::conn::{Conn, ConnConfig, Connect, RoleCheck};
 use crate::error::{Error, Result};
 use crate::keys::key_slot;
+use crate::observe::{self, Observer};
 use crate::runtime::node::{Directory, Job, Node};
 use crate::runtime::renewal::{Cell, Counters, Lanes, Renewal, RenewalStats};
 use crate::runtime::waiters::{OnTracked, Registry, Route, Tracker};
@@ -96,6 +97,8 @@ pub(crate) struct Settings {
     pub(crate) pool_size: usize,
     pub(crate) refresh: Duration,
     pub(crate) clock: Arc<dyn Clock>,
+    /// Told of topology changes, the fall-back to polling and every lease.
+    pub(crate) observer: Option<Arc<dyn Observer>>,
 }
 
 enum Shape {
@@ -135,7 +138,7 @@ impl Topology {
         threads: Option<(Sender<()>, Sender<()>)>,
     ) -> Arc<Topology> {
         let counters: Arc<Counters> = Arc::default();
-        let registry = Arc::new(Registry::new(describe.clone()));
+        let registry = Arc::new(Registry::new(describe.clone()).observed_by(s.observer.clone()));
         let topological = threads.is_some();
         let (poke, stop) = match threads {
             Some((poke, stop)) => (Some(poke), Some(stop)),
@@ -197,6 +200,11 @@ impl Topology {
     /// What this deployment is, for messages.
     pub(crate) fn describe(&self) -> &str {
         &self.describe
+    }
+
+    /// The deployment's observer, if any.
+    pub(crate) fn observer(&self) -> Option<&Arc<dyn Observer>> {
+        self.registry.observer()
     }
 
     /// The renewal thread.
@@ -497,6 +505,7 @@ impl Directory for Topology {
         };
         if changed {
             log::debug!("slot {slot} of {} moved to {addr}", self.describe);
+            observe::slots_moved(self.observer(), &self.describe, 1);
             self.slots_changed(&|s| s == slot);
         }
         self.suspect();

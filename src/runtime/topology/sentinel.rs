@@ -12,6 +12,7 @@ use crate::conn::cluster::NodeAddr;
 use crate::conn::sentinel::{parse_master_addr, parse_switch};
 use crate::conn::{Conn, ConnConfig, RoleCheck};
 use crate::error::{Error, Result};
+use crate::observe;
 use crate::runtime::node::Node;
 
 use super::{MIN_REFRESH, Settings, Shape, Topology};
@@ -178,6 +179,7 @@ impl Topology {
             s.service,
             old.0
         );
+        observe::switched(self.observer(), &self.describe, &old.0, addr);
         self.slots_changed(&|_| true);
         true
     }
