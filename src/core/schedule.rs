@@ -330,6 +330,29 @@ mod tests {
     }
 
     #[test]
+    fn replanned_leases_do_not_keep_heap_slots() {
+        // Every touch pushes a new slot and leaves the old one stale; the
+        // heap is rebuilt before stale slots outnumber live ones.
+        let t0 = Instant::now();
+        let mut s = Schedule::default();
+        let leases: Vec<M> = (0..100)
+            .map(|id| model(id, t0 + ms(3_600_000), Some(t0 + ms(1_800_000))))
+            .collect();
+        for l in &leases {
+            s.watch(l.clone(), t0);
+        }
+        let mut most = 0;
+        for round in 0..1_000 {
+            for id in 0..100 {
+                s.touch(id, t0 + ms(round));
+                most = most.max(s.heap_len());
+            }
+        }
+        assert_eq!(s.len(), 100);
+        assert!(most <= 2 * 100 + 1, "{most}");
+    }
+
+    #[test]
     fn gone_leases_are_dropped() {
         let t0 = Instant::now();
         let mut s = Schedule::default();
