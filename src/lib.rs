@@ -422,6 +422,7 @@ pub use lease::election::{Election, Leader, LeaderChanges, Leadership};
 pub use lease::fenced::{FencedGuard, FencedLock};
 pub use lease::guard::{KeepAlive, LeaseGuard};
 pub use lease::kind::{Fenced, Kind, Plain, Read, Slot, Write};
+pub use lease::fairness::Fairness;
 pub use lease::lock::{Lock, LockGuard};
 pub use lease::rwlease::{
     Preference, ReadGuard, ReadLease, ReadWriteLease, WriteGuard, WriteLease,

@@ -216,6 +216,7 @@ impl<K: Kind> Lease<K> {
                     node_timeout: dep.node_timeout() + dep.replication.timeout(),
                     settle: dep.connect_timeout,
                     failures: Failures::RideOut,
+                    order: self.spec.order(),
                 };
                 let mut attempts = Attempts::default();
                 let waited = waiters::wait_for(&*dep.topology, &w, |conn, d, waiting| {

@@ -261,13 +261,38 @@ impl Registry {
     }
 
     /// Queues a waiter on every key whose change may free what it waits for.
-    fn register(&self, keys: &[&str]) -> Waiter<'_> {
+    /// A waiter `on_its_own` is a class of its own: every change of its keys
+    /// wakes it, whoever else waits.
+    fn register(&self, keys: &[&str], on_its_own: bool) -> Waiter<'_> {
+        self.enqueue(keys, on_its_own, false)
+            .expect("an unconditional registration")
+    }
+
+    /// Queues a waiter behind the waiters of its class already queued on its
+    /// first key, if there are any (checked and queued at once, so the waiter
+    /// ahead is still there to pass the turn on); `None` when there are none.
+    fn register_behind(&self, keys: &[&str]) -> Option<Waiter<'_>> {
+        self.enqueue(keys, false, true)
+    }
+
+    fn enqueue(&self, keys: &[&str], on_its_own: bool, behind: bool) -> Option<Waiter<'_>> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_bytes().to_vec()).collect();
-        let class = class_of(&keys);
+        let class = if on_its_own {
+            id.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        } else {
+            class_of(&keys)
+        };
         {
             let mut queues = self.queues.lock();
+            if behind
+                && !queues
+                    .get(&keys[0])
+                    .is_some_and(|q| q.iter().any(|e| e.class == class))
+            {
+                return None;
+            }
             for key in &keys {
                 queues.entry(key.clone()).or_default().push_back(Entry {
                     id,
@@ -276,13 +301,13 @@ impl Registry {
                 });
             }
         }
-        Waiter {
+        Some(Waiter {
             registry: self,
             keys,
             id,
             class,
             rx,
-        }
+        })
     }
 
     /// An invalidation for `key`: wake the first waiter of each class on it.
@@ -553,6 +578,27 @@ pub(crate) struct WaitFor<'a> {
     pub(crate) settle: Duration,
     /// What a failure that may pass does to the wait.
     pub(crate) failures: Failures,
+    /// Who is next: this process's queue, or the server's.
+    pub(crate) order: Order,
+}
+
+/// Who a wait lets go first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Order {
+    /// This process's queue, which every wait enters only after its first
+    /// attempt (a watcher, whose attempts read and never take).
+    Race,
+    /// This process's queue (see the module docs): a wait that starts while
+    /// waiters of this process are queued on its key queues behind them
+    /// without an attempt of its own, so a thread that has just released
+    /// the key does not take it back from the waiter its release woke.
+    Local,
+    /// A queue on the server whose entries expire unless their waiter
+    /// refreshes them: every waiter attempts (and so refreshes its entry) at
+    /// least once per `refresh`, and every change of the keys wakes every
+    /// waiter of the process, since the server, not arrival here, says who
+    /// is next.
+    Server { refresh: Duration },
 }
 
 /// How a wait ended.
@@ -633,7 +679,9 @@ fn join<'r, R: Route>(route: &'r R, w: &WaitFor<'_>) -> Waiter<'r> {
     if let Ok(tracker) = route.tracker(w.keys[0]) {
         tracker.await_settled(w.deadline.map_or(settle, |d| d.min(settle)));
     }
-    route.registry().register(w.keys)
+    route
+        .registry()
+        .register(w.keys, matches!(w.order, Order::Server { .. }))
 }
 
 fn wait_loop<R: Route, T>(
@@ -646,7 +694,18 @@ fn wait_loop<R: Route, T>(
     // Registered once the first attempt was not granted (held, or failed);
     // until then the wait is the plain attempt a single attempt makes: no
     // subscriber, no queue, no tracked read, no expiry hint.
-    let mut waiter: Option<Waiter<'_>> = None;
+    //
+    // A wait that starts while waiters of this process are queued on its key
+    // joins the queue behind them at once and makes no attempt until its
+    // turn comes (the waiter ahead leaves and passes it on) or the deadline
+    // does: a thread that has just released the key would otherwise take it
+    // back before the waiter its release woke could (the hand-off in one
+    // process). The check costs a lookup in the registry, no round trip.
+    let mut waiter: Option<Waiter<'_>> = match w.order {
+        Order::Local => registry.register_behind(w.keys),
+        Order::Race | Order::Server { .. } => None,
+    };
+    let mut behind = waiter.is_some();
     let never = crossbeam_channel::never();
     let cancelled = w.cancel.map_or(&never, |c| c.receiver());
     let is_cancelled = || w.cancel.is_some_and(CancelToken::is_cancelled);
@@ -658,6 +717,23 @@ fn wait_loop<R: Route, T>(
     loop {
         if is_cancelled() {
             return Err(Error::Cancelled);
+        }
+        if std::mem::take(&mut behind)
+            && let Some(waiter) = &waiter
+        {
+            // Behind this process's earlier waiters: the turn comes when the
+            // one ahead leaves; at the deadline one attempt still goes out
+            // (the wait never ends without one).
+            let timer = match w.deadline {
+                Some(at) => crossbeam_channel::at(at),
+                None => crossbeam_channel::never(),
+            };
+            crossbeam_channel::select! {
+                recv(waiter.rx) -> _ => {}
+                recv(cancelled) -> _ => return Err(Error::Cancelled),
+                recv(timer) -> _ => {}
+            }
+            continue;
         }
         let waiting = waiter.is_some();
         let started = Instant::now();
@@ -778,6 +854,10 @@ fn wait_loop<R: Route, T>(
             };
         }
         let mut wake_at = w.deadline;
+        if let Order::Server { refresh } = w.order {
+            let at = now + refresh;
+            wake_at = Some(wake_at.map_or(at, |w| w.min(at)));
+        }
         if waiter.is_front() {
             if let Some(pttl) = pttl {
                 let at = now.checked_add(pttl + Duration::from_millis(1));
@@ -813,9 +893,9 @@ mod tests {
     #[test]
     fn invalidation_wakes_only_the_first_and_leaving_passes_it_on() {
         let reg = Registry::new("redis://test".into());
-        let a = reg.register(&["k"]);
-        let b = reg.register(&["k"]);
-        let other = reg.register(&["j"]);
+        let a = reg.register(&["k"], false);
+        let b = reg.register(&["k"], false);
+        let other = reg.register(&["j"], false);
         reg.wake_key(b"k");
         assert!(a.rx.try_recv().is_ok());
         assert!(b.rx.try_recv().is_err());
@@ -835,7 +915,7 @@ mod tests {
     #[test]
     fn a_pending_wake_is_kept_until_the_waiter_looks() {
         let reg = Registry::new("redis://test".into());
-        let a = reg.register(&["k"]);
+        let a = reg.register(&["k"], false);
         reg.wake_key(b"k");
         reg.wake_key(b"k");
         assert!(a.rx.try_recv().is_ok());
@@ -845,9 +925,9 @@ mod tests {
     #[test]
     fn leaving_from_the_middle_does_not_wake_anyone() {
         let reg = Registry::new("redis://test".into());
-        let a = reg.register(&["k"]);
-        let b = reg.register(&["k"]);
-        let c = reg.register(&["k"]);
+        let a = reg.register(&["k"], false);
+        let b = reg.register(&["k"], false);
+        let c = reg.register(&["k"], false);
         drop(b);
         assert!(a.rx.try_recv().is_err());
         assert!(c.rx.try_recv().is_err());
@@ -864,9 +944,9 @@ mod tests {
             redirect: 7,
             generation: 2,
         });
-        let a = reg.register(&["k"]);
-        let b = reg.register(&["k"]);
-        let other = reg.register(&["j"]);
+        let a = reg.register(&["k"], false);
+        let b = reg.register(&["k"], false);
+        let other = reg.register(&["j"], false);
         let armed = |generation| Armed {
             generation,
             reads: Reads::OnRequest,
@@ -886,8 +966,8 @@ mod tests {
     #[test]
     fn a_slot_change_wakes_only_the_keys_it_names() {
         let reg = Registry::new("redis://test".into());
-        let a = reg.register(&["{a}k"]);
-        let b = reg.register(&["{b}k"]);
+        let a = reg.register(&["{a}k"], false);
+        let b = reg.register(&["{b}k"], false);
         reg.wake_where(|key| key.starts_with(b"{a}"));
         assert!(a.rx.try_recv().is_ok());
         assert!(b.rx.try_recv().is_err());
@@ -897,10 +977,10 @@ mod tests {
     fn waiters_on_other_keys_queue_apart_on_the_key_they_share() {
         let reg = Registry::new("redis://test".into());
         // Readers wait on [w, q], writers on [w, r]: both on w.
-        let r1 = reg.register(&["w", "q"]);
-        let w1 = reg.register(&["w", "r"]);
-        let r2 = reg.register(&["w", "q"]);
-        let w2 = reg.register(&["w", "r"]);
+        let r1 = reg.register(&["w", "q"], false);
+        let w1 = reg.register(&["w", "r"], false);
+        let r2 = reg.register(&["w", "q"], false);
+        let w2 = reg.register(&["w", "r"], false);
         assert!(r1.is_front() && w1.is_front());
         assert!(!r2.is_front() && !w2.is_front());
         // A change of w wakes the first of each class, not the second reader.
