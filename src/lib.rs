@@ -419,10 +419,10 @@ pub use guard::{Fencing, Guard, ReleaseOutcome, Verifiable};
 pub use keys::{MAX_TTL, key_slot};
 pub use lease::acquire::Lease;
 pub use lease::election::{Election, Leader, LeaderChanges, Leadership};
+pub use lease::fairness::Fairness;
 pub use lease::fenced::{FencedGuard, FencedLock};
 pub use lease::guard::{KeepAlive, LeaseGuard};
 pub use lease::kind::{Fenced, Kind, Plain, Read, Slot, Write};
-pub use lease::fairness::Fairness;
 pub use lease::lock::{Lock, LockGuard};
 pub use lease::rwlease::{
     Preference, ReadGuard, ReadLease, ReadWriteLease, WriteGuard, WriteLease,

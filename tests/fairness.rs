@@ -66,9 +66,11 @@ fn a_thread_that_released_waits_behind_the_waiter_its_release_woke() {
         });
         // The waiter's plain attempt and its tracked one (made registered):
         // it is queued in this process and its key tracked.
-        wait_until(Duration::from_secs(10), "the waiter's tracked attempt", || {
-            calls(&mut admin, "set") >= sets + 2
-        });
+        wait_until(
+            Duration::from_secs(10),
+            "the waiter's tracked attempt",
+            || calls(&mut admin, "set") >= sets + 2,
+        );
         held.release().unwrap();
         // At once, as a releaser looping on the lock would.
         let again = lock.acquire(TTL, &cancel).unwrap();
@@ -172,7 +174,10 @@ fn a_fifo_wait_that_gives_up_leaves_the_queue_at_once() {
 fn a_killed_fifo_waiter_holds_up_the_queue_no_longer_than_its_entry_ttl() {
     const TEST: &str = "a_killed_fifo_waiter_holds_up_the_queue_no_longer_than_its_entry_ttl";
     if std::env::var(CHILD_ENV).as_deref() == Ok("waiter") {
-        let lock = fifo_lock(&env("RESPIRE_FAIRNESS_URL"), &env("RESPIRE_FAIRNESS_PREFIX"));
+        let lock = fifo_lock(
+            &env("RESPIRE_FAIRNESS_URL"),
+            &env("RESPIRE_FAIRNESS_PREFIX"),
+        );
         let mut out = std::io::stdout();
         writeln!(out, "@@waiting").unwrap();
         out.flush().unwrap();
@@ -212,9 +217,11 @@ fn a_killed_fifo_waiter_holds_up_the_queue_no_longer_than_its_entry_ttl() {
             g.release().unwrap();
             now_ms
         });
-        wait_until(Duration::from_secs(10), "the second waiter to queue", || {
-            admin.zcard::<_, usize>(&queue).unwrap() == 2
-        });
+        wait_until(
+            Duration::from_secs(10),
+            "the second waiter to queue",
+            || admin.zcard::<_, usize>(&queue).unwrap() == 2,
+        );
         child.kill9();
         // Its last refresh: the entry's expiry, on the server's clock.
         let dead_expiry_ms: i64 = admin.zscore(&expiries, &dead).unwrap();

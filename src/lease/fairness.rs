@@ -201,9 +201,11 @@ impl Acquire<()> for FifoSpec {
                 ops: Ops::string_value(&self.keys[0], owner.as_str().to_owned()),
                 sent: dated(uncertain_since, sent),
             })),
-            [redis::Value::Int(0), redis::Value::Int(wait), redis::Value::Int(_)] => {
-                Ok(Attempt::Busy(busy(*wait)))
-            }
+            [
+                redis::Value::Int(0),
+                redis::Value::Int(wait),
+                redis::Value::Int(_),
+            ] => Ok(Attempt::Busy(busy(*wait))),
             other => Err(Error::UnexpectedReply {
                 op: "acquire",
                 reply: format!("{other:?}"),
