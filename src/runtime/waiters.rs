@@ -67,13 +67,39 @@
 //! it wakes the next, which re-arms tracking with its own attempt. Only the first
 //! also sleeps on a timer at the PTTL its attempt read, because expiry
 //! notifications can come seconds late. So a release wakes one waiter per
-//! process, not the herd, and queued waiters get the lock in arrival order; a
-//! caller that arrives while the lock is free can still take it ahead of the
-//! queue (its first attempt is not queued). Across processes there is no queue
-//! and no fairness: each process's first waiter races the others' on every
-//! change, the releasing process may take the lock straight back, and a process
-//! can lose any number of races in a row. A holder's renewals change the key, so
-//! they wake each process's first waiter for one re-check per renewal.
+//! process, not the herd, and queued waiters get the lock in arrival order.
+//!
+//! # The hand-off in one process
+//!
+//! A wait that starts while waiters of its class are already queued on its key
+//! in this process joins the queue behind them at once, without its plain
+//! first attempt, and makes no attempt until the waiter ahead leaves and passes
+//! the turn on (or its deadline comes: then one attempt still goes out). The
+//! thread that has just released a key and loops back to acquire it thus
+//! queues behind the waiter its release woke, instead of beating it to the
+//! server: the woken waiter needs the invalidation's trip through the
+//! subscriber thread before it can attempt, the releaser none. The check is a
+//! lookup in the registry under the lock that queues the waiter, so the waiter
+//! ahead is still queued to pass the turn on; the uncontended path (nobody
+//! queued) sends nothing more. Chosen over a back-off of the releaser (a
+//! timed guess) and over waking the local waiter straight from the release
+//! (the release would have to know the waiters' keys per kind, and the race
+//! with the releaser's own next attempt would remain). A single attempt
+//! (`try_acquire`) is not a wait and still takes a free lock ahead of the
+//! queue. With 8 contenders sharing a coordinator, the releaser took back 0 %
+//! of grants in the side-by-side run (BENCHMARKS.md, `lock-shared`), against
+//! ~30 % before; watchers (an election's observers) keep their first attempt
+//! ([`Order::Race`]).
+//!
+//! Across processes there is no local queue: each process's first waiter
+//! races the others' on every change, the releasing process may take the lock
+//! straight back, and a process can lose any number of races in a row.
+//! [`Order::Server`] (a `Lock` with `Fairness::Fifo`) puts the queue on the
+//! server instead: the lock is granted to the head of a sorted set of waiters
+//! in arrival order, each entry expiring unless its waiter refreshes it, so
+//! every waiter of a process is woken by every change and wakes at least once
+//! per refresh interval. A holder's renewals change the key, so they wake each
+//! process's first waiter for one re-check per renewal.
 //!
 //! While every pooled connection is busy (a burst of waiters woken at once), a
 //! waiter keeps waiting for one rather than failing; nothing has been sent then.
