@@ -168,10 +168,13 @@ fn wake_firsts(queue: &Queue) {
 }
 
 /// The class of a waiter on `keys`: the same for every waiter on the same keys.
-fn class_of(keys: &[Vec<u8>]) -> u64 {
+fn class_of(keys: &[&str]) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    keys.hash(&mut h);
+    keys.len().hash(&mut h);
+    for key in keys {
+        key.as_bytes().hash(&mut h);
+    }
     h.finish()
 }
 
@@ -301,24 +304,28 @@ impl Registry {
         self.enqueue(keys, false, true)
     }
 
-    fn enqueue(&self, keys: &[&str], on_its_own: bool, behind: bool) -> Option<Waiter<'_>> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
+    fn enqueue(&self, names: &[&str], on_its_own: bool, behind: bool) -> Option<Waiter<'_>> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_bytes().to_vec()).collect();
         let class = if on_its_own {
             id.wrapping_mul(0x9E37_79B9_7F4A_7C15)
         } else {
-            class_of(&keys)
+            class_of(names)
         };
+        let (tx, rx);
+        let keys: Vec<Vec<u8>>;
         {
             let mut queues = self.queues.lock();
+            // Nothing is allocated for a wait that finds nobody to queue
+            // behind (the uncontended path).
             if behind
                 && !queues
-                    .get(&keys[0])
+                    .get(names[0].as_bytes())
                     .is_some_and(|q| q.iter().any(|e| e.class == class))
             {
                 return None;
             }
+            (tx, rx) = crossbeam_channel::bounded(1);
+            keys = names.iter().map(|k| k.as_bytes().to_vec()).collect();
             for key in &keys {
                 queues.entry(key.clone()).or_default().push_back(Entry {
                     id,
