@@ -187,6 +187,9 @@ pub(crate) struct Registry {
     queues: Mutex<HashMap<Vec<u8>, Queue>>,
     warned: AtomicBool,
     next_id: AtomicU64,
+    /// Keys whose last wait in this process had to wait (it found the key
+    /// held): someone else, maybe in another process, wants them too.
+    contended: Mutex<HashMap<Vec<u8>, Instant>>,
 }
 
 /// The invalidation subscriber of one server, as its command connections see
@@ -276,6 +279,7 @@ impl Registry {
             queues: Mutex::new(HashMap::new()),
             warned: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
+            contended: Mutex::new(HashMap::new()),
         }
     }
 
@@ -342,6 +346,26 @@ impl Registry {
             class,
             rx,
         })
+    }
+
+    /// A wait on `key` ended: granted after it had to wait (`waited`), or at
+    /// once. Keys granted at once are forgotten.
+    fn note_grant(&self, key: &str, waited: bool) {
+        let mut contended = self.contended.lock();
+        if waited {
+            contended.insert(key.as_bytes().to_vec(), Instant::now());
+        } else if !contended.is_empty() {
+            contended.remove(key.as_bytes());
+        }
+    }
+
+    /// Whether the last wait on `key` that got it had to wait, within `recent`.
+    fn was_contended(&self, key: &str, recent: Duration) -> bool {
+        let contended = self.contended.lock();
+        !contended.is_empty()
+            && contended
+                .get(key.as_bytes())
+                .is_some_and(|at| at.elapsed() < recent)
     }
 
     /// An invalidation for `key`: wake the first waiter of each class on it.
@@ -616,6 +640,14 @@ pub(crate) struct WaitFor<'a> {
     pub(crate) order: Order,
 }
 
+/// How long after a wait on a key had to wait its next wait in this process
+/// still yields first.
+const CONTENDED_FOR: Duration = Duration::from_secs(1);
+
+/// How long a wait on a key found contended lately lets waiters elsewhere go
+/// first, before its first attempt.
+const YIELD: Duration = Duration::from_millis(1);
+
 /// Who a wait lets go first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Order {
@@ -748,6 +780,19 @@ fn wait_loop<R: Route, T>(
     let mut verdict = false;
     let mut failures = 0u32;
     let mut warned = false;
+    if !behind
+        && w.order == Order::Local
+        && registry.was_contended(w.keys[0], CONTENDED_FOR)
+        && !w.deadline.is_some_and(|d| Instant::now() + YIELD >= d)
+    {
+        // The last wait on this key in this process had to wait: waiters
+        // elsewhere may be on their way to it now (this thread may have just
+        // released it). They are let go first for a moment.
+        crossbeam_channel::select! {
+            recv(cancelled) -> _ => return Err(Error::Cancelled),
+            recv(crossbeam_channel::after(YIELD)) -> _ => {}
+        }
+    }
     loop {
         if is_cancelled() {
             return Err(Error::Cancelled);
@@ -804,7 +849,12 @@ fn wait_loop<R: Route, T>(
             // Cancelled while the attempt was in flight: the caller asked to
             // stop, so what it got is released (by dropping it).
             Ok((Attempt::Acquired(_), _)) if is_cancelled() => return Err(Error::Cancelled),
-            Ok((Attempt::Acquired(t), _)) => return Ok(Some(t)),
+            Ok((Attempt::Acquired(t), _)) => {
+                if w.order == Order::Local {
+                    registry.note_grant(w.keys[0], waiting);
+                }
+                return Ok(Some(t));
+            }
             Ok((Attempt::Busy(_), _)) if !waiting => {
                 last_error = None;
                 verdict = true;
