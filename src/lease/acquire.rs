@@ -44,8 +44,9 @@ use crate::token::OwnerToken;
 /// A wait's first attempt is the one [`try_acquire`](Lease::try_acquire)
 /// makes, so a wait that finds the primitive free costs what `try_acquire`
 /// costs; a wait that starts while waiters of this process are queued on the
-/// primitive makes none, and joins the queue behind them (see
-/// [`Fairness`](crate::Fairness) for who gets a lock next). Only when that attempt is not granted does the wait proper begin
+/// primitive makes none, and joins the queue behind them, and one on a
+/// primitive whose last wait in this process had to wait makes it 1 ms late
+/// (see [`Fairness`](crate::Fairness) for who gets a lock next). Only when that attempt is not granted does the wait proper begin
 /// (at once, with the next attempt): waits are woken by invalidations of the
 /// keys whose change may free them (client tracking) and by a timer at the
 /// earliest expiry that could free them, and do not poll unless tracking is

@@ -33,7 +33,11 @@ pub enum Fairness {
     /// them (so a thread that has just released the lock does not take it
     /// back from the waiter its release woke); a single attempt
     /// (`try_acquire`) does not queue. Across processes each change starts a
-    /// race between every process's first waiter. The default.
+    /// race between every process's first waiter; a wait on a key whose last
+    /// wait in the process had to wait (within the last second) pauses 1 ms
+    /// before its first attempt, which lets a waiter elsewhere, woken by a
+    /// release this process may just have made, get there first most of the
+    /// time (no guarantee: use `Fifo` for one). The default.
     Barging,
     /// The lock goes to its waiters in the order they began to wait, across
     /// processes: every waiter holds an entry in a queue on the server (two

@@ -92,10 +92,20 @@
 //! coordinator each, where no local queue helps, 32 %. Watchers (an
 //! election's observers) keep their first attempt ([`Order::Race`]).
 //!
-//! Across processes there is no local queue: each process's first waiter
-//! races the others' on every change, the releasing process may take the lock
-//! straight back, and a process can lose any number of races in a row.
-//! [`Order::Server`] (a `Lock` with `Fairness::Fifo`) puts the queue on the
+//! Across processes there is no shared queue: each process's first waiter
+//! races the others' on every change, and a process can lose any number of
+//! races in a row. What this process can tell is that a key is contended: its
+//! last wait on the key had to wait (found it held) before it got it. A wait
+//! on such a key (within the last second, and with nobody of its process
+//! queued) lets waiters elsewhere go first: it pauses 1 ms before its first
+//! attempt, long enough for a waiter in another process woken by the release
+//! this thread may just have made to reach the server (p50 of that hand-off
+//! ~0.3–0.5 ms on the loaded 2-core machine of BENCHMARKS.md). A wait whose
+//! first attempt is granted at once forgets the key, so a key that stopped
+//! being contended costs one such pause; the uncontended path costs a lookup.
+//! With 8 contenders, a coordinator each, the releaser took back 8 % of grants
+//! with the pause and 32 % without it (`lock` in BENCHMARKS.md), at the same
+//! grant rate. [`Order::Server`] (a `Lock` with `Fairness::Fifo`) puts the queue on the
 //! server instead: the lock is granted to the head of a sorted set of waiters
 //! in arrival order, each entry expiring unless its waiter refreshes it, so
 //! every waiter of a process is woken by every change and wakes at least once
@@ -657,7 +667,9 @@ pub(crate) enum Order {
     /// This process's queue (see the module docs): a wait that starts while
     /// waiters of this process are queued on its key queues behind them
     /// without an attempt of its own, so a thread that has just released
-    /// the key does not take it back from the waiter its release woke.
+    /// the key does not take it back from the waiter its release woke; and a
+    /// wait on a key found contended lately pauses before its first attempt,
+    /// for the waiters of other processes.
     Local,
     /// A queue on the server whose entries expire unless their waiter
     /// refreshes them: every waiter attempts (and so refreshes its entry) at
@@ -783,7 +795,7 @@ fn wait_loop<R: Route, T>(
     if !behind
         && w.order == Order::Local
         && registry.was_contended(w.keys[0], CONTENDED_FOR)
-        && !w.deadline.is_some_and(|d| Instant::now() + YIELD >= d)
+        && w.deadline.is_none_or(|d| Instant::now() + YIELD < d)
     {
         // The last wait on this key in this process had to wait: waiters
         // elsewhere may be on their way to it now (this thread may have just
@@ -993,6 +1005,39 @@ mod tests {
         drop(b);
         drop(other);
         assert_eq!(reg.waiting(), 0);
+        assert!(reg.queues.lock().is_empty());
+    }
+
+    #[test]
+    fn a_key_is_contended_after_a_grant_that_waited_until_one_that_did_not() {
+        let reg = Registry::new("redis://test".into());
+        assert!(!reg.was_contended("k", Duration::from_secs(1)));
+        reg.note_grant("k", true);
+        assert!(reg.was_contended("k", Duration::from_secs(1)));
+        assert!(!reg.was_contended("j", Duration::from_secs(1)));
+        // Only lately.
+        assert!(!reg.was_contended("k", Duration::ZERO));
+        reg.note_grant("k", false);
+        assert!(!reg.was_contended("k", Duration::from_secs(1)));
+        assert!(reg.contended.lock().is_empty());
+    }
+
+    #[test]
+    fn a_wait_queues_behind_waiters_of_its_class_only() {
+        let reg = Registry::new("redis://test".into());
+        assert!(reg.register_behind(&["k"]).is_none());
+        let a = reg.register(&["k"], false);
+        // A writer-like class on the same first key does not queue behind it.
+        assert!(reg.register_behind(&["k", "r"]).is_none());
+        let b = reg.register_behind(&["k"]).expect("queued behind a");
+        assert!(!b.is_front());
+        drop(a);
+        assert!(b.rx.try_recv().is_ok());
+        assert!(b.is_front());
+        // Waiters on their own (a server-side queue) are no one's class.
+        let own = reg.register(&["q"], true);
+        assert!(reg.register_behind(&["q"]).is_none());
+        drop((b, own));
         assert!(reg.queues.lock().is_empty());
     }
 
