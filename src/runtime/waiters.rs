@@ -88,9 +88,8 @@
 //! (`try_acquire`) is not a wait and still takes a free lock ahead of the
 //! queue. With 8 contenders sharing a coordinator, the releaser took back 0 %
 //! of grants in the side-by-side run (BENCHMARKS.md, `lock-shared`; hand-off
-//! p99 from the confirmed release 0.64× the raw tracking waiter's); with a
-//! coordinator each, where no local queue helps, 32 %. Watchers (an
-//! election's observers) keep their first attempt ([`Order::Race`]).
+//! p99 from the confirmed release 0.60× the raw tracking waiter's). Watchers
+//! (an election's observers) keep their first attempt ([`Order::Race`]).
 //!
 //! Across processes there is no shared queue: each process's first waiter
 //! races the others' on every change, and a process can lose any number of
@@ -103,9 +102,9 @@
 //! ~0.3–0.5 ms on the loaded 2-core machine of BENCHMARKS.md). A wait whose
 //! first attempt is granted at once forgets the key, so a key that stopped
 //! being contended costs one such pause; the uncontended path costs a lookup.
-//! With 8 contenders, a coordinator each, the releaser took back 8 % of grants
-//! with the pause and 32 % without it (`lock` in BENCHMARKS.md), at the same
-//! grant rate. [`Order::Server`] (a `Lock` with `Fairness::Fifo`) puts the queue on the
+//! With 8 contenders, a coordinator each, the releaser took back 9 % of grants
+//! with the pause and 32 % without it (`lock` in BENCHMARKS.md and the run
+//! before it), at the same grant rate. [`Order::Server`] (a `Lock` with `Fairness::Fifo`) puts the queue on the
 //! server instead: the lock is granted to the head of a sorted set of waiters
 //! in arrival order, each entry expiring unless its waiter refreshes it, so
 //! every waiter of a process is woken by every change and wakes at least once
