@@ -158,8 +158,13 @@
 //! not poll: one subscriber thread per coordinator receives `CLIENT TRACKING`
 //! invalidations and wakes the waiter of the changed key, and a timer wakes it at
 //! the holder's expiry (Redis reports expiries late). Within one process, waiters
-//! on one key are woken one at a time in arrival order; across processes, there
-//! is no fairness: each change starts a race. A wait on several keys (a reader
+//! on one key are woken one at a time in arrival order, and a wait that starts
+//! while others of the process are queued joins behind them (a thread that has
+//! just released a lock does not take it back from the waiter it woke); across
+//! processes, each change starts a race, unless the [`Lock`] has
+//! [`Fairness::Fifo`]: a queue on the server then grants it in the order its
+//! waiters began to wait, and a crashed waiter drops out once its entry
+//! expires. A wait on several keys (a reader
 //! on the writer's lease and the intents, a writer on the writer's lease and
 //! the readers, a permit on the permits and the capacity) is woken by a change
 //! of any of them, and its timer is set at the earliest expiry that could free
@@ -463,6 +468,7 @@ pub use guard::{Fencing, Guard, ReleaseOutcome, Verifiable};
 pub use keys::{MAX_TTL, key_slot};
 pub use lease::acquire::Lease;
 pub use lease::election::{Election, Leader, LeaderChanges, Leadership};
+pub use lease::fairness::Fairness;
 pub use lease::fenced::{FencedGuard, FencedLock};
 pub use lease::guard::{KeepAlive, LeaseGuard};
 pub use lease::kind::{Fenced, Kind, Plain, Read, Slot, Write};

@@ -324,6 +324,10 @@ fn doctor_reports_what_weakens_the_guarantees() {
         report.contains("ok    acl: CLIENT KILL allowed"),
         "{report}"
     );
+    assert!(
+        report.contains("ok    tracking: CLIENT TRACKING OPTIN and CLIENT CACHING supported"),
+        "{report}"
+    );
 
     let durable = TestServer::builder()
         .append_only()
@@ -353,6 +357,21 @@ fn doctor_reports_what_weakens_the_guarantees() {
         report.contains("FAIL  acl: CLIENT TRACKING denied"),
         "{report}"
     );
+    assert!(
+        report.contains("warn  tracking: CLIENT TRACKING OPTIN refused"),
+        "{report}"
+    );
+
+    let no_caching = TestServer::builder()
+        .acl_user("user app on >pw ~* &* +@all -client|caching")
+        .start();
+    let out = run(&["doctor", &no_caching.url_for_user("app", "pw")]);
+    let report = text(&out.stdout);
+    assert!(
+        report.contains("warn  tracking: CLIENT CACHING refused"),
+        "{report}"
+    );
+    assert!(report.contains("track every key they read"), "{report}");
 }
 
 #[test]

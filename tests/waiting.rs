@@ -1582,6 +1582,26 @@ fn waits_track_every_read_when_the_acl_denies_client_caching() {
 // Hand-off within one process, and the fenced lock
 // ---------------------------------------------------------------------------
 
+/// Whether this process's thread named `name` is asleep on a futex
+/// (`/proc/self/task/*/stat` state `S`, `wchan` a futex wait).
+fn asleep_on_futex(name: &str) -> bool {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|task| task.ok().map(|t| t.path()))
+        .find(|task| {
+            std::fs::read_to_string(task.join("comm")).is_ok_and(|comm| comm.trim_end() == name)
+        })
+        .is_some_and(|task| {
+            let stat = std::fs::read_to_string(task.join("stat")).unwrap_or_default();
+            // `pid (comm) S …`: the state follows the last parenthesis.
+            let state = stat
+                .rsplit_once(") ")
+                .map(|(_, rest)| rest.starts_with('S'));
+            let wchan = std::fs::read_to_string(task.join("wchan")).unwrap_or_default();
+            state == Some(true) && wchan.contains("futex")
+        })
+}
+
 #[test]
 fn waiters_in_one_process_acquire_in_arrival_order() {
     const WAITERS: usize = 12;
@@ -1596,18 +1616,33 @@ fn waiters_in_one_process_acquire_in_arrival_order() {
         for i in 0..WAITERS {
             let baseline = script_calls(&mut admin);
             let (lock, order, inside) = (&lock, &order, &inside);
-            s.spawn(move || {
-                let g = lock.acquire(LONG_TTL, &CancelToken::new()).unwrap();
-                assert!(!inside.swap(true, Ordering::SeqCst), "two holders");
-                order.lock().unwrap().push(i);
-                inside.store(false, Ordering::SeqCst);
-                assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
-            });
-            // Arrival: the waiter found the lock held and joined the queue,
-            // which it does before its second attempt reaches the server.
-            wait_until(Duration::from_secs(10), "the waiter to arrive", || {
-                script_calls(&mut admin) > baseline + 1
-            });
+            let name = format!("waiter-{i}");
+            thread::Builder::new()
+                .name(name.clone())
+                .spawn_scoped(s, move || {
+                    let g = lock.acquire(LONG_TTL, &CancelToken::new()).unwrap();
+                    assert!(!inside.swap(true, Ordering::SeqCst), "two holders");
+                    order.lock().unwrap().push(i);
+                    inside.store(false, Ordering::SeqCst);
+                    assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
+                })
+                .unwrap();
+            if i == 0 {
+                // Arrival: the waiter found the lock held and joined the
+                // queue, which it does before its second attempt reaches the
+                // server.
+                wait_until(Duration::from_secs(10), "the waiter to arrive", || {
+                    script_calls(&mut admin) > baseline + 1
+                });
+            } else {
+                // A waiter that comes while others of its process are queued
+                // joins behind them without a command: it has arrived when
+                // its thread sleeps on a futex (its wake-up channel).
+                wait_until(Duration::from_secs(10), "the waiter to arrive", || {
+                    asleep_on_futex(&name)
+                });
+                assert_eq!(script_calls(&mut admin), baseline, "no attempt made");
+            }
         }
         wait_for_quiet(
             &mut admin,

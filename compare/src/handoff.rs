@@ -12,7 +12,7 @@
 use std::thread;
 use std::time::{Duration, Instant};
 
-use respire_coordination::{CancelToken, Coordinator, ReleaseOutcome};
+use respire_coordination::{CancelToken, Coordinator, Fairness, ReleaseOutcome};
 use rlock::{AcquireOptions, RenewalMode};
 
 use crate::child::{Ctx, Res, latency, lockstep, runtime};
@@ -138,35 +138,9 @@ pub(crate) fn run(imp: &str, ctx: &Ctx) -> Res<Figures> {
                 })
             })?
         }
-        "lock" => {
-            let mut states = Vec::new();
-            for who in 0..n {
-                let coord = Coordinator::builder(url).key_prefix(&ctx.prefix).build()?;
-                // A wait that finds its key held starts the coordinator's
-                // invalidation subscriber (one that finds it free does not).
-                let warm = coord.lock(&format!("warm:{who}"))?;
-                let guard = warm.try_acquire(TTL)?.ok_or("warm-up was contended")?;
-                let waited = warm.acquire_timeout(TTL, Duration::from_millis(200))?;
-                expect(waited.is_none(), "warm-up wait acquired a held lock")?;
-                guard.release()?;
-                let lock = coord.lock("handoff")?;
-                states.push((coord, lock));
-            }
-            turns(ctx, states, |who, (_coord, lock), end| {
-                let cancel = CancelToken::new();
-                let mut held = None;
-                cycles(who, end, hold, |step| match step {
-                    Step::Acquire => {
-                        held = Some(lock.acquire(TTL, &cancel)?);
-                        Ok(())
-                    }
-                    Step::Release => {
-                        let outcome = held.take().ok_or("nothing held")?.release()?;
-                        expect(outcome == ReleaseOutcome::Released, "release not Released")
-                    }
-                })
-            })?
-        }
+        "lock" => lock_run(ctx, url, Clients::Own, Fairness::Barging)?,
+        "lock-shared" => lock_run(ctx, url, Clients::Shared, Fairness::Barging)?,
+        "lock-fifo" => lock_run(ctx, url, Clients::Own, Fairness::fifo())?,
         "rlock" => {
             let options = AcquireOptions::builder()
                 .ttl(TTL)
@@ -219,6 +193,59 @@ pub(crate) fn run(imp: &str, ctx: &Ctx) -> Res<Figures> {
         other => return Err(format!("no such implementation {other:?}").into()),
     };
     Ok(tally.figures())
+}
+
+/// Whether the contenders share one coordinator.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Clients {
+    /// One coordinator each: every wake-up goes through Redis, as between
+    /// processes.
+    Own,
+    /// One coordinator for all: the threads of one process, whose waiters
+    /// queue in it.
+    Shared,
+}
+
+/// This crate's contenders: `Lock::acquire`, hold, `release`.
+fn lock_run(ctx: &Ctx, url: &str, clients: Clients, fairness: Fairness) -> Res<Tally> {
+    let n = ctx.sizes.contenders;
+    let hold = ctx.sizes.hold;
+    let mut states = Vec::new();
+    let mut shared: Option<Coordinator> = None;
+    for who in 0..n {
+        let coord = match (&shared, clients) {
+            (Some(coord), Clients::Shared) => coord.clone(),
+            _ => {
+                let coord = Coordinator::builder(url).key_prefix(&ctx.prefix).build()?;
+                // A wait that finds its key held starts the coordinator's
+                // invalidation subscriber (one that finds it free does not).
+                let warm = coord.lock(&format!("warm:{who}"))?;
+                let guard = warm.try_acquire(TTL)?.ok_or("warm-up was contended")?;
+                let waited = warm.acquire_timeout(TTL, Duration::from_millis(200))?;
+                expect(waited.is_none(), "warm-up wait acquired a held lock")?;
+                guard.release()?;
+                shared = Some(coord.clone());
+                coord
+            }
+        };
+        // A first-in-first-out lock keeps its queue in the key's slot.
+        let lock = coord.lock("{handoff}")?.with_fairness(fairness)?;
+        states.push((coord, lock));
+    }
+    turns(ctx, states, |who, (_coord, lock), end| {
+        let cancel = CancelToken::new();
+        let mut held = None;
+        cycles(who, end, hold, |step| match step {
+            Step::Acquire => {
+                held = Some(lock.acquire(TTL, &cancel)?);
+                Ok(())
+            }
+            Step::Release => {
+                let outcome = held.take().ok_or("nothing held")?.release()?;
+                expect(outcome == ReleaseOutcome::Released, "release not Released")
+            }
+        })
+    })
 }
 
 /// rslock's contenders: one lock manager each, as tasks of one runtime.

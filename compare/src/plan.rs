@@ -301,7 +301,17 @@ const HANDOFF: &[Impl] = &[
     ),
     imp(
         "lock",
-        "**this crate, `Lock::acquire`** (woken by invalidations)",
+        "**this crate, `Lock::acquire`** (woken by invalidations), one coordinator per contender (every wake-up goes through Redis, as between processes)",
+        Some("raw-tracking"),
+    ),
+    imp(
+        "lock-shared",
+        "**this crate, `Lock::acquire`**, one coordinator shared by the contenders (the threads of one process: a release wakes the first local waiter, the releaser's next acquire queues behind it)",
+        Some("raw-tracking"),
+    ),
+    imp(
+        "lock-fifo",
+        "**this crate, `Lock::acquire` with `Fairness::fifo()`**, one coordinator per contender (a queue on the server)",
         Some("raw-tracking"),
     ),
     imp(

@@ -44,7 +44,10 @@ use crate::token::OwnerToken;
 ///
 /// A wait's first attempt is the one [`try_acquire`](Lease::try_acquire)
 /// makes, so a wait that finds the primitive free costs what `try_acquire`
-/// costs. Only when that attempt is not granted does the wait proper begin
+/// costs; a wait that starts while waiters of this process are queued on the
+/// primitive makes none, and joins the queue behind them, and one on a
+/// primitive whose last wait in this process had to wait makes it 1 ms late
+/// (see [`Fairness`](crate::Fairness) for who gets a lock next). Only when that attempt is not granted does the wait proper begin
 /// (at once, with the next attempt): waits are woken by invalidations of the
 /// keys whose change may free them (client tracking) and by a timer at the
 /// earliest expiry that could free them, and do not poll unless tracking is
@@ -236,6 +239,7 @@ impl<K: Kind> Lease<K> {
                     node_timeout: dep.node_timeout() + dep.replication.timeout(),
                     settle: dep.connect_timeout,
                     failures: Failures::RideOut,
+                    order: self.spec.order(),
                 };
                 let mut attempts = Attempts::default();
                 let waited = waiters::wait_for(&*dep.topology, &w, |conn, d, waiting| {

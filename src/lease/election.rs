@@ -34,7 +34,7 @@ use crate::lease::fenced::{FencedGuard, FencedSpec};
 use crate::lease::guard::KeepAlive;
 use crate::lease::kind::Fenced;
 use crate::lease::parse_token;
-use crate::runtime::waiters::{self, Attempt, Failures, WaitFor, failure_pause};
+use crate::runtime::waiters::{self, Attempt, Failures, Order, WaitFor, failure_pause};
 use crate::scripts;
 use crate::token::FencingToken;
 
@@ -576,6 +576,7 @@ impl LeaderChanges {
             node_timeout: dep.node_timeout(),
             settle: dep.connect_timeout,
             failures: Failures::Report,
+            order: Order::Race,
         };
         let last = &self.last;
         let waited = waiters::wait_for(&*dep.topology, &w, |conn, d, _tracked| {

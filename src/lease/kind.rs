@@ -14,7 +14,7 @@ use crate::error::Result;
 use crate::lease::deployment::Deployment;
 use crate::observe::Primitive;
 use crate::runtime::renewal::Ops;
-use crate::runtime::waiters::Attempt;
+use crate::runtime::waiters::{Attempt, Order};
 use crate::token::{FencingToken, OwnerToken};
 
 /// A kind of single-deployment lease. Implemented by the marker types of this
@@ -175,6 +175,10 @@ pub(crate) trait Acquire<G>: Send + Sync {
     /// intent). Returns by `by`; what is not done by then goes on in the
     /// background.
     fn stopped_waiting(&self, _dep: &Deployment, _owner: &OwnerToken, _by: Instant) {}
+    /// Who its waits let go first (see [`Order`]).
+    fn order(&self) -> Order {
+        Order::Local
+    }
     /// The type's name and fields, for `Debug`.
     fn debug(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result;
     /// The spec itself, for the methods of one kind of [`Lease<K>`](crate::Lease)

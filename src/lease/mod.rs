@@ -12,6 +12,7 @@
 pub(crate) mod acquire;
 pub(crate) mod deployment;
 pub(crate) mod election;
+pub(crate) mod fairness;
 pub(crate) mod fenced;
 pub(crate) mod guard;
 pub(crate) mod kind;

@@ -37,7 +37,7 @@ use crate::lease::{busy, parse_token};
 use crate::replication::Replication;
 use crate::runtime::lease::SharedSignal;
 use crate::runtime::renewal::Ops;
-use crate::runtime::waiters::{self, Attempt, Failures, WaitFor};
+use crate::runtime::waiters::{self, Attempt, Failures, Order, WaitFor};
 use crate::scripts;
 use crate::token::{FencingToken, OwnerToken};
 
@@ -360,6 +360,7 @@ impl<K: Kind> MultiLease<K> {
                     node_timeout: dep.node_timeout(),
                     settle: dep.connect_timeout,
                     failures: Failures::RideOut,
+                    order: Order::Local,
                 };
                 let mut attempts = Attempts::default();
                 let waited = waiters::wait_for(&*dep.topology, &w, |conn, d, _waiting| {

@@ -458,22 +458,31 @@ impl Worker {
         };
         match op {
             Op::Acquire { ttl_ms } => {
-                // Plain commands in one round trip, no script: `SET NX PX`
-                // takes the key if it is free; when it is not, `GET` tells a
-                // key of another type (an error, not a holder) and `PTTL` how
-                // long the holder has. Every attempt has its own owner value,
-                // so a late duplicate finds the key set and changes nothing.
-                let mut pipe = redis::pipe();
-                pipe.ignore_errors();
-                pipe.cmd("SET")
+                // Plain commands, no script: `SET NX PX` takes the key if it
+                // is free, and alone it is all an uncontended attempt sends
+                // (on one CPU, the server's work for two more commands on
+                // every node showed in every attempt). Only when it finds the
+                // key set does a second round trip ask `GET` (a key of
+                // another type is an error, not a holder) and `PTTL` (how
+                // long the holder has), within the same deadline. Every
+                // attempt has its own owner value, so a late duplicate finds
+                // the key set and changes nothing.
+                let mut set = redis::pipe();
+                set.ignore_errors();
+                set.cmd("SET")
                     .arg(key)
                     .arg(value)
                     .arg("NX")
                     .arg("PX")
                     .arg(ttl_ms);
-                pipe.cmd("GET").arg(key);
-                pipe.cmd("PTTL").arg(key);
-                let reply = conn.pipeline(&pipe, "acquire", deadline)?;
+                let mut reply = conn.pipeline(&set, "acquire", deadline)?;
+                if matches!(reply.as_slice(), [redis::Value::Nil]) {
+                    let mut read = redis::pipe();
+                    read.ignore_errors();
+                    read.cmd("GET").arg(key);
+                    read.cmd("PTTL").arg(key);
+                    reply.extend(conn.pipeline(&read, "acquire", deadline)?);
+                }
                 acquire_reply(&reply, key, value)
             }
             Op::Extend { ttl_ms } => conn
@@ -553,8 +562,8 @@ impl Worker {
     }
 }
 
-/// What the acquire's `SET NX PX`, `GET`, `PTTL` answered, or the error that
-/// refused it.
+/// What the acquire's `SET NX PX` answered (and, when it found the key set,
+/// the `GET` and `PTTL` after it), or the error that refused it.
 pub(crate) fn acquire_reply(reply: &[redis::Value], key: &str, value: &str) -> Result<NodeReply> {
     match reply {
         [redis::Value::Okay, ..] => Ok(NodeReply::Acquired),

@@ -67,13 +67,49 @@
 //! it wakes the next, which re-arms tracking with its own attempt. Only the first
 //! also sleeps on a timer at the PTTL its attempt read, because expiry
 //! notifications can come seconds late. So a release wakes one waiter per
-//! process, not the herd, and queued waiters get the lock in arrival order; a
-//! caller that arrives while the lock is free can still take it ahead of the
-//! queue (its first attempt is not queued). Across processes there is no queue
-//! and no fairness: each process's first waiter races the others' on every
-//! change, the releasing process may take the lock straight back, and a process
-//! can lose any number of races in a row. A holder's renewals change the key, so
-//! they wake each process's first waiter for one re-check per renewal.
+//! process, not the herd, and queued waiters get the lock in arrival order.
+//!
+//! # The hand-off in one process
+//!
+//! A wait that starts while waiters of its class are already queued on its key
+//! in this process joins the queue behind them at once, without its plain
+//! first attempt, and makes no attempt until the waiter ahead leaves and passes
+//! the turn on (or its deadline comes: then one attempt still goes out). The
+//! thread that has just released a key and loops back to acquire it thus
+//! queues behind the waiter its release woke, instead of beating it to the
+//! server: the woken waiter needs the invalidation's trip through the
+//! subscriber thread before it can attempt, the releaser none. The check is a
+//! lookup in the registry under the lock that queues the waiter, so the waiter
+//! ahead is still queued to pass the turn on; the uncontended path (nobody
+//! queued) sends nothing more. Chosen over a back-off of the releaser (a
+//! timed guess) and over waking the local waiter straight from the release
+//! (the release would have to know the waiters' keys per kind, and the race
+//! with the releaser's own next attempt would remain). A single attempt
+//! (`try_acquire`) is not a wait and still takes a free lock ahead of the
+//! queue. With 8 contenders sharing a coordinator, the releaser took back 0 %
+//! of grants in the side-by-side run (BENCHMARKS.md, `lock-shared`; hand-off
+//! p99 from the confirmed release 0.60× the raw tracking waiter's). Watchers
+//! (an election's observers) keep their first attempt ([`Order::Race`]).
+//!
+//! Across processes there is no shared queue: each process's first waiter
+//! races the others' on every change, and a process can lose any number of
+//! races in a row. What this process can tell is that a key is contended: its
+//! last wait on the key had to wait (found it held) before it got it. A wait
+//! on such a key (within the last second, and with nobody of its process
+//! queued) lets waiters elsewhere go first: it pauses 1 ms before its first
+//! attempt, long enough for a waiter in another process woken by the release
+//! this thread may just have made to reach the server (p50 of that hand-off
+//! ~0.3–0.5 ms on the loaded 2-core machine of BENCHMARKS.md). A wait whose
+//! first attempt is granted at once forgets the key, so a key that stopped
+//! being contended costs one such pause; the uncontended path costs a lookup.
+//! With 8 contenders, a coordinator each, the releaser took back 9 % of grants
+//! with the pause and 32 % without it (`lock` in BENCHMARKS.md and the run
+//! before it), at the same grant rate. [`Order::Server`] (a `Lock` with `Fairness::Fifo`) puts the queue on the
+//! server instead: the lock is granted to the head of a sorted set of waiters
+//! in arrival order, each entry expiring unless its waiter refreshes it, so
+//! every waiter of a process is woken by every change and wakes at least once
+//! per refresh interval. A holder's renewals change the key, so they wake each
+//! process's first waiter for one re-check per renewal.
 //!
 //! While every pooled connection is busy (a burst of waiters woken at once), a
 //! waiter keeps waiting for one rather than failing; nothing has been sent then.
@@ -143,10 +179,13 @@ fn wake_firsts(queue: &Queue) {
 }
 
 /// The class of a waiter on `keys`: the same for every waiter on the same keys.
-fn class_of(keys: &[Vec<u8>]) -> u64 {
+fn class_of(keys: &[&str]) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    keys.hash(&mut h);
+    keys.len().hash(&mut h);
+    for key in keys {
+        key.as_bytes().hash(&mut h);
+    }
     h.finish()
 }
 
@@ -160,6 +199,9 @@ pub(crate) struct Registry {
     next_id: AtomicU64,
     /// Told of the fall-back to polling, and of topology changes.
     observer: Option<Arc<dyn Observer>>,
+    /// Keys whose last wait in this process had to wait (it found the key
+    /// held): someone else, maybe in another process, wants them too.
+    contended: Mutex<HashMap<Vec<u8>, Instant>>,
 }
 
 /// The invalidation subscriber of one server, as its command connections see
@@ -250,6 +292,7 @@ impl Registry {
             warned: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
             observer: None,
+            contended: Mutex::new(HashMap::new()),
         }
     }
 
@@ -276,13 +319,42 @@ impl Registry {
     }
 
     /// Queues a waiter on every key whose change may free what it waits for.
-    fn register(&self, keys: &[&str]) -> Waiter<'_> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
+    /// A waiter `on_its_own` is a class of its own: every change of its keys
+    /// wakes it, whoever else waits.
+    fn register(&self, keys: &[&str], on_its_own: bool) -> Waiter<'_> {
+        self.enqueue(keys, on_its_own, false)
+            .expect("an unconditional registration")
+    }
+
+    /// Queues a waiter behind the waiters of its class already queued on its
+    /// first key, if there are any (checked and queued at once, so the waiter
+    /// ahead is still there to pass the turn on); `None` when there are none.
+    fn register_behind(&self, keys: &[&str]) -> Option<Waiter<'_>> {
+        self.enqueue(keys, false, true)
+    }
+
+    fn enqueue(&self, names: &[&str], on_its_own: bool, behind: bool) -> Option<Waiter<'_>> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_bytes().to_vec()).collect();
-        let class = class_of(&keys);
+        let class = if on_its_own {
+            id.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        } else {
+            class_of(names)
+        };
+        let (tx, rx);
+        let keys: Vec<Vec<u8>>;
         {
             let mut queues = self.queues.lock();
+            // Nothing is allocated for a wait that finds nobody to queue
+            // behind (the uncontended path).
+            if behind
+                && !queues
+                    .get(names[0].as_bytes())
+                    .is_some_and(|q| q.iter().any(|e| e.class == class))
+            {
+                return None;
+            }
+            (tx, rx) = crossbeam_channel::bounded(1);
+            keys = names.iter().map(|k| k.as_bytes().to_vec()).collect();
             for key in &keys {
                 queues.entry(key.clone()).or_default().push_back(Entry {
                     id,
@@ -291,13 +363,33 @@ impl Registry {
                 });
             }
         }
-        Waiter {
+        Some(Waiter {
             registry: self,
             keys,
             id,
             class,
             rx,
+        })
+    }
+
+    /// A wait on `key` ended: granted after it had to wait (`waited`), or at
+    /// once. Keys granted at once are forgotten.
+    fn note_grant(&self, key: &str, waited: bool) {
+        let mut contended = self.contended.lock();
+        if waited {
+            contended.insert(key.as_bytes().to_vec(), Instant::now());
+        } else if !contended.is_empty() {
+            contended.remove(key.as_bytes());
         }
+    }
+
+    /// Whether the last wait on `key` that got it had to wait, within `recent`.
+    fn was_contended(&self, key: &str, recent: Duration) -> bool {
+        let contended = self.contended.lock();
+        !contended.is_empty()
+            && contended
+                .get(key.as_bytes())
+                .is_some_and(|at| at.elapsed() < recent)
     }
 
     /// An invalidation for `key`: wake the first waiter of each class on it.
@@ -568,6 +660,37 @@ pub(crate) struct WaitFor<'a> {
     pub(crate) settle: Duration,
     /// What a failure that may pass does to the wait.
     pub(crate) failures: Failures,
+    /// Who is next: this process's queue, or the server's.
+    pub(crate) order: Order,
+}
+
+/// How long after a wait on a key had to wait its next wait in this process
+/// still yields first.
+const CONTENDED_FOR: Duration = Duration::from_secs(1);
+
+/// How long a wait on a key found contended lately lets waiters elsewhere go
+/// first, before its first attempt.
+const YIELD: Duration = Duration::from_millis(1);
+
+/// Who a wait lets go first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Order {
+    /// This process's queue, which every wait enters only after its first
+    /// attempt (a watcher, whose attempts read and never take).
+    Race,
+    /// This process's queue (see the module docs): a wait that starts while
+    /// waiters of this process are queued on its key queues behind them
+    /// without an attempt of its own, so a thread that has just released
+    /// the key does not take it back from the waiter its release woke; and a
+    /// wait on a key found contended lately pauses before its first attempt,
+    /// for the waiters of other processes.
+    Local,
+    /// A queue on the server whose entries expire unless their waiter
+    /// refreshes them: every waiter attempts (and so refreshes its entry) at
+    /// least once per `refresh`, and every change of the keys wakes every
+    /// waiter of the process, since the server, not arrival here, says who
+    /// is next.
+    Server { refresh: Duration },
 }
 
 /// How a wait ended.
@@ -648,7 +771,9 @@ fn join<'r, R: Route>(route: &'r R, w: &WaitFor<'_>) -> Waiter<'r> {
     if let Ok(tracker) = route.tracker(w.keys[0]) {
         tracker.await_settled(w.deadline.map_or(settle, |d| d.min(settle)));
     }
-    route.registry().register(w.keys)
+    route
+        .registry()
+        .register(w.keys, matches!(w.order, Order::Server { .. }))
 }
 
 fn wait_loop<R: Route, T>(
@@ -661,7 +786,18 @@ fn wait_loop<R: Route, T>(
     // Registered once the first attempt was not granted (held, or failed);
     // until then the wait is the plain attempt a single attempt makes: no
     // subscriber, no queue, no tracked read, no expiry hint.
-    let mut waiter: Option<Waiter<'_>> = None;
+    //
+    // A wait that starts while waiters of this process are queued on its key
+    // joins the queue behind them at once and makes no attempt until its
+    // turn comes (the waiter ahead leaves and passes it on) or the deadline
+    // does: a thread that has just released the key would otherwise take it
+    // back before the waiter its release woke could (the hand-off in one
+    // process). The check costs a lookup in the registry, no round trip.
+    let mut waiter: Option<Waiter<'_>> = match w.order {
+        Order::Local => registry.register_behind(w.keys),
+        Order::Race | Order::Server { .. } => None,
+    };
+    let mut behind = waiter.is_some();
     let never = crossbeam_channel::never();
     let cancelled = w.cancel.map_or(&never, |c| c.receiver());
     let is_cancelled = || w.cancel.is_some_and(CancelToken::is_cancelled);
@@ -670,9 +806,39 @@ fn wait_loop<R: Route, T>(
     let mut verdict = false;
     let mut failures = 0u32;
     let mut warned = false;
+    if !behind
+        && w.order == Order::Local
+        && registry.was_contended(w.keys[0], CONTENDED_FOR)
+        && w.deadline.is_none_or(|d| Instant::now() + YIELD < d)
+    {
+        // The last wait on this key in this process had to wait: waiters
+        // elsewhere may be on their way to it now (this thread may have just
+        // released it). They are let go first for a moment.
+        crossbeam_channel::select! {
+            recv(cancelled) -> _ => return Err(Error::Cancelled),
+            recv(crossbeam_channel::after(YIELD)) -> _ => {}
+        }
+    }
     loop {
         if is_cancelled() {
             return Err(Error::Cancelled);
+        }
+        if std::mem::take(&mut behind)
+            && let Some(waiter) = &waiter
+        {
+            // Behind this process's earlier waiters: the turn comes when the
+            // one ahead leaves; at the deadline one attempt still goes out
+            // (the wait never ends without one).
+            let timer = match w.deadline {
+                Some(at) => crossbeam_channel::at(at),
+                None => crossbeam_channel::never(),
+            };
+            crossbeam_channel::select! {
+                recv(waiter.rx) -> _ => {}
+                recv(cancelled) -> _ => return Err(Error::Cancelled),
+                recv(timer) -> _ => {}
+            }
+            continue;
         }
         let waiting = waiter.is_some();
         let started = Instant::now();
@@ -709,7 +875,12 @@ fn wait_loop<R: Route, T>(
             // Cancelled while the attempt was in flight: the caller asked to
             // stop, so what it got is released (by dropping it).
             Ok((Attempt::Acquired(_), _)) if is_cancelled() => return Err(Error::Cancelled),
-            Ok((Attempt::Acquired(t), _)) => return Ok(Some(t)),
+            Ok((Attempt::Acquired(t), _)) => {
+                if w.order == Order::Local {
+                    registry.note_grant(w.keys[0], waiting);
+                }
+                return Ok(Some(t));
+            }
             Ok((Attempt::Busy(_), _)) if !waiting => {
                 last_error = None;
                 verdict = true;
@@ -793,6 +964,10 @@ fn wait_loop<R: Route, T>(
             };
         }
         let mut wake_at = w.deadline;
+        if let Order::Server { refresh } = w.order {
+            let at = now + refresh;
+            wake_at = Some(wake_at.map_or(at, |w| w.min(at)));
+        }
         if waiter.is_front() {
             if let Some(pttl) = pttl {
                 let at = now.checked_add(pttl + Duration::from_millis(1));
@@ -828,9 +1003,9 @@ mod tests {
     #[test]
     fn invalidation_wakes_only_the_first_and_leaving_passes_it_on() {
         let reg = Registry::new("redis://test".into());
-        let a = reg.register(&["k"]);
-        let b = reg.register(&["k"]);
-        let other = reg.register(&["j"]);
+        let a = reg.register(&["k"], false);
+        let b = reg.register(&["k"], false);
+        let other = reg.register(&["j"], false);
         reg.wake_key(b"k");
         assert!(a.rx.try_recv().is_ok());
         assert!(b.rx.try_recv().is_err());
@@ -848,9 +1023,42 @@ mod tests {
     }
 
     #[test]
+    fn a_key_is_contended_after_a_grant_that_waited_until_one_that_did_not() {
+        let reg = Registry::new("redis://test".into());
+        assert!(!reg.was_contended("k", Duration::from_secs(1)));
+        reg.note_grant("k", true);
+        assert!(reg.was_contended("k", Duration::from_secs(1)));
+        assert!(!reg.was_contended("j", Duration::from_secs(1)));
+        // Only lately.
+        assert!(!reg.was_contended("k", Duration::ZERO));
+        reg.note_grant("k", false);
+        assert!(!reg.was_contended("k", Duration::from_secs(1)));
+        assert!(reg.contended.lock().is_empty());
+    }
+
+    #[test]
+    fn a_wait_queues_behind_waiters_of_its_class_only() {
+        let reg = Registry::new("redis://test".into());
+        assert!(reg.register_behind(&["k"]).is_none());
+        let a = reg.register(&["k"], false);
+        // A writer-like class on the same first key does not queue behind it.
+        assert!(reg.register_behind(&["k", "r"]).is_none());
+        let b = reg.register_behind(&["k"]).expect("queued behind a");
+        assert!(!b.is_front());
+        drop(a);
+        assert!(b.rx.try_recv().is_ok());
+        assert!(b.is_front());
+        // Waiters on their own (a server-side queue) are no one's class.
+        let own = reg.register(&["q"], true);
+        assert!(reg.register_behind(&["q"]).is_none());
+        drop((b, own));
+        assert!(reg.queues.lock().is_empty());
+    }
+
+    #[test]
     fn a_pending_wake_is_kept_until_the_waiter_looks() {
         let reg = Registry::new("redis://test".into());
-        let a = reg.register(&["k"]);
+        let a = reg.register(&["k"], false);
         reg.wake_key(b"k");
         reg.wake_key(b"k");
         assert!(a.rx.try_recv().is_ok());
@@ -860,9 +1068,9 @@ mod tests {
     #[test]
     fn leaving_from_the_middle_does_not_wake_anyone() {
         let reg = Registry::new("redis://test".into());
-        let a = reg.register(&["k"]);
-        let b = reg.register(&["k"]);
-        let c = reg.register(&["k"]);
+        let a = reg.register(&["k"], false);
+        let b = reg.register(&["k"], false);
+        let c = reg.register(&["k"], false);
         drop(b);
         assert!(a.rx.try_recv().is_err());
         assert!(c.rx.try_recv().is_err());
@@ -879,9 +1087,9 @@ mod tests {
             redirect: 7,
             generation: 2,
         });
-        let a = reg.register(&["k"]);
-        let b = reg.register(&["k"]);
-        let other = reg.register(&["j"]);
+        let a = reg.register(&["k"], false);
+        let b = reg.register(&["k"], false);
+        let other = reg.register(&["j"], false);
         let armed = |generation| Armed {
             generation,
             reads: Reads::OnRequest,
@@ -901,8 +1109,8 @@ mod tests {
     #[test]
     fn a_slot_change_wakes_only_the_keys_it_names() {
         let reg = Registry::new("redis://test".into());
-        let a = reg.register(&["{a}k"]);
-        let b = reg.register(&["{b}k"]);
+        let a = reg.register(&["{a}k"], false);
+        let b = reg.register(&["{b}k"], false);
         reg.wake_where(|key| key.starts_with(b"{a}"));
         assert!(a.rx.try_recv().is_ok());
         assert!(b.rx.try_recv().is_err());
@@ -912,10 +1120,10 @@ mod tests {
     fn waiters_on_other_keys_queue_apart_on_the_key_they_share() {
         let reg = Registry::new("redis://test".into());
         // Readers wait on [w, q], writers on [w, r]: both on w.
-        let r1 = reg.register(&["w", "q"]);
-        let w1 = reg.register(&["w", "r"]);
-        let r2 = reg.register(&["w", "q"]);
-        let w2 = reg.register(&["w", "r"]);
+        let r1 = reg.register(&["w", "q"], false);
+        let w1 = reg.register(&["w", "r"], false);
+        let r2 = reg.register(&["w", "q"], false);
+        let w2 = reg.register(&["w", "r"], false);
         assert!(r1.is_front() && w1.is_front());
         assert!(!r2.is_front() && !w2.is_front());
         // A change of w wakes the first of each class, not the second reader.

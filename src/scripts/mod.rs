@@ -44,6 +44,10 @@ script!(LEASE_RELEASE, "lease_release.lua");
 script!(LEASE_EXTEND, "lease_extend.lua");
 script!(LEASE_VERIFY, "lease_verify.lua");
 
+// The lock whose waiters queue on the server (`Fairness::Fifo`).
+script!(FIFO_ACQUIRE, "fifo_acquire.lua");
+script!(FIFO_WITHDRAW, "fifo_withdraw.lua");
+
 // The election (its campaign is `fenced_acquire` with a value key).
 script!(ELECTION_LEADER, "election_leader.lua");
 script!(ELECTION_PROCLAIM, "election_proclaim.lua");

@@ -147,10 +147,15 @@ impl Server {
         Some(match op {
             Op::Acquire { ttl_ms } => {
                 let ttl = ttl_ms.to_string();
+                // `SET NX PX` alone; `GET` and `PTTL` only when it found the
+                // key set (the second round trip modelled as arriving with
+                // the first).
                 let set = self.run(conn, &["SET", key, value, "NX", "PX", &ttl])?;
-                let get = self.run(conn, &["GET", key])?;
-                let pttl = self.run(conn, &["PTTL", key])?;
-                let wire = [set, get, pttl];
+                let mut wire = vec![set];
+                if wire[0] == Wire::Nil {
+                    wire.push(self.run(conn, &["GET", key])?);
+                    wire.push(self.run(conn, &["PTTL", key])?);
+                }
                 if wire.iter().any(Wire::is_error) {
                     Err(format!("{wire:?}"))
                 } else {

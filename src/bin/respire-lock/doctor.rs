@@ -455,6 +455,7 @@ fn node_checks(
              redis+cluster://HOST:PORT,HOST:PORT/ so that slot moves and failovers are followed",
         ));
     }
+    out.push(tracking_check(&client, timeout));
     if !acl {
         prefix_messages(&mut out[start..], prefix);
         return Ok(());
@@ -515,6 +516,71 @@ fn node_checks(
     });
     prefix_messages(&mut out[start..], prefix);
     Ok(())
+}
+
+/// Whether waits can be woken by invalidations and pay for tracking only
+/// while they wait: `CLIENT TRACKING ON REDIRECT id OPTIN` then `CLIENT
+/// CACHING yes`, on a connection of its own (closed after, which ends its
+/// tracking), redirected to another.
+fn tracking_check(client: &redis::Client, timeout: Duration) -> Finding {
+    let connect = || -> redis::RedisResult<redis::Connection> {
+        let conn = client.get_connection_with_timeout(timeout)?;
+        conn.set_read_timeout(Some(timeout))?;
+        conn.set_write_timeout(Some(timeout))?;
+        Ok(conn)
+    };
+    let tried =
+        (|| -> redis::RedisResult<(redis::RedisResult<()>, Option<redis::RedisResult<()>>)> {
+            let mut target = connect()?;
+            let id: i64 = redis::cmd("CLIENT").arg("ID").query(&mut target)?;
+            let mut conn = connect()?;
+            let on: redis::RedisResult<()> = redis::cmd("CLIENT")
+                .arg("TRACKING")
+                .arg("ON")
+                .arg("REDIRECT")
+                .arg(id)
+                .arg("OPTIN")
+                .query(&mut conn);
+            if on.is_err() {
+                return Ok((on, None));
+            }
+            let caching = redis::cmd("CLIENT")
+                .arg("CACHING")
+                .arg("yes")
+                .query(&mut conn);
+            Ok((on, Some(caching)))
+        })();
+    match tried {
+        Ok((Ok(()), Some(Ok(())))) => Finding::new(
+            Level::Ok,
+            "tracking",
+            "tracking: CLIENT TRACKING OPTIN and CLIENT CACHING supported: waits are woken by \
+             invalidations and track a key only while they wait",
+        ),
+        Ok((Ok(()), Some(Err(e)))) => Finding::new(
+            Level::Warn,
+            "tracking",
+            format!(
+                "tracking: CLIENT CACHING refused ({e}): waiting connections track every key \
+                 they read, so an uncontended acquire on a connection that once waited costs \
+                 an invalidation"
+            ),
+        ),
+        Ok((Err(e), _)) => Finding::new(
+            Level::Warn,
+            "tracking",
+            format!(
+                "tracking: CLIENT TRACKING OPTIN refused ({e}): waits fall back to polling \
+                 every 50–150 ms"
+            ),
+        ),
+        Ok((Ok(()), None)) => unreachable!("CLIENT CACHING is tried once tracking is on"),
+        Err(e) => Finding::new(
+            Level::Warn,
+            "tracking",
+            format!("tracking: cannot tell whether client tracking works: {e}"),
+        ),
+    }
 }
 
 fn prefix_messages(findings: &mut [Finding], prefix: &str) {
