@@ -379,6 +379,19 @@ impl LeaseCore {
 mod tests {
     use super::*;
 
+    #[test]
+    fn every_loss_says_why() {
+        let said = |l: Loss| l.to_string();
+        assert!(said(Loss::Deadline).contains("loss deadline"));
+        assert!(said(Loss::LateConfirmation).contains("only after"));
+        assert!(said(Loss::Gone).contains("gone on the server"));
+        assert!(said(Loss::TakenOver).contains("another owner"));
+        assert_eq!(
+            said(Loss::Other("node 2 restarted".into())),
+            "node 2 restarted"
+        );
+    }
+
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
     }
