@@ -58,6 +58,9 @@ pub(crate) enum Workload {
     Rw,
     Semaphore,
     Redlock,
+    /// `Election`: campaign, lead, resign or let the lease expire; every
+    /// worker also follows the leader with `observe()`.
+    Election,
 }
 
 impl FromStr for Workload {
@@ -69,9 +72,10 @@ impl FromStr for Workload {
             "rw" => Workload::Rw,
             "semaphore" => Workload::Semaphore,
             "redlock" => Workload::Redlock,
+            "election" => Workload::Election,
             _ => {
                 return Err(format!(
-                    "unknown workload {s:?} (lock, fenced, rw, semaphore, redlock)"
+                    "unknown workload {s:?} (lock, fenced, rw, semaphore, redlock, election)"
                 ));
             }
         })
@@ -86,6 +90,7 @@ impl fmt::Display for Workload {
             Workload::Rw => "rw",
             Workload::Semaphore => "semaphore",
             Workload::Redlock => "redlock",
+            Workload::Election => "election",
         })
     }
 }
@@ -253,5 +258,11 @@ pub(crate) fn lease_key(workload: Workload, prefix: &str, k: &str) -> String {
         Workload::Fenced => format!("{prefix}{{{k}}}lease"),
         Workload::Rw => format!("{prefix}{{{k}}}rw:w"),
         Workload::Semaphore => format!("{prefix}{{{k}}}sem:permits"),
+        Workload::Election => format!("{prefix}{}:leader", election_name(k)),
     }
+}
+
+/// The election a worker campaigns in for logical key `k`.
+pub(crate) fn election_name(k: &str) -> String {
+    format!("{{{k}}}election")
 }
