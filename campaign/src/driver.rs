@@ -34,7 +34,8 @@ campaign run --topology T --workload W [options]
                     blackhole drop-requests drop-replies client-kill oom
                     failover kill-primary takeover migrate unreplicated-failover
   --control C       a negative control: plain-pause | redlock-restart |
-                    sentinel-unreplicated | ignore-loss | restart-no-aof (sets the options and
+                    sentinel-unreplicated | ignore-loss | restart-no-aof |
+                    poll-follower (sets the options and
                     the nemesis, and the workload unless given; the checkers
                     must find a violation)
   --workers N       worker processes (default 4)
@@ -147,6 +148,11 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             workload.get_or_insert(Workload::Fenced);
             nemesis_arg = "stop".into();
         }
+        Some(Control::PollFollower) => {
+            topology = Some(Topology::Standalone { aof: false });
+            workload = Some(Workload::Election);
+            nemesis_arg = "kill".into();
+        }
         None => {}
     }
     let topology = topology.ok_or_else(|| format!("--topology is required\n{USAGE}"))?;
@@ -214,7 +220,10 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
         workers: num("workers", 4)?.max(1),
         keys: num(
             "keys",
-            if matches!(control, Some(Control::IgnoreLoss | Control::RestartNoAof)) {
+            if matches!(
+                control,
+                Some(Control::IgnoreLoss | Control::RestartNoAof | Control::PollFollower)
+            ) {
                 1
             } else {
                 2
@@ -346,6 +355,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
             capacity: cfg.capacity,
             keep_alive_pct: cfg.keep_alive_pct,
             ignore_loss: cfg.control == Some(Control::IgnoreLoss),
+            poll_follower: cfg.control == Some(Control::PollFollower),
             think_ms: cfg.think_ms,
             out: file.display().to_string(),
         };
@@ -509,6 +519,12 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
             "an acquire reported the replication history lost: tokens issued before may be issued again after it",
         ));
     }
+    if cfg.control == Some(Control::PollFollower) {
+        out.push((
+            "observe-regression",
+            "a planted client bug: followers poll leader() without observe()'s guard",
+        ));
+    }
     if cfg.control == Some(Control::IgnoreLoss) {
         state_lost(
             "a planted client bug: workers that ignore is_lost() vouch past their loss",
@@ -613,6 +629,7 @@ fn summarize(
                 "writer-beside-reader",
                 "server-oracle",
             ],
+            Control::PollFollower => &["observe-regression"],
         };
         expected
             .iter()

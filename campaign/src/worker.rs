@@ -218,9 +218,9 @@ pub(crate) fn main() -> Result<(), String> {
                 cancel.clone(),
                 Arc::clone(&out),
             );
-            let worker = spec.id;
+            let (worker, poll) = (spec.id, spec.poll_follower);
             followers.push(thread::spawn(move || {
-                follow(worker, &key, &election, &cancel, &out);
+                follow(worker, &key, &election, poll, &cancel, &out);
             }));
         }
     }
@@ -378,17 +378,33 @@ pub(crate) fn observe_file(worker_file: &str) -> String {
 }
 
 /// One `observe()` follower: records every leader it is told of, and every
-/// error, until `cancel`.
+/// error, until `cancel`. With `poll` (the planted bug of the
+/// `poll-follower` control) it reads `leader()` every 10 ms instead and
+/// reports each change it reads.
 fn follow(
     worker: u64,
     key: &str,
     election: &Election,
+    poll: bool,
     cancel: &CancelToken,
     out: &std::sync::Mutex<History>,
 ) {
     let mut changes = election.observe().cancel_on(cancel.clone());
+    let mut polled = None;
     while !cancel.is_cancelled() {
-        let next = changes.next_until(std::time::Instant::now() + Duration::from_millis(200));
+        let next = if poll {
+            thread::sleep(Duration::from_millis(10));
+            match election.leader() {
+                Ok(leader) if polled.as_ref() == Some(&leader) => None,
+                Ok(leader) => {
+                    polled = Some(leader.clone());
+                    Some(Ok(leader))
+                }
+                Err(e) => Some(Err(e)),
+            }
+        } else {
+            changes.next_until(std::time::Instant::now() + Duration::from_millis(200))
+        };
         let t = now_ns();
         let line = match next {
             None => continue,
