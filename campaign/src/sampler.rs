@@ -13,11 +13,15 @@
 //!   truth, and when both do (a restarted or demoted primary the sentinels
 //!   have not reconfigured yet) the one most answering sentinels name.
 //!   Neither, or no sentinel naming one of them: nothing is known that round;
-//! - Cluster: each key's slot primary. Each round reads `ROLE` and the key
-//!   in one `MULTI` on every node; a node that does not serve the slot
-//!   refuses the read (`MOVED`, `ASK`), a replica is not asked for the truth.
-//!   One serving primary is the truth; none, or two that disagree (a switch
-//!   in flight), leave the key unknown that round.
+//! - Cluster: each key's slot primary. Each round reads `ROLE` and the keys
+//!   in one `MULTI` on every node, with a script that reads only keys of
+//!   slots the node serves (any other reads as unknown, so no `MOVED` or
+//!   `ASK` reply is ever left unread); what replicas read is not used. One
+//!   serving primary is the truth; none, or two that disagree (a switch in
+//!   flight), leave the key unknown that round.
+//!
+//! An unknown round judges nothing: the oracle can miss a violation there,
+//! never invent one.
 
 use std::collections::HashMap;
 use std::sync::Arc;
