@@ -713,9 +713,18 @@ fn counter_on(server: &TestServer, fence: &str) -> Option<u64> {
 /// it: grants that replica had acknowledged are gone everywhere, and their
 /// fencing tokens are issued again. A coordinator that saw a grant
 /// acknowledged refuses every grant on that history.
+///
+/// Every failover here is asked for with `SENTINEL FAILOVER`, each after the
+/// roles it starts from are seen on the servers and the sentinels: with a
+/// minute of `down-after-milliseconds` the sentinels never fail over on their
+/// own, so which server is promoted, and when, is the scenario's choice
+/// however slow the machine (with one second, a new primary slow to answer
+/// was deemed down and the restarted server promoted a step early).
 #[test]
 fn a_primary_restarted_from_an_old_sync_file_and_promoted_is_refused_as_a_lost_history() {
-    let deployment = TestSentinel::start();
+    let deployment = TestSentinel::builder()
+        .down_after(Duration::from_secs(60))
+        .start();
     let require = Replication::Require {
         replicas: 1,
         timeout: Duration::from_millis(500),
@@ -739,8 +748,9 @@ fn a_primary_restarted_from_an_old_sync_file_and_promoted_is_refused_as_a_lost_h
     // The primary, server 0, killed and restarted once server 1 is promoted:
     // it has no RDB file yet and comes back empty; the sentinels make it a
     // replica, and its full synchronisation leaves one in its directory.
+    deployment.wait_selectable(1, "slave", Duration::from_secs(30));
     deployment.server(0).kill();
-    deployment.wait_primary(1, Duration::from_secs(30));
+    deployment.failover();
     deployment.server(0).restart();
     deployment.wait_replica_of(0, Duration::from_secs(30));
     assert_eq!(counter_on(deployment.server(0), &fence), Some(first));
@@ -763,8 +773,9 @@ fn a_primary_restarted_from_an_old_sync_file_and_promoted_is_refused_as_a_lost_h
     // Server 0 killed again: server 1, promoted, holds every acknowledged
     // grant. B follows it without alarm (the promoted replica's history
     // contains them); no replica acknowledges yet.
+    deployment.wait_selectable(1, "slave", Duration::from_secs(30));
     deployment.server(0).kill();
-    deployment.wait_primary(1, Duration::from_secs(30));
+    deployment.failover();
     assert_eq!(counter_on(deployment.server(1), &fence), Some(last));
     let err = other_b.acquire_timeout(ttl, wait).unwrap_err();
     assert!(matches!(err, Error::NotReplicated { .. }), "{err}");

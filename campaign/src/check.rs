@@ -12,14 +12,18 @@
 //! - `capacity`: never more permit claims at once than the capacity;
 //! - `tokens`: of two claims in real-time order the later has the larger
 //!   token (for permits, which are concurrent: a permit whose acquire began
-//!   after the other's claim ended);
+//!   after the other's claim ended); a later grant whose acquire began after
+//!   an acquire reported `ReplicationHistoryLost` is counted apart, as
+//!   `tokens-after-history-lost`, which the model allows;
 //! - `server-oracle`: at every server sample inside a claim the server holds
 //!   that grant (its token, its slot, a quorum of nodes for Redlock);
 //! - `vouched-after-expiry`: a guard whose server was stopped past the lease's
 //!   expiry (PTTL read at the stop) stopped vouching before that expiry (one
 //!   deployment only: a Redlock lease outlives one node's key);
 //! - `resource-lost-updates` / `resource-repeated-token`: from the fenced
-//!   resource's own counters;
+//!   resource's own counters, less the operations it flagged for grants
+//!   whose acquire began after a reported history loss (counted apart, with
+//!   the suffix `-after-history-lost`);
 //! - `late-writes`: resource writes accepted inside another grant's claim
 //!   (allowed where the resource fences, the Kleppmann pause otherwise).
 
@@ -100,9 +104,9 @@ pub(crate) fn check(inp: &Inputs<'_>) -> Findings {
     }
     if matches!(
         inp.workload,
-        Workload::Fenced | Workload::Rw | Workload::Semaphore
+        Workload::Fenced | Workload::Rw | Workload::Semaphore | Workload::Election
     ) {
-        tokens(&claims, &mut f);
+        tokens(&claims, inp.hist.first_history_lost(), &mut f);
     }
     if !inp.samples.is_empty() {
         oracle(inp, &claims, &mut f);
@@ -113,7 +117,36 @@ pub(crate) fn check(inp: &Inputs<'_>) -> Findings {
         expiry(inp, &claims, &mut f);
     }
     resource(inp, &claims, &mut f);
+    if inp.workload == Workload::Election {
+        observed(inp, &mut f);
+    }
     f
+}
+
+/// `observe-regression`: each follower's reported leaders, in the order it
+/// reported them, never go back in term (reporting nobody leading is not a
+/// term).
+fn observed(inp: &Inputs<'_>, f: &mut Findings) {
+    f.zero("observe-regression");
+    let mut highest: HashMap<(u64, &str), (u64, u64)> = HashMap::new();
+    for o in &inp.hist.observed {
+        let Some(term) = o.term else { continue };
+        let seen = highest.entry((o.w, o.key.as_str())).or_insert((term, o.t));
+        if term < seen.0 {
+            f.hit("observe-regression", || {
+                format!(
+                    "w{} observing {} reported term {term} at {:.3} ms after term {} at {:.3} ms",
+                    o.w,
+                    o.key,
+                    ms(o.t),
+                    seen.0,
+                    ms(seen.1)
+                )
+            });
+        } else {
+            *seen = (term, o.t);
+        }
+    }
 }
 
 fn overlap(claims: &[&Grant], f: &mut Findings) {
@@ -175,8 +208,12 @@ fn capacity(claims: &[&Grant], cap: u32, f: &mut Findings) {
     }
 }
 
-fn tokens(claims: &[&Grant], f: &mut Findings) {
+/// `lost_at`: when an acquire first reported the replication history lost;
+/// a regression in a grant whose acquire began after it is what that error
+/// announced.
+fn tokens(claims: &[&Grant], lost_at: Option<u64>, f: &mut Findings) {
     f.zero("tokens");
+    f.zero("tokens-after-history-lost");
     let mut by_key: HashMap<&str, Vec<&Grant>> = HashMap::new();
     for g in claims.iter().filter(|g| g.mode != 'r') {
         by_key.entry(g.key.as_str()).or_default().push(g);
@@ -202,7 +239,12 @@ fn tokens(claims: &[&Grant], f: &mut Findings) {
             if let Some(a) = best
                 && b.tok <= a.tok
             {
-                f.hit("tokens", || format!("{} after {}", who(b), who(a)));
+                let name = if lost_at.is_some_and(|t| t <= b.a) {
+                    "tokens-after-history-lost"
+                } else {
+                    "tokens"
+                };
+                f.hit(name, || format!("{} after {}", who(b), who(a)));
             }
         }
     }
@@ -221,11 +263,7 @@ fn holds(inp: &Inputs<'_>, quorum: usize, s: &Sample, k: usize, g: &Grant) -> bo
                     .iter()
                     .any(|f| f.restarted.contains(&i) && f.t0 <= s.t_a && f.t1 + d >= s.t_b)
             });
-            if delayed {
-                None
-            } else {
-                n.as_ref().map(|v| v[k].as_str())
-            }
+            if delayed { None } else { n[k].as_deref() }
         })
         .collect();
     if workload == Workload::Redlock {
@@ -242,7 +280,7 @@ fn holds(inp: &Inputs<'_>, quorum: usize, s: &Sample, k: usize, g: &Grant) -> bo
     let tok = format!(":{}", g.tok);
     match (workload, g.mode) {
         (Workload::Lock, _) => !v.is_empty(),
-        (Workload::Fenced, _) => v.ends_with(&tok),
+        (Workload::Fenced | Workload::Election, _) => v.ends_with(&tok),
         (Workload::Rw, 'x') => v.split('|').next().is_some_and(|w| w.ends_with(&tok)),
         (Workload::Rw, _) => true, // readers are counted in `oracle`
         (Workload::Semaphore, _) => {
@@ -280,10 +318,7 @@ fn oracle(inp: &Inputs<'_>, claims: &[&Grant], f: &mut Findings) {
                         who(g),
                         ms(s.t_b),
                         ms(s.t_a),
-                        s.nodes
-                            .iter()
-                            .map(|n| n.as_ref().map(|v| v[k].clone()))
-                            .collect::<Vec<_>>()
+                        s.nodes.iter().map(|n| n[k].clone()).collect::<Vec<_>>()
                     )
                 });
             }
@@ -291,9 +326,9 @@ fn oracle(inp: &Inputs<'_>, claims: &[&Grant], f: &mut Findings) {
     }
     for ((i, k), n) in readers_inside {
         let s = &inp.samples[i];
-        let live: u64 = s.nodes[0]
+        let live: u64 = s.nodes[0][k]
             .as_ref()
-            .and_then(|v| v[k].split('|').nth(1).and_then(|c| c.parse().ok()))
+            .and_then(|v| v.split('|').nth(1).and_then(|c| c.parse().ok()))
             .unwrap_or(u64::MAX);
         if n > live {
             f.hit("server-oracle", || {
@@ -336,8 +371,7 @@ fn expiry(inp: &Inputs<'_>, claims: &[&Grant], f: &mut Findings) {
             let extended = after.is_some_and(|s| {
                 s.nodes
                     .iter()
-                    .flatten()
-                    .any(|v| v[p.key] == p.value && !p.value.is_empty())
+                    .any(|v| v[p.key].as_deref() == Some(p.value.as_str()) && !p.value.is_empty())
             });
             if v > expiry && !extended {
                 f.hit("vouched-after-expiry", || {
@@ -357,18 +391,41 @@ fn resource(inp: &Inputs<'_>, claims: &[&Grant], f: &mut Findings) {
     f.zero("resource-lost-updates");
     f.zero("resource-repeated-token");
     f.zero("late-writes");
-    for (_, t) in inp.tallies {
-        *f.counts.entry("resource-lost-updates").or_default() += t.lost;
-        *f.counts.entry("resource-repeated-token").or_default() += t.repeated;
+    let grant_of: HashMap<(u64, u64), &Grant> =
+        inp.hist.grants.iter().map(|g| ((g.w, g.n), g)).collect();
+    // What the resource flagged in operations of grants whose acquire began
+    // after a reported history loss: allowed, and counted apart.
+    let (mut lost_after, mut repeated_after) = (0, 0);
+    if let Some(lost_at) = inp.hist.first_history_lost() {
+        f.zero("resource-lost-updates-after-history-lost");
+        f.zero("resource-repeated-token-after-history-lost");
+        for op in &inp.hist.ops {
+            if grant_of.get(&(op.w, op.n)).is_some_and(|g| lost_at <= g.a) {
+                lost_after += u64::from(op.lost_update());
+                repeated_after += u64::from(op.repeated_token());
+            }
+        }
+        f.counts
+            .insert("resource-lost-updates-after-history-lost", lost_after);
+        f.counts
+            .insert("resource-repeated-token-after-history-lost", repeated_after);
     }
+    let (lost, repeated) = inp
+        .tallies
+        .iter()
+        .fold((0, 0), |(l, r), (_, t)| (l + t.lost, r + t.repeated));
+    f.counts
+        .insert("resource-lost-updates", lost.saturating_sub(lost_after));
+    f.counts.insert(
+        "resource-repeated-token",
+        repeated.saturating_sub(repeated_after),
+    );
     // Accepted writes inside another grant's claim on the same group.
     let mut by_group: HashMap<String, Vec<&Grant>> = HashMap::new();
     for g in claims.iter().filter(|g| g.mode != 'r') {
         by_group.entry(g.group()).or_default().push(g);
     }
-    let grant_of: HashMap<(u64, u64), &Grant> =
-        inp.hist.grants.iter().map(|g| ((g.w, g.n), g)).collect();
-    for op in inp.hist.ops.iter().filter(|o| o.write && o.res == "ok") {
+    for op in inp.hist.ops.iter().filter(|o| o.write && o.accepted()) {
         let Some(mine) = grant_of.get(&(op.w, op.n)) else {
             continue;
         };

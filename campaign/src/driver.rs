@@ -18,7 +18,7 @@ use crate::history;
 use crate::nemesis::{self, Fault, FaultRecord, Nemesis};
 use crate::resource;
 use crate::rng::Rng;
-use crate::sampler::Sampler;
+use crate::sampler::{Sampler, Source};
 use crate::spec::{self, Control, Topology, WorkerSpec, Workload};
 use crate::support::TestServer;
 use crate::topo::Deployment;
@@ -26,7 +26,7 @@ use crate::topo::Deployment;
 pub(crate) const USAGE: &str = "\
 campaign run --topology T --workload W [options]
   --topology    standalone | standalone-aof | redlock3 | redlock5 | sentinel | cluster
-  --workload    lock | fenced | rw | semaphore | redlock
+  --workload    lock | fenced | rw | semaphore | redlock | election
   --seed N          the schedule's seed (default 1)
   --duration D      campaign time, e.g. 30s or 2m (default 30s)
   --nemesis LIST    mix (default: every fault of the topology), none, or a
@@ -34,7 +34,8 @@ campaign run --topology T --workload W [options]
                     blackhole drop-requests drop-replies client-kill oom
                     failover kill-primary takeover migrate unreplicated-failover
   --control C       a negative control: plain-pause | redlock-restart |
-                    sentinel-unreplicated | ignore-loss | restart-no-aof (sets the options and
+                    sentinel-unreplicated | ignore-loss | restart-no-aof |
+                    poll-follower (sets the options and
                     the nemesis, and the workload unless given; the checkers
                     must find a violation)
   --workers N       worker processes (default 4)
@@ -147,6 +148,11 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             workload.get_or_insert(Workload::Fenced);
             nemesis_arg = "stop".into();
         }
+        Some(Control::PollFollower) => {
+            topology = Some(Topology::Standalone { aof: false });
+            workload = Some(Workload::Election);
+            nemesis_arg = "kill".into();
+        }
         None => {}
     }
     let topology = topology.ok_or_else(|| format!("--topology is required\n{USAGE}"))?;
@@ -214,7 +220,10 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
         workers: num("workers", 4)?.max(1),
         keys: num(
             "keys",
-            if matches!(control, Some(Control::IgnoreLoss | Control::RestartNoAof)) {
+            if matches!(
+                control,
+                Some(Control::IgnoreLoss | Control::RestartNoAof | Control::PollFollower)
+            ) {
                 1
             } else {
                 2
@@ -293,19 +302,39 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         })
         .collect();
 
-    // The server oracle, where one place holds the truth.
-    let sampler = match cfg.topology {
-        Topology::Standalone { .. } | Topology::Redlock { .. } => Some(Sampler::start(
-            dep.servers.iter().map(TestServer::url).collect(),
-            physical.clone(),
-            match cfg.workload {
-                Workload::Rw => "rw",
-                Workload::Semaphore => "zset",
-                _ => "str",
-            },
-        )),
-        _ => None,
+    // The server oracle: every server, the Sentinel primary, each key's
+    // cluster primary.
+    let source = match cfg.topology {
+        Topology::Standalone { .. } | Topology::Redlock { .. } => {
+            Source::Servers(dep.servers.iter().map(TestServer::url).collect())
+        }
+        Topology::Sentinel => {
+            let s = dep.sentinel.as_ref().expect("a sentinel deployment");
+            Source::Sentinel {
+                servers: s.servers().iter().map(TestServer::url).collect(),
+                sentinels: s.sentinel_urls(),
+                service: s.service().to_string(),
+            }
+        }
+        Topology::Cluster => Source::Cluster(
+            dep.cluster
+                .as_ref()
+                .expect("a cluster")
+                .nodes()
+                .iter()
+                .map(TestServer::url)
+                .collect(),
+        ),
     };
+    let sampler = Some(Sampler::start(
+        source,
+        physical.clone(),
+        match cfg.workload {
+            Workload::Rw => "rw",
+            Workload::Semaphore => "zset",
+            _ => "str",
+        },
+    ));
 
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut workers = Vec::new();
@@ -326,6 +355,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
             capacity: cfg.capacity,
             keep_alive_pct: cfg.keep_alive_pct,
             ignore_loss: cfg.control == Some(Control::IgnoreLoss),
+            poll_follower: cfg.control == Some(Control::PollFollower),
             think_ms: cfg.think_ms,
             out: file.display().to_string(),
         };
@@ -403,7 +433,15 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         }
     }
     let samples = sampler.map(Sampler::finish).unwrap_or_default();
-    let hist = history::load(&workers.iter().map(|w| w.out.clone()).collect::<Vec<_>>());
+    let mut files: Vec<PathBuf> = workers.iter().map(|w| w.out.clone()).collect();
+    if cfg.workload == Workload::Election {
+        files.extend(
+            workers
+                .iter()
+                .map(|w| PathBuf::from(crate::worker::observe_file(&w.out.display().to_string()))),
+        );
+    }
+    let hist = history::load(&files);
     let tallies = resource::tally(&mut resource_server.client()).map_err(|e| e.to_string())?;
     let findings = check::check(&check::Inputs {
         workload: cfg.workload,
@@ -471,6 +509,22 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
             out.push((c, why));
         }
     };
+    for c in [
+        "tokens-after-history-lost",
+        "resource-repeated-token-after-history-lost",
+        "resource-lost-updates-after-history-lost",
+    ] {
+        out.push((
+            c,
+            "an acquire reported the replication history lost: tokens issued before may be issued again after it",
+        ));
+    }
+    if cfg.control == Some(Control::PollFollower) {
+        out.push((
+            "observe-regression",
+            "a planted client bug: followers poll leader() without observe()'s guard",
+        ));
+    }
     if cfg.control == Some(Control::IgnoreLoss) {
         state_lost(
             "a planted client bug: workers that ignore is_lost() vouch past their loss",
@@ -575,6 +629,7 @@ fn summarize(
                 "writer-beside-reader",
                 "server-oracle",
             ],
+            Control::PollFollower => &["observe-regression"],
         };
         expected
             .iter()
@@ -640,6 +695,9 @@ fn summarize(
         "allowed": allowed.iter().map(|(c, why)| json!([c, why])).collect::<Vec<_>>(),
         "examples": f.examples,
         "workers_finished": hist.workers_finished,
+        "observed": hist.observed.len(),
+        "observe_errors": hist.observe_errors.values().sum::<u64>(),
+        "acquires_history_lost": hist.history_lost.len(),
         "reproduce": reproduce,
     })
 }

@@ -54,6 +54,35 @@ pub(crate) struct Op {
     pub(crate) res: String,
 }
 
+impl Op {
+    /// Accepted by the resource (whatever it flagged).
+    pub(crate) fn accepted(&self) -> bool {
+        self.res == "ok" || self.res.starts_with("ok+")
+    }
+
+    /// Accepted with the token of the last operation of another owner.
+    pub(crate) fn repeated_token(&self) -> bool {
+        self.res.split('+').any(|f| f == "repeated")
+    }
+
+    /// An accepted write that found the counter changed since its read.
+    pub(crate) fn lost_update(&self) -> bool {
+        self.res.split('+').any(|f| f == "lost")
+    }
+}
+
+/// One leader an `observe()` follower reported.
+#[derive(Debug, Clone)]
+pub(crate) struct Observed {
+    /// The worker whose follower thread it was.
+    pub(crate) w: u64,
+    pub(crate) key: String,
+    /// When the iterator returned it.
+    pub(crate) t: u64,
+    /// The leader's term; `None`: nobody leads.
+    pub(crate) term: Option<u64>,
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct Histories {
     pub(crate) grants: Vec<Grant>,
@@ -63,6 +92,24 @@ pub(crate) struct Histories {
     pub(crate) attempts: u64,
     pub(crate) busy: u64,
     pub(crate) workers_finished: u64,
+    /// When an acquire returned `Error::ReplicationHistoryLost`, in order:
+    /// the deployment told a worker that tokens issued before may be issued
+    /// again.
+    pub(crate) history_lost: Vec<u64>,
+    /// What the `observe()` followers reported, per file in order.
+    pub(crate) observed: Vec<Observed>,
+    /// Errors the followers' iterators returned, by message.
+    pub(crate) observe_errors: HashMap<String, u64>,
+}
+
+/// The words of `Error::ReplicationHistoryLost`'s message.
+const HISTORY_LOST: &str = "the replication history may have been lost";
+
+impl Histories {
+    /// The first instant an acquire reported the history lost.
+    pub(crate) fn first_history_lost(&self) -> Option<u64> {
+        self.history_lost.first().copied()
+    }
 }
 
 /// The error message with digits replaced, so that like errors group.
@@ -125,7 +172,22 @@ pub(crate) fn load(files: &[impl AsRef<Path>]) -> Histories {
                     res: e["res"].as_str().unwrap_or_default().to_string(),
                 }),
                 Some("err") => {
+                    let what = e["what"].as_str().unwrap_or_default();
+                    if what.contains(HISTORY_LOST) {
+                        h.history_lost.push(u("t"));
+                    }
                     *h.errors
+                        .entry(shape(e["what"].as_str().unwrap_or_default()))
+                        .or_default() += 1;
+                }
+                Some("obs") => h.observed.push(Observed {
+                    w: u("w"),
+                    key: e["key"].as_str().unwrap_or_default().to_string(),
+                    t: u("t"),
+                    term: e["term"].as_u64(),
+                }),
+                Some("obs-err") => {
+                    *h.observe_errors
                         .entry(shape(e["what"].as_str().unwrap_or_default()))
                         .or_default() += 1;
                 }
@@ -146,5 +208,6 @@ pub(crate) fn load(files: &[impl AsRef<Path>]) -> Histories {
         }
     }
     h.grants = grants;
+    h.history_lost.sort_unstable();
     h
 }

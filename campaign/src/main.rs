@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! campaign run --topology T --workload W [--seed N] [--duration D] [--nemesis LIST] ...
-//! campaign table [--check] SUMMARY...   (RELIABILITY.md's table; --check: fail on a violation)
+//! campaign table [--check] [--pairs] SUMMARY...  (RELIABILITY.md's tables; --check: fail on a violation)
 //! campaign check DIR                    (the checkers again over a saved run)
 //! campaign worker          (internal: one worker process, spec in CAMPAIGN_WORKER)
 //! ```

@@ -1,7 +1,9 @@
-//! `campaign table [--check] FILE...`: the summaries of finished runs (one
-//! JSON line each, as `campaign run` prints them) as the markdown table of
-//! RELIABILITY.md; with `--check`, fails unless every run kept its promised
-//! model (0 violations) and every negative control was detected.
+//! `campaign table [--check] [--pairs] FILE...`: the summaries of finished
+//! runs (one JSON line each, as `campaign run` prints them) as the markdown
+//! table of RELIABILITY.md; with `--check`, fails unless every run kept its
+//! promised model (0 violations) and every negative control was detected;
+//! with `--pairs`, sums the rows whose whole mix the model promises to
+//! survive by topology and primitive instead.
 
 use std::fs;
 use std::path::Path;
@@ -14,14 +16,62 @@ use crate::nemesis::{FaultRecord, PttlSample};
 use crate::resource::Tally;
 use crate::sampler::Sample;
 
+/// The rows of one topology and primitive summed, over the rows without a
+/// control whose model promises every checker (none allowed to find state
+/// lost: `overlap` is not among their allowed checkers).
+fn by_pair(rows: &[Value]) {
+    let mut sums: Vec<((String, String), [f64; 7])> = Vec::new();
+    for r in rows {
+        let state_lost = r["allowed"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|c| c[0] == "overlap"));
+        if r["control"].is_string() || state_lost {
+            continue;
+        }
+        let pair = (
+            r["topology"].as_str().unwrap_or_default().to_string(),
+            r["workload"].as_str().unwrap_or_default().to_string(),
+        );
+        let n = |k: &str| r[k].as_f64().unwrap_or_default();
+        let add = [
+            1.0,
+            n("duration_s"),
+            n("grants"),
+            n("grants_near_faults"),
+            n("faults"),
+            n("oracle_checks"),
+            n("violations"),
+        ];
+        match sums.iter_mut().find(|(p, _)| *p == pair) {
+            Some((_, s)) => s.iter_mut().zip(add).for_each(|(s, a)| *s += a),
+            None => sums.push((pair, add)),
+        }
+    }
+    println!(
+        "| topology | workload | rows | seconds | grants | grants within 1 s of a fault | faults | server-oracle checks | violations |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    for ((topology, workload), s) in &sums {
+        println!(
+            "| {topology} | {workload} | {} | {:.0} | {} | {} | {} | {} | {} |",
+            s[0], s[1], s[2], s[3], s[4], s[5], s[6]
+        );
+    }
+}
+
 pub(crate) fn main(args: &[String]) -> Result<(), String> {
     let check = args.iter().any(|a| a == "--check");
+    let pairs = args.iter().any(|a| a == "--pairs");
     let mut rows = Vec::new();
-    for file in args.iter().filter(|a| *a != "--check") {
+    for file in args.iter().filter(|a| !a.starts_with("--")) {
         let text = fs::read_to_string(file).map_err(|e| format!("{file}: {e}"))?;
         for line in text.lines().filter(|l| l.starts_with('{')) {
             rows.push(serde_json::from_str::<Value>(line).map_err(|e| format!("{file}: {e}"))?);
         }
+    }
+    if pairs {
+        by_pair(&rows);
+        return Ok(());
     }
     println!(
         "| topology | workload | nemesis | seconds | grants | grants within 1 s of a fault | guards lost | faults injected | violations of the promised model | negative control: detections | allowed by the model | reproduce |"

@@ -16,7 +16,9 @@ use std::time::Duration;
 
 /// KEYS[1] resource hash; ARGV[1] `r` (read) or `w` (write), ARGV[2] token,
 /// ARGV[3] owner (worker and grant), ARGV[4] the value the write's read saw.
-/// Returns `{1, counter}` when accepted, `{-1, last}` when refused as stale.
+/// Returns `{flags, counter}` when accepted (flags: 1, plus 2 for a repeated
+/// token accepted, plus 4 for a lost update), `{-1, last}` when refused as
+/// stale.
 const SCRIPT: &str = r"
 local last = tonumber(redis.call('HGET', KEYS[1], 'last') or '0')
 local token = tonumber(ARGV[2])
@@ -24,37 +26,66 @@ if token < last then
   redis.call('HINCRBY', KEYS[1], 'refused', 1)
   return {-1, last}
 end
+local flags = 1
 if token > 0 and token == last then
   local owner = redis.call('HGET', KEYS[1], 'owner')
   if owner and owner ~= ARGV[3] then
     redis.call('HINCRBY', KEYS[1], 'repeated', 1)
+    flags = flags + 2
   end
 end
 redis.call('HSET', KEYS[1], 'last', ARGV[2], 'owner', ARGV[3])
 local counter = tonumber(redis.call('HGET', KEYS[1], 'counter') or '0')
 if ARGV[1] == 'r' then
-  return {1, counter}
+  return {flags, counter}
 end
 if counter ~= tonumber(ARGV[4]) then
   redis.call('HINCRBY', KEYS[1], 'lost', 1)
+  flags = flags + 4
 end
 redis.call('HSET', KEYS[1], 'counter', tonumber(ARGV[4]) + 1)
 redis.call('HINCRBY', KEYS[1], 'accepted', 1)
-return {1, tonumber(ARGV[4]) + 1}
+return {flags, tonumber(ARGV[4]) + 1}
 ";
 
 /// What the resource answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Reply {
-    Accepted(i64),
+    /// The counter, and what the resource flagged: a repeated token, a lost
+    /// update.
+    Accepted {
+        value: i64,
+        repeated: bool,
+        lost: bool,
+    },
     Stale,
     Failed,
 }
 
 impl Reply {
+    /// `ok`, `ok+repeated`, `ok+lost`, `ok+repeated+lost`, `stale` or `err`.
     pub(crate) fn label(self) -> &'static str {
         match self {
-            Reply::Accepted(_) => "ok",
+            Reply::Accepted {
+                repeated: false,
+                lost: false,
+                ..
+            } => "ok",
+            Reply::Accepted {
+                repeated: true,
+                lost: false,
+                ..
+            } => "ok+repeated",
+            Reply::Accepted {
+                repeated: false,
+                lost: true,
+                ..
+            } => "ok+lost",
+            Reply::Accepted {
+                repeated: true,
+                lost: true,
+                ..
+            } => "ok+repeated+lost",
             Reply::Stale => "stale",
             Reply::Failed => "err",
         }
@@ -101,7 +132,11 @@ impl Resource {
                 .invoke(con)
         });
         match result {
-            Ok((1, value)) => Reply::Accepted(value),
+            Ok((flags, value)) if flags > 0 => Reply::Accepted {
+                value,
+                repeated: flags & 2 != 0,
+                lost: flags & 4 != 0,
+            },
             Ok(_) => Reply::Stale,
             Err(_) => {
                 self.con = None;

@@ -1,10 +1,29 @@
-//! The server oracle: a thread that reads the lease keys straight from every
-//! data server (not through the proxies) every few milliseconds, with each
-//! read's send and reply times on the shared monotonic clock. What a server
-//! holds at an instant is the truth a guard's `is_lost() == false` must agree
-//! with. Standalone and Redlock only: under Sentinel and Cluster the truth
-//! moves between servers, and the overlap and token checkers stand alone.
+//! The server oracle: a thread that reads the lease keys straight from the
+//! data servers (not through the proxies) every few milliseconds, with each
+//! round's send and reply times on the shared monotonic clock. What the
+//! server that holds the truth holds at an instant is what a guard's
+//! `is_lost() == false` must agree with.
+//!
+//! Where the truth is depends on the topology:
+//!
+//! - standalone and Redlock: every server, each its own column (a Redlock
+//!   claim needs a quorum of them);
+//! - Sentinel: the primary. Each round reads `ROLE` and the keys in one
+//!   `MULTI` on both data servers; the one that answers `master` is the
+//!   truth, and when both do (a restarted or demoted primary the sentinels
+//!   have not reconfigured yet) the one most answering sentinels name.
+//!   Neither, or no sentinel naming one of them: nothing is known that round;
+//! - Cluster: each key's slot primary. Each round reads `ROLE` and the keys
+//!   in one `MULTI` on every node, with a script that reads only keys of
+//!   slots the node serves (any other reads as unknown, so no `MOVED` or
+//!   `ASK` reply is ever left unread); what replicas read is not used. One
+//!   serving primary is the truth; none, or two that disagree (a switch in
+//!   flight), leave the key unknown that round.
+//!
+//! An unknown round judges nothing: the oracle can miss a violation there,
+//! never invent one.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::{self, JoinHandle};
@@ -14,32 +33,66 @@ use crate::clock::now_ns;
 
 /// Reads each key as one string: `str` keys their value (empty if absent),
 /// `rw` bases `writer|live readers`, `zset` keys their members with a score
-/// not below the server's `TIME` in milliseconds, comma separated.
+/// not below the server's `TIME` in milliseconds, comma separated. The keys
+/// are `KEYS`, or when there are none `ARGV[2..]` (read only where they are
+/// local: a key of a slot this node does not serve reads as `false`, nil in
+/// the reply, rather than failing the script).
 const SCRIPT: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local keys = KEYS
+if #keys == 0 then
+  keys = {}
+  for i = 2, #ARGV do keys[i - 1] = ARGV[i] end
+end
+local function call(...)
+  local r = redis.pcall(...)
+  if type(r) == 'table' and r.err then error(r.err) end
+  return r
+end
 local out = {}
-for i, k in ipairs(KEYS) do
-  if ARGV[1] == 'str' then
-    out[i] = redis.call('GET', k) or ''
-  elseif ARGV[1] == 'rw' then
-    out[i] = (redis.call('GET', k .. ':w') or '') .. '|' .. redis.call('ZCOUNT', k .. ':r', now, '+inf')
-  else
-    out[i] = table.concat(redis.call('ZRANGEBYSCORE', k, now, '+inf'), ',')
-  end
+for i, k in ipairs(keys) do
+  local ok, v = pcall(function()
+    if ARGV[1] == 'str' then
+      return call('GET', k) or ''
+    elseif ARGV[1] == 'rw' then
+      return (call('GET', k .. ':w') or '') .. '|' .. call('ZCOUNT', k .. ':r', now, '+inf')
+    else
+      return table.concat(call('ZRANGEBYSCORE', k, now, '+inf'), ',')
+    end
+  end)
+  if ok then out[i] = v else out[i] = false end
 end
 return out
 ";
 
-/// One round over every server.
+/// Where the truth is read.
+#[derive(Debug, Clone)]
+pub(crate) enum Source {
+    /// Every server, one column each.
+    Servers(Vec<String>),
+    /// The primary of a Sentinel deployment: its two data servers, and the
+    /// sentinels that name the primary when both answer `master`.
+    Sentinel {
+        servers: Vec<String>,
+        sentinels: Vec<String>,
+        service: String,
+    },
+    /// Each key's slot primary among the cluster's nodes.
+    Cluster(Vec<String>),
+}
+
+/// One round.
 #[derive(Debug, Clone)]
 pub(crate) struct Sample {
     /// Before the first read was sent.
     pub(crate) t_b: u64,
     /// After the last reply came.
     pub(crate) t_a: u64,
-    /// Per server, per key; `None` for a server that did not answer.
-    pub(crate) nodes: Vec<Option<Vec<String>>>,
+    /// Per column (a server; the one truth under Sentinel and Cluster), per
+    /// key; `None` for a key whose truth is not known that round (the server
+    /// did not answer, no primary could be told).
+    pub(crate) nodes: Vec<Vec<Option<String>>>,
 }
 
 pub(crate) struct Sampler {
@@ -48,14 +101,14 @@ pub(crate) struct Sampler {
 }
 
 impl Sampler {
-    /// Starts sampling `keys` (physical names, read as `kind`) on `urls`.
-    pub(crate) fn start(urls: Vec<String>, keys: Vec<String>, kind: &'static str) -> Sampler {
+    /// Starts sampling `keys` (physical names, read as `kind`) from `source`.
+    pub(crate) fn start(source: Source, keys: Vec<String>, kind: &'static str) -> Sampler {
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let stop = Arc::clone(&stop);
             thread::Builder::new()
                 .name("sampler".into())
-                .spawn(move || run(&urls, &keys, kind, &stop))
+                .spawn(move || run(&source, &keys, kind, &stop))
                 .expect("spawn the sampler")
         };
         Sampler {
@@ -84,29 +137,160 @@ fn connect(url: &str) -> Option<redis::Connection> {
     Some(con)
 }
 
-fn run(urls: &[String], keys: &[String], kind: &str, stop: &AtomicBool) -> Vec<Sample> {
+/// Connections by URL, dropped after any failure (a late reply must never be
+/// read as the answer to the next request).
+struct Pool(HashMap<String, redis::Connection>);
+
+impl Pool {
+    fn with<T>(
+        &mut self,
+        url: &str,
+        f: impl FnOnce(&mut redis::Connection) -> redis::RedisResult<T>,
+    ) -> Option<T> {
+        if !self.0.contains_key(url) {
+            self.0.insert(url.to_string(), connect(url)?);
+        }
+        let con = self.0.get_mut(url)?;
+        let result = f(con).ok();
+        if result.is_none() {
+            self.0.remove(url);
+        }
+        result
+    }
+}
+
+/// The keys read on one server, without a role.
+fn read_keys(
+    pool: &mut Pool,
+    script: &redis::Script,
+    url: &str,
+    keys: &[String],
+    kind: &str,
+) -> Option<Vec<Option<String>>> {
+    pool.with(url, |con| {
+        let mut inv = script.prepare_invoke();
+        for k in keys {
+            inv.key(k);
+        }
+        inv.arg(kind).invoke(con)
+    })
+}
+
+/// `ROLE`'s first word and the keys (`None`: a key of a slot the server does
+/// not serve), read in one `MULTI` on one server; `None` when the server did
+/// not answer.
+fn read_role_and_keys(
+    pool: &mut Pool,
+    url: &str,
+    keys: &[String],
+    kind: &str,
+) -> Option<(String, Vec<Option<String>>)> {
+    pool.with(url, |con| {
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .cmd("ROLE")
+            .cmd("EVAL")
+            .arg(SCRIPT)
+            .arg(0)
+            .arg(kind)
+            .arg(keys);
+        let (role, values): (Vec<redis::Value>, Vec<Option<String>>) = pipe.query(con)?;
+        let role: String = role
+            .first()
+            .map(redis::from_redis_value_ref)
+            .transpose()?
+            .unwrap_or_default();
+        Ok((role, values))
+    })
+}
+
+/// The primary the most answering sentinels name, as `host:port`.
+fn named_primary(pool: &mut Pool, sentinels: &[String], service: &str) -> Option<String> {
+    let mut votes: HashMap<String, usize> = HashMap::new();
+    for url in sentinels {
+        let named: Option<Option<(String, u16)>> = pool.with(url, |con| {
+            redis::cmd("SENTINEL")
+                .arg("GET-MASTER-ADDR-BY-NAME")
+                .arg(service)
+                .query(con)
+        });
+        if let Some(Some((host, port))) = named {
+            *votes.entry(format!("{host}:{port}")).or_default() += 1;
+        }
+    }
+    votes.into_iter().max_by_key(|(_, n)| *n).map(|(a, _)| a)
+}
+
+fn round(
+    source: &Source,
+    pool: &mut Pool,
+    script: &redis::Script,
+    keys: &[String],
+    kind: &str,
+) -> Vec<Vec<Option<String>>> {
+    let unknown = || vec![None; keys.len()];
+    match source {
+        Source::Servers(urls) => urls
+            .iter()
+            .map(|url| read_keys(pool, script, url, keys, kind).unwrap_or_else(unknown))
+            .collect(),
+        Source::Sentinel {
+            servers,
+            sentinels,
+            service,
+        } => {
+            let masters: Vec<(&String, Vec<Option<String>>)> = servers
+                .iter()
+                .filter_map(|url| match read_role_and_keys(pool, url, keys, kind) {
+                    Some((role, values)) if role == "master" => Some((url, values)),
+                    _ => None,
+                })
+                .collect();
+            let truth = match masters.len() {
+                0 => None,
+                1 => masters.into_iter().next().map(|(_, values)| values),
+                _ => named_primary(pool, sentinels, service).and_then(|addr| {
+                    masters
+                        .into_iter()
+                        .find(|(url, _)| url.ends_with(&addr))
+                        .map(|(_, values)| values)
+                }),
+            };
+            vec![truth.unwrap_or_else(unknown)]
+        }
+        Source::Cluster(nodes) => {
+            // Per key, what each serving primary read.
+            let mut found: Vec<Vec<String>> = vec![Vec::new(); keys.len()];
+            for url in nodes {
+                if let Some((role, values)) = read_role_and_keys(pool, url, keys, kind)
+                    && role == "master"
+                {
+                    for (k, v) in values.into_iter().enumerate() {
+                        if let Some(v) = v {
+                            found[k].push(v);
+                        }
+                    }
+                }
+            }
+            let column = found
+                .into_iter()
+                .map(|reads| match reads.as_slice() {
+                    [first, rest @ ..] if rest.iter().all(|v| v == first) => Some(first.clone()),
+                    _ => None,
+                })
+                .collect();
+            vec![column]
+        }
+    }
+}
+
+fn run(source: &Source, keys: &[String], kind: &str, stop: &AtomicBool) -> Vec<Sample> {
     let script = redis::Script::new(SCRIPT);
-    let mut cons: Vec<Option<redis::Connection>> = urls.iter().map(|_| None).collect();
+    let mut pool = Pool(HashMap::new());
     let mut samples = Vec::new();
     while !stop.load(Ordering::SeqCst) {
         let t_b = now_ns();
-        let mut nodes = Vec::with_capacity(urls.len());
-        for (i, url) in urls.iter().enumerate() {
-            if cons[i].is_none() {
-                cons[i] = connect(url);
-            }
-            let reply = cons[i].as_mut().and_then(|con| {
-                let mut inv = script.prepare_invoke();
-                for k in keys {
-                    inv.key(k);
-                }
-                inv.arg(kind).invoke::<Vec<String>>(con).ok()
-            });
-            if reply.is_none() {
-                cons[i] = None;
-            }
-            nodes.push(reply);
-        }
+        let nodes = round(source, &mut pool, &script, keys, kind);
         let t_a = now_ns();
         samples.push(Sample { t_b, t_a, nodes });
         thread::sleep(Duration::from_millis(10));

@@ -58,6 +58,9 @@ pub(crate) enum Workload {
     Rw,
     Semaphore,
     Redlock,
+    /// `Election`: campaign, lead, resign or let the lease expire; every
+    /// worker also follows the leader with `observe()`.
+    Election,
 }
 
 impl FromStr for Workload {
@@ -69,9 +72,10 @@ impl FromStr for Workload {
             "rw" => Workload::Rw,
             "semaphore" => Workload::Semaphore,
             "redlock" => Workload::Redlock,
+            "election" => Workload::Election,
             _ => {
                 return Err(format!(
-                    "unknown workload {s:?} (lock, fenced, rw, semaphore, redlock)"
+                    "unknown workload {s:?} (lock, fenced, rw, semaphore, redlock, election)"
                 ));
             }
         })
@@ -86,6 +90,7 @@ impl fmt::Display for Workload {
             Workload::Rw => "rw",
             Workload::Semaphore => "semaphore",
             Workload::Redlock => "redlock",
+            Workload::Election => "election",
         })
     }
 }
@@ -110,6 +115,11 @@ pub(crate) enum Control {
     /// A standalone server without persistence killed and restarted while
     /// guards are kept alive: it forgets every lease and the fence counter.
     RestartNoAof,
+    /// Elections on a standalone server without persistence, killed and
+    /// restarted (terms start again from 1), followed by a planted client
+    /// bug: followers that poll `leader()` and report what it reads,
+    /// without `observe()`'s refusal to go back in term.
+    PollFollower,
 }
 
 impl FromStr for Control {
@@ -121,9 +131,10 @@ impl FromStr for Control {
             "sentinel-unreplicated" => Control::SentinelUnreplicated,
             "ignore-loss" => Control::IgnoreLoss,
             "restart-no-aof" => Control::RestartNoAof,
+            "poll-follower" => Control::PollFollower,
             _ => {
                 return Err(format!(
-                    "unknown control {s:?} (plain-pause, redlock-restart, sentinel-unreplicated, ignore-loss, restart-no-aof)"
+                    "unknown control {s:?} (plain-pause, redlock-restart, sentinel-unreplicated, ignore-loss, restart-no-aof, poll-follower)"
                 ));
             }
         })
@@ -138,6 +149,7 @@ impl fmt::Display for Control {
             Control::SentinelUnreplicated => "sentinel-unreplicated",
             Control::IgnoreLoss => "ignore-loss",
             Control::RestartNoAof => "restart-no-aof",
+            Control::PollFollower => "poll-follower",
         })
     }
 }
@@ -175,6 +187,8 @@ pub(crate) struct WorkerSpec {
     pub(crate) think_ms: u64,
     /// The planted bug of [`Control::IgnoreLoss`].
     pub(crate) ignore_loss: bool,
+    /// The planted bug of [`Control::PollFollower`].
+    pub(crate) poll_follower: bool,
     pub(crate) out: String,
 }
 
@@ -195,7 +209,7 @@ impl WorkerSpec {
             "node_timeout_ms": self.node_timeout_ms, "require_replicas": self.require_replicas,
             "restart_delay_ms": self.restart_delay_ms, "capacity": self.capacity,
             "keep_alive_pct": self.keep_alive_pct, "think_ms": self.think_ms, "out": self.out,
-            "ignore_loss": self.ignore_loss,
+            "ignore_loss": self.ignore_loss, "poll_follower": self.poll_follower,
         })
         .to_string()
     }
@@ -240,6 +254,7 @@ impl WorkerSpec {
             keep_alive_pct: n("keep_alive_pct"),
             think_ms: n("think_ms"),
             ignore_loss: v["ignore_loss"].as_bool().unwrap_or(false),
+            poll_follower: v["poll_follower"].as_bool().unwrap_or(false),
             out: s("out"),
         })
     }
@@ -253,5 +268,11 @@ pub(crate) fn lease_key(workload: Workload, prefix: &str, k: &str) -> String {
         Workload::Fenced => format!("{prefix}{{{k}}}lease"),
         Workload::Rw => format!("{prefix}{{{k}}}rw:w"),
         Workload::Semaphore => format!("{prefix}{{{k}}}sem:permits"),
+        Workload::Election => format!("{prefix}{}:leader", election_name(k)),
     }
+}
+
+/// The election a worker campaigns in for logical key `k`.
+pub(crate) fn election_name(k: &str) -> String {
+    format!("{{{k}}}election")
 }

@@ -12,6 +12,13 @@
 //!   vouched for the lease), `lost` and the release outcome;
 //! - `op`: each resource operation with its send and reply times;
 //! - `err`: every acquire error; `stats` at the end.
+//!
+//! The election workload campaigns instead of acquiring, and a fifth of its
+//! leaders let the lease expire instead of resigning: they hold on without
+//! renewing, vouching until `is_lost()` says the lease is gone, then resign.
+//! Each election worker also runs one `observe()` follower thread per key,
+//! which writes `obs` (each leader reported: its term, or none) and
+//! `obs-err` lines to `worker-N-observe.jsonl`.
 
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
@@ -21,8 +28,8 @@ use std::thread;
 use std::time::Duration;
 
 use respire_coordination::{
-    Coordinator, FencedLock, Lock, ReadLease, RedlockGroup, RedlockGuard, RedlockOptions,
-    ReleaseOutcome, Replication, Semaphore, WriteLease,
+    CancelToken, Coordinator, Election, FencedLock, Leadership, Lock, ReadLease, RedlockGroup,
+    RedlockGuard, RedlockOptions, ReleaseOutcome, Replication, Semaphore, WriteLease,
 };
 use serde_json::json;
 
@@ -38,6 +45,7 @@ enum Handle {
     Rw(ReadLease, WriteLease),
     Semaphore(Semaphore),
     Redlock(String),
+    Election(Election),
 }
 
 /// A held lease of any kind.
@@ -48,6 +56,7 @@ enum Held {
     Write(respire_coordination::WriteGuard),
     Permit(respire_coordination::Permit),
     Redlock(RedlockGuard),
+    Leader(Leadership),
 }
 
 impl Held {
@@ -59,6 +68,7 @@ impl Held {
             Held::Write(g) => g.is_lost(),
             Held::Permit(g) => g.is_lost(),
             Held::Redlock(g) => g.is_lost(),
+            Held::Leader(g) => g.is_lost(),
         }
     }
 
@@ -68,6 +78,7 @@ impl Held {
             Held::Fenced(g) => g.fencing_token().get(),
             Held::Write(g) => g.fencing_token().get(),
             Held::Permit(g) => g.fencing_token().get(),
+            Held::Leader(g) => g.term().get(),
             _ => 0,
         }
     }
@@ -107,6 +118,7 @@ impl Held {
             Held::Read(g) => keep_lease(g.keep_alive().ok(), f),
             Held::Write(g) => keep_lease(g.keep_alive().ok(), f),
             Held::Permit(g) => keep_lease(g.keep_alive().ok(), f),
+            Held::Leader(g) => keep_lease(g.keep_alive().ok(), f),
         }
     }
 
@@ -117,6 +129,7 @@ impl Held {
             Held::Read(g) => g.release(),
             Held::Write(g) => g.release(),
             Held::Permit(g) => g.release(),
+            Held::Leader(g) => g.resign(),
             Held::Redlock(mut g) => {
                 return match g.release() {
                     Ok(true) => "Released".into(),
@@ -176,6 +189,7 @@ pub(crate) fn main() -> Result<(), String> {
     }
 
     let mut rng = Rng::derive(spec.seed, 1000 + spec.id);
+    let value = format!("w{}", spec.id);
     let (handles, group) = loop {
         match connect(&spec) {
             Ok(h) => break h,
@@ -188,6 +202,28 @@ pub(crate) fn main() -> Result<(), String> {
             }
         }
     };
+    let cancel = CancelToken::new();
+    let mut followers = Vec::new();
+    if spec.workload == Workload::Election {
+        let path = observe_file(&spec.out);
+        let file = File::create(&path).map_err(|e| format!("{path}: {e}"))?;
+        let out = Arc::new(std::sync::Mutex::new(History(BufWriter::new(file))));
+        for (h, key) in handles.iter().zip(&spec.keys) {
+            let Handle::Election(election) = h else {
+                continue;
+            };
+            let (election, key, cancel, out) = (
+                election.clone(),
+                key.clone(),
+                cancel.clone(),
+                Arc::clone(&out),
+            );
+            let (worker, poll) = (spec.id, spec.poll_follower);
+            followers.push(thread::spawn(move || {
+                follow(worker, &key, &election, poll, &cancel, &out);
+            }));
+        }
+    }
     let mut resource = Resource::new(&spec.resource);
     let ttl = Duration::from_millis(spec.ttl_ms);
     let wait = ttl * 2;
@@ -214,6 +250,9 @@ pub(crate) fn main() -> Result<(), String> {
                 .expect("a redlock group")
                 .acquire_timeout(key, ttl, wait)
                 .map(|g| g.map(Held::Redlock)),
+            Handle::Election(e) => e
+                .campaign_timeout(&value, ttl, wait)
+                .map(|g| g.map(Held::Leader)),
         }
         .map_err(|e| e.to_string());
         let held = match got {
@@ -277,7 +316,7 @@ pub(crate) fn main() -> Result<(), String> {
                     "s": s, "r": r, "res": read.label()}),
                 );
                 thread::sleep(think);
-                if let Reply::Accepted(value) = read {
+                if let Reply::Accepted { value, .. } = read {
                     let s = now_ns();
                     let wrote = resource.op(&res_key, token, &owner, Some(value));
                     let r = now_ns();
@@ -294,6 +333,23 @@ pub(crate) fn main() -> Result<(), String> {
                 v = Some(t);
             }
         }
+        // A leader that lets its lease expire: it keeps vouching until the
+        // guard says the lease is gone (at most two TTLs), then resigns.
+        if !lost && matches!(held, Held::Leader(_)) && rng.chance(20) {
+            let until = now_ns() + 2 * spec.ttl_ms * 1_000_000;
+            loop {
+                let t = now_ns();
+                if t > until {
+                    break;
+                }
+                if held.is_lost() && !spec.ignore_loss {
+                    lost = true;
+                    break;
+                }
+                v = Some(t);
+                thread::sleep(Duration::from_millis(5));
+            }
+        }
         let rel = now_ns();
         let outcome = held.release();
         history.emit(
@@ -305,8 +361,62 @@ pub(crate) fn main() -> Result<(), String> {
         json!({"ev": "stats", "w": spec.id, "attempts": attempts, "busy": busy,
         "errors": errors, "grants": n}),
     );
+    cancel.cancel();
+    for f in followers {
+        let _ = f.join();
+    }
     drop(group);
     Ok(())
+}
+
+/// Where an election worker's `observe()` followers write.
+pub(crate) fn observe_file(worker_file: &str) -> String {
+    match worker_file.strip_suffix(".jsonl") {
+        Some(base) => format!("{base}-observe.jsonl"),
+        None => format!("{worker_file}-observe"),
+    }
+}
+
+/// One `observe()` follower: records every leader it is told of, and every
+/// error, until `cancel`. With `poll` (the planted bug of the
+/// `poll-follower` control) it reads `leader()` every 10 ms instead and
+/// reports each change it reads.
+fn follow(
+    worker: u64,
+    key: &str,
+    election: &Election,
+    poll: bool,
+    cancel: &CancelToken,
+    out: &std::sync::Mutex<History>,
+) {
+    let mut changes = election.observe().cancel_on(cancel.clone());
+    let mut polled = None;
+    while !cancel.is_cancelled() {
+        let next = if poll {
+            thread::sleep(Duration::from_millis(10));
+            match election.leader() {
+                Ok(leader) if polled.as_ref() == Some(&leader) => None,
+                Ok(leader) => {
+                    polled = Some(leader.clone());
+                    Some(Ok(leader))
+                }
+                Err(e) => Some(Err(e)),
+            }
+        } else {
+            changes.next_until(std::time::Instant::now() + Duration::from_millis(200))
+        };
+        let t = now_ns();
+        let line = match next {
+            None => continue,
+            Some(Ok(leader)) => json!({"ev": "obs", "w": worker, "key": key, "t": t,
+                "term": leader.as_ref().map(|l| l.term.get()),
+                "value": leader.and_then(|l| l.value)}),
+            Some(Err(e)) => {
+                json!({"ev": "obs-err", "w": worker, "key": key, "t": t, "what": e.to_string()})
+            }
+        };
+        out.lock().unwrap_or_else(|e| e.into_inner()).emit(line);
+    }
 }
 
 fn connect(spec: &WorkerSpec) -> Result<(Vec<Handle>, Option<RedlockGroup>), String> {
@@ -371,6 +481,9 @@ fn connect(spec: &WorkerSpec) -> Result<(Vec<Handle>, Option<RedlockGroup>), Str
             Workload::Semaphore => coord
                 .semaphore(&format!("{{{k}}}sem"), spec.capacity)
                 .map(Handle::Semaphore),
+            Workload::Election => coord
+                .election(&crate::spec::election_name(k))
+                .map(Handle::Election),
         }
         .map_err(|e| e.to_string())?;
         handles.push(h);
