@@ -142,6 +142,14 @@ const SHIPPED: &[(&str, &str)] = &[
         "multi_clean_up.lua",
         include_str!("../src/scripts/multi_clean_up.lua"),
     ),
+    (
+        "fifo_acquire.lua",
+        include_str!("../src/scripts/fifo_acquire.lua"),
+    ),
+    (
+        "fifo_withdraw.lua",
+        include_str!("../src/scripts/fifo_withdraw.lua"),
+    ),
 ];
 
 /// Reads every key of a case: the server time, then per key its type,
@@ -373,7 +381,9 @@ const PERMITS: &str = "sem:permits";
 const META: &str = "sem:meta";
 const SLOTS: &str = "sem:slots";
 const VALUE: &str = "value";
-const ALL_KEYS: [&str; 10] = [
+const QUEUE: &str = "queue";
+const QUEUE_EXPIRY: &str = "queue:expiry";
+const ALL_KEYS: [&str; 12] = [
     LEASE,
     FENCE,
     VALUE,
@@ -384,6 +394,8 @@ const ALL_KEYS: [&str; 10] = [
     PERMITS,
     META,
     SLOTS,
+    QUEUE,
+    QUEUE_EXPIRY,
 ];
 
 impl Generator {
@@ -402,7 +414,7 @@ impl Generator {
     }
 
     fn focused(mut self) -> Self {
-        self.focus = self.rng.below(5);
+        self.focus = self.rng.below(6);
         self.capacity = self.rng.pick(&["1", "2", "3"]);
         self
     }
@@ -524,13 +536,15 @@ impl Generator {
         let sem = [PERMITS, META, SLOTS];
         // Scripts 0..4 are the fenced lease's, 4..11 the reader/writer
         // lease's, 11..17 the semaphore's, 17..19 the election's (with the
-        // fenced lease's), 19..21 those of a set of leases.
+        // fenced lease's), 19..21 those of a set of leases, 21..23 those of a
+        // lock's queue of waiters.
         let script = match self.focus {
             0 if self.rng.chance(70) => self.rng.below(4),
             1 if self.rng.chance(70) => 4 + self.rng.below(7),
             2 if self.rng.chance(70) => 11 + self.rng.below(6),
             3 if self.rng.chance(70) => [0, 1, 3, 17, 18][self.rng.below(5)],
-            _ => self.rng.below(21),
+            4 if self.rng.chance(70) => 21 + self.rng.below(2),
+            _ => self.rng.below(23),
         };
         match script {
             0 if self.rng.chance(40) => {
@@ -559,6 +573,20 @@ impl Generator {
             20 => {
                 let args = vec![self.owner()];
                 self.script("multi_clean_up.lua", &[LEASE, WRITER], args)
+            }
+            21 => {
+                // The lock is a plain string lease: its value is an owner.
+                let entry = if self.rng.chance(10) {
+                    self.rng.pick(&["-1", "abc", "1.5", ""]).to_owned()
+                } else {
+                    self.rng.pick(&["0", "5", "20", "200", "5000"]).to_owned()
+                };
+                let args = vec![self.owner(), self.ttl(), entry];
+                self.script("fifo_acquire.lua", &[LEASE, QUEUE, QUEUE_EXPIRY], args)
+            }
+            22 => {
+                let args = vec![self.owner()];
+                self.script("fifo_withdraw.lua", &[QUEUE, QUEUE_EXPIRY], args)
             }
             18 => {
                 let lease = self.lease_value();

@@ -215,6 +215,7 @@ const COMMANDS: &[CommandSpec] = &[
     spec("zadd", -4, true),
     spec("zrem", -3, true),
     spec("zscore", 3, false),
+    spec("zrank", 3, false),
     spec("zcard", 2, false),
     spec("zrange", -4, false),
     spec("zrangebyscore", -4, false),
@@ -524,6 +525,12 @@ impl Keyspace {
                 Ok(z) => z
                     .and_then(|z| z.score(&a[1]))
                     .map_or(Reply::Nil, score_reply),
+            },
+            "zrank" => match self.zset(now, &a[0]) {
+                Err(e) => e,
+                Ok(z) => z
+                    .and_then(|z| z.iter().position(|(m, _)| m == a[1].as_slice()))
+                    .map_or(Reply::Nil, |rank| int(rank as i64)),
             },
             "zcard" => match self.zset(now, &a[0]) {
                 Err(e) => e,
