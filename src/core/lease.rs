@@ -407,6 +407,32 @@ mod tests {
     }
 
     #[test]
+    fn a_finished_or_lost_lease_has_nothing_left() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 1_000);
+        assert!(!c.is_finished());
+        assert_eq!(c.remaining(t0 + ms(100)), ms(898));
+        assert_eq!(c.remaining(t0 + ms(2_000)), Duration::ZERO);
+        c.finish();
+        assert!(c.is_finished());
+        assert_eq!(c.remaining(t0 + ms(100)), Duration::ZERO);
+        let mut lost = core(t0, 1_000);
+        assert!(lost.mark_lost(Loss::Gone));
+        assert_eq!(lost.remaining(t0 + ms(100)), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_confirmation_after_the_release_revives_nothing() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 1_000);
+        let ticket = c.begin_extend(t0 + ms(100), ms(5_000)).expect("claimed");
+        c.finish();
+        assert!(!c.extended(ticket, t0 + ms(110)));
+        assert_eq!(c.valid_until(), t0 + ms(998), "the bound did not move");
+        assert_eq!(c.remaining(t0 + ms(110)), Duration::ZERO);
+    }
+
+    #[test]
     fn a_grant_holds_until_its_send_plus_ttl_minus_drift() {
         let t0 = Instant::now();
         let c = core(t0, 1_000);
