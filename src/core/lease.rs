@@ -117,8 +117,6 @@ pub(crate) enum Refusal {
 struct Pending {
     ticket: Ticket,
     stamp: Stamp,
-    /// The reply will never come: the command's effect is unknown.
-    unanswered: bool,
 }
 
 /// The client's knowledge of one lease.
@@ -243,7 +241,6 @@ impl LeaseCore {
         self.pending = Some(Pending {
             ticket,
             stamp: Stamp { sent: now, ttl },
-            unanswered: false,
         });
         Ok(ticket)
     }
@@ -290,15 +287,11 @@ impl LeaseCore {
         self.take(ticket);
     }
 
-    /// No reply came. The command may still be applied, so the claim stays
-    /// until [`fenced`](LeaseCore::fenced).
-    pub(crate) fn unanswered(&mut self, ticket: Ticket) {
-        if let Some(p) = &mut self.pending
-            && p.ticket == ticket
-        {
-            p.unanswered = true;
-        }
-    }
+    /// No reply came. The command may still be applied, so nothing changes:
+    /// the claim stays, with the command's worst case, until
+    /// [`fenced`](LeaseCore::fenced) or
+    /// [`unfenceable`](LeaseCore::unfenceable) says what became of it.
+    pub(crate) fn unanswered(&mut self, _ticket: Ticket) {}
 
     /// The unanswered command can no longer be applied (its connection was
     /// killed and the kill confirmed). Its possible effect keeps bounding the
@@ -430,6 +423,26 @@ mod tests {
         assert!(!c.extended(ticket, t0 + ms(110)));
         assert_eq!(c.valid_until(), t0 + ms(998), "the bound did not move");
         assert_eq!(c.remaining(t0 + ms(110)), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_refusal_counts_only_for_the_extension_in_flight() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 1_000);
+        let first = c.begin_extend(t0 + ms(100), ms(1_000)).expect("claimed");
+        assert!(c.extended(first, t0 + ms(110)));
+        // A late duplicate of an answered extension's refusal: nothing.
+        c.refused(first, Loss::Gone);
+        assert!(!c.is_lost(t0 + ms(120)));
+        let second = c.begin_extend(t0 + ms(200), ms(1_000)).expect("claimed");
+        c.refused(second, Loss::TakenOver);
+        assert_eq!(c.loss(), Some(&Loss::TakenOver));
+        // A refusal that comes after the release marks nothing.
+        let mut done = core(t0, 1_000);
+        let t = done.begin_extend(t0 + ms(100), ms(1_000)).expect("claimed");
+        done.finish();
+        done.refused(t, Loss::Gone);
+        assert_eq!(done.loss(), None, "a released lease is not lost");
     }
 
     #[test]
