@@ -461,7 +461,9 @@ impl Executor {
             .arg("SKIPME")
             .arg("yes")
             .clone();
-        // 1: killed now; 0: no such connection any more (ids are never reused).
+        // 1: killed now; 0: no such connection any more. Ids are not reused
+        // while the server runs; a restarted server numbers its connections
+        // afresh, so an id from before the restart may name another client.
         let r: Result<i64> = conn.query(&cmd, "CLIENT KILL", deadline);
 
         if r.as_ref().is_err_and(|e| e.is_uncertain()) {
