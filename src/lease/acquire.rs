@@ -86,11 +86,23 @@ impl<K: Kind> Clone for Lease<K> {
 
 /// How long an acquire may wait.
 #[derive(Clone, Copy)]
-enum Wait<'a> {
+pub(crate) enum Wait<'a> {
     /// Exactly one attempt.
     Once,
     /// Until acquired, the deadline (`None`: none) or cancellation.
     Until(Option<Instant>, Option<&'a CancelToken>),
+}
+
+impl<'a> Wait<'a> {
+    /// The wait as it starts: `Cancelled` if its token already is, and one
+    /// attempt if its deadline has already passed.
+    pub(crate) fn starting(self) -> Result<Wait<'a>> {
+        match self {
+            Wait::Until(_, Some(cancel)) if cancel.is_cancelled() => Err(Error::Cancelled),
+            Wait::Until(Some(deadline), _) if deadline <= Instant::now() => Ok(Wait::Once),
+            other => Ok(other),
+        }
+    }
 }
 
 impl<K: Kind> Lease<K> {
@@ -218,16 +230,8 @@ impl<K: Kind> Lease<K> {
                 detail,
             });
         }
-        if let Wait::Until(_, Some(cancel)) = wait
-            && cancel.is_cancelled()
-        {
-            return Err(Error::Cancelled);
-        }
+        let wait = wait.starting()?;
         let owner = OwnerToken::new();
-        let wait = match wait {
-            Wait::Until(Some(deadline), _) if deadline <= Instant::now() => Wait::Once,
-            other => other,
-        };
         let (result, attempts) = match wait {
             Wait::Once => self.once(&owner, ttl_ms, seen),
             Wait::Until(deadline, cancel) => {

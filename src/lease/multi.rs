@@ -29,7 +29,7 @@ use crate::core::acquire::{Attempts, dated};
 use crate::error::{Error, Result};
 use crate::guard::{Guard, ReleaseOutcome, Verifiable, sealed};
 use crate::keys::key_slot;
-use crate::lease::acquire::Lease;
+use crate::lease::acquire::{Lease, Wait};
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::guard::{KeepAlive, LeaseGuard};
 use crate::lease::kind::{Fenced, Granted, Kind, Plain};
@@ -123,15 +123,6 @@ impl<K: Kind> Clone for MultiLease<K> {
             value: self.value,
         }
     }
-}
-
-/// How long an acquire may wait.
-#[derive(Clone, Copy)]
-enum Wait<'a> {
-    /// Exactly one attempt.
-    Once,
-    /// Until acquired, the deadline (`None`: none) or cancellation.
-    Until(Option<Instant>, Option<&'a CancelToken>),
 }
 
 /// A granted set: the guard, when its first attempt that may have granted it
@@ -285,15 +276,7 @@ impl<K: Kind> MultiLease<K> {
 
     fn run(&self, ttl: Duration, wait: Wait<'_>) -> Result<Option<MultiGuard<K>>> {
         let ttl_ms = self.dep.check_ttl(ttl)?;
-        if let Wait::Until(_, Some(cancel)) = wait
-            && cancel.is_cancelled()
-        {
-            return Err(Error::Cancelled);
-        }
-        let wait = match wait {
-            Wait::Until(Some(deadline), _) if deadline <= Instant::now() => Wait::Once,
-            other => other,
-        };
+        let wait = wait.starting()?;
         if self.one_call {
             self.at_once(ttl_ms, wait)
         } else {
