@@ -121,6 +121,36 @@ impl Holder {
     }
 }
 
+/// `lease_extend.lua` by `value` for `ttl` ms: what the script answered and
+/// what the contract says (the holder's expiry moves to `ttl` from now when
+/// `value` is the holder's).
+fn extend(
+    s: &mut ModelServer,
+    lease: &str,
+    holder: &mut Option<Holder>,
+    value: &str,
+    ttl: i64,
+    stats: &mut Stats,
+) -> (Reply, Reply) {
+    let now = s.now_ms();
+    let got = call(
+        s,
+        &scripts::LEASE_EXTEND,
+        &[lease],
+        &[value, &ttl.to_string()],
+    );
+    let want = match holder {
+        None => Reply::Int(0),
+        Some(h) if h.value() == value => {
+            h.until = now + ttl;
+            stats.extensions += 1;
+            Reply::Int(1)
+        }
+        Some(_) => Reply::Int(-1),
+    };
+    (got, want)
+}
+
 fn fenced_case(seed: u64) -> Result<Stats, String> {
     let mut rng = Rng::new(seed);
     let mut s = server(seed);
@@ -180,21 +210,7 @@ fn fenced_case(seed: u64) -> Result<Stats, String> {
             }
             1 => {
                 let ttl = ttl(&mut rng);
-                let got = call(
-                    &mut s,
-                    &scripts::LEASE_EXTEND,
-                    &[lease],
-                    &[&value, &ttl.to_string()],
-                );
-                let want = match &mut holder {
-                    None => Reply::Int(0),
-                    Some(h) if h.value() == value => {
-                        h.until = now + ttl;
-                        stats.extensions += 1;
-                        Reply::Int(1)
-                    }
-                    Some(_) => Reply::Int(-1),
-                };
+                let (got, want) = extend(&mut s, lease, &mut holder, &value, ttl, &mut stats);
                 if got != want {
                     return Err(ctx(&format!("{value} extends by {ttl} ms"), &got, &want));
                 }
@@ -336,21 +352,7 @@ fn election_case(seed: u64) -> Result<Stats, String> {
             }
             1 => {
                 let ttl = ttl(&mut rng);
-                let got = call(
-                    &mut s,
-                    &scripts::LEASE_EXTEND,
-                    &[lease],
-                    &[&mine, &ttl.to_string()],
-                );
-                let want = match &mut holder {
-                    None => Reply::Int(0),
-                    Some(h) if h.value() == mine => {
-                        h.until = now + ttl;
-                        stats.extensions += 1;
-                        Reply::Int(1)
-                    }
-                    Some(_) => Reply::Int(-1),
-                };
+                let (got, want) = extend(&mut s, lease, &mut holder, &mine, ttl, &mut stats);
                 if got != want {
                     return Err(ctx(&format!("{mine} extends by {ttl} ms"), &got, &want));
                 }
