@@ -916,14 +916,20 @@ fn a_lock_is_lost_as_soon_as_a_node_it_needs_goes_away_without_its_data() {
         has_client(&nodes, 0, "respire-redlock-watch")
     });
     assert!(!first.is_lost());
-    // Node 0 restarts without persistence: it forgot the lock, and with node
-    // 2 it is a quorum for anyone. By the time it takes commands again, the
-    // first holder must know.
-    nodes.servers[0].restart();
-    assert!(
-        first.is_lost(),
-        "node 0 is back without the key while the first holder still counts on it"
+    // Node 0 goes away without persistence: when it comes back it will have
+    // forgotten the lock, and with node 2 it is a quorum for anyone. While it
+    // is down only its watcher's news can flag the lock: wait for that
+    // before starting it again, so the flag cannot come from the new run id.
+    nodes.servers[0].kill();
+    let killed = Instant::now();
+    wait_until(
+        Duration::from_secs(5),
+        "the first holder to be told",
+        || first.is_lost(),
     );
+    eprintln!("flagged lost {:?} after the kill", killed.elapsed());
+    assert!(!nodes.servers[0].is_running());
+    nodes.servers[0].restart();
     assert_eq!(nodes.get(0, &key), None);
     let second = other
         .acquire_timeout("job", ttl, Duration::from_secs(5))

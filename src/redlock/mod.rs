@@ -156,10 +156,14 @@ pub(crate) use worker::{acquire_reply, confirm_kill, try_budget};
 ///   that went away counts no more for a lock unless the restart delay keeps
 ///   it from granting anything before the lock's loss deadline, and a node
 ///   that restarted never counts again. A lock that fewer than a quorum of
-///   nodes count for is flagged lost at once, before a restarted node takes
-///   commands again. Without a restart delay this flags a lock lost even when
-///   the node comes back with its data, or only its connection was closed:
-///   the group cannot tell which in time.
+///   nodes count for is flagged lost at once. A killed server's connections
+///   close with it, so the watcher wakes on its close and, unless this
+///   process is stopped or starved of CPU at that moment, flags the lock well
+///   before a restarted server takes commands (a restart takes tens of
+///   milliseconds); only the restart delay makes that a guarantee. Without a
+///   restart delay this flags a lock lost even when the node comes back with
+///   its data, or only its connection was closed: the group cannot tell which
+///   in time.
 /// - With [`RedlockOptions::restart_delay`] set above your longest TTL, it
 ///   sends no acquire to a server whose uptime is below that delay: the rule
 ///   enforced by every client of this crate, whatever the operator does. It

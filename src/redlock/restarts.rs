@@ -9,8 +9,9 @@
 //! granted it, has not restarted since and, unless the restart delay keeps a
 //! restarted server from granting anything before the lock's deadline, is not
 //! down (`core::redlock::Watch`, which the simulation runs too). A lock that
-//! fewer than a quorum of nodes count for is flagged lost before a restarted
-//! node can take a new acquire.
+//! fewer than a quorum of nodes count for is flagged lost as soon as the
+//! watcher reads the close: in practice before a restarted server takes
+//! commands, guaranteed only with the restart delay.
 
 use std::sync::{Arc, Weak};
 
