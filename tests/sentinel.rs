@@ -371,13 +371,31 @@ fn the_coordinator_follows_a_switch_and_the_old_primary_grants_nothing_after() {
     figure("SENTINEL FAILOVER until every sentinel agrees", took);
     let events = watcher.wait_for(1, Duration::from_secs(10));
     let switched = events[0].at;
-    wait_until(Duration::from_secs(5), "a grant by the new primary", || {
+    let granted_by_new = || {
         calls
             .lock()
             .unwrap()
             .iter()
             .any(|(_, r)| matches!(r, Ok(t) if *t > 1_000_000))
-    });
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !granted_by_new() {
+        if Instant::now() > deadline {
+            let calls = calls.lock().unwrap();
+            let after: Vec<String> = calls
+                .iter()
+                .filter(|(at, _)| *at >= switched)
+                .map(|(at, r)| format!("{:?}: {r:?}", at.saturating_duration_since(switched)))
+                .collect();
+            panic!(
+                "no grant by the new primary 10 s after +switch-master; {} calls since, the \
+                 last ones:\n{}",
+                after.len(),
+                after[after.len().saturating_sub(15)..].join("\n")
+            );
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
     // Half a second more of calls after the first grant by the new primary:
     // the window in which a grant by the old primary would show up below.
     thread::sleep(Duration::from_millis(500));
