@@ -830,3 +830,151 @@ fn a_primary_restarted_from_an_old_sync_file_and_promoted_is_refused_as_a_lost_h
     let err = other_b.acquire_timeout(ttl, wait).unwrap_err();
     assert!(matches!(err, Error::ReplicationHistoryLost { .. }), "{err}");
 }
+
+/// Counts the primary switches the coordinator reports.
+#[derive(Default)]
+struct Switches(std::sync::atomic::AtomicUsize);
+
+impl respire_coordination::Observer for Switches {
+    fn topology_changed(&self, event: &respire_coordination::TopologyEvent<'_>) {
+        if matches!(
+            event.change,
+            respire_coordination::TopologyChange::PrimarySwitched { .. }
+        ) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+/// The local ports of this process's TCP connections to `port`, from its open
+/// sockets (`/proc/self/fd`) and the kernel's table (`/proc/net/tcp`).
+fn our_ports_to(port: u16) -> Vec<u16> {
+    let inodes: Vec<String> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+        })
+        .collect();
+    tcp_rows()
+        .into_iter()
+        .filter(|r| r.remote == port && inodes.contains(&r.inode))
+        .map(|r| r.local)
+        .collect()
+}
+
+struct TcpRow {
+    local: u16,
+    remote: u16,
+    rx_queue: u64,
+    inode: String,
+}
+
+fn tcp_rows() -> Vec<TcpRow> {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let port = |addr: &str| u16::from_str_radix(addr.rsplit(':').next().unwrap(), 16).unwrap();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let rx = f.get(4)?.split(':').nth(1)?;
+            Some(TcpRow {
+                local: port(f[1]),
+                remote: port(f[2]),
+                rx_queue: u64::from_str_radix(rx, 16).ok()?,
+                inode: f.get(9)?.to_string(),
+            })
+        })
+        .collect()
+}
+
+/// Bytes this process sent to the server on `port` that wait unread in the
+/// server's sockets (the server is stopped).
+fn unread_by(port: u16) -> u64 {
+    let ours = our_ports_to(port);
+    tcp_rows()
+        .into_iter()
+        .filter(|r| r.local == port && ours.contains(&r.remote))
+        .map(|r| r.rx_queue)
+        .sum()
+}
+
+/// `calls` of a command in a server's `INFO commandstats`.
+fn calls_of(server: &TestServer, command: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut server.client())
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+#[test]
+fn an_extension_the_old_primary_confirms_after_the_switch_is_run_again_on_the_new_one() {
+    let deployment = TestSentinel::start();
+    let switches = Arc::new(Switches::default());
+    // A node timeout long enough for the extension's reply to come back from
+    // the old primary after the whole failover.
+    let coord = builder(&deployment)
+        .node_timeout(Duration::from_secs(8))
+        .observer(switches.clone())
+        .build()
+        .unwrap();
+    let lock = fenced(&coord, "late-confirmation");
+    let g = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    let key = g.key().to_owned();
+    wait_until(Duration::from_secs(5), "the grant on the replica", || {
+        expiry_on(deployment.replica(), &key).is_some()
+    });
+    let old = deployment.primary_index();
+    let old_port = deployment.servers()[old].port();
+    let new_primary = &deployment.servers()[1 - old];
+    let evals_before = calls_of(&deployment.servers()[old], "evalsha");
+    deployment.servers()[old].pause();
+    let extended = thread::scope(|s| {
+        // The extension waits, unread, in the stopped primary's socket.
+        let extending = s.spawn(|| g.reset_expiry(Duration::from_secs(60)));
+        wait_until(
+            Duration::from_secs(5),
+            "the extension to reach the stopped primary",
+            || unread_by(old_port) > 0,
+        );
+        failover_with(&deployment, |_| {});
+        wait_until(
+            Duration::from_secs(10),
+            "the coordinator to follow the switch",
+            || switches.0.load(std::sync::atomic::Ordering::SeqCst) > 0,
+        );
+        // Still a primary in its own eyes: it applies the extension and
+        // confirms it, before any sentinel can make it a replica.
+        deployment.servers()[old].resume();
+        extending.join().unwrap()
+    });
+    assert!(
+        calls_of(&deployment.servers()[old], "evalsha") > evals_before,
+        "the old primary never ran the extension: the scenario did not happen"
+    );
+    // The oracle: the new primary's own expiry of the key, against the
+    // bound the guard counts on.
+    let estimate = g.remaining_estimate();
+    let left = expiry_on(new_primary, &key)
+        .expect("the new primary holds the lease")
+        .saturating_duration_since(Instant::now());
+    println!("extended: {extended:?}, estimate {estimate:?}, the new primary's expiry in {left:?}");
+    assert!(
+        estimate <= left + Duration::from_millis(5),
+        "the guard counts on {estimate:?} while the new primary expires the key in {left:?}"
+    );
+    // Confirmed means confirmed by the server that serves the key now: the
+    // old primary's word is worth nothing once it was replaced.
+    assert!(extended.unwrap(), "the extension was refused");
+    assert!(
+        left > Duration::from_secs(50),
+        "reset_expiry said confirmed, but the new primary expires the key in {left:?}"
+    );
+    assert!(!g.is_lost());
+}
