@@ -28,8 +28,6 @@ pub(crate) struct Tally {
     pub(crate) changed: usize,
     /// Nodes that answered that another owner holds the key.
     pub(crate) held: usize,
-    /// Other answers that do not count.
-    pub(crate) no: usize,
     /// Nodes whose answer is unusable.
     pub(crate) unknown: usize,
     /// Nodes not heard from yet.
@@ -82,7 +80,8 @@ impl Tally {
                 }
             }
             Vote::Held => self.held += 1,
-            Vote::No => self.no += 1,
+            // An answer that does not count: it only stops being outstanding.
+            Vote::No => {}
             Vote::Unknown => self.unknown += 1,
         }
     }
