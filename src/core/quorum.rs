@@ -157,6 +157,14 @@ mod tests {
         t.add(Vote::Held, false);
         t.add(Vote::Unknown, false);
         assert_eq!(t.acquire(), AcquireVerdict::Contended);
+        // Two held of five: the other three could have made a quorum.
+        let mut t = Tally::new(5, 5);
+        t.add(Vote::Held, false);
+        t.add(Vote::Held, false);
+        for _ in 0..3 {
+            t.add(Vote::Unknown, false);
+        }
+        assert_eq!(t.acquire(), AcquireVerdict::Failed);
     }
 
     #[test]
@@ -171,5 +179,20 @@ mod tests {
         t.add(Vote::No, false);
         assert_eq!(t.extend(), ExtendVerdict::Refused);
         assert!(t.decided());
+        // Confirmed by one, unknown on one, refused by one: the unknown node
+        // may have applied it, which makes two of three.
+        let mut t = Tally::new(3, 3);
+        t.add(Vote::Yes, false);
+        t.add(Vote::Unknown, false);
+        t.add(Vote::No, false);
+        assert_eq!(t.extend(), ExtendVerdict::Unknown);
+        // One yes and two unknown of five, two refused: a quorum is possible.
+        let mut t = Tally::new(5, 5);
+        t.add(Vote::Yes, false);
+        t.add(Vote::Unknown, false);
+        t.add(Vote::Unknown, false);
+        t.add(Vote::No, false);
+        t.add(Vote::No, false);
+        assert_eq!(t.extend(), ExtendVerdict::Unknown);
     }
 }
