@@ -1234,6 +1234,79 @@ mod tests {
         );
     }
 
+    #[test]
+    fn an_unanswered_release_goes_out_again_after_the_kill() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut n = node(t0);
+        let l = lease();
+        send_acquire(&mut n, &l, t0 + ms(50), t0);
+        n.handle_result(Ok(NodeReply::Acquired), false, ms(1));
+        while n.poll(t0).is_some() {}
+        n.handle_job(Job::new(Op::Release, l.clone(), t0 + ms(50), 2));
+        assert!(matches!(
+            n.poll(t0),
+            Some(Action::Send {
+                op: Op::Release,
+                ..
+            })
+        ));
+        let lost = Error::Timeout {
+            op: "release",
+            after: ms(50),
+        };
+        n.handle_result(Err(lost), true, ms(50));
+        let mut tainted = None;
+        while let Some(a) = n.poll(t0 + ms(50)) {
+            if let Action::Connect { tainted: t, .. } = a {
+                tainted = Some(t);
+            }
+        }
+        assert_eq!(tainted, Some(vec![7]), "its connection is killed first");
+        assert!(!n.is_connected());
+        assert_eq!(n.deferred(), 1, "the release waits for the kill");
+        let c = Connected {
+            id: Some(8),
+            run_id: Some(Arc::from("r1")),
+            started_by: None,
+            round_trip: ms(1),
+        };
+        n.handle_connected(c, t0 + ms(100));
+        assert!(n.is_connected());
+        assert!(matches!(
+            n.poll(t0 + ms(100)),
+            Some(Action::Send {
+                op: Op::Release,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn a_broken_connection_with_a_known_outcome_is_replaced_without_a_kill() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut n = node(t0);
+        let l = lease();
+        send_acquire(&mut n, &l, t0 + ms(50), t0);
+        let unreadable = Error::UnexpectedReply {
+            op: "acquire",
+            reply: "?".into(),
+        };
+        assert!(!unreadable.is_uncertain());
+        n.handle_result(Err(unreadable), true, ms(1));
+        let mut tainted = None;
+        while let Some(a) = n.poll(t0 + ms(1)) {
+            if let Action::Connect { tainted: t, .. } = a {
+                tainted = Some(t);
+            }
+        }
+        assert_eq!(tainted, Some(vec![]), "reconnects, with nothing to kill");
+        assert!(!n.is_connected());
+        assert!(n.why().contains("reconnecting"), "{}", n.why());
+        assert_eq!(n.deferred(), 0);
+    }
+
     /// What an extension did to a lease's bounds, in order.
     #[derive(Default)]
     struct Seen(std::cell::RefCell<Vec<&'static str>>);
