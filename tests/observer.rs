@@ -1300,4 +1300,70 @@ mod tracing_observer {
             "inside the busy acquire"
         );
     }
+
+    #[test]
+    fn the_tracing_observer_makes_a_span_per_lease_of_a_set_each_closed_by_its_key() {
+        let spans = Arc::new(Spans::default());
+        let prefix = unique_prefix("observer-tracing-set");
+        let coord = observed(shared_server(), &prefix, Arc::new(TracingObserver::new()));
+        let set = coord
+            .fenced_lock_all(&[("{t}a", "{t}fa"), ("{t}b", "{t}fb")])
+            .unwrap();
+        let keys = [format!("{prefix}{{t}}a"), format!("{prefix}{{t}}b")];
+        let tokens = tracing::subscriber::with_default(spans.clone(), || {
+            let guard = set.try_acquire(TTL).unwrap().expect("free");
+            let tokens: Vec<u64> = guard
+                .fencing_tokens()
+                .iter()
+                .map(|(_, t)| t.get())
+                .collect();
+            for (_, outcome) in guard.release() {
+                assert_eq!(outcome.unwrap(), ReleaseOutcome::Released);
+            }
+            tokens
+        });
+        let s = spans.state.lock().unwrap();
+        let named = |name: &str| -> Vec<(u64, SpanRec)> {
+            let mut v: Vec<(u64, SpanRec)> = s
+                .spans
+                .iter()
+                .filter(|(_, r)| r.name == name)
+                .map(|(id, r)| (*id, r.clone()))
+                .collect();
+            v.sort_by_key(|(id, _)| *id);
+            v
+        };
+        // One acquire span per key, in the order given, each granted and
+        // closed.
+        let acquires = named("respire.acquire");
+        let acquire_keys: Vec<&str> = acquires
+            .iter()
+            .map(|(_, r)| r.fields["key"].as_str())
+            .collect();
+        assert_eq!(acquire_keys, [keys[0].as_str(), keys[1].as_str()]);
+        for (_, r) in &acquires {
+            assert_eq!(r.fields["outcome"], "granted");
+            assert_eq!(r.refs, 0);
+        }
+        // One lease span per key, following from the acquire span of the
+        // same key, with that key's token and its release in it.
+        let leases = named("respire.lease");
+        assert_eq!(leases.len(), 2);
+        for (id, lease) in &leases {
+            let i = keys
+                .iter()
+                .position(|k| *k == lease.fields["key"])
+                .expect("a key of the set");
+            assert_eq!(lease.follows, [acquires[i].0], "{lease:?}");
+            assert_eq!(lease.fields["token"], tokens[i].to_string());
+            assert_eq!(lease.refs, 0, "closed at the release");
+            let in_lease: Vec<&str> = s
+                .events
+                .iter()
+                .filter(|(_, parent, _)| *parent == Some(*id))
+                .map(|(m, _, _)| m.as_str())
+                .collect();
+            assert_eq!(in_lease, ["released"]);
+        }
+    }
 }
