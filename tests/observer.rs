@@ -1096,6 +1096,58 @@ mod metrics_observer {
     }
 
     #[test]
+    fn the_metrics_observer_counts_a_set_per_lease_and_its_contention_on_the_held_key() {
+        let values = Arc::new(Values::default());
+        let recorder = InTest(values.clone());
+        let prefix = unique_prefix("observer-metrics-set");
+        let observer = MetricsObserver::new().with_key_label(|key| {
+            let open = key.find('{')?;
+            let close = key[open..].find('}')?;
+            Some(key[open + close + 1..].to_owned())
+        });
+        let coord = observed(shared_server(), &prefix, Arc::new(observer));
+        let set = coord.lock_all(&["{m}a", "{m}b"]).unwrap();
+        let outsider = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
+        let holder = outsider
+            .lock("{m}b")
+            .unwrap()
+            .try_acquire(TTL)
+            .unwrap()
+            .expect("free");
+        metrics::with_local_recorder(&recorder, || {
+            assert!(set.try_acquire(TTL).unwrap().is_none());
+            holder.release().unwrap();
+            let guard = set.try_acquire(TTL).unwrap().expect("free");
+            for (_, outcome) in guard.release() {
+                assert_eq!(outcome.unwrap(), ReleaseOutcome::Released);
+            }
+        });
+        let got = values.0.lock().unwrap().clone();
+        let count = |name: &str, with: &[(&str, &str)]| -> f64 {
+            got.iter()
+                .filter(|(n, l, _)| n == name && *l == labels(with))
+                .map(|(_, _, v)| v)
+                .sum()
+        };
+        for key in ["a", "b"] {
+            let lease = [("primitive", "lock"), ("key", key)];
+            assert_eq!(count("respire_acquire_attempts_total", &lease), 2.0);
+            assert_eq!(count("respire_acquire_grants_total", &lease), 1.0);
+            let busy = [lease[0], lease[1], ("reason", "busy")];
+            assert_eq!(count("respire_acquire_not_granted_total", &busy), 1.0);
+            let released = [lease[0], lease[1], ("outcome", "released")];
+            assert_eq!(count("respire_lease_releases_total", &released), 1.0);
+            let contended = count("respire_acquire_contended_total", &lease);
+            assert_eq!(contended, if key == "b" { 1.0 } else { 0.0 }, "{key}");
+        }
+        let waits = got
+            .iter()
+            .filter(|(n, _, _)| n == "respire_acquire_wait_seconds")
+            .count();
+        assert_eq!(waits, 4, "each lease's end of each call");
+    }
+
+    #[test]
     fn without_a_key_label_function_no_metric_has_a_key_label() {
         let values = Arc::new(Values::default());
         let recorder = InTest(values.clone());
