@@ -230,12 +230,7 @@ impl<K: Kind> Lease<K> {
     ) -> Result<Option<LeaseGuard<K>>> {
         let dep = &self.dep;
         let ttl_ms = dep.check_ttl(ttl)?;
-        if let (Replication::Require { .. }, Some(detail)) = (dep.replication, dep.history.lost()) {
-            return Err(Error::ReplicationHistoryLost {
-                key: self.spec.keys()[0].clone(),
-                detail,
-            });
-        }
+        history_kept(dep, &self.spec.keys()[0])?;
         let wait = wait.starting()?;
         let owner = OwnerToken::new();
         let (result, attempts) = match wait {
@@ -409,6 +404,19 @@ impl<K: Kind> Lease<K> {
         let cell = Arc::new(Cell::new(key, g.ops, core));
         self.dep.granted(&cell);
         LeaseGuard::new(self.dep.clone(), cell, g.grant, acknowledged)
+    }
+}
+
+/// Refuses an acquire on `key`, sending nothing, once the deployment's
+/// primary was found without grants replicas had acknowledged (under
+/// `Require`): any token it would hand out may have been handed out before.
+pub(crate) fn history_kept(dep: &Deployment, key: &str) -> Result<()> {
+    match (dep.replication, dep.history.lost()) {
+        (Replication::Require { .. }, Some(detail)) => Err(Error::ReplicationHistoryLost {
+            key: key.to_owned(),
+            detail,
+        }),
+        _ => Ok(()),
     }
 }
 

@@ -30,7 +30,7 @@ use crate::error::{Error, Result};
 use crate::guard::{Guard, ReleaseOutcome, Verifiable, sealed};
 use crate::keys::key_slot;
 use crate::lease::acquire::{
-    Lease, Wait, replicas_acknowledged, replication_kept, wait_for_replicas,
+    Lease, Wait, history_kept, replicas_acknowledged, replication_kept, wait_for_replicas,
 };
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::guard::{KeepAlive, LeaseGuard};
@@ -235,7 +235,12 @@ impl<K: Kind> MultiLease<K> {
     /// [`Error::InvalidArgument`] for a bad TTL (nothing sent);
     /// [`Error::BadKey`] when a key holds something a lease or counter cannot
     /// be (nothing changed); [`Error::FencingRegression`] for a token not
-    /// above one already seen (the set is released); [`Error::Timeout`] /
+    /// above one already seen (the set is released); under
+    /// [`Replication::Require`](crate::Replication::Require),
+    /// [`Error::NotReplicated`] when too few replicas acknowledged the set
+    /// (it is released) and [`Error::ReplicationHistoryLost`] once the
+    /// primary lost acknowledged grants (nothing sent, or the set released);
+    /// [`Error::Timeout`] /
     /// [`Error::Io`] when no reply came (what the attempt may have set is
     /// deleted in the background, and every lease already taken released);
     /// other transport, permission and server errors as they come.
@@ -342,6 +347,9 @@ impl<K: Kind> MultiLease<K> {
         seen: &mut [Option<Acquiring<'_>>],
     ) -> Result<Option<MultiGuard<K>>> {
         let ttl_ms = self.dep.check_ttl(ttl)?;
+        if self.one_call {
+            history_kept(&self.dep, self.members[0].physical_keys()[0].as_str())?;
+        }
         let wait = wait.starting()?;
         if self.one_call {
             self.at_once(ttl_ms, wait, seen)
