@@ -21,8 +21,8 @@ use respire_coordination::{
     CancelToken, Coordinator, Error, Guard, ReleaseOutcome, Replication, key_slot,
 };
 use support::{
-    FaultProxy, Mode, TestServer, coordinator, shared_cluster, shared_sentinel, shared_server,
-    unique_prefix, wait_until,
+    FaultProxy, Mode, TestServer, coordinator, proxied_replica, shared_cluster, shared_sentinel,
+    shared_server, unique_prefix, wait_until,
 };
 
 const CHILD_ENV: &str = "RESPIRE_MULTI_CHILD";
@@ -236,27 +236,18 @@ fn calls(server: &TestServer, command: &str) -> u64 {
 fn under_a_replication_guard_a_set_is_one_call_with_one_wait_and_released_whole_when_too_few_replicas_acknowledge()
  {
     let primary = TestServer::start();
-    let link = FaultProxy::start(primary.addr());
-    let replica = TestServer::builder()
-        .args(["--replicaof", "127.0.0.1", &link.port().to_string()])
-        .start();
-    wait_until(Duration::from_secs(10), "the replica to be online", || {
-        let info: String = redis::cmd("INFO")
-            .arg("replication")
-            .query(&mut primary.client())
-            .unwrap();
-        info.contains("connected_slaves:1") && info.contains("state=online")
-    });
+    let (link, replica) = proxied_replica(&primary);
     let with = |replication| {
         Coordinator::builder(&primary.url())
-            .node_timeout(ms(200))
+            .node_timeout(ms(500))
             .replication(replication)
             .build()
             .unwrap()
     };
+    // WAIT's timeout leaves a loaded machine time to acknowledge.
     let require = with(Replication::Require {
         replicas: 1,
-        timeout: ms(300),
+        timeout: ms(2_000),
     });
     let pairs = [("{r}a", "{r}fa"), ("{r}b", "{r}fb"), ("{r}c", "{r}fc")];
     let set = require.fenced_lock_all(&pairs).unwrap();
@@ -315,7 +306,7 @@ fn under_a_replication_guard_a_set_is_one_call_with_one_wait_and_released_whole_
     }
 
     // `Report` keeps the set and says that no replica acknowledged it.
-    let report = with(Replication::Report { timeout: ms(300) });
+    let report = with(Replication::Report { timeout: ms(500) });
     let g = report
         .fenced_lock_all(&pairs)
         .unwrap()
