@@ -61,7 +61,20 @@ pub use self::tracing::TracingObserver;
 /// [`released`](Observer::released) (by `release()` or by dropping the
 /// guard; a Redlock release that reached no quorum reports again when it is
 /// called again). A loss found only by the release itself is reported in its
-/// outcome, not as a loss.
+/// outcome, not as a loss. Only a lease handed to the caller is reported
+/// granted: one an acquire got and let go before returning (a grant with too
+/// few replica acknowledgements, a fencing token that went back) is not, and
+/// neither is its release.
+///
+/// A set of leases taken all or nothing
+/// ([`lock_all`](crate::Coordinator::lock_all),
+/// [`fenced_lock_all`](crate::Coordinator::fenced_lock_all)) is reported as
+/// its leases: one call of it is one call of each lease, all started
+/// together (an `attempt` each, in the order the keys were given), each with
+/// at most one `contended`, and all ending together with the call (a
+/// `granted` each, or a `wait_ended` each with the one reason). So counts per
+/// key mean the same for a set as for a single lease, and every `granted` is
+/// followed by that lease's `released`; see [`MultiLease`](crate::MultiLease#observers).
 pub trait Observer: Send + Sync {
     /// An acquire call starts.
     fn attempt(&self, event: &AttemptEvent<'_>) {

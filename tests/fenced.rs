@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use redis::Commands;
 use respire_coordination::{Coordinator, Error, ReleaseOutcome, Replication};
-use support::{FaultProxy, Mode, TestServer, shared_server, unique_prefix, wait_until};
+use support::{Mode, TestServer, proxied_replica, shared_server, unique_prefix};
 
 fn coordinator(url: &str, prefix: &str) -> Coordinator {
     Coordinator::builder(url)
@@ -278,17 +278,7 @@ fn the_fencing_token_is_copy_ord_and_display() {
 #[test]
 fn a_counter_that_went_back_is_refused_after_a_grant_that_waited_for_replicas() {
     let primary = TestServer::start();
-    let link = FaultProxy::start(primary.addr());
-    let replica = TestServer::builder()
-        .args(["--replicaof", "127.0.0.1", &link.port().to_string()])
-        .start();
-    wait_until(Duration::from_secs(10), "the replica to be online", || {
-        let info: String = redis::cmd("INFO")
-            .arg("replication")
-            .query(&mut primary.client())
-            .unwrap();
-        info.contains("connected_slaves:1") && info.contains("state=online")
-    });
+    let (link, replica) = proxied_replica(&primary);
     let wait = Duration::from_secs(1);
     let coord = Coordinator::builder(&primary.url())
         .node_timeout(Duration::from_millis(100))

@@ -17,10 +17,12 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use redis::Commands;
-use respire_coordination::{CancelToken, Coordinator, Error, Guard, ReleaseOutcome, key_slot};
+use respire_coordination::{
+    CancelToken, Coordinator, Error, Guard, ReleaseOutcome, Replication, key_slot,
+};
 use support::{
-    FaultProxy, Mode, TestServer, coordinator, shared_cluster, shared_sentinel, shared_server,
-    unique_prefix, wait_until,
+    FaultProxy, Mode, TestServer, coordinator, proxied_replica, shared_cluster, shared_sentinel,
+    shared_server, unique_prefix, wait_until,
 };
 
 const CHILD_ENV: &str = "RESPIRE_MULTI_CHILD";
@@ -213,6 +215,110 @@ fn behind_sentinel_a_set_of_keys_in_many_slots_is_one_call() {
         assert!(primary.exists::<_, bool>(format!("{prefix}{k}")).unwrap());
     }
     assert_eq!(Guard::release(g).unwrap(), ReleaseOutcome::Released);
+}
+
+// ----- a replication guard ------------------------------------------------------
+
+/// How many times `server` has run `command` (lowercase).
+fn calls(server: &TestServer, command: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut server.client())
+        .unwrap();
+    let field = format!("cmdstat_{command}:calls=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(field.as_str()))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+#[test]
+fn under_a_replication_guard_a_set_is_one_call_with_one_wait_and_released_whole_when_too_few_replicas_acknowledge()
+ {
+    let primary = TestServer::start();
+    let (link, replica) = proxied_replica(&primary);
+    let with = |replication| {
+        Coordinator::builder(&primary.url())
+            .node_timeout(ms(500))
+            .replication(replication)
+            .build()
+            .unwrap()
+    };
+    // WAIT's timeout leaves a loaded machine time to acknowledge.
+    let require = with(Replication::Require {
+        replicas: 1,
+        timeout: ms(2_000),
+    });
+    let pairs = [("{r}a", "{r}fa"), ("{r}b", "{r}fb"), ("{r}c", "{r}fc")];
+    let set = require.fenced_lock_all(&pairs).unwrap();
+    assert!(set.is_one_call());
+    let (mut on_primary, mut on_replica) = (primary.client(), replica.client());
+    let ttl = Duration::from_secs(5);
+
+    // Acknowledged: one script call and one WAIT for the whole set (once the
+    // server has the script), and the replica holds every lease as the
+    // primary does.
+    drop(set.try_acquire(ttl).unwrap().expect("free"));
+    let before = [calls(&primary, "evalsha"), calls(&primary, "wait")];
+    let g = set.try_acquire(ttl).unwrap().expect("free");
+    let after = [calls(&primary, "evalsha"), calls(&primary, "wait")];
+    assert_eq!([after[0] - before[0], after[1] - before[1]], [1, 1]);
+    for m in g.members() {
+        assert_eq!(m.replicas_acknowledged(), Some(1), "{}", m.key());
+    }
+    for (lease, _) in pairs {
+        let held: String = on_primary.get(lease).unwrap();
+        let copy: Option<String> = on_replica.get(lease).unwrap();
+        assert_eq!(copy.as_deref(), Some(held.as_str()), "{lease}");
+    }
+    assert_eq!(Guard::release(g).unwrap(), ReleaseOutcome::Released);
+
+    // The replica's link cut: WAIT answers 0 at its timeout. The set is
+    // released whole and the call fails, once or in a wait.
+    link.set_mode(Mode::Blackhole);
+    let err = set.try_acquire(ttl).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::NotReplicated {
+                key,
+                acknowledged: 0,
+                required: 1,
+            } if key == "{r}a"
+        ),
+        "{err}"
+    );
+    for (lease, _) in pairs {
+        assert!(
+            !on_primary.exists::<_, bool>(lease).unwrap(),
+            "{lease} left held"
+        );
+    }
+    let err = set
+        .acquire_timeout(ttl, Duration::from_secs(5))
+        .unwrap_err();
+    assert!(matches!(err, Error::NotReplicated { .. }), "{err}");
+    for (lease, _) in pairs {
+        assert!(
+            !on_primary.exists::<_, bool>(lease).unwrap(),
+            "{lease} left held"
+        );
+    }
+
+    // `Report` keeps the set and says that no replica acknowledged it.
+    let report = with(Replication::Report { timeout: ms(500) });
+    let g = report
+        .fenced_lock_all(&pairs)
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .expect("free");
+    for m in g.members() {
+        assert_eq!(m.replicas_acknowledged(), Some(0), "{}", m.key());
+        assert!(on_primary.exists::<_, bool>(m.key()).unwrap());
+    }
+    assert_eq!(Guard::release(g).unwrap(), ReleaseOutcome::Released);
+    drop(replica);
 }
 
 // ----- a failure in the middle of the global order (cluster) ----------------------

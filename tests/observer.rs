@@ -15,7 +15,10 @@ use respire_coordination::{
     LossEvent, Observer, PollingEvent, Primitive, RedlockGroup, RedlockOptions, ReleaseEvent,
     ReleaseOutcome, RenewalEvent, TopologyChange, TopologyEvent, WaitEnd, WaitEndEvent, key_slot,
 };
-use support::{TestCluster, TestSentinel, TestServer, shared_server, unique_prefix, wait_until};
+use support::{
+    TestCluster, TestSentinel, TestServer, coordinator, shared_cluster, shared_server,
+    unique_prefix, wait_until,
+};
 
 const NODE_TIMEOUT: Duration = Duration::from_millis(200);
 const TTL: Duration = Duration::from_secs(2);
@@ -394,6 +397,263 @@ fn a_scripted_scenario_reports_every_event_once_in_order() {
             },
         ]
     );
+}
+
+/// The start of one call of a set: an attempt for each key, in order.
+fn attempts(keys: &[String], primitive: Primitive, waits: bool) -> Vec<Ev> {
+    let attempt = |key: &String| Ev::Attempt {
+        key: key.clone(),
+        primitive,
+        waits,
+    };
+    keys.iter().map(attempt).collect()
+}
+
+/// The end of one call of a set that got nothing: a wait end for each key.
+fn wait_ends(keys: &[String], reason: WaitEnd) -> Vec<Ev> {
+    let end = |key: &String| Ev::WaitEnded {
+        key: key.clone(),
+        reason,
+    };
+    keys.iter().map(end).collect()
+}
+
+#[test]
+fn a_set_taken_in_one_call_reports_each_lease_once_in_order() {
+    let recorder = Arc::new(Recorder::default());
+    let prefix = unique_prefix("observer-set");
+    let coord = observed(shared_server(), &prefix, recorder.clone());
+    let pairs = [("{s}a", "{s}fa"), ("{s}b", "{s}fb"), ("{s}c", "{s}fc")];
+    let set = coord.fenced_lock_all(&pairs).unwrap();
+    assert!(set.is_one_call());
+    let keys: Vec<String> = pairs.iter().map(|(l, _)| format!("{prefix}{l}")).collect();
+    let fences: Vec<String> = pairs.iter().map(|(_, f)| format!("{prefix}{f}")).collect();
+    let outsider = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
+    let other = outsider.fenced_lock("{s}b", "{s}fb").unwrap();
+    let mut server = shared_server().client();
+    let main = thread::current().id();
+
+    // 1. One attempt that finds the second lease held: each lease's call
+    // starts, the second is found held, all end busy, and nothing was set.
+    let holder = other.try_acquire(TTL).unwrap().expect("free");
+    assert!(set.try_acquire(TTL).unwrap().is_none());
+    let pttl: i64 = server.pttl(&keys[1]).unwrap();
+    let seen = recorder.since(0);
+    let mut want = attempts(&keys, Primitive::FencedLock, false);
+    want.push(Ev::Contended {
+        key: keys[1].clone(),
+    });
+    want.extend(wait_ends(&keys, WaitEnd::Busy));
+    assert_eq!(evs(&seen), want);
+    assert!(seen.iter().all(|s| s.thread == main));
+    let holder_ttl = seen[3].measured.holder_ttl.expect("the script reports it");
+    assert!(holder_ttl <= TTL);
+    assert!(holder_ttl + Duration::from_millis(1) >= Duration::from_millis(pttl as u64));
+    for key in [&keys[0], &keys[2]] {
+        assert!(!server.exists::<_, bool>(key).unwrap(), "{key} was set");
+    }
+
+    // 2. A wait granted once the holder lets go: each lease's call is found
+    // held once (the second) and granted, with its own lease and token.
+    let mark = recorder.len();
+    let (guard, released_at, called) = thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let called = Instant::now();
+            let g = set.acquire_timeout(TTL, Duration::from_secs(20)).unwrap();
+            (g.expect("granted after the release"), called)
+        });
+        wait_until(Duration::from_secs(10), "the contention", || {
+            recorder.has(mark, |e| matches!(e, Ev::Contended { .. }))
+        });
+        let released_at = Instant::now();
+        assert_eq!(holder.release().unwrap(), ReleaseOutcome::Released);
+        let (g, called) = waiter.join().unwrap();
+        (g, released_at, called)
+    });
+    let returned = Instant::now();
+    let seen = recorder.since(mark);
+    let tokens: Vec<FencingToken> = guard.fencing_tokens().iter().map(|(_, t)| *t).collect();
+    let leases: Vec<LeaseId> = seen[4..].iter().map(lease_of).collect();
+    let mut want = attempts(&keys, Primitive::FencedLock, true);
+    want.push(Ev::Contended {
+        key: keys[1].clone(),
+    });
+    for ((key, lease), token) in keys.iter().zip(&leases).zip(&tokens) {
+        want.push(Ev::Granted {
+            key: key.clone(),
+            lease: *lease,
+            token: Some(*token),
+        });
+    }
+    assert_eq!(evs(&seen), want);
+    let mut distinct = leases.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), 3, "{leases:?}");
+    // The tokens the grants named are the servers' counters.
+    for (fence, token) in fences.iter().zip(&tokens) {
+        let counter: u64 = server.get(fence).unwrap();
+        assert_eq!(counter, token.get(), "{fence}");
+    }
+    // Every lease waited the whole call: from before the contention to after
+    // the release, and no longer than the call took.
+    for grant in &seen[4..] {
+        let waited = grant.measured.waited.unwrap();
+        assert!(waited >= released_at - seen[3].at, "{waited:?}");
+        assert!(waited <= returned - called, "{waited:?}");
+    }
+    let granted_at = seen[4].at;
+
+    // 3. Keep-alive renews every lease, each reported once, within what its
+    // grant's reply left; an explicit extension's margins are at most what
+    // the server had left.
+    let mark = recorder.len();
+    let keep_alive = guard.keep_alive().unwrap();
+    let renewed = |from| {
+        let mut got: Vec<LeaseId> = recorder
+            .since(from)
+            .iter()
+            .filter_map(|s| match s.ev {
+                Ev::Renewed { lease } => Some(lease),
+                _ => None,
+            })
+            .collect();
+        got.sort();
+        got
+    };
+    wait_until(Duration::from_secs(10), "a renewal of each lease", || {
+        renewed(mark).len() >= 3
+    });
+    drop(keep_alive);
+    assert_eq!(renewed(mark), distinct);
+    for s in recorder.since(mark) {
+        assert_ne!(s.thread, main);
+        let margin = s.measured.margin.unwrap();
+        assert!(margin > Duration::ZERO);
+        assert!(s.at + margin <= granted_at + TTL);
+    }
+    let mark = recorder.len();
+    let pttls: Vec<Duration> = keys
+        .iter()
+        .map(|k| Duration::from_millis(server.pttl::<_, i64>(k).unwrap() as u64))
+        .collect();
+    assert!(guard.reset_expiry(TTL).unwrap());
+    let seen = recorder.since(mark);
+    assert_eq!(
+        evs(&seen),
+        leases
+            .iter()
+            .map(|l| Ev::Renewed { lease: *l })
+            .collect::<Vec<_>>()
+    );
+    for (s, pttl) in seen.iter().zip(&pttls) {
+        let margin = s.measured.margin.unwrap();
+        assert!(
+            margin <= *pttl + Duration::from_millis(1),
+            "margin {margin:?} above the server's {pttl:?}"
+        );
+    }
+
+    // 4. The third lease deleted: found gone by a verification, reported
+    // lost alone; 5. the release reports each lease's outcome, in order.
+    let mark = recorder.len();
+    let _: () = server.del(&keys[2]).unwrap();
+    assert_eq!(guard.verify_still_held().unwrap(), None);
+    assert!(guard.is_lost());
+    let outcomes: Vec<ReleaseOutcome> = guard
+        .release()
+        .into_iter()
+        .map(|(_, r)| r.unwrap())
+        .collect();
+    use ReleaseOutcome::{Expired, Released};
+    assert_eq!(outcomes, [Released, Released, Expired]);
+    let mut want = vec![Ev::Lost {
+        lease: leases[2],
+        cause: LossCause::Gone,
+    }];
+    for (lease, outcome) in leases.iter().zip(outcomes) {
+        want.push(Ev::Released {
+            lease: *lease,
+            outcome: Some(outcome),
+        });
+    }
+    assert_eq!(evs(&recorder.since(mark)), want);
+}
+
+#[test]
+fn a_set_taken_in_the_global_order_reports_only_what_the_caller_got() {
+    let recorder = Arc::new(Recorder::default());
+    let prefix = unique_prefix("observer-set-order");
+    let cluster = shared_cluster();
+    let seeds = cluster.seed_urls();
+    let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
+    let build = |observer: Option<Arc<dyn Observer>>| {
+        let builder = Coordinator::cluster_builder(&seeds)
+            .key_prefix(&prefix)
+            .node_timeout(Duration::from_millis(500));
+        match observer {
+            Some(o) => builder.observer(o),
+            None => builder,
+        }
+        .build()
+        .expect("connect to the cluster")
+    };
+    let coord = build(Some(recorder.clone()));
+    let names = ["alpha", "bravo", "charlie"];
+    let keys: Vec<String> = names.iter().map(|n| format!("{prefix}{n}")).collect();
+    let slots: Vec<u16> = keys.iter().map(|k| key_slot(k.as_bytes())).collect();
+    let mut order: Vec<usize> = (0..3).collect();
+    order.sort_by_key(|i| (slots[*i], keys[*i].clone()));
+    let set = coord.lock_all(&names).unwrap();
+    assert!(!set.is_one_call(), "slots {slots:?}");
+    // Someone else holds the second lease of the global order: the first is
+    // taken and let go inside the call.
+    let outsider = build(None);
+    let holder = outsider
+        .lock(names[order[1]])
+        .unwrap()
+        .try_acquire(TTL)
+        .unwrap()
+        .expect("free");
+    assert!(set.try_acquire(TTL).unwrap().is_none());
+    let mut want = attempts(&keys, Primitive::Lock, false);
+    want.push(Ev::Contended {
+        key: keys[order[1]].clone(),
+    });
+    want.extend(wait_ends(&keys, WaitEnd::Busy));
+    assert_eq!(evs(&recorder.since(0)), want);
+    for i in [order[0], order[2]] {
+        let held: bool = cluster.client_for_key(&keys[i]).exists(&keys[i]).unwrap();
+        assert!(!held, "{} is still held", keys[i]);
+    }
+
+    // Free again: one grant per lease in the order given, one release each.
+    assert_eq!(holder.release().unwrap(), ReleaseOutcome::Released);
+    let mark = recorder.len();
+    let guard = set.try_acquire(TTL).unwrap().expect("free");
+    let seen = recorder.since(mark);
+    let leases: Vec<LeaseId> = seen[3..].iter().map(lease_of).collect();
+    let mut want = attempts(&keys, Primitive::Lock, false);
+    for (key, lease) in keys.iter().zip(&leases) {
+        want.push(Ev::Granted {
+            key: key.clone(),
+            lease: *lease,
+            token: None,
+        });
+    }
+    assert_eq!(evs(&seen), want);
+    let mark = recorder.len();
+    for (_, outcome) in guard.release() {
+        assert_eq!(outcome.unwrap(), ReleaseOutcome::Released);
+    }
+    let released: Vec<Ev> = leases
+        .iter()
+        .map(|l| Ev::Released {
+            lease: *l,
+            outcome: Some(ReleaseOutcome::Released),
+        })
+        .collect();
+    assert_eq!(evs(&recorder.since(mark)), released);
 }
 
 #[test]
@@ -836,6 +1096,58 @@ mod metrics_observer {
     }
 
     #[test]
+    fn the_metrics_observer_counts_a_set_per_lease_and_its_contention_on_the_held_key() {
+        let values = Arc::new(Values::default());
+        let recorder = InTest(values.clone());
+        let prefix = unique_prefix("observer-metrics-set");
+        let observer = MetricsObserver::new().with_key_label(|key| {
+            let open = key.find('{')?;
+            let close = key[open..].find('}')?;
+            Some(key[open + close + 1..].to_owned())
+        });
+        let coord = observed(shared_server(), &prefix, Arc::new(observer));
+        let set = coord.lock_all(&["{m}a", "{m}b"]).unwrap();
+        let outsider = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
+        let holder = outsider
+            .lock("{m}b")
+            .unwrap()
+            .try_acquire(TTL)
+            .unwrap()
+            .expect("free");
+        metrics::with_local_recorder(&recorder, || {
+            assert!(set.try_acquire(TTL).unwrap().is_none());
+            holder.release().unwrap();
+            let guard = set.try_acquire(TTL).unwrap().expect("free");
+            for (_, outcome) in guard.release() {
+                assert_eq!(outcome.unwrap(), ReleaseOutcome::Released);
+            }
+        });
+        let got = values.0.lock().unwrap().clone();
+        let count = |name: &str, with: &[(&str, &str)]| -> f64 {
+            got.iter()
+                .filter(|(n, l, _)| n == name && *l == labels(with))
+                .map(|(_, _, v)| v)
+                .sum()
+        };
+        for key in ["a", "b"] {
+            let lease = [("primitive", "lock"), ("key", key)];
+            assert_eq!(count("respire_acquire_attempts_total", &lease), 2.0);
+            assert_eq!(count("respire_acquire_grants_total", &lease), 1.0);
+            let busy = [lease[0], lease[1], ("reason", "busy")];
+            assert_eq!(count("respire_acquire_not_granted_total", &busy), 1.0);
+            let released = [lease[0], lease[1], ("outcome", "released")];
+            assert_eq!(count("respire_lease_releases_total", &released), 1.0);
+            let contended = count("respire_acquire_contended_total", &lease);
+            assert_eq!(contended, if key == "b" { 1.0 } else { 0.0 }, "{key}");
+        }
+        let waits = got
+            .iter()
+            .filter(|(n, _, _)| n == "respire_acquire_wait_seconds")
+            .count();
+        assert_eq!(waits, 4, "each lease's end of each call");
+    }
+
+    #[test]
     fn without_a_key_label_function_no_metric_has_a_key_label() {
         let values = Arc::new(Values::default());
         let recorder = InTest(values.clone());
@@ -1039,5 +1351,71 @@ mod tracing_observer {
             Some(*acquires[1].0),
             "inside the busy acquire"
         );
+    }
+
+    #[test]
+    fn the_tracing_observer_makes_a_span_per_lease_of_a_set_each_closed_by_its_key() {
+        let spans = Arc::new(Spans::default());
+        let prefix = unique_prefix("observer-tracing-set");
+        let coord = observed(shared_server(), &prefix, Arc::new(TracingObserver::new()));
+        let set = coord
+            .fenced_lock_all(&[("{t}a", "{t}fa"), ("{t}b", "{t}fb")])
+            .unwrap();
+        let keys = [format!("{prefix}{{t}}a"), format!("{prefix}{{t}}b")];
+        let tokens = tracing::subscriber::with_default(spans.clone(), || {
+            let guard = set.try_acquire(TTL).unwrap().expect("free");
+            let tokens: Vec<u64> = guard
+                .fencing_tokens()
+                .iter()
+                .map(|(_, t)| t.get())
+                .collect();
+            for (_, outcome) in guard.release() {
+                assert_eq!(outcome.unwrap(), ReleaseOutcome::Released);
+            }
+            tokens
+        });
+        let s = spans.state.lock().unwrap();
+        let named = |name: &str| -> Vec<(u64, SpanRec)> {
+            let mut v: Vec<(u64, SpanRec)> = s
+                .spans
+                .iter()
+                .filter(|(_, r)| r.name == name)
+                .map(|(id, r)| (*id, r.clone()))
+                .collect();
+            v.sort_by_key(|(id, _)| *id);
+            v
+        };
+        // One acquire span per key, in the order given, each granted and
+        // closed.
+        let acquires = named("respire.acquire");
+        let acquire_keys: Vec<&str> = acquires
+            .iter()
+            .map(|(_, r)| r.fields["key"].as_str())
+            .collect();
+        assert_eq!(acquire_keys, [keys[0].as_str(), keys[1].as_str()]);
+        for (_, r) in &acquires {
+            assert_eq!(r.fields["outcome"], "granted");
+            assert_eq!(r.refs, 0);
+        }
+        // One lease span per key, following from the acquire span of the
+        // same key, with that key's token and its release in it.
+        let leases = named("respire.lease");
+        assert_eq!(leases.len(), 2);
+        for (id, lease) in &leases {
+            let i = keys
+                .iter()
+                .position(|k| *k == lease.fields["key"])
+                .expect("a key of the set");
+            assert_eq!(lease.follows, [acquires[i].0], "{lease:?}");
+            assert_eq!(lease.fields["token"], tokens[i].to_string());
+            assert_eq!(lease.refs, 0, "closed at the release");
+            let in_lease: Vec<&str> = s
+                .events
+                .iter()
+                .filter(|(_, parent, _)| *parent == Some(*id))
+                .map(|(m, _, _)| m.as_str())
+                .collect();
+            assert_eq!(in_lease, ["released"]);
+        }
     }
 }

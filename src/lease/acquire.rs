@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::cancel::CancelToken;
-use crate::conn::Connect;
+use crate::conn::{Conn, Connect};
 use crate::core::acquire::{Attempts, dated};
 use crate::core::lease::LeaseCore;
 use crate::error::{Error, Result};
@@ -207,6 +207,9 @@ impl<K: Kind> Lease<K> {
         let start = |o| Acquiring::start(o, self.first_key(), K::PRIMITIVE, !once);
         let mut seen = self.dep.observer().map(start);
         let result = self.run_seen(ttl, wait, &mut seen);
+        if let Ok(Some(guard)) = &result {
+            guard.cell().observe_with(self.dep.observer(), K::PRIMITIVE);
+        }
         Acquiring::finish(seen, &result, once, |g| (g.lease_id(), K::token(g.grant())));
         result
     }
@@ -216,7 +219,10 @@ impl<K: Kind> Lease<K> {
         &self.spec.keys()[0]
     }
 
-    fn run_seen(
+    /// An acquire call whose attempts report contention to `seen`, and whose
+    /// guard is not yet observed: the caller reports the grant and has the
+    /// observer watch the lease from then on.
+    pub(crate) fn run_seen(
         &self,
         ttl: Duration,
         wait: Wait<'_>,
@@ -224,12 +230,7 @@ impl<K: Kind> Lease<K> {
     ) -> Result<Option<LeaseGuard<K>>> {
         let dep = &self.dep;
         let ttl_ms = dep.check_ttl(ttl)?;
-        if let (Replication::Require { .. }, Some(detail)) = (dep.replication, dep.history.lost()) {
-            return Err(Error::ReplicationHistoryLost {
-                key: self.spec.keys()[0].clone(),
-                detail,
-            });
-        }
+        history_kept(dep, &self.spec.keys()[0])?;
         let wait = wait.starting()?;
         let owner = OwnerToken::new();
         let (result, attempts) = match wait {
@@ -288,29 +289,9 @@ impl<K: Kind> Lease<K> {
         let Some((guard, sent, received)) = result? else {
             return Ok(None);
         };
-        if let Replication::Require { replicas, .. } = dep.replication {
-            if let Some(detail) = dep.history.lost() {
-                let key = guard.key().to_owned();
-                log::warn!(
-                    "{key:?} was granted on a primary that lost acknowledged grants; releasing it"
-                );
-                drop(guard);
-                return Err(Error::ReplicationHistoryLost { key, detail });
-            }
-            let acknowledged = guard.replicas_acknowledged().unwrap_or(0);
-            if acknowledged < replicas {
-                let key = guard.key().to_owned();
-                log::warn!(
-                    "{key:?} was granted with {acknowledged} of {replicas} required replica \
-                     acknowledgement(s); releasing it"
-                );
-                drop(guard);
-                return Err(Error::NotReplicated {
-                    key,
-                    acknowledged,
-                    required: replicas,
-                });
-            }
+        if let Err(e) = replication_kept(dep, guard.key(), guard.replicas_acknowledged()) {
+            drop(guard);
+            return Err(e);
         }
         if let Err(e) = self.spec.check(dep, guard.grant(), sent, received) {
             drop(guard);
@@ -379,23 +360,14 @@ impl<K: Kind> Lease<K> {
     #[allow(clippy::type_complexity, reason = "a private helper's result")]
     fn attempt(
         &self,
-        conn: &mut crate::conn::Conn,
+        conn: &mut Conn,
         owner: &OwnerToken,
         ttl_ms: u64,
         deadline: Instant,
         waiting: bool,
         uncertain_since: Option<Instant>,
     ) -> Result<Attempt<(LeaseGuard<K>, Instant, Instant)>> {
-        let replication = self.dep.replication;
-        match replication {
-            Replication::Off => {}
-            Replication::Report { timeout } => {
-                conn.wait_after_next(conn.replicas().unwrap_or(1), timeout, false)
-            }
-            Replication::Require { replicas, timeout } => {
-                conn.wait_after_next(replicas, timeout, self.dep.topology.is_sentinel())
-            }
-        }
+        wait_for_replicas(&self.dep, conn);
         let attempt = self.spec.attempt(
             &self.dep,
             conn,
@@ -405,17 +377,8 @@ impl<K: Kind> Lease<K> {
             waiting,
             uncertain_since,
         );
-        let acknowledged = match replication {
-            Replication::Off => None,
-            _ => Some(conn.take_waited().unwrap_or(0)),
-        };
-        if let (Some(point), Replication::Require { replicas, .. }) =
-            (conn.take_history(), replication)
-        {
-            let granted = matches!(attempt, Ok(Attempt::Acquired(_)));
-            let acknowledged = granted && acknowledged.unwrap_or(0) >= replicas;
-            self.dep.history.observe(conn.addr(), &point, acknowledged);
-        }
+        let granted = matches!(attempt, Ok(Attempt::Acquired(_)));
+        let acknowledged = replicas_acknowledged(&self.dep, conn, granted);
         let attempt = attempt?;
         let received = self.dep.now();
         Ok(match attempt {
@@ -439,10 +402,94 @@ impl<K: Kind> Lease<K> {
         let core = LeaseCore::granted(self.dep.timing, g.sent, Duration::from_millis(ttl_ms));
         let key = g.ops.keys[0].clone();
         let cell = Arc::new(Cell::new(key, g.ops, core));
-        cell.observe_with(self.dep.observer(), K::PRIMITIVE);
         self.dep.granted(&cell);
         LeaseGuard::new(self.dep.clone(), cell, g.grant, acknowledged)
     }
+}
+
+/// Refuses an acquire on `key`, sending nothing, once the deployment's
+/// primary was found without grants replicas had acknowledged (under
+/// `Require`): any token it would hand out may have been handed out before.
+pub(crate) fn history_kept(dep: &Deployment, key: &str) -> Result<()> {
+    match (dep.replication, dep.history.lost()) {
+        (Replication::Require { .. }, Some(detail)) => Err(Error::ReplicationHistoryLost {
+            key: key.to_owned(),
+            detail,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Has the next script on `conn` followed, in the same pipeline, by the
+/// `WAIT` the deployment's [`Replication`] asks for (and, under `Require`
+/// behind Sentinel, by `INFO replication`). `WAIT` counts every write the
+/// connection made, so it covers all the leases one script sets.
+pub(crate) fn wait_for_replicas(dep: &Deployment, conn: &mut Conn) {
+    match dep.replication {
+        Replication::Off => {}
+        Replication::Report { timeout } => {
+            conn.wait_after_next(conn.replicas().unwrap_or(1), timeout, false)
+        }
+        Replication::Require { replicas, timeout } => {
+            conn.wait_after_next(replicas, timeout, dep.topology.is_sentinel())
+        }
+    }
+}
+
+/// After a script armed by [`wait_for_replicas`]: how many replicas
+/// acknowledged its writes (`None` under `Off`; 0 when `WAIT` did not
+/// answer), with the primary's replication history judged under `Require`
+/// (`granted`: whether the script granted).
+pub(crate) fn replicas_acknowledged(
+    dep: &Deployment,
+    conn: &mut Conn,
+    granted: bool,
+) -> Option<u32> {
+    let acknowledged = match dep.replication {
+        Replication::Off => None,
+        _ => Some(conn.take_waited().unwrap_or(0)),
+    };
+    if let (Some(point), Replication::Require { replicas, .. }) =
+        (conn.take_history(), dep.replication)
+    {
+        let acknowledged = granted && acknowledged.unwrap_or(0) >= replicas;
+        dep.history.observe(conn.addr(), &point, acknowledged);
+    }
+    acknowledged
+}
+
+/// Whether a grant on `key` that `acknowledged` replicas acknowledged may be
+/// handed over under the deployment's [`Replication`]: under `Require`, not
+/// when the primary lost acknowledged grants, nor with too few
+/// acknowledgements. The caller releases what it got when it may not.
+pub(crate) fn replication_kept(
+    dep: &Deployment,
+    key: &str,
+    acknowledged: Option<u32>,
+) -> Result<()> {
+    let Replication::Require { replicas, .. } = dep.replication else {
+        return Ok(());
+    };
+    if let Some(detail) = dep.history.lost() {
+        log::warn!("{key:?} was granted on a primary that lost acknowledged grants; releasing it");
+        return Err(Error::ReplicationHistoryLost {
+            key: key.to_owned(),
+            detail,
+        });
+    }
+    let acknowledged = acknowledged.unwrap_or(0);
+    if acknowledged < replicas {
+        log::warn!(
+            "{key:?} was granted with {acknowledged} of {replicas} required replica \
+             acknowledgement(s); releasing it"
+        );
+        return Err(Error::NotReplicated {
+            key: key.to_owned(),
+            acknowledged,
+            required: replicas,
+        });
+    }
+    Ok(())
 }
 
 impl<K: Kind> fmt::Debug for Lease<K> {

@@ -29,12 +29,14 @@ use crate::core::acquire::{Attempts, dated};
 use crate::error::{Error, Result};
 use crate::guard::{Guard, ReleaseOutcome, Verifiable, sealed};
 use crate::keys::key_slot;
-use crate::lease::acquire::{Lease, Wait};
+use crate::lease::acquire::{
+    Lease, Wait, history_kept, replicas_acknowledged, replication_kept, wait_for_replicas,
+};
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::guard::{KeepAlive, LeaseGuard};
 use crate::lease::kind::{Fenced, Granted, Kind, Plain};
 use crate::lease::{busy, parse_token};
-use crate::replication::Replication;
+use crate::observe::Acquiring;
 use crate::runtime::lease::SharedSignal;
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::{self, Attempt, Failures, Order, WaitFor};
@@ -67,10 +69,38 @@ use crate::token::{FencingToken, OwnerToken};
 /// when one is not granted (held past the deadline, cancelled, an error),
 /// every lease already taken is released before the call returns. If a lease
 /// taken early was lost while a later one was waited for, the whole set is
-/// released and taken again within the same budget. With a
-/// [replication guard](crate::Replication) other than `Off`, every set is
-/// taken in the global order, so that each grant is checked as its
-/// primitive's is.
+/// released and taken again within the same budget.
+///
+/// With a [replication guard](crate::Replication) other than `Off`, the one
+/// script call of a set in one slot is followed, in the same pipeline, by one
+/// `WAIT` for all of its writes (`WAIT` counts every write the connection
+/// made, so one acknowledgement covers every lease the script set, and a
+/// lease found already granted to this owner by an earlier attempt too);
+/// each member guard reports that count
+/// ([`replicas_acknowledged`](LeaseGuard::replicas_acknowledged)). Under
+/// `Require`, a set acknowledged by too few replicas (or granted by a primary
+/// that lost acknowledged grants) is released whole and the call fails with
+/// [`Error::NotReplicated`] (or [`Error::ReplicationHistoryLost`]) naming its
+/// first key: no partial guard. In the global order, each lease is checked
+/// as its primitive's is, and a failed check releases every lease already
+/// taken.
+///
+/// # Observers
+///
+/// An [`Observer`](crate::Observer) hears of a set as of its leases, each
+/// under its own key: an acquire call of a set reports one call per lease, in
+/// the order the keys were given — an [`attempt`](crate::Observer::attempt)
+/// for each when the call starts, a [`contended`](crate::Observer::contended)
+/// for each lease an attempt found held (at most once per lease and call,
+/// with the holder's TTL), and when the call ends either a
+/// [`granted`](crate::Observer::granted) for each (its lease id and token,
+/// every one with the wait of the whole call) or a
+/// [`wait_ended`](crate::Observer::wait_ended) for each, with the one reason
+/// of the call. Each lease is then watched as a single one is (renewals,
+/// loss, release). What happens inside the call is not reported: a lease
+/// taken in the global order and released because a later one was not
+/// granted, or a set retaken because an early lease ran out, was never
+/// handed over, and is never reported granted or released.
 ///
 /// Attempts whose reply was lost are assumed granted: their connections are
 /// killed and what they may have set deleted by owner in the background, as
@@ -169,8 +199,7 @@ impl<K: Kind> MultiLease<K> {
                 .cmp(&(slot(b), members[*b].physical_keys()[0].as_bytes()))
         });
         let one_slot = order.iter().all(|i| slot(i) == slot(&order[0]));
-        let one_call =
-            (one_slot || !dep.topology.is_cluster()) && matches!(dep.replication, Replication::Off);
+        let one_call = one_slot || !dep.topology.is_cluster();
         MultiLease {
             dep,
             members,
@@ -188,9 +217,8 @@ impl<K: Kind> MultiLease<K> {
     }
 
     /// Whether each attempt takes the whole set in one script call (every
-    /// key in one cluster slot, or a deployment of one server, and no
-    /// replication guard); otherwise the leases are taken one at a time in
-    /// the global order.
+    /// key in one cluster slot, or a deployment of one server); otherwise the
+    /// leases are taken one at a time in the global order.
     pub fn is_one_call(&self) -> bool {
         self.one_call
     }
@@ -207,7 +235,12 @@ impl<K: Kind> MultiLease<K> {
     /// [`Error::InvalidArgument`] for a bad TTL (nothing sent);
     /// [`Error::BadKey`] when a key holds something a lease or counter cannot
     /// be (nothing changed); [`Error::FencingRegression`] for a token not
-    /// above one already seen (the set is released); [`Error::Timeout`] /
+    /// above one already seen (the set is released); under
+    /// [`Replication::Require`](crate::Replication::Require),
+    /// [`Error::NotReplicated`] when too few replicas acknowledged the set
+    /// (it is released) and [`Error::ReplicationHistoryLost`] once the
+    /// primary lost acknowledged grants (nothing sent, or the set released);
+    /// [`Error::Timeout`] /
     /// [`Error::Io`] when no reply came (what the attempt may have set is
     /// deleted in the background, and every lease already taken released);
     /// other transport, permission and server errors as they come.
@@ -274,31 +307,71 @@ impl<K: Kind> MultiLease<K> {
         self.run(ttl, Wait::Until(Some(deadline), Some(cancel)))
     }
 
+    /// One acquire call, as observers hear it: the call of each lease of the
+    /// set, all started together, each found held at most once, and all
+    /// ending together with the set's result.
     fn run(&self, ttl: Duration, wait: Wait<'_>) -> Result<Option<MultiGuard<K>>> {
+        let once = matches!(wait, Wait::Once);
+        let mut seen: Vec<Option<Acquiring<'_>>> = match self.dep.observer() {
+            Some(observer) => self
+                .members
+                .iter()
+                .map(|m| {
+                    let key = m.physical_keys()[0].as_str();
+                    Some(Acquiring::start(observer, key, K::PRIMITIVE, !once))
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        let result = self.run_seen(ttl, wait, &mut seen);
+        if let Ok(Some(guard)) = &result {
+            for member in &guard.members {
+                member
+                    .cell()
+                    .observe_with(self.dep.observer(), K::PRIMITIVE);
+            }
+        }
+        for (i, member) in seen.into_iter().enumerate() {
+            Acquiring::finish(member, &result, once, |g: &MultiGuard<K>| {
+                let m = &g.members[i];
+                (m.lease_id(), K::token(m.grant()))
+            });
+        }
+        result
+    }
+
+    fn run_seen(
+        &self,
+        ttl: Duration,
+        wait: Wait<'_>,
+        seen: &mut [Option<Acquiring<'_>>],
+    ) -> Result<Option<MultiGuard<K>>> {
         let ttl_ms = self.dep.check_ttl(ttl)?;
+        if self.one_call {
+            history_kept(&self.dep, self.members[0].physical_keys()[0].as_str())?;
+        }
         let wait = wait.starting()?;
         if self.one_call {
-            self.at_once(ttl_ms, wait)
+            self.at_once(ttl_ms, wait, seen)
         } else {
-            self.in_order(ttl, wait)
+            self.in_order(ttl, wait, seen)
         }
     }
 
     /// The leases one at a time in the global order, each with its own
     /// primitive's wait under the one budget.
-    fn in_order(&self, ttl: Duration, wait: Wait<'_>) -> Result<Option<MultiGuard<K>>> {
+    fn in_order(
+        &self,
+        ttl: Duration,
+        wait: Wait<'_>,
+        seen: &mut [Option<Acquiring<'_>>],
+    ) -> Result<Option<MultiGuard<K>>> {
         loop {
             let mut held: Vec<(usize, LeaseGuard<K>)> = Vec::with_capacity(self.members.len());
             for &i in &self.order {
-                let lease = &self.members[i];
-                let got = match wait {
-                    Wait::Once => lease.try_acquire(ttl),
-                    Wait::Until(Some(deadline), None) => lease.acquire_deadline(ttl, deadline),
-                    Wait::Until(Some(deadline), Some(cancel)) => {
-                        lease.acquire_until(ttl, deadline, cancel)
-                    }
-                    Wait::Until(None, Some(cancel)) => lease.acquire(ttl, cancel).map(Some),
-                    Wait::Until(None, None) => lease.acquire_timeout(ttl, Duration::MAX),
+                let got = match seen.get_mut(i) {
+                    Some(seen) => self.members[i].run_seen(ttl, wait, seen),
+                    None => self.members[i].run_seen(ttl, wait, &mut None),
                 };
                 match got {
                     Ok(Some(guard)) => held.push((i, guard)),
@@ -328,19 +401,25 @@ impl<K: Kind> MultiLease<K> {
         }
     }
 
-    /// The whole set in one script call per attempt.
-    fn at_once(&self, ttl_ms: u64, wait: Wait<'_>) -> Result<Option<MultiGuard<K>>> {
+    /// The whole set in one script call per attempt (followed, under a
+    /// replication guard, by one `WAIT` for all its writes).
+    fn at_once(
+        &self,
+        ttl_ms: u64,
+        wait: Wait<'_>,
+        seen: &mut [Option<Acquiring<'_>>],
+    ) -> Result<Option<MultiGuard<K>>> {
         let dep = &self.dep;
         let owner = OwnerToken::new();
         let leases: Vec<&str> = self.keys().collect();
         let (result, attempts) = match wait {
-            Wait::Once => self.once(&owner, ttl_ms),
+            Wait::Once => self.once(&owner, ttl_ms, seen),
             Wait::Until(deadline, cancel) => {
                 let w = WaitFor {
                     keys: &leases,
                     deadline,
                     cancel,
-                    node_timeout: dep.node_timeout(),
+                    node_timeout: dep.node_timeout() + dep.replication.timeout(),
                     settle: dep.connect_timeout,
                     failures: Failures::RideOut,
                     order: Order::Local,
@@ -348,7 +427,7 @@ impl<K: Kind> MultiLease<K> {
                 let mut attempts = Attempts::default();
                 let waited = waiters::wait_for(&*dep.topology, &w, |conn, d, _waiting| {
                     let started = dep.now();
-                    let r = self.attempt(conn, &owner, ttl_ms, d, attempts.since());
+                    let r = self.attempt(conn, &owner, ttl_ms, d, attempts.since(), seen);
                     if r.as_ref().is_err_and(Error::is_uncertain) {
                         attempts.unanswered(started, []);
                     }
@@ -377,6 +456,13 @@ impl<K: Kind> MultiLease<K> {
         let Some((guard, sent, received)) = result? else {
             return Ok(None);
         };
+        // One `WAIT` answered for the whole set: every lease was acknowledged
+        // by as many replicas as the set.
+        let acknowledged = guard.members[0].replicas_acknowledged();
+        if let Err(e) = replication_kept(dep, guard.key(), acknowledged) {
+            drop(guard);
+            return Err(e);
+        }
         for (lease, member) in self.members.iter().zip(&guard.members) {
             if let Err(e) = lease.spec().check(dep, member.grant(), sent, received) {
                 drop(guard);
@@ -392,13 +478,14 @@ impl<K: Kind> MultiLease<K> {
         &self,
         owner: &OwnerToken,
         ttl_ms: u64,
+        seen: &mut [Option<Acquiring<'_>>],
     ) -> (
         Result<Option<Grant<K>>>,
         Attempts<crate::runtime::topology::Uncertain>,
     ) {
         let dep = &self.dep;
         let mut attempts = Attempts::default();
-        let deadline = dep.now() + dep.node_timeout();
+        let deadline = dep.now() + dep.node_timeout() + dep.replication.timeout();
         let key = &self.members[0].physical_keys()[0];
         let mut result = Err(Error::Cancelled);
         for retry in [false, true] {
@@ -407,7 +494,7 @@ impl<K: Kind> MultiLease<K> {
             let (r, lost) = dep.on_key(key, deadline, Connect::Own, |conn, deadline| {
                 reused = !conn.is_fresh();
                 started = dep.now();
-                let r = self.attempt(conn, owner, ttl_ms, deadline, attempts.since());
+                let r = self.attempt(conn, owner, ttl_ms, deadline, attempts.since(), seen);
                 if matches!(r, Ok(Attempt::Acquired(_))) {
                     attempts.granted(started);
                 }
@@ -430,7 +517,8 @@ impl<K: Kind> MultiLease<K> {
         (result, attempts)
     }
 
-    /// Runs `multi_acquire` once.
+    /// Runs `multi_acquire` once (and the replication guard's `WAIT` after
+    /// it); a lease found held is reported to its observed call.
     fn attempt(
         &self,
         conn: &mut Conn,
@@ -438,6 +526,7 @@ impl<K: Kind> MultiLease<K> {
         ttl_ms: u64,
         deadline: Instant,
         uncertain_since: Option<Instant>,
+        seen: &mut [Option<Acquiring<'_>>],
     ) -> Result<Attempt<Grant<K>>> {
         let dep = &self.dep;
         let leases: Vec<&str> = self.keys().collect();
@@ -448,10 +537,14 @@ impl<K: Kind> MultiLease<K> {
             .collect();
         let ttl = ttl_ms.to_string();
         let (keys, args) = acquire_call(&leases, &fences, owner.as_str(), &ttl);
+        wait_for_replicas(dep, conn);
         let sent = dep.now();
-        let reply: Vec<redis::Value> = conn
+        let reply: Result<Vec<redis::Value>> = conn
             .script(&scripts::MULTI_ACQUIRE, &keys, &args, "acquire", deadline)
-            .map_err(|e| bad_key_in(e, &keys))?;
+            .map_err(|e| bad_key_in(e, &keys));
+        let granted = matches!(reply.as_deref(), Ok([redis::Value::Int(1), ..]));
+        let acknowledged = replicas_acknowledged(dep, conn, granted);
+        let reply = reply?;
         let received = dep.now();
         match reply.as_slice() {
             [redis::Value::Int(1), tokens @ ..] if tokens.len() == self.members.len() => {
@@ -464,16 +557,23 @@ impl<K: Kind> MultiLease<K> {
                     let grant = (self.grant)(token)?;
                     let ops =
                         Ops::string_value(&lease.physical_keys()[0], (self.value)(owner, &grant));
-                    guards.push(lease.guard(Granted { grant, ops, sent }, ttl_ms, None));
+                    let granted = Granted { grant, ops, sent };
+                    guards.push(lease.guard(granted, ttl_ms, acknowledged));
                 }
                 let guard = MultiGuard::new(dep.clone(), guards);
                 Ok(Attempt::Acquired((guard, sent, received)))
             }
             [
                 redis::Value::Int(0),
-                redis::Value::Int(_),
+                redis::Value::Int(held),
                 redis::Value::Int(pttl),
-            ] => Ok(Attempt::Busy(busy(*pttl))),
+            ] => {
+                let held = usize::try_from(*held).ok().and_then(|i| i.checked_sub(1));
+                if let Some(seen) = held.and_then(|i| seen.get_mut(i)) {
+                    Acquiring::busy(seen, Some(busy(*pttl)));
+                }
+                Ok(Attempt::Busy(busy(*pttl)))
+            }
             other => Err(Error::UnexpectedReply {
                 op: "acquire",
                 reply: format!("{other:?}"),

@@ -20,6 +20,12 @@ type KeyLabel = dyn Fn(&str) -> Option<String> + Send + Sync;
 /// for the key. Without one there is no key label, so the number of series
 /// does not grow with the number of keys.
 ///
+/// A set of leases taken all or nothing counts as its leases: one call of a
+/// set of three keys adds three attempts and three grants (or three ends of
+/// the one reason), each with that call's wait, so that grants and releases
+/// count the same leases, and a key label says which keys of the set were
+/// contended.
+///
 /// | metric | kind | labels beside `primitive` (and `key`) |
 /// |---|---|---|
 /// | `respire_acquire_attempts_total` | counter | |

@@ -15,8 +15,9 @@ use super::{
 };
 
 thread_local! {
-    /// The acquire calls in progress on this thread, innermost last.
-    static ACQUIRING: RefCell<Vec<EnteredSpan>> = const { RefCell::new(Vec::new()) };
+    /// The acquire calls in progress on this thread and their keys, innermost
+    /// last.
+    static ACQUIRING: RefCell<Vec<(String, EnteredSpan)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// An [`Observer`] that reports through [`tracing`]: a span per acquire call
@@ -27,7 +28,10 @@ thread_local! {
 ///   end `outcome` — `granted` or a [`WaitEnd`](crate::WaitEnd) name — and
 ///   `waited_ms`): entered on the calling thread from the start of the call to
 ///   its end, so that what the library logs meanwhile is inside it; a
-///   contention is a DEBUG event in it.
+///   contention is a DEBUG event in it. A set of leases taken all or nothing
+///   has one per lease, each entered inside the one before (in the order the
+///   keys were given), all ended when the call ends; a contention is then in
+///   the span of the lease found held.
 /// - `respire.lease` (INFO; fields `key`, `primitive`, `lease`, `token`):
 ///   from the grant to the release, a child of the span the caller was in
 ///   and following from its acquire span. Renewals (DEBUG, with `margin_ms`
@@ -68,9 +72,13 @@ impl std::fmt::Debug for TracingObserver {
     }
 }
 
-/// Ends the innermost acquire span of this thread with `outcome`.
-fn end_acquire(outcome: &str, waited: std::time::Duration) -> Span {
-    let entered = ACQUIRING.with(|a| a.borrow_mut().pop());
+/// Ends the innermost acquire span of this thread for `key` with `outcome`.
+fn end_acquire(key: &str, outcome: &str, waited: std::time::Duration) -> Span {
+    let entered = ACQUIRING.with(|a| {
+        let mut a = a.borrow_mut();
+        let at = a.iter().rposition(|(k, _)| k == key)?;
+        Some(a.remove(at).1)
+    });
     let span = entered.map_or_else(Span::none, EnteredSpan::exit);
     span.record("outcome", outcome);
     span.record("waited_ms", waited.as_secs_f64() * 1e3);
@@ -87,16 +95,24 @@ impl Observer for TracingObserver {
             outcome = Empty,
             waited_ms = Empty,
         );
-        ACQUIRING.with(|a| a.borrow_mut().push(span.entered()));
+        ACQUIRING.with(|a| a.borrow_mut().push((e.key.to_owned(), span.entered())));
     }
 
     fn contended(&self, e: &ContentionEvent<'_>) {
         let holder_ttl_ms = e.holder_ttl.map(|t| t.as_millis() as u64);
-        debug!(holder_ttl_ms, "held by another owner");
+        let span = ACQUIRING.with(|a| {
+            let a = a.borrow();
+            let found = a.iter().rev().find(|(k, _)| k == e.key);
+            found.map(|(_, s)| Span::clone(s))
+        });
+        match span {
+            Some(span) => debug!(parent: &span, holder_ttl_ms, "held by another owner"),
+            None => debug!(holder_ttl_ms, "held by another owner"),
+        }
     }
 
     fn granted(&self, e: &GrantEvent<'_>) {
-        let acquire = end_acquire("granted", e.waited);
+        let acquire = end_acquire(e.key, "granted", e.waited);
         let token = e.token.map(|t| t.get());
         let lease = info_span!(
             "respire.lease",
@@ -110,7 +126,7 @@ impl Observer for TracingObserver {
     }
 
     fn wait_ended(&self, e: &WaitEndEvent<'_>) {
-        drop(end_acquire(e.reason.as_str(), e.waited));
+        drop(end_acquire(e.key, e.reason.as_str(), e.waited));
     }
 
     fn renewed(&self, e: &RenewalEvent<'_>) {

@@ -47,7 +47,12 @@
 //!   token not above one received before its attempt was sent is refused,
 //!   while no other token is;
 //! - liveness: on a calm schedule (nothing lost, nothing slow, no fault) a
-//!   lease kept alive at a TTL keep-alive accepts is never lost.
+//!   lease kept alive at a TTL keep-alive accepts is never lost;
+//! - for single deployments, what an observer of every lease hears (the
+//!   shipped calls where renewals are confirmed and losses settled): a loss
+//!   reported at most once, never after the release, and by the end of the
+//!   instant a watched lease is lost; a renewal's margin never past what the
+//!   server had left when the extension was sent (`single/heard.rs`).
 //!
 //! `RESPIRE_SIM_CASES=n` sets the number of schedules per test (default
 //! 60,000 single-deployment, 40,000 Redlock and 3,000 lease-set ones, every command a script

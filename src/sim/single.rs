@@ -33,6 +33,8 @@ use crate::runtime::renewal::{Ops, Shape};
 use crate::scripts;
 use crate::token::OwnerToken;
 
+mod heard;
+
 type ConnId = u64;
 
 /// What a model lease knows of itself.
@@ -465,6 +467,8 @@ struct World {
     deleted_at: [Option<Instant>; 2],
     /// No loss, no slow message, no fault: every kept-alive lease must live.
     calm: bool,
+    /// What an observer of every lease heard.
+    hearing: Arc<heard::Hearing>,
 }
 
 /// Lease keys 0 and 1 share one fence counter. Users 0 (process 0) and 2
@@ -542,6 +546,7 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         next_id: 0,
         next_conn: 0,
         ttls,
+        hearing: Arc::default(),
         stats: Stats::default(),
         steps_left: 40 + rng.below(40) as u32,
         delivered: HashMap::new(),
@@ -698,6 +703,7 @@ impl World {
         if self.trace {
             eprintln!("  send {id} by {who:?} on conn {conn}: {req:?}");
         }
+        self.hear_sent(&req);
         self.pending.insert(
             id,
             Pending {
@@ -1592,6 +1598,7 @@ impl World {
             },
             core,
         ));
+        self.hear(&cell, key, &value);
         self.users[u].guard = Some(Guard {
             cell,
             value,
@@ -1761,6 +1768,7 @@ impl World {
 
     /// The invariants, at the end of an instant.
     fn check(&mut self) -> Result<(), String> {
+        self.check_heard()?;
         let now = self.at();
         let t = self.now;
         // A semaphore's unexpired permits never exceed its capacity, and hold
@@ -1837,30 +1845,8 @@ impl World {
                 self.stats.exposed += 1;
                 continue;
             }
-            // The true time at which the server drops the lease: a key it
-            // keeps while its clock, in whole milliseconds, is at or before
-            // the expiry; a permit while the clock is before its score.
             let name = key_name(key);
-            let ends = match self.kinds[key] {
-                KeyKind::Permits(_) => permits(&self.server, key)
-                    .into_iter()
-                    .find(|(m, _)| *m == value)
-                    .map(|(_, score)| score.ceil()),
-                KeyKind::Rw { .. } if !value.contains(':') => {
-                    members(&self.server, &rw_keys(key)[1])
-                        .into_iter()
-                        .find(|(m, _)| *m == value)
-                        .map(|(_, score)| score.ceil())
-                }
-                _ => match (string_at(&self.server, &name), self.server.expiry(&name)) {
-                    (Some(v), Some(at)) if v == value => Some((at + 1) as f64),
-                    _ => None,
-                },
-            };
-            let held = ends.map(|at| {
-                let ahead = at - self.server.clock_ms();
-                t.as_nanos() as f64 + ahead / self.server.rate() * 1e6
-            });
+            let held = self.ends_at(key, &value);
             // The guard's bound, not only `is_lost()` (which comes a node
             // timeout earlier), must be at or before the server's real
             // expiry. Both change only at events, so checking at every event

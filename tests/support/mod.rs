@@ -104,6 +104,24 @@ pub(crate) fn wait_until(deadline: Duration, what: &str, mut cond: impl FnMut() 
     }
 }
 
+/// A replica of `primary` whose replication link runs through a
+/// [`FaultProxy`] (cut it to make `WAIT` time out), once the primary lists it
+/// online.
+pub(crate) fn proxied_replica(primary: &TestServer) -> (FaultProxy, TestServer) {
+    let link = FaultProxy::start(primary.addr());
+    let replica = TestServer::builder()
+        .args(["--replicaof", "127.0.0.1", &link.port().to_string()])
+        .start();
+    wait_until(Duration::from_secs(10), "the replica to be online", || {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut primary.client())
+            .unwrap();
+        info.contains("connected_slaves:1") && info.contains("state=online")
+    });
+    (link, replica)
+}
+
 /// A coordinator on `url` with a key prefix and a node timeout of its own.
 pub(crate) fn coordinator(
     url: &str,
