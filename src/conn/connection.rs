@@ -246,6 +246,13 @@ impl Identity {
         }
     }
 
+    /// A connection known by its id alone (no address to match), as the
+    /// simulation's model servers name theirs.
+    #[cfg(test)]
+    pub(crate) fn by_id(id: u64) -> Identity {
+        Identity { id, addr: None }
+    }
+
     /// The server's id for the connection.
     pub(crate) fn id(&self) -> u64 {
         self.id
