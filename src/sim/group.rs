@@ -669,10 +669,28 @@ impl World {
                 }
             }
             Ev::Kill(t, conn, ids, back) => {
-                let s = &mut self.servers[t.i];
-                if s.epoch != t.epoch {
+                if self.servers[t.i].epoch != t.epoch {
                     return Ok(());
                 }
+                // A restarted server numbers its connections from 1 again: a
+                // kill must never reach another client's connection.
+                for id in &ids {
+                    let owner = self.clients.iter().position(|c| {
+                        let l = &c.links[t.i];
+                        l.epoch == t.epoch && l.conn == id.id()
+                    });
+                    if let Some(other) = owner.filter(|&o| o != t.c)
+                        && self.servers[t.i].model.is_connected(id.id())
+                    {
+                        return Err(format!(
+                            "client {} kills connection {} on node {}, client {other}'s",
+                            t.c,
+                            id.id(),
+                            t.i
+                        ));
+                    }
+                }
+                let s = &mut self.servers[t.i];
                 s.sync(self.now);
                 let replies: Option<Vec<Wire>> = ids
                     .iter()
