@@ -2,7 +2,7 @@
 //! went out on, and only that one: a restarted server numbers its connections
 //! from 1 again, so the id it had may name another client's connection by the
 //! time the kill goes out. The clean-up of an unanswered acquire and the fence
-//! of an unanswered extension must leave that connection alone.
+//! of an unanswered extension or renewal must leave that connection alone.
 //!
 //! Each test sends a command through a proxy that drops the server's replies,
 //! restarts the server while the reply is still awaited, connects bystanders
@@ -35,11 +35,15 @@ struct Rig {
 
 impl Rig {
     fn new(prefix: &str) -> Rig {
+        Rig::with_node_timeout(prefix, NODE_TIMEOUT)
+    }
+
+    fn with_node_timeout(prefix: &str, node_timeout: Duration) -> Rig {
         let server = TestServer::start();
         let proxy = FaultProxy::start(server.addr());
         let coord = Coordinator::builder(&proxy.url())
             .key_prefix(prefix)
-            .node_timeout(NODE_TIMEOUT)
+            .node_timeout(node_timeout)
             .pool_size(1)
             .build()
             .expect("connect through the proxy");
@@ -50,35 +54,35 @@ impl Rig {
         }
     }
 
-    /// The server's id for the coordinator's one pooled connection (named
-    /// `respire`; nothing else of the coordinator is connected yet).
-    fn pooled_id(&self) -> u64 {
+    /// The server's id for the coordinator's one connection named `name`
+    /// (`respire`: the pooled one; `respire-renewal`: the executor's).
+    fn id_of(&self, name: &str) -> u64 {
         let list: String = redis::cmd("CLIENT")
             .arg("LIST")
             .query(&mut self.server.client())
             .unwrap();
         let ids: Vec<u64> = list
             .lines()
-            .filter(|line| field(line, "name") == Some("respire"))
+            .filter(|line| field(line, "name") == Some(name))
             .filter_map(|line| field(line, "id")?.parse().ok())
             .collect();
-        assert_eq!(ids.len(), 1, "one pooled connection expected:\n{list}");
+        assert_eq!(
+            ids.len(),
+            1,
+            "one connection named {name} expected:\n{list}"
+        );
         ids[0]
     }
 
     /// Restarts the server while a command's reply is awaited, then connects
-    /// straight to it until a bystander gets id `stale`. Panics if the call
-    /// `in_flight` returned before that: then the library could have reached
-    /// the new server first.
-    fn restart_and_take_id(
-        &self,
-        stale: u64,
-        in_flight: &thread::ScopedJoinHandle<'_, impl Sized>,
-    ) -> redis::Connection {
+    /// straight to it until a bystander gets id `stale`. Panics if the wait
+    /// for the reply ended before that (`in_flight` false): then the library
+    /// could have reached the new server first.
+    fn restart_and_take_id(&self, stale: u64, in_flight: impl Fn() -> bool) -> redis::Connection {
         self.server.restart();
         let bystander = bystander_with_id(&self.server, stale);
         assert!(
-            !in_flight.is_finished(),
+            in_flight(),
             "the call returned before the restart and the bystanders were done (within the \
              node timeout of {NODE_TIMEOUT:?}): the test proves nothing"
         );
@@ -149,7 +153,7 @@ fn assert_bystander_survives(server: &TestServer, bystander: &mut redis::Connect
 #[test]
 fn the_clean_up_of_an_unanswered_acquire_spares_the_connection_that_took_its_id_after_a_restart() {
     let rig = Rig::new("acquire:");
-    let stale = rig.pooled_id();
+    let stale = rig.id_of("respire");
     let lock = rig.coord.lock("job").unwrap();
     rig.proxy.set_mode(Mode::DropServerToClient);
     let mut bystander = thread::scope(|s| {
@@ -161,7 +165,7 @@ fn the_clean_up_of_an_unanswered_acquire_spares_the_connection_that_took_its_id_
             "the attempt to reach the server",
             || admin.exists("acquire:job").unwrap(),
         );
-        let bystander = rig.restart_and_take_id(stale, &attempt);
+        let bystander = rig.restart_and_take_id(stale, || !attempt.is_finished());
         rig.proxy.set_mode(Mode::Pass);
         let err = attempt
             .join()
@@ -180,7 +184,7 @@ fn the_fence_of_an_unanswered_extension_spares_the_connection_that_took_its_id_a
     let guard = lock.try_acquire(TTL).unwrap().expect("a free key");
     // Loads the extension script: a `NOSCRIPT` reply would be dropped too.
     assert!(guard.reset_expiry(TTL).unwrap());
-    let stale = rig.pooled_id();
+    let stale = rig.id_of("respire");
     rig.proxy.set_mode(Mode::DropServerToClient);
     let mut bystander = thread::scope(|s| {
         let extension = s.spawn(|| guard.reset_expiry(TTL * 2));
@@ -191,7 +195,7 @@ fn the_fence_of_an_unanswered_extension_spares_the_connection_that_took_its_id_a
             "the extension to reach the server",
             || admin.pttl::<_, i64>("extend:job").unwrap() > TTL.as_millis() as i64,
         );
-        let bystander = rig.restart_and_take_id(stale, &extension);
+        let bystander = rig.restart_and_take_id(stale, || !extension.is_finished());
         rig.proxy.set_mode(Mode::Pass);
         let err = extension
             .join()
@@ -202,4 +206,40 @@ fn the_fence_of_an_unanswered_extension_spares_the_connection_that_took_its_id_a
     });
     assert_bystander_survives(&rig.server, &mut bystander, stale);
     drop(guard);
+}
+
+#[test]
+fn the_fence_of_an_unanswered_renewal_spares_the_connection_that_took_its_id_after_a_restart() {
+    // Renewed at 6 s; the next renewal, sent at 12 s, is unanswered at 14 s,
+    // and its fence runs before the lease's loss deadline at about 15.9 s.
+    let node_timeout = Duration::from_secs(2);
+    let rig = Rig::with_node_timeout("renew:", node_timeout);
+    let lock = rig.coord.lock("job").unwrap();
+    let guard = lock
+        .try_acquire(Duration::from_secs(12))
+        .unwrap()
+        .expect("a free key");
+    let _renewing = guard.keep_alive().unwrap();
+    wait_until(Duration::from_secs(20), "the first renewal", || {
+        rig.coord.renewal_stats().renewals >= 1
+    });
+    let stale = rig.id_of("respire-renewal");
+    rig.proxy.set_mode(Mode::DropServerToClient);
+    // The next renewal ran (the key's TTL grew back); only its reply is dropped.
+    let mut admin = rig.server.client();
+    let mut last = i64::MAX;
+    wait_until(
+        Duration::from_secs(20),
+        "the next renewal to reach the server",
+        || {
+            let pttl: i64 = admin.pttl("renew:job").unwrap();
+            let grew = pttl > last.saturating_add(1_000);
+            last = pttl;
+            grew
+        },
+    );
+    let bystander = rig.restart_and_take_id(stale, || rig.coord.renewal_stats().failures == 0);
+    rig.proxy.set_mode(Mode::Pass);
+    let mut bystander = bystander;
+    assert_bystander_survives(&rig.server, &mut bystander, stale);
 }
