@@ -382,6 +382,13 @@
 //!   keys (`EVALSHA`, `EVAL`), `CLIENT ID` and `CLIENT KILL` (checked by
 //!   `keep_alive()` itself); a [`RedlockGroup`] needs `CLIENT ID` and `CLIENT
 //!   KILL` on every node (checked when it is made).
+//! - A connection whose command got no reply is killed by its id and the
+//!   address the server sees it come from (`CLIENT INFO`, Redis 6.2), so that
+//!   a restarted server's connection that took the same id is left alone.
+//!   Without `CLIENT INFO` (an older server, or an ACL that denies it) the
+//!   kill goes by id alone, and after a restart it may close another client's
+//!   connection; a [`RedlockGroup`] also compares the server's `run_id`, and
+//!   kills nothing on a server that restarted.
 //! - A [`RedlockGroup`] survives a minority of failed nodes, but a node that
 //!   restarts without its data can hand out a held lock again; it gives no
 //!   fencing token.

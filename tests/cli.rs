@@ -325,6 +325,10 @@ fn doctor_reports_what_weakens_the_guarantees() {
         "{report}"
     );
     assert!(
+        report.contains("ok    acl: CLIENT INFO allowed"),
+        "{report}"
+    );
+    assert!(
         report.contains("ok    tracking: CLIENT TRACKING OPTIN and CLIENT CACHING supported"),
         "{report}"
     );
@@ -344,7 +348,7 @@ fn doctor_reports_what_weakens_the_guarantees() {
     assert!(report.contains("ok    eviction: noeviction"), "{report}");
 
     let evicting = TestServer::builder()
-        .acl_user("user app on >pw ~* &* +@all -client|kill -client|tracking")
+        .acl_user("user app on >pw ~* &* +@all -client|kill -client|tracking -client|info")
         .arg("--maxmemory-policy")
         .arg("allkeys-lru")
         .start();
@@ -353,6 +357,10 @@ fn doctor_reports_what_weakens_the_guarantees() {
     assert_eq!(out.status.code(), Some(1), "{report}");
     assert!(report.contains("FAIL  eviction: allkeys-lru"), "{report}");
     assert!(report.contains("FAIL  acl: CLIENT KILL denied"), "{report}");
+    assert!(
+        report.contains("warn  acl: CLIENT INFO denied: a connection is killed by id alone"),
+        "{report}"
+    );
     assert!(
         report.contains("FAIL  acl: CLIENT TRACKING denied"),
         "{report}"

@@ -19,8 +19,9 @@ impl ConnConfig {
     ///
     /// One round trip after the handshake names the connection `name`
     /// (`CLIENT SETNAME`, best effort, so `CLIENT LIST` shows what it is for)
-    /// and learns its id (`CLIENT ID`, so that a command left without a reply
-    /// can be fenced off by killing it). Scripts are not loaded here (`SCRIPT
+    /// and learns what the server knows of it (`CLIENT ID`, and `CLIENT INFO`
+    /// for its address from Redis 6.2 on: see [`Identity`]), so that a command
+    /// left without a reply can be fenced off by killing it. Scripts are not loaded here (`SCRIPT
     /// LOAD` waits out a `CLIENT PAUSE WRITE`, as during a failover): the first
     /// use of one on a server that lacks it sends it within the same deadline.
     pub(crate) fn connect(&self, budget: Duration, name: &str) -> Result<Conn> {
@@ -28,8 +29,8 @@ impl ConnConfig {
     }
 
     /// Opens a connection as [`connect`](ConnConfig::connect) does, with `extra`
-    /// commands pipelined after `CLIENT SETNAME` and `CLIENT ID` in the same
-    /// round trip; their replies (error replies in place) come back in order.
+    /// commands pipelined after `CLIENT SETNAME`, `CLIENT ID` and `CLIENT INFO`
+    /// in the same round trip; their replies (error replies in place) come back in order.
     pub(crate) fn connect_with(
         &self,
         budget: Duration,
@@ -63,7 +64,7 @@ impl ConnConfig {
         let mut conn = Conn {
             inner,
             addr: self.addr.clone(),
-            id: None,
+            identity: None,
             timeout_ms: 0,
             broken: false,
             asking: false,
@@ -83,6 +84,9 @@ impl ConnConfig {
         pipe.ignore_errors();
         pipe.cmd("CLIENT").arg("SETNAME").arg(name);
         pipe.cmd("CLIENT").arg("ID");
+        // Beside `CLIENT ID` rather than in its place: a server older than
+        // 6.2 (or an ACL that allows only `CLIENT ID`) still gives the id.
+        pipe.cmd("CLIENT").arg("INFO");
         let ask_role = self.role != RoleCheck::None;
         if ask_role {
             pipe.cmd("ROLE");
@@ -114,8 +118,8 @@ impl ConnConfig {
             _ => {}
         }
         let mut id_error = None;
-        match values.next() {
-            Some(redis::Value::Int(id)) => conn.id = u64::try_from(id).ok(),
+        let id = match values.next() {
+            Some(redis::Value::Int(id)) => u64::try_from(id).ok(),
             other => {
                 log::debug!("no CLIENT ID for the connection: {other:?}");
                 id_error = Some(match other {
@@ -124,8 +128,11 @@ impl ConnConfig {
                     }
                     other => format!("unexpected reply {other:?}"),
                 });
+                None
             }
-        }
+        };
+        let info = values.next();
+        conn.identity = id.map(|id| Identity::of(id, info.as_ref()));
         if ask_role {
             match values.next().map(|v| sentinel::parse_role(&v)) {
                 Some(sentinel::Role::Primary { replicas }) => conn.replicas = Some(replicas),
@@ -196,12 +203,82 @@ pub(crate) struct Opened {
     pub(crate) id_error: Option<String>,
 }
 
+/// What the server knows of one of its connections, enough to kill that one
+/// and no other: its id (`CLIENT ID`) and, from Redis 6.2 on, the address the
+/// server sees it come from (`addr=` of `CLIENT INFO`).
+///
+/// A server numbers its connections from 1 each time it starts, so after a
+/// restart the id alone may name another client's connection; a kill of
+/// [`Identity::kill_cmd`] must match the address too. Without it (a server
+/// older than 6.2, or an ACL that denies `CLIENT INFO`) the kill goes by id
+/// alone, as it did before, with that risk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Identity {
+    id: u64,
+    addr: Option<Arc<str>>,
+}
+
+impl Identity {
+    /// The connection with id `id`, at the address `CLIENT INFO` replied
+    /// (when it replied with one for the same id).
+    fn of(id: u64, info: Option<&redis::Value>) -> Identity {
+        let text = match info {
+            Some(redis::Value::BulkString(b)) => std::str::from_utf8(b).ok(),
+            Some(redis::Value::VerbatimString { text, .. }) => Some(text.as_str()),
+            Some(redis::Value::SimpleString(s)) => Some(s.as_str()),
+            _ => None,
+        };
+        let field = |name: &str| {
+            text?
+                .split_ascii_whitespace()
+                .find_map(|f| f.strip_prefix(name)?.strip_prefix('='))
+        };
+        let same = field("id").and_then(|v| v.parse::<u64>().ok()) == Some(id);
+        let addr = field("addr").filter(|a| same && !a.is_empty());
+        if addr.is_none() {
+            log::debug!(
+                "no address for connection {id} (CLIENT INFO answered {info:?}):                  a kill of it goes by id alone"
+            );
+        }
+        Identity {
+            id,
+            addr: addr.map(Arc::from),
+        }
+    }
+
+    /// A connection known by its id alone (no address to match), as the
+    /// simulation's model servers name theirs.
+    #[cfg(test)]
+    pub(crate) fn by_id(id: u64) -> Identity {
+        Identity { id, addr: None }
+    }
+
+    /// The server's id for the connection.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// `CLIENT KILL ID id ADDR addr SKIPME yes` (without `ADDR` when the
+    /// address is unknown): it answers how many connections it closed, 1 or
+    /// 0. Both filters must match, so a connection that took the id after a
+    /// restart, from another address, is left alone.
+    pub(crate) fn kill_cmd(&self) -> redis::Cmd {
+        let mut cmd = redis::cmd("CLIENT");
+        cmd.arg("KILL").arg("ID").arg(self.id);
+        if let Some(addr) = &self.addr {
+            cmd.arg("ADDR").arg(&**addr);
+        }
+        cmd.arg("SKIPME").arg("yes");
+        cmd
+    }
+}
+
 /// One connection, with the state this crate keeps about it.
 pub(crate) struct Conn {
     inner: redis::Connection,
     addr: Arc<str>,
-    /// The server's id for it (`CLIENT ID`), when the ACL allows asking.
-    id: Option<u64>,
+    /// What the server knows of it, when the ACL allows asking `CLIENT ID`.
+    identity: Option<Identity>,
     /// The socket timeout now set, in whole milliseconds (0: none yet).
     timeout_ms: u64,
     broken: bool,
@@ -253,7 +330,12 @@ impl Conn {
 
     /// The server's id for this connection, if known.
     pub(crate) fn id(&self) -> Option<u64> {
-        self.id
+        self.identity.as_ref().map(Identity::id)
+    }
+
+    /// What the server knows of this connection (to kill it), if known.
+    pub(crate) fn identity(&self) -> Option<&Identity> {
+        self.identity.as_ref()
     }
 
     /// Sets the socket timeouts to the time left until `deadline`, in whole
@@ -709,4 +791,53 @@ fn wrap<'a>(
         pipe.cmd("WAIT").arg(wait.replicas).arg(ms);
     }
     pipe
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn words(cmd: &redis::Cmd) -> Vec<String> {
+        cmd.args_iter()
+            .map(|a| match a {
+                redis::Arg::Simple(b) => String::from_utf8_lossy(b).into_owned(),
+                _ => "<not a word>".into(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_kill_must_match_the_address_client_info_gave_for_the_same_id() {
+        let line = "id=7 addr=127.0.0.1:50412 laddr=127.0.0.1:6379 fd=9 name=respire idle=0\n";
+        let by_addr = [
+            "CLIENT",
+            "KILL",
+            "ID",
+            "7",
+            "ADDR",
+            "127.0.0.1:50412",
+            "SKIPME",
+            "yes",
+        ];
+        let resp2 = redis::Value::BulkString(line.as_bytes().to_vec());
+        assert_eq!(words(&Identity::of(7, Some(&resp2)).kill_cmd()), by_addr);
+        let resp3 = redis::Value::VerbatimString {
+            format: redis::VerbatimFormat::Text,
+            text: line.into(),
+        };
+        assert_eq!(words(&Identity::of(7, Some(&resp3)).kill_cmd()), by_addr);
+    }
+
+    #[test]
+    fn without_an_address_for_the_same_id_a_kill_goes_by_id_alone() {
+        let by_id = ["CLIENT", "KILL", "ID", "7", "SKIPME", "yes"];
+        let refused = redis::parse_redis_value(b"-ERR unknown subcommand 'INFO'\r\n").unwrap();
+        let other = redis::Value::BulkString(b"id=8 addr=127.0.0.1:50413 fd=9".to_vec());
+        let no_addr = redis::Value::BulkString(b"id=7 laddr=127.0.0.1:6379 fd=9".to_vec());
+        for info in [None, Some(refused), Some(other), Some(no_addr)] {
+            let who = Identity::of(7, info.as_ref());
+            assert_eq!(who.id(), 7);
+            assert_eq!(words(&who.kill_cmd()), by_id, "{info:?}");
+        }
+    }
 }

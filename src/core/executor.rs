@@ -17,7 +17,7 @@
 //!   never overlap);
 //! - a renewal with no reply may still be applied later: its claim is held
 //!   until the connection it went out on is killed and the kill confirmed
-//!   (`CLIENT KILL ID` answering 1 or 0: killed, or gone already), or until
+//!   (`CLIENT KILL` answering 1 or 0: killed, or gone already), or until
 //!   the lease no longer needs it (lost, released, or its server replaced);
 //! - an acquire attempt with no reply may still grant: its connections are
 //!   killed first, and only then is what it may have set deleted by owner;
@@ -150,17 +150,18 @@ pub(crate) struct Renewal<L> {
 /// (`None`) as its state says.
 pub(crate) type Done = (u64, Option<Instant>);
 
-/// The next command to send.
+/// The next command to send; `K` names a connection to kill (what the
+/// server knows of it: its id, and its address where known).
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Command<'a, C> {
-    /// Kill connection `id` on this server (`CLIENT KILL ID id`).
-    Kill(u64),
+pub(crate) enum Command<'a, C, K> {
+    /// Kill this connection on this server (`CLIENT KILL`).
+    Kill(K),
     /// Run this clean-up (every connection of its attempts is dead).
     CleanUp(&'a C),
 }
 
-struct Fence<L> {
-    conn: u64,
+struct Fence<L, K> {
+    conn: K,
     leases: Vec<(L, Ticket)>,
     retry_at: Instant,
 }
@@ -168,33 +169,33 @@ struct Fence<L> {
 /// Clean-up after unanswered acquire attempts (or a withdrawal sent in the
 /// background, with no connection to kill); `C` is what the transport
 /// runs (a command, or nothing when a later attempt was granted).
-pub(crate) struct CleanUp<C> {
+pub(crate) struct CleanUp<C, K> {
     /// Connections of the attempts, still to be killed.
-    pub(crate) conns: Vec<u64>,
+    pub(crate) conns: Vec<K>,
     pub(crate) payload: C,
     pub(crate) give_up_at: Instant,
     retry_at: Instant,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum InFlight {
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum InFlight<K> {
     /// A kill for the first due fence with this connection.
-    FenceKill(u64),
+    FenceKill(K),
     /// A kill for the first clean-up's last connection.
     CleanUpKill,
     /// The first clean-up's command.
     CleanUp,
 }
 
-/// One server's executor state.
-pub(crate) struct Executor<L, C> {
+/// One server's executor state; `K` names a connection to kill.
+pub(crate) struct Executor<L, C, K> {
     node_timeout: Duration,
-    fences: Vec<Fence<L>>,
-    cleanups: Vec<CleanUp<C>>,
-    in_flight: Option<InFlight>,
+    fences: Vec<Fence<L, K>>,
+    cleanups: Vec<CleanUp<C, K>>,
+    in_flight: Option<InFlight<K>>,
 }
 
-impl<L: Claim, C> Executor<L, C> {
+impl<L: Claim, C, K: Clone + PartialEq> Executor<L, C, K> {
     pub(crate) fn new(node_timeout: Duration) -> Self {
         Executor {
             node_timeout,
@@ -276,7 +277,7 @@ impl<L: Claim, C> Executor<L, C> {
     pub(crate) fn renewal_unanswered(
         &mut self,
         renewal: Renewal<L>,
-        conn: Option<u64>,
+        conn: Option<K>,
         now: Instant,
     ) -> Vec<Done> {
         let mut done = Vec::with_capacity(renewal.items.len());
@@ -294,11 +295,11 @@ impl<L: Claim, C> Executor<L, C> {
     /// `conn`: kill it, then free the claim.
     /// `conn: None`: its id is unknown, so it cannot be killed; the claim is
     /// freed at once with its worst case kept for good.
-    pub(crate) fn fence(&mut self, conn: Option<u64>, lease: L, ticket: Ticket, now: Instant) {
+    pub(crate) fn fence(&mut self, conn: Option<K>, lease: L, ticket: Ticket, now: Instant) {
         self.fence_all(conn, vec![(lease, ticket)], now);
     }
 
-    fn fence_all(&mut self, conn: Option<u64>, leases: Vec<(L, Ticket)>, now: Instant) {
+    fn fence_all(&mut self, conn: Option<K>, leases: Vec<(L, Ticket)>, now: Instant) {
         match conn {
             Some(conn) => self.fences.push(Fence {
                 conn,
@@ -323,7 +324,7 @@ impl<L: Claim, C> Executor<L, C> {
     /// `payload` to run, until `give_up_at`.
     pub(crate) fn clean_up(
         &mut self,
-        conns: Vec<u64>,
+        conns: Vec<K>,
         payload: C,
         give_up_at: Instant,
         now: Instant,
@@ -341,7 +342,7 @@ impl<L: Claim, C> Executor<L, C> {
     /// live, so every claim held for a kill is freed with its worst case kept
     /// (see [`Claim::fenced`]). Returns the leases whose claims were freed and
     /// the clean-ups, for the server that serves their keys now.
-    pub(crate) fn retire(&mut self, now: Instant) -> (Vec<L>, Vec<CleanUp<C>>) {
+    pub(crate) fn retire(&mut self, now: Instant) -> (Vec<L>, Vec<CleanUp<C, K>>) {
         self.in_flight = None;
         let mut freed = Vec::new();
         for f in std::mem::take(&mut self.fences) {
@@ -359,7 +360,7 @@ impl<L: Claim, C> Executor<L, C> {
     /// flight: fences first (leases wait on them), then clean-ups in order.
     /// Leases that no longer need their claim, and clean-ups past their
     /// give-up instant, are dropped here.
-    pub(crate) fn poll_command(&mut self, now: Instant) -> Option<Command<'_, C>> {
+    pub(crate) fn poll_command(&mut self, now: Instant) -> Option<Command<'_, C, K>> {
         if self.in_flight.is_some() {
             return None;
         }
@@ -368,8 +369,8 @@ impl<L: Claim, C> Executor<L, C> {
         }
         self.fences.retain(|f| !f.leases.is_empty());
         if let Some(f) = self.fences.iter().find(|f| f.retry_at <= now) {
-            self.in_flight = Some(InFlight::FenceKill(f.conn));
-            return Some(Command::Kill(f.conn));
+            self.in_flight = Some(InFlight::FenceKill(f.conn.clone()));
+            return Some(Command::Kill(f.conn.clone()));
         }
         self.cleanups.retain(|c| {
             let keep = now < c.give_up_at;
@@ -383,9 +384,9 @@ impl<L: Claim, C> Executor<L, C> {
             return None;
         }
         match c.conns.last() {
-            Some(&conn) => {
+            Some(conn) => {
                 self.in_flight = Some(InFlight::CleanUpKill);
-                Some(Command::Kill(conn))
+                Some(Command::Kill(conn.clone()))
             }
             None => {
                 self.in_flight = Some(InFlight::CleanUp);
@@ -394,8 +395,10 @@ impl<L: Claim, C> Executor<L, C> {
         }
     }
 
-    /// The kill handed out last was confirmed (`true`) or failed. Returns
-    /// the leases whose claims were freed by it.
+    /// The kill handed out last was confirmed (`true`: the server answered
+    /// that no such connection is open any more, whether the kill closed it
+    /// or it was gone already) or failed. Returns the leases whose claims
+    /// were freed by it.
     pub(crate) fn kill_done(&mut self, confirmed: bool, now: Instant) -> Vec<L> {
         let retry_at = now + RETRY.min(self.node_timeout);
         match self.in_flight.take() {
@@ -457,7 +460,7 @@ impl<L: Claim, C> Executor<L, C> {
 
     /// The clean-up handed out last must run elsewhere (its key's slot moved):
     /// it is taken out and returned.
-    pub(crate) fn clean_up_moved(&mut self) -> Option<CleanUp<C>> {
+    pub(crate) fn clean_up_moved(&mut self) -> Option<CleanUp<C, K>> {
         if self.in_flight != Some(InFlight::CleanUp) || self.cleanups.is_empty() {
             return None;
         }
@@ -528,7 +531,7 @@ mod tests {
     fn an_unanswered_renewal_keeps_its_claim_until_the_kill_is_confirmed() {
         let t0 = Instant::now();
         let l = lease(t0);
-        let mut ex: Executor<L, ()> = Executor::new(ms(100));
+        let mut ex: Executor<L, (), u64> = Executor::new(ms(100));
         let (renewal, done) = ex.renew(vec![l.clone()], t0);
         assert!(done.is_empty());
         ex.renewal_unanswered(renewal.unwrap(), Some(7), t0 + ms(100));
@@ -550,7 +553,7 @@ mod tests {
     fn a_renewal_settles_each_lease_by_its_reply() {
         let t0 = Instant::now();
         let (a, b, c) = (lease(t0), lease(t0), lease(t0));
-        let mut ex: Executor<L, ()> = Executor::new(ms(100));
+        let mut ex: Executor<L, (), u64> = Executor::new(ms(100));
         let (renewal, _) = ex.renew(vec![a.clone(), b.clone(), c.clone()], t0 + ms(10));
         let out = ex.renewed(
             renewal.unwrap(),
@@ -572,7 +575,7 @@ mod tests {
     #[test]
     fn a_clean_up_runs_only_after_every_connection_is_killed() {
         let t0 = Instant::now();
-        let mut ex: Executor<L, &str> = Executor::new(ms(100));
+        let mut ex: Executor<L, &str, u64> = Executor::new(ms(100));
         ex.clean_up(vec![1, 2], "del", t0 + ms(1_000), t0);
         assert_eq!(ex.poll_command(t0), Some(Command::Kill(2)));
         ex.kill_done(true, t0);
@@ -593,7 +596,7 @@ mod tests {
     #[test]
     fn a_clean_up_whose_slot_moved_is_handed_out_only_while_it_runs() {
         let t0 = Instant::now();
-        let mut ex: Executor<L, &str> = Executor::new(ms(100));
+        let mut ex: Executor<L, &str, u64> = Executor::new(ms(100));
         ex.clean_up(vec![], "del", t0 + ms(1_000), t0);
         // Not running: nothing to hand over.
         assert!(ex.clean_up_moved().is_none());
@@ -612,7 +615,7 @@ mod tests {
     fn retiring_frees_the_claims_with_their_worst_case_kept() {
         let t0 = Instant::now();
         let l = lease(t0);
-        let mut ex: Executor<L, ()> = Executor::new(ms(100));
+        let mut ex: Executor<L, (), u64> = Executor::new(ms(100));
         let ticket = l.begin_extend(t0 + ms(10), ms(2_000)).unwrap();
         l.unanswered(ticket, t0 + ms(110));
         ex.fence(Some(9), l.clone(), ticket, t0 + ms(110));

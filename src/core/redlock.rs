@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::conn::Identity;
 use crate::core::lease::{Loss, Refusal, Ticket};
 use crate::core::quorum::{AcquireVerdict, ExtendVerdict, Tally, Vote};
 use crate::core::timing::{drift, retry_delay};
@@ -301,15 +302,16 @@ pub(crate) enum Action<J> {
     /// [`Node::handle_connected`] (or [`Node::handle_connect_failed`] after
     /// each failed try).
     Connect {
-        tainted: Vec<u64>,
+        tainted: Vec<Identity>,
         run_id: Option<Arc<str>>,
     },
 }
 
 /// The connection in use.
 struct Live {
-    /// Its `CLIENT ID`, to kill it if a command on it gets no reply.
-    id: Option<u64>,
+    /// What the server knows of it, to kill it if a command on it gets no
+    /// reply.
+    id: Option<Identity>,
     /// The latest the server behind it can have started.
     started_by: Option<Instant>,
 }
@@ -317,8 +319,9 @@ struct Live {
 /// What a new connection found.
 #[derive(Clone, Debug)]
 pub(crate) struct Connected {
-    /// The connection's `CLIENT ID`.
-    pub(crate) id: Option<u64>,
+    /// What the server knows of the connection (`CLIENT ID`, and its
+    /// address where `CLIENT INFO` gave it).
+    pub(crate) id: Option<Identity>,
     pub(crate) run_id: Option<Arc<str>>,
     /// The latest the server can have started.
     pub(crate) started_by: Option<Instant>,
@@ -345,7 +348,7 @@ pub(crate) struct Node<J> {
     run_id: Option<Arc<str>>,
     /// Connections whose last command got no reply: killed (and the kill
     /// confirmed) before anything else is sent to the node.
-    tainted: Vec<u64>,
+    tainted: Vec<Identity>,
     /// Why the node is not connected.
     why: String,
     /// The connect failure, when trying again will not cure it.
@@ -768,12 +771,14 @@ impl<J> Node<J> {
 
 /// The tainted connections a new connection must kill before it is used: all
 /// of them, unless the server behind it is a new process (`run_id` changed),
-/// whose start closed them and whose client ids mean nothing.
+/// whose start closed them and whose client ids mean nothing. Where a run id
+/// is unknown they are all killed, each by its id and address (see
+/// [`Identity`]), so a connection that took an id after a restart is spared.
 pub(crate) fn fences_for<'a>(
-    tainted: &'a [u64],
+    tainted: &'a [Identity],
     run_before: Option<&str>,
     run_now: Option<&str>,
-) -> &'a [u64] {
+) -> &'a [Identity] {
     let restarted = matches!((run_before, run_now), (Some(a), Some(b)) if a != b);
     if restarted { &[] } else { tainted }
 }
@@ -1151,7 +1156,7 @@ mod tests {
 
     #[test]
     fn a_restarted_server_has_nothing_to_kill() {
-        let t = [3, 4];
+        let t = [Identity::by_id(3), Identity::by_id(4)];
         assert_eq!(fences_for(&t, Some("a"), Some("a")), &t);
         assert_eq!(fences_for(&t, None, Some("a")), &t);
         assert!(fences_for(&t, Some("a"), Some("b")).is_empty());
@@ -1163,7 +1168,7 @@ mod tests {
             restart_delay: None,
         };
         let first = Connected {
-            id: Some(7),
+            id: Some(Identity::by_id(7)),
             run_id: Some(Arc::from("r1")),
             started_by: None,
             round_trip: Duration::from_millis(1),
@@ -1205,7 +1210,7 @@ mod tests {
                 Action::Send { .. } => panic!("nothing is sent while disconnected"),
             }
         }
-        assert_eq!(tainted, Some(vec![7]));
+        assert_eq!(tainted, Some(vec![Identity::by_id(7)]));
         assert_eq!(answered, Some(Vote::Unknown));
         n.handle_job(Job::new(Op::Release, l.clone(), t0 + ms(100), 2));
         match n.poll(t0 + ms(51)) {
@@ -1217,7 +1222,7 @@ mod tests {
         }
         assert_eq!(n.deferred(), 1);
         let c = Connected {
-            id: Some(8),
+            id: Some(Identity::by_id(8)),
             run_id: Some(Arc::from("r1")),
             started_by: None,
             round_trip: ms(1),
@@ -1437,7 +1442,7 @@ mod tests {
         n.handle_result(Err(e), true, ms(1));
         let _ = answers(&mut n, t0 + ms(11));
         let c = Connected {
-            id: Some(1),
+            id: Some(Identity::by_id(1)),
             run_id: Some(Arc::from("r2")),
             started_by: None,
             round_trip: ms(1),

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::clock::Clock;
-use crate::conn::{Conn, Connect};
+use crate::conn::{Conn, Connect, Identity};
 use crate::core::fences::{self, FenceBook, REMEMBERED_KEYS};
 use crate::core::timing::Timing;
 use crate::error::{Error, Result};
@@ -268,11 +268,11 @@ impl Deployment {
             );
         }
         let give_up_at = self.now() + ttl + self.node_timeout();
-        let mut by_node: Vec<(&Arc<Node>, Vec<u64>)> = Vec::new();
+        let mut by_node: Vec<(&Arc<Node>, Vec<Identity>)> = Vec::new();
         for u in sent {
             match by_node.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &u.node)) {
-                Some((_, conns)) => conns.extend(u.conn),
-                None => by_node.push((&u.node, u.conn.into_iter().collect())),
+                Some((_, conns)) => conns.extend(u.conn.clone()),
+                None => by_node.push((&u.node, u.conn.clone().into_iter().collect())),
             }
         }
         for (node, conns) in by_node {

@@ -11,7 +11,7 @@
 //!
 //! Connections are made outside the operations' budgets. Every worker connects
 //! when the group is created (all nodes at once), in one round trip after the
-//! handshake: `CLIENT SETNAME` + `CLIENT ID`, `INFO` (run id, replication id,
+//! handshake: `CLIENT SETNAME` + `CLIENT ID` + `CLIENT INFO`, `INFO` (run id, replication id,
 //! cluster mode, uptime), `SCRIPT EXISTS` for the three scripts (a script the
 //! server lacks goes out as EVAL at once, so every operation is one round trip)
 //! and, at creation, a `CLIENT KILL` of an id no client has (the group needs
@@ -24,7 +24,7 @@
 //!
 //! A command that got no reply may still be applied later, on the connection it
 //! went out on. So the connector kills that connection from the new one (`CLIENT
-//! KILL ID`, unless the server restarted, which closed it) and waits for the
+//! KILL ID … ADDR …`, unless the server restarted, which closed it) and waits for the
 //! confirmation before the new connection is used: one node's commands are
 //! applied in the order they were issued or not at all, and a release can never
 //! be overtaken by the late acquire it cleans up after. While the kill cannot
@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
-use crate::conn::{Conn, ConnConfig};
+use crate::conn::{Conn, ConnConfig, Identity};
 use crate::core::quorum::Vote;
 use crate::core::redlock::{
     self as machine, Action, Answer, Connected, Node, NodeReply, fences_for, started_by,
@@ -291,7 +291,7 @@ impl NodeConn {
     /// What the node's machine needs to know of it.
     fn connected(&self) -> Connected {
         Connected {
-            id: self.conn.id(),
+            id: self.conn.identity().cloned(),
             run_id: self.info.run_id.as_deref().map(Arc::from),
             started_by: self.started_by,
             round_trip: self.round_trip,
@@ -506,7 +506,7 @@ impl Worker {
         }
     }
 
-    fn start_connector(&mut self, tainted: Vec<u64>, run_id: Option<Arc<str>>) {
+    fn start_connector(&mut self, tainted: Vec<Identity>, run_id: Option<Arc<str>>) {
         let (tx, rx) = crossbeam_channel::unbounded();
         let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
         let cfg = self.cfg.clone();
@@ -584,7 +584,7 @@ pub(crate) fn acquire_reply(reply: &[redis::Value], key: &str, value: &str) -> R
 /// gone, pausing between failed tries.
 fn reconnect(
     cfg: &ConnConfig,
-    tainted: &[u64],
+    tainted: &[Identity],
     run_id: Option<&str>,
     node_timeout: Duration,
     tx: &Sender<Tried>,
@@ -668,7 +668,7 @@ fn acquire_error(key: &str, e: &redis::ServerError) -> Error {
 fn open_node(
     cfg: &ConnConfig,
     budget: Duration,
-    tainted: &[u64],
+    tainted: &[Identity],
     run_id: Option<&str>,
     creating: bool,
     node_timeout: Duration,
@@ -734,8 +734,8 @@ fn open_node(
     }
     if !fences.is_empty() {
         let mut pipe = redis::pipe();
-        for &id in fences {
-            pipe.add_command(kill(id));
+        for target in fences {
+            pipe.add_command(target.kill_cmd());
         }
         let op = "CLIENT KILL (fencing off an unanswered command)";
         for reply in conn.pipeline(&pipe, op, deadline)? {

@@ -8,13 +8,13 @@
 //! The executor sends every renewal due at about the same time as one
 //! pipeline. A renewal with no reply may still be applied later, so before the
 //! leases it carried may be extended again, the connection it went out on is
-//! killed (`CLIENT KILL ID` from a fresh connection to the same server) and
-//! the kill confirmed; until then their claims stay taken and they are bounded
-//! by the worst case. The same executor fences off the connections of user
-//! calls that got no reply (a `reset_expiry`, an acquire), retrying the kill
-//! while it matters, deletes what an unanswered acquire may have set once its
-//! connection is dead, and re-verifies leases after the deployment's topology
-//! changed under them. A renewal answered with `MOVED` is planned again for
+//! killed (`CLIENT KILL ID … ADDR …` from a fresh connection to the same
+//! server: see [`Identity`]) and the kill confirmed; until then their claims
+//! stay taken and they are bounded by the worst case. The same executor
+//! fences off the connections of user calls that got no reply (a
+//! `reset_expiry`, an acquire), retrying the kill while it matters, deletes
+//! what an unanswered acquire may have set once its connection is dead, and
+//! re-verifies leases after the deployment's topology changed under them. A renewal answered with `MOVED` is planned again for
 //! the new owner; one answered with `ASK` goes to the target's executor with
 //! `ASKING`.
 
@@ -27,7 +27,7 @@ use parking_lot::Mutex;
 
 use crate::clock::Clock;
 use crate::conn::cluster::{NodeAddr, Redirect, redirect_of};
-use crate::conn::{Conn, ConnConfig, Pool};
+use crate::conn::{Conn, ConnConfig, Identity, Pool};
 use crate::core::executor::{Command, Executor as Machine, ExtendReply, Settled};
 use crate::core::lease::{Ticket, Verdict};
 use crate::core::timing;
@@ -73,9 +73,10 @@ pub(crate) enum Job {
         hops: u8,
     },
     /// A user call's extension of `lease` got no reply on connection `conn`
-    /// of this node: kill it, then release the claim.
+    /// of this node (`None`: it is not known): kill it, then release the
+    /// claim.
     Fence {
-        conn: Option<u64>,
+        conn: Option<Identity>,
         lease: Arc<Cell>,
         ticket: Ticket,
     },
@@ -84,7 +85,7 @@ pub(crate) enum Job {
     /// `None` when a later attempt was granted and only the late arrival of
     /// the unanswered ones must be stopped), until `give_up_at`.
     Cleanup {
-        conns: Vec<u64>,
+        conns: Vec<Identity>,
         cmd: Option<redis::Cmd>,
         key: String,
         give_up_at: Instant,
@@ -253,7 +254,7 @@ struct Executor {
     retired: Arc<AtomicBool>,
     conn: Option<Conn>,
     /// The choreography: claims, fences, clean-ups.
-    machine: Machine<Arc<Cell>, CleanUpCmd>,
+    machine: Machine<Arc<Cell>, CleanUpCmd, Identity>,
     verifies: Vec<PendingVerify>,
 }
 
@@ -450,21 +451,28 @@ impl Executor {
         })
     }
 
-    /// Kills connection `id` from the executor's connection; Ok once the
-    /// server confirmed it no longer exists.
-    fn kill(&mut self, id: u64, deadline: Instant) -> Result<()> {
+    /// Kills connection `target` from the executor's connection; Ok once the
+    /// server answered that no such connection is open any more.
+    ///
+    /// It answers 1 (killed now) or 0 (no connection with that id and address
+    /// is open), and both rule out that the command left unanswered on
+    /// `target` runs later. A server process never reuses an id, so 0 means
+    /// the connection was closed before (killed, or cut by either side), or
+    /// it belonged to an earlier process of a server that restarted since:
+    /// that process's unread commands went with it, and no later process can
+    /// run them. What the unanswered command may have done before is not
+    /// ruled out, and need not be: its worst effect is assumed already (it
+    /// stays in the lease's bound, and a clean-up still deletes by owner after
+    /// the kill). A kill that gets no reply is assumed to have killed nothing,
+    /// and is tried again.
+    ///
+    /// The address filter spares the connection of another client that a
+    /// restarted server gave the same id; without an address (servers older
+    /// than 6.2, or `CLIENT INFO` denied) the kill goes by id alone, and may
+    /// close that connection instead.
+    fn kill(&mut self, target: &Identity, deadline: Instant) -> Result<()> {
         let conn = self.ensure_conn(deadline)?;
-        let cmd = redis::cmd("CLIENT")
-            .arg("KILL")
-            .arg("ID")
-            .arg(id)
-            .arg("SKIPME")
-            .arg("yes")
-            .clone();
-        // 1: killed now; 0: no such connection any more. Ids are not reused
-        // while the server runs; a restarted server numbers its connections
-        // afresh, so an id from before the restart may name another client.
-        let r: Result<i64> = conn.query(&cmd, "CLIENT KILL", deadline);
+        let r: Result<i64> = conn.query(&target.kill_cmd(), "CLIENT KILL", deadline);
 
         if r.as_ref().is_err_and(|e| e.is_uncertain()) {
             self.conn = None;
@@ -511,7 +519,7 @@ impl Executor {
             .iter()
             .map(|(lease, _, ttl)| lease.extra().extend_cmd(ttl_ms(*ttl)))
             .collect();
-        let conn_id = self.conn.as_ref().and_then(Conn::id);
+        let conn_id = self.conn.as_ref().and_then(Conn::identity).cloned();
         let mut reply = self.send(&cmds, asking, "renew", deadline);
         // A server that lost the script (restarted, SCRIPT FLUSH) gets it with
         // EVAL for those leases, in the time left.
@@ -836,16 +844,17 @@ impl Executor {
             let deadline = now + nt;
             let command = match self.machine.poll_command(now) {
                 None => return,
-                Some(Command::Kill(id)) => Step::Kill(id),
+                Some(Command::Kill(target)) => Step::Kill(target),
                 Some(Command::CleanUp((cmd, key, _))) => Step::CleanUp(cmd.clone(), key.clone()),
             };
             match command {
-                Step::Kill(id) => {
-                    let killed = self.kill(id, deadline);
+                Step::Kill(target) => {
+                    let killed = self.kill(&target, deadline);
                     if let Err(e) = &killed {
                         log::warn!(
-                            "could not kill connection {id} on {} after a command on it got \
+                            "could not kill connection {} on {} after a command on it got \
                              no reply: {e}; retrying",
+                            target.id(),
                             self.cfg.addr
                         );
                     }
@@ -900,7 +909,7 @@ impl Executor {
 
 /// A command of the machine, owned, so the executor can run it.
 enum Step {
-    Kill(u64),
+    Kill(Identity),
     CleanUp(Option<redis::Cmd>, String),
 }
 

@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 
 use super::model::{ClientId, ModelServer, Persistence, Reply as Wire, Value};
 use super::{Net, Queue, Rng, Stats, instant};
+use crate::conn::Identity;
 use crate::core::lease::{LeaseCore, Loss, Refusal};
 use crate::core::quorum::Tally;
 use crate::core::redlock::{
@@ -218,7 +219,7 @@ struct Try {
     id: u64,
     c: usize,
     i: usize,
-    tainted: Vec<u64>,
+    tainted: Vec<Identity>,
     run_id: Option<Arc<str>>,
     started: Duration,
     /// The try fails if it is not done by then.
@@ -317,7 +318,7 @@ enum Ev {
     /// Its setup reply is back: a new connection to `run_id`.
     Opened(Try, ClientId, String),
     /// Its kills reach the server.
-    Kill(Try, ClientId, Vec<u64>, Option<Duration>),
+    Kill(Try, ClientId, Vec<Identity>, Option<Duration>),
     /// Their replies are back.
     Killed(Try, ClientId, Vec<Wire>),
     /// The try ran out of time.
@@ -475,7 +476,7 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
                 .map(|(i, s)| {
                     let conn = s.model.connect();
                     let first = Connected {
-                        id: Some(conn),
+                        id: Some(Identity::by_id(conn)),
                         run_id: Some(Arc::from(s.model.run_id())),
                         started_by: None,
                         round_trip,
@@ -668,17 +669,42 @@ impl World {
                 }
             }
             Ev::Kill(t, conn, ids, back) => {
-                let s = &mut self.servers[t.i];
-                if s.epoch != t.epoch {
+                if self.servers[t.i].epoch != t.epoch {
                     return Ok(());
                 }
+                // A restarted server numbers its connections from 1 again: a
+                // kill must never reach another client's connection.
+                for id in &ids {
+                    let owner = self.clients.iter().position(|c| {
+                        let l = &c.links[t.i];
+                        l.epoch == t.epoch && l.conn == id.id()
+                    });
+                    if let Some(other) = owner.filter(|&o| o != t.c)
+                        && self.servers[t.i].model.is_connected(id.id())
+                    {
+                        return Err(format!(
+                            "client {} kills connection {} on node {}, client {other}'s",
+                            t.c,
+                            id.id(),
+                            t.i
+                        ));
+                    }
+                }
+                let s = &mut self.servers[t.i];
                 s.sync(self.now);
                 let replies: Option<Vec<Wire>> = ids
                     .iter()
                     .map(|id| {
                         s.run(
                             conn,
-                            &["CLIENT", "KILL", "ID", &id.to_string(), "SKIPME", "yes"],
+                            &[
+                                "CLIENT",
+                                "KILL",
+                                "ID",
+                                &id.id().to_string(),
+                                "SKIPME",
+                                "yes",
+                            ],
                         )
                     })
                     .collect();
@@ -864,7 +890,7 @@ impl World {
         }
         link.trying = None;
         let connected = Connected {
-            id: Some(conn),
+            id: Some(Identity::by_id(conn)),
             run_id: Some(Arc::from(run_id)),
             started_by: started_by(asked, Some(Duration::from_secs(t.uptime))),
             round_trip: self.now - t.started,

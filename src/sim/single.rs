@@ -398,7 +398,7 @@ struct Exec {
     busy: bool,
     queue: VecDeque<Job>,
     /// Clean-ups carry the key and the owner to delete by.
-    machine: Machine<Arc<Cell>, (usize, Option<String>)>,
+    machine: Machine<Arc<Cell>, (usize, Option<String>), ConnId>,
 }
 
 struct Proc {

@@ -94,7 +94,8 @@ Check ids:
   sentinel     how many sentinels answer, the quorum
   failover     what a failover loses
   acl          the rights every run needs: CLIENT ID, CLIENT KILL, EVAL,
-               CLIENT TRACKING, the invalidation channel
+               CLIENT TRACKING, the invalidation channel; CLIENT INFO (6.2)
+               so that a kill matches the connection's address too
   key          reading and writing the keys of KEY (--key; without it, of a probe
                name under --prefix)
 

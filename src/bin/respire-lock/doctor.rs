@@ -333,11 +333,19 @@ fn node_checks(
              for client tracking",
         )),
         Some(version) => {
-            let major: u32 = version
-                .split('.')
-                .next()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0);
+            let mut parts = version.split('.').map(|v| v.parse::<u32>().unwrap_or(0));
+            let major = parts.next().unwrap_or(0);
+            let minor = parts.next().unwrap_or(0);
+            if (major, minor) < (6, 2) {
+                out.push(Finding::new(
+                    Level::Warn,
+                    "version",
+                    format!(
+                        "redis {version}: no CLIENT INFO (6.2): a connection is killed by id \
+                         alone, and after a server restart that id may be another client's"
+                    ),
+                ));
+            }
             out.push(if major >= 6 {
                 Finding::new(
                     Level::Ok,
@@ -462,8 +470,9 @@ fn node_checks(
     }
 
     // ACL rights, each tried harmlessly.
-    let rights: [(&str, &[&str]); 4] = [
+    let rights: [(&str, &[&str]); 5] = [
         ("CLIENT ID", &["CLIENT", "ID"]),
+        ("CLIENT INFO", &["CLIENT", "INFO"]),
         (
             "CLIENT KILL",
             &["CLIENT", "KILL", "ID", "9223372036854775807"],
@@ -477,6 +486,14 @@ fn node_checks(
             cmd.arg(*a);
         }
         match cmd.query::<redis::Value>(&mut conn) {
+            Err(e) if e.code() == Some("NOPERM") && what == "CLIENT INFO" => {
+                out.push(Finding::new(
+                    Level::Warn,
+                    "acl",
+                    "acl: CLIENT INFO denied: a connection is killed by id alone, and after a \
+                     server restart that id may be another client's",
+                ))
+            }
             Err(e) if e.code() == Some("NOPERM") => out.push(Finding::new(
                 Level::Fail,
                 "acl",

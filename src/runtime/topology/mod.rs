@@ -44,7 +44,7 @@ use parking_lot::Mutex;
 
 use crate::clock::Clock;
 use crate::conn::cluster::{NodeAddr, Redirect, redirect};
-use crate::conn::{Conn, ConnConfig, Connect, RoleCheck};
+use crate::conn::{Conn, ConnConfig, Connect, Identity, RoleCheck};
 use crate::error::{Error, Result};
 use crate::keys::key_slot;
 use crate::observe::{self, Observer};
@@ -85,11 +85,11 @@ impl std::ops::Deref for NodeRef<'_> {
     }
 }
 
-/// Where a command that got no reply went: its server and connection id.
+/// Where a command that got no reply went: its server and connection.
 #[derive(Clone)]
 pub(crate) struct Uncertain {
     pub(crate) node: Arc<Node>,
-    pub(crate) conn: Option<u64>,
+    pub(crate) conn: Option<Identity>,
 }
 
 /// The settings every node of a deployment shares.
@@ -588,15 +588,15 @@ impl std::fmt::Debug for Topology {
     }
 }
 
-/// One try of `f` on a pooled connection to `node`: its result and the
-/// connection's id, or the pool's error (nothing sent).
+/// One try of `f` on a pooled connection to `node`: its result and what the
+/// server knows of the connection, or the pool's error (nothing sent).
 fn try_on<T>(
     node: &Node,
     deadline: &mut Instant,
     connect: Connect,
     asking: bool,
     f: &mut dyn FnMut(&Node, &mut Conn, Instant) -> Result<T>,
-) -> Result<(Result<T>, Option<u64>)> {
+) -> Result<(Result<T>, Option<Identity>)> {
     let mut conn = node.pool.get(*deadline, connect)?;
     if connect == Connect::Own {
         *deadline += conn.connect_time();
@@ -604,6 +604,6 @@ fn try_on<T>(
     if asking {
         conn.ask_next();
     }
-    let id = conn.id();
+    let id = conn.identity().cloned();
     Ok((f(node, &mut conn, *deadline), id))
 }
