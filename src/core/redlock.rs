@@ -1267,11 +1267,15 @@ mod tests {
                 tainted = Some(t);
             }
         }
-        assert_eq!(tainted, Some(vec![7]), "its connection is killed first");
+        assert_eq!(
+            tainted,
+            Some(vec![Identity::by_id(7)]),
+            "its connection is killed first"
+        );
         assert!(!n.is_connected());
         assert_eq!(n.deferred(), 1, "the release waits for the kill");
         let c = Connected {
-            id: Some(8),
+            id: Some(Identity::by_id(8)),
             run_id: Some(Arc::from("r1")),
             started_by: None,
             round_trip: ms(1),
