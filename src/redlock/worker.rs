@@ -411,14 +411,17 @@ impl Worker {
         self.drive_from(Instant::now());
     }
 
-    /// [`Worker::drive`], with the clock read at `now` (read again after
-    /// each command, which is what takes time: the machine's own steps take
-    /// next to none, and a send dated a moment early only makes its round
-    /// trip look longer).
+    /// [`Worker::drive`], with the clock read at `now`, and read again after
+    /// each step that can take time (a command, an answer, which may let
+    /// the waiting thread run first, a connector's start): the machine's own
+    /// steps take next to none.
     fn drive_from(&mut self, mut now: Instant) {
         while let Some(action) = self.node.poll(now) {
             match action {
-                Action::Respond { handle, answer } => self.respond(handle, answer, now),
+                Action::Respond { handle, answer } => {
+                    self.respond(handle, answer, now);
+                    now = Instant::now();
+                }
                 Action::Connect { tainted, run_id } => {
                     self.start_connector(tainted, run_id);
                     now = Instant::now();
