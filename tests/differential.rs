@@ -693,7 +693,14 @@ impl Generator {
         match self.rng.below(16) {
             0 => {
                 let (owner, ttl) = (self.owner(), self.ttl());
-                s(&["SET", &self.key(LEASE), &owner, "NX", "PX", &ttl])
+                let key = self.key(LEASE);
+                // A lock's attempt: alone with `GET` (Redis 7.0 on), or
+                // pipelined with a `GET` of its own.
+                if self.rng.below(2) == 0 {
+                    s(&["SET", &key, &owner, "NX", "PX", &ttl, "GET"])
+                } else {
+                    s(&["SET", &key, &owner, "NX", "PX", &ttl])
+                }
             }
             1 => s(&[
                 self.rng

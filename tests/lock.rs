@@ -156,6 +156,54 @@ fn dropping_a_guard_releases_and_fires_its_signal() {
 }
 
 #[test]
+fn a_lock_found_free_is_taken_with_one_command_and_a_held_one_reported_busy() {
+    // A server of its own: only this test's commands are counted.
+    let server = TestServer::builder().start();
+    let coord = Coordinator::builder(&server.url())
+        .key_prefix("one:")
+        .build()
+        .unwrap();
+    let lock = coord.lock("job").unwrap();
+    let ttl = Duration::from_secs(5);
+    // The first call opens the pooled connection; count from the second.
+    lock.try_acquire(ttl).unwrap().unwrap().release().unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut server.client())
+        .unwrap();
+    // Counted before the releases, whose script reads the key too.
+    let cancel = respire_coordination::CancelToken::new();
+    let mut guards = Vec::new();
+    for name in ["a", "b", "c"] {
+        let lock = coord.lock(name).unwrap();
+        guards.push(lock.try_acquire(ttl).unwrap().unwrap());
+    }
+    for name in ["d", "e", "f"] {
+        // The waiting verb, finding the lock free, makes the same attempt.
+        guards.push(coord.lock(name).unwrap().acquire(ttl, &cancel).unwrap());
+    }
+    assert_eq!(server.command_calls("set"), 6);
+    assert_eq!(server.command_calls("get"), 0);
+    assert_eq!(server.command_calls("pttl"), 0);
+    for guard in guards {
+        assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
+    }
+    // Held by another owner: busy, and the holder's key is left alone.
+    let _: () = server.client().set("one:job", "someone").unwrap();
+    assert!(lock.try_acquire(ttl).unwrap().is_none());
+    assert_eq!(
+        lock.acquire_timeout(ttl, Duration::ZERO)
+            .unwrap()
+            .map(|g| g.key().to_owned()),
+        None
+    );
+    let holder: String = server.client().get("one:job").unwrap();
+    assert_eq!(holder, "someone");
+    let left: i64 = server.client().pttl("one:job").unwrap();
+    assert_eq!(left, -1, "the holder's key keeps having no expiry");
+}
+
+#[test]
 fn bad_input_is_refused_and_touches_nothing() {
     let prefix = unique_prefix("badinput");
     let coord = coordinator(&prefix);

@@ -23,7 +23,7 @@ const LINK_DELAY: Duration = Duration::from_millis(10);
 const CHILD_DEADLINE: Duration = Duration::from_secs(300);
 
 const USAGE: &str = "usage: respire-compare [--quick] [--rounds N] [--cases LIST] \
-[--pairs N] [--redlock-pairs N] [--contenders N] [--handoff-ms N] [--hold-ms N] \
+[--pairs N] [--redlock-pairs N] [--redlock-node-timeout-ms N] [--contenders N] [--handoff-ms N] [--hold-ms N] \
 [--slow-attempts N] [--waiters N] [--idle-ms N] [--blocks N] [--markdown PATH]";
 
 /// What the command line asks for.

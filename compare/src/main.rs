@@ -5,8 +5,9 @@
 //!
 //! ```text
 //! respire-compare [--quick] [--rounds N] [--cases single,redlock,handoff,slow,idle]
-//!                 [--pairs N] [--redlock-pairs N] [--contenders N] [--handoff-ms N]
-//!                 [--hold-ms N] [--slow-attempts N] [--waiters N] [--idle-ms N]
+//!                 [--pairs N] [--redlock-pairs N] [--redlock-node-timeout-ms N]
+//!                 [--contenders N] [--handoff-ms N] [--hold-ms N]
+//!                 [--slow-attempts N] [--waiters N] [--idle-ms N]
 //!                 [--blocks N] [--markdown PATH]
 //! ```
 //!

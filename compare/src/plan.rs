@@ -377,6 +377,9 @@ const IDLE: &[Impl] = &[
     ),
 ];
 
+/// `RedlockOptions::default()`'s node timeout.
+const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(50);
+
 /// The sizes of a run, passed to every child as `name=value` arguments.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Sizes {
@@ -389,6 +392,10 @@ pub(crate) struct Sizes {
     pub(crate) pairs: usize,
     /// Acquire + release pairs per child, Redlock over 5 local nodes.
     pub(crate) redlock_pairs: usize,
+    /// The node timeout of the group and of the raw quorum workers over the
+    /// 5 local nodes (`RedlockOptions::default()`'s; longer for a run under
+    /// an instruction counter, whose round trips are slower).
+    pub(crate) redlock_node_timeout: Duration,
     /// Contenders for the hand-off.
     pub(crate) contenders: usize,
     /// How long each hand-off child runs.
@@ -410,6 +417,7 @@ impl Sizes {
             blocks: 20,
             pairs: 5_000,
             redlock_pairs: 2_000,
+            redlock_node_timeout: DEFAULT_NODE_TIMEOUT,
             contenders: 8,
             handoff: Duration::from_secs(2),
             hold: Duration::from_millis(1),
@@ -425,6 +433,7 @@ impl Sizes {
             blocks: 5,
             pairs: 500,
             redlock_pairs: 200,
+            redlock_node_timeout: DEFAULT_NODE_TIMEOUT,
             contenders: 8,
             handoff: Duration::from_millis(500),
             hold: Duration::from_millis(1),
@@ -442,6 +451,7 @@ impl Sizes {
             ("blocks", self.blocks.to_string()),
             ("pairs", self.pairs.to_string()),
             ("redlock-pairs", self.redlock_pairs.to_string()),
+            ("redlock-node-timeout-ms", ms(self.redlock_node_timeout)),
             ("contenders", self.contenders.to_string()),
             ("handoff-ms", ms(self.handoff)),
             ("hold-ms", ms(self.hold)),
@@ -467,6 +477,7 @@ impl Sizes {
             "blocks" => self.blocks = count()?,
             "pairs" => self.pairs = count()?,
             "redlock-pairs" => self.redlock_pairs = count()?,
+            "redlock-node-timeout-ms" => self.redlock_node_timeout = ms()?,
             "contenders" => {
                 self.contenders = count()?;
                 if self.contenders < 2 {

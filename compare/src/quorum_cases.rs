@@ -57,7 +57,7 @@ pub(crate) fn run_local(imp: &str, ctx: &Ctx) -> Res<Figures> {
     let n = ctx.sizes.per_block(Case::Redlock, ctx.sizes.redlock_pairs);
     let (pairs, acquires) = match imp {
         "raw-quorum" => {
-            let mut workers = QuorumWorkers::start(urls, RedlockOptions::default().node_timeout)?;
+            let mut workers = QuorumWorkers::start(urls, ctx.sizes.redlock_node_timeout)?;
             let key: Arc<str> = ctx.key("raw").into();
             time_pairs(warm, n, |i| {
                 let value: Arc<str> = owner(i).into();
@@ -72,7 +72,11 @@ pub(crate) fn run_local(imp: &str, ctx: &Ctx) -> Res<Figures> {
             })?
         }
         "group" => {
-            let group = group(urls, RedlockOptions::default())?;
+            let options = RedlockOptions {
+                node_timeout: ctx.sizes.redlock_node_timeout,
+                ..RedlockOptions::default()
+            };
+            let group = group(urls, options)?;
             let key = ctx.key("group");
             time_pairs(warm, n, |_| {
                 let start = Instant::now();

@@ -72,6 +72,24 @@ impl History {
         }
     }
 
+    /// [`FenceBook::check`] on this key's history, at tick `clock`.
+    fn check(
+        &mut self,
+        clock: u64,
+        horizon: Duration,
+        token: u64,
+        sent: Instant,
+        received: Instant,
+    ) -> Result<(), u64> {
+        self.used = clock;
+        if let Some(before) = received.checked_sub(horizon) {
+            self.settle(before);
+        }
+        let seen = self.seen_before(sent);
+        self.record(received, token);
+        if token <= seen { Err(seen) } else { Ok(()) }
+    }
+
     fn record(&mut self, received: Instant, token: u64) {
         let max = self.recent.back().map_or(self.settled, |&(_, m)| m);
         // Replies are recorded as they are processed; keep the deque sorted
@@ -116,18 +134,16 @@ impl FenceBook {
         received: Instant,
     ) -> Result<(), u64> {
         self.clock += 1;
-        let clock = self.clock;
-        if !self.keys.contains_key(key) && self.keys.len() >= self.capacity {
+        let (clock, horizon) = (self.clock, self.horizon);
+        if let Some(history) = self.keys.get_mut(key) {
+            return history.check(clock, horizon, token, sent, received);
+        }
+        if self.keys.len() >= self.capacity {
             self.forget_oldest();
         }
+        // Only a key not seen yet is copied.
         let history = self.keys.entry(key.to_owned()).or_default();
-        history.used = clock;
-        if let Some(before) = received.checked_sub(self.horizon) {
-            history.settle(before);
-        }
-        let seen = history.seen_before(sent);
-        history.record(received, token);
-        if token <= seen { Err(seen) } else { Ok(()) }
+        history.check(clock, horizon, token, sent, received)
     }
 
     /// Drops the least recently used tenth of the keys.

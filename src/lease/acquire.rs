@@ -317,11 +317,13 @@ impl<K: Kind> Lease<K> {
     ) {
         let dep = &self.dep;
         let mut attempts = Attempts::default();
-        let deadline = dep.now() + dep.node_timeout() + dep.replication.timeout();
+        let now = dep.now();
+        let deadline = now + dep.node_timeout() + dep.replication.timeout();
         let mut result = Err(Error::Cancelled);
         for retry in [false, true] {
             let mut reused = false;
-            let mut started = dep.now();
+            // Read again right before the attempt is sent.
+            let mut started = now;
             let (r, lost) = dep.on_key(
                 &self.spec.keys()[0],
                 deadline,

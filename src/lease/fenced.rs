@@ -97,13 +97,24 @@ impl Acquire<FencingToken> for FencedSpec {
         _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<FencingToken>>> {
         let (lease, fence) = (&self.keys[0], &self.keys[1]);
-        let keys: Vec<&str> = self.keys.iter().map(String::as_str).collect();
+        // Lease, fence and the value key when there is one; owner, TTL and
+        // the value when there is one (on the stack, no vector per attempt).
+        let key_slots = [
+            lease.as_str(),
+            fence.as_str(),
+            self.keys.get(2).map_or("", String::as_str),
+        ];
+        let keys = &key_slots[..self.keys.len()];
         let ttl = ttl_ms.to_string();
-        let mut args = vec![owner.as_str(), &ttl];
-        args.extend(self.value.as_deref());
+        let arg_slots = [
+            owner.as_str(),
+            &ttl,
+            self.value.as_deref().unwrap_or_default(),
+        ];
+        let args = &arg_slots[..2 + usize::from(self.value.is_some())];
         let sent = dep.now();
         let reply: Vec<redis::Value> = conn
-            .script(&scripts::FENCED_ACQUIRE, &keys, &args, "acquire", deadline)
+            .script(&scripts::FENCED_ACQUIRE, keys, args, "acquire", deadline)
             .map_err(|e| {
                 let key = match &e {
                     Error::Server { source, .. }
@@ -124,7 +135,7 @@ impl Acquire<FencingToken> for FencedSpec {
                         }
                     }
                     // BADKEY names its key by index (KEYS[3], the value).
-                    e if key == lease => bad_key_in(e, &keys),
+                    e if key == lease => bad_key_in(e, keys),
                     e => bad_key(e, key),
                 }
             })?;

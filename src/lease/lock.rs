@@ -1,9 +1,13 @@
-//! `Lock`: a plain mutex on one key — `SET key owner NX PX ttl` pipelined with
-//! reads of the key (`GET`, and in a wait that found it held `PTTL`, with the
-//! read arming client tracking); renew and delete only when the key still holds our owner token. No fencing token: use it where two
-//! holders at once would waste work, not corrupt data.
+//! `Lock`: a plain mutex on one key — `SET key owner NX PX ttl GET`, one
+//! command that also answers who held the key (before Redis 7.0, and in a
+//! wait that found it held, `SET NX PX` pipelined with reads of the key:
+//! `GET`, and in the wait `PTTL`, with the read arming client tracking);
+//! renew and delete only when the key still holds our owner token. No
+//! fencing token: use it where two holders at once would waste work, not
+//! corrupt data.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use crate::conn::Conn;
@@ -41,12 +45,42 @@ impl Lease<Plain> {
 /// The key and acquire commands of a [`Lock`].
 pub(crate) struct PlainSpec {
     keys: [String; 1],
+    /// The server refused `SET` with both `NX` and `GET` (before Redis 7.0):
+    /// attempts pipeline a `GET` after `SET NX` instead.
+    no_set_get: AtomicBool,
 }
 
 impl PlainSpec {
     pub(crate) fn new(key: String) -> Self {
-        PlainSpec { keys: [key] }
+        PlainSpec {
+            keys: [key],
+            no_set_get: AtomicBool::new(false),
+        }
     }
+}
+
+/// `SET key owner NX PX ttl_ms`, with `GET` at the end when `get`, in a
+/// buffer of the size it needs.
+fn set_command(key: &str, owner: &str, ttl_ms: u64, get: bool) -> redis::Cmd {
+    // The name, the arguments, and at most 20 digits of the TTL.
+    let size = "SETNXPXGET".len() + key.len() + owner.len() + 20;
+    let mut cmd = redis::Cmd::with_capacity(7, size);
+    cmd.arg("SET")
+        .arg(key)
+        .arg(owner)
+        .arg("NX")
+        .arg("PX")
+        .arg(ttl_ms);
+    if get {
+        cmd.arg("GET");
+    }
+    cmd
+}
+
+/// Whether `e` is a server's refusal of `SET` with both `NX` and `GET`
+/// (Redis before 7.0 answers a syntax error and runs nothing).
+fn refuses_nx_with_get(e: &redis::ServerError) -> bool {
+    e.code() == "ERR" && e.details().is_some_and(|d| d.contains("syntax error"))
 }
 
 impl Acquire<()> for PlainSpec {
@@ -68,31 +102,33 @@ impl Acquire<()> for PlainSpec {
         waiting: bool,
         uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<()>>> {
-        // One round trip of plain commands, no script: `SET NX PX` takes the
-        // lock if it is free; `GET` tells a grant of this owner's earlier
-        // attempt (whose reply was lost) from another holder, and a key of
-        // another type (an error, not a lock held by someone else); in a
-        // wait that found the lock held, `PTTL` says how long the holder has,
-        // and `CLIENT CACHING yes` right before the `GET` (which must follow
-        // the `SET`, whose write would clear it) has the read arm client
-        // tracking. An earlier attempt that lands late finds the key set and
-        // changes nothing: it can never shorten the lock.
+        // One round trip of plain commands, no script. An attempt that does
+        // not wait is one command, `SET NX PX GET` (Redis 7.0 on): it takes
+        // the lock if it is free and answers what the key held before, which
+        // tells a grant of this owner's earlier attempt (whose reply was
+        // lost) from another holder, and a key of another type (an error, not
+        // a lock held by someone else) from both. A server that refuses `NX`
+        // with `GET` (before 7.0) gets the pipeline below instead, from then
+        // on. In a wait that found the lock held, `SET NX PX` goes with a
+        // `GET` of its own, after `CLIENT CACHING yes` (which must follow the
+        // `SET`, whose write would clear it) so that the read arms client
+        // tracking (a write does not), and `PTTL`, which says how long the
+        // holder has. An earlier attempt that lands late finds the key set
+        // and changes nothing: it can never shorten the lock.
         let key = &self.keys[0];
         let track = conn.take_track();
+        let set_get = !waiting && !track && !self.no_set_get.load(Ordering::Relaxed);
         let mut pipe = redis::pipe();
         pipe.ignore_errors();
-        pipe.cmd("SET")
-            .arg(key)
-            .arg(owner.as_str())
-            .arg("NX")
-            .arg("PX")
-            .arg(ttl_ms);
-        if track {
-            pipe.cmd("CLIENT").arg("CACHING").arg("yes");
-        }
-        pipe.cmd("GET").arg(key);
-        if waiting {
-            pipe.cmd("PTTL").arg(key);
+        pipe.add_command(set_command(key, owner.as_str(), ttl_ms, set_get));
+        if !set_get {
+            if track {
+                pipe.cmd("CLIENT").arg("CACHING").arg("yes");
+            }
+            pipe.cmd("GET").arg(key);
+            if waiting {
+                pipe.cmd("PTTL").arg(key);
+            }
         }
         let sent = dep.now();
         let mut reply = conn.pipeline(&pipe, "acquire", deadline)?;
@@ -129,14 +165,35 @@ impl Acquire<()> for PlainSpec {
                 }
             })
         };
+        let mine = |v: &[u8]| v == owner.as_str().as_bytes();
+        if set_get {
+            return match reply.as_slice() {
+                // Free: set now.
+                [redis::Value::Nil] => granted(sent),
+                // Set by an earlier attempt of this owner whose reply was
+                // lost: its expiry counts from that attempt at the earliest.
+                [redis::Value::BulkString(v)] if mine(v) => granted(dated(uncertain_since, sent)),
+                [redis::Value::BulkString(_)] => Ok(Attempt::Busy(None)),
+                [redis::Value::ServerError(e)] if refuses_nx_with_get(e) => {
+                    // Refused before it ran: nothing was set.
+                    log::debug!(
+                        "the server refuses SET with NX and GET (before Redis 7.0); acquiring \
+                         {key:?} with SET NX and GET pipelined"
+                    );
+                    self.no_set_get.store(true, Ordering::Relaxed);
+                    self.attempt(dep, conn, owner, ttl_ms, deadline, waiting, uncertain_since)
+                }
+                [redis::Value::ServerError(e)] => fail(e),
+                other => Err(Error::UnexpectedReply {
+                    op: "acquire",
+                    reply: format!("{other:?}"),
+                }),
+            };
+        }
         match reply.as_slice() {
             [redis::Value::Okay, ..] => granted(sent),
             [redis::Value::ServerError(e), ..] => fail(e),
-            [redis::Value::Nil, redis::Value::BulkString(v), ..]
-                if v.as_slice() == owner.as_str().as_bytes() =>
-            {
-                // Set by an earlier attempt of this owner whose reply was
-                // lost: its expiry counts from that attempt at the earliest.
+            [redis::Value::Nil, redis::Value::BulkString(v), ..] if mine(v) => {
                 granted(dated(uncertain_since, sent))
             }
             [redis::Value::Nil, redis::Value::ServerError(e), ..]
@@ -160,5 +217,52 @@ impl Acquire<()> for PlainSpec {
 
     fn debug(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Lock").field("key", &self.keys[0]).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server_error(reply: &str) -> redis::ServerError {
+        match redis::parse_redis_value(reply.as_bytes()).unwrap() {
+            redis::Value::ServerError(e) => e,
+            other => panic!("not an error reply: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn only_a_syntax_error_is_a_refusal_of_nx_with_get() {
+        // What Redis 6.2 and earlier answer to `SET k v NX PX 1 GET`.
+        assert!(refuses_nx_with_get(&server_error("-ERR syntax error\r\n")));
+        for other in [
+            "-WRONGTYPE Operation against a key holding the wrong kind of value\r\n",
+            "-NOPERM this user has no permissions to run the 'set' command\r\n",
+            "-ERR value is not an integer or out of range\r\n",
+            "-READONLY You can't write against a read only replica.\r\n",
+        ] {
+            assert!(!refuses_nx_with_get(&server_error(other)), "{other}");
+        }
+    }
+
+    #[test]
+    fn the_plain_attempt_is_one_set_with_get() {
+        let args = |cmd: &redis::Cmd| -> Vec<String> {
+            cmd.args_iter()
+                .map(|a| match a {
+                    redis::Arg::Simple(b) => String::from_utf8(b.to_vec()).unwrap(),
+                    other => panic!("not a plain argument: {other:?}"),
+                })
+                .collect()
+        };
+        let owner = "0123456789abcdef0123456789abcdef";
+        assert_eq!(
+            args(&set_command("app:job", owner, 30_000, true)),
+            ["SET", "app:job", owner, "NX", "PX", "30000", "GET"]
+        );
+        assert_eq!(
+            args(&set_command("app:job", owner, u64::MAX, false)),
+            ["SET", "app:job", owner, "NX", "PX", &u64::MAX.to_string()]
+        );
     }
 }

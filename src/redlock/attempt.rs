@@ -12,8 +12,22 @@ use crate::error::{Error, Result};
 use crate::report::{NodeOutcome, NodeReport};
 use crate::token::OwnerToken;
 
+/// Who reads the nodes' answers of an attempt that got the lock.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Evidence {
+    /// The attempt and its guard (each has its own copy).
+    Both,
+    /// The guard alone: the attempt is turned into its result at once.
+    Guard,
+}
+
 impl Group {
-    pub(super) fn attempt(this: &Arc<Group>, key: &str, ttl: Duration) -> Result<RedlockAttempt> {
+    pub(super) fn attempt(
+        this: &Arc<Group>,
+        key: &str,
+        ttl: Duration,
+        evidence: Evidence,
+    ) -> Result<RedlockAttempt> {
         let ttl_ms = this.check_ttl(ttl)?;
         if key.is_empty() {
             return Err(Error::InvalidArgument("redlock key is empty".into()));
@@ -21,7 +35,12 @@ impl Group {
         let keys = this
             .prefixes
             .iter()
-            .map(|prefix| format!("{prefix}{key}"))
+            .map(|prefix| {
+                let mut physical = String::with_capacity(prefix.len() + key.len());
+                physical.push_str(prefix);
+                physical.push_str(key);
+                physical
+            })
             .collect();
         let owner = OwnerToken::new();
         let lease = Arc::new(NodeLease::new(keys, owner.as_str().to_owned()));
@@ -47,20 +66,17 @@ impl Group {
         let permanent = (this.len() - permanent.len() < this.quorum)
             .then(|| permanent.first().and_then(|e| e.duplicate_permanent()))
             .flatten();
-        let nodes = this.reports(replies, &targets, deadline, &NodeOutcome::Abandoned);
+        let mut nodes = this.reports(replies, &targets, deadline, &NodeOutcome::Abandoned);
         let ttl = Duration::from_millis(ttl_ms);
         let validity = validity(ttl, elapsed, this.options.drift_factor);
         let verdict = tally.acquire();
         let granted = verdict == AcquireVerdict::Granted;
         let guard = if acquired(&tally, validity) {
-            Some(RedlockGuard::new(
-                this,
-                key,
-                lease,
-                sent,
-                ttl,
-                nodes.clone(),
-            ))
+            let evidence = match evidence {
+                Evidence::Both => nodes.clone(),
+                Evidence::Guard => std::mem::take(&mut nodes),
+            };
+            Some(RedlockGuard::new(this, key, lease, sent, ttl, evidence))
         } else {
             this.clean_up(&lease);
             None

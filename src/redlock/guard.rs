@@ -344,16 +344,21 @@ impl RedlockGuard {
         }
         let skipped = NodeOutcome::NotSent("confirmed by an earlier release".into());
         let nodes = group.reports(replies, &targets, deadline, &skipped);
-        *self.inner.evidence.lock() = nodes.clone();
-        let result = self
-            .release
-            .conclude()
-            .map_err(|confirmed| Error::QuorumNotReached {
-                op: "release",
-                confirmed,
-                needed: group.quorum,
-                nodes,
-            });
+        let result = match self.release.conclude() {
+            Ok(held) => {
+                *self.inner.evidence.lock() = nodes;
+                Ok(held)
+            }
+            Err(confirmed) => {
+                *self.inner.evidence.lock() = nodes.clone();
+                Err(Error::QuorumNotReached {
+                    op: "release",
+                    confirmed,
+                    needed: group.quorum,
+                    nodes,
+                })
+            }
+        };
         if let Some(w) = self.inner.cell.watching() {
             let outcome = result.as_ref().ok().map(|held| match held {
                 true => ReleaseOutcome::Released,

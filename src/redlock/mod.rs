@@ -37,6 +37,7 @@ pub use attempt::RedlockAttempt;
 pub use guard::{RedlockGuard, RedlockKeepAlive};
 pub use options::RedlockOptions;
 
+use attempt::Evidence;
 use guard::GroupRenewal;
 use independence::check_independent;
 use options::{check_options, random_unit, retry_pause};
@@ -390,7 +391,7 @@ impl RedlockGroup {
     /// well below it (node timeout + drift must be under half the TTL).
     /// Contention and node failures are in the returned attempt.
     pub fn attempt(&self, key: &str, ttl: Duration) -> Result<RedlockAttempt> {
-        Group::attempt(&self.inner, key, ttl)
+        Group::attempt(&self.inner, key, ttl, Evidence::Both)
     }
 
     /// One attempt. Blocks as [`attempt`](RedlockGroup::attempt) does: at most
@@ -428,7 +429,8 @@ impl RedlockGroup {
         ttl: Duration,
         seen: &mut Option<Acquiring<'_>>,
     ) -> Result<Option<RedlockGuard>> {
-        let result = self.attempt(key, ttl).and_then(RedlockAttempt::into_result);
+        let result = Group::attempt(&self.inner, key, ttl, Evidence::Guard)
+            .and_then(RedlockAttempt::into_result);
         if matches!(result, Ok(None)) {
             Acquiring::busy(seen, None);
         }

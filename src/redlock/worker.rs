@@ -394,32 +394,48 @@ impl Worker {
     }
 
     fn handle(&mut self, job: Job) {
+        let now = Instant::now();
         let handle = Handle {
             reply: job.reply,
             tag: job.tag,
             done: job.done,
-            started: Instant::now(),
+            started: now,
         };
         self.node
             .handle_job(machine::Job::new(job.op, job.lease, job.deadline, handle));
-        self.drive();
+        self.drive_from(now);
     }
 
     /// Does what the machine asks until it waits for something.
     fn drive(&mut self) {
-        while let Some(action) = self.node.poll(Instant::now()) {
+        self.drive_from(Instant::now());
+    }
+
+    /// [`Worker::drive`], with the clock read at `now`, and read again after
+    /// each step that can take time (a command, an answer, which may let
+    /// the waiting thread run first, a connector's start): the machine's own
+    /// steps take next to none.
+    fn drive_from(&mut self, mut now: Instant) {
+        while let Some(action) = self.node.poll(now) {
             match action {
-                Action::Respond { handle, answer } => self.respond(handle, answer),
-                Action::Connect { tainted, run_id } => self.start_connector(tainted, run_id),
+                Action::Respond { handle, answer } => {
+                    self.respond(handle, answer, now);
+                    now = Instant::now();
+                }
+                Action::Connect { tainted, run_id } => {
+                    self.start_connector(tainted, run_id);
+                    now = Instant::now();
+                }
                 Action::Send {
                     op,
                     lease,
                     deadline,
                 } => {
-                    let sent = Instant::now();
+                    let sent = now;
                     let result = self.run_command(op, &lease, deadline);
+                    now = Instant::now();
                     let broken = self.conn.as_ref().is_none_or(Conn::is_broken);
-                    self.node.handle_result(result, broken, sent.elapsed());
+                    self.node.handle_result(result, broken, now - sent);
                     if !self.node.is_connected() && self.conn.take().is_some() {
                         let mut status = self.status.lock();
                         status.connected = false;
@@ -430,14 +446,17 @@ impl Worker {
         }
     }
 
-    fn respond(&self, mut handle: Handle, answer: Answer) {
+    /// Answers a job at `now`.
+    fn respond(&self, mut handle: Handle, answer: Answer, now: Instant) {
         if let Some(reply) = handle.reply.take() {
             let _ = reply.try_send(Reply {
                 node: self.index,
                 tag: handle.tag,
                 outcome: answer.outcome,
                 vote: answer.vote,
-                latency: answer.sent.then(|| handle.started.elapsed()),
+                latency: answer
+                    .sent
+                    .then(|| now.saturating_duration_since(handle.started)),
                 permanent: answer.permanent,
             });
         }

@@ -330,6 +330,12 @@ impl Registry {
     /// first key, if there are any (checked and queued at once, so the waiter
     /// ahead is still there to pass the turn on); `None` when there are none.
     fn register_behind(&self, keys: &[&str]) -> Option<Waiter<'_>> {
+        // Nobody queued on any key (the uncontended path): no class to work
+        // out, no key to look up. A waiter that queues meanwhile queued after
+        // this check, as it would have after the one in `enqueue`.
+        if self.queues.lock().is_empty() {
+            return None;
+        }
         self.enqueue(keys, false, true)
     }
 

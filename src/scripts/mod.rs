@@ -18,17 +18,30 @@ impl Script {
 
     /// `EVALSHA sha numkeys keys… args…`
     pub(crate) fn evalsha(&self, keys: &[&str], args: &[&str]) -> redis::Cmd {
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&self.sha).arg(keys.len()).arg(keys).arg(args);
-        cmd
+        call("EVALSHA", &self.sha, keys, args)
     }
 
     /// `EVAL code numkeys keys… args…` (also caches the script on the server).
     pub(crate) fn eval(&self, keys: &[&str], args: &[&str]) -> redis::Cmd {
-        let mut cmd = redis::cmd("EVAL");
-        cmd.arg(self.code).arg(keys.len()).arg(keys).arg(args);
-        cmd
+        call("EVAL", self.code, keys, args)
     }
+}
+
+/// `name script numkeys keys… args…`, in buffers of the size it needs (no
+/// growing them argument by argument).
+fn call(name: &str, script: &str, keys: &[&str], args: &[&str]) -> redis::Cmd {
+    let words = keys.iter().chain(args).map(|s| s.len()).sum::<usize>();
+    // `numkeys` takes at most 20 digits.
+    let mut cmd = redis::Cmd::with_capacity(
+        3 + keys.len() + args.len(),
+        name.len() + script.len() + 20 + words,
+    );
+    cmd.arg(name)
+        .arg(script)
+        .arg(keys.len())
+        .arg(keys)
+        .arg(args);
+    cmd
 }
 
 macro_rules! script {

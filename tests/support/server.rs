@@ -492,6 +492,20 @@ impl TestServer {
         connection
     }
 
+    /// How many times the server ran `command` (lowercase, `INFO
+    /// commandstats`) since it started or `CONFIG RESETSTAT`.
+    pub(crate) fn command_calls(&self, command: &str) -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query(&mut self.client())
+            .expect("INFO commandstats");
+        let prefix = format!("cmdstat_{command}:");
+        info.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .and_then(|rest| rest.split(',').find_map(|f| f.strip_prefix("calls=")))
+            .map_or(0, |n| n.parse().expect("a count of calls"))
+    }
+
     /// Stops the server with SIGSTOP and returns once it is stopped. It still
     /// accepts TCP connections (the kernel completes the handshake) but
     /// answers nothing until [`TestServer::resume`].
