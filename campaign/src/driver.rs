@@ -49,7 +49,8 @@ campaign run --topology T --workload W [options]
   --restart-delay-ms N  Redlock restart_delay (default: the TTL; 0 = None)
   --gap-ms LO-HI    pause between faults (default 300-1500; 200-600 for controls)
   --keep-alive-pct N  grants held past the TTL with keep_alive (default 1; 3
-                    for controls, 50 for ignore-loss and restart-no-aof)
+                    for controls, 50 for ignore-loss, restart-no-aof and
+                    redlock-restart)
   --expire-pct N    elections: leaderships that let the lease expire instead
                     of resigning (default 5; 20 for controls)
   --think-ms N      most time between a grant's fenced read and its write
@@ -258,7 +259,7 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             "keep-alive-pct",
             match control {
                 None => 1,
-                Some(Control::IgnoreLoss | Control::RestartNoAof) => 50,
+                Some(Control::IgnoreLoss | Control::RestartNoAof | Control::RedlockRestart) => 50,
                 Some(_) => 3,
             },
         )?,

@@ -25,14 +25,16 @@ pub(crate) enum Fault {
     /// `kill -9` of a majority of the Redlock nodes at once, then restarts.
     KillMajority,
     /// `kill -9` and restart of a majority of the Redlock nodes while a
-    /// worker in the middle of a grant is stopped (`SIGSTOP`), resumed
+    /// worker in the middle of a grant (waited for up to 2 s) is stopped
+    /// (`SIGSTOP`), resumed
     /// 50–200 ms after the restarts: its restart watchers read the closes
     /// only once it runs again, in a race with its own thread.
     RestartPausedWorker,
     /// `kill -9` and restart of a majority of the Redlock nodes behind
-    /// blackholed proxies: the clients see neither the closes nor the new
-    /// servers until the proxies reset their connections 50–200 ms after
-    /// the restarts.
+    /// blackholed proxies, struck once a worker is in the middle of a grant
+    /// (waited for up to 2 s): the clients see neither the closes nor the
+    /// new servers until the proxies reset their connections 50–200 ms
+    /// after the restarts.
     RestartPartitioned,
     /// `SIGSTOP` of a data server for 0.2–2 TTLs.
     Stop,
@@ -216,6 +218,15 @@ fn mid_grant(file: &std::path::Path) -> bool {
     last.contains(r#""ev":"grant""#) || last.contains(r#""ev":"op""#)
 }
 
+/// Waits up to 2 s for some worker to be in the middle of a grant, so that
+/// a fault aimed at holders finds one.
+fn wait_for_holder(histories: &[std::path::PathBuf]) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while !histories.iter().any(|f| mid_grant(f)) && std::time::Instant::now() < deadline {
+        sleep_ms(5);
+    }
+}
+
 fn signal(pid: u32, sig: Signal) {
     if let Some(pid) = Pid::from_raw(pid as i32) {
         let _ = kill_process(pid, sig);
@@ -292,6 +303,7 @@ impl Nemesis {
             }
             Fault::RestartPausedWorker => {
                 let idx = self.majority(dep);
+                wait_for_holder(&self.histories);
                 let w = self.holding_worker(workers.len());
                 let d = self.rng.range(50, 200);
                 rec.target = format!("servers {idx:?}, worker {w}");
@@ -311,6 +323,7 @@ impl Nemesis {
             Fault::RestartPartitioned => {
                 let idx = self.majority(dep);
                 let d = self.rng.range(50, 200);
+                wait_for_holder(&self.histories);
                 rec.target = format!("servers {idx:?}");
                 rec.restarted.clone_from(&idx);
                 rec.t0 = now_ns();
