@@ -14,11 +14,18 @@
 //! - `err`: every acquire error; `stats` at the end.
 //!
 //! The election workload campaigns instead of acquiring, and some of its
-//! leaders (`expire_pct`) let the lease expire instead of resigning: they hold on without
-//! renewing, vouching until `is_lost()` says the lease is gone, then resign.
+//! leaders (`expire_pct`) let the lease expire instead of resigning: they
+//! hold on without renewing, vouching until `is_lost()` says the lease is
+//! gone, then resign.
 //! Each election worker also runs one `observe()` follower thread per key,
 //! which writes `obs` (each leader reported: its term, or none) and
 //! `obs-err` lines to `worker-N-observe.jsonl`.
+//!
+//! The multi-lock workload takes a random non-empty subset of the keys with
+//! `fenced_lock_all` and writes one `grant` (and one `end`) per key of the
+//! set, each with its own number and token and the set's first number
+//! (`set`, `size`); each key's resource is read, then written, under its
+//! own token.
 
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
