@@ -329,9 +329,19 @@ fn serve(client: TcpStream, id: u64, upstream: SocketAddr, shared: &Arc<Shared>)
                 .name(name("write"))
                 .spawn(move || write_side(direction, &from, to, &receiver, &connection))?
         };
-        lock(&shared.threads).extend([reader, writer]);
+        keep_threads(shared, [reader, writer]);
     }
     Ok(())
+}
+
+/// Adds a connection's threads to those joined on drop, and lets go of the
+/// handles of threads that have finished: a finished thread that is never
+/// joined or detached keeps its stack mapped, and a proxy that serves
+/// thousands of connections would run out of mappings for new threads.
+fn keep_threads(shared: &Shared, new: impl IntoIterator<Item = JoinHandle<()>>) {
+    let mut threads = lock(&shared.threads);
+    threads.retain(|t| !t.is_finished());
+    threads.extend(new);
 }
 
 /// Holds a blackholed client whose upstream is unreachable: reads and
@@ -366,7 +376,7 @@ fn hold(client: TcpStream, id: u64, shared: &Arc<Shared>) -> io::Result<()> {
                 }
             }
         })?;
-    lock(&shared.threads).push(thread);
+    keep_threads(shared, [thread]);
     Ok(())
 }
 
