@@ -224,6 +224,12 @@ impl FaultProxy {
         lock(&self.shared.connections).len()
     }
 
+    /// How many thread handles the proxy keeps (to join on drop): those of
+    /// threads not yet seen finished when a connection was last served.
+    pub(crate) fn kept_threads(&self) -> usize {
+        lock(&self.shared.threads).len()
+    }
+
     /// How many chunks of bytes clients have sent through the proxy so far,
     /// counted as they arrive (whatever the mode then does with them): a
     /// command has reached the proxy once this grew.
