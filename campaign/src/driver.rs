@@ -518,6 +518,7 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
             "resource-lost-updates",
             "late-writes",
             "vouched-after-expiry",
+            "partial-set",
         ] {
             out.push((c, why));
         }
@@ -638,7 +639,12 @@ fn summarize(
                 "resource-repeated-token",
                 "resource-lost-updates",
             ],
-            Control::IgnoreLoss => &["vouched-after-expiry", "overlap", "server-oracle"],
+            Control::IgnoreLoss => &[
+                "vouched-after-expiry",
+                "overlap",
+                "server-oracle",
+                "partial-set",
+            ],
             Control::RestartNoAof => &[
                 "overlap",
                 "tokens",
