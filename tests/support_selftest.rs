@@ -368,6 +368,32 @@ fn proxy_pass_forwards_both_ways() {
     );
 }
 
+/// A proxy that has served many connections keeps no handle of their
+/// finished threads: an unjoined finished thread keeps its stack mapped, and
+/// thousands of them leave no mapping for a new thread.
+#[test]
+fn proxy_lets_go_of_the_threads_of_closed_connections() {
+    let proxy = FaultProxy::start(shared_server().addr());
+    let serve_one = || {
+        let mut stream = TcpStream::connect(proxy.addr()).unwrap();
+        let reply = raw_ping(&mut stream, Duration::from_secs(5));
+        assert_eq!(reply.as_deref(), Some("+PONG\r\n"));
+    };
+    for _ in 0..200 {
+        serve_one();
+    }
+    // The threads of closed connections finish on their own; each new
+    // connection lets go of those that have.
+    wait_until(
+        Duration::from_secs(30),
+        "the proxy to keep only the threads of open connections",
+        || {
+            serve_one();
+            proxy.kept_threads() <= 4 * (proxy.connection_count() + 1)
+        },
+    );
+}
+
 #[test]
 fn proxy_delay_delays_each_direction_without_limiting_throughput() {
     let proxy = FaultProxy::start(shared_server().addr());

@@ -25,7 +25,12 @@
 //!   whose acquire began after a reported history loss (counted apart, with
 //!   the suffix `-after-history-lost`);
 //! - `late-writes`: resource writes accepted inside another grant's claim
-//!   (allowed where the resource fences, the Kleppmann pause otherwise).
+//!   (allowed where the resource fences, the Kleppmann pause otherwise);
+//! - for sets taken together (`multi`), each key of a set is a grant of its
+//!   own to every checker above, and: `partial-guard`, a guard returned
+//!   without a lease on a key asked for; `partial-set`, a server sample
+//!   inside the set's claim in which the truth of every key of the set is
+//!   known and some key holds the set's grant while another does not.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -43,6 +48,9 @@ pub(crate) struct Findings {
     /// Smallest margin (ms) between a stopped server's expiry and the last
     /// vouch of the guard it held, over every such fault.
     pub(crate) min_expiry_margin_ms: Option<f64>,
+    /// How many guards held a lease whose server was stopped past its
+    /// expiry (the judgments of `vouched-after-expiry`).
+    pub(crate) expiry_checks: u64,
     /// How many server samples fell inside some claim (the oracle's reach).
     pub(crate) oracle_checks: u64,
 }
@@ -104,7 +112,11 @@ pub(crate) fn check(inp: &Inputs<'_>) -> Findings {
     }
     if matches!(
         inp.workload,
-        Workload::Fenced | Workload::Rw | Workload::Semaphore | Workload::Election
+        Workload::Fenced
+            | Workload::Rw
+            | Workload::Semaphore
+            | Workload::Election
+            | Workload::Multi
     ) {
         tokens(&claims, inp.hist.first_history_lost(), &mut f);
     }
@@ -120,7 +132,58 @@ pub(crate) fn check(inp: &Inputs<'_>) -> Findings {
     if inp.workload == Workload::Election {
         observed(inp, &mut f);
     }
+    if inp.workload == Workload::Multi {
+        sets(inp, &claims, &mut f);
+    }
     f
+}
+
+/// `partial-guard` and `partial-set`: a set is held whole or not at all.
+fn sets(inp: &Inputs<'_>, claims: &[&Grant], f: &mut Findings) {
+    f.zero("partial-guard");
+    f.zero("partial-set");
+    for g in inp.hist.grants.iter().filter(|g| g.missing) {
+        f.hit("partial-guard", || {
+            format!("{} returned without a lease on {}", who(g), g.key)
+        });
+    }
+    let mut by_set: HashMap<(u64, u64), Vec<&Grant>> = HashMap::new();
+    for g in claims {
+        if let Some((set, _)) = g.set {
+            by_set.entry((g.w, set)).or_default().push(g);
+        }
+    }
+    for members in by_set.values().filter(|m| m.len() > 1) {
+        let Some((a, b)) = members[0].claim() else {
+            continue;
+        };
+        let start = inp.samples.partition_point(|s| s.t_b < a);
+        for s in inp.samples[start..].iter().take_while(|s| s.t_b <= b) {
+            if s.t_a > b {
+                continue;
+            }
+            let mut held = Vec::new();
+            for g in members {
+                let Some(k) = inp.keys.iter().position(|k| *k == g.key) else {
+                    continue;
+                };
+                match s.nodes[0][k].as_deref() {
+                    Some(v) => held.push(v.ends_with(&format!(":{}", g.tok))),
+                    None => break,
+                }
+            }
+            if held.len() == members.len() && held.contains(&true) && held.contains(&false) {
+                f.hit("partial-set", || {
+                    format!(
+                        "{} and its set: sample [{:.3}, {:.3}] ms held {held:?}",
+                        who(members[0]),
+                        ms(s.t_b),
+                        ms(s.t_a)
+                    )
+                });
+            }
+        }
+    }
 }
 
 /// `observe-regression`: each follower's reported leaders, in the order it
@@ -280,7 +343,7 @@ fn holds(inp: &Inputs<'_>, quorum: usize, s: &Sample, k: usize, g: &Grant) -> bo
     let tok = format!(":{}", g.tok);
     match (workload, g.mode) {
         (Workload::Lock, _) => !v.is_empty(),
-        (Workload::Fenced | Workload::Election, _) => v.ends_with(&tok),
+        (Workload::Fenced | Workload::Election | Workload::Multi, _) => v.ends_with(&tok),
         (Workload::Rw, 'x') => v.split('|').next().is_some_and(|w| w.ends_with(&tok)),
         (Workload::Rw, _) => true, // readers are counted in `oracle`
         (Workload::Semaphore, _) => {
@@ -359,6 +422,7 @@ fn expiry(inp: &Inputs<'_>, claims: &[&Grant], f: &mut Findings) {
             });
             let Some(g) = holder else { continue };
             let v = g.v.unwrap_or(0);
+            f.expiry_checks += 1;
             let margin = (expiry as f64 - v as f64) / 1e6;
             f.min_expiry_margin_ms = Some(
                 f.min_expiry_margin_ms

@@ -26,11 +26,12 @@ use crate::topo::Deployment;
 pub(crate) const USAGE: &str = "\
 campaign run --topology T --workload W [options]
   --topology    standalone | standalone-aof | redlock3 | redlock5 | sentinel | cluster
-  --workload    lock | fenced | rw | semaphore | redlock | election
+  --workload    lock | fenced | rw | semaphore | redlock | election | multi
   --seed N          the schedule's seed (default 1)
   --duration D      campaign time, e.g. 30s or 2m (default 30s)
   --nemesis LIST    mix (default: every fault of the topology), none, or a
-                    comma list of: kill kill-majority stop pause-worker delay
+                    comma list of: kill kill-majority restart-paused-worker
+                    restart-partitioned stop pause-worker delay
                     blackhole drop-requests drop-replies client-kill oom
                     failover kill-primary takeover migrate unreplicated-failover
   --control C       a negative control: plain-pause | redlock-restart |
@@ -38,17 +39,20 @@ campaign run --topology T --workload W [options]
                     poll-follower (sets the options and
                     the nemesis, and the workload unless given; the checkers
                     must find a violation)
-  --workers N       worker processes (default 4)
-  --keys N          keys the workers share (default 2; 1 for ignore-loss and
-                    restart-no-aof)
-  --ttl-ms N        lease TTL (default 600)
+  --workers N       worker processes (default 12; 4 for controls)
+  --keys N          keys the workers share (default 6; for controls 2, and 1
+                    for ignore-loss, restart-no-aof and poll-follower)
+  --ttl-ms N        lease TTL (default 600; 2000 for redlock-restart)
   --node-timeout-ms N  (default 100)
   --capacity N      semaphore capacity (default 2)
   --require-replicas N  Replication::Require on Sentinel (default 1 there; 0 = Off)
   --restart-delay-ms N  Redlock restart_delay (default: the TTL; 0 = None)
   --gap-ms LO-HI    pause between faults (default 300-1500; 200-600 for controls)
-  --keep-alive-pct N  grants held past the TTL with keep_alive (default 3;
-                    50 for the ignore-loss and restart-no-aof controls)
+  --keep-alive-pct N  grants held past the TTL with keep_alive (default 1; 3
+                    for controls, 50 for ignore-loss, restart-no-aof and
+                    redlock-restart)
+  --expire-pct N    elections: leaderships that let the lease expire instead
+                    of resigning (default 5; 20 for controls)
   --think-ms N      most time between a grant's fenced read and its write
                     (default 8; 60 for the plain-pause control)
   --out DIR         histories and summary (default: a temporary directory)
@@ -74,6 +78,7 @@ pub(crate) struct RunConfig {
     pub(crate) gap: (u64, u64),
     pub(crate) think_ms: u64,
     pub(crate) keep_alive_pct: u64,
+    pub(crate) expire_pct: u64,
     pub(crate) out: Option<PathBuf>,
     pub(crate) json_only: bool,
     pub(crate) args: Vec<String>,
@@ -129,7 +134,7 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
         Some(Control::RedlockRestart) => {
             topology.get_or_insert(Topology::Redlock { nodes: 3 });
             workload = Some(Workload::Redlock);
-            nemesis_arg = "kill-majority".into();
+            nemesis_arg = "restart-paused-worker,restart-partitioned".into();
             restart_delay_default = false;
         }
         Some(Control::SentinelUnreplicated) => {
@@ -172,7 +177,16 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             .map(|s| s.trim().parse())
             .collect::<Result<Vec<_>, _>>()?,
     };
-    let ttl_ms = num("ttl-ms", 600)?;
+    // The restart control's TTL outlasts a majority's restarts on a loaded
+    // machine, so that a holder that did not see them still has time left.
+    let ttl_ms = num(
+        "ttl-ms",
+        if control == Some(Control::RedlockRestart) {
+            2000
+        } else {
+            600
+        },
+    )?;
     let require_replicas = match (
         topology,
         get("require-replicas").or(require.map(|r: u32| r.to_string())),
@@ -217,16 +231,13 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
         nemesis,
         nemesis_arg,
         control,
-        workers: num("workers", 4)?.max(1),
+        workers: num("workers", if control.is_some() { 4 } else { 12 })?.max(1),
         keys: num(
             "keys",
-            if matches!(
-                control,
-                Some(Control::IgnoreLoss | Control::RestartNoAof | Control::PollFollower)
-            ) {
-                1
-            } else {
-                2
+            match control {
+                None => 6,
+                Some(Control::IgnoreLoss | Control::RestartNoAof | Control::PollFollower) => 1,
+                Some(_) => 2,
             },
         )?
         .max(1),
@@ -246,12 +257,13 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
         )?,
         keep_alive_pct: num(
             "keep-alive-pct",
-            if matches!(control, Some(Control::IgnoreLoss | Control::RestartNoAof)) {
-                50
-            } else {
-                3
+            match control {
+                None => 1,
+                Some(Control::IgnoreLoss | Control::RestartNoAof | Control::RedlockRestart) => 50,
+                Some(_) => 3,
             },
         )?,
+        expire_pct: num("expire-pct", if control.is_some() { 20 } else { 5 })?,
         out: get("out").map(PathBuf::from),
         json_only,
         args: args.to_vec(),
@@ -354,6 +366,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
             restart_delay_ms: cfg.restart_delay_ms,
             capacity: cfg.capacity,
             keep_alive_pct: cfg.keep_alive_pct,
+            expire_pct: cfg.expire_pct,
             ignore_loss: cfg.control == Some(Control::IgnoreLoss),
             poll_follower: cfg.control == Some(Control::PollFollower),
             think_ms: cfg.think_ms,
@@ -505,6 +518,7 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
             "resource-lost-updates",
             "late-writes",
             "vouched-after-expiry",
+            "partial-set",
         ] {
             out.push((c, why));
         }
@@ -552,7 +566,11 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
             &mut out,
         ),
         Topology::Redlock { .. }
-            if cfg.restart_delay_ms.is_none() && (has(Fault::Kill) || has(Fault::KillMajority)) =>
+            if cfg.restart_delay_ms.is_none()
+                && (has(Fault::Kill)
+                    || has(Fault::KillMajority)
+                    || has(Fault::RestartPausedWorker)
+                    || has(Fault::RestartPartitioned)) =>
         {
             state_lost(
                 "Redlock nodes restarted without persistence and without restart_delay",
@@ -621,7 +639,12 @@ fn summarize(
                 "resource-repeated-token",
                 "resource-lost-updates",
             ],
-            Control::IgnoreLoss => &["vouched-after-expiry", "overlap", "server-oracle"],
+            Control::IgnoreLoss => &[
+                "vouched-after-expiry",
+                "overlap",
+                "server-oracle",
+                "partial-set",
+            ],
             Control::RestartNoAof => &[
                 "overlap",
                 "tokens",
@@ -637,6 +660,13 @@ fn summarize(
             .sum::<u64>()
     });
     let lost_grants = hist.grants.iter().filter(|g| g.lost).count();
+    // Sets taken together: one guard each, one grant per key of the set.
+    let sets = hist
+        .grants
+        .iter()
+        .filter_map(|g| g.set.map(|(set, _)| (g.w, set)))
+        .collect::<std::collections::BTreeSet<_>>()
+        .len();
     let claims = hist.grants.iter().filter(|g| g.v.is_some()).count();
     let faulted_grants = hist
         .grants
@@ -658,7 +688,7 @@ fn summarize(
         .filter(|a| *a != "--json")
         .collect();
     let reproduce = format!("scripts/campaign run {}", args.join(" "));
-    json!({
+    let mut summary = json!({
         "topology": cfg.topology.to_string(),
         "workload": cfg.workload.to_string(),
         "nemesis": cfg.nemesis_arg,
@@ -699,7 +729,10 @@ fn summarize(
         "observe_errors": hist.observe_errors.values().sum::<u64>(),
         "acquires_history_lost": hist.history_lost.len(),
         "reproduce": reproduce,
-    })
+    });
+    summary["sets"] = json!(sets);
+    summary["expiry_checks"] = json!(f.expiry_checks);
+    summary
 }
 
 fn report_text(s: &serde_json::Value, f: &Findings) {

@@ -26,6 +26,11 @@ pub(crate) struct Grant {
     pub(crate) v: Option<u64>,
     pub(crate) lost: bool,
     pub(crate) outcome: String,
+    /// For a key of a set taken together: the set (its first grant's
+    /// number) and how many keys it has.
+    pub(crate) set: Option<(u64, u64)>,
+    /// A key of the set the returned guard had no lease on.
+    pub(crate) missing: bool,
 }
 
 impl Grant {
@@ -159,6 +164,8 @@ pub(crate) fn load(files: &[impl AsRef<Path>]) -> Histories {
                     v: None,
                     lost: false,
                     outcome: String::new(),
+                    set: e["set"].as_u64().map(|s| (s, u("size"))),
+                    missing: e["missing"].as_bool().unwrap_or(false),
                 }),
                 Some("end") => {
                     ends.insert((u("w"), u("n")), e.clone());

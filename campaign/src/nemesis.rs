@@ -24,6 +24,18 @@ pub(crate) enum Fault {
     Kill,
     /// `kill -9` of a majority of the Redlock nodes at once, then restarts.
     KillMajority,
+    /// `kill -9` and restart of a majority of the Redlock nodes while a
+    /// worker in the middle of a grant (waited for up to 2 s) is stopped
+    /// (`SIGSTOP`), resumed
+    /// 50–200 ms after the restarts: its restart watchers read the closes
+    /// only once it runs again, in a race with its own thread.
+    RestartPausedWorker,
+    /// `kill -9` and restart of a majority of the Redlock nodes behind
+    /// blackholed proxies, struck once a worker is in the middle of a grant
+    /// (waited for up to 2 s): the clients see neither the closes nor the
+    /// new servers until the proxies reset their connections 50–200 ms
+    /// after the restarts.
+    RestartPartitioned,
     /// `SIGSTOP` of a data server for 0.2–2 TTLs.
     Stop,
     /// `SIGSTOP` of a worker for 1.5–3 TTLs.
@@ -61,6 +73,8 @@ impl Fault {
         match self {
             Fault::Kill => "kill",
             Fault::KillMajority => "kill-majority",
+            Fault::RestartPausedWorker => "restart-paused-worker",
+            Fault::RestartPartitioned => "restart-partitioned",
             Fault::Stop => "stop",
             Fault::PauseWorker => "pause-worker",
             Fault::Delay => "delay",
@@ -77,9 +91,11 @@ impl Fault {
         }
     }
 
-    const ALL: [Fault; 15] = [
+    const ALL: [Fault; 17] = [
         Fault::Kill,
         Fault::KillMajority,
+        Fault::RestartPausedWorker,
+        Fault::RestartPartitioned,
         Fault::Stop,
         Fault::PauseWorker,
         Fault::Delay,
@@ -202,6 +218,15 @@ fn mid_grant(file: &std::path::Path) -> bool {
     last.contains(r#""ev":"grant""#) || last.contains(r#""ev":"op""#)
 }
 
+/// Waits up to 2 s for some worker to be in the middle of a grant, so that
+/// a fault aimed at holders finds one.
+fn wait_for_holder(histories: &[std::path::PathBuf]) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while !histories.iter().any(|f| mid_grant(f)) && std::time::Instant::now() < deadline {
+        sleep_ms(5);
+    }
+}
+
 fn signal(pid: u32, sig: Signal) {
     if let Some(pid) = Pid::from_raw(pid as i32) {
         let _ = kill_process(pid, sig);
@@ -265,12 +290,7 @@ impl Nemesis {
                 server.restart();
             }
             Fault::KillMajority => {
-                let n = dep.servers.len();
-                let mut idx: Vec<usize> = (0..n).collect();
-                for i in (1..n).rev() {
-                    idx.swap(i, self.rng.range(0, i as u64) as usize);
-                }
-                idx.truncate(n / 2 + 1);
+                let idx = self.majority(dep);
                 rec.target = format!("servers {idx:?}");
                 rec.restarted.clone_from(&idx);
                 rec.t0 = now_ns();
@@ -281,12 +301,55 @@ impl Nemesis {
                     dep.servers[i].restart();
                 }
             }
+            Fault::RestartPausedWorker => {
+                let idx = self.majority(dep);
+                wait_for_holder(&self.histories);
+                let w = self.holding_worker(workers.len());
+                let d = self.rng.range(50, 200);
+                rec.target = format!("servers {idx:?}, worker {w}");
+                rec.restarted.clone_from(&idx);
+                rec.t0 = now_ns();
+                signal(workers[w], Signal::STOP);
+                for &i in &idx {
+                    dep.servers[i].kill();
+                }
+                for &i in &idx {
+                    dep.servers[i].restart();
+                }
+                sleep_ms(d);
+                signal(workers[w], Signal::CONT);
+                rec.note = format!("worker resumed {d} ms after the restarts");
+            }
+            Fault::RestartPartitioned => {
+                let idx = self.majority(dep);
+                let d = self.rng.range(50, 200);
+                wait_for_holder(&self.histories);
+                rec.target = format!("servers {idx:?}");
+                rec.restarted.clone_from(&idx);
+                rec.t0 = now_ns();
+                for &i in &idx {
+                    dep.proxies[i].set_mode(Mode::Blackhole);
+                }
+                for &i in &idx {
+                    dep.servers[i].kill();
+                }
+                for &i in &idx {
+                    dep.servers[i].restart();
+                }
+                sleep_ms(d);
+                for &i in &idx {
+                    dep.proxies[i].set_mode(Mode::Pass);
+                    dep.proxies[i].reset_all();
+                }
+                rec.note = format!("proxies reset {d} ms after the restarts");
+            }
             Fault::Stop => {
                 let (i, server) = self.pick_server(dep);
                 rec.target = format!("server {i} ({})", server.port());
-                if dep.cluster.is_none() && dep.sentinel.is_none() {
-                    rec.pttl = sample_pttl(server, &self.pttl_keys);
-                }
+                // The server stopped is the one that holds the truth: the
+                // standalone server, the Sentinel primary, the key's slot
+                // primary (whose other keys' reads fail and are left out).
+                rec.pttl = sample_pttl(server, &self.pttl_keys);
                 let d = self.rng.range(ttl / 5, ttl * 2);
                 rec.t0 = now_ns();
                 server.pause();
@@ -297,14 +360,7 @@ impl Nemesis {
             Fault::PauseWorker => {
                 // A worker in the middle of a grant, when one is: the pause
                 // then falls between a guard's check and its writes.
-                let holding: Vec<usize> = (0..workers.len())
-                    .filter(|&i| self.histories.get(i).is_some_and(|f| mid_grant(f)))
-                    .collect();
-                let i = if holding.is_empty() {
-                    self.rng.range(0, workers.len() as u64 - 1) as usize
-                } else {
-                    *self.rng.pick(&holding)
-                };
+                let i = self.holding_worker(workers.len());
                 let d = self.rng.range(ttl * 3 / 2, ttl * 3);
                 rec.target = format!("worker {i}");
                 rec.note = format!("{d} ms");
@@ -432,6 +488,29 @@ impl Nemesis {
                 rec.note = format!("switched in {} ms", took.as_millis());
                 s.wait_replica_of(1 - s.primary_index(), Duration::from_secs(30));
             }
+        }
+    }
+
+    /// A majority of the Redlock nodes, drawn at random.
+    fn majority(&mut self, dep: &Deployment) -> Vec<usize> {
+        let n = dep.servers.len();
+        let mut idx: Vec<usize> = (0..n).collect();
+        for i in (1..n).rev() {
+            idx.swap(i, self.rng.range(0, i as u64) as usize);
+        }
+        idx.truncate(n / 2 + 1);
+        idx
+    }
+
+    /// A worker in the middle of a grant, when one is; any worker otherwise.
+    fn holding_worker(&mut self, workers: usize) -> usize {
+        let holding: Vec<usize> = (0..workers)
+            .filter(|&i| self.histories.get(i).is_some_and(|f| mid_grant(f)))
+            .collect();
+        if holding.is_empty() {
+            self.rng.range(0, workers as u64 - 1) as usize
+        } else {
+            *self.rng.pick(&holding)
         }
     }
 

@@ -94,7 +94,10 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
             r["workload"].as_str().unwrap_or_default(),
             nemesis,
             r["duration_s"].as_f64().unwrap_or_default(),
-            r["grants"],
+            match r["sets"].as_u64() {
+                Some(sets) if sets > 0 => format!("{} (keys of {sets} sets)", r["grants"]),
+                _ => r["grants"].to_string(),
+            },
             r["grants_near_faults"],
             r["grants_lost"],
             r["faults"],

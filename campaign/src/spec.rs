@@ -61,6 +61,9 @@ pub(crate) enum Workload {
     /// `Election`: campaign, lead, resign or let the lease expire; every
     /// worker also follows the leader with `observe()`.
     Election,
+    /// `fenced_lock_all`: each grant a random non-empty subset of the keys,
+    /// taken together; one history grant per key of the set.
+    Multi,
 }
 
 impl FromStr for Workload {
@@ -73,9 +76,10 @@ impl FromStr for Workload {
             "semaphore" => Workload::Semaphore,
             "redlock" => Workload::Redlock,
             "election" => Workload::Election,
+            "multi" => Workload::Multi,
             _ => {
                 return Err(format!(
-                    "unknown workload {s:?} (lock, fenced, rw, semaphore, redlock, election)"
+                    "unknown workload {s:?} (lock, fenced, rw, semaphore, redlock, election, multi)"
                 ));
             }
         })
@@ -91,6 +95,7 @@ impl fmt::Display for Workload {
             Workload::Semaphore => "semaphore",
             Workload::Redlock => "redlock",
             Workload::Election => "election",
+            Workload::Multi => "multi",
         })
     }
 }
@@ -185,6 +190,9 @@ pub(crate) struct WorkerSpec {
     pub(crate) keep_alive_pct: u64,
     /// Milliseconds between the fenced read and the write, at most.
     pub(crate) think_ms: u64,
+    /// Percentage of leaderships that let the lease expire instead of
+    /// resigning.
+    pub(crate) expire_pct: u64,
     /// The planted bug of [`Control::IgnoreLoss`].
     pub(crate) ignore_loss: bool,
     /// The planted bug of [`Control::PollFollower`].
@@ -209,6 +217,7 @@ impl WorkerSpec {
             "node_timeout_ms": self.node_timeout_ms, "require_replicas": self.require_replicas,
             "restart_delay_ms": self.restart_delay_ms, "capacity": self.capacity,
             "keep_alive_pct": self.keep_alive_pct, "think_ms": self.think_ms, "out": self.out,
+            "expire_pct": self.expire_pct,
             "ignore_loss": self.ignore_loss, "poll_follower": self.poll_follower,
         })
         .to_string()
@@ -253,6 +262,7 @@ impl WorkerSpec {
             capacity: n("capacity") as u32,
             keep_alive_pct: n("keep_alive_pct"),
             think_ms: n("think_ms"),
+            expire_pct: n("expire_pct"),
             ignore_loss: v["ignore_loss"].as_bool().unwrap_or(false),
             poll_follower: v["poll_follower"].as_bool().unwrap_or(false),
             out: s("out"),
@@ -265,7 +275,7 @@ impl WorkerSpec {
 pub(crate) fn lease_key(workload: Workload, prefix: &str, k: &str) -> String {
     match workload {
         Workload::Lock | Workload::Redlock => format!("{prefix}{{{k}}}lock"),
-        Workload::Fenced => format!("{prefix}{{{k}}}lease"),
+        Workload::Fenced | Workload::Multi => format!("{prefix}{{{k}}}lease"),
         Workload::Rw => format!("{prefix}{{{k}}}rw:w"),
         Workload::Semaphore => format!("{prefix}{{{k}}}sem:permits"),
         Workload::Election => format!("{prefix}{}:leader", election_name(k)),

@@ -13,12 +13,19 @@
 //! - `op`: each resource operation with its send and reply times;
 //! - `err`: every acquire error; `stats` at the end.
 //!
-//! The election workload campaigns instead of acquiring, and a fifth of its
-//! leaders let the lease expire instead of resigning: they hold on without
-//! renewing, vouching until `is_lost()` says the lease is gone, then resign.
+//! The election workload campaigns instead of acquiring, and some of its
+//! leaders (`expire_pct`) let the lease expire instead of resigning: they
+//! hold on without renewing, vouching until `is_lost()` says the lease is
+//! gone, then resign.
 //! Each election worker also runs one `observe()` follower thread per key,
 //! which writes `obs` (each leader reported: its term, or none) and
 //! `obs-err` lines to `worker-N-observe.jsonl`.
+//!
+//! The multi-lock workload takes a random non-empty subset of the keys with
+//! `fenced_lock_all` and writes one `grant` (and one `end`) per key of the
+//! set, each with its own number and token and the set's first number
+//! (`set`, `size`); each key's resource is read, then written, under its
+//! own token.
 
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
@@ -28,8 +35,8 @@ use std::thread;
 use std::time::Duration;
 
 use respire_coordination::{
-    CancelToken, Coordinator, Election, FencedLock, Leadership, Lock, ReadLease, RedlockGroup,
-    RedlockGuard, RedlockOptions, ReleaseOutcome, Replication, Semaphore, WriteLease,
+    CancelToken, Coordinator, Election, FencedLock, FencedMultiGuard, Leadership, Lock, ReadLease,
+    RedlockGroup, RedlockGuard, RedlockOptions, ReleaseOutcome, Replication, Semaphore, WriteLease,
 };
 use serde_json::json;
 
@@ -46,6 +53,8 @@ enum Handle {
     Semaphore(Semaphore),
     Redlock(String),
     Election(Election),
+    /// Sets of the run's keys taken together (`fenced_lock_all`).
+    Multi(Coordinator),
 }
 
 /// A held lease of any kind.
@@ -57,6 +66,7 @@ enum Held {
     Permit(respire_coordination::Permit),
     Redlock(RedlockGuard),
     Leader(Leadership),
+    Multi(FencedMultiGuard),
 }
 
 impl Held {
@@ -69,10 +79,23 @@ impl Held {
             Held::Permit(g) => g.is_lost(),
             Held::Redlock(g) => g.is_lost(),
             Held::Leader(g) => g.is_lost(),
+            Held::Multi(g) => g.is_lost(),
         }
     }
 
-    /// The fencing token of the grant (0 for unfenced kinds).
+    /// The fencing token of each member key (0 for unfenced kinds; `None`
+    /// for a key of the set the guard has no lease on).
+    fn tokens(&self, keys: &[&str]) -> Vec<Option<u64>> {
+        match self {
+            Held::Multi(g) => keys
+                .iter()
+                .map(|k| g.fencing_token(&format!("{{{k}}}lease")).map(|t| t.get()))
+                .collect(),
+            _ => vec![Some(self.token())],
+        }
+    }
+
+    /// The fencing token of a single grant (0 for unfenced kinds).
     fn token(&self) -> u64 {
         match self {
             Held::Fenced(g) => g.fencing_token().get(),
@@ -119,6 +142,7 @@ impl Held {
             Held::Write(g) => keep_lease(g.keep_alive().ok(), f),
             Held::Permit(g) => keep_lease(g.keep_alive().ok(), f),
             Held::Leader(g) => keep_lease(g.keep_alive().ok(), f),
+            Held::Multi(g) => keep_lease(g.keep_alive().ok(), f),
         }
     }
 
@@ -130,6 +154,14 @@ impl Held {
             Held::Write(g) => g.release(),
             Held::Permit(g) => g.release(),
             Held::Leader(g) => g.resign(),
+            Held::Multi(g) => {
+                return g
+                    .release()
+                    .into_iter()
+                    .map(|(_, outcome)| outcome_label(outcome))
+                    .collect::<Vec<_>>()
+                    .join(",");
+            }
             Held::Redlock(mut g) => {
                 return match g.release() {
                     Ok(true) => "Released".into(),
@@ -138,14 +170,18 @@ impl Held {
                 };
             }
         };
-        match outcome {
-            Ok(ReleaseOutcome::Released) => "Released".into(),
-            Ok(ReleaseOutcome::Expired) => "Expired".into(),
-            Ok(ReleaseOutcome::TakenOver) => "TakenOver".into(),
-            Ok(ReleaseOutcome::Uncertain) => "Uncertain".into(),
-            Ok(other) => format!("{other:?}"),
-            Err(e) => format!("error: {e}"),
-        }
+        outcome_label(outcome)
+    }
+}
+
+fn outcome_label(outcome: respire_coordination::Result<ReleaseOutcome>) -> String {
+    match outcome {
+        Ok(ReleaseOutcome::Released) => "Released".into(),
+        Ok(ReleaseOutcome::Expired) => "Expired".into(),
+        Ok(ReleaseOutcome::TakenOver) => "TakenOver".into(),
+        Ok(ReleaseOutcome::Uncertain) => "Uncertain".into(),
+        Ok(other) => format!("{other:?}"),
+        Err(e) => format!("error: {e}"),
     }
 }
 
@@ -232,6 +268,18 @@ pub(crate) fn main() -> Result<(), String> {
     while !stop.load(Ordering::SeqCst) {
         let ki = rng.range(0, handles.len() as u64 - 1) as usize;
         let write_mode = rng.chance(30);
+        // The keys of the grant: one, or for sets a random non-empty subset.
+        let set: Vec<usize> = match &handles[ki] {
+            Handle::Multi(_) => {
+                let mut set: Vec<usize> = (0..spec.keys.len()).filter(|_| rng.chance(50)).collect();
+                if set.is_empty() {
+                    set.push(ki);
+                }
+                set
+            }
+            _ => vec![ki],
+        };
+        let names: Vec<&str> = set.iter().map(|&k| spec.keys[k].as_str()).collect();
         attempts += 1;
         let a = now_ns();
         let got: Result<Option<Held>, String> = match &handles[ki] {
@@ -253,6 +301,16 @@ pub(crate) fn main() -> Result<(), String> {
             Handle::Election(e) => e
                 .campaign_timeout(&value, ttl, wait)
                 .map(|g| g.map(Held::Leader)),
+            Handle::Multi(coord) => {
+                let pairs: Vec<(String, String)> = names
+                    .iter()
+                    .map(|k| (format!("{{{k}}}lease"), format!("{{{k}}}fence")))
+                    .collect();
+                coord
+                    .fenced_lock_all(&pairs)
+                    .and_then(|m| m.acquire_timeout(ttl, wait))
+                    .map(|g| g.map(Held::Multi))
+            }
         }
         .map_err(|e| e.to_string());
         let held = match got {
@@ -269,14 +327,33 @@ pub(crate) fn main() -> Result<(), String> {
             }
         };
         let g = now_ns();
-        n += 1;
-        let key = &spec.keys[ki];
-        let token = held.token();
+        // One grant in the history per key of the set, each with its own
+        // number; a set's grants share `set` (the first one's number).
+        let tokens = held.tokens(&names);
         let slot = held.slot();
-        history.emit(
-            json!({"ev": "grant", "w": spec.id, "n": n, "key": key, "a": a, "g": g,
-            "tok": token, "slot": slot, "mode": held.mode()}),
-        );
+        let first = n + 1;
+        let members: Vec<(u64, &str, u64, String)> = names
+            .iter()
+            .zip(&tokens)
+            .map(|(key, tok)| {
+                n += 1;
+                let res_key = match slot {
+                    Some(s) => format!("res:{key}:{s}"),
+                    None => format!("res:{key}"),
+                };
+                (n, *key, tok.unwrap_or(0), res_key)
+            })
+            .collect();
+        for ((m, key, tok, _), granted) in members.iter().zip(&tokens) {
+            let mut line = json!({"ev": "grant", "w": spec.id, "n": m, "key": key, "a": a,
+                "g": g, "tok": tok, "slot": slot, "mode": held.mode()});
+            if members.len() > 1 || matches!(held, Held::Multi(_)) {
+                line["set"] = json!(first);
+                line["size"] = json!(members.len());
+                line["missing"] = json!(granted.is_none());
+            }
+            history.emit(line);
+        }
 
         let keep = rng.chance(spec.keep_alive_pct);
         let steps = if keep {
@@ -289,11 +366,6 @@ pub(crate) fn main() -> Result<(), String> {
         } else {
             Duration::from_millis(rng.range(1, spec.think_ms.max(1)))
         };
-        let res_key = match slot {
-            Some(s) => format!("res:{key}:{s}"),
-            None => format!("res:{key}"),
-        };
-        let owner = format!("w{}:{n}", spec.id);
         let mut v: Option<u64> = None;
         let mut lost = false;
         let ((), kept) = held.with_keep_alive(keep, || {
@@ -308,20 +380,30 @@ pub(crate) fn main() -> Result<(), String> {
                     thread::sleep(think);
                     continue;
                 }
-                let s = now_ns();
-                let read = resource.op(&res_key, token, &owner, None);
-                let r = now_ns();
-                history.emit(
-                    json!({"ev": "op", "w": spec.id, "n": n, "rk": res_key, "k": "r",
-                    "s": s, "r": r, "res": read.label()}),
-                );
-                thread::sleep(think);
-                if let Reply::Accepted { value, .. } = read {
+                // A fenced read of each key's resource, the think, then a
+                // fenced write of each value read plus one.
+                let mut reads = Vec::with_capacity(members.len());
+                for (m, _, tok, res_key) in &members {
+                    let owner = format!("w{}:{m}", spec.id);
                     let s = now_ns();
-                    let wrote = resource.op(&res_key, token, &owner, Some(value));
+                    let read = resource.op(res_key, *tok, &owner, None);
                     let r = now_ns();
-                    history.emit(json!({"ev": "op", "w": spec.id, "n": n, "rk": res_key,
-                        "k": "w", "s": s, "r": r, "res": wrote.label()}));
+                    history.emit(
+                        json!({"ev": "op", "w": spec.id, "n": m, "rk": res_key, "k": "r",
+                        "s": s, "r": r, "res": read.label()}),
+                    );
+                    reads.push(read);
+                }
+                thread::sleep(think);
+                for ((m, _, tok, res_key), read) in members.iter().zip(reads) {
+                    if let Reply::Accepted { value, .. } = read {
+                        let owner = format!("w{}:{m}", spec.id);
+                        let s = now_ns();
+                        let wrote = resource.op(res_key, *tok, &owner, Some(value));
+                        let r = now_ns();
+                        history.emit(json!({"ev": "op", "w": spec.id, "n": m, "rk": res_key,
+                            "k": "w", "s": s, "r": r, "res": wrote.label()}));
+                    }
                 }
             }
         });
@@ -335,7 +417,7 @@ pub(crate) fn main() -> Result<(), String> {
         }
         // A leader that lets its lease expire: it keeps vouching until the
         // guard says the lease is gone (at most two TTLs), then resigns.
-        if !lost && matches!(held, Held::Leader(_)) && rng.chance(20) {
+        if !lost && matches!(held, Held::Leader(_)) && rng.chance(spec.expire_pct) {
             let until = now_ns() + 2 * spec.ttl_ms * 1_000_000;
             loop {
                 let t = now_ns();
@@ -352,10 +434,13 @@ pub(crate) fn main() -> Result<(), String> {
         }
         let rel = now_ns();
         let outcome = held.release();
-        history.emit(
-            json!({"ev": "end", "w": spec.id, "n": n, "v": v, "lost": lost,
-            "kept": kept, "rel": rel, "out": outcome, "t": now_ns()}),
-        );
+        let t = now_ns();
+        for (m, ..) in &members {
+            history.emit(
+                json!({"ev": "end", "w": spec.id, "n": m, "v": v, "lost": lost,
+                "kept": kept, "rel": rel, "out": outcome, "t": t}),
+            );
+        }
     }
     history.emit(
         json!({"ev": "stats", "w": spec.id, "attempts": attempts, "busy": busy,
@@ -484,6 +569,7 @@ fn connect(spec: &WorkerSpec) -> Result<(Vec<Handle>, Option<RedlockGroup>), Str
             Workload::Election => coord
                 .election(&crate::spec::election_name(k))
                 .map(Handle::Election),
+            Workload::Multi => Ok(Handle::Multi(coord.clone())),
         }
         .map_err(|e| e.to_string())?;
         handles.push(h);

@@ -224,6 +224,12 @@ impl FaultProxy {
         lock(&self.shared.connections).len()
     }
 
+    /// How many thread handles the proxy keeps (to join on drop): those of
+    /// threads not yet seen finished when a connection was last served.
+    pub(crate) fn kept_threads(&self) -> usize {
+        lock(&self.shared.threads).len()
+    }
+
     /// How many chunks of bytes clients have sent through the proxy so far,
     /// counted as they arrive (whatever the mode then does with them): a
     /// command has reached the proxy once this grew.
@@ -329,9 +335,19 @@ fn serve(client: TcpStream, id: u64, upstream: SocketAddr, shared: &Arc<Shared>)
                 .name(name("write"))
                 .spawn(move || write_side(direction, &from, to, &receiver, &connection))?
         };
-        lock(&shared.threads).extend([reader, writer]);
+        keep_threads(shared, [reader, writer]);
     }
     Ok(())
+}
+
+/// Adds a connection's threads to those joined on drop, and lets go of the
+/// handles of threads that have finished: a finished thread that is never
+/// joined or detached keeps its stack mapped, and a proxy that serves
+/// thousands of connections would run out of mappings for new threads.
+fn keep_threads(shared: &Shared, new: impl IntoIterator<Item = JoinHandle<()>>) {
+    let mut threads = lock(&shared.threads);
+    threads.retain(|t| !t.is_finished());
+    threads.extend(new);
 }
 
 /// Holds a blackholed client whose upstream is unreachable: reads and
@@ -366,7 +382,7 @@ fn hold(client: TcpStream, id: u64, shared: &Arc<Shared>) -> io::Result<()> {
                 }
             }
         })?;
-    lock(&shared.threads).push(thread);
+    keep_threads(shared, [thread]);
     Ok(())
 }
 
