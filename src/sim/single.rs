@@ -189,12 +189,30 @@ fn field_at(server: &ModelServer, key: &str, field: &str) -> Option<String> {
 /// The counters on `server`: the fence counter, key 0's semaphore's and its
 /// reader/writer lease's.
 fn counters(server: &ModelServer) -> [u64; 3] {
-    let n = |v: Option<String>| v.map_or(0, |v| v.parse().expect("a counter"));
-    [
-        n(string_at(server, FENCE)),
-        n(field_at(server, &sem_keys(0)[1], "fence")),
-        n(string_at(server, &rw_keys(0)[3])),
-    ]
+    thread_local! {
+        /// Key 0's semaphore meta hash and reader/writer counter: read at
+        /// every delivery, named once.
+        static NAMES: (String, String) = (sem_keys(0)[1].clone(), rw_keys(0)[3].clone());
+    }
+    let n = |v: Option<&[u8]>| {
+        v.map_or(0, |v| {
+            std::str::from_utf8(v)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .expect("a counter")
+        })
+    };
+    let string = |key: &str| match server.entry(key).map(|e| &e.value) {
+        Some(Value::Str(v)) => Some(v.as_slice()),
+        _ => None,
+    };
+    NAMES.with(|(meta, rw_fence)| {
+        let field = match server.entry(meta).map(|e| &e.value) {
+            Some(Value::Hash(h)) => h.get(b"fence".as_slice()).map(Vec::as_slice),
+            _ => None,
+        };
+        [n(string(FENCE)), n(field), n(string(rw_fence))]
+    })
 }
 
 /// The unexpired members of a sorted set scored by expiry (a semaphore's
