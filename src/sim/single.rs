@@ -71,30 +71,29 @@ enum KeyKind {
     Rw { writers_first: bool },
 }
 
+/// Lease keys 0 and 1 on the model server, each with the keys beside it: a
+/// semaphore's meta hash and slot bitmap, a reader/writer lease's reader set,
+/// intents and counter. Named once: the checker reads them at every instant.
+const NAMES: [[&str; 6]; 2] = [
+    ["k0", "k0:meta", "k0:slots", "k0:r", "k0:q", "k0:fence"],
+    ["k1", "k1:meta", "k1:slots", "k1:r", "k1:q", "k1:fence"],
+];
+
 /// A lease key's name on the model server (a semaphore's permit set).
-fn key_name(key: usize) -> String {
-    format!("k{key}")
+fn key_name(key: usize) -> &'static str {
+    NAMES[key][0]
 }
 
 /// A semaphore's permit set, meta hash and slot bitmap.
-fn sem_keys(key: usize) -> [String; 3] {
-    let base = key_name(key);
-    [
-        base.clone(),
-        format!("{base}:meta"),
-        format!("{base}:slots"),
-    ]
+fn sem_keys(key: usize) -> [&'static str; 3] {
+    let n = &NAMES[key];
+    [n[0], n[1], n[2]]
 }
 
 /// A reader/writer lease's writer key, reader set, intents and counter.
-fn rw_keys(key: usize) -> [String; 4] {
-    let base = key_name(key);
-    [
-        base.clone(),
-        format!("{base}:r"),
-        format!("{base}:q"),
-        format!("{base}:fence"),
-    ]
+fn rw_keys(key: usize) -> [&'static str; 4] {
+    let n = &NAMES[key];
+    [n[0], n[3], n[4], n[5]]
 }
 
 /// The shipped extension, verification and release commands of a lease held
@@ -102,17 +101,17 @@ fn rw_keys(key: usize) -> [String; 4] {
 fn ops(kind: KeyKind, key: usize, value: &str) -> Ops {
     match kind {
         KeyKind::Rw { .. } if !value.contains(':') => Ops::member(
-            vec![rw_keys(key)[1].clone()],
+            vec![rw_keys(key)[1].to_owned()],
             value.to_owned(),
             &scripts::RW_READ_EXTEND,
             &scripts::RW_READ_VERIFY,
             &scripts::RW_READ_RELEASE,
         ),
         KeyKind::Plain | KeyKind::Fenced | KeyKind::Rw { .. } => {
-            Ops::string_value(&key_name(key), value.to_owned())
+            Ops::string_value(key_name(key), value.to_owned())
         }
         KeyKind::Permits(_) => Ops::member(
-            sem_keys(key).to_vec(),
+            sem_keys(key).map(str::to_owned).to_vec(),
             value.to_owned(),
             &scripts::SEM_EXTEND,
             &scripts::SEM_VERIFY,
@@ -189,11 +188,6 @@ fn field_at(server: &ModelServer, key: &str, field: &str) -> Option<String> {
 /// The counters on `server`: the fence counter, key 0's semaphore's and its
 /// reader/writer lease's.
 fn counters(server: &ModelServer) -> [u64; 3] {
-    thread_local! {
-        /// Key 0's semaphore meta hash and reader/writer counter: read at
-        /// every delivery, named once.
-        static NAMES: (String, String) = (sem_keys(0)[1].clone(), rw_keys(0)[3].clone());
-    }
     let n = |v: Option<&[u8]>| {
         v.map_or(0, |v| {
             std::str::from_utf8(v)
@@ -206,19 +200,17 @@ fn counters(server: &ModelServer) -> [u64; 3] {
         Some(Value::Str(v)) => Some(v.as_slice()),
         _ => None,
     };
-    NAMES.with(|(meta, rw_fence)| {
-        let field = match server.entry(meta).map(|e| &e.value) {
-            Some(Value::Hash(h)) => h.get(b"fence".as_slice()).map(Vec::as_slice),
-            _ => None,
-        };
-        [n(string(FENCE)), n(field), n(string(rw_fence))]
-    })
+    let field = match server.entry(sem_keys(0)[1]).map(|e| &e.value) {
+        Some(Value::Hash(h)) => h.get(b"fence".as_slice()).map(Vec::as_slice),
+        _ => None,
+    };
+    [n(string(FENCE)), n(field), n(string(rw_keys(0)[3]))]
 }
 
 /// The unexpired members of a sorted set scored by expiry (a semaphore's
 /// permits, a lease's readers): member and score.
 fn permits(server: &ModelServer, key: usize) -> Vec<(String, f64)> {
-    members(server, &key_name(key))
+    members(server, key_name(key))
 }
 
 fn members(server: &ModelServer, set: &str) -> Vec<(String, f64)> {
@@ -805,7 +797,7 @@ impl World {
                         let cmd = match kind {
                             KeyKind::Rw { writers_first } => {
                                 let keys = rw_keys(*key);
-                                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                                let keys = keys.to_vec();
                                 if reads {
                                     let preference =
                                         if writers_first { "writer" } else { "reader" };
@@ -825,7 +817,7 @@ impl World {
                             }
                             KeyKind::Permits(capacity) => {
                                 let keys = sem_keys(*key);
-                                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                                let keys = keys.to_vec();
                                 scripts::SEM_ACQUIRE
                                     .evalsha(&keys, &[owner, &ttl, &capacity.to_string()])
                             }
@@ -941,11 +933,14 @@ impl World {
                         string_clean_up(&key_name(*key), &owner_token)
                     }
                     KeyKind::Permits(capacity) => {
-                        SemSpec::from_keys(sem_keys(*key), capacity).clean_up(&owner_token)
+                        SemSpec::from_keys(sem_keys(*key).map(str::to_owned), capacity)
+                            .clean_up(&owner_token)
                     }
-                    KeyKind::Rw { .. } => {
-                        clean_up_rw(rw_keys(*key), owner.ends_with('w'), &owner_token)
-                    }
+                    KeyKind::Rw { .. } => clean_up_rw(
+                        rw_keys(*key).map(str::to_owned),
+                        owner.ends_with('w'),
+                        &owner_token,
+                    ),
                 };
                 let had = server.exists(key_name(*key));
                 run_on(server, client, &cmd);

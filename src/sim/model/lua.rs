@@ -110,14 +110,18 @@ struct Bridge {
     /// The error reply the last failed `redis.call` raised, until the error
     /// handler takes it.
     raised: RefCell<Option<String>>,
+    /// The arguments of the command being called, in buffers kept from one
+    /// command to the next.
+    argv: RefCell<Vec<Vec<u8>>>,
 }
 
 impl Bridge {
     /// Runs one command of the script: its reply, and whether it failed.
     fn run_command(&self, args: &MultiValue) -> Reply {
         self.raised.borrow_mut().take();
-        match command_argv(args) {
-            Ok(argv) => match self.exec.borrow_mut().as_mut() {
+        let mut argv = self.argv.borrow_mut();
+        match command_argv(args, &mut argv) {
+            Ok(()) => match self.exec.borrow_mut().as_mut() {
                 Some(exec) => exec(&argv),
                 None => Reply::Error("ERR redis.call outside a script run".to_owned()),
             },
@@ -147,9 +151,23 @@ impl std::fmt::Debug for LuaEngine {
 /// The SHA1 Redis names a script by (lower-case hex; of the text read as
 /// UTF-8, which the shipped scripts are).
 pub(crate) fn sha1_hex(source: &[u8]) -> String {
-    redis::Script::new(&String::from_utf8_lossy(source))
-        .get_hash()
-        .to_owned()
+    thread_local! {
+        /// Scripts hashed before on this thread: every new model server
+        /// starts without scripts and is sent the shipped ones again.
+        static KNOWN: RefCell<Vec<(Vec<u8>, String)>> = const { RefCell::new(Vec::new()) };
+    }
+    KNOWN.with_borrow_mut(|known| {
+        if let Some((_, sha)) = known.iter().find(|(s, _)| s == source) {
+            return sha.clone();
+        }
+        let sha = redis::Script::new(&String::from_utf8_lossy(source))
+            .get_hash()
+            .to_owned();
+        if known.len() < 64 {
+            known.push((source.to_vec(), sha.clone()));
+        }
+        sha
+    })
 }
 
 impl LuaEngine {
@@ -194,6 +212,12 @@ impl LuaEngine {
         for name in ["dofile", "loadfile", "print"] {
             globals.raw_set(name, LuaValue::Nil).expect("unset");
         }
+        // A collection cycle when the heap has grown to ten times what was
+        // live after the last (Lua's default: twice): scripts leave garbage
+        // at every run and keep little.
+        lua.load("collectgarbage('setpause', 1000)")
+            .exec()
+            .expect("the collector's pause is set");
         let run: Function = lua
             .load(PRELUDE)
             .set_name("=model")
@@ -293,20 +317,23 @@ impl LuaEngine {
     }
 }
 
-/// The arguments of `redis.call` as a command: strings as they are, numbers
-/// printed with `%.17g` (Redis 7.0), anything else refused.
-fn command_argv(args: &MultiValue) -> Result<Vec<Vec<u8>>, &'static str> {
+/// The arguments of `redis.call` as a command, into `argv`: strings as they
+/// are, numbers printed with `%.17g` (Redis 7.0), anything else refused.
+fn command_argv(args: &MultiValue, argv: &mut Vec<Vec<u8>>) -> Result<(), &'static str> {
     if args.is_empty() {
         return Err("ERR Please specify at least one argument for this redis lib call");
     }
-    args.iter()
-        .map(|v| match v {
-            LuaValue::String(s) => Ok(s.as_bytes().to_vec()),
-            LuaValue::Integer(n) => Ok(format_g17(*n as f64).into_bytes()),
-            LuaValue::Number(n) => Ok(format_g17(*n).into_bytes()),
-            _ => Err("ERR Lua redis lib command arguments must be strings or integers"),
-        })
-        .collect()
+    argv.resize_with(args.len(), Vec::new);
+    for (slot, v) in argv.iter_mut().zip(args.iter()) {
+        slot.clear();
+        match v {
+            LuaValue::String(s) => slot.extend_from_slice(&s.as_bytes()),
+            LuaValue::Integer(n) => slot.extend_from_slice(format_g17(*n as f64).as_bytes()),
+            LuaValue::Number(n) => slot.extend_from_slice(format_g17(*n).as_bytes()),
+            _ => return Err("ERR Lua redis lib command arguments must be strings or integers"),
+        }
+    }
+    Ok(())
 }
 
 /// A reply as `redis.call` hands it to the script.
