@@ -510,14 +510,16 @@ impl ModelServer {
         if self.loading {
             return error(LOADING_TEXT);
         }
-        let full = match argv.get(1) {
-            Some(sub) if matches!(name.as_str(), "client" | "script" | "config") => {
-                format!("{name}|{}", lower(sub))
+        if !self.denied.is_empty() {
+            let full = match argv.get(1) {
+                Some(sub) if matches!(name.as_str(), "client" | "script" | "config") => {
+                    format!("{name}|{}", lower(sub))
+                }
+                _ => name.clone(),
+            };
+            if self.denied.contains(&name) || self.denied.contains(&full) {
+                return Injected::NoPerm.reply(&full);
             }
-            _ => name.clone(),
-        };
-        if self.denied.contains(&name) || self.denied.contains(&full) {
-            return Injected::NoPerm.reply(&full);
         }
         let reply = match name.as_str() {
             "eval" | "evalsha" => self.run_script(&name, argv),
