@@ -116,7 +116,7 @@ struct Bridge {
 }
 
 impl Bridge {
-    /// Runs one command of the script: its reply, and whether it failed.
+    /// Runs one command of the script and returns its reply.
     fn run_command(&self, args: &MultiValue) -> Reply {
         self.raised.borrow_mut().take();
         let mut argv = self.argv.borrow_mut();

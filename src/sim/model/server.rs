@@ -437,9 +437,10 @@ impl ModelServer {
     }
 
     /// `EVAL source numkeys keys… args…` (the script is cached, as Redis
-    /// does). It hashes the source (SHA1) at every call, which costs more
-    /// than running most scripts in a debug build: a driver that runs a
-    /// script often loads it once and uses [`ModelServer::evalsha`].
+    /// does). It names the source by its SHA1 at every call (a source seen
+    /// before on this thread is looked up, others hashed) and copies it: a
+    /// driver that runs a script often loads it once and uses
+    /// [`ModelServer::evalsha`].
     pub(crate) fn eval<K: AsRef<[u8]>, A: AsRef<[u8]>>(
         &mut self,
         source: &str,
