@@ -766,25 +766,25 @@ impl World {
                 let reads = matches!(kind, KeyKind::Rw { .. }) && owner.ends_with('r');
                 let mine = match kind {
                     KeyKind::Permits(_) => {
-                        field_at(server, &sem_keys(*key)[1], &format!("holder:{owner}")).is_some()
+                        field_at(server, sem_keys(*key)[1], &format!("holder:{owner}")).is_some()
                     }
-                    KeyKind::Rw { .. } if reads => members(server, &rw_keys(*key)[1])
+                    KeyKind::Rw { .. } if reads => members(server, rw_keys(*key)[1])
                         .iter()
                         .any(|(m, _)| m == owner),
-                    _ => string_at(server, &name)
+                    _ => string_at(server, name)
                         .is_some_and(|v| v == *owner || v.starts_with(&format!("{owner}:"))),
                 };
                 let resp = match kind {
                     KeyKind::Plain => {
                         let set = redis::cmd("SET")
-                            .arg(&name)
+                            .arg(name)
                             .arg(owner)
                             .arg("NX")
                             .arg("PX")
                             .arg(*ttl_ms)
                             .clone();
                         run_on(server, client, &set);
-                        match run_on(server, client, redis::cmd("GET").arg(&name)) {
+                        match run_on(server, client, redis::cmd("GET").arg(name)) {
                             Some(Reply::Bulk(v)) if v == owner.as_bytes() => Resp::Granted {
                                 token: 0,
                                 value: owner.clone(),
@@ -821,7 +821,7 @@ impl World {
                                 scripts::SEM_ACQUIRE
                                     .evalsha(&keys, &[owner, &ttl, &capacity.to_string()])
                             }
-                            _ => scripts::FENCED_ACQUIRE.evalsha(&[&name, FENCE], &[owner, &ttl]),
+                            _ => scripts::FENCED_ACQUIRE.evalsha(&[name, FENCE], &[owner, &ttl]),
                         };
                         // `{1, token}`, `{1, epoch}` for a reader, `{1, slot,
                         // token}` for a permit; `{0, hint}` when busy.
@@ -930,7 +930,7 @@ impl World {
                 let owner_token = OwnerToken::from_raw(owner.clone());
                 let cmd = match kinds[*key] {
                     KeyKind::Plain | KeyKind::Fenced => {
-                        string_clean_up(&key_name(*key), &owner_token)
+                        string_clean_up(key_name(*key), &owner_token)
                     }
                     KeyKind::Permits(capacity) => {
                         SemSpec::from_keys(sem_keys(*key).map(str::to_owned), capacity)
@@ -1042,7 +1042,7 @@ impl World {
                 // Of a semaphore, the permits go; the meta hash with its
                 // counter stays (a deleted counter is a fault of its own).
                 if let KeyKind::Permits(_) = self.kinds[key] {
-                    self.server.put(&sem_keys(key)[2], None);
+                    self.server.put(sem_keys(key)[2], None);
                 }
                 self.ended[key] = true;
                 let now = self.at();
@@ -1783,8 +1783,8 @@ impl World {
         // reader (the server's data again).
         if let KeyKind::Rw { .. } = self.kinds[0] {
             let [writer, readers, ..] = rw_keys(0);
-            let readers = members(&self.server, &readers);
-            if let Some(w) = string_at(&self.server, &writer)
+            let readers = members(&self.server, readers);
+            if let Some(w) = string_at(&self.server, writer)
                 && !readers.is_empty()
             {
                 return Err(format!("writer {w} beside readers {readers:?} at {t:?}"));
@@ -1860,12 +1860,12 @@ impl World {
                     .find(|(m, _)| *m == value)
                     .map(|(_, score)| score.ceil()),
                 KeyKind::Rw { .. } if !value.contains(':') => {
-                    members(&self.server, &rw_keys(key)[1])
+                    members(&self.server, rw_keys(key)[1])
                         .into_iter()
                         .find(|(m, _)| *m == value)
                         .map(|(_, score)| score.ceil())
                 }
-                _ => match (string_at(&self.server, &name), self.server.expiry(&name)) {
+                _ => match (string_at(&self.server, name), self.server.expiry(name)) {
                     (Some(v), Some(at)) if v == value => Some((at + 1) as f64),
                     _ => None,
                 },
@@ -1891,10 +1891,10 @@ impl World {
             }
             if held.is_none() {
                 let server = (
-                    string_at(&self.server, &name),
-                    self.server.pttl(&name),
+                    string_at(&self.server, name),
+                    self.server.pttl(name),
                     permits(&self.server, key),
-                    members(&self.server, &rw_keys(key)[1]),
+                    members(&self.server, rw_keys(key)[1]),
                 );
                 return Err(format!(
                     "user {u} believes it holds {value} at {t:?} (valid until {:?}), but the \
