@@ -171,7 +171,7 @@ impl Server {
                 reply
                     .as_int()
                     .map(NodeReply::Extend)
-                    .ok_or(format!("{reply}"))
+                    .ok_or_else(|| format!("{reply}"))
             }
             Op::Release => {
                 let sha = scripts::LEASE_RELEASE.sha.as_str();
@@ -179,7 +179,7 @@ impl Server {
                 reply
                     .as_int()
                     .map(NodeReply::Release)
-                    .ok_or(format!("{reply}"))
+                    .ok_or_else(|| format!("{reply}"))
             }
         })
     }

@@ -73,30 +73,29 @@ enum KeyKind {
     Rw { writers_first: bool },
 }
 
+/// Lease keys 0 and 1 on the model server, each with the keys beside it: a
+/// semaphore's meta hash and slot bitmap, a reader/writer lease's reader set,
+/// intents and counter. Named once: the checker reads them at every instant.
+const NAMES: [[&str; 6]; 2] = [
+    ["k0", "k0:meta", "k0:slots", "k0:r", "k0:q", "k0:fence"],
+    ["k1", "k1:meta", "k1:slots", "k1:r", "k1:q", "k1:fence"],
+];
+
 /// A lease key's name on the model server (a semaphore's permit set).
-fn key_name(key: usize) -> String {
-    format!("k{key}")
+fn key_name(key: usize) -> &'static str {
+    NAMES[key][0]
 }
 
 /// A semaphore's permit set, meta hash and slot bitmap.
-fn sem_keys(key: usize) -> [String; 3] {
-    let base = key_name(key);
-    [
-        base.clone(),
-        format!("{base}:meta"),
-        format!("{base}:slots"),
-    ]
+fn sem_keys(key: usize) -> [&'static str; 3] {
+    let n = &NAMES[key];
+    [n[0], n[1], n[2]]
 }
 
 /// A reader/writer lease's writer key, reader set, intents and counter.
-fn rw_keys(key: usize) -> [String; 4] {
-    let base = key_name(key);
-    [
-        base.clone(),
-        format!("{base}:r"),
-        format!("{base}:q"),
-        format!("{base}:fence"),
-    ]
+fn rw_keys(key: usize) -> [&'static str; 4] {
+    let n = &NAMES[key];
+    [n[0], n[3], n[4], n[5]]
 }
 
 /// The shipped extension, verification and release commands of a lease held
@@ -104,17 +103,17 @@ fn rw_keys(key: usize) -> [String; 4] {
 fn ops(kind: KeyKind, key: usize, value: &str) -> Ops {
     match kind {
         KeyKind::Rw { .. } if !value.contains(':') => Ops::member(
-            vec![rw_keys(key)[1].clone()],
+            vec![rw_keys(key)[1].to_owned()],
             value.to_owned(),
             &scripts::RW_READ_EXTEND,
             &scripts::RW_READ_VERIFY,
             &scripts::RW_READ_RELEASE,
         ),
         KeyKind::Plain | KeyKind::Fenced | KeyKind::Rw { .. } => {
-            Ops::string_value(&key_name(key), value.to_owned())
+            Ops::string_value(key_name(key), value.to_owned())
         }
         KeyKind::Permits(_) => Ops::member(
-            sem_keys(key).to_vec(),
+            sem_keys(key).map(str::to_owned).to_vec(),
             value.to_owned(),
             &scripts::SEM_EXTEND,
             &scripts::SEM_VERIFY,
@@ -191,18 +190,29 @@ fn field_at(server: &ModelServer, key: &str, field: &str) -> Option<String> {
 /// The counters on `server`: the fence counter, key 0's semaphore's and its
 /// reader/writer lease's.
 fn counters(server: &ModelServer) -> [u64; 3] {
-    let n = |v: Option<String>| v.map_or(0, |v| v.parse().expect("a counter"));
-    [
-        n(string_at(server, FENCE)),
-        n(field_at(server, &sem_keys(0)[1], "fence")),
-        n(string_at(server, &rw_keys(0)[3])),
-    ]
+    let n = |v: Option<&[u8]>| {
+        v.map_or(0, |v| {
+            std::str::from_utf8(v)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .expect("a counter")
+        })
+    };
+    let string = |key: &str| match server.entry(key).map(|e| &e.value) {
+        Some(Value::Str(v)) => Some(v.as_slice()),
+        _ => None,
+    };
+    let field = match server.entry(sem_keys(0)[1]).map(|e| &e.value) {
+        Some(Value::Hash(h)) => h.get(b"fence".as_slice()).map(Vec::as_slice),
+        _ => None,
+    };
+    [n(string(FENCE)), n(field), n(string(rw_keys(0)[3]))]
 }
 
 /// The unexpired members of a sorted set scored by expiry (a semaphore's
 /// permits, a lease's readers): member and score.
 fn permits(server: &ModelServer, key: usize) -> Vec<(String, f64)> {
-    members(server, &key_name(key))
+    members(server, key_name(key))
 }
 
 fn members(server: &ModelServer, set: &str) -> Vec<(String, f64)> {
@@ -762,25 +772,25 @@ impl World {
                 let reads = matches!(kind, KeyKind::Rw { .. }) && owner.ends_with('r');
                 let mine = match kind {
                     KeyKind::Permits(_) => {
-                        field_at(server, &sem_keys(*key)[1], &format!("holder:{owner}")).is_some()
+                        field_at(server, sem_keys(*key)[1], &format!("holder:{owner}")).is_some()
                     }
-                    KeyKind::Rw { .. } if reads => members(server, &rw_keys(*key)[1])
+                    KeyKind::Rw { .. } if reads => members(server, rw_keys(*key)[1])
                         .iter()
                         .any(|(m, _)| m == owner),
-                    _ => string_at(server, &name)
+                    _ => string_at(server, name)
                         .is_some_and(|v| v == *owner || v.starts_with(&format!("{owner}:"))),
                 };
                 let resp = match kind {
                     KeyKind::Plain => {
                         let set = redis::cmd("SET")
-                            .arg(&name)
+                            .arg(name)
                             .arg(owner)
                             .arg("NX")
                             .arg("PX")
                             .arg(*ttl_ms)
                             .clone();
                         run_on(server, client, &set);
-                        match run_on(server, client, redis::cmd("GET").arg(&name)) {
+                        match run_on(server, client, redis::cmd("GET").arg(name)) {
                             Some(Reply::Bulk(v)) if v == owner.as_bytes() => Resp::Granted {
                                 token: 0,
                                 value: owner.clone(),
@@ -793,7 +803,7 @@ impl World {
                         let cmd = match kind {
                             KeyKind::Rw { writers_first } => {
                                 let keys = rw_keys(*key);
-                                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                                let keys = keys.to_vec();
                                 if reads {
                                     let preference =
                                         if writers_first { "writer" } else { "reader" };
@@ -813,11 +823,11 @@ impl World {
                             }
                             KeyKind::Permits(capacity) => {
                                 let keys = sem_keys(*key);
-                                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                                let keys = keys.to_vec();
                                 scripts::SEM_ACQUIRE
                                     .evalsha(&keys, &[owner, &ttl, &capacity.to_string()])
                             }
-                            _ => scripts::FENCED_ACQUIRE.evalsha(&[&name, FENCE], &[owner, &ttl]),
+                            _ => scripts::FENCED_ACQUIRE.evalsha(&[name, FENCE], &[owner, &ttl]),
                         };
                         // `{1, token}`, `{1, epoch}` for a reader, `{1, slot,
                         // token}` for a permit; `{0, hint}` when busy.
@@ -926,14 +936,17 @@ impl World {
                 let owner_token = OwnerToken::from_raw(owner.clone());
                 let cmd = match kinds[*key] {
                     KeyKind::Plain | KeyKind::Fenced => {
-                        string_clean_up(&key_name(*key), &owner_token)
+                        string_clean_up(key_name(*key), &owner_token)
                     }
                     KeyKind::Permits(capacity) => {
-                        SemSpec::from_keys(sem_keys(*key), capacity).clean_up(&owner_token)
+                        SemSpec::from_keys(sem_keys(*key).map(str::to_owned), capacity)
+                            .clean_up(&owner_token)
                     }
-                    KeyKind::Rw { .. } => {
-                        clean_up_rw(rw_keys(*key), owner.ends_with('w'), &owner_token)
-                    }
+                    KeyKind::Rw { .. } => clean_up_rw(
+                        rw_keys(*key).map(str::to_owned),
+                        owner.ends_with('w'),
+                        &owner_token,
+                    ),
                 };
                 let had = server.exists(key_name(*key));
                 run_on(server, client, &cmd);
@@ -1035,7 +1048,7 @@ impl World {
                 // Of a semaphore, the permits go; the meta hash with its
                 // counter stays (a deleted counter is a fault of its own).
                 if let KeyKind::Permits(_) = self.kinds[key] {
-                    self.server.put(&sem_keys(key)[2], None);
+                    self.server.put(sem_keys(key)[2], None);
                 }
                 self.ended[key] = true;
                 let now = self.at();
@@ -1778,8 +1791,8 @@ impl World {
         // reader (the server's data again).
         if let KeyKind::Rw { .. } = self.kinds[0] {
             let [writer, readers, ..] = rw_keys(0);
-            let readers = members(&self.server, &readers);
-            if let Some(w) = string_at(&self.server, &writer)
+            let readers = members(&self.server, readers);
+            if let Some(w) = string_at(&self.server, writer)
                 && !readers.is_empty()
             {
                 return Err(format!("writer {w} beside readers {readers:?} at {t:?}"));
@@ -1864,10 +1877,10 @@ impl World {
             }
             if held.is_none() {
                 let server = (
-                    string_at(&self.server, &name),
-                    self.server.pttl(&name),
+                    string_at(&self.server, name),
+                    self.server.pttl(name),
                     permits(&self.server, key),
-                    members(&self.server, &rw_keys(key)[1]),
+                    members(&self.server, rw_keys(key)[1]),
                 );
                 return Err(format!(
                     "user {u} believes it holds {value} at {t:?} (valid until {:?}), but the \

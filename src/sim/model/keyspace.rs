@@ -305,6 +305,11 @@ pub(crate) fn format_g17(x: f64) -> String {
     if x == 0.0 {
         return if x.is_sign_negative() { "-0" } else { "0" }.to_owned();
     }
+    // A whole number below 2^53 has at most 16 digits: `%.17g` prints it as
+    // an integer.
+    if x.fract() == 0.0 && x.abs() < 9_007_199_254_740_992.0 {
+        return (x as i64).to_string();
+    }
     let sci = format!("{x:.16e}");
     let (mantissa, exp) = sci.split_once('e').expect("exponent form");
     let exp: i32 = exp.parse().expect("exponent");

@@ -13,11 +13,13 @@
 //! - An error that ends the script reads `<message> script: <sha>, on
 //!   @user_script:<line>.`, as Redis 7.0 writes it; globals are read-only.
 //!
-//! `redis.call` and `redis.pcall` are Rust functions made for each script run,
-//! so a script sees the data only through them.
+//! `redis.call` and `redis.pcall` are Rust functions that hand each command to
+//! the handler of the run under way, so a script sees the data only through
+//! them.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::rc::Rc;
 
 use mlua::{Function, Lua, LuaOptions, MultiValue, StdLib, Table, Value as LuaValue};
 
@@ -25,10 +27,9 @@ use super::Reply;
 use super::keyspace::format_g17;
 
 /// The Lua side of the `redis` library and of running a script.
-/// `redis.call` and `redis.pcall` are Rust functions set for the length of
-/// each run (C functions, as in Redis: `return redis.call(…)` keeps the
-/// script's frame, so an error names the script's line); `bridge.raised`
-/// hands the error handler the error reply `redis.call` raised.
+/// `redis.call` and `redis.pcall` are Rust functions the engine adds after
+/// this runs; `bridge.raised` hands the error handler the error reply
+/// `redis.call` raised.
 const PRELUDE: &str = r#"
 local bridge, env = ...
 local type, tostring, error, xpcall = type, tostring, error, xpcall
@@ -97,14 +98,46 @@ setmetatable(env, {
 return run
 "#;
 
+/// Where the commands of the script that runs go: the caller's, for the
+/// length of one run.
+pub(crate) type Exec = Box<dyn FnMut(&[Vec<u8>]) -> Reply>;
+
+/// What `redis.call`, `redis.pcall` and `bridge.raised` share with a run.
+#[derive(Default)]
+struct Bridge {
+    /// The run's command handler; `None` between runs.
+    exec: RefCell<Option<Exec>>,
+    /// The error reply the last failed `redis.call` raised, until the error
+    /// handler takes it.
+    raised: RefCell<Option<String>>,
+    /// The arguments of the command being called, in buffers kept from one
+    /// command to the next.
+    argv: RefCell<Vec<Vec<u8>>>,
+}
+
+impl Bridge {
+    /// Runs one command of the script and returns its reply.
+    fn run_command(&self, args: &MultiValue) -> Reply {
+        self.raised.borrow_mut().take();
+        let mut argv = self.argv.borrow_mut();
+        match command_argv(args, &mut argv) {
+            Ok(()) => match self.exec.borrow_mut().as_mut() {
+                Some(exec) => exec(&argv),
+                None => Reply::Error("ERR redis.call outside a script run".to_owned()),
+            },
+            Err(text) => Reply::Error(text.to_owned()),
+        }
+    }
+}
+
 /// A Lua 5.1 interpreter set up as Redis sets up its scripting engine, with
 /// compiled scripts cached by SHA1.
 pub(crate) struct LuaEngine {
     lua: Lua,
-    bridge: Table,
     globals: Table,
     run: Function,
     compiled: HashMap<String, Function>,
+    shared: Rc<Bridge>,
 }
 
 impl std::fmt::Debug for LuaEngine {
@@ -118,9 +151,23 @@ impl std::fmt::Debug for LuaEngine {
 /// The SHA1 Redis names a script by (lower-case hex; of the text read as
 /// UTF-8, which the shipped scripts are).
 pub(crate) fn sha1_hex(source: &[u8]) -> String {
-    redis::Script::new(&String::from_utf8_lossy(source))
-        .get_hash()
-        .to_owned()
+    thread_local! {
+        /// Scripts hashed before on this thread: every new model server
+        /// starts without scripts and is sent the shipped ones again.
+        static KNOWN: RefCell<Vec<(Vec<u8>, String)>> = const { RefCell::new(Vec::new()) };
+    }
+    KNOWN.with_borrow_mut(|known| {
+        if let Some((_, sha)) = known.iter().find(|(s, _)| s == source) {
+            return sha.clone();
+        }
+        let sha = redis::Script::new(&String::from_utf8_lossy(source))
+            .get_hash()
+            .to_owned();
+        if known.len() < 64 {
+            known.push((source.to_vec(), sha.clone()));
+        }
+        sha
+    })
 }
 
 impl LuaEngine {
@@ -154,33 +201,73 @@ impl LuaEngine {
             })
             .expect("a function");
         bridge.set("where", where_).expect("set");
+        let shared = Rc::new(Bridge::default());
+        let raised = {
+            let shared = Rc::clone(&shared);
+            lua.create_function(move |_, ()| Ok(shared.raised.borrow_mut().take()))
+                .expect("a function")
+        };
+        bridge.set("raised", raised).expect("set");
         let globals = lua.globals();
         for name in ["dofile", "loadfile", "print"] {
             globals.raw_set(name, LuaValue::Nil).expect("unset");
         }
+        // A collection cycle when the heap has grown to ten times what was
+        // live after the last (Lua's default: twice): scripts leave garbage
+        // at every run and keep little.
+        lua.load("collectgarbage('setpause', 1000)")
+            .exec()
+            .expect("the collector's pause is set");
         let run: Function = lua
             .load(PRELUDE)
             .set_name("=model")
-            .call((bridge.clone(), globals.clone()))
+            .call((bridge, globals.clone()))
             .expect("the prelude runs");
+        // `redis.call` and `redis.pcall` are C functions, as in Redis:
+        // `return redis.call(…)` keeps the script's frame, so an error names
+        // the script's line.
+        let call = {
+            let shared = Rc::clone(&shared);
+            lua.create_function(
+                move |lua, args: MultiValue| match shared.run_command(&args) {
+                    Reply::Error(e) => {
+                        *shared.raised.borrow_mut() = Some(e);
+                        Err(mlua::Error::runtime("redis.call failed"))
+                    }
+                    reply => to_lua(lua, &reply),
+                },
+            )
+            .expect("a function")
+        };
+        let pcall = {
+            let shared = Rc::clone(&shared);
+            lua.create_function(move |lua, args: MultiValue| {
+                to_lua(lua, &shared.run_command(&args))
+            })
+            .expect("a function")
+        };
+        let redis: Table = globals.raw_get("redis").expect("the prelude's redis table");
+        redis.raw_set("call", call).expect("set");
+        redis.raw_set("pcall", pcall).expect("set");
         LuaEngine {
             lua,
-            bridge,
             globals,
             run,
             compiled: HashMap::new(),
+            shared,
         }
     }
 
     /// Runs `source` (named `sha`) with `KEYS` and `ARGV`; every command it
-    /// calls goes to `exec`, which returns the command's reply.
+    /// calls goes to `exec`, which returns the command's reply and is dropped
+    /// when the run ends.
     pub(crate) fn eval(
         &mut self,
         sha: &str,
         source: &[u8],
         keys: &[Vec<u8>],
         args: &[Vec<u8>],
-        exec: impl FnMut(&[Vec<u8>]) -> Reply,
+        exec: Exec,
     ) -> Reply {
         let function = match self.compiled.get(sha) {
             Some(f) => f.clone(),
@@ -204,7 +291,7 @@ impl LuaEngine {
         };
         let lua = &self.lua;
         let set = |name: &str, items: &[Vec<u8>]| -> mlua::Result<()> {
-            let t = lua.create_table()?;
+            let t = lua.create_table_with_capacity(items.len(), 0)?;
             for (i, item) in items.iter().enumerate() {
                 t.raw_set(i + 1, lua.create_string(item)?)?;
             }
@@ -212,66 +299,41 @@ impl LuaEngine {
         };
         set("KEYS", keys).expect("KEYS");
         set("ARGV", args).expect("ARGV");
-        let exec = RefCell::new(exec);
-        let raised: RefCell<Option<String>> = RefCell::new(None);
-        let run_command = |lua: &Lua, args: MultiValue| -> mlua::Result<(LuaValue, bool)> {
-            raised.borrow_mut().take();
-            let reply = match command_argv(&args) {
-                Ok(argv) => (*exec.borrow_mut())(&argv),
-                Err(text) => Reply::Error(text.to_owned()),
-            };
-            let failed = matches!(reply, Reply::Error(_));
-            Ok((to_lua(lua, &reply)?, failed))
-        };
-        let outcome = lua.scope(|scope| {
-            let call = scope.create_function(|lua, args: MultiValue| {
-                let (value, failed) = run_command(lua, args)?;
-                if failed {
-                    if let LuaValue::Table(t) = &value {
-                        *raised.borrow_mut() = t.raw_get::<Option<String>>("err")?;
-                    }
-                    return Err(mlua::Error::runtime("redis.call failed"));
-                }
-                Ok(value)
-            })?;
-            let pcall =
-                scope.create_function(|lua, args: MultiValue| Ok(run_command(lua, args)?.0))?;
-            let take_raised = scope.create_function(|_, ()| Ok(raised.borrow_mut().take()))?;
-            let redis: Table = self.globals.raw_get("redis")?;
-            redis.raw_set("call", call)?;
-            redis.raw_set("pcall", pcall)?;
-            self.bridge.raw_set("raised", take_raised)?;
-            let result: MultiValue = self.run.call(function)?;
-            redis.raw_set("call", LuaValue::Nil)?;
-            redis.raw_set("pcall", LuaValue::Nil)?;
-            self.bridge.raw_set("raised", LuaValue::Nil)?;
+        self.shared.raised.borrow_mut().take();
+        *self.shared.exec.borrow_mut() = Some(exec);
+        let outcome = self.run.call::<MultiValue>(function).map(|result| {
             let mut values = result.into_iter();
             let ok = matches!(values.next(), Some(LuaValue::Boolean(true)));
             let value = values.next().unwrap_or(LuaValue::Nil);
-            Ok(if ok {
+            if ok {
                 from_lua(&value)
             } else {
                 final_error(&value, sha)
-            })
+            }
         });
+        self.shared.exec.borrow_mut().take();
+        self.shared.raised.borrow_mut().take();
         outcome.unwrap_or_else(|e| Reply::Error(format!("ERR the model's Lua bridge failed: {e}")))
     }
 }
 
-/// The arguments of `redis.call` as a command: strings as they are, numbers
-/// printed with `%.17g` (Redis 7.0), anything else refused.
-fn command_argv(args: &MultiValue) -> Result<Vec<Vec<u8>>, &'static str> {
+/// The arguments of `redis.call` as a command, into `argv`: strings as they
+/// are, numbers printed with `%.17g` (Redis 7.0), anything else refused.
+fn command_argv(args: &MultiValue, argv: &mut Vec<Vec<u8>>) -> Result<(), &'static str> {
     if args.is_empty() {
         return Err("ERR Please specify at least one argument for this redis lib call");
     }
-    args.iter()
-        .map(|v| match v {
-            LuaValue::String(s) => Ok(s.as_bytes().to_vec()),
-            LuaValue::Integer(n) => Ok(format_g17(*n as f64).into_bytes()),
-            LuaValue::Number(n) => Ok(format_g17(*n).into_bytes()),
-            _ => Err("ERR Lua redis lib command arguments must be strings or integers"),
-        })
-        .collect()
+    argv.resize_with(args.len(), Vec::new);
+    for (slot, v) in argv.iter_mut().zip(args.iter()) {
+        slot.clear();
+        match v {
+            LuaValue::String(s) => slot.extend_from_slice(&s.as_bytes()),
+            LuaValue::Integer(n) => slot.extend_from_slice(format_g17(*n as f64).as_bytes()),
+            LuaValue::Number(n) => slot.extend_from_slice(format_g17(*n).as_bytes()),
+            _ => return Err("ERR Lua redis lib command arguments must be strings or integers"),
+        }
+    }
+    Ok(())
 }
 
 /// A reply as `redis.call` hands it to the script.

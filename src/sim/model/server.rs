@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::Reply;
 use super::keyspace::{self, Entry, Keyspace};
-use super::lua::{LuaEngine, sha1_hex};
+use super::lua::{Exec, LuaEngine, sha1_hex};
 
 thread_local! {
     /// One interpreter per thread, shared by its servers: it keeps no state
@@ -113,6 +113,12 @@ struct ReplicaLink {
     /// replication offset after it.
     backlog: VecDeque<(u64, Vec<u8>, Option<Entry>)>,
     applied: u64,
+}
+
+/// A script's run: the data it reads and writes, and the commands it called.
+struct ScriptRun {
+    data: Keyspace,
+    calls: usize,
 }
 
 /// A connection's state on the server.
@@ -431,9 +437,10 @@ impl ModelServer {
     }
 
     /// `EVAL source numkeys keys… args…` (the script is cached, as Redis
-    /// does). It hashes the source (SHA1) at every call, which costs more
-    /// than running most scripts in a debug build: a driver that runs a
-    /// script often loads it once and uses [`ModelServer::evalsha`].
+    /// does). It names the source by its SHA1 at every call (a source seen
+    /// before on this thread is looked up, others hashed) and copies it: a
+    /// driver that runs a script often loads it once and uses
+    /// [`ModelServer::evalsha`].
     pub(crate) fn eval<K: AsRef<[u8]>, A: AsRef<[u8]>>(
         &mut self,
         source: &str,
@@ -504,14 +511,16 @@ impl ModelServer {
         if self.loading {
             return error(LOADING_TEXT);
         }
-        let full = match argv.get(1) {
-            Some(sub) if matches!(name.as_str(), "client" | "script" | "config") => {
-                format!("{name}|{}", lower(sub))
+        if !self.denied.is_empty() {
+            let full = match argv.get(1) {
+                Some(sub) if matches!(name.as_str(), "client" | "script" | "config") => {
+                    format!("{name}|{}", lower(sub))
+                }
+                _ => name.clone(),
+            };
+            if self.denied.contains(&name) || self.denied.contains(&full) {
+                return Injected::NoPerm.reply(&full);
             }
-            _ => name.clone(),
-        };
-        if self.denied.contains(&name) || self.denied.contains(&full) {
-            return Injected::NoPerm.reply(&full);
         }
         let reply = match name.as_str() {
             "eval" | "evalsha" => self.run_script(&name, argv),
@@ -553,16 +562,16 @@ impl ModelServer {
             return error("ERR Number of keys can't be greater than number of args");
         }
         let (keys, args) = rest.split_at(numkeys as usize);
-        let (sha, source) = if name == "eval" {
+        let sha = if name == "eval" {
             let sha = sha1_hex(&argv[1]);
             self.scripts.insert(sha.clone(), argv[1].clone());
-            (sha, argv[1].clone())
+            sha
         } else {
             let sha = lower(&argv[1]);
-            match self.scripts.get(&sha) {
-                Some(source) => (sha, source.clone()),
-                None => return error(NOSCRIPT_TEXT),
+            if !self.scripts.contains_key(&sha) {
+                return error(NOSCRIPT_TEXT);
             }
+            sha
         };
         if self.oom {
             return error(OOM_TEXT);
@@ -571,16 +580,21 @@ impl ModelServer {
         // base of PX), unless it is to straddle a millisecond boundary.
         let start = self.now;
         let straddle = self.straddle.take();
-        let mut calls = 0;
+        let role = self.role;
         self.data.set_script_start(Some(start));
-        let (data, role) = (&mut self.data, self.role);
-        let engine = Rc::clone(&self.lua);
-        let reply = engine.borrow_mut().eval(&sha, &source, keys, args, |argv| {
+        // The data goes with the script for its run and comes back after.
+        let run = Rc::new(RefCell::new(ScriptRun {
+            data: std::mem::take(&mut self.data),
+            calls: 0,
+        }));
+        let host = Rc::clone(&run);
+        let exec: Exec = Box::new(move |argv| {
+            let mut run = host.borrow_mut();
             let clock = match straddle {
-                Some((at, by)) if calls >= at => start + by,
+                Some((at, by)) if run.calls >= at => start + by,
                 _ => start,
             };
-            calls += 1;
+            run.calls += 1;
             let denied = [
                 "eval", "evalsha", "script", "client", "wait", "flushall", "info", "role",
             ];
@@ -590,10 +604,17 @@ impl ModelServer {
             {
                 return error("ERR This Redis command is not allowed from script");
             }
-            data_command(data, clock, role, false, argv, true)
+            data_command(&mut run.data, clock, role, false, argv, true)
         });
+        let source = &self.scripts[&sha];
+        let reply = self.lua.borrow_mut().eval(&sha, source, keys, args, exec);
+        let run = Rc::try_unwrap(run)
+            .ok()
+            .expect("the engine drops the handler after the run")
+            .into_inner();
+        self.data = run.data;
         self.data.set_script_start(None);
-        self.last_script_calls = calls;
+        self.last_script_calls = run.calls;
         if let Some((_, by)) = straddle {
             self.advance_to(start + by);
         }

@@ -118,11 +118,11 @@ impl World {
                 .into_iter()
                 .find(|(m, _)| *m == value)
                 .map(|(_, score)| score.ceil()),
-            KeyKind::Rw { .. } if !value.contains(':') => members(&self.server, &rw_keys(key)[1])
+            KeyKind::Rw { .. } if !value.contains(':') => members(&self.server, rw_keys(key)[1])
                 .into_iter()
                 .find(|(m, _)| *m == value)
                 .map(|(_, score)| score.ceil()),
-            _ => match (string_at(&self.server, &name), self.server.expiry(&name)) {
+            _ => match (string_at(&self.server, name), self.server.expiry(name)) {
                 (Some(v), Some(at)) if v == value => Some((at + 1) as f64),
                 _ => None,
             },
