@@ -453,6 +453,7 @@ mod coordinator;
 mod core;
 mod error;
 mod guard;
+mod identity;
 mod keys;
 mod lease;
 mod observe;

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use redis::{ConnectionLike, FromRedisValue};
 
 use crate::error::{Error, Result, is_noperm};
+use crate::identity::Identity;
 use crate::replication::ReplicationPoint;
 use crate::scripts::Script;
 
@@ -201,76 +202,6 @@ pub(crate) struct Opened {
     pub(crate) round_trip: Duration,
     /// Why `CLIENT ID` gave no id, when it did not.
     pub(crate) id_error: Option<String>,
-}
-
-/// What the server knows of one of its connections, enough to kill that one
-/// and no other: its id (`CLIENT ID`) and, from Redis 6.2 on, the address the
-/// server sees it come from (`addr=` of `CLIENT INFO`).
-///
-/// A server numbers its connections from 1 each time it starts, so after a
-/// restart the id alone may name another client's connection; a kill of
-/// [`Identity::kill_cmd`] must match the address too. Without it (a server
-/// older than 6.2, or an ACL that denies `CLIENT INFO`) the kill goes by id
-/// alone, as it did before, with that risk.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Identity {
-    id: u64,
-    addr: Option<Arc<str>>,
-}
-
-impl Identity {
-    /// The connection with id `id`, at the address `CLIENT INFO` replied
-    /// (when it replied with one for the same id).
-    fn of(id: u64, info: Option<&redis::Value>) -> Identity {
-        let text = match info {
-            Some(redis::Value::BulkString(b)) => std::str::from_utf8(b).ok(),
-            Some(redis::Value::VerbatimString { text, .. }) => Some(text.as_str()),
-            Some(redis::Value::SimpleString(s)) => Some(s.as_str()),
-            _ => None,
-        };
-        let field = |name: &str| {
-            text?
-                .split_ascii_whitespace()
-                .find_map(|f| f.strip_prefix(name)?.strip_prefix('='))
-        };
-        let same = field("id").and_then(|v| v.parse::<u64>().ok()) == Some(id);
-        let addr = field("addr").filter(|a| same && !a.is_empty());
-        if addr.is_none() {
-            log::debug!(
-                "no address for connection {id} (CLIENT INFO answered {info:?}):                  a kill of it goes by id alone"
-            );
-        }
-        Identity {
-            id,
-            addr: addr.map(Arc::from),
-        }
-    }
-
-    /// A connection known by its id alone (no address to match), as the
-    /// simulation's model servers name theirs.
-    #[cfg(test)]
-    pub(crate) fn by_id(id: u64) -> Identity {
-        Identity { id, addr: None }
-    }
-
-    /// The server's id for the connection.
-    pub(crate) fn id(&self) -> u64 {
-        self.id
-    }
-
-    /// `CLIENT KILL ID id ADDR addr SKIPME yes` (without `ADDR` when the
-    /// address is unknown): it answers how many connections it closed, 1 or
-    /// 0. Both filters must match, so a connection that took the id after a
-    /// restart, from another address, is left alone.
-    pub(crate) fn kill_cmd(&self) -> redis::Cmd {
-        let mut cmd = redis::cmd("CLIENT");
-        cmd.arg("KILL").arg("ID").arg(self.id);
-        if let Some(addr) = &self.addr {
-            cmd.arg("ADDR").arg(&**addr);
-        }
-        cmd.arg("SKIPME").arg("yes");
-        cmd
-    }
 }
 
 /// One connection, with the state this crate keeps about it.

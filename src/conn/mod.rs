@@ -23,6 +23,7 @@ pub use self::config::Protocol;
 #[cfg(feature = "tls")]
 pub(crate) use self::config::TlsMaterial;
 pub(crate) use self::config::{ConnConfig, ConnSettings, RoleCheck};
-pub(crate) use self::connection::{Conn, Identity};
+pub(crate) use self::connection::Conn;
 pub(crate) use self::pool::{Connect, Pool};
 pub(crate) use self::url::redact_url;
+pub(crate) use crate::identity::Identity;

@@ -34,11 +34,11 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::conn::Identity;
 use crate::core::lease::{Loss, Refusal, Ticket};
 use crate::core::quorum::{AcquireVerdict, ExtendVerdict, Tally, Vote};
 use crate::core::timing::{drift, retry_delay};
 use crate::error::Error;
+use crate::identity::Identity;
 use crate::report::NodeOutcome;
 
 /// A node timeout must be at least this many of the node's round trips.

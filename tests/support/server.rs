@@ -475,16 +475,30 @@ impl TestServer {
     /// Panics, with the server log, if connecting takes longer than 5 seconds
     /// or fails.
     pub(crate) fn client(&self) -> redis::Connection {
-        let connection = self
-            .redis_client()
-            .get_connection_with_timeout(CONNECT_TIMEOUT)
-            .unwrap_or_else(|e| {
-                panic!(
+        // A connection the server closes as it is made is tried again: Sentinel
+        // closes every normal client of a server it promotes or turns into a
+        // replica (`CLIENT KILL TYPE normal`), which can catch one mid-setup.
+        let deadline = Instant::now() + CONNECT_TIMEOUT;
+        let connection = loop {
+            match self
+                .redis_client()
+                .get_connection_with_timeout(CONNECT_TIMEOUT)
+            {
+                Ok(connection) => break connection,
+                Err(e)
+                    if e.is_connection_dropped()
+                        && !e.is_connection_refusal()
+                        && Instant::now() < deadline =>
+                {
+                    thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => panic!(
                     "cannot connect to the test server on port {}: {e}\n{}",
                     self.port,
                     self.log_tail()
-                )
-            });
+                ),
+            }
+        };
         connection
             .set_read_timeout(Some(COMMAND_TIMEOUT))
             .and_then(|()| connection.set_write_timeout(Some(COMMAND_TIMEOUT)))
