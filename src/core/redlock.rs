@@ -1247,7 +1247,7 @@ mod tests {
         let l = lease();
         send_acquire(&mut n, &l, t0 + ms(50), t0);
         n.handle_result(Ok(NodeReply::Acquired), false, ms(1));
-        while n.poll(t0).is_some() {}
+        let _ = answers(&mut n, t0);
         n.handle_job(Job::new(Op::Release, l.clone(), t0 + ms(50), 2));
         assert!(matches!(
             n.poll(t0),
@@ -1261,12 +1261,7 @@ mod tests {
             after: ms(50),
         };
         n.handle_result(Err(lost), true, ms(50));
-        let mut tainted = None;
-        while let Some(a) = n.poll(t0 + ms(50)) {
-            if let Action::Connect { tainted: t, .. } = a {
-                tainted = Some(t);
-            }
-        }
+        let tainted = reconnect_asked(&mut n, t0 + ms(50));
         assert_eq!(
             tainted,
             Some(vec![Identity::by_id(7)]),
@@ -1304,12 +1299,7 @@ mod tests {
         };
         assert!(!unreadable.is_uncertain());
         n.handle_result(Err(unreadable), true, ms(1));
-        let mut tainted = None;
-        while let Some(a) = n.poll(t0 + ms(1)) {
-            if let Action::Connect { tainted: t, .. } = a {
-                tainted = Some(t);
-            }
-        }
+        let tainted = reconnect_asked(&mut n, t0 + ms(1));
         assert_eq!(tainted, Some(vec![]), "reconnects, with nothing to kill");
         assert!(!n.is_connected());
         assert!(n.why().contains("reconnecting"), "{}", n.why());
@@ -1411,6 +1401,18 @@ mod tests {
     }
 
     /// Polls until the machine waits, returning what it answered.
+    /// Runs `n`'s actions at `now`: the tainted connections of the reconnect
+    /// it asked for, if it asked for one.
+    fn reconnect_asked(n: &mut Node<u32>, now: Instant) -> Option<Vec<Identity>> {
+        let mut tainted = None;
+        while let Some(a) = n.poll(now) {
+            if let Action::Connect { tainted: t, .. } = a {
+                tainted = Some(t);
+            }
+        }
+        tainted
+    }
+
     fn answers(n: &mut Node<u32>, now: Instant) -> Vec<(u32, Answer)> {
         let mut out = Vec::new();
         while let Some(a) = n.poll(now) {
