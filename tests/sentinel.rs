@@ -976,5 +976,11 @@ fn an_extension_the_old_primary_confirms_after_the_switch_is_run_again_on_the_ne
         left > Duration::from_secs(50),
         "reset_expiry said confirmed, but the new primary expires the key in {left:?}"
     );
+    // And the guard counts on what the new primary confirmed (the grant's
+    // 30 s alone would leave less than that).
+    assert!(
+        estimate > Duration::from_secs(45),
+        "confirmed on the new primary, but the guard counts on only {estimate:?}"
+    );
     assert!(!g.is_lost());
 }

@@ -25,7 +25,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::core::lease::{Loss, Refusal, Ticket};
+use crate::core::lease::{Confirmed, Loss, Refusal, Ticket};
 use crate::core::timing::retry_delay;
 
 /// The pause before a kill or clean-up that failed is tried again (at most
@@ -43,8 +43,8 @@ pub(crate) trait Claim: Clone {
     fn is_lost(&self, now: Instant) -> bool;
     /// Claims the lease for an extension to `ttl` sent at `now`.
     fn begin_extend(&self, now: Instant, ttl: Duration) -> Result<Ticket, Refusal>;
-    /// Confirmed at `now`; whether the lease is still held.
-    fn extended(&self, ticket: Ticket, now: Instant) -> bool;
+    /// Confirmed at `now`; what that did to the lease.
+    fn extended(&self, ticket: Ticket, now: Instant) -> Confirmed;
     /// The server said the lease is gone or someone else's.
     fn refused(&self, ticket: Ticket, now: Instant, loss: Loss);
     /// Not run: no effect.
@@ -95,6 +95,11 @@ pub(crate) enum Settled {
     Held,
     /// Lost: refused, or confirmed only after the loss deadline.
     Lost,
+    /// Confirmed by a server whose word no longer counts: the claim had been
+    /// given up (the deployment switched to another server while it ran), so
+    /// the bound did not move. Send it again on the server the key lives on
+    /// now.
+    Stale,
     /// Not run; nothing changed.
     NotRun,
     /// Ran with an effect that cannot be read (its worst case stands).
@@ -111,13 +116,11 @@ pub(crate) fn settle<L: Claim>(
     now: Instant,
 ) -> Settled {
     match reply {
-        ExtendReply::Extended => {
-            if lease.extended(ticket, now) {
-                Settled::Held
-            } else {
-                Settled::Lost
-            }
-        }
+        ExtendReply::Extended => match lease.extended(ticket, now) {
+            Confirmed::Held => Settled::Held,
+            Confirmed::Lost => Settled::Lost,
+            Confirmed::Stale => Settled::Stale,
+        },
         ExtendReply::Gone => {
             lease.refused(ticket, now, Loss::Gone);
             Settled::Lost
@@ -503,7 +506,7 @@ mod tests {
         fn begin_extend(&self, now: Instant, ttl: Duration) -> Result<Ticket, Refusal> {
             self.0.lock().begin_extend(now, ttl)
         }
-        fn extended(&self, ticket: Ticket, now: Instant) -> bool {
+        fn extended(&self, ticket: Ticket, now: Instant) -> Confirmed {
             self.0.lock().extended(ticket, now)
         }
         fn refused(&self, ticket: Ticket, _: Instant, loss: Loss) {

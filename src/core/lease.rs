@@ -42,6 +42,20 @@ pub(crate) struct Stamp {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Ticket(u64);
 
+/// What a confirmed extension did to the lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Confirmed {
+    /// It counts: the lease is held until its new bound.
+    Held,
+    /// The lease is lost (released, lost before, or confirmed after its loss
+    /// deadline); the confirmation revives nothing.
+    Lost,
+    /// Its ticket is stale: the claim was given up (a switch to another
+    /// server, or a later event for an older extension). The bound did not
+    /// move; whether the lease is still held is for its state to say.
+    Stale,
+}
+
 /// Why a lease is lost.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Loss {
@@ -252,19 +266,20 @@ impl LeaseCore {
         }
     }
 
-    /// The server confirmed the extension at `now`. Returns whether the lease
-    /// is still held: a confirmation after the loss deadline does not revive it.
-    pub(crate) fn extended(&mut self, ticket: Ticket, now: Instant) -> bool {
+    /// The server confirmed the extension at `now`. Returns what that did: a
+    /// confirmation after the loss deadline does not revive the lease, and
+    /// one whose claim was given up moves nothing.
+    pub(crate) fn extended(&mut self, ticket: Ticket, now: Instant) -> Confirmed {
         let deadline = self.lost_at();
         let Some(p) = self.take(ticket) else {
-            return !self.is_lost(now);
+            return Confirmed::Stale;
         };
         if self.finished || self.lost.is_some() {
-            return false;
+            return Confirmed::Lost;
         }
         if now >= deadline {
             self.lost = Some(Loss::LateConfirmation);
-            return false;
+            return Confirmed::Lost;
         }
         self.base = Stamp {
             sent: p.stamp.sent,
@@ -272,7 +287,11 @@ impl LeaseCore {
         };
         self.floor = None;
         self.observe(now);
-        !self.is_lost(now)
+        if self.is_lost(now) {
+            Confirmed::Lost
+        } else {
+            Confirmed::Held
+        }
     }
 
     /// The server answered that the lease is gone or someone else's.
@@ -420,7 +439,7 @@ mod tests {
         let mut c = core(t0, 1_000);
         let ticket = c.begin_extend(t0 + ms(100), ms(5_000)).expect("claimed");
         c.finish();
-        assert!(!c.extended(ticket, t0 + ms(110)));
+        assert_eq!(c.extended(ticket, t0 + ms(110)), Confirmed::Lost);
         assert_eq!(c.valid_until(), t0 + ms(998), "the bound did not move");
         assert_eq!(c.remaining(t0 + ms(110)), Duration::ZERO);
     }
@@ -430,7 +449,7 @@ mod tests {
         let t0 = Instant::now();
         let mut c = core(t0, 1_000);
         let first = c.begin_extend(t0 + ms(100), ms(1_000)).expect("claimed");
-        assert!(c.extended(first, t0 + ms(110)));
+        assert_eq!(c.extended(first, t0 + ms(110)), Confirmed::Held);
         // A late duplicate of an answered extension's refusal: nothing.
         c.refused(first, Loss::Gone);
         assert!(!c.is_lost(t0 + ms(120)));
@@ -471,7 +490,7 @@ mod tests {
         assert_eq!(c.valid_until(), t0 + ms(10 + 1_498));
         // A later confirmed extension supersedes it.
         let t2 = c.begin_extend(t0 + ms(20), ms(60_000)).unwrap();
-        assert!(c.extended(t2, t0 + ms(21)));
+        assert_eq!(c.extended(t2, t0 + ms(21)), Confirmed::Held);
         assert_eq!(c.valid_until(), t0 + ms(20 + 59_998));
     }
 
@@ -498,7 +517,7 @@ mod tests {
         assert_eq!(c.valid_until(), t0 + ms(10 + 1_498));
         // It may still land after this one: 60 s count for 1.5 s from its send.
         let t2 = c.begin_extend(t0 + ms(20), ms(60_000)).unwrap();
-        assert!(c.extended(t2, t0 + ms(21)));
+        assert_eq!(c.extended(t2, t0 + ms(21)), Confirmed::Held);
         assert_eq!(c.valid_until(), t0 + ms(20 + 1_498));
         assert_eq!(c.ttl(), ms(1_500));
         // A stale ticket changes nothing.
@@ -523,7 +542,7 @@ mod tests {
         let t0 = Instant::now();
         let mut c = core(t0, 1_000);
         let t = c.begin_extend(t0 + ms(800), ms(1_000)).unwrap();
-        assert!(!c.extended(t, t0 + ms(898)));
+        assert_eq!(c.extended(t, t0 + ms(898)), Confirmed::Lost);
         assert_eq!(c.loss(), Some(&Loss::LateConfirmation));
         assert!(c.is_lost(t0 + ms(899)));
         assert_eq!(c.begin_extend(t0 + ms(900), ms(1_000)), Err(Refusal::Lost));
@@ -568,9 +587,9 @@ mod tests {
         let t2 = c.begin_extend(t0, ms(20_000)).unwrap();
         // A late event for the first extension changes nothing.
         c.fenced(t1);
-        assert!(c.extended(t1, t0 + ms(1)));
+        assert_eq!(c.extended(t1, t0 + ms(1)), Confirmed::Stale);
         assert!(c.is_claimed());
-        assert!(c.extended(t2, t0 + ms(1)));
+        assert_eq!(c.extended(t2, t0 + ms(1)), Confirmed::Held);
         assert_eq!(c.valid_until(), t0 + ms(19_998));
     }
 
@@ -602,7 +621,7 @@ mod tests {
         assert_eq!(c.valid_until(), t0 + ms(2_998));
         // A confirmed extension on the new server does.
         let t = c.begin_extend(t0 + ms(1_600), ms(30_000)).unwrap();
-        assert!(c.extended(t, t0 + ms(1_601)));
+        assert_eq!(c.extended(t, t0 + ms(1_601)), Confirmed::Held);
         assert_eq!(c.valid_until(), t0 + ms(1_600 + 29_998));
         // No expiry on the server: nothing learned about an end.
         let mut c = core(t0, 30_000);
@@ -623,13 +642,13 @@ mod tests {
         // Its worst case stays in the bound.
         assert_eq!(c.valid_until(), t0 + ms(100 + 3_998));
         // A confirmation from the old server, late, moves nothing.
-        c.extended(t, t0 + ms(200));
+        assert_eq!(c.extended(t, t0 + ms(200)), Confirmed::Stale);
         assert_eq!(c.valid_until(), t0 + ms(100 + 3_998));
         // In flight and confirmed by the old server after the switch: ignored.
         let mut c = core(t0, 10_000);
         let t = c.begin_extend(t0 + ms(100), ms(60_000)).unwrap();
         assert!(c.switched());
-        assert!(c.extended(t, t0 + ms(200)));
+        assert_eq!(c.extended(t, t0 + ms(200)), Confirmed::Stale);
         assert_eq!(c.valid_until(), t0 + ms(9_998));
         // Nothing claimed: nothing to give up.
         assert!(!c.switched());

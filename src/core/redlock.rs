@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::core::lease::{Loss, Refusal, Ticket};
+use crate::core::lease::{Confirmed, Loss, Refusal, Ticket};
 use crate::core::quorum::{AcquireVerdict, ExtendVerdict, Tally, Vote};
 use crate::core::timing::{drift, retry_delay};
 use crate::error::Error;
@@ -794,8 +794,8 @@ fn failed(e: &Error) -> NodeOutcome {
 /// What an extension's verdict does to a lease's bounds (implemented by the
 /// lease cell the guard, the renewal thread and the simulation share).
 pub(crate) trait Bounds {
-    /// Confirmed at `now`; whether the lease is still held.
-    fn extended(&self, ticket: Ticket, now: Instant) -> bool;
+    /// Confirmed at `now`; what that did to the lease.
+    fn extended(&self, ticket: Ticket, now: Instant) -> Confirmed;
     /// Too few nodes hold it: lost.
     fn refused(&self, ticket: Ticket, now: Instant, loss: Loss);
     /// No verdict: the worst case of the extension bounds the lease, and the
@@ -1311,9 +1311,9 @@ mod tests {
     struct Seen(std::cell::RefCell<Vec<&'static str>>);
 
     impl Bounds for Seen {
-        fn extended(&self, _: Ticket, _: Instant) -> bool {
+        fn extended(&self, _: Ticket, _: Instant) -> Confirmed {
             self.0.borrow_mut().push("extended");
-            true
+            Confirmed::Held
         }
         fn refused(&self, _: Ticket, _: Instant, _: Loss) {
             self.0.borrow_mut().push("refused");

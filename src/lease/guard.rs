@@ -203,9 +203,13 @@ impl<K: Kind> LeaseGuard<K> {
     ///
     /// Blocks for one round trip, after waiting (at most a node timeout) for an
     /// extension of this lease already in flight, such as a keep-alive renewal:
-    /// extensions of one lease never overlap. Returns `true` when confirmed,
-    /// `false` (and flags the guard lost) when the lease expired or was taken
-    /// over, or the confirmation came after the loss deadline: stop the work.
+    /// extensions of one lease never overlap. When the deployment switched to
+    /// another server while it ran (a failover, a slot that moved), the old
+    /// server's confirmation does not count and the extension is sent once
+    /// more, to the server the key lives on now: two round trips. Returns
+    /// `true` when confirmed by the server the key lives on, `false` (and
+    /// flags the guard lost) when the lease expired or was taken over, or the
+    /// confirmation came after the loss deadline: stop the work.
     ///
     /// From the moment it is sent, a *shorter* `ttl` bounds the guard; a longer
     /// one counts only once confirmed.
@@ -213,66 +217,82 @@ impl<K: Kind> LeaseGuard<K> {
     /// # Errors
     /// [`Error::InvalidArgument`] for a bad TTL (nothing sent);
     /// [`Error::Timeout`] when an earlier extension's outcome is still unknown
-    /// after a node timeout (nothing sent); transport errors, after which the
-    /// outcome is unknown: the guard keeps assuming the worst of it, and the
-    /// connection it went out on is killed in the background before the lease
-    /// can be extended again.
+    /// after a node timeout (nothing sent); [`Error::Topology`] when the
+    /// server of the key changed again while the second send ran (the bound
+    /// stays where it was; the lease may still be held); transport errors,
+    /// after which the outcome is unknown: the guard keeps assuming the worst
+    /// of it, and the connection it went out on is killed in the background
+    /// before the lease can be extended again.
     pub fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
         let ttl_ms = self.dep.check_ttl(ttl)?;
         let ttl = Duration::from_millis(ttl_ms);
         let nt = self.dep.node_timeout();
         let waited = self.dep.now() + nt;
-        let ticket = loop {
-            match self.cell.begin_extend(self.dep.now(), ttl) {
-                Ok(ticket) => break ticket,
-                Err(Refusal::Lost) => return Ok(false),
-                Err(Refusal::Busy) => {
-                    if !self.cell.wait_unclaimed(waited) {
-                        return Err(Error::Timeout {
-                            op: "reset expiry (waiting for an extension in flight)",
-                            after: nt,
-                        });
+        let mut ran_again = false;
+        let result = loop {
+            let ticket = loop {
+                match self.cell.begin_extend(self.dep.now(), ttl) {
+                    Ok(ticket) => break ticket,
+                    Err(Refusal::Lost) => return Ok(false),
+                    Err(Refusal::Busy) => {
+                        if !self.cell.wait_unclaimed(waited) {
+                            return Err(Error::Timeout {
+                                op: "reset expiry (waiting for an extension in flight)",
+                                after: nt,
+                            });
+                        }
                     }
                 }
-            }
-        };
-        // A shorter TTL bounds the lease from now: the renewal thread must know.
-        self.dep.runtime().touch(&self.cell);
-        let deadline = self.dep.now() + nt;
-        let ops = self.cell.extra();
-        let (keys, args) = ops.extend_args(ttl_ms);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let (reply, lost): (Result<i64>, _) =
-            self.dep
-                .on_key(self.key(), deadline, Connect::Own, |conn, deadline| {
-                    conn.script(ops.extend_script(), &keys, &args, "reset expiry", deadline)
-                });
-        let now = self.dep.now();
-        let result = match reply {
-            Ok(code) => match settle(&self.cell, ticket, ExtendReply::of(code), now) {
-                Settled::Held => Ok(true),
-                Settled::Lost => Ok(false),
-                // Not produced by an integer reply.
-                Settled::NotRun => Ok(!self.cell.is_lost(now)),
-                // It ran, with an effect we cannot read: the worst of it stands.
-                Settled::Unreadable => Err(Error::UnexpectedReply {
-                    op: "reset expiry",
-                    reply: code.to_string(),
-                }),
-            },
-            Err(e) if e.is_uncertain() => {
-                self.cell.unanswered(ticket, now);
-                match lost {
-                    Some(sent) => self.dep.fence(sent, &self.cell, ticket),
-                    // Unreachable: a command without a reply went somewhere.
-                    None => self.cell.fenced(ticket, now),
+            };
+            // A shorter TTL bounds the lease from now: the renewal thread must know.
+            self.dep.runtime().touch(&self.cell);
+            let deadline = self.dep.now() + nt;
+            let ops = self.cell.extra();
+            let (keys, args) = ops.extend_args(ttl_ms);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let (reply, lost): (Result<i64>, _) =
+                self.dep
+                    .on_key(self.key(), deadline, Connect::Own, |conn, deadline| {
+                        conn.script(ops.extend_script(), &keys, &args, "reset expiry", deadline)
+                    });
+            let now = self.dep.now();
+            break match reply {
+                Ok(code) => match settle(&self.cell, ticket, ExtendReply::of(code), now) {
+                    Settled::Held => Ok(true),
+                    Settled::Lost => Ok(false),
+                    // Confirmed by a server the key no longer lives on: once
+                    // more, with a claim of its own, on the one it lives on now.
+                    Settled::Stale if !ran_again => {
+                        ran_again = true;
+                        continue;
+                    }
+                    Settled::Stale => Err(Error::Topology(
+                        "the server of the key changed twice while the extension ran; it \
+                         was not counted"
+                            .into(),
+                    )),
+                    // Not produced by an integer reply.
+                    Settled::NotRun => Ok(!self.cell.is_lost(now)),
+                    // It ran, with an effect we cannot read: the worst of it stands.
+                    Settled::Unreadable => Err(Error::UnexpectedReply {
+                        op: "reset expiry",
+                        reply: code.to_string(),
+                    }),
+                },
+                Err(e) if e.is_uncertain() => {
+                    self.cell.unanswered(ticket, now);
+                    match lost {
+                        Some(sent) => self.dep.fence(sent, &self.cell, ticket),
+                        // Unreachable: a command without a reply went somewhere.
+                        None => self.cell.fenced(ticket, now),
+                    }
+                    Err(e)
                 }
-                Err(e)
-            }
-            Err(e) => {
-                self.cell.not_sent(ticket, now);
-                Err(bad_key_in(e, &keys))
-            }
+                Err(e) => {
+                    self.cell.not_sent(ticket, now);
+                    Err(bad_key_in(e, &keys))
+                }
+            };
         };
         self.dep.runtime().touch(&self.cell);
         result

@@ -30,7 +30,7 @@ use parking_lot::Mutex;
 
 use super::Group;
 use super::worker::{Completion, Reply};
-use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket};
+use crate::core::lease::{Confirmed, LeaseCore, Loss, Refusal, Ticket};
 use crate::core::quorum::{ExtendVerdict, Tally};
 use crate::core::redlock::{Bounds, Extension, NodeLease, Op, Release, Renewable, Renewal};
 use crate::core::schedule::{Next, Watched};
@@ -395,7 +395,7 @@ impl<X> Renewable for LeaseCell<X> {
 }
 
 impl<X> Bounds for LeaseCell<X> {
-    fn extended(&self, ticket: Ticket, now: Instant) -> bool {
+    fn extended(&self, ticket: Ticket, now: Instant) -> Confirmed {
         LeaseCell::extended(self, ticket, now)
     }
 

@@ -16,7 +16,7 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::core::executor::Claim;
-use crate::core::lease::{LeaseCore, Loss, Refusal, Ticket, Verdict};
+use crate::core::lease::{Confirmed, LeaseCore, Loss, Refusal, Ticket, Verdict};
 use crate::core::schedule::Next;
 use crate::observe::{LossCause, Observer, Primitive, Watching};
 
@@ -258,18 +258,21 @@ impl<X> LeaseCell<X> {
         }
     }
 
-    /// The extension was confirmed at `now`; whether the lease is still held.
-    pub(crate) fn extended(&self, ticket: Ticket, now: Instant) -> bool {
-        let mut held = false;
+    /// The extension was confirmed at `now`; what that did to the lease
+    /// (see [`LeaseCore::extended`]).
+    pub(crate) fn extended(&self, ticket: Ticket, now: Instant) -> Confirmed {
+        let mut confirmed = Confirmed::Stale;
         let mut margin = Duration::ZERO;
         self.change(now, |c| {
             margin = c.valid_until().saturating_duration_since(now);
-            held = c.extended(ticket, now);
+            confirmed = c.extended(ticket, now);
         });
-        if held && let Some(w) = self.watching.get() {
+        if confirmed == Confirmed::Held
+            && let Some(w) = self.watching.get()
+        {
             w.renewed(&self.key, self.id, self.ttl(), margin);
         }
-        held
+        confirmed
     }
 
     pub(crate) fn refused(&self, ticket: Ticket, now: Instant, loss: Loss) {
@@ -379,7 +382,7 @@ impl<X> Claim for Arc<LeaseCell<X>> {
     fn begin_extend(&self, now: Instant, ttl: Duration) -> Result<Ticket, Refusal> {
         LeaseCell::begin_extend(self, now, ttl)
     }
-    fn extended(&self, ticket: Ticket, now: Instant) -> bool {
+    fn extended(&self, ticket: Ticket, now: Instant) -> Confirmed {
         LeaseCell::extended(self, ticket, now)
     }
     fn refused(&self, ticket: Ticket, now: Instant, loss: Loss) {

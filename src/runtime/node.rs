@@ -606,6 +606,10 @@ impl Executor {
                             Counters::add(&self.counters.losses, 1);
                             done.push((lease.id(), None));
                         }
+                        // Confirmed by a server the lease no longer lives on
+                        // (a switch while it ran): it counts for nothing, and
+                        // the schedule plans the next renewal from the bound.
+                        (Settled::Stale, _) => done.push((lease.id(), None)),
                         (Settled::NotRun | Settled::Unreadable, _) => {
                             log::warn!("unexpected renewal reply for {:?}: {value:?}", lease.key());
                             if is_code(value, "READONLY")

@@ -268,6 +268,9 @@ pub(crate) struct Stats {
     /// Checks skipped for a lease between a promotion and its verification
     /// on the new primary, where the model allows a wrong bound.
     pub(crate) exposed: u64,
+    /// Extensions confirmed by a server that had been switched away from,
+    /// sent again on the new one.
+    pub(crate) reset_reruns: u64,
 }
 
 impl Stats {
@@ -284,6 +287,7 @@ impl Stats {
         self.failovers += o.failovers;
         self.restarts += o.restarts;
         self.exposed += o.exposed;
+        self.reset_reruns += o.reset_reruns;
     }
 }
 

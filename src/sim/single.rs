@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use super::model::{ClientId, Entry, ModelServer, Reply, Value};
 use super::{Net, Queue, Rng, Stats, instant};
 use crate::core::acquire::{Attempts, CleanUp, dated};
-use crate::core::executor::{Command, Executor as Machine, ExtendReply, Renewal, settle};
+use crate::core::executor::{Command, Executor as Machine, ExtendReply, Renewal, Settled, settle};
 use crate::core::fences::FenceBook;
 use crate::core::lease::{LeaseCore, Refusal, Ticket, Verdict};
 use crate::core::schedule::{Next, Schedule, Watched};
@@ -279,11 +279,23 @@ enum Resp {
 /// What a request was for, on the client side.
 enum Purpose {
     Acquire,
-    Reset { ticket: Ticket },
+    /// `again`: the guard's second send of an extension a switched-away
+    /// server confirmed; `reran`: the transport ran it once more on the new
+    /// server, as it does with a call a replaced server answered.
+    Reset {
+        ticket: Ticket,
+        ttl: Duration,
+        again: bool,
+        reran: bool,
+    },
     Verify,
     Release,
-    Renew { renewal: Renewal<Arc<Cell>> },
-    ExecVerify { cell: Arc<Cell> },
+    Renew {
+        renewal: Renewal<Arc<Cell>>,
+    },
+    ExecVerify {
+        cell: Arc<Cell>,
+    },
     Kill,
     CleanupRelease,
 }
@@ -387,8 +399,9 @@ struct User {
     guard: Option<Guard>,
     acquiring: Option<Acquiring>,
     owners: u64,
-    /// A reset_expiry waiting for a claim, since when.
-    claim_wait: Option<(Duration, Duration)>,
+    /// A reset_expiry waiting for a claim: since when, its TTL, whether it is
+    /// the second send.
+    claim_wait: Option<(Duration, Duration, bool)>,
 }
 
 enum Job {
@@ -1011,9 +1024,32 @@ impl World {
                         Who::User(u) => self.users[u].proc,
                         Who::Exec(proc) => proc,
                     };
-                    // From a primary the process no longer uses: its pool was
-                    // closed at the switch, so the call counts as unanswered.
-                    let resp = self.current_for(proc, p.conn).then_some(resp);
+                    let current = self.current_for(proc, p.conn);
+                    // The shipped transport runs an extension a replaced
+                    // server answered once more on the current one.
+                    if !current
+                        && let (Who::User(u), Purpose::Reset { reran: false, .. }, Resp::Ints(_)) =
+                            (p.who, &p.purpose, &resp)
+                        && let Some(g) = &self.users[u].guard
+                        && let Purpose::Reset {
+                            ticket, ttl, again, ..
+                        } = p.purpose
+                    {
+                        let items = vec![(g.key, g.value.clone(), ttl.as_millis() as u64)];
+                        let conn = self.users[u].conn;
+                        let purpose = Purpose::Reset {
+                            ticket,
+                            ttl,
+                            again,
+                            reran: true,
+                        };
+                        self.send(Who::User(u), conn, Req::Extend { items }, purpose);
+                        return Ok(());
+                    }
+                    // Any other call from a primary the process no longer
+                    // uses counts as unanswered: its pool was closed at the
+                    // switch.
+                    let resp = current.then_some(resp);
                     self.replied(p, resp)?;
                 }
             }
@@ -1190,8 +1226,8 @@ impl World {
         let now = self.at();
         let p = self.users[u].proc;
         // A reset_expiry waiting for a claim in flight.
-        if let Some((since, ttl)) = self.users[u].claim_wait {
-            return self.reset_expiry(u, ttl, since);
+        if let Some((since, ttl, again)) = self.users[u].claim_wait {
+            return self.reset_expiry(u, ttl, since, again);
         }
         if let Some(g) = &self.users[u].guard {
             if g.cell.is_lost(now) {
@@ -1254,7 +1290,7 @@ impl World {
                     // Too short for keep-alive to save: the holder's choice.
                     self.users[u].guard.as_mut().expect("holding").renewable = false;
                 }
-                return self.reset_expiry(u, ttl, self.now);
+                return self.reset_expiry(u, ttl, self.now, false);
             }
             3 => {
                 let g = self.users[u].guard.as_mut().expect("holding");
@@ -1302,7 +1338,13 @@ impl World {
 
     /// The guard's reset_expiry: wait for the claim (at most a node timeout),
     /// claim, send; the worst case while unanswered.
-    fn reset_expiry(&mut self, u: usize, ttl: Duration, since: Duration) -> Result<(), String> {
+    fn reset_expiry(
+        &mut self,
+        u: usize,
+        ttl: Duration,
+        since: Duration,
+        again: bool,
+    ) -> Result<(), String> {
         let now = self.at();
         let p = self.users[u].proc;
         let Some(g) = &self.users[u].guard else {
@@ -1321,7 +1363,7 @@ impl World {
                     self.users[u].claim_wait = None;
                     self.think(u);
                 } else {
-                    self.users[u].claim_wait = Some((since, ttl));
+                    self.users[u].claim_wait = Some((since, ttl, again));
                     self.queue
                         .push(self.now + Duration::from_millis(1), Ev::UserNext(u));
                 }
@@ -1337,7 +1379,12 @@ impl World {
                     Who::User(u),
                     conn,
                     Req::Extend { items },
-                    Purpose::Reset { ticket },
+                    Purpose::Reset {
+                        ticket,
+                        ttl,
+                        again,
+                        reran: false,
+                    },
                 );
             }
         }
@@ -1374,13 +1421,22 @@ impl World {
                 }
                 match p.purpose {
                     Purpose::Acquire => self.acquired(u, p, resp)?,
-                    Purpose::Reset { ticket } => {
+                    Purpose::Reset {
+                        ticket, ttl, again, ..
+                    } => {
                         let cell = self.users[u].guard.as_ref().map(|g| g.cell.clone());
                         if let Some(cell) = cell {
                             match resp {
                                 Some(Resp::Ints(v)) => {
-                                    settle(&cell, ticket, ExtendReply::of(v[0]), now);
+                                    let settled = settle(&cell, ticket, ExtendReply::of(v[0]), now);
                                     self.learned(&cell, p.sent);
+                                    if settled == Settled::Stale && !again {
+                                        // Sent again on the server the key
+                                        // lives on now, as the guard does.
+                                        self.stats.reset_reruns += 1;
+                                        self.touch(proc, &cell);
+                                        return self.reset_expiry(u, ttl, self.now, true);
+                                    }
                                 }
                                 None => {
                                     cell.unanswered(ticket, now);
