@@ -8,6 +8,7 @@
 
 pub(crate) mod acquire;
 pub(crate) mod executor;
+pub(crate) mod extend;
 pub(crate) mod fences;
 pub(crate) mod lease;
 pub(crate) mod quorum;

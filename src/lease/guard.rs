@@ -10,8 +10,9 @@ use std::time::Duration;
 use crossbeam_channel::Receiver;
 
 use crate::conn::Connect;
-use crate::core::executor::{ExtendReply, Settled, settle};
-use crate::core::lease::{Loss, Refusal, Verdict};
+use crate::core::executor::ExtendReply;
+use crate::core::extend::{ResetDone, ResetExpiry, ResetStep};
+use crate::core::lease::{Loss, Verdict};
 use crate::error::{Error, Result};
 use crate::guard::{Fencing, Guard, ReleaseOutcome, Verifiable, sealed};
 use crate::lease::deployment::{Deployment, bad_key_in};
@@ -225,60 +226,59 @@ impl<K: Kind> LeaseGuard<K> {
     /// before the lease can be extended again.
     pub fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
         let ttl_ms = self.dep.check_ttl(ttl)?;
-        let ttl = Duration::from_millis(ttl_ms);
         let nt = self.dep.node_timeout();
-        let waited = self.dep.now() + nt;
-        let mut ran_again = false;
-        let result = loop {
-            let ticket = loop {
-                match self.cell.begin_extend(self.dep.now(), ttl) {
-                    Ok(ticket) => break ticket,
-                    Err(Refusal::Lost) => return Ok(false),
-                    Err(Refusal::Busy) => {
-                        if !self.cell.wait_unclaimed(waited) {
-                            return Err(Error::Timeout {
-                                op: "reset expiry (waiting for an extension in flight)",
-                                after: nt,
-                            });
-                        }
-                    }
+        let now = self.dep.now();
+        let mut reset = ResetExpiry::new(now, Duration::from_millis(ttl_ms), nt);
+        let ops = self.cell.extra();
+        let (keys, args) = ops.extend_args(reset.ttl().as_millis() as u64);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut step = reset.claim(&self.cell, now);
+        // The last reply, for an unreadable one's report.
+        let mut code = 0;
+        loop {
+            let ticket = match step {
+                ResetStep::Send(ticket) => ticket,
+                ResetStep::Wait(until) => {
+                    self.cell.wait_unclaimed(until);
+                    step = reset.claim(&self.cell, self.dep.now());
+                    continue;
+                }
+                ResetStep::Done(done) => {
+                    self.dep.runtime().touch(&self.cell);
+                    return match done {
+                        ResetDone::Held => Ok(true),
+                        ResetDone::Lost => Ok(false),
+                        ResetDone::NotRun(held) => Ok(held),
+                        ResetDone::StillClaimed => Err(Error::Timeout {
+                            op: "reset expiry (waiting for an extension in flight)",
+                            after: nt,
+                        }),
+                        ResetDone::SwitchedTwice => Err(Error::Topology(
+                            "the server of the key changed twice while the extension ran; \
+                             it was not counted"
+                                .into(),
+                        )),
+                        ResetDone::Unreadable => Err(Error::UnexpectedReply {
+                            op: "reset expiry",
+                            reply: code.to_string(),
+                        }),
+                    };
                 }
             };
             // A shorter TTL bounds the lease from now: the renewal thread must know.
             self.dep.runtime().touch(&self.cell);
             let deadline = self.dep.now() + nt;
-            let ops = self.cell.extra();
-            let (keys, args) = ops.extend_args(ttl_ms);
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let (reply, lost): (Result<i64>, _) =
                 self.dep
                     .on_key(self.key(), deadline, Connect::Own, |conn, deadline| {
                         conn.script(ops.extend_script(), &keys, &args, "reset expiry", deadline)
                     });
             let now = self.dep.now();
-            break match reply {
-                Ok(code) => match settle(&self.cell, ticket, ExtendReply::of(code), now) {
-                    Settled::Held => Ok(true),
-                    Settled::Lost => Ok(false),
-                    // Confirmed by a server the key no longer lives on: once
-                    // more, with a claim of its own, on the one it lives on now.
-                    Settled::Stale if !ran_again => {
-                        ran_again = true;
-                        continue;
-                    }
-                    Settled::Stale => Err(Error::Topology(
-                        "the server of the key changed twice while the extension ran; it \
-                         was not counted"
-                            .into(),
-                    )),
-                    // Not produced by an integer reply.
-                    Settled::NotRun => Ok(!self.cell.is_lost(now)),
-                    // It ran, with an effect we cannot read: the worst of it stands.
-                    Settled::Unreadable => Err(Error::UnexpectedReply {
-                        op: "reset expiry",
-                        reply: code.to_string(),
-                    }),
-                },
+            match reply {
+                Ok(reply) => {
+                    code = reply;
+                    step = reset.replied(&self.cell, ticket, ExtendReply::of(code), now);
+                }
                 Err(e) if e.is_uncertain() => {
                     self.cell.unanswered(ticket, now);
                     match lost {
@@ -286,16 +286,16 @@ impl<K: Kind> LeaseGuard<K> {
                         // Unreachable: a command without a reply went somewhere.
                         None => self.cell.fenced(ticket, now),
                     }
-                    Err(e)
+                    self.dep.runtime().touch(&self.cell);
+                    return Err(e);
                 }
                 Err(e) => {
                     self.cell.not_sent(ticket, now);
-                    Err(bad_key_in(e, &keys))
+                    self.dep.runtime().touch(&self.cell);
+                    return Err(bad_key_in(e, &keys));
                 }
-            };
-        };
-        self.dep.runtime().touch(&self.cell);
-        result
+            }
+        }
     }
 
     /// Renews the lease in the background until the returned [`KeepAlive`] is

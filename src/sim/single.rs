@@ -18,9 +18,10 @@ use std::time::{Duration, Instant};
 use super::model::{ClientId, Entry, ModelServer, Reply, Value};
 use super::{Net, Queue, Rng, Stats, instant};
 use crate::core::acquire::{Attempts, CleanUp, dated};
-use crate::core::executor::{Command, Executor as Machine, ExtendReply, Renewal, Settled, settle};
+use crate::core::executor::{Command, Executor as Machine, ExtendReply, Renewal};
+use crate::core::extend::{ResetExpiry, ResetStep};
 use crate::core::fences::FenceBook;
-use crate::core::lease::{LeaseCore, Refusal, Ticket, Verdict};
+use crate::core::lease::{LeaseCore, Ticket, Verdict};
 use crate::core::schedule::{Next, Schedule, Watched};
 use crate::core::timing::Timing;
 use crate::guard::ReleaseOutcome;
@@ -279,13 +280,12 @@ enum Resp {
 /// What a request was for, on the client side.
 enum Purpose {
     Acquire,
-    /// `again`: the guard's second send of an extension a switched-away
-    /// server confirmed; `reran`: the transport ran it once more on the new
-    /// server, as it does with a call a replaced server answered.
+    /// The guard's extension under `ticket`; `reran`: the transport ran it
+    /// once more on the new server, as it does with a call a replaced server
+    /// answered.
     Reset {
         ticket: Ticket,
-        ttl: Duration,
-        again: bool,
+        reset: ResetExpiry,
         reran: bool,
     },
     Verify,
@@ -399,9 +399,8 @@ struct User {
     guard: Option<Guard>,
     acquiring: Option<Acquiring>,
     owners: u64,
-    /// A reset_expiry waiting for a claim: since when, its TTL, whether it is
-    /// the second send.
-    claim_wait: Option<(Duration, Duration, bool)>,
+    /// A reset_expiry waiting for an extension in flight to free the claim.
+    claim_wait: Option<ResetExpiry>,
 }
 
 enum Job {
@@ -1031,16 +1030,14 @@ impl World {
                         && let (Who::User(u), Purpose::Reset { reran: false, .. }, Resp::Ints(_)) =
                             (p.who, &p.purpose, &resp)
                         && let Some(g) = &self.users[u].guard
-                        && let Purpose::Reset {
-                            ticket, ttl, again, ..
-                        } = p.purpose
+                        && let Purpose::Reset { ticket, reset, .. } = p.purpose
                     {
-                        let items = vec![(g.key, g.value.clone(), ttl.as_millis() as u64)];
+                        let ttl = reset.ttl().as_millis() as u64;
+                        let items = vec![(g.key, g.value.clone(), ttl)];
                         let conn = self.users[u].conn;
                         let purpose = Purpose::Reset {
                             ticket,
-                            ttl,
-                            again,
+                            reset,
                             reran: true,
                         };
                         self.send(Who::User(u), conn, Req::Extend { items }, purpose);
@@ -1226,8 +1223,12 @@ impl World {
         let now = self.at();
         let p = self.users[u].proc;
         // A reset_expiry waiting for a claim in flight.
-        if let Some((since, ttl, again)) = self.users[u].claim_wait {
-            return self.reset_expiry(u, ttl, since, again);
+        if let Some(mut reset) = self.users[u].claim_wait.take() {
+            let step = match &self.users[u].guard {
+                Some(g) => reset.claim(&g.cell, now),
+                None => return Ok(()),
+            };
+            return self.reset_step(u, reset, step);
         }
         if let Some(g) = &self.users[u].guard {
             if g.cell.is_lost(now) {
@@ -1290,7 +1291,9 @@ impl World {
                     // Too short for keep-alive to save: the holder's choice.
                     self.users[u].guard.as_mut().expect("holding").renewable = false;
                 }
-                return self.reset_expiry(u, ttl, self.now, false);
+                let mut reset = ResetExpiry::new(now, ttl, self.timing.node_timeout);
+                let step = reset.claim(&cell, now);
+                return self.reset_step(u, reset, step);
             }
             3 => {
                 let g = self.users[u].guard.as_mut().expect("holding");
@@ -1336,53 +1339,34 @@ impl World {
         Ok(())
     }
 
-    /// The guard's reset_expiry: wait for the claim (at most a node timeout),
-    /// claim, send; the worst case while unanswered.
-    fn reset_expiry(
-        &mut self,
-        u: usize,
-        ttl: Duration,
-        since: Duration,
-        again: bool,
-    ) -> Result<(), String> {
-        let now = self.at();
+    /// The guard's reset_expiry, driven by its machine: a send, a wait for
+    /// an extension in flight (looked at every millisecond), or the end.
+    fn reset_step(&mut self, u: usize, reset: ResetExpiry, step: ResetStep) -> Result<(), String> {
         let p = self.users[u].proc;
         let Some(g) = &self.users[u].guard else {
-            self.users[u].claim_wait = None;
             return Ok(());
         };
         let (cell, key, value) = (g.cell.clone(), g.key, g.value.clone());
-        match cell.begin_extend(now, ttl) {
-            Err(Refusal::Lost) => {
-                self.users[u].claim_wait = None;
-                self.think(u);
+        match step {
+            ResetStep::Done(_) => self.think(u),
+            ResetStep::Wait(_) => {
+                self.users[u].claim_wait = Some(reset);
+                self.queue
+                    .push(self.now + Duration::from_millis(1), Ev::UserNext(u));
             }
-            Err(Refusal::Busy) => {
-                if self.now >= since + self.timing.node_timeout {
-                    // Err(Timeout) to the caller; nothing sent.
-                    self.users[u].claim_wait = None;
-                    self.think(u);
-                } else {
-                    self.users[u].claim_wait = Some((since, ttl, again));
-                    self.queue
-                        .push(self.now + Duration::from_millis(1), Ev::UserNext(u));
-                }
-            }
-            Ok(ticket) => {
-                self.users[u].claim_wait = None;
+            ResetStep::Send(ticket) => {
                 self.stats.extensions += 1;
                 self.touch(p, &cell);
                 self.users[u].busy = true;
                 let conn = self.users[u].conn;
-                let items = vec![(key, value, ttl.as_millis() as u64)];
+                let items = vec![(key, value, reset.ttl().as_millis() as u64)];
                 self.send(
                     Who::User(u),
                     conn,
                     Req::Extend { items },
                     Purpose::Reset {
                         ticket,
-                        ttl,
-                        again,
+                        reset,
                         reran: false,
                     },
                 );
@@ -1422,20 +1406,21 @@ impl World {
                 match p.purpose {
                     Purpose::Acquire => self.acquired(u, p, resp)?,
                     Purpose::Reset {
-                        ticket, ttl, again, ..
+                        ticket, mut reset, ..
                     } => {
                         let cell = self.users[u].guard.as_ref().map(|g| g.cell.clone());
                         if let Some(cell) = cell {
                             match resp {
                                 Some(Resp::Ints(v)) => {
-                                    let settled = settle(&cell, ticket, ExtendReply::of(v[0]), now);
+                                    let step =
+                                        reset.replied(&cell, ticket, ExtendReply::of(v[0]), now);
                                     self.learned(&cell, p.sent);
-                                    if settled == Settled::Stale && !again {
-                                        // Sent again on the server the key
-                                        // lives on now, as the guard does.
+                                    if !matches!(step, ResetStep::Done(_)) {
+                                        // Confirmed by a switched-away server:
+                                        // sent again to the new one.
                                         self.stats.reset_reruns += 1;
                                         self.touch(proc, &cell);
-                                        return self.reset_expiry(u, ttl, self.now, true);
+                                        return self.reset_step(u, reset, step);
                                     }
                                 }
                                 None => {
