@@ -8,7 +8,7 @@
 //! ([`Executor::renew`], [`Executor::fence`], [`Executor::clean_up`]) take the
 //! instant they happen at; [`Executor::poll_command`] says what to send next,
 //! [`Executor::poll_timeout`] when to look again; the `*_done` methods and
-//! [`Executor::settle`] take what came back. Nothing here reads a clock or
+//! [`Executor::renewed`] take what came back. Nothing here reads a clock or
 //! touches a socket.
 //!
 //! The rules it keeps (Kleppmann's "How to do distributed locking" on why a
