@@ -413,9 +413,11 @@ impl TestSentinel {
     }
 
     /// Waits until `ROLE` on data server `index` says it replicates the
-    /// primary (the other server) with its link connected, and returns how
-    /// long that took. After a failover the sentinels reconfigure the old
-    /// primary only after it has reported itself a primary for a while.
+    /// primary (the other server: with one replica only; see
+    /// [`TestSentinel::wait_replicas_of_primary`] for more) with its link
+    /// connected, and returns how long that took. After a failover the
+    /// sentinels reconfigure the old primary only after it has reported
+    /// itself a primary for a while.
     ///
     /// # Panics
     ///
