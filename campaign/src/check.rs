@@ -26,11 +26,12 @@
 //!   the suffix `-after-history-lost`);
 //! - `late-writes`: resource writes accepted inside another grant's claim
 //!   (allowed where the resource fences, the Kleppmann pause otherwise);
-//! - for sets taken together (`multi`), each key of a set is a grant of its
-//!   own to every checker above, and: `partial-guard`, a guard returned
-//!   without a lease on a key asked for; `partial-set`, a server sample
-//!   inside the set's claim in which the truth of every key of the set is
-//!   known and some key holds the set's grant while another does not.
+//! - for sets taken together (`multi`, `lock-all`), each key of a set is a
+//!   grant of its own to every checker above, and: `partial-guard`, a guard
+//!   returned without a lease on a key asked for; `partial-set`, a server
+//!   sample inside the set's claim in which the truth of every key of the
+//!   set is known and some key holds the set's grant while another does not
+//!   (for `lock-all`, which has no tokens: holds a lease at all).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -132,7 +133,7 @@ pub(crate) fn check(inp: &Inputs<'_>) -> Findings {
     if inp.workload == Workload::Election {
         observed(inp, &mut f);
     }
-    if inp.workload == Workload::Multi {
+    if matches!(inp.workload, Workload::Multi | Workload::LockAll) {
         sets(inp, &claims, &mut f);
     }
     f
@@ -168,6 +169,7 @@ fn sets(inp: &Inputs<'_>, claims: &[&Grant], f: &mut Findings) {
                     continue;
                 };
                 match s.nodes[0][k].as_deref() {
+                    Some(v) if inp.workload == Workload::LockAll => held.push(!v.is_empty()),
                     Some(v) => held.push(v.ends_with(&format!(":{}", g.tok))),
                     None => break,
                 }
@@ -342,7 +344,7 @@ fn holds(inp: &Inputs<'_>, quorum: usize, s: &Sample, k: usize, g: &Grant) -> bo
     };
     let tok = format!(":{}", g.tok);
     match (workload, g.mode) {
-        (Workload::Lock, _) => !v.is_empty(),
+        (Workload::Lock | Workload::LockAll, _) => !v.is_empty(),
         (Workload::Fenced | Workload::Election | Workload::Multi, _) => v.ends_with(&tok),
         (Workload::Rw, 'x') => v.split('|').next().is_some_and(|w| w.ends_with(&tok)),
         (Workload::Rw, _) => true, // readers are counted in `oracle`

@@ -26,7 +26,8 @@ use crate::topo::Deployment;
 pub(crate) const USAGE: &str = "\
 campaign run --topology T --workload W [options]
   --topology    standalone | standalone-aof | redlock3 | redlock5 | sentinel | cluster
-  --workload    lock | fenced | rw | semaphore | redlock | election | multi
+  --workload    lock | fenced | rw | semaphore | redlock | election | multi |
+                lock-all
   --seed N          the schedule's seed (default 1)
   --duration D      campaign time, e.g. 30s or 2m (default 30s)
   --nemesis LIST    mix (default: every fault of the topology), none, or a
@@ -36,16 +37,25 @@ campaign run --topology T --workload W [options]
                     failover kill-primary takeover migrate unreplicated-failover
   --control C       a negative control: plain-pause | redlock-restart |
                     sentinel-unreplicated | ignore-loss | restart-no-aof |
-                    poll-follower (sets the options and
+                    poll-follower | partial-guard (sets the options and
                     the nemesis, and the workload unless given; the checkers
                     must find a violation)
   --workers N       worker processes (default 12; 4 for controls)
-  --keys N          keys the workers share (default 6; for controls 2, and 1
-                    for ignore-loss, restart-no-aof and poll-follower)
+  --keys N          keys the workers share (default 6; for controls 2, 3 for
+                    partial-guard, and 1 for ignore-loss, restart-no-aof and
+                    poll-follower)
   --ttl-ms N        lease TTL (default 600; 2000 for redlock-restart)
   --node-timeout-ms N  (default 100)
   --capacity N      semaphore capacity (default 2)
   --require-replicas N  Replication::Require on Sentinel (default 1 there; 0 = Off)
+  --replicas N      Sentinel: replicas of the primary (default 1; with more
+                    replicas than --require-replicas the model lets a failover
+                    promote a replica that did not acknowledge a grant)
+  --publish-period-ms N, --info-period-ms N
+                    Sentinel: SENTINEL DEBUG publish-period / info-period
+                    (default Sentinel's, 2000 and 10000); a demoted primary is
+                    reconfigured at the first INFO at least 4 publish periods
+                    after the switch
   --restart-delay-ms N  Redlock restart_delay (default: the TTL; 0 = None)
   --gap-ms LO-HI    pause between faults (default 300-1500; 200-600 for controls)
   --keep-alive-pct N  grants held past the TTL with keep_alive (default 1; 3
@@ -70,6 +80,10 @@ pub(crate) struct RunConfig {
     pub(crate) control: Option<Control>,
     pub(crate) workers: u64,
     pub(crate) keys: u64,
+    /// Sentinel: how many replicas the primary has.
+    pub(crate) replicas: usize,
+    /// Sentinel: `SENTINEL DEBUG` parameters.
+    pub(crate) sentinel_debug: Vec<(&'static str, u64)>,
     pub(crate) ttl_ms: u64,
     pub(crate) node_timeout_ms: u64,
     pub(crate) capacity: u32,
@@ -158,6 +172,16 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             workload = Some(Workload::Election);
             nemesis_arg = "kill".into();
         }
+        Some(Control::PartialGuard) => {
+            topology.get_or_insert(Topology::Standalone { aof: true });
+            if !matches!(
+                workload.get_or_insert(Workload::Multi),
+                Workload::Multi | Workload::LockAll
+            ) {
+                return Err("the partial-guard control runs multi or lock-all".into());
+            }
+            nemesis_arg = "none".into();
+        }
         None => {}
     }
     let topology = topology.ok_or_else(|| format!("--topology is required\n{USAGE}"))?;
@@ -212,6 +236,36 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
         },
         _ => None,
     };
+    let replicas = match (topology, get("replicas")) {
+        (_, None) => 1,
+        (Topology::Sentinel, Some(v)) => match v.parse::<usize>() {
+            Ok(n) if n >= 1 => n,
+            _ => return Err("--replicas: a number of at least 1".into()),
+        },
+        (_, Some(_)) => return Err("--replicas is for the sentinel topology".into()),
+    };
+    if replicas > 1 && nemesis.contains(&Fault::UnreplicatedFailover) {
+        return Err(
+            "unreplicated-failover pauses the one replica: it runs with --replicas 1".into(),
+        );
+    }
+    let mut sentinel_debug = Vec::new();
+    for (option, param) in [
+        ("publish-period-ms", "publish-period"),
+        ("info-period-ms", "info-period"),
+    ] {
+        if let Some(v) = get(option) {
+            if topology != Topology::Sentinel {
+                return Err(format!("--{option} is for the sentinel topology"));
+            }
+            let ms = v
+                .parse::<u64>()
+                .ok()
+                .filter(|&ms| ms > 0)
+                .ok_or_else(|| format!("--{option}: a number of milliseconds above 0"))?;
+            sentinel_debug.push((param, ms));
+        }
+    }
     let gap = match get("gap-ms") {
         None if control.is_some() => (200, 600),
         None => (300, 1500),
@@ -237,10 +291,13 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             match control {
                 None => 6,
                 Some(Control::IgnoreLoss | Control::RestartNoAof | Control::PollFollower) => 1,
+                Some(Control::PartialGuard) => 3,
                 Some(_) => 2,
             },
         )?
         .max(1),
+        replicas,
+        sentinel_debug,
         ttl_ms,
         node_timeout_ms: num("node-timeout-ms", 100)?,
         capacity: num("capacity", 2)? as u32,
@@ -303,7 +360,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         out.display()
     ));
     let resource_server = TestServer::start();
-    let dep = Deployment::start(cfg.topology);
+    let dep = Deployment::start(cfg.topology, cfg.replicas, &cfg.sentinel_debug);
     let prefix = "camp:".to_string();
     let keys: Vec<String> = (0..cfg.keys).map(|i| format!("k{i}")).collect();
     let physical: Vec<String> = keys
@@ -369,6 +426,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
             expire_pct: cfg.expire_pct,
             ignore_loss: cfg.control == Some(Control::IgnoreLoss),
             poll_follower: cfg.control == Some(Control::PollFollower),
+            plant_partial: cfg.control == Some(Control::PartialGuard),
             think_ms: cfg.think_ms,
             out: file.display().to_string(),
         };
@@ -546,7 +604,16 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
         );
         return out;
     }
-    let unfenced = matches!(cfg.workload, Workload::Lock | Workload::Redlock);
+    if cfg.control == Some(Control::PartialGuard) {
+        let why = "a planted client bug: workers record the last key of a set they did not ask for";
+        state_lost(why, &mut out);
+        out.push(("partial-guard", why));
+        return out;
+    }
+    let unfenced = matches!(
+        cfg.workload,
+        Workload::Lock | Workload::Redlock | Workload::LockAll
+    );
     if unfenced && has(Fault::PauseWorker) {
         out.push((
             "resource-lost-updates",
@@ -585,6 +652,17 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
         {
             state_lost(
                 "a failover with Replication::Off loses grants not yet replicated",
+                &mut out,
+            )
+        }
+        Topology::Sentinel
+            if cfg
+                .require_replicas
+                .is_some_and(|r| (r as usize) < cfg.replicas)
+                && (has(Fault::Failover) || has(Fault::KillPrimary)) =>
+        {
+            state_lost(
+                "fewer acknowledgements required than replicas: a failover can promote a replica that did not acknowledge a grant (Replication's rustdoc)",
                 &mut out,
             )
         }
@@ -653,6 +731,7 @@ fn summarize(
                 "server-oracle",
             ],
             Control::PollFollower => &["observe-regression"],
+            Control::PartialGuard => &["partial-guard"],
         };
         expected
             .iter()
@@ -731,6 +810,10 @@ fn summarize(
         "reproduce": reproduce,
     });
     summary["sets"] = json!(sets);
+    if cfg.topology == Topology::Sentinel {
+        summary["replicas"] = json!(cfg.replicas);
+        summary["sentinel_debug"] = json!(cfg.sentinel_debug);
+    }
     summary["expiry_checks"] = json!(f.expiry_checks);
     summary
 }

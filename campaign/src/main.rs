@@ -7,6 +7,7 @@
 //! campaign run --topology T --workload W [--seed N] [--duration D] [--nemesis LIST] ...
 //! campaign table [--check] [--pairs] SUMMARY...  (RELIABILITY.md's tables; --check: fail on a violation)
 //! campaign check DIR                    (the checkers again over a saved run)
+//! campaign gaps DIR                     (grants and errors around each fault of a saved run)
 //! campaign worker          (internal: one worker process, spec in CAMPAIGN_WORKER)
 //! ```
 //!
@@ -39,6 +40,7 @@ fn main() -> ExitCode {
         Some("run") => driver::main(&args[1..]),
         Some("table") => report::main(&args[1..]),
         Some("check") => report::recheck(&args[1..]),
+        Some("gaps") => report::gaps(&args[1..]),
         _ => Err(driver::USAGE.to_string()),
     };
     match result {

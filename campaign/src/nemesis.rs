@@ -434,7 +434,7 @@ impl Nemesis {
                     rec.note = format!("switched in {} ms", took.as_millis());
                     // The demoted primary must be reconfigured before the
                     // next failover can find a good replica.
-                    s.wait_replica_of(1 - s.primary_index(), Duration::from_secs(30));
+                    s.wait_replicas_of_primary(Duration::from_secs(30));
                 } else if let Some(c) = &dep.cluster {
                     let key = self.rng.pick(&self.slot_keys).clone();
                     let replica = c.replica_of(c.primary_for_key(&key));
@@ -471,10 +471,10 @@ impl Nemesis {
                 rec.target = format!("primary {old}");
                 rec.t0 = now_ns();
                 s.server(old).kill();
-                let took = s.wait_primary(1 - old, Duration::from_secs(30));
+                let (new, took) = s.wait_primary_other_than(old, Duration::from_secs(30));
                 s.server(old).restart();
-                s.wait_replica_of(old, Duration::from_secs(30));
-                rec.note = format!("promoted in {} ms", took.as_millis());
+                s.wait_replicas_of_primary(Duration::from_secs(30));
+                rec.note = format!("server {new} promoted in {} ms", took.as_millis());
             }
             Fault::UnreplicatedFailover => {
                 let s = dep.sentinel.as_ref().expect("sentinel");
@@ -486,7 +486,7 @@ impl Nemesis {
                 let took = s.failover();
                 s.unpause_replica(replica);
                 rec.note = format!("switched in {} ms", took.as_millis());
-                s.wait_replica_of(1 - s.primary_index(), Duration::from_secs(30));
+                s.wait_replicas_of_primary(Duration::from_secs(30));
             }
         }
     }

@@ -242,3 +242,127 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// `campaign gaps DIR`: where a finished run's time went around its faults.
+/// For each fault applied: how long it lasted, how long after its start the
+/// first grant came, and the grants and acquire errors (by message) while
+/// it lasted; then, per kind of fault, the seconds spent inside such faults
+/// and the grants a second there, against the rest of the run.
+pub(crate) fn gaps(args: &[String]) -> Result<(), String> {
+    let dir = Path::new(args.first().ok_or("campaign gaps DIR")?);
+    let mut grants: Vec<u64> = Vec::new();
+    let mut errors: Vec<(u64, String)> = Vec::new();
+    for entry in fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))? {
+        let path = entry.map_err(|e| e.to_string())?.path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        if !(name.starts_with("worker-") && name.ends_with(".jsonl")) || name.contains("observe") {
+            continue;
+        }
+        let text = fs::read_to_string(&path).map_err(|e| e.to_string())?;
+        for e in text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        {
+            match e["ev"].as_str() {
+                // One grant per acquire: a set's first key.
+                Some("grant") if e["set"].as_u64().is_none_or(|s| Some(s) == e["n"].as_u64()) => {
+                    grants.push(e["g"].as_u64().unwrap_or(0));
+                }
+                Some("err") => errors.push((
+                    e["t"].as_u64().unwrap_or(0),
+                    error_kind(e["what"].as_str().unwrap_or_default()),
+                )),
+                _ => {}
+            }
+        }
+    }
+    grants.sort_unstable();
+    let faults: Vec<Value> = fs::read_to_string(dir.join("faults.jsonl"))
+        .map_err(|e| format!("faults.jsonl: {e}"))?
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|f| f["applied"].as_bool() == Some(true))
+        .collect();
+    let summary: Value = serde_json::from_str(
+        fs::read_to_string(dir.join("summary.json"))
+            .map_err(|e| format!("summary.json: {e}"))?
+            .trim(),
+    )
+    .map_err(|e| format!("summary.json: {e}"))?;
+    let inside =
+        |a: u64, b: u64| grants.partition_point(|&g| g <= b) - grants.partition_point(|&g| g < a);
+    println!(
+        "| fault | s | first grant after its start (ms) | grants during it | errors during it |"
+    );
+    println!("|---|---:|---:|---:|---|");
+    let mut kinds: Vec<(String, f64, usize, usize)> = Vec::new();
+    let (mut fault_s, mut fault_grants) = (0.0, 0);
+    for f in &faults {
+        let kind = f["fault"].as_str().unwrap_or_default().to_string();
+        let (t0, t1) = (f["t0"].as_u64().unwrap_or(0), f["t1"].as_u64().unwrap_or(0));
+        let secs = t1.saturating_sub(t0) as f64 / 1e9;
+        let next = grants.get(grants.partition_point(|&g| g < t0));
+        let during = inside(t0, t1);
+        let mut by_what: Vec<(String, usize)> = Vec::new();
+        for (_, what) in errors.iter().filter(|(t, _)| (t0..=t1).contains(t)) {
+            match by_what.iter_mut().find(|(w, _)| w == what) {
+                Some((_, n)) => *n += 1,
+                None => by_what.push((what.clone(), 1)),
+            }
+        }
+        by_what.sort_by_key(|b| std::cmp::Reverse(b.1));
+        let what: Vec<String> = by_what
+            .iter()
+            .take(2)
+            .map(|(w, n)| format!("{n} {w}"))
+            .collect();
+        println!(
+            "| {kind} | {secs:.1} | {} | {during} | {} |",
+            next.map_or("—".into(), |g| format!("{:.0}", (g - t0) as f64 / 1e6)),
+            what.join("; ")
+        );
+        match kinds.iter_mut().find(|(k, ..)| *k == kind) {
+            Some((_, s, n, g)) => {
+                *s += secs;
+                *n += 1;
+                *g += during;
+            }
+            None => kinds.push((kind, secs, 1, during)),
+        }
+        fault_s += secs;
+        fault_grants += during;
+    }
+    let span = summary["duration_s"].as_f64().unwrap_or_default();
+    println!();
+    println!("| inside | faults | s | grants | grants/s |");
+    println!("|---|---:|---:|---:|---:|");
+    for (kind, s, n, g) in &kinds {
+        println!(
+            "| {kind} | {n} | {s:.1} | {g} | {:.1} |",
+            *g as f64 / s.max(1e-9)
+        );
+    }
+    let rest = span - fault_s;
+    let rest_grants = grants.len() - fault_grants;
+    println!(
+        "| no fault | — | {rest:.1} | {rest_grants} | {:.1} |",
+        rest_grants as f64 / rest.max(1e-9)
+    );
+    Ok(())
+}
+
+/// An acquire error's message without its quoted key names and its numbers,
+/// up to its first colon.
+fn error_kind(msg: &str) -> String {
+    let unquoted: String = msg.split('"').step_by(2).collect::<Vec<_>>().join("K");
+    let head = unquoted.split(':').next().unwrap_or_default();
+    let mut out = String::new();
+    for c in head.chars() {
+        if !c.is_ascii_digit() {
+            out.push(c);
+        } else if !out.ends_with('N') {
+            out.push('N');
+        }
+    }
+    out.trim().to_string()
+}

@@ -9,10 +9,11 @@
 //! - standalone and Redlock: every server, each its own column (a Redlock
 //!   claim needs a quorum of them);
 //! - Sentinel: the primary. Each round reads `ROLE` and the keys in one
-//!   `MULTI` on both data servers; the one that answers `master` is the
-//!   truth, and when both do (a restarted or demoted primary the sentinels
-//!   have not reconfigured yet) the one most answering sentinels name.
-//!   Neither, or no sentinel naming one of them: nothing is known that round;
+//!   `MULTI` on every data server; the one that answers `master` is the
+//!   truth, and when several do (a restarted or demoted primary the
+//!   sentinels have not reconfigured yet) the one most answering sentinels
+//!   name. None, or no sentinel naming one of them: nothing is known that
+//!   round;
 //! - Cluster: each key's slot primary. Each round reads `ROLE` and the keys
 //!   in one `MULTI` on every node, with a script that reads only keys of
 //!   slots the node serves (any other reads as unknown, so no `MOVED` or
@@ -71,8 +72,8 @@ return out
 pub(crate) enum Source {
     /// Every server, one column each.
     Servers(Vec<String>),
-    /// The primary of a Sentinel deployment: its two data servers, and the
-    /// sentinels that name the primary when both answer `master`.
+    /// The primary of a Sentinel deployment: its data servers, and the
+    /// sentinels that name the primary when several answer `master`.
     Sentinel {
         servers: Vec<String>,
         sentinels: Vec<String>,

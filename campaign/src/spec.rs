@@ -13,7 +13,8 @@ pub(crate) enum Topology {
     Standalone { aof: bool },
     /// Independent servers for `RedlockGroup`, without persistence.
     Redlock { nodes: usize },
-    /// Primary + replica + 3 sentinels.
+    /// Primary + replica (or several: `campaign run --replicas`) + 3
+    /// sentinels.
     Sentinel,
     /// 3 primaries with a replica each.
     Cluster,
@@ -64,6 +65,8 @@ pub(crate) enum Workload {
     /// `fenced_lock_all`: each grant a random non-empty subset of the keys,
     /// taken together; one history grant per key of the set.
     Multi,
+    /// `lock_all`: as `Multi`, without fencing tokens (the resource gets 0).
+    LockAll,
 }
 
 impl FromStr for Workload {
@@ -77,9 +80,10 @@ impl FromStr for Workload {
             "redlock" => Workload::Redlock,
             "election" => Workload::Election,
             "multi" => Workload::Multi,
+            "lock-all" => Workload::LockAll,
             _ => {
                 return Err(format!(
-                    "unknown workload {s:?} (lock, fenced, rw, semaphore, redlock, election, multi)"
+                    "unknown workload {s:?} (lock, fenced, rw, semaphore, redlock, election, multi, lock-all)"
                 ));
             }
         })
@@ -96,6 +100,7 @@ impl fmt::Display for Workload {
             Workload::Redlock => "redlock",
             Workload::Election => "election",
             Workload::Multi => "multi",
+            Workload::LockAll => "lock-all",
         })
     }
 }
@@ -125,6 +130,10 @@ pub(crate) enum Control {
     /// bug: followers that poll `leader()` and report what it reads,
     /// without `observe()`'s refusal to go back in term.
     PollFollower,
+    /// Sets taken together (`multi` or `lock-all`) with a planted client
+    /// bug: workers that leave the last key of each set out of the request
+    /// but record the set whole, as if the guard held it.
+    PartialGuard,
 }
 
 impl FromStr for Control {
@@ -137,9 +146,10 @@ impl FromStr for Control {
             "ignore-loss" => Control::IgnoreLoss,
             "restart-no-aof" => Control::RestartNoAof,
             "poll-follower" => Control::PollFollower,
+            "partial-guard" => Control::PartialGuard,
             _ => {
                 return Err(format!(
-                    "unknown control {s:?} (plain-pause, redlock-restart, sentinel-unreplicated, ignore-loss, restart-no-aof, poll-follower)"
+                    "unknown control {s:?} (plain-pause, redlock-restart, sentinel-unreplicated, ignore-loss, restart-no-aof, poll-follower, partial-guard)"
                 ));
             }
         })
@@ -155,6 +165,7 @@ impl fmt::Display for Control {
             Control::IgnoreLoss => "ignore-loss",
             Control::RestartNoAof => "restart-no-aof",
             Control::PollFollower => "poll-follower",
+            Control::PartialGuard => "partial-guard",
         })
     }
 }
@@ -197,6 +208,8 @@ pub(crate) struct WorkerSpec {
     pub(crate) ignore_loss: bool,
     /// The planted bug of [`Control::PollFollower`].
     pub(crate) poll_follower: bool,
+    /// The planted bug of [`Control::PartialGuard`].
+    pub(crate) plant_partial: bool,
     pub(crate) out: String,
 }
 
@@ -219,6 +232,7 @@ impl WorkerSpec {
             "keep_alive_pct": self.keep_alive_pct, "think_ms": self.think_ms, "out": self.out,
             "expire_pct": self.expire_pct,
             "ignore_loss": self.ignore_loss, "poll_follower": self.poll_follower,
+            "plant_partial": self.plant_partial,
         })
         .to_string()
     }
@@ -265,6 +279,7 @@ impl WorkerSpec {
             expire_pct: n("expire_pct"),
             ignore_loss: v["ignore_loss"].as_bool().unwrap_or(false),
             poll_follower: v["poll_follower"].as_bool().unwrap_or(false),
+            plant_partial: v["plant_partial"].as_bool().unwrap_or(false),
             out: s("out"),
         })
     }
@@ -274,7 +289,7 @@ impl WorkerSpec {
 /// library lays them out (DESIGN §3); the sampler reads these.
 pub(crate) fn lease_key(workload: Workload, prefix: &str, k: &str) -> String {
     match workload {
-        Workload::Lock | Workload::Redlock => format!("{prefix}{{{k}}}lock"),
+        Workload::Lock | Workload::Redlock | Workload::LockAll => format!("{prefix}{{{k}}}lock"),
         Workload::Fenced | Workload::Multi => format!("{prefix}{{{k}}}lease"),
         Workload::Rw => format!("{prefix}{{{k}}}rw:w"),
         Workload::Semaphore => format!("{prefix}{{{k}}}sem:permits"),

@@ -18,7 +18,13 @@ pub(crate) struct Deployment {
 }
 
 impl Deployment {
-    pub(crate) fn start(topology: Topology) -> Deployment {
+    /// `replicas` and `sentinel_debug` (`SENTINEL DEBUG` parameters): of the
+    /// Sentinel deployment, ignored by other topologies.
+    pub(crate) fn start(
+        topology: Topology,
+        replicas: usize,
+        sentinel_debug: &[(&str, u64)],
+    ) -> Deployment {
         let mut servers = Vec::new();
         let mut sentinel = None;
         let mut cluster = None;
@@ -33,12 +39,14 @@ impl Deployment {
                 }
             }
             Topology::Sentinel => {
-                sentinel = Some(
-                    TestSentinel::builder()
-                        .down_after(Duration::from_millis(1000))
-                        .failover_timeout(Duration::from_millis(3000))
-                        .start(),
-                );
+                let mut builder = TestSentinel::builder()
+                    .down_after(Duration::from_millis(1000))
+                    .failover_timeout(Duration::from_millis(3000))
+                    .replicas(replicas);
+                for &(param, value) in sentinel_debug {
+                    builder = builder.sentinel_debug(param, value);
+                }
+                sentinel = Some(builder.start());
             }
             Topology::Cluster => {
                 cluster = Some(

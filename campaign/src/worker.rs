@@ -25,7 +25,13 @@
 //! `fenced_lock_all` and writes one `grant` (and one `end`) per key of the
 //! set, each with its own number and token and the set's first number
 //! (`set`, `size`); each key's resource is read, then written, under its
-//! own token.
+//! own token. The `lock-all` workload does the same with `lock_all`,
+//! without tokens (the resource gets 0, as for `Lock`).
+//!
+//! The planted bug of the `partial-guard` control: a worker that takes sets
+//! of at least two keys, leaves the last key out of its request, and records
+//! the set whole; what the guard says of that key (no token, not among its
+//! keys) is recorded as it is, for the `partial-guard` checker.
 
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
@@ -35,8 +41,9 @@ use std::thread;
 use std::time::Duration;
 
 use respire_coordination::{
-    CancelToken, Coordinator, Election, FencedLock, FencedMultiGuard, Leadership, Lock, ReadLease,
-    RedlockGroup, RedlockGuard, RedlockOptions, ReleaseOutcome, Replication, Semaphore, WriteLease,
+    CancelToken, Coordinator, Election, FencedLock, FencedMultiGuard, Leadership, Lock,
+    MultiLockGuard, ReadLease, RedlockGroup, RedlockGuard, RedlockOptions, ReleaseOutcome,
+    Replication, Semaphore, WriteLease,
 };
 use serde_json::json;
 
@@ -53,7 +60,8 @@ enum Handle {
     Semaphore(Semaphore),
     Redlock(String),
     Election(Election),
-    /// Sets of the run's keys taken together (`fenced_lock_all`).
+    /// Sets of the run's keys taken together (`fenced_lock_all`, or
+    /// `lock_all` for the `lock-all` workload).
     Multi(Coordinator),
 }
 
@@ -67,6 +75,7 @@ enum Held {
     Redlock(RedlockGuard),
     Leader(Leadership),
     Multi(FencedMultiGuard),
+    MultiPlain(MultiLockGuard),
 }
 
 impl Held {
@@ -80,6 +89,7 @@ impl Held {
             Held::Redlock(g) => g.is_lost(),
             Held::Leader(g) => g.is_lost(),
             Held::Multi(g) => g.is_lost(),
+            Held::MultiPlain(g) => g.is_lost(),
         }
     }
 
@@ -90,6 +100,13 @@ impl Held {
             Held::Multi(g) => keys
                 .iter()
                 .map(|k| g.fencing_token(&format!("{{{k}}}lease")).map(|t| t.get()))
+                .collect(),
+            Held::MultiPlain(g) => keys
+                .iter()
+                .map(|k| {
+                    let name = format!("{{{k}}}lock");
+                    g.keys().any(|held| held.ends_with(&name)).then_some(0)
+                })
                 .collect(),
             _ => vec![Some(self.token())],
         }
@@ -143,6 +160,7 @@ impl Held {
             Held::Permit(g) => keep_lease(g.keep_alive().ok(), f),
             Held::Leader(g) => keep_lease(g.keep_alive().ok(), f),
             Held::Multi(g) => keep_lease(g.keep_alive().ok(), f),
+            Held::MultiPlain(g) => keep_lease(g.keep_alive().ok(), f),
         }
     }
 
@@ -154,14 +172,8 @@ impl Held {
             Held::Write(g) => g.release(),
             Held::Permit(g) => g.release(),
             Held::Leader(g) => g.resign(),
-            Held::Multi(g) => {
-                return g
-                    .release()
-                    .into_iter()
-                    .map(|(_, outcome)| outcome_label(outcome))
-                    .collect::<Vec<_>>()
-                    .join(",");
-            }
+            Held::Multi(g) => return set_outcome(g.release()),
+            Held::MultiPlain(g) => return set_outcome(g.release()),
             Held::Redlock(mut g) => {
                 return match g.release() {
                     Ok(true) => "Released".into(),
@@ -172,6 +184,14 @@ impl Held {
         };
         outcome_label(outcome)
     }
+}
+
+fn set_outcome(outcomes: Vec<(String, respire_coordination::Result<ReleaseOutcome>)>) -> String {
+    outcomes
+        .into_iter()
+        .map(|(_, outcome)| outcome_label(outcome))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 fn outcome_label(outcome: respire_coordination::Result<ReleaseOutcome>) -> String {
@@ -275,11 +295,21 @@ pub(crate) fn main() -> Result<(), String> {
                 if set.is_empty() {
                     set.push(ki);
                 }
+                if spec.plant_partial && set.len() == 1 && spec.keys.len() > 1 {
+                    set.push((set[0] + 1) % spec.keys.len());
+                    set.sort_unstable();
+                }
                 set
             }
             _ => vec![ki],
         };
         let names: Vec<&str> = set.iter().map(|&k| spec.keys[k].as_str()).collect();
+        // The keys asked for: all of them, but for the planted bug.
+        let asked = if spec.plant_partial && names.len() > 1 {
+            &names[..names.len() - 1]
+        } else {
+            &names[..]
+        };
         attempts += 1;
         let a = now_ns();
         let got: Result<Option<Held>, String> = match &handles[ki] {
@@ -301,8 +331,15 @@ pub(crate) fn main() -> Result<(), String> {
             Handle::Election(e) => e
                 .campaign_timeout(&value, ttl, wait)
                 .map(|g| g.map(Held::Leader)),
+            Handle::Multi(coord) if spec.workload == Workload::LockAll => {
+                let keys: Vec<String> = asked.iter().map(|k| format!("{{{k}}}lock")).collect();
+                coord
+                    .lock_all(&keys)
+                    .and_then(|m| m.acquire_timeout(ttl, wait))
+                    .map(|g| g.map(Held::MultiPlain))
+            }
             Handle::Multi(coord) => {
-                let pairs: Vec<(String, String)> = names
+                let pairs: Vec<(String, String)> = asked
                     .iter()
                     .map(|k| (format!("{{{k}}}lease"), format!("{{{k}}}fence")))
                     .collect();
@@ -347,7 +384,7 @@ pub(crate) fn main() -> Result<(), String> {
         for ((m, key, tok, _), granted) in members.iter().zip(&tokens) {
             let mut line = json!({"ev": "grant", "w": spec.id, "n": m, "key": key, "a": a,
                 "g": g, "tok": tok, "slot": slot, "mode": held.mode()});
-            if members.len() > 1 || matches!(held, Held::Multi(_)) {
+            if members.len() > 1 || matches!(held, Held::Multi(_) | Held::MultiPlain(_)) {
                 line["set"] = json!(first);
                 line["size"] = json!(members.len());
                 line["missing"] = json!(granted.is_none());
@@ -569,7 +606,7 @@ fn connect(spec: &WorkerSpec) -> Result<(Vec<Handle>, Option<RedlockGroup>), Str
             Workload::Election => coord
                 .election(&crate::spec::election_name(k))
                 .map(Handle::Election),
-            Workload::Multi => Ok(Handle::Multi(coord.clone())),
+            Workload::Multi | Workload::LockAll => Ok(Handle::Multi(coord.clone())),
         }
         .map_err(|e| e.to_string())?;
         handles.push(h);

@@ -1,10 +1,11 @@
 //! A Sentinel deployment of real processes on loopback: a primary, its
-//! replica and three sentinels watching them, tuned so that a failover takes
-//! one to two seconds.
+//! replica (or several, [`TestSentinelBuilder::replicas`]) and three
+//! sentinels watching them, tuned so that a failover takes one to two
+//! seconds.
 //!
-//! The two data servers keep their indexes in [`TestSentinel::servers`]
-//! while their roles change; [`TestSentinel::primary`] asks the sentinels
-//! which one is the primary now.
+//! The data servers keep their indexes in [`TestSentinel::servers`] while
+//! their roles change; [`TestSentinel::primary`] asks the sentinels which one
+//! is the primary now.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -43,6 +44,8 @@ pub(crate) struct TestSentinelBuilder {
     service: String,
     down_after: Duration,
     failover_timeout: Duration,
+    replicas: usize,
+    debug: Vec<(String, u64)>,
 }
 
 impl TestSentinelBuilder {
@@ -65,9 +68,28 @@ impl TestSentinelBuilder {
         self
     }
 
-    /// Starts the primary, the replica and the sentinels, and waits until the
-    /// replica is in sync and every sentinel sees the primary, the replica
-    /// and the two other sentinels.
+    /// How many replicas the primary starts with, at least 1. With two or
+    /// more, a failover leaves the new primary a replica in sync while the
+    /// demoted one waits to be reconfigured. Defaults to 1.
+    pub(crate) fn replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas.max(1);
+        self
+    }
+
+    /// Sets one of the sentinels' timing parameters with `SENTINEL DEBUG
+    /// <param> <value>` on every sentinel once it is up (`publish-period`,
+    /// `info-period`, …, in milliseconds). A demoted primary that still
+    /// reports itself a primary is reconfigured at the first `INFO` reply
+    /// (every `info-period`) at least four `publish-period`s after the switch:
+    /// about ten seconds with Sentinel's own values. Defaults to none.
+    pub(crate) fn sentinel_debug(mut self, param: impl Into<String>, value: u64) -> Self {
+        self.debug.push((param.into(), value));
+        self
+    }
+
+    /// Starts the primary, the replicas and the sentinels, and waits until
+    /// every replica is in sync and every sentinel sees the primary, the
+    /// replicas and the two other sentinels.
     ///
     /// # Panics
     ///
@@ -77,10 +99,15 @@ impl TestSentinelBuilder {
         let started = Instant::now();
         let no_sync_delay = ["--repl-diskless-sync-delay", "0"];
         let primary = TestServer::builder().args(no_sync_delay).start();
-        let replica = TestServer::builder()
-            .args(no_sync_delay)
-            .args(["--replicaof", "127.0.0.1", &primary.port().to_string()])
-            .start();
+        let primary_port = primary.port().to_string();
+        let replicas: Vec<TestServer> = (0..self.replicas)
+            .map(|_| {
+                TestServer::builder()
+                    .args(no_sync_delay)
+                    .args(["--replicaof", "127.0.0.1", &primary_port])
+                    .start()
+            })
+            .collect();
         let config = self.config(primary.port());
         let sentinels: Vec<TestServer> = thread::scope(|scope| {
             let starting: Vec<_> = (0..SENTINELS)
@@ -94,9 +121,21 @@ impl TestSentinelBuilder {
                 .map(|s| s.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
                 .collect()
         });
+        for (i, sentinel) in sentinels.iter().enumerate() {
+            for (param, value) in &self.debug {
+                let () = redis::cmd("SENTINEL")
+                    .arg("DEBUG")
+                    .arg(param)
+                    .arg(value)
+                    .query(&mut sentinel.client())
+                    .unwrap_or_else(|e| {
+                        panic!("SENTINEL DEBUG {param} {value} on sentinel {i}: {e}")
+                    });
+            }
+        }
         let mut deployment = TestSentinel {
             service: self.service,
-            servers: vec![primary, replica],
+            servers: std::iter::once(primary).chain(replicas).collect(),
             sentinels,
             startup: Duration::ZERO,
         };
@@ -127,8 +166,9 @@ impl TestSentinelBuilder {
     }
 }
 
-/// A primary and a replica (`redis-server` on free loopback ports) watched by
-/// three sentinels (`redis-server sentinel.conf --sentinel`) with a quorum of
+/// A primary and its replicas, one unless [`TestSentinelBuilder::replicas`]
+/// says more (`redis-server` on free loopback ports), watched by three
+/// sentinels (`redis-server sentinel.conf --sentinel`) with a quorum of
 /// two.
 ///
 /// Every process is a [`TestServer`], killed on drop and by its supervisor
@@ -163,6 +203,8 @@ impl TestSentinel {
             service: DEFAULT_SERVICE.to_owned(),
             down_after: DEFAULT_DOWN_AFTER,
             failover_timeout: DEFAULT_FAILOVER_TIMEOUT,
+            replicas: 1,
+            debug: Vec::new(),
         }
     }
 
@@ -176,12 +218,12 @@ impl TestSentinel {
         &self.service
     }
 
-    /// The two data servers; server 0 started as the primary.
+    /// The data servers; server 0 started as the primary.
     pub(crate) fn servers(&self) -> &[TestServer] {
         &self.servers
     }
 
-    /// Data server `index` (0 or 1).
+    /// Data server `index` (0 or 1 with one replica).
     pub(crate) fn server(&self, index: usize) -> &TestServer {
         &self.servers[index]
     }
@@ -238,9 +280,9 @@ impl TestSentinel {
     ///
     /// # Panics
     ///
-    /// Panics if no live sentinel names one of the two servers.
+    /// Panics if no live sentinel names one of the data servers.
     pub(crate) fn primary_index(&self) -> usize {
-        let mut votes = [0_usize; 2];
+        let mut votes = vec![0_usize; self.servers.len()];
         for addr in self.primary_addrs().into_iter().flatten() {
             if let Some(i) = self.server_at(addr) {
                 votes[i] += 1;
@@ -251,7 +293,11 @@ impl TestSentinel {
             "no live sentinel names a primary\n{}",
             self.describe()
         );
-        usize::from(votes[1] > votes[0])
+        // The most votes; the lower index on a tie.
+        (0..votes.len())
+            .rev()
+            .max_by_key(|&i| votes[i])
+            .expect("a data server")
     }
 
     /// The data server the sentinels report as the primary; see
@@ -260,13 +306,22 @@ impl TestSentinel {
         &self.servers[self.primary_index()]
     }
 
-    /// The data server that is not [`TestSentinel::primary`].
+    /// The data server that is not [`TestSentinel::primary`] (the first
+    /// such with several replicas).
     pub(crate) fn replica(&self) -> &TestServer {
-        &self.servers[1 - self.primary_index()]
+        &self.servers[self.replica_index()]
+    }
+
+    /// The index of [`TestSentinel::replica`].
+    fn replica_index(&self) -> usize {
+        let primary = self.primary_index();
+        (0..self.servers.len())
+            .find(|&i| i != primary)
+            .expect("a replica")
     }
 
     /// Runs `SENTINEL FAILOVER` on the first live sentinel and waits until
-    /// every live sentinel reports the other data server as the primary and
+    /// every live sentinel reports another data server as the primary and
     /// `ROLE` on it says `master`. Returns how long that took. The demoted
     /// primary keeps acting as a primary until the sentinels reconfigure
     /// it, about ten seconds later; see [`TestSentinel::wait_replica_of`].
@@ -292,8 +347,46 @@ impl TestSentinel {
                     self.describe()
                 )
             });
-        self.wait_primary(1 - old, SETTLE_DEADLINE);
+        self.wait_primary_other_than(old, SETTLE_DEADLINE);
         started.elapsed()
+    }
+
+    /// Waits until every live sentinel reports the same data server, not
+    /// `old`, as the primary and `ROLE` on it says `master`; returns its
+    /// index and how long that took.
+    ///
+    /// # Panics
+    ///
+    /// Panics if that is not so within `deadline`.
+    pub(crate) fn wait_primary_other_than(
+        &self,
+        old: usize,
+        deadline: Duration,
+    ) -> (usize, Duration) {
+        let started = Instant::now();
+        let mut probe = Probe::new(self);
+        let mut new = old;
+        self.wait(
+            deadline,
+            &format!("a server other than {old} to be the primary"),
+            || {
+                let named: Vec<Option<SocketAddr>> = (0..SENTINELS)
+                    .filter(|&i| is_live(&self.sentinels[i]))
+                    .map(|i| probe.primary_addr(i))
+                    .collect();
+                let Some(Some(first)) = named.first().copied() else {
+                    return false;
+                };
+                let Some(index) = self.server_at(first) else {
+                    return false;
+                };
+                new = index;
+                index != old
+                    && named.iter().all(|&a| a == Some(first))
+                    && probe.role(&self.servers[index]).as_deref() == Some("master")
+            },
+        );
+        (new, started.elapsed())
     }
 
     /// Waits until every live sentinel reports data server `index` as the
@@ -320,9 +413,11 @@ impl TestSentinel {
     }
 
     /// Waits until `ROLE` on data server `index` says it replicates the
-    /// primary (the other server) with its link connected, and returns how
-    /// long that took. After a failover the sentinels reconfigure the old
-    /// primary only after it has reported itself a primary for a while.
+    /// primary (the other server: with one replica only; see
+    /// [`TestSentinel::wait_replicas_of_primary`] for more) with its link
+    /// connected, and returns how long that took. After a failover the
+    /// sentinels reconfigure the old primary only after it has reported
+    /// itself a primary for a while.
     ///
     /// # Panics
     ///
@@ -396,6 +491,43 @@ impl TestSentinel {
         SwitchWatcher::start(self)
     }
 
+    /// Waits until `ROLE` on every data server but the primary the sentinels
+    /// name says it replicates that primary with its link connected, and
+    /// returns how long that took. After a failover the sentinels reconfigure
+    /// a demoted primary only after it has reported itself a primary for a
+    /// while.
+    ///
+    /// # Panics
+    ///
+    /// Panics if that is not so within `deadline`.
+    pub(crate) fn wait_replicas_of_primary(&self, deadline: Duration) -> Duration {
+        let started = Instant::now();
+        let mut probe = Probe::new(self);
+        self.wait(
+            deadline,
+            "every other server to replicate the primary",
+            || {
+                let named = (0..SENTINELS)
+                    .filter(|&i| is_live(&self.sentinels[i]))
+                    .find_map(|i| probe.primary_addr(i));
+                let Some(primary) = named.and_then(|a| self.server_at(a)) else {
+                    return false;
+                };
+                let primary_port = self.servers[primary].port();
+                (0..self.servers.len()).filter(|&i| i != primary).all(|i| {
+                    probe.role_reply(&self.servers[i]).is_some_and(|role| {
+                        role.len() >= 4
+                            && text(&role[0]) == "slave"
+                            && redis::from_redis_value_ref::<u16>(&role[2]).ok()
+                                == Some(primary_port)
+                            && text(&role[3]) == "connected"
+                    })
+                })
+            },
+        );
+        started.elapsed()
+    }
+
     /// Runs `CLIENT PAUSE <for> WRITE` on the current replica: it keeps
     /// answering reads but holds back every write, including the ones its
     /// primary replicates to it, until the pause ends or
@@ -407,7 +539,7 @@ impl TestSentinel {
     /// a failover during the pause would time out. Refused, the hello fails at
     /// once (the ACL check comes before the pause) and the link stays free.
     pub(crate) fn pause_replica_writes(&self, duration: Duration) -> usize {
-        let index = 1 - self.primary_index();
+        let index = self.replica_index();
         let mut con = self.servers[index].client();
         let () = redis::cmd("ACL")
             .arg("SETUSER")
@@ -440,20 +572,22 @@ impl TestSentinel {
             .expect("ACL SETUSER default +publish");
     }
 
-    /// Waits until the replica is in sync with data server `primary` and every
-    /// sentinel reports it as the primary, knows one healthy replica and the
-    /// two other sentinels.
+    /// Waits until every replica is in sync with data server `primary` and
+    /// every sentinel reports it as the primary, knows every replica healthy
+    /// and the two other sentinels.
     fn wait_settled(&self, primary: usize) {
-        let replica = 1 - primary;
         let expected = self.servers[primary].addr();
+        let replicas = (self.servers.len() - 1).to_string();
         let mut probe = Probe::new(self);
         self.wait(SETTLE_DEADLINE, "the sentinel deployment to form", || {
-            probe.replica_link_up(&self.servers[replica])
+            (0..self.servers.len())
+                .filter(|&i| i != primary)
+                .all(|i| probe.replica_link_up(&self.servers[i]))
                 && (0..SENTINELS).all(|i| {
                     probe.primary_addr(i) == Some(expected)
                         && probe.master_fields(i).is_some_and(|fields| {
                             fields.get("flags").map(String::as_str) == Some("master")
-                                && fields.get("num-slaves").map(String::as_str) == Some("1")
+                                && fields.get("num-slaves") == Some(&replicas)
                                 && fields.get("num-other-sentinels").map(String::as_str)
                                     == Some("2")
                         })
