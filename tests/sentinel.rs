@@ -984,3 +984,87 @@ fn an_extension_the_old_primary_confirms_after_the_switch_is_run_again_on_the_ne
     );
     assert!(!g.is_lost());
 }
+
+#[test]
+fn a_shortening_the_old_primary_confirms_after_a_renewal_on_the_new_one_never_outlives_the_bound() {
+    let deployment = TestSentinel::start();
+    let switches = Arc::new(Switches::default());
+    // A node timeout long enough for the extension's reply to come back from
+    // the old primary after the whole failover.
+    let coord = builder(&deployment)
+        .node_timeout(Duration::from_secs(8))
+        .observer(switches.clone())
+        .build()
+        .unwrap();
+    let lock = fenced(&coord, "late-shortening");
+    let g = lock.try_acquire(Duration::from_secs(60)).unwrap().unwrap();
+    let _keep = g.keep_alive().unwrap();
+    let key = g.key().to_owned();
+    let mut granted = None;
+    wait_until(Duration::from_secs(5), "the grant on the replica", || {
+        granted = expiry_on(deployment.replica(), &key);
+        granted.is_some()
+    });
+    let granted = granted.unwrap();
+    let old = deployment.primary_index();
+    let old_port = deployment.servers()[old].port();
+    let new_primary = &deployment.servers()[1 - old];
+    let evals_before = calls_of(&deployment.servers()[old], "evalsha");
+    deployment.servers()[old].pause();
+    let shortened = thread::scope(|s| {
+        // The shortening waits, unread, in the stopped primary's socket.
+        let shortening = s.spawn(|| g.reset_expiry(Duration::from_secs(20)));
+        wait_until(
+            Duration::from_secs(5),
+            "the shortening to reach the stopped primary",
+            || unread_by(old_port) > 0,
+        );
+        failover_with(&deployment, |_| {});
+        wait_until(
+            Duration::from_secs(10),
+            "the coordinator to follow the switch",
+            || switches.0.load(std::sync::atomic::Ordering::SeqCst) > 0,
+        );
+        // The switch gave up the shortening's claim and kept its worst case
+        // in the bound, so keep-alive renews on the new primary soon: the
+        // new primary's expiry moves past the grant's.
+        wait_until(
+            Duration::from_secs(15),
+            "a keep-alive renewal on the new primary",
+            || {
+                expiry_on(new_primary, &key)
+                    .is_some_and(|at| at > granted + Duration::from_millis(500))
+            },
+        );
+        // Only now does the old primary apply the shortening and confirm it.
+        deployment.servers()[old].resume();
+        shortening.join().unwrap()
+    });
+    assert!(
+        calls_of(&deployment.servers()[old], "evalsha") > evals_before,
+        "the old primary never ran the shortening: the scenario did not happen"
+    );
+    // The oracle: the new primary's own expiry of the key, against the
+    // bound the guard counts on, now and for as long as the guard lives.
+    let check = || {
+        let estimate = g.remaining_estimate();
+        let left = expiry_on(new_primary, &key)
+            .expect("the new primary holds the lease")
+            .saturating_duration_since(Instant::now());
+        assert!(
+            estimate <= left + Duration::from_millis(5),
+            "the guard counts on {estimate:?} while the new primary expires the key in {left:?}"
+        );
+        left
+    };
+    let left = check();
+    println!("shortened: {shortened:?}, the new primary's expiry in {left:?}");
+    // The shortening went once more, with a claim of its own, to the new
+    // primary: confirmed there, and the guard counts on it.
+    assert!(shortened.unwrap(), "the shortening was refused");
+    assert!(
+        left <= Duration::from_secs(20),
+        "confirmed, but the new primary expires the key in {left:?}"
+    );
+    assert!(!g.is_lost());
+}

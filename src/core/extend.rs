@@ -4,10 +4,13 @@
 //! call and the simulation with model events; neither decides anything
 //! itself.
 //!
-//! One rule is its own: a confirmation whose claim a switch gave up (the
-//! server that confirmed no longer serves the key) counts for nothing, so the
+//! One rule is its own: an answer from a server that was replaced while the
+//! extension ran (a confirmation whose claim a switch gave up, or one the
+//! transport saw come from a retired server) counts for nothing, so the
 //! extension is claimed and sent once more, to the server the key lives on
-//! now. A second switch during that send ends it unconfirmed.
+//! now. Never under the old claim: by then another extension (a keep-alive
+//! renewal) may hold the lease's claim, and two extensions of one lease must
+//! not overlap. A second switch during that send ends it unconfirmed.
 
 use std::time::{Duration, Instant};
 
@@ -94,14 +97,33 @@ impl ResetExpiry {
         ResetStep::Done(match settle(lease, ticket, reply, now) {
             Settled::Held => ResetDone::Held,
             Settled::Lost => ResetDone::Lost,
-            Settled::Stale if !self.again => {
-                self.again = true;
-                return self.claim(lease, now);
-            }
-            Settled::Stale => ResetDone::SwitchedTwice,
+            Settled::Stale => return self.once_more(lease, now),
             Settled::NotRun => ResetDone::NotRun(!lease.is_lost(now)),
             Settled::Unreadable => ResetDone::Unreadable,
         })
+    }
+
+    /// The extension sent under `ticket` was answered by a server that had
+    /// been replaced meanwhile (the transport saw it retired): whatever it
+    /// said counts for nothing, and the command can no longer be applied
+    /// anywhere. Its claim is given up, its worst case kept in the bound (as
+    /// at a switch), and the extension is claimed and sent once more.
+    pub(crate) fn replaced<L: Claim>(
+        &mut self,
+        lease: &L,
+        ticket: Ticket,
+        now: Instant,
+    ) -> ResetStep {
+        lease.fenced(ticket, now);
+        self.once_more(lease, now)
+    }
+
+    fn once_more<L: Claim>(&mut self, lease: &L, now: Instant) -> ResetStep {
+        if self.again {
+            return ResetStep::Done(ResetDone::SwitchedTwice);
+        }
+        self.again = true;
+        self.claim(lease, now)
     }
 }
 
@@ -241,6 +263,49 @@ mod tests {
         let step = r.replied(&l, second, ExtendReply::Extended, t0 + ms(30));
         assert_eq!(step, ResetStep::Done(ResetDone::SwitchedTwice));
         assert_eq!(l.0.lock().valid_until(), t0 + ms(998));
+    }
+
+    #[test]
+    fn an_answer_from_a_replaced_server_gives_up_the_claim_and_goes_again() {
+        let t0 = Instant::now();
+        let l = lease(t0, 1_000);
+        // A shortening, answered by a server retired meanwhile: the switch
+        // has not reached the lease yet, so the claim is still this one's.
+        let mut r = ResetExpiry::new(t0, ms(300), ms(100));
+        let first = sent(r.claim(&l, t0 + ms(10)));
+        let second = sent(r.replaced(&l, first, t0 + ms(20)));
+        assert_ne!(first, second);
+        // Its worst case stays until a later extension is confirmed.
+        assert_eq!(l.0.lock().valid_until(), t0 + ms(10 + 298));
+        let step = r.replied(&l, second, ExtendReply::Extended, t0 + ms(30));
+        assert_eq!(step, ResetStep::Done(ResetDone::Held));
+        assert_eq!(l.0.lock().valid_until(), t0 + ms(20 + 298));
+        // The switch came first and a renewal took the claim: the answer
+        // frees nothing of the renewal's, and the second send waits for it.
+        let l = lease(t0, 1_000);
+        let mut r = ResetExpiry::new(t0, ms(300), ms(100));
+        let first = sent(r.claim(&l, t0 + ms(10)));
+        assert!(l.0.lock().switched());
+        let renewal = l.begin_extend(t0 + ms(12), ms(1_000)).unwrap();
+        assert_eq!(
+            r.replaced(&l, first, t0 + ms(20)),
+            ResetStep::Wait(t0 + ms(100))
+        );
+        assert!(l.0.lock().is_claimed(), "the renewal's claim stands");
+        assert_eq!(
+            l.extended(renewal, t0 + ms(22)),
+            crate::core::lease::Confirmed::Held
+        );
+        sent(r.claim(&l, t0 + ms(22)));
+        // Twice: not counted.
+        let l = lease(t0, 1_000);
+        let mut r = ResetExpiry::new(t0, ms(300), ms(100));
+        let first = sent(r.claim(&l, t0 + ms(10)));
+        let second = sent(r.replaced(&l, first, t0 + ms(20)));
+        assert_eq!(
+            r.replaced(&l, second, t0 + ms(30)),
+            ResetStep::Done(ResetDone::SwitchedTwice)
+        );
     }
 
     #[test]

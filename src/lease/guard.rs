@@ -268,17 +268,38 @@ impl<K: Kind> LeaseGuard<K> {
             // A shorter TTL bounds the lease from now: the renewal thread must know.
             self.dep.runtime().touch(&self.cell);
             let deadline = self.dep.now() + nt;
-            let (reply, lost): (Result<i64>, _) =
+            // The transport runs a call that a server retired meanwhile
+            // answered once more on the current one; an extension must not
+            // go again under this claim (a switch gives it up, and a renewal
+            // may hold the next), so the second run sends nothing.
+            let mut answered = false;
+            let (reply, lost): (Result<Option<i64>>, _) =
                 self.dep
                     .on_key(self.key(), deadline, Connect::Own, |conn, deadline| {
-                        conn.script(ops.extend_script(), &keys, &args, "reset expiry", deadline)
+                        if answered {
+                            return Ok(None);
+                        }
+                        let reply = conn.script(
+                            ops.extend_script(),
+                            &keys,
+                            &args,
+                            "reset expiry",
+                            deadline,
+                        );
+                        answered = reply.is_ok();
+                        reply.map(Some)
                     });
             let now = self.dep.now();
             match reply {
-                Ok(reply) => {
+                Ok(Some(reply)) => {
                     code = reply;
                     step = reset.replied(&self.cell, ticket, ExtendReply::of(code), now);
                 }
+                // Answered by a server retired meanwhile (the second run
+                // sent nothing, or found no server to run on): the answer
+                // counts no more.
+                Ok(None) => step = reset.replaced(&self.cell, ticket, now),
+                Err(_) if answered => step = reset.replaced(&self.cell, ticket, now),
                 Err(e) if e.is_uncertain() => {
                     self.cell.unanswered(ticket, now);
                     match lost {

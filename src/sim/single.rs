@@ -280,13 +280,10 @@ enum Resp {
 /// What a request was for, on the client side.
 enum Purpose {
     Acquire,
-    /// The guard's extension under `ticket`; `reran`: the transport ran it
-    /// once more on the new server, as it does with a call a replaced server
-    /// answered.
+    /// The guard's extension under `ticket`.
     Reset {
         ticket: Ticket,
         reset: ResetExpiry,
-        reran: bool,
     },
     Verify,
     Release,
@@ -1024,24 +1021,22 @@ impl World {
                         Who::Exec(proc) => proc,
                     };
                     let current = self.current_for(proc, p.conn);
-                    // The shipped transport runs an extension a replaced
-                    // server answered once more on the current one.
+                    // An extension answered by a primary the process switched
+                    // away from meanwhile: the shipped transport runs the call
+                    // once more, and the guard's second run sends nothing and
+                    // hands the answer to its machine as from a replaced server.
                     if !current
-                        && let (Who::User(u), Purpose::Reset { reran: false, .. }, Resp::Ints(_)) =
+                        && let (Who::User(u), Purpose::Reset { ticket, reset }, Resp::Ints(_)) =
                             (p.who, &p.purpose, &resp)
                         && let Some(g) = &self.users[u].guard
-                        && let Purpose::Reset { ticket, reset, .. } = p.purpose
                     {
-                        let ttl = reset.ttl().as_millis() as u64;
-                        let items = vec![(g.key, g.value.clone(), ttl)];
-                        let conn = self.users[u].conn;
-                        let purpose = Purpose::Reset {
-                            ticket,
-                            reset,
-                            reran: true,
-                        };
-                        self.send(Who::User(u), conn, Req::Extend { items }, purpose);
-                        return Ok(());
+                        let cell = g.cell.clone();
+                        self.users[u].busy = false;
+                        self.stats.reset_reruns += 1;
+                        let (ticket, mut reset) = (*ticket, *reset);
+                        let step = reset.replaced(&cell, ticket, self.at());
+                        self.touch(proc, &cell);
+                        return self.reset_step(u, reset, step);
                     }
                     // Any other call from a primary the process no longer
                     // uses counts as unanswered: its pool was closed at the
@@ -1364,11 +1359,7 @@ impl World {
                     Who::User(u),
                     conn,
                     Req::Extend { items },
-                    Purpose::Reset {
-                        ticket,
-                        reset,
-                        reran: false,
-                    },
+                    Purpose::Reset { ticket, reset },
                 );
             }
         }
@@ -1405,9 +1396,7 @@ impl World {
                 }
                 match p.purpose {
                     Purpose::Acquire => self.acquired(u, p, resp)?,
-                    Purpose::Reset {
-                        ticket, mut reset, ..
-                    } => {
+                    Purpose::Reset { ticket, mut reset } => {
                         let cell = self.users[u].guard.as_ref().map(|g| g.cell.clone());
                         if let Some(cell) = cell {
                             match resp {
