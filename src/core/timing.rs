@@ -123,6 +123,24 @@ mod tests {
     }
 
     #[test]
+    fn a_ttl_that_leaves_no_time_before_the_loss_deadline_is_unusable() {
+        // No drift: the loss deadline is ttl − 2 ms − 500 ms after the grant.
+        let t = Timing {
+            drift_factor: 0.0,
+            node_timeout: ms(500),
+        };
+        assert!(!t.usable_ttl(ms(502)), "lost at the grant");
+        assert!(t.usable_ttl(ms(503)));
+    }
+
+    #[test]
+    fn a_redlock_connector_rests_25_ms_doubling_to_a_second() {
+        let rests: Vec<Duration> = (0..=9).map(rest_after).collect();
+        let expected = [25, 25, 50, 100, 200, 400, 800, 1_000, 1_000, 1_000].map(ms);
+        assert_eq!(rests, expected);
+    }
+
+    #[test]
     fn retry_delay_is_bounded() {
         assert_eq!(retry_delay(ms(40)), ms(5));
         assert_eq!(retry_delay(ms(2_000)), ms(100));
