@@ -201,7 +201,8 @@ impl Lease<Slot> {
         let [permits, meta, _] = &self.sem().keys;
         let deadline = dep.now() + dep.node_timeout();
         let capacity_arg = capacity.to_string();
-        let previous: i64 = dep
+        self.sem().setting.store(capacity, Ordering::SeqCst);
+        let previous: Result<i64> = dep
             .on_key(meta, deadline, Connect::Own, |conn, deadline| {
                 conn.script(
                     &scripts::SEM_SET_CAPACITY,
@@ -212,9 +213,12 @@ impl Lease<Slot> {
                 )
             })
             .0
-            .map_err(|e| bad_key_in(e, &[meta, permits]))?;
-        self.sem().capacity.store(capacity, Ordering::Relaxed);
-        Ok(u32::try_from(previous).ok())
+            .map_err(|e| bad_key_in(e, &[meta, permits]));
+        if previous.is_ok() {
+            self.sem().capacity.store(capacity, Ordering::SeqCst);
+        }
+        self.sem().setting.store(0, Ordering::SeqCst);
+        Ok(u32::try_from(previous?).ok())
     }
 
     fn status(&self) -> Result<(Option<u32>, Vec<PermitHolder>)> {
@@ -274,19 +278,23 @@ pub(crate) struct SemSpec {
     keys: [String; 3],
     /// The capacity this handle declares; shared by its clones.
     capacity: AtomicU32,
+    /// The capacity a `set_capacity` through this handle is storing, 0 when
+    /// none is on its way.
+    setting: AtomicU32,
 }
 
 impl SemSpec {
-    /// Checks the base key and capacity; nothing is sent.
     /// A spec over given keys, for the simulation's model servers.
     #[cfg(test)]
     pub(crate) fn from_keys(keys: [String; 3], capacity: u32) -> SemSpec {
         SemSpec {
             keys,
             capacity: AtomicU32::new(capacity),
+            setting: AtomicU32::new(0),
         }
     }
 
+    /// Checks the base key and capacity; nothing is sent.
     pub(crate) fn new(dep: &Deployment, base: &str, capacity: u32) -> Result<SemSpec> {
         check_capacity(capacity)?;
         let base = keys::physical_base(&dep.prefix, base, "semaphore base key")?;
@@ -300,6 +308,7 @@ impl SemSpec {
         Ok(SemSpec {
             keys,
             capacity: AtomicU32::new(capacity),
+            setting: AtomicU32::new(0),
         })
     }
 }
@@ -393,20 +402,43 @@ impl Acquire<(u32, FencingToken)> for SemSpec {
         _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<(u32, FencingToken)>>> {
         let [permits, meta, slots] = &self.keys;
-        let capacity = self.capacity.load(Ordering::Relaxed);
+        let ttl = ttl_ms.to_string();
+        let mut capacity = self.capacity.load(Ordering::Relaxed);
         // A repeated grant to this owner (an earlier attempt's whose reply was
         // lost) has its expiry moved to ttl from now if that is later, so it
         // holds for ttl from this send at least: `sent` stands.
-        let sent = dep.now();
-        let reply: Vec<redis::Value> = conn
+        let mut sent = dep.now();
+        let mut reply = conn
             .script(
                 &scripts::SEM_ACQUIRE,
                 &[permits, meta, slots],
-                &[owner.as_str(), &ttl_ms.to_string(), &capacity.to_string()],
+                &[owner.as_str(), &ttl, &capacity.to_string()],
                 "acquire",
                 deadline,
             )
-            .map_err(|e| capacity_mismatch(e, &self.keys))?;
+            .map_err(|e| capacity_mismatch(e, &self.keys));
+        // This handle's own `set_capacity` stored a new capacity while the
+        // attempt was on its way (a raise wakes waiters before the handle
+        // learns its reply): the refused attempt changed nothing, and goes
+        // again with the capacity the handle is changing to.
+        if let Err(Error::CapacityMismatch { stored, .. }) = reply
+            && stored != capacity
+            && (stored == self.capacity.load(Ordering::SeqCst)
+                || stored == self.setting.load(Ordering::SeqCst))
+        {
+            capacity = stored;
+            sent = dep.now();
+            reply = conn
+                .script(
+                    &scripts::SEM_ACQUIRE,
+                    &[permits, meta, slots],
+                    &[owner.as_str(), &ttl, &capacity.to_string()],
+                    "acquire",
+                    deadline,
+                )
+                .map_err(|e| capacity_mismatch(e, &self.keys));
+        }
+        let reply: Vec<redis::Value> = reply?;
         match reply.as_slice() {
             [redis::Value::Int(1), redis::Value::Int(slot), token] => {
                 let token = parse_token(token, "acquire")?;
