@@ -1917,7 +1917,9 @@ mod tests {
 
     #[test]
     fn a_release_is_decided_once_no_answer_left_can_change_it() {
-        let call = |targets: usize, answers: &[(Vote, bool)]| {
+        // One call's answers: each vote, and whether that node deleted the key.
+        type Answers = [(Vote, bool)];
+        let call = |targets: usize, answers: &Answers| {
             let mut t = Tally::new(3, targets);
             for &(vote, deleted) in answers {
                 t.add(vote, deleted);
@@ -1931,7 +1933,7 @@ mod tests {
         );
         let r = Release::new(3);
         assert_eq!(r.outcome(), None);
-        let first_calls: [(&[(Vote, bool)], bool, &str); 6] = [
+        let first_calls: [(&Answers, bool, &str); 6] = [
             (&[yes], false, "two more may delete"),
             (&[yes, yes], true, "a quorum deleted"),
             (
