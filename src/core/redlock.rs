@@ -1708,6 +1708,19 @@ mod tests {
     }
 
     #[test]
+    fn an_extension_of_a_lease_whose_acquire_never_reached_the_node_is_not_sent() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut n = node(t0);
+        let op = Op::Extend { ttl_ms: 1000 };
+        n.handle_job(Job::new(op, lease(), t0 + ms(50), 1));
+        let got = answers(&mut n, t0);
+        assert_eq!(got.len(), 1, "answered at once: {got:?}");
+        assert!(!got[0].1.sent, "{got:?}");
+        assert_eq!(got[0].1.vote, Vote::No, "it cannot count");
+    }
+
+    #[test]
     fn an_extension_confirmed_by_the_server_that_granted_counts() {
         let t0 = Instant::now();
         let ms = Duration::from_millis;
