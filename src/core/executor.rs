@@ -537,7 +537,12 @@ mod tests {
         let mut ex: Executor<L, (), u64> = Executor::new(ms(100));
         let (renewal, done) = ex.renew(vec![l.clone()], t0);
         assert!(done.is_empty());
-        ex.renewal_unanswered(renewal.unwrap(), Some(7), t0 + ms(100));
+        let again = ex.renewal_unanswered(renewal.unwrap(), Some(7), t0 + ms(100));
+        assert_eq!(
+            again,
+            [(1, Some(t0 + ms(100) + retry_delay(ms(10_000))))],
+            "tried again after a pause"
+        );
         assert!(l.0.lock().is_claimed());
         assert_eq!(ex.poll_command(t0 + ms(100)), Some(Command::Kill(7)));
         // Nothing else while the kill is out.
@@ -569,7 +574,12 @@ mod tests {
         );
         let settled: Vec<Settled> = out.iter().map(|(_, s, _)| *s).collect();
         assert_eq!(settled, [Settled::Held, Settled::Lost, Settled::NotRun]);
-        assert!(out[2].2.is_some());
+        let retries: Vec<Option<Instant>> = out.iter().map(|(_, _, r)| *r).collect();
+        assert_eq!(
+            retries,
+            [None, None, Some(t0 + ms(11) + retry_delay(ms(10_000)))],
+            "only the one not run is tried again, after a pause"
+        );
         assert_eq!(a.0.lock().valid_until(), t0 + ms(10 + 9_998));
         assert!(b.0.lock().is_lost(t0 + ms(11)));
         assert!(!c.0.lock().is_claimed());
@@ -627,6 +637,33 @@ mod tests {
         assert!(cleanups.is_empty());
         assert!(!l.0.lock().is_claimed());
         assert_eq!(l.0.lock().valid_until(), t0 + ms(10 + 1_998));
+        assert!(ex.is_idle());
+    }
+    #[test]
+    fn an_extension_reply_is_read_by_its_code() {
+        assert_eq!(ExtendReply::of(1), ExtendReply::Extended);
+        assert_eq!(ExtendReply::of(0), ExtendReply::Gone);
+        assert_eq!(ExtendReply::of(-1), ExtendReply::TakenOver);
+        assert_eq!(ExtendReply::of(2), ExtendReply::Unreadable);
+    }
+
+    #[test]
+    fn a_confirmed_kill_frees_every_claim_on_its_connection_and_no_other() {
+        let t0 = Instant::now();
+        let (a, b, c) = (lease(t0), lease(t0), lease(t0));
+        let mut ex: Executor<L, (), u64> = Executor::new(ms(100));
+        for (l, conn) in [(&b, 8), (&a, 7), (&c, 7)] {
+            let ticket = l.begin_extend(t0, ms(10_000)).unwrap();
+            l.unanswered(ticket, t0 + ms(100));
+            ex.fence(Some(conn), l.clone(), ticket, t0 + ms(100));
+        }
+        assert_eq!(ex.poll_command(t0 + ms(100)), Some(Command::Kill(8)));
+        assert_eq!(ex.kill_done(true, t0 + ms(101)).len(), 1);
+        assert!(!b.0.lock().is_claimed());
+        assert!(a.0.lock().is_claimed() && c.0.lock().is_claimed());
+        assert_eq!(ex.poll_command(t0 + ms(101)), Some(Command::Kill(7)));
+        assert_eq!(ex.kill_done(true, t0 + ms(102)).len(), 2);
+        assert!(!a.0.lock().is_claimed() && !c.0.lock().is_claimed());
         assert!(ex.is_idle());
     }
 }

@@ -1523,4 +1523,472 @@ mod tests {
         assert_eq!(r.conclude(), Ok(true));
         assert_eq!(r.outcome(), Some(true));
     }
+    /// A connection to the node's first server (`r1`) with id `id`.
+    fn connected(id: u64) -> Connected {
+        Connected {
+            id: Some(Identity::by_id(id)),
+            run_id: Some(Arc::from("r1")),
+            started_by: None,
+            round_trip: Duration::from_millis(1),
+        }
+    }
+
+    /// Acquires `l` on `n` at `now` (granted) and drops the answer.
+    fn granted(n: &mut Node<u32>, l: &Arc<NodeLease>, now: Instant) {
+        send_acquire(n, l, now + Duration::from_millis(50), now);
+        n.handle_result(Ok(NodeReply::Acquired), false, Duration::from_millis(1));
+        let _ = answers(n, now);
+    }
+
+    /// Sends an acquire of `l` that gets no reply: the node is disconnected,
+    /// its connection to be killed, the acquire possibly applied.
+    fn unanswered_acquire(n: &mut Node<u32>, l: &Arc<NodeLease>, now: Instant) {
+        let ms = Duration::from_millis;
+        send_acquire(n, l, now + ms(50), now);
+        let timeout = Error::Timeout {
+            op: "acquire",
+            after: ms(50),
+        };
+        n.handle_result(Err(timeout), true, ms(50));
+        let _ = answers(n, now + ms(50));
+        assert!(!n.is_connected());
+    }
+
+    #[test]
+    fn an_unanswered_release_is_sent_again_at_most_three_times() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut n = node(t0);
+        let l = lease();
+        granted(&mut n, &l, t0);
+        n.handle_job(Job::new(Op::Release, l, t0 + ms(50), 2));
+        let mut now = t0;
+        let mut sends = 0;
+        for id in 8..20 {
+            if !matches!(
+                n.poll(now),
+                Some(Action::Send {
+                    op: Op::Release,
+                    ..
+                })
+            ) {
+                break;
+            }
+            sends += 1;
+            let lost = Error::Timeout {
+                op: "release",
+                after: ms(50),
+            };
+            n.handle_result(Err(lost), true, ms(50));
+            now += ms(50);
+            let _ = answers(&mut n, now);
+            n.handle_connected(connected(id), now);
+        }
+        assert_eq!(sends, 1 + RESENDS, "the first send and three more");
+        assert_eq!(n.deferred(), 0, "nothing is kept after the last");
+    }
+
+    #[test]
+    fn the_releases_kept_for_a_connection_get_one_node_timeout_from_it() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut n = node(t0);
+        let l = lease();
+        unanswered_acquire(&mut n, &l, t0);
+        n.handle_job(Job::new(Op::Release, l, t0 + ms(100), 2));
+        let _ = answers(&mut n, t0 + ms(60));
+        assert_eq!(n.deferred(), 1);
+        n.handle_connected(connected(8), t0 + ms(500));
+        assert!(matches!(
+            n.poll(t0 + ms(510)),
+            Some(Action::Send { op: Op::Release, deadline, .. }) if deadline == t0 + ms(550)
+        ));
+    }
+
+    #[test]
+    fn a_failure_to_reconnect_is_what_the_jobs_that_wait_report() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut n = node(t0);
+        let l = lease();
+        unanswered_acquire(&mut n, &l, t0);
+        let denied = Error::Permission("NOPERM no permissions to run 'client|kill'".into());
+        n.handle_connect_failed(&denied);
+        assert!(n.why().contains("NOPERM"), "{}", n.why());
+        // An acquire of another lease, answered at once; the release of the
+        // lease whose acquire went out, answered and kept.
+        n.handle_job(Job::new(
+            Op::Acquire { ttl_ms: 1000 },
+            lease(),
+            t0 + ms(100),
+            2,
+        ));
+        n.handle_job(Job::new(Op::Release, l, t0 + ms(100), 3));
+        let got = answers(&mut n, t0 + ms(60));
+        assert_eq!(got.len(), 2, "{got:?}");
+        for (_, answer) in &got {
+            assert!(!answer.sent, "{answer:?}");
+            assert!(
+                matches!(&answer.outcome, NodeOutcome::NotConnected(why) if why.contains("NOPERM")),
+                "{answer:?}"
+            );
+            assert!(
+                matches!(answer.permanent.as_deref(), Some(Error::Permission(_))),
+                "{answer:?}"
+            );
+        }
+        assert_eq!(n.deferred(), 1);
+    }
+
+    #[test]
+    fn a_node_whose_connector_stopped_asks_for_another_with_the_next_job() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut n = node(t0);
+        unanswered_acquire(&mut n, &lease(), t0);
+        n.handle_connector_gone("the connector stopped".into());
+        assert_eq!(n.why(), "the connector stopped");
+        n.handle_job(Job::new(
+            Op::Acquire { ttl_ms: 1000 },
+            lease(),
+            t0 + ms(100),
+            2,
+        ));
+        assert_eq!(
+            reconnect_asked(&mut n, t0 + ms(60)),
+            Some(vec![Identity::by_id(7)]),
+            "a new connector, still to kill the tainted connection"
+        );
+    }
+
+    #[test]
+    fn an_error_that_trying_again_will_not_cure_comes_with_the_answer() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut n = node(t0);
+        send_acquire(&mut n, &lease(), t0 + ms(50), t0);
+        n.handle_result(Err(Error::Permission("NOPERM".into())), false, ms(1));
+        let got = answers(&mut n, t0);
+        let answer = &got[0].1;
+        assert!(answer.sent && !answer.uncertain, "{answer:?}");
+        assert_eq!(answer.vote, Vote::Unknown);
+        assert!(
+            matches!(answer.permanent.as_deref(), Some(Error::Permission(_))),
+            "{answer:?}"
+        );
+        assert!(
+            n.is_connected(),
+            "an error reply leaves the connection usable"
+        );
+    }
+
+    #[test]
+    fn a_release_of_a_lease_released_meanwhile_repeats_the_answer_unsent() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut n = node(t0);
+        let l = lease();
+        granted(&mut n, &l, t0);
+        n.handle_job(Job::new(Op::Release, l.clone(), t0 + ms(50), 2));
+        n.handle_job(Job::new(Op::Release, l, t0 + ms(50), 3));
+        assert!(matches!(
+            n.poll(t0),
+            Some(Action::Send {
+                op: Op::Release,
+                ..
+            })
+        ));
+        n.handle_result(Ok(NodeReply::Release(1)), false, ms(1));
+        let got = answers(&mut n, t0 + ms(1));
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(got[0].1.sent && got[0].1.outcome == NodeOutcome::Granted);
+        assert!(!got[1].1.sent, "{got:?}");
+        assert_eq!(got[1].1.outcome, NodeOutcome::Granted, "the key it deleted");
+        assert_eq!(got[1].1.vote, Vote::Yes);
+    }
+
+    #[test]
+    fn an_extension_of_a_lease_whose_acquire_never_reached_the_node_is_not_sent() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut n = node(t0);
+        let op = Op::Extend { ttl_ms: 1000 };
+        n.handle_job(Job::new(op, lease(), t0 + ms(50), 1));
+        let got = answers(&mut n, t0);
+        assert_eq!(got.len(), 1, "answered at once: {got:?}");
+        assert!(!got[0].1.sent, "{got:?}");
+        assert_eq!(got[0].1.vote, Vote::No, "it cannot count");
+    }
+
+    #[test]
+    fn an_extension_confirmed_by_the_server_that_granted_counts() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut n = node(t0);
+        let l = lease();
+        granted(&mut n, &l, t0);
+        n.handle_job(Job::new(
+            Op::Extend { ttl_ms: 1000 },
+            l.clone(),
+            t0 + ms(60),
+            2,
+        ));
+        assert!(matches!(n.poll(t0 + ms(10)), Some(Action::Send { .. })));
+        n.handle_result(Ok(NodeReply::Extend(1)), false, ms(1));
+        let got = answers(&mut n, t0 + ms(11));
+        assert_eq!(got[0].1.vote, Vote::Yes, "{got:?}");
+        assert_eq!(got[0].1.outcome, NodeOutcome::Granted);
+        assert!(l.counts(0));
+    }
+
+    #[test]
+    fn a_release_reply_says_whether_it_deleted_the_key() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let cases = [
+            (1, NodeOutcome::Granted),
+            (0, NodeOutcome::Missing),
+            (-1, NodeOutcome::HeldByAnother { remaining: None }),
+        ];
+        for (code, outcome) in cases {
+            let mut n = node(t0);
+            let l = lease();
+            granted(&mut n, &l, t0);
+            n.handle_job(Job::new(Op::Release, l, t0 + ms(50), 2));
+            assert!(matches!(n.poll(t0), Some(Action::Send { .. })));
+            n.handle_result(Ok(NodeReply::Release(code)), false, ms(1));
+            let got = answers(&mut n, t0);
+            assert_eq!(got[0].1.outcome, outcome, "reply {code}");
+            assert_eq!(got[0].1.vote, Vote::Yes, "reply {code}: confirmed");
+        }
+    }
+
+    #[test]
+    fn at_most_a_bounded_number_of_releases_wait_for_a_connection() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut n = node(t0);
+        let l = lease();
+        unanswered_acquire(&mut n, &l, t0);
+        for h in 0..=MAX_DEFERRED {
+            n.handle_job(Job::new(Op::Release, l.clone(), t0 + ms(100), h as u32));
+        }
+        assert_eq!(answers(&mut n, t0 + ms(60)).len(), MAX_DEFERRED + 1);
+        assert_eq!(n.deferred(), MAX_DEFERRED, "the oldest is dropped");
+    }
+
+    #[test]
+    fn a_command_with_less_time_left_than_the_round_trip_is_not_sent() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let settings = NodeSettings {
+            node_timeout: ms(50),
+            restart_delay: None,
+        };
+        let first = Connected {
+            round_trip: ms(10),
+            ..connected(7)
+        };
+        let mut n = Node::new(0, "n0".into(), settings, first);
+        let op = Op::Acquire { ttl_ms: 1000 };
+        n.handle_job(Job::new(op, lease(), t0 + ms(5), 1));
+        let got = answers(&mut n, t0);
+        assert!(!got[0].1.sent && got[0].1.vote == Vote::Unknown, "{got:?}");
+        n.handle_job(Job::new(op, lease(), t0 + ms(20), 2));
+        assert!(matches!(n.poll(t0), Some(Action::Send { .. })));
+    }
+
+    #[test]
+    fn a_server_younger_than_the_restart_delay_takes_no_acquire() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let delay = Duration::from_secs(10);
+        let settings = NodeSettings {
+            node_timeout: ms(50),
+            restart_delay: Some(delay),
+        };
+        let first = Connected {
+            started_by: Some(t0),
+            ..connected(7)
+        };
+        let mut n = Node::new(0, "n0".into(), settings, first);
+        let op = Op::Acquire { ttl_ms: 1000 };
+        let early = t0 + Duration::from_secs(1);
+        n.handle_job(Job::new(op, lease(), early + ms(50), 1));
+        let got = answers(&mut n, early);
+        assert!(!got[0].1.sent, "{got:?}");
+        assert!(
+            matches!(&got[0].1.outcome, NodeOutcome::NotSent(why) if why.contains("restart delay")),
+            "{got:?}"
+        );
+        let ready = t0 + delay;
+        n.handle_job(Job::new(op, lease(), ready + ms(50), 2));
+        assert!(
+            matches!(n.poll(ready), Some(Action::Send { .. })),
+            "as old as the delay: it takes leases again"
+        );
+    }
+
+    /// A lease core behind the bounds and renewal traits.
+    struct Held(Mutex<crate::core::lease::LeaseCore>);
+
+    impl Bounds for Held {
+        fn extended(&self, ticket: Ticket, now: Instant) -> Confirmed {
+            self.0.lock().extended(ticket, now)
+        }
+        fn refused(&self, ticket: Ticket, _: Instant, loss: Loss) {
+            self.0.lock().refused(ticket, loss);
+        }
+        fn unanswered(&self, ticket: Ticket, _: Instant) {
+            self.0.lock().unanswered(ticket);
+        }
+        fn fenced(&self, ticket: Ticket, _: Instant) {
+            self.0.lock().fenced(ticket);
+        }
+    }
+
+    impl Renewable for Held {
+        fn ttl(&self) -> Duration {
+            self.0.lock().ttl()
+        }
+        fn lost_at(&self) -> Instant {
+            self.0.lock().lost_at()
+        }
+        fn begin_extend(&self, now: Instant, ttl: Duration) -> Result<Ticket, Refusal> {
+            self.0.lock().begin_extend(now, ttl)
+        }
+    }
+
+    #[test]
+    fn a_renewal_waits_a_node_timeout_settles_at_a_quorum_and_is_planned_again_without_one() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let s = Duration::from_secs;
+        let ttl = s(10);
+        let timing = crate::core::timing::Timing {
+            drift_factor: 0.01,
+            node_timeout: ms(50),
+        };
+        let held = Held(Mutex::new(crate::core::lease::LeaseCore::granted(
+            timing, t0, ttl,
+        )));
+        let granted = NodeOutcome::Granted;
+        let timed_out = NodeOutcome::TimedOut;
+
+        let now = t0 + s(5);
+        let (mut r, deadline) = Renewal::begin(&held, now, ms(50), 3).expect("a claim");
+        assert_eq!(deadline, now + ms(50));
+        assert!(!r.is_due() && !r.is_finished());
+        r.handle_answer(Vote::Yes, &granted);
+        assert!(!r.is_due());
+        r.handle_answer(Vote::Yes, &granted);
+        assert!(r.is_due() && !r.is_finished());
+        assert_eq!(
+            r.settle(&held, now + ms(2), String::new),
+            (ExtendVerdict::Confirmed, None)
+        );
+        assert_eq!(
+            held.0.lock().valid_until(),
+            now + ttl - drift(ttl, 0.01),
+            "the bound moved"
+        );
+        r.handle_answer(Vote::Unknown, &timed_out);
+        assert!(r.is_finished());
+        assert_eq!(r.finish(&held, now + ms(3)), None);
+
+        let now = t0 + s(6);
+        let (mut r, _) = Renewal::begin(&held, now, ms(50), 3).expect("a claim");
+        r.handle_answer(Vote::Yes, &granted);
+        r.handle_answer(Vote::Unknown, &timed_out);
+        assert!(!r.is_due(), "the third node may still make a quorum");
+        r.handle_answer(Vote::Unknown, &timed_out);
+        assert!(r.is_due() && r.is_finished());
+        let settled = now + ms(50);
+        assert_eq!(
+            r.settle(&held, settled, String::new),
+            (ExtendVerdict::Unknown, Some(settled + retry_delay(ttl)))
+        );
+        assert!(held.0.lock().is_claimed(), "the worst case stands");
+        let finished = now + ms(60);
+        assert_eq!(r.finish(&held, finished), Some(finished + retry_delay(ttl)));
+        assert!(!held.0.lock().is_claimed());
+
+        // Close to the loss deadline, that is the renewal's deadline.
+        let late = held.0.lock().lost_at() - ms(10);
+        let (_, deadline) = Renewal::begin(&held, late, ms(50), 3).expect("a claim");
+        assert!(deadline < late + ms(50));
+        assert_eq!(deadline, held.0.lock().lost_at());
+    }
+
+    #[test]
+    fn validity_is_what_is_left_of_the_ttl_after_the_attempt_and_the_drift() {
+        let ms = Duration::from_millis;
+        let s = Duration::from_secs;
+        assert_eq!(validity(s(10), s(1), 0.01), s(10) - s(1) - ms(102));
+        assert_eq!(validity(s(1), s(2), 0.01), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_release_is_decided_once_no_answer_left_can_change_it() {
+        // One call's answers: each vote, and whether that node deleted the key.
+        type Answers = [(Vote, bool)];
+        let call = |targets: usize, answers: &Answers| {
+            let mut t = Tally::new(3, targets);
+            for &(vote, deleted) in answers {
+                t.add(vote, deleted);
+            }
+            t
+        };
+        let (yes, kept, lost) = (
+            (Vote::Yes, true),
+            (Vote::Yes, false),
+            (Vote::Unknown, false),
+        );
+        let r = Release::new(3);
+        assert_eq!(r.outcome(), None);
+        let first_calls: [(&Answers, bool, &str); 6] = [
+            (&[yes], false, "two more may delete"),
+            (&[yes, yes], true, "a quorum deleted"),
+            (
+                &[yes, kept],
+                false,
+                "the third may make a quorum that deleted",
+            ),
+            (
+                &[kept, kept],
+                true,
+                "a quorum confirmed; no quorum can delete",
+            ),
+            (&[lost, lost], true, "no quorum can confirm"),
+            (&[kept, lost], false, "the third may make a quorum"),
+        ];
+        for (answers, decided, why) in first_calls {
+            assert_eq!(r.is_decided(&call(3, answers)), decided, "{why}");
+        }
+        // A second call, to nodes 1 and 2, after node 0 confirmed.
+        let mut deleted_before = Release::new(3);
+        deleted_before.handle_answer(0, Vote::Yes, &NodeOutcome::Granted);
+        assert!(deleted_before.is_decided(&call(2, &[yes])), "two deleted");
+        assert!(
+            !deleted_before.is_decided(&call(2, &[lost])),
+            "node 2 may make a quorum"
+        );
+        let mut kept_before = Release::new(3);
+        kept_before.handle_answer(0, Vote::Yes, &NodeOutcome::Missing);
+        assert!(
+            kept_before.is_decided(&call(2, &[kept])),
+            "a quorum confirmed; no quorum can delete"
+        );
+        assert!(
+            !kept_before.is_decided(&call(2, &[yes])),
+            "node 2 may make a quorum that deleted"
+        );
+        kept_before.handle_answer(1, Vote::Yes, &NodeOutcome::Missing);
+        assert_eq!(
+            kept_before.conclude(),
+            Ok(false),
+            "confirmed, nothing deleted"
+        );
+        assert_eq!(kept_before.outcome(), Some(false));
+    }
 }
