@@ -11,13 +11,20 @@
 //! extension's settle, the release's count, the acquire verdict, the restart
 //! delay and the judgement of live leases on the watchers' news of a
 //! restart (`core::redlock`); for single deployments, the acquire's bookkeeping
-//! (`core::acquire`) and the release's reading. Every server is a model
+//! (`core::acquire`), the holder's own extension (`core::extend`: claim, wait
+//! for an extension in flight, settle, once more after a replaced server's
+//! answer) and the release's reading. Every server is a model
 //! server (`model`) running the shipped Lua and commands: plain, fenced,
 //! semaphore and reader/writer leases, sets of leases taken all or nothing,
 //! and Redlock's scripts. What is still
 //! written here rather than run from the runtime: the I/O around them (which
 //! request goes on which connection, the Redlock connector's tries, the
-//! fan-outs' waits) and the acquire attempts' retry loop.
+//! fan-outs' waits), the acquire attempts' retry loop, and what the
+//! transport does with a reply from a primary the process has switched away
+//! from (it runs the call once more on the new one: for an extension the
+//! guard then sends nothing and hands the answer to its machine as a replaced
+//! server's, which is what the model does; any other such call is counted
+//! here as unanswered, the worst case).
 //! Around it: model servers (keys with an owner and an expiry on a server
 //! clock that runs fast or slow within the drift factor, a fence counter, for
 //! single deployments a replica fed by a lagging stream that is promoted at a
