@@ -404,31 +404,13 @@ impl Acquire<(u32, FencingToken)> for SemSpec {
         let [permits, meta, slots] = &self.keys;
         let ttl = ttl_ms.to_string();
         let mut capacity = self.capacity.load(Ordering::Relaxed);
-        // A repeated grant to this owner (an earlier attempt's whose reply was
-        // lost) has its expiry moved to ttl from now if that is later, so it
-        // holds for ttl from this send at least: `sent` stands.
-        let mut sent = dep.now();
-        let mut reply = conn
-            .script(
-                &scripts::SEM_ACQUIRE,
-                &[permits, meta, slots],
-                &[owner.as_str(), &ttl, &capacity.to_string()],
-                "acquire",
-                deadline,
-            )
-            .map_err(|e| capacity_mismatch(e, &self.keys));
-        // This handle's own `set_capacity` stored a new capacity while the
-        // attempt was on its way (a raise wakes waiters before the handle
-        // learns its reply): the refused attempt changed nothing, and goes
-        // again with the capacity the handle is changing to.
-        if let Err(Error::CapacityMismatch { stored, .. }) = reply
-            && stored != capacity
-            && (stored == self.capacity.load(Ordering::SeqCst)
-                || stored == self.setting.load(Ordering::SeqCst))
-        {
-            capacity = stored;
-            sent = dep.now();
-            reply = conn
+        let mut again = false;
+        let (sent, reply) = loop {
+            // A repeated grant to this owner (an earlier attempt's whose reply
+            // was lost) has its expiry moved to ttl from now if that is later,
+            // so it holds for ttl from this send at least: `sent` stands.
+            let sent = dep.now();
+            let reply = conn
                 .script(
                     &scripts::SEM_ACQUIRE,
                     &[permits, meta, slots],
@@ -437,7 +419,24 @@ impl Acquire<(u32, FencingToken)> for SemSpec {
                     deadline,
                 )
                 .map_err(|e| capacity_mismatch(e, &self.keys));
-        }
+            match reply {
+                // This handle's own `set_capacity` stored a new capacity while
+                // the attempt was on its way (a raise wakes waiters before the
+                // handle learns its reply): the refused attempt changed
+                // nothing, and goes once more with the capacity the handle is
+                // changing to.
+                Err(Error::CapacityMismatch { stored, .. })
+                    if !again
+                        && stored != capacity
+                        && (stored == self.capacity.load(Ordering::SeqCst)
+                            || stored == self.setting.load(Ordering::SeqCst)) =>
+                {
+                    again = true;
+                    capacity = stored;
+                }
+                reply => break (sent, reply),
+            }
+        };
         let reply: Vec<redis::Value> = reply?;
         match reply.as_slice() {
             [redis::Value::Int(1), redis::Value::Int(slot), token] => {
