@@ -120,6 +120,13 @@ impl Server {
         (end > t.as_nanos() as f64).then_some(end)
     }
 
+    /// Whether the key holds `value` as the server itself sees it at its
+    /// clock (moved to a command's arrival by `sync`): the truth a command
+    /// run now acts on, to the millisecond the server counts in.
+    fn holds_now(&self, value: &str) -> bool {
+        matches!(self.model.entry(KEY), Some(e) if matches!(&e.value, Value::Str(v) if v.as_slice() == value.as_bytes()))
+    }
+
     fn run(&mut self, conn: ClientId, argv: &[&str]) -> Option<Wire> {
         self.model.command_from(conn, argv)
     }
@@ -753,12 +760,15 @@ impl World {
         let (value, t) = (lease.value(), self.now);
         let s = &mut self.servers[i];
         s.sync(t);
-        let held = s.holds_until(value, t).is_some();
+        // Judged by the server's own clock, not the true-time bound of
+        // `holds_until`: in a key's last millisecond the server still has it,
+        // and a release then deletes it.
+        let held = s.holds_now(value);
         let Some(reply) = s.apply(conn, i, op, lease) else {
             // A killed connection: the command never runs.
             return;
         };
-        if op == Op::Release && held && s.holds_until(value, t).is_none() {
+        if op == Op::Release && held && !s.holds_now(value) {
             self.deleted.entry(value.to_owned()).or_default().insert(i);
         }
         let lose = self.net.p_lose_reply;
