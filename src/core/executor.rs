@@ -473,7 +473,7 @@ impl<L: Claim, C, K: Clone + PartialEq> Executor<L, C, K> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::sync::Arc;
 
     use super::*;
@@ -490,8 +490,10 @@ mod tests {
         node_timeout: Duration::from_millis(100),
     };
 
+    /// A lease core behind a lock, as the cell the guard shares (also the
+    /// lease of `core::extend`'s tests).
     #[derive(Clone)]
-    struct L(Arc<Mutex<LeaseCore>>);
+    pub(crate) struct L(pub(crate) Arc<Mutex<LeaseCore>>);
 
     impl Claim for L {
         fn id(&self) -> u64 {

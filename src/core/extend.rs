@@ -134,48 +134,12 @@ mod tests {
     use parking_lot::Mutex;
 
     use super::*;
-    use crate::core::lease::{LeaseCore, Loss};
+    use crate::core::executor::tests::L;
+    use crate::core::lease::LeaseCore;
     use crate::core::timing::Timing;
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
-    }
-
-    /// A lease core behind a lock, as the cell the guard shares.
-    #[derive(Clone)]
-    struct L(Arc<Mutex<LeaseCore>>);
-
-    impl Claim for L {
-        fn id(&self) -> u64 {
-            1
-        }
-        fn ttl(&self) -> Duration {
-            self.0.lock().ttl()
-        }
-        fn is_lost(&self, now: Instant) -> bool {
-            self.0.lock().is_lost(now)
-        }
-        fn begin_extend(&self, now: Instant, ttl: Duration) -> Result<Ticket, Refusal> {
-            self.0.lock().begin_extend(now, ttl)
-        }
-        fn extended(&self, ticket: Ticket, now: Instant) -> crate::core::lease::Confirmed {
-            self.0.lock().extended(ticket, now)
-        }
-        fn refused(&self, ticket: Ticket, _: Instant, loss: Loss) {
-            self.0.lock().refused(ticket, loss)
-        }
-        fn not_sent(&self, ticket: Ticket, _: Instant) {
-            self.0.lock().not_sent(ticket)
-        }
-        fn unanswered(&self, ticket: Ticket, _: Instant) {
-            self.0.lock().unanswered(ticket)
-        }
-        fn fenced(&self, ticket: Ticket, _: Instant) {
-            self.0.lock().fenced(ticket)
-        }
-        fn unfenceable(&self, ticket: Ticket, _: Instant) {
-            self.0.lock().unfenceable(ticket)
-        }
     }
 
     fn lease(t0: Instant, ttl_ms: u64) -> L {
