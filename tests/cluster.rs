@@ -125,25 +125,10 @@ fn builder(cluster: &TestCluster) -> respire_coordination::CoordinatorBuilder {
     Coordinator::cluster_builder(&seeds)
 }
 
-/// Acquire attempts and releases node `index` has served: a `Lock` attempt
-/// is one `SET … NX`, a fenced attempt or a release one `EVALSHA` (`EVAL`).
-fn script_calls(cluster: &TestCluster, index: usize) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut cluster.node(index).client())
-        .unwrap();
-    info.lines()
-        .filter(|l| {
-            ["cmdstat_evalsha:", "cmdstat_eval:", "cmdstat_set:"]
-                .iter()
-                .any(|p| l.starts_with(p))
-        })
-        .filter_map(|l| {
-            l.split(['=', ','])
-                .nth(1)
-                .and_then(|calls| calls.parse::<u64>().ok())
-        })
-        .sum()
+/// Acquire attempts and releases node `index` has served
+/// ([`support::script_calls`]).
+fn node_script_calls(cluster: &TestCluster, index: usize) -> u64 {
+    support::script_calls(&mut cluster.node(index).client())
 }
 
 /// How many `code` error replies node `index` has sent (`INFO errorstats`).
@@ -309,7 +294,7 @@ fn waits_are_woken_by_invalidations_on_every_primary() {
             .unwrap()
             .unwrap();
         let lock = waiter.lock(&key).unwrap();
-        let before = script_calls(cluster, primary);
+        let before = node_script_calls(cluster, primary);
         let waiting = thread::spawn(move || {
             let got = lock
                 .acquire_timeout(Duration::from_secs(30), Duration::from_secs(20))
@@ -321,7 +306,7 @@ fn waits_are_woken_by_invalidations_on_every_primary() {
         wait_until(
             Duration::from_secs(10),
             "the waiter's first attempt",
-            || script_calls(cluster, primary) > before,
+            || node_script_calls(cluster, primary) > before,
         );
         let released = Instant::now();
         guard.release().unwrap();
@@ -502,7 +487,7 @@ fn waiters_follow_a_migrated_slot() {
         .try_acquire(Duration::from_secs(30))
         .unwrap()
         .unwrap();
-    let before = script_calls(&cluster, a);
+    let before = node_script_calls(&cluster, a);
     let exe = std::env::current_exe().unwrap();
     let mut children = Reap(
         (0..2)
@@ -539,9 +524,9 @@ fn waiters_follow_a_migrated_slot() {
         .collect();
     // Every one of the 20 waiters made its first attempt on the old owner.
     wait_until(Duration::from_secs(20), "20 first attempts", || {
-        script_calls(&cluster, a) >= before + 20
+        node_script_calls(&cluster, a) >= before + 20
     });
-    let on_b = script_calls(&cluster, b);
+    let on_b = node_script_calls(&cluster, b);
     let moved = Instant::now();
     cluster.migrate_slot(slot, b);
     figure("migrate_slot", moved.elapsed());
@@ -550,7 +535,7 @@ fn waiters_follow_a_migrated_slot() {
     wait_until(
         Duration::from_secs(10),
         "re-checks on the new owner",
-        || script_calls(&cluster, b) >= on_b + 2,
+        || node_script_calls(&cluster, b) >= on_b + 2,
     );
     let released = wall_ns();
     guard.release().unwrap();
@@ -610,7 +595,7 @@ fn a_forced_slot_takeover_flags_the_holder_and_wakes_the_waiter() {
     let guard = lock.try_acquire(ttl).unwrap().unwrap();
     let loss_deadline = Instant::now() + guard.remaining_estimate();
     let signal = guard.lost_signal().clone();
-    let before = script_calls(&cluster, a);
+    let before = node_script_calls(&cluster, a);
     // A second coordinator, with the default 1 s refresh.
     let waiter_lock = coordinator(&cluster).lock(&key).unwrap();
     let waiter = thread::spawn(move || {
@@ -623,7 +608,7 @@ fn a_forced_slot_takeover_flags_the_holder_and_wakes_the_waiter() {
     wait_until(
         Duration::from_secs(10),
         "the waiter's first attempt",
-        || script_calls(&cluster, a) > before,
+        || node_script_calls(&cluster, a) > before,
     );
     let watcher = thread::spawn(move || {
         let lost = signal.recv_timeout(Duration::from_secs(20));

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use redis::Commands;
 use respire_coordination::{CancelToken, Coordinator, Error, ReleaseOutcome};
 use support::{
-    FaultProxy, Mode, TestServer, coordinator, shared_server, unique_prefix, wait_until,
+    FaultProxy, Mode, TestServer, coordinator, script_calls, shared_server, unique_prefix,
+    wait_until,
 };
 
 fn ms(n: u64) -> Duration {
@@ -231,9 +232,12 @@ fn d_a_wait_that_ends_after_an_unanswered_attempt_cleans_up_its_grant() {
     let cancel = CancelToken::new();
     thread::scope(|s| {
         let waiter = s.spawn(|| lock.acquire(Duration::from_secs(60), &cancel));
-        // The holder expires; from then on every reply is dropped: the
-        // waiter's grant is made but never heard of.
-        thread::sleep(ms(300));
+        // Once the waiter waits (it has heard that the lease is held and made
+        // its tracked attempt), every reply is dropped: the grant it makes
+        // when the holder expires is never heard of.
+        wait_until(Duration::from_secs(5), "the waiter to wait", || {
+            script_calls(&mut admin) >= 2
+        });
         proxy.set_mode(Mode::DropServerToClient);
         wait_until(Duration::from_secs(10), "the waiter to be granted", || {
             let v: Option<String> = admin.get("d:{d}:lease").unwrap();
@@ -397,16 +401,22 @@ fn g_keep_alive_refuses_up_front_what_the_renewals_would_be_denied() {
 
 #[test]
 fn h_waiting_forever_spelled_duration_max_works() {
-    let prefix = unique_prefix("h");
-    let coord = coordinator(&shared_server().url(), &prefix, ms(500));
+    let server = TestServer::start();
+    let mut admin = server.client();
+    let coord = coordinator(&server.url(), "h:", ms(500));
     let lock = coord.lock("job").unwrap();
     let free = lock
         .acquire_timeout(Duration::from_secs(10), Duration::MAX)
         .unwrap();
     assert!(free.is_some());
     thread::scope(|s| {
+        let before = script_calls(&mut admin);
         let waiter = s.spawn(|| lock.acquire_timeout(Duration::from_secs(10), Duration::MAX));
-        thread::sleep(ms(100));
+        // The release comes once the waiter waits: it has heard that the lock
+        // is held and made its tracked attempt.
+        wait_until(Duration::from_secs(5), "the waiter to wait", || {
+            script_calls(&mut admin) >= before + 2
+        });
         drop(free);
         assert!(waiter.join().unwrap().unwrap().is_some());
     });

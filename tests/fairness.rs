@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use redis::Commands;
 use respire_coordination::{CancelToken, Error, Fairness, Lock};
 use support::{
-    ChildProc, TestServer, block_on_stdin, coordinator, env, server_now, shared_server,
+    ChildProc, TestServer, block_on_stdin, calls, coordinator, env, server_now, shared_server,
     unique_prefix, wait_until,
 };
 
@@ -37,15 +37,6 @@ fn fifo_lock(url: &str, prefix: &str) -> Lock {
         .unwrap()
 }
 
-/// How many times the server ran `command` (`INFO commandstats`).
-fn calls(c: &mut redis::Connection, command: &str) -> u64 {
-    let info: String = redis::cmd("INFO").arg("commandstats").query(c).unwrap();
-    info.lines()
-        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:")))
-        .and_then(|rest| rest.split(',').find_map(|f| f.strip_prefix("calls=")))
-        .map_or(0, |n| n.parse().unwrap())
-}
-
 #[test]
 fn a_thread_that_released_waits_behind_the_waiter_its_release_woke() {
     let server = shared_server();
@@ -57,7 +48,7 @@ fn a_thread_that_released_waits_behind_the_waiter_its_release_woke() {
     let grants: Mutex<Vec<(&str, Instant)>> = Mutex::new(Vec::new());
     let cancel = CancelToken::new();
     thread::scope(|s| {
-        let sets = calls(&mut admin, "set");
+        let sets = calls(&mut admin, &["set"]);
         let waiter = s.spawn(|| {
             let g = lock.acquire(TTL, &cancel).unwrap();
             grants.lock().unwrap().push(("waiter", Instant::now()));
@@ -69,7 +60,7 @@ fn a_thread_that_released_waits_behind_the_waiter_its_release_woke() {
         wait_until(
             Duration::from_secs(10),
             "the waiter's tracked attempt",
-            || calls(&mut admin, "set") >= sets + 2,
+            || calls(&mut admin, &["set"]) >= sets + 2,
         );
         held.release().unwrap();
         // At once, as a releaser looping on the lock would.

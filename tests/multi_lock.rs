@@ -21,8 +21,8 @@ use respire_coordination::{
     CancelToken, Coordinator, Error, Guard, ReleaseOutcome, Replication, key_slot,
 };
 use support::{
-    FaultProxy, Mode, TestServer, coordinator, proxied_replica, shared_cluster, shared_sentinel,
-    shared_server, unique_prefix, wait_until,
+    FaultProxy, Mode, TestServer, calls, coordinator, proxied_replica, script_calls,
+    shared_cluster, shared_sentinel, shared_server, unique_prefix, wait_until,
 };
 
 const CHILD_ENV: &str = "RESPIRE_MULTI_CHILD";
@@ -219,19 +219,6 @@ fn behind_sentinel_a_set_of_keys_in_many_slots_is_one_call() {
 
 // ----- a replication guard ------------------------------------------------------
 
-/// How many times `server` has run `command` (lowercase).
-fn calls(server: &TestServer, command: &str) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut server.client())
-        .unwrap();
-    let field = format!("cmdstat_{command}:calls=");
-    info.lines()
-        .find_map(|l| l.strip_prefix(field.as_str()))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse().unwrap())
-}
-
 #[test]
 fn under_a_replication_guard_a_set_is_one_call_with_one_wait_and_released_whole_when_too_few_replicas_acknowledge()
  {
@@ -259,9 +246,15 @@ fn under_a_replication_guard_a_set_is_one_call_with_one_wait_and_released_whole_
     // server has the script), and the replica holds every lease as the
     // primary does.
     drop(set.try_acquire(ttl).unwrap().expect("free"));
-    let before = [calls(&primary, "evalsha"), calls(&primary, "wait")];
+    let before = [
+        calls(&mut primary.client(), &["evalsha"]),
+        calls(&mut primary.client(), &["wait"]),
+    ];
     let g = set.try_acquire(ttl).unwrap().expect("free");
-    let after = [calls(&primary, "evalsha"), calls(&primary, "wait")];
+    let after = [
+        calls(&mut primary.client(), &["evalsha"]),
+        calls(&mut primary.client(), &["wait"]),
+    ];
     assert_eq!([after[0] - before[0], after[1] - before[1]], [1, 1]);
     for m in g.members() {
         assert_eq!(m.replicas_acknowledged(), Some(1), "{}", m.key());
@@ -573,9 +566,12 @@ fn a_wait_that_ends_after_an_unanswered_grant_cleans_up_every_key() {
     let cancel = CancelToken::new();
     thread::scope(|s| {
         let waiter = s.spawn(|| set.acquire(Duration::from_secs(60), &cancel));
-        // The holder expires; from then on every reply is dropped: the
-        // waiter's grant is made but never heard of.
-        thread::sleep(ms(300));
+        // Once the waiter waits (it has heard that the set is held and made
+        // its tracked attempt), every reply is dropped: the grant it makes
+        // when the holder expires is never heard of.
+        wait_until(Duration::from_secs(5), "the waiter to wait", || {
+            script_calls(&mut admin) >= 2
+        });
         proxy.set_mode(Mode::DropServerToClient);
         wait_until(Duration::from_secs(10), "the set to be granted", || {
             let v: Option<String> = admin.get("u:{b}l").unwrap();

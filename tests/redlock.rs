@@ -13,7 +13,9 @@ use redis::Commands;
 use respire_coordination::{
     CancelToken, Coordinator, Error, NodeOutcome, RedlockGroup, RedlockOptions,
 };
-use support::{FaultProxy, Mode, TestServer, shared_server, unique_prefix, wait_until};
+use support::{
+    FaultProxy, Mode, TestServer, script_calls, shared_server, unique_prefix, wait_until,
+};
 
 /// Fresh servers, each behind its own proxy.
 struct Nodes {
@@ -532,12 +534,17 @@ fn bounded_waits_poll_and_cancel() {
 
     // A waiter gets the lock once the holder releases it.
     thread::scope(|s| {
+        let attempts = || script_calls(&mut nodes.servers[0].client());
+        let before = attempts();
         let waiter = s.spawn(|| {
             group
                 .acquire_timeout("job", ttl, Duration::from_secs(10))
                 .unwrap()
         });
-        thread::sleep(Duration::from_millis(50));
+        // The release comes after the waiter's first attempt was refused.
+        wait_until(Duration::from_secs(5), "the waiter's attempt", || {
+            attempts() > before
+        });
         assert!(holder.release().unwrap());
         let got = waiter.join().unwrap();
         assert!(got.is_some(), "the waiter got the lock after the release");
@@ -547,7 +554,10 @@ fn bounded_waits_poll_and_cancel() {
             let (group, cancel) = (&group, cancel.clone());
             s.spawn(move || group.acquire("job", ttl, &cancel))
         };
-        thread::sleep(Duration::from_millis(50));
+        let before = attempts();
+        wait_until(Duration::from_secs(5), "the waiter's attempt", || {
+            attempts() > before
+        });
         let cancelled_at = Instant::now();
         cancel.cancel();
         assert!(matches!(waiter.join().unwrap(), Err(Error::Cancelled)));

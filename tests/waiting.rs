@@ -15,7 +15,10 @@ use std::time::{Duration, Instant};
 
 use redis::Commands;
 use respire_coordination::{CancelToken, Coordinator, Error, ReleaseOutcome};
-use support::{FaultProxy, TestServer, shared_server, unique_prefix, wait_until};
+use support::{
+    FaultProxy, TestServer, calls, command_calls, script_calls, shared_server, unique_prefix,
+    wait_until,
+};
 
 const LONG_TTL: Duration = Duration::from_secs(60);
 
@@ -38,32 +41,6 @@ fn total_commands(admin: &mut redis::Connection) -> u64 {
         .find_map(|l| l.strip_prefix("total_commands_processed:"))
         .and_then(|v| v.trim().parse().ok())
         .expect("total_commands_processed")
-}
-
-/// How many times the server ran each of `commands`, summed (`INFO commandstats`).
-fn calls(admin: &mut redis::Connection, commands: &[&str]) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(admin)
-        .expect("INFO commandstats");
-    info.lines()
-        .filter_map(|l| {
-            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
-            if !commands.contains(&name) {
-                return None;
-            }
-            rest.split(',')
-                .find_map(|f| f.strip_prefix("calls="))
-                .and_then(|n| n.parse::<u64>().ok())
-        })
-        .sum()
-}
-
-/// Acquire attempts (and releases) the server ran: a `Lock` attempt is one
-/// `SET … NX` (with a `GET` and a `PTTL` in the same round trip); a fenced
-/// attempt, like a release, is one `EVALSHA` (`EVAL` the first time).
-fn script_calls(admin: &mut redis::Connection) -> u64 {
-    calls(admin, &["evalsha", "eval", "set"])
 }
 
 /// Waits until the server has run no acquire script for `quiet` in a row:
@@ -736,32 +713,12 @@ fn a_zero_wait_is_exactly_one_attempt_and_starts_no_subscriber() {
     assert_eq!(script_calls(&mut admin) - before, 4);
 }
 
-/// How many commands the server ran, those scripts ran included, `INFO`
-/// excluded (`INFO commandstats`).
-fn every_call(admin: &mut redis::Connection) -> HashMap<String, u64> {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(admin)
-        .expect("INFO commandstats");
-    info.lines()
-        .filter_map(|l| {
-            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
-            let n = rest
-                .split(',')
-                .find_map(|f| f.strip_prefix("calls="))?
-                .parse()
-                .ok()?;
-            (name != "info").then(|| (name.to_owned(), n))
-        })
-        .collect()
-}
-
 /// The commands run since `before`, by name (those run at least once).
 fn calls_since(
     admin: &mut redis::Connection,
     before: &HashMap<String, u64>,
 ) -> std::collections::BTreeMap<String, u64> {
-    every_call(admin)
+    command_calls(admin)
         .into_iter()
         .map(|(name, n)| {
             let since = n - before.get(&name).copied().unwrap_or(0);
@@ -816,10 +773,10 @@ fn a_wait_that_finds_the_key_free_costs_what_one_attempt_costs() {
     // release are those of a single attempt and its release; nothing is
     // tracked, so the release invalidates nothing.
     let check = |admin: &mut redis::Connection, what: &str| {
-        let before = every_call(admin);
+        let before = command_calls(admin);
         assert_eq!(try_pair(what).unwrap().unwrap(), ReleaseOutcome::Released);
         let single = calls_since(admin, &before);
-        let before = every_call(admin);
+        let before = command_calls(admin);
         let acquired = match what {
             "lock" => lock.acquire(LONG_TTL, &cancel).map(|g| g.release()),
             "fenced" => fenced.acquire(LONG_TTL, &cancel).map(|g| g.release()),

@@ -21,6 +21,7 @@ mod sentinel;
 mod server;
 mod tls;
 
+use std::collections::HashMap;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
@@ -82,6 +83,42 @@ pub(crate) fn unique_prefix(test_name: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     format!("t:{test_name}:{n}:")
+}
+
+/// How many times the server behind `conn` has run each command, by the name
+/// `INFO commandstats` gives it (lowercase; a subcommand as
+/// `client|tracking`), `INFO` itself left out.
+pub(crate) fn command_calls(conn: &mut redis::Connection) -> HashMap<String, u64> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(conn)
+        .expect("INFO commandstats");
+    info.lines()
+        .filter_map(|l| {
+            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+            let n = rest
+                .split(',')
+                .find_map(|f| f.strip_prefix("calls="))?
+                .parse()
+                .ok()?;
+            (name != "info").then(|| (name.to_owned(), n))
+        })
+        .collect()
+}
+
+/// How many times the server behind `conn` has run any of `commands`
+/// (names as [`command_calls`] gives them), summed.
+pub(crate) fn calls(conn: &mut redis::Connection, commands: &[&str]) -> u64 {
+    let all = command_calls(conn);
+    commands.iter().filter_map(|c| all.get(*c)).sum()
+}
+
+/// Acquire attempts and releases the server behind `conn` has run: a `Lock`
+/// attempt is one `SET … NX` (with a `GET` and a `PTTL` in the same round
+/// trip when it waits); a fenced attempt, like a release, one `EVALSHA`
+/// (`EVAL` the first time).
+pub(crate) fn script_calls(conn: &mut redis::Connection) -> u64 {
+    calls(conn, &["evalsha", "eval", "set"])
 }
 
 /// Polls `cond` every few milliseconds until it returns `true`.
