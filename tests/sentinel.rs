@@ -18,7 +18,8 @@ use respire_coordination::{
     Coordinator, Error, RedlockGroup, RedlockOptions, ReleaseOutcome, Replication,
 };
 use support::{
-    TestSentinel, TestServer, local_instant, server_now, shared_sentinel, unique_prefix, wait_until,
+    TestSentinel, TestServer, calls, local_instant, server_now, shared_sentinel, unique_prefix,
+    wait_until,
 };
 
 fn figure(name: &str, value: Duration) {
@@ -901,62 +902,76 @@ fn unread_by(port: u16) -> u64 {
         .sum()
 }
 
-/// `calls` of a command in a server's `INFO commandstats`.
-fn calls_of(server: &TestServer, command: &str) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut server.client())
+/// A coordinator for the late-answer scenarios, with the primary switches it
+/// followed counted: its node timeout is long enough for a reply to come
+/// back from the old primary after the whole failover.
+fn late_answers(deployment: &TestSentinel) -> (Coordinator, Arc<Switches>) {
+    let switches = Arc::new(Switches::default());
+    let coord = builder(deployment)
+        .node_timeout(Duration::from_secs(8))
+        .observer(switches.clone())
+        .build()
         .unwrap();
-    info.lines()
-        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse().unwrap())
+    (coord, switches)
+}
+
+/// The late answer: `extend` runs while the primary is stopped (`SIGSTOP`),
+/// its command waiting unread in the primary's socket; Sentinel fails over;
+/// once the coordinator has followed the switch and `before_resume` has
+/// returned (given the new primary), the old primary resumes. Still a primary
+/// in its own eyes, it runs the command and answers, before any sentinel can
+/// make it a replica. Returns what `extend` returned and the new primary.
+fn answered_by_the_old_primary_after_a_failover<'d>(
+    deployment: &'d TestSentinel,
+    switches: &Switches,
+    extend: impl FnOnce() -> respire_coordination::Result<bool> + Send,
+    before_resume: impl FnOnce(&TestServer),
+) -> (respire_coordination::Result<bool>, &'d TestServer) {
+    let old = deployment.primary_index();
+    let old_port = deployment.servers()[old].port();
+    let new_primary = &deployment.servers()[1 - old];
+    let scripts = || calls(&mut deployment.servers()[old].client(), &["evalsha"]);
+    let before = scripts();
+    deployment.servers()[old].pause();
+    let answered = thread::scope(|s| {
+        let extending = s.spawn(extend);
+        wait_until(
+            Duration::from_secs(5),
+            "the extension to reach the stopped primary",
+            || unread_by(old_port) > 0,
+        );
+        failover_with(deployment, |_| {});
+        wait_until(
+            Duration::from_secs(10),
+            "the coordinator to follow the switch",
+            || switches.0.load(std::sync::atomic::Ordering::SeqCst) > 0,
+        );
+        before_resume(new_primary);
+        deployment.servers()[old].resume();
+        extending.join().unwrap()
+    });
+    assert!(
+        scripts() > before,
+        "the old primary never ran the extension: the scenario did not happen"
+    );
+    (answered, new_primary)
 }
 
 #[test]
 fn an_extension_the_old_primary_confirms_after_the_switch_is_run_again_on_the_new_one() {
     let deployment = TestSentinel::start();
-    let switches = Arc::new(Switches::default());
-    // A node timeout long enough for the extension's reply to come back from
-    // the old primary after the whole failover.
-    let coord = builder(&deployment)
-        .node_timeout(Duration::from_secs(8))
-        .observer(switches.clone())
-        .build()
-        .unwrap();
+    let (coord, switches) = late_answers(&deployment);
     let lock = fenced(&coord, "late-confirmation");
     let g = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
     let key = g.key().to_owned();
     wait_until(Duration::from_secs(5), "the grant on the replica", || {
         expiry_on(deployment.replica(), &key).is_some()
     });
-    let old = deployment.primary_index();
-    let old_port = deployment.servers()[old].port();
-    let new_primary = &deployment.servers()[1 - old];
-    let evals_before = calls_of(&deployment.servers()[old], "evalsha");
-    deployment.servers()[old].pause();
-    let extended = thread::scope(|s| {
-        // The extension waits, unread, in the stopped primary's socket.
-        let extending = s.spawn(|| g.reset_expiry(Duration::from_secs(60)));
-        wait_until(
-            Duration::from_secs(5),
-            "the extension to reach the stopped primary",
-            || unread_by(old_port) > 0,
-        );
-        failover_with(&deployment, |_| {});
-        wait_until(
-            Duration::from_secs(10),
-            "the coordinator to follow the switch",
-            || switches.0.load(std::sync::atomic::Ordering::SeqCst) > 0,
-        );
-        // Still a primary in its own eyes: it applies the extension and
-        // confirms it, before any sentinel can make it a replica.
-        deployment.servers()[old].resume();
-        extending.join().unwrap()
-    });
-    assert!(
-        calls_of(&deployment.servers()[old], "evalsha") > evals_before,
-        "the old primary never ran the extension: the scenario did not happen"
+    let (extended, new_primary) = answered_by_the_old_primary_after_a_failover(
+        &deployment,
+        &switches,
+        || g.reset_expiry(Duration::from_secs(60)),
+        |_| {},
     );
     // The oracle: the new primary's own expiry of the key, against the
     // bound the guard counts on.
@@ -988,14 +1003,7 @@ fn an_extension_the_old_primary_confirms_after_the_switch_is_run_again_on_the_ne
 #[test]
 fn a_shortening_the_old_primary_confirms_after_a_renewal_on_the_new_one_never_outlives_the_bound() {
     let deployment = TestSentinel::start();
-    let switches = Arc::new(Switches::default());
-    // A node timeout long enough for the extension's reply to come back from
-    // the old primary after the whole failover.
-    let coord = builder(&deployment)
-        .node_timeout(Duration::from_secs(8))
-        .observer(switches.clone())
-        .build()
-        .unwrap();
+    let (coord, switches) = late_answers(&deployment);
     let lock = fenced(&coord, "late-shortening");
     let g = lock.try_acquire(Duration::from_secs(60)).unwrap().unwrap();
     let _keep = g.keep_alive().unwrap();
@@ -1006,59 +1014,36 @@ fn a_shortening_the_old_primary_confirms_after_a_renewal_on_the_new_one_never_ou
         granted.is_some()
     });
     let granted = granted.unwrap();
-    let old = deployment.primary_index();
-    let old_port = deployment.servers()[old].port();
-    let new_primary = &deployment.servers()[1 - old];
-    let evals_before = calls_of(&deployment.servers()[old], "evalsha");
-    deployment.servers()[old].pause();
-    let shortened = thread::scope(|s| {
-        // The shortening waits, unread, in the stopped primary's socket.
-        let shortening = s.spawn(|| g.reset_expiry(Duration::from_secs(20)));
-        wait_until(
-            Duration::from_secs(5),
-            "the shortening to reach the stopped primary",
-            || unread_by(old_port) > 0,
-        );
-        failover_with(&deployment, |_| {});
-        wait_until(
-            Duration::from_secs(10),
-            "the coordinator to follow the switch",
-            || switches.0.load(std::sync::atomic::Ordering::SeqCst) > 0,
-        );
-        // The switch gave up the shortening's claim and kept its worst case
-        // in the bound, so keep-alive renews on the new primary soon: the
-        // new primary's expiry moves past the grant's.
-        wait_until(
-            Duration::from_secs(15),
-            "a keep-alive renewal on the new primary",
-            || {
-                expiry_on(new_primary, &key)
-                    .is_some_and(|at| at > granted + Duration::from_millis(500))
-            },
-        );
-        // Only now does the old primary apply the shortening and confirm it.
-        deployment.servers()[old].resume();
-        shortening.join().unwrap()
-    });
-    assert!(
-        calls_of(&deployment.servers()[old], "evalsha") > evals_before,
-        "the old primary never ran the shortening: the scenario did not happen"
+    let (shortened, new_primary) = answered_by_the_old_primary_after_a_failover(
+        &deployment,
+        &switches,
+        || g.reset_expiry(Duration::from_secs(20)),
+        |new_primary| {
+            // The switch gave up the shortening's claim and kept its worst
+            // case in the bound, so keep-alive renews on the new primary
+            // soon: the new primary's expiry moves past the grant's. Only
+            // then does the old primary apply the shortening and confirm it.
+            wait_until(
+                Duration::from_secs(15),
+                "a keep-alive renewal on the new primary",
+                || {
+                    expiry_on(new_primary, &key)
+                        .is_some_and(|at| at > granted + Duration::from_millis(500))
+                },
+            );
+        },
     );
     // The oracle: the new primary's own expiry of the key, against the
-    // bound the guard counts on, now and for as long as the guard lives.
-    let check = || {
-        let estimate = g.remaining_estimate();
-        let left = expiry_on(new_primary, &key)
-            .expect("the new primary holds the lease")
-            .saturating_duration_since(Instant::now());
-        assert!(
-            estimate <= left + Duration::from_millis(5),
-            "the guard counts on {estimate:?} while the new primary expires the key in {left:?}"
-        );
-        left
-    };
-    let left = check();
+    // bound the guard counts on.
+    let estimate = g.remaining_estimate();
+    let left = expiry_on(new_primary, &key)
+        .expect("the new primary holds the lease")
+        .saturating_duration_since(Instant::now());
     println!("shortened: {shortened:?}, the new primary's expiry in {left:?}");
+    assert!(
+        estimate <= left + Duration::from_millis(5),
+        "the guard counts on {estimate:?} while the new primary expires the key in {left:?}"
+    );
     // The shortening went once more, with a claim of its own, to the new
     // primary: confirmed there, and the guard counts on it.
     assert!(shortened.unwrap(), "the shortening was refused");
