@@ -36,11 +36,11 @@
 //! with tracking on from the first attempt, `Lock::acquire` cost 1.77× /
 //! 1.28× the raw `SET NX PX` + compare-and-delete pair and
 //! `FencedLock::acquire` 2.48× / 1.42× it (figures of an earlier run);
-//! with the plain first attempt, `Lock::acquire` costs 1.10× / 1.04× the
-//! raw pair (`try_acquire` 1.10× / 1.05× in the same run),
-//! `FencedLock::acquire` 1.04× / 1.03× the raw fenced script pair, and the
-//! waits of the reader/writer lease and the semaphore 1.02–1.04× their raw
-//! script pairs, with client CPU per pair 1.04–1.18× the raw pairs'.
+//! with the plain first attempt, `Lock::acquire` costs 1.08× / 1.04× the
+//! raw pair (`try_acquire` 1.06× / 1.01× in the same run),
+//! `FencedLock::acquire` 1.04× / 1.01× the raw fenced script pair, and the
+//! waits of the reader/writer lease and the semaphore 1.01–1.04× their raw
+//! script pairs, with client CPU per pair 1.03–1.13× the raw pairs'.
 //!
 //! Where the ACL denies `CLIENT CACHING` (but allows `CLIENT TRACKING`),
 //! connections fall back to tracking every read (logged once): waits are
@@ -87,9 +87,11 @@
 //! with the releaser's own next attempt would remain). A single attempt
 //! (`try_acquire`) is not a wait and still takes a free lock ahead of the
 //! queue. With 8 contenders sharing a coordinator, the releaser took back 0 %
-//! of grants in the side-by-side run (BENCHMARKS.md, `lock-shared`; hand-off
-//! p99 from the confirmed release 0.60× the raw tracking waiter's). Watchers
-//! (an election's observers) keep their first attempt ([`Order::Race`]).
+//! of grants in the side-by-side run (BENCHMARKS.md, `lock-shared`; the next
+//! holder had the lock at p50 1.19× and p99 1.33× as long after the release
+//! was sent as with the raw tracking waiter, all of whose waiters race).
+//! Watchers (an election's observers) keep their first attempt
+//! ([`Order::Race`]).
 //!
 //! Across processes there is no shared queue: each process's first waiter
 //! races the others' on every change, and a process can lose any number of
@@ -98,17 +100,19 @@
 //! on such a key (within the last second, and with nobody of its process
 //! queued) lets waiters elsewhere go first: it pauses 1 ms before its first
 //! attempt, long enough for a waiter in another process woken by the release
-//! this thread may just have made to reach the server (p50 of that hand-off
-//! ~0.3–0.5 ms on the loaded 2-core machine of BENCHMARKS.md). A wait whose
+//! this thread may just have made to reach the server (p50 of that hand-off,
+//! counted from the release sent: 0.27 ms on the 2-core machine of
+//! BENCHMARKS.md, 0.3–0.5 ms in earlier runs under load). A wait whose
 //! first attempt is granted at once forgets the key, so a key that stopped
 //! being contended costs one such pause; the uncontended path costs a lookup.
-//! With 8 contenders, a coordinator each, the releaser took back 9 % of grants
-//! with the pause and 32 % without it (`lock` in BENCHMARKS.md and the run
-//! before it), at the same grant rate. [`Order::Server`] (a `Lock` with `Fairness::Fifo`) puts the queue on the
-//! server instead: the lock is granted to the head of a sorted set of waiters
-//! in arrival order, each entry expiring unless its waiter refreshes it, so
-//! every waiter of a process is woken by every change and wakes at least once
-//! per refresh interval. A holder's renewals change the key, so they wake each
+//! With 8 contenders, a coordinator each, the releaser took back 2 % of grants
+//! with the pause (`lock` in BENCHMARKS.md) and 32 % without it (an earlier
+//! run on a busier machine, at the same grant rate). [`Order::Server`] (a
+//! `Lock` with `Fairness::Fifo`) puts the queue on the server instead: the
+//! lock is granted to the head of a sorted set of waiters in arrival order,
+//! each entry expiring unless its waiter refreshes it, so every waiter of a
+//! process is woken by every change and wakes at least once per refresh
+//! interval. A holder's renewals change the key, so they wake each
 //! process's first waiter for one re-check per renewal.
 //!
 //! While every pooled connection is busy (a burst of waiters woken at once), a
