@@ -2451,3 +2451,53 @@ fn elect_without_recampaign_ends_with_the_lost_status_when_leadership_is_lost() 
     assert!(evs.iter().all(|e| e["event"] != "recampaign"));
     std::fs::remove_file(&events).unwrap();
 }
+
+#[test]
+fn a_redlock_run_takes_a_node_that_cannot_say_what_it_holds_as_held() {
+    let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
+    // On the first node, a user that may take and renew the key but not read
+    // the other modes' keys, which is what a Redlock run checks after its
+    // grant.
+    let () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER",
+            "limited",
+            "on",
+            ">limited-secret",
+            "~*",
+            "&*",
+            "+@all",
+        ])
+        .arg(&["-zrange", "-hmget"])
+        .query(&mut servers[0].client())
+        .unwrap();
+    let limited = format!("redis://limited:limited-secret@{}", servers[0].addr());
+    // A counted run on the first node, inside until it is stopped.
+    let events = events_path("unreadable");
+    let mut counted = respire_lock(&[
+        "run",
+        "--url",
+        &servers[0].url(),
+        "--max",
+        "2",
+        "--events-file",
+        events.to_str().unwrap(),
+        "job",
+        "sleep",
+        "30",
+    ])
+    .spawn()
+    .unwrap();
+    started_pid(&events);
+    let nodes = [limited, servers[1].url(), servers[2].url()].join(",");
+    let out = run(&["run", "-n", "--redlock", &nodes, "job", "true"]);
+    signal(&counted, rustix::process::Signal::TERM);
+    assert_eq!(counted.wait().unwrap().code(), Some(128 + 15));
+    std::fs::remove_file(&events).unwrap();
+    let err = text(&out.stderr);
+    // The run did not start beside the counted one: the node it could not
+    // read counts as held.
+    assert_eq!(out.status.code(), Some(75), "{err}");
+    assert!(err.contains("did not say what it holds"), "{err}");
+    assert!(!err.contains("limited-secret"), "{err}");
+}

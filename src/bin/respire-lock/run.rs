@@ -438,13 +438,19 @@ impl Run<'_> {
                         // No answer in time: ask the node what it holds. A
                         // value without a fencing token may be this run's own
                         // late grant.
-                        _ => nodes
-                            .get(i)
-                            .and_then(|c| c.inspect(&base).ok())
-                            .is_some_and(|ins| match &ins.exclusive {
+                        _ => match nodes.get(i).map(|c| c.inspect(&base)) {
+                            Some(Ok(ins)) => match &ins.exclusive {
                                 None => true,
                                 Some(x) => x.fencing_token.is_some(),
-                            }),
+                            },
+                            Some(Err(e)) => {
+                                if let Some(why) = unread(&n.node, &e) {
+                                    return Ok(Some(why));
+                                }
+                                false
+                            }
+                            None => false,
+                        },
                     };
                     if held_elsewhere {
                         return Ok(Some(format!(
@@ -454,11 +460,21 @@ impl Run<'_> {
                     }
                 }
                 // What shared and counted runs hold on any reachable node.
-                for node in &nodes {
-                    if let Ok(ins) = node.inspect(&base)
-                        && let Some(other) = describe_others(&ins, true)
-                    {
-                        return Ok(Some(other));
+                for (i, node) in nodes.iter().enumerate() {
+                    match node.inspect(&base) {
+                        Ok(ins) => {
+                            if let Some(other) = describe_others(&ins, true) {
+                                return Ok(Some(other));
+                            }
+                        }
+                        Err(e) => {
+                            let name = evidence
+                                .get(i)
+                                .map_or_else(|| format!("node {}", i + 1), |n| n.node.clone());
+                            if let Some(why) = unread(&name, &e) {
+                                return Ok(Some(why));
+                            }
+                        }
                     }
                 }
                 Ok(None)
@@ -777,6 +793,15 @@ fn other_mode(
             .then(|| format!("counted (--max), {} permit(s)", ins.permits.len())),
         Mode::Counted(_) => describe_others(&ins, false),
     })
+}
+
+/// Why a Redlock run backs off from `node`, whose keys it could not read
+/// (`err`): anything may be held there, so the run takes it as held. `None`
+/// for a node that refused the connection: no server runs there, and a
+/// Redlock run holds every node it reaches.
+fn unread(node: &str, err: &Error) -> Option<String> {
+    let refused = matches!(err, Error::Connect { .. }) && !err.is_timeout();
+    (!refused).then(|| format!("unknown: {node} did not say what it holds ({err})"))
 }
 
 /// The exclusive holder (unless `skip_exclusive`) or the readers of an
