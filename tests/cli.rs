@@ -1281,6 +1281,19 @@ fn group_members(pgid: i32) -> usize {
         .count()
 }
 
+/// A run with `args` (the target and mode options) that writes `events` and
+/// stays inside, running `sleep 30`, until it is signalled; returned once its
+/// command has started.
+fn inside_until_signalled(args: &[&str], events: &std::path::Path) -> std::process::Child {
+    let mut all = vec!["run"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--events-file", events.to_str().unwrap()]);
+    all.extend_from_slice(&["job", "sleep", "30"]);
+    let child = respire_lock(&all).spawn().unwrap();
+    started_pid(events);
+    child
+}
+
 /// Waits until the run writing `events` has started its command; returns the
 /// command's pid, which is also its process group.
 fn started_pid(events: &std::path::Path) -> i32 {
@@ -1858,21 +1871,7 @@ fn status_shows_what_run_holds_on_every_deployment() {
     ] {
         let prefix = unique_prefix("cli-status-all");
         let events = events_path("status");
-        let mut child = respire_lock(&[
-            "run",
-            flag,
-            url,
-            "--prefix",
-            &prefix,
-            "--events-file",
-            events.to_str().unwrap(),
-            "job",
-            "sleep",
-            "30",
-        ])
-        .spawn()
-        .unwrap();
-        started_pid(&events);
+        let mut child = inside_until_signalled(&[flag, url, "--prefix", &prefix], &events);
         let token = event(&events_in(&events), "acquired")["token"].clone();
         let out = run(&["status", flag, url, "--prefix", &prefix, "--json", "job"]);
         assert!(out.status.success(), "{url}: {}", text(&out.stderr));
@@ -2474,21 +2473,7 @@ fn a_redlock_run_takes_a_node_that_cannot_say_what_it_holds_as_held() {
     let limited = format!("redis://limited:limited-secret@{}", servers[0].addr());
     // A counted run on the first node, inside until it is stopped.
     let events = events_path("unreadable");
-    let mut counted = respire_lock(&[
-        "run",
-        "--url",
-        &servers[0].url(),
-        "--max",
-        "2",
-        "--events-file",
-        events.to_str().unwrap(),
-        "job",
-        "sleep",
-        "30",
-    ])
-    .spawn()
-    .unwrap();
-    started_pid(&events);
+    let mut counted = inside_until_signalled(&["--url", &servers[0].url(), "--max", "2"], &events);
     let nodes = [limited, servers[1].url(), servers[2].url()].join(",");
     let out = run(&["run", "-n", "--redlock", &nodes, "job", "true"]);
     signal(&counted, rustix::process::Signal::TERM);
