@@ -2451,6 +2451,45 @@ fn elect_without_recampaign_ends_with_the_lost_status_when_leadership_is_lost() 
     std::fs::remove_file(&events).unwrap();
 }
 
+/// A Redlock run whose grant on the first node comes after the quorum's:
+/// that node (60 ms away, the others local) holds `planted` under the run's
+/// key, or nothing. Returns the run's exit code and stderr.
+fn redlock_run_beside_a_slow_node(planted: Option<&str>) -> (Option<i32>, String) {
+    let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
+    let slow = support::FaultProxy::start(servers[0].addr());
+    slow.set_mode(support::Mode::Delay(Duration::from_millis(60)));
+    if let Some(value) = planted {
+        let () = servers[0]
+            .client()
+            .set_options(
+                "respire-lock:{job}:w",
+                value,
+                redis::SetOptions::default().with_expiration(redis::SetExpiry::PX(30_000)),
+            )
+            .unwrap();
+    }
+    let nodes = [slow.url(), servers[1].url(), servers[2].url()].join(",");
+    let args = ["run", "-n", "--node-timeout", "1s", "--ttl", "5s"];
+    let mut args = args.to_vec();
+    args.extend_from_slice(&["--redlock", &nodes, "job", "true"]);
+    let out = run(&args);
+    (out.status.code(), text(&out.stderr))
+}
+
+#[test]
+fn a_redlock_run_needs_its_own_value_on_every_node_it_reaches() {
+    // Another Redlock run's value (no fencing token), still on the slow node:
+    // deleted there a moment later, it would leave that node to a counted or
+    // shared run while this one runs. The quorum of the two local nodes is
+    // not enough.
+    let (code, err) = redlock_run_beside_a_slow_node(Some("another-run"));
+    assert_eq!(code, Some(75), "{err}");
+    assert!(err.contains("exclusive on"), "{err}");
+    // With nothing there, the slow node grants late, and the run goes ahead.
+    let (code, err) = redlock_run_beside_a_slow_node(None);
+    assert_eq!(code, Some(0), "{err}");
+}
+
 #[test]
 fn a_redlock_run_takes_a_node_that_cannot_say_what_it_holds_as_held() {
     let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();

@@ -763,6 +763,50 @@ fn a_late_grant_from_a_slow_node_is_released_by_owner_token() {
 }
 
 #[test]
+fn an_extension_on_every_node_says_what_the_slow_one_holds() {
+    let _x = exclusive();
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("hear-all");
+    let group = nodes.group(&prefix, options(1000));
+    let key = format!("{prefix}job");
+    drop(group.try_acquire("warm", Duration::from_secs(10)).unwrap());
+    nodes.proxies[2].set_mode(Mode::Delay(Duration::from_millis(100)));
+    let guard = group
+        .try_acquire("job", Duration::from_secs(10))
+        .unwrap()
+        .expect("a free key");
+    // The slow node's late grant is confirmed like the others'.
+    assert!(guard.extend_on_every_node(Duration::from_secs(10)).unwrap());
+    let heard: Vec<NodeOutcome> = guard
+        .last_evidence()
+        .into_iter()
+        .map(|n| n.outcome)
+        .collect();
+    assert!(
+        heard.iter().all(|o| *o == NodeOutcome::Granted),
+        "{heard:?}"
+    );
+    // Another owner's value there now: the quorum still holds the lock, and
+    // the slow node's answer says it does not.
+    let () = nodes.servers[2].client().set(&key, "another").unwrap();
+    assert!(guard.extend_on_every_node(Duration::from_secs(10)).unwrap());
+    let heard: Vec<NodeOutcome> = guard
+        .last_evidence()
+        .into_iter()
+        .map(|n| n.outcome)
+        .collect();
+    assert_eq!(heard[..2], [NodeOutcome::Granted, NodeOutcome::Granted]);
+    assert!(
+        matches!(
+            heard[2],
+            NodeOutcome::HeldByAnother { .. } | NodeOutcome::Missing
+        ),
+        "{heard:?}"
+    );
+    assert_eq!(nodes.get(2, &key).as_deref(), Some("another"));
+}
+
+#[test]
 fn extend_does_not_count_a_node_that_restarted() {
     let nodes = Nodes::start_with(3, true);
     let prefix = unique_prefix("restart-extend");

@@ -195,6 +195,33 @@ impl RedlockGuard {
     /// lock is not flagged lost, but it is bounded by the worst case of this
     /// extension; retrying may work).
     pub fn extend(&self, ttl: Duration) -> Result<bool> {
+        self.extend_hearing(ttl, Tally::decided)
+    }
+
+    /// [`extend`](Self::extend), but the answers of every node are awaited,
+    /// not only a quorum's: until each node answered or the node timeout (or
+    /// the current validity, if sooner) ran out. Afterwards
+    /// [`last_evidence`](Self::last_evidence) says, for every node that
+    /// answered in time, whether it holds this lock (`Granted`, or
+    /// `Uncounted` for a node whose grant does not count), holds another
+    /// owner's value (`HeldByAnother`) or nothing (`Missing`); a node that did
+    /// not answer in time is `TimedOut`.
+    ///
+    /// For a caller that must know what each node holds, such as one that
+    /// also uses the nodes one by one: [`extend`](Self::extend) returns at a
+    /// quorum and leaves the slower nodes `Abandoned`. Blocks up to a node
+    /// timeout when a node is slow or down. Returns and fails as
+    /// [`extend`](Self::extend) does.
+    ///
+    /// # Errors
+    /// As [`extend`](Self::extend).
+    pub fn extend_on_every_node(&self, ttl: Duration) -> Result<bool> {
+        self.extend_hearing(ttl, |_| false)
+    }
+
+    /// An extension that stops listening for answers once `decided` says so
+    /// (or at the deadline).
+    fn extend_hearing(&self, ttl: Duration, decided: impl Fn(&Tally) -> bool) -> Result<bool> {
         let group = &self.inner.group;
         let ttl_ms = group.check_ttl(ttl)?;
         let ttl = Duration::from_millis(ttl_ms);
@@ -226,7 +253,7 @@ impl RedlockGuard {
             &targets,
             deadline,
             Some(&done),
-            Tally::decided,
+            decided,
         );
         let nodes = group.reports(replies, &targets, deadline, &NodeOutcome::Abandoned);
         *self.inner.evidence.lock() = nodes.clone();

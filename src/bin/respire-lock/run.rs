@@ -427,36 +427,40 @@ impl Run<'_> {
             |g: &RedlockGuard| {
                 // An exclusive run of one deployment can use any node, so the
                 // group must hold the key on every node it reaches, not only
-                // on a quorum. An acquire returns at quorum; an extension
-                // asks every node again and says which ones hold it.
-                let _ = g.extend(ttl);
+                // on a quorum. An acquire returns at a quorum; this extension
+                // hears every node and says which ones hold it.
+                let _ = g.extend_on_every_node(ttl);
                 let evidence = g.last_evidence();
                 for (i, n) in evidence.iter().enumerate() {
-                    let held_elsewhere = match &n.outcome {
-                        NodeOutcome::Granted => false,
-                        NodeOutcome::HeldByAnother { .. } | NodeOutcome::Missing => true,
-                        // No answer in time: ask the node what it holds. A
-                        // value without a fencing token may be this run's own
-                        // late grant.
+                    match &n.outcome {
+                        // The node confirmed the extension: it holds this
+                        // run's value.
+                        NodeOutcome::Granted | NodeOutcome::Uncounted(_) => {}
+                        NodeOutcome::HeldByAnother { .. } | NodeOutcome::Missing => {
+                            return Ok(Some(format!(
+                                "exclusive on {} (a fenced run there, or another Redlock run)",
+                                n.node
+                            )));
+                        }
+                        // No answer. What the node holds cannot tell this
+                        // run's value from another Redlock run's, about to be
+                        // deleted there: a node that answers an inspection
+                        // counts as held, one that refuses connections runs
+                        // no server.
                         _ => match nodes.get(i).map(|c| c.inspect(&base)) {
-                            Some(Ok(ins)) => match &ins.exclusive {
-                                None => true,
-                                Some(x) => x.fencing_token.is_some(),
-                            },
+                            Some(Ok(_)) => {
+                                return Ok(Some(format!(
+                                    "unknown: {} did not confirm this run's grant ({})",
+                                    n.node, n.outcome
+                                )));
+                            }
                             Some(Err(e)) => {
                                 if let Some(why) = unread(&n.node, &e) {
                                     return Ok(Some(why));
                                 }
-                                false
                             }
-                            None => false,
+                            None => {}
                         },
-                    };
-                    if held_elsewhere {
-                        return Ok(Some(format!(
-                            "exclusive on {} (a fenced run there, or another Redlock run)",
-                            n.node
-                        )));
                     }
                 }
                 // What shared and counted runs hold on any reachable node.
