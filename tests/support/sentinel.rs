@@ -415,9 +415,11 @@ impl TestSentinel {
     /// Waits until `ROLE` on data server `index` says it replicates the
     /// primary (the other server: with one replica only; see
     /// [`TestSentinel::wait_replicas_of_primary`] for more) with its link
-    /// connected, and returns how long that took. After a failover the
-    /// sentinels reconfigure the old primary only after it has reported
-    /// itself a primary for a while.
+    /// connected, and the primary has heard the replica acknowledge an
+    /// offset (until then the primary streams it nothing, and a `WAIT` can
+    /// time out); returns how long that took. After a failover the sentinels
+    /// reconfigure the old primary only after it has reported itself a
+    /// primary for a while.
     ///
     /// # Panics
     ///
@@ -435,7 +437,7 @@ impl TestSentinel {
                         && text(&role[0]) == "slave"
                         && redis::from_redis_value_ref::<u16>(&role[2]).ok() == Some(primary_port)
                         && text(&role[3]) == "connected"
-                })
+                }) && probe.acknowledged_by(&self.servers[1 - index], self.servers[index].port())
             },
         );
         started.elapsed()
@@ -948,6 +950,27 @@ impl<'a> Probe<'a> {
     fn role(&mut self, server: &TestServer) -> Option<String> {
         self.role_reply(server)
             .and_then(|role| role.first().map(text))
+    }
+
+    /// Whether `primary` lists the replica on `port` online with an
+    /// acknowledged offset: after a full synchronisation, the primary starts
+    /// streaming to a replica at its first acknowledgement.
+    fn acknowledged_by(&mut self, primary: &TestServer, port: u16) -> bool {
+        let port = format!("port={port}");
+        self.query::<String>(primary, redis::cmd("INFO").arg("replication"))
+            .is_some_and(|info| {
+                info.lines().any(|line| {
+                    let fields: Vec<&str> = line.trim().split(',').collect();
+                    line.starts_with("slave")
+                        && fields.contains(&port.as_str())
+                        && fields.contains(&"state=online")
+                        && fields.iter().any(|f| {
+                            f.strip_prefix("offset=")
+                                .and_then(|o| o.parse::<u64>().ok())
+                                .is_some_and(|o| o > 0)
+                        })
+                })
+            })
     }
 
     fn replica_link_up(&mut self, server: &TestServer) -> bool {
