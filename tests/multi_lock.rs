@@ -3,7 +3,8 @@
 //! failure in the middle of the global order, loss of one member, keep-alive,
 //! the clean-up of an unanswered grant, and eight threads in two processes
 //! taking random subsets in random orders, checked on the machine's shared
-//! monotonic clock and on the servers (`RESPIRE_MULTI_SECS`, 3 s by default).
+//! monotonic clock, against the keys each call asked for (no partial guard)
+//! and on the servers (`RESPIRE_MULTI_SECS`, 3 s by default).
 //!
 //! `tests/mutants/multi/*.patch` put back defects these tests must catch; each
 //! names the test that catches it (`git apply` it, run that test, `git apply
@@ -712,6 +713,53 @@ fn the_hold_checker_finds_overlaps_and_tokens_that_go_back() {
     assert!(check_holds(&back).unwrap_err().contains("after token"));
 }
 
+/// Checks that a guard holds exactly the leases asked for: `asked` as given
+/// to `fenced_lock_all`, `held` as the guard's `fencing_tokens()` named them
+/// (physical keys, with `prefix`). Nothing missing, nothing extra, nothing
+/// twice; the order does not matter.
+fn check_whole(prefix: &str, asked: &[&str], held: &[&str]) -> Result<(), String> {
+    let mut want: Vec<String> = asked.iter().map(|k| format!("{prefix}{k}")).collect();
+    let mut got: Vec<String> = held.iter().map(|k| (*k).to_owned()).collect();
+    want.sort();
+    got.sort();
+    if want != got {
+        return Err(format!(
+            "a partial guard: asked for {want:?}, the guard holds {got:?}"
+        ));
+    }
+    Ok(())
+}
+
+#[test]
+fn the_whole_set_checker_finds_partial_guards() {
+    let asked = ["{k1}:lease", "{k4}:lease", "{k7}:lease"];
+    // In another order than asked: whole.
+    assert!(
+        check_whole(
+            "p:",
+            &asked,
+            &["p:{k7}:lease", "p:{k1}:lease", "p:{k4}:lease"]
+        )
+        .is_ok()
+    );
+    // A member missing: the partial guard the set must never return.
+    let missing = check_whole("p:", &asked, &["p:{k1}:lease", "p:{k7}:lease"]);
+    assert!(missing.unwrap_err().contains("partial"));
+    // A key not asked for, a key twice, a key without its prefix.
+    for held in [
+        &[
+            "p:{k1}:lease",
+            "p:{k4}:lease",
+            "p:{k7}:lease",
+            "p:{k2}:lease",
+        ][..],
+        &["p:{k1}:lease", "p:{k4}:lease", "p:{k4}:lease"][..],
+        &["p:{k1}:lease", "p:{k4}:lease", "{k7}:lease"][..],
+    ] {
+        assert!(check_whole("p:", &asked, held).is_err(), "{held:?}");
+    }
+}
+
 const THREADS_PER_PROCESS: usize = 4;
 const KEYS: usize = 10;
 /// Longer than any wait: a set left waiting on a lease another waiter holds
@@ -722,8 +770,9 @@ const WAIT: Duration = Duration::from_secs(10);
 
 /// A child: four threads, each taking random subsets of the ten keys in
 /// random orders until the end, printing `@@hold <lost> <from> <to>
-/// <key>=<token>…` for every grant and `@@done <grants> <not granted>
-/// <longest wait in µs>` at the end.
+/// <asked,…> <key>=<token>…` for every grant (the lease keys asked for, as
+/// given, then each lease the guard holds with its token) and `@@done
+/// <grants> <not granted> <longest wait in µs>` at the end.
 fn run_child(coord: &Coordinator, seconds: u64) {
     let end = Instant::now() + Duration::from_secs(seconds);
     let out = std::sync::Mutex::new(std::io::stdout());
@@ -761,9 +810,12 @@ fn run_child(coord: &Coordinator, seconds: u64) {
                                 .iter()
                                 .map(|(k, t)| format!("{k}={t}"))
                                 .collect();
+                            let asked: Vec<&str> =
+                                pairs.iter().map(|(lease, _)| lease.as_str()).collect();
                             writeln!(
                                 out.lock().unwrap(),
-                                "@@hold {lost} {from} {to} {}",
+                                "@@hold {lost} {from} {to} {} {}",
+                                asked.join(","),
                                 tokens.join(" ")
                             )
                             .unwrap();
@@ -825,13 +877,25 @@ fn eight_threads_in_two_processes(test: &str, url: &str, cluster: bool, prefix: 
     let deadline = Instant::now() + Duration::from_secs(seconds + 40);
     let mut holds: BTreeMap<String, Vec<Hold>> = BTreeMap::new();
     let (mut done, mut lost, mut errors) = (Vec::new(), 0, Vec::new());
+    let (mut guards, mut partial) = (0u64, Vec::new());
     loop {
         match lines_rx.recv_deadline(deadline) {
             Ok((pid, line)) => {
                 let Some(at) = line.find("@@") else { continue };
                 let words: Vec<&str> = line[at + 2..].split_whitespace().collect();
                 match words.as_slice() {
-                    ["hold", was_lost, from, to, members @ ..] => {
+                    ["hold", was_lost, from, to, asked, members @ ..] => {
+                        // Every guard returned, lost or not, holds the whole
+                        // set asked for.
+                        guards += 1;
+                        let asked: Vec<&str> = asked.split(',').collect();
+                        let held: Vec<&str> = members
+                            .iter()
+                            .map(|m| m.rsplit_once('=').map_or(*m, |(k, _)| k))
+                            .collect();
+                        if let Err(e) = check_whole(prefix, &asked, &held) {
+                            partial.push(format!("pid {pid}: {e}"));
+                        }
                         if *was_lost == "true" {
                             lost += 1;
                             continue;
@@ -870,13 +934,21 @@ fn eight_threads_in_two_processes(test: &str, url: &str, cluster: bool, prefix: 
         assert!(c.wait().unwrap().success());
     }
     check_holds(&holds).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        partial.is_empty(),
+        "{} of {guards} guards were partial, the first: {:?}",
+        partial.len(),
+        &partial[..partial.len().min(3)]
+    );
     let grants: u64 = done.iter().map(|d| d.1).sum();
+    // Every grant was recorded, and checked whole.
+    assert_eq!(guards, grants, "grants counted and grants recorded differ");
     let missed: u64 = done.iter().map(|d| d.2).sum();
     let longest = done.iter().map(|d| d.3).max().unwrap_or(0);
     let per_key: Vec<usize> = holds.values().map(Vec::len).collect();
     println!(
-        "{grants} sets granted, {missed} waits ran out or failed, {lost} found lost, longest \
-         wait {} ms; holds per key {per_key:?}",
+        "{grants} sets granted, each holding exactly the keys asked for; {missed} waits ran out \
+         or failed, {lost} found lost, longest wait {} ms; holds per key {per_key:?}",
         longest / 1000
     );
     assert!(
