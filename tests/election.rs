@@ -1,6 +1,6 @@
 //! Leader election: one leader at a time, hand-over on resignation, loss of a
-//! stopped leader before the server's expiry, the advertised value, the
-//! observer's order, and refusals.
+//! stopped leader before the server's expiry, the loss signal, the advertised
+//! value, the observer's order, and refusals.
 //!
 //! Oracles are the server's: what its keys hold (read with plain commands),
 //! `PEXPIRETIME` with `TIME`, and the term counter.
@@ -248,6 +248,96 @@ fn proclaiming_after_loss_is_refused_and_changes_nothing() {
     let before = snapshot(&mut c, &prefix);
     assert!(!d.proclaim("d2").unwrap());
     assert_eq!(snapshot(&mut c, &prefix), before);
+}
+
+/// Whether `signal` has disconnected (the leadership it belongs to is lost),
+/// without waiting.
+fn fired(signal: &crossbeam_channel::Receiver<()>) -> bool {
+    matches!(
+        signal.try_recv(),
+        Err(crossbeam_channel::TryRecvError::Disconnected)
+    )
+}
+
+#[test]
+fn lost_signal_fires_when_the_lease_is_deleted_or_taken_on_the_server_and_not_while_held() {
+    // A coordinator of its own: its renewal counters count these leases only.
+    let prefix = unique_prefix("signal");
+    let coord = coordinator(&shared_server().url(), &prefix);
+    let election = coord.election("{sig}").unwrap();
+    let mut c = shared_server().client();
+    let short = Duration::from_secs(1);
+
+    // Held and kept alive: for three renewals (a renewal at half the TTL, so
+    // more than a TTL past the grant) the signal stays open, and the server
+    // still holds this term's lease.
+    let a = election.try_campaign("a", short).unwrap().expect("free");
+    let signal = a.lost_signal().clone();
+    let granted = Instant::now();
+    let renewal = a.keep_alive().unwrap();
+    wait_until(Duration::from_secs(10), "three renewals", || {
+        assert!(!fired(&signal), "the signal fired while the lease was held");
+        coord.renewal_stats().renewals >= 3
+    });
+    // Past the grant's TTL: only the renewals kept the lease on the server.
+    assert!(granted.elapsed() > short, "three renewals within one TTL");
+    assert!(!fired(&signal), "the signal fired while the lease was held");
+    assert!(!a.is_lost());
+    let lease: String = c.get(election.lease_key()).unwrap();
+    assert!(lease.ends_with(&format!(":{}", a.term())), "{lease}");
+    assert_eq!(coord.renewal_stats().losses, 0);
+
+    // Deleted on the server: the next renewal finds it gone and the signal
+    // fires (a renewal's finding, counted as a loss, not the loss deadline).
+    let _: () = c.del(election.lease_key()).unwrap();
+    assert!(
+        matches!(
+            signal.recv_timeout(Duration::from_secs(10)),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected)
+        ),
+        "the signal did not fire after the lease was deleted"
+    );
+    assert!(a.is_lost());
+    // The check of the held phase above sees this fired signal.
+    assert!(fired(&signal));
+    assert_eq!(coord.renewal_stats().losses, 1);
+    drop(renewal);
+    drop(a);
+
+    // Taken: another contender wins on the server (its own coordinator, so
+    // the counters above stay this one's), and the kept-alive leadership
+    // finds at its next renewal that the lease is not its own.
+    let b = election.try_campaign("b", short).unwrap().expect("free");
+    let signal = b.lost_signal().clone();
+    let renewal = b.keep_alive().unwrap();
+    let renewed = coord.renewal_stats().renewals;
+    wait_until(Duration::from_secs(10), "a renewal of b", || {
+        coord.renewal_stats().renewals > renewed
+    });
+    assert!(!fired(&signal), "the signal fired while the lease was held");
+    let other = coordinator(&shared_server().url(), &prefix);
+    let other = other.election("{sig}").unwrap();
+    let _: () = c.del(election.lease_key()).unwrap();
+    let taker = other
+        .try_campaign("taker", Duration::from_secs(60))
+        .unwrap()
+        .expect("free after the delete");
+    assert!(taker.term() > b.term());
+    assert!(
+        matches!(
+            signal.recv_timeout(Duration::from_secs(10)),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected)
+        ),
+        "the signal did not fire after the lease was taken"
+    );
+    assert!(b.is_lost());
+    assert_eq!(coord.renewal_stats().losses, 2);
+    // The taker's lease is untouched by the loser.
+    let lease: String = c.get(election.lease_key()).unwrap();
+    assert!(lease.ends_with(&format!(":{}", taker.term())), "{lease}");
+    drop(renewal);
+    assert_eq!(b.resign().unwrap(), ReleaseOutcome::TakenOver);
+    drop(taker);
 }
 
 #[test]
