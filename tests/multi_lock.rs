@@ -33,11 +33,15 @@ fn ms(n: u64) -> Duration {
 }
 
 fn cluster_coordinator(prefix: &str) -> Coordinator {
+    cluster_coordinator_with(prefix, ms(500))
+}
+
+fn cluster_coordinator_with(prefix: &str, node_timeout: Duration) -> Coordinator {
     let seeds = shared_cluster().seed_urls();
     let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
     Coordinator::cluster_builder(&seeds)
         .key_prefix(prefix)
-        .node_timeout(ms(500))
+        .node_timeout(node_timeout)
         .build()
         .expect("connect to the cluster")
 }
@@ -480,6 +484,302 @@ fn a_kept_alive_set_is_renewed_in_one_pipeline_per_server() {
         stats.round_trips * keys.len() as u64,
         "{stats:?}"
     );
+    drop(g);
+}
+
+/// One command a server ran, as its `MONITOR` stream showed it: the client
+/// that sent it (`lua` for a command a script ran), the command's name in
+/// lowercase, and its first key when it is an `EVALSHA` or `EVAL` (but not
+/// the probe with which `keep_alive()` checks its rights, a run of the
+/// renewal script for another owner that changes nothing).
+#[derive(Clone, Debug, PartialEq)]
+struct Ran {
+    client: String,
+    command: String,
+    key: Option<String>,
+}
+
+/// A `MONITOR` connection to one server.
+fn monitor(server: &TestServer) -> redis::Connection {
+    let mut c = server.client();
+    c.send_packed_command(&redis::cmd("MONITOR").get_packed_command())
+        .unwrap();
+    assert_eq!(
+        c.recv_response().unwrap(),
+        redis::Value::Okay,
+        "MONITOR refused"
+    );
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c
+}
+
+/// Reads `monitor`'s stream up to the `ECHO` of `marker` (sent after it was
+/// opened), and returns what the server ran before it.
+fn monitored_until(monitor: &mut redis::Connection, marker: &str) -> Vec<Ran> {
+    let mut ran = Vec::new();
+    loop {
+        let line = match monitor.recv_response().expect("the MONITOR stream") {
+            redis::Value::SimpleString(s) => s,
+            other => panic!("a MONITOR line: {other:?}"),
+        };
+        // `<time> [<db> <client>] "<word>" "<word>" …`
+        let (Some(open), Some(close)) = (line.find('['), line.find(']')) else {
+            panic!("a MONITOR line: {line}");
+        };
+        let client = line[open + 1..close]
+            .split_once(' ')
+            .map_or("", |(_, c)| c)
+            .to_owned();
+        let words: Vec<&str> = line[close + 1..]
+            .split_whitespace()
+            .map(|w| w.trim_matches('"'))
+            .collect();
+        let command = words.first().map_or(String::new(), |w| w.to_lowercase());
+        if command == "echo" && words.get(1) == Some(&marker) {
+            return ran;
+        }
+        let key = (matches!(command.as_str(), "evalsha" | "eval")
+            && !words.contains(&"respire-keepalive-probe"))
+        .then(|| words.get(3).map(|k| (*k).to_owned()))
+        .flatten();
+        ran.push(Ran {
+            client,
+            command,
+            key,
+        });
+    }
+}
+
+/// Checks, for each server, that the renewals of a set's keys (`EVALSHA` or
+/// `EVAL` of one of `keys`) arrived together: in runs of consecutive commands
+/// of one client, with no other command of any client between them, each run
+/// renewing every key of the set on that server (`keys[i]` for server `i`)
+/// exactly once and no key of another server. A run ends at another command,
+/// another client's renewal, or a key it already renewed (the next round,
+/// with nothing between). A script's own commands (client `lua`) are not
+/// counted. Returns the number of runs on each server.
+fn check_renewal_runs(
+    ran: &[Vec<Ran>],
+    keys: &[std::collections::BTreeSet<String>],
+) -> Result<Vec<usize>, String> {
+    let all: std::collections::BTreeSet<&String> = keys.iter().flatten().collect();
+    let mut runs = Vec::new();
+    for (server, (ran, mine)) in ran.iter().zip(keys).enumerate() {
+        let mut count = 0;
+        let mut run: Vec<&Ran> = Vec::new();
+        let mut close = |run: &mut Vec<&Ran>| -> Result<(), String> {
+            if run.is_empty() {
+                return Ok(());
+            }
+            let mut got: Vec<&str> = run.iter().filter_map(|r| r.key.as_deref()).collect();
+            got.sort_unstable();
+            let want: Vec<&str> = mine.iter().map(String::as_str).collect();
+            if got != want {
+                return Err(format!(
+                    "server {server}: renewals {got:?} arrived together, not the set's keys \
+                     there {want:?}"
+                ));
+            }
+            count += 1;
+            run.clear();
+            Ok(())
+        };
+        for r in ran.iter().filter(|r| r.client != "lua") {
+            let renewal = r.key.as_ref().filter(|k| all.contains(k));
+            match renewal {
+                Some(key) if !mine.contains(key) => {
+                    return Err(format!("server {server} ran a renewal of {key}"));
+                }
+                Some(_) => {
+                    if run.first().is_some_and(|first| first.client != r.client)
+                        || run.iter().any(|q| q.key == r.key)
+                    {
+                        close(&mut run)?;
+                    }
+                    run.push(r);
+                }
+                None => close(&mut run)?,
+            }
+        }
+        close(&mut run)?;
+        runs.push(count);
+    }
+    Ok(runs)
+}
+
+/// Checks the rounds of renewal (`runs`: each server's, from
+/// [`check_renewal_runs`]): every server saw as many as the others (one fewer
+/// where the last round was cut off when the keep-alive stopped), and the
+/// library's round trips are one per server per round (as many as the
+/// servers' runs; up to one more per server for a round that was in flight
+/// when the servers were last read). Pipelines sent back to back with nothing
+/// between read as one run, so a round split into several shows here, as
+/// more round trips than runs.
+fn check_rounds(runs: &[usize], round_trips: u64) -> Result<(), String> {
+    let (least, most) = (
+        runs.iter().min().copied().unwrap_or(0),
+        runs.iter().max().copied().unwrap_or(0),
+    );
+    if most > least + 1 {
+        return Err(format!("rounds per server {runs:?}"));
+    }
+    let total: u64 = runs.iter().map(|&r| r as u64).sum();
+    if round_trips < total || round_trips > total + runs.len() as u64 {
+        return Err(format!(
+            "{round_trips} round trips for {total} rounds of renewal the servers saw ({runs:?} \
+             per server)"
+        ));
+    }
+    Ok(())
+}
+
+#[test]
+fn the_renewal_run_checkers_find_split_mixed_and_misrouted_rounds() {
+    let ran = |client: &str, key: Option<&str>| Ran {
+        client: client.into(),
+        command: if key.is_some() { "evalsha" } else { "get" }.into(),
+        key: key.map(Into::into),
+    };
+    let keys: Vec<std::collections::BTreeSet<String>> = vec![
+        ["a".to_owned()].into(),
+        ["b".to_owned(), "c".to_owned()].into(),
+    ];
+    // Rounds apart, or back to back with nothing between.
+    let good = vec![
+        vec![
+            ran("x:1", Some("a")),
+            ran("y:9", None),
+            ran("x:1", Some("a")),
+            ran("x:1", Some("a")),
+        ],
+        vec![
+            ran("x:2", Some("c")),
+            ran("lua", None),
+            ran("x:2", Some("b")),
+            ran("y:9", None),
+            ran("x:2", Some("b")),
+            ran("x:2", Some("c")),
+            ran("x:2", Some("c")),
+            ran("x:2", Some("b")),
+        ],
+    ];
+    assert_eq!(check_renewal_runs(&good, &keys), Ok(vec![3, 3]));
+    // A round on server 1 sent as two round trips, another client's command
+    // between them.
+    let mut split = good.clone();
+    split[1].insert(1, ran("y:9", None));
+    assert!(
+        check_renewal_runs(&split, &keys)
+            .unwrap_err()
+            .contains("arrived together")
+    );
+    // Two connections, one key each.
+    let mut mixed = good.clone();
+    mixed[1][2].client = "x:3".into();
+    assert!(check_renewal_runs(&mixed, &keys).is_err());
+    // A round that renews a key twice and another not at all, and a key on
+    // the wrong server.
+    let mut twice = good.clone();
+    twice[1][0].key = Some("b".into());
+    assert!(check_renewal_runs(&twice, &keys).is_err());
+    let mut misrouted = good.clone();
+    misrouted[0].push(ran("x:1", Some("b")));
+    assert!(check_renewal_runs(&misrouted, &keys).is_err());
+
+    assert!(check_rounds(&[4, 4, 3], 11).is_ok());
+    assert!(check_rounds(&[4, 4, 4], 15).is_ok());
+    // A pipeline per key (six keys, three servers): twice the round trips.
+    assert!(check_rounds(&[4, 4, 4], 24).is_err());
+    // A server left out of rounds.
+    assert!(check_rounds(&[4, 4, 2], 10).is_err());
+    // Fewer round trips than the servers saw pipelines.
+    assert!(check_rounds(&[4, 4, 4], 11).is_err());
+}
+
+#[test]
+fn a_kept_alive_set_across_cluster_primaries_is_renewed_in_one_pipeline_per_primary() {
+    let prefix = unique_prefix("pipeline-cluster");
+    let cluster = shared_cluster();
+    // 1, 2 and 3 keys on the three primaries, each key in a slot of its own.
+    let primaries = cluster.primaries();
+    assert_eq!(primaries.len(), 3, "{primaries:?}");
+    let mut keys: Vec<String> = Vec::new();
+    let mut on: Vec<std::collections::BTreeSet<String>> = vec![Default::default(); 3];
+    for i in 0.. {
+        if on.iter().enumerate().all(|(n, ks)| ks.len() == n + 1) {
+            break;
+        }
+        let key = format!("{{d{i}}}");
+        let physical = format!("{prefix}{key}");
+        let n = primaries
+            .iter()
+            .position(|&p| p == cluster.primary_for_key(&physical))
+            .expect("a primary owns the slot");
+        if on[n].len() < n + 1 {
+            on[n].insert(physical);
+            keys.push(key);
+        }
+    }
+    // A first set on the same keys, kept alive for one round: the renewal
+    // script is then loaded on each primary, so no round below is sent twice
+    // (once answered NOSCRIPT).
+    {
+        let warm = cluster_coordinator_with(&prefix, ms(100));
+        let g = warm
+            .lock_all(&keys)
+            .unwrap()
+            .try_acquire(ms(1_000))
+            .unwrap()
+            .unwrap();
+        let renewal = g.keep_alive().unwrap();
+        wait_until(Duration::from_secs(10), "one round of renewals", || {
+            warm.renewal_stats().renewals >= keys.len() as u64
+        });
+        drop(renewal);
+    }
+    // A coordinator of its own: its renewal counters count this set only.
+    let coord = cluster_coordinator_with(&prefix, ms(100));
+    let set = coord.lock_all(&keys).unwrap();
+    assert!(!set.is_one_call());
+    let g = set.try_acquire(ms(1_000)).unwrap().unwrap();
+    // Watched from the grant on: what the servers run of the set's keys from
+    // now until the keep-alive stops is its renewals.
+    let mut monitors: Vec<redis::Connection> = primaries
+        .iter()
+        .map(|&p| monitor(cluster.node(p)))
+        .collect();
+    let renewal = g.keep_alive().unwrap();
+    wait_until(Duration::from_secs(20), "four rounds of renewals", || {
+        coord.renewal_stats().renewals >= 4 * keys.len() as u64
+    });
+    drop(renewal);
+    assert!(!g.is_lost());
+    // What each primary ran, up to a marker sent after the keep-alive
+    // stopped.
+    let marker = format!("{prefix}end");
+    let ran: Vec<Vec<Ran>> = primaries
+        .iter()
+        .zip(&mut monitors)
+        .map(|(&p, m)| {
+            let _: String = redis::cmd("ECHO")
+                .arg(&marker)
+                .query(&mut cluster.node(p).client())
+                .unwrap();
+            monitored_until(m, &marker)
+        })
+        .collect();
+    let stats = coord.renewal_stats();
+    let runs = check_renewal_runs(&ran, &on).unwrap_or_else(|e| panic!("{e}"));
+    println!(
+        "keys per primary {:?}: rounds of renewal each primary saw {runs:?}; the library counted \
+         {} round trips and {} renewals",
+        on.iter().map(|k| k.len()).collect::<Vec<_>>(),
+        stats.round_trips,
+        stats.renewals
+    );
+    assert!(runs.iter().all(|&r| r >= 3), "{runs:?}");
+    check_rounds(&runs, stats.round_trips).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(stats.failures, 0, "{stats:?}");
     drop(g);
 }
 
