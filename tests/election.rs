@@ -1,6 +1,6 @@
 //! Leader election: one leader at a time, hand-over on resignation, loss of a
-//! stopped leader before the server's expiry, the advertised value, the
-//! observer's order, and refusals.
+//! stopped leader before the server's expiry, the loss signal, the advertised
+//! value, the observer's order, and refusals.
 //!
 //! Oracles are the server's: what its keys hold (read with plain commands),
 //! `PEXPIRETIME` with `TIME`, and the term counter.
@@ -248,6 +248,96 @@ fn proclaiming_after_loss_is_refused_and_changes_nothing() {
     let before = snapshot(&mut c, &prefix);
     assert!(!d.proclaim("d2").unwrap());
     assert_eq!(snapshot(&mut c, &prefix), before);
+}
+
+/// Whether `signal` has disconnected (the leadership it belongs to is lost),
+/// without waiting.
+fn fired(signal: &crossbeam_channel::Receiver<()>) -> bool {
+    matches!(
+        signal.try_recv(),
+        Err(crossbeam_channel::TryRecvError::Disconnected)
+    )
+}
+
+#[test]
+fn lost_signal_fires_when_the_lease_is_deleted_or_taken_on_the_server_and_not_while_held() {
+    // A coordinator of its own: its renewal counters count these leases only.
+    let prefix = unique_prefix("signal");
+    let coord = coordinator(&shared_server().url(), &prefix);
+    let election = coord.election("{sig}").unwrap();
+    let mut c = shared_server().client();
+    let short = Duration::from_secs(1);
+
+    // Held and kept alive: for three renewals (a renewal at half the TTL, so
+    // more than a TTL past the grant) the signal stays open, and the server
+    // still holds this term's lease.
+    let a = election.try_campaign("a", short).unwrap().expect("free");
+    let signal = a.lost_signal().clone();
+    let granted = Instant::now();
+    let renewal = a.keep_alive().unwrap();
+    wait_until(Duration::from_secs(10), "three renewals", || {
+        assert!(!fired(&signal), "the signal fired while the lease was held");
+        coord.renewal_stats().renewals >= 3
+    });
+    // Past the grant's TTL: only the renewals kept the lease on the server.
+    assert!(granted.elapsed() > short, "three renewals within one TTL");
+    assert!(!fired(&signal), "the signal fired while the lease was held");
+    assert!(!a.is_lost());
+    let lease: String = c.get(election.lease_key()).unwrap();
+    assert!(lease.ends_with(&format!(":{}", a.term())), "{lease}");
+    assert_eq!(coord.renewal_stats().losses, 0);
+
+    // Deleted on the server: the next renewal finds it gone and the signal
+    // fires (a renewal's finding, counted as a loss, not the loss deadline).
+    let _: () = c.del(election.lease_key()).unwrap();
+    assert!(
+        matches!(
+            signal.recv_timeout(Duration::from_secs(10)),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected)
+        ),
+        "the signal did not fire after the lease was deleted"
+    );
+    assert!(a.is_lost());
+    // The check of the held phase above sees this fired signal.
+    assert!(fired(&signal));
+    assert_eq!(coord.renewal_stats().losses, 1);
+    drop(renewal);
+    drop(a);
+
+    // Taken: another contender wins on the server (its own coordinator, so
+    // the counters above stay this one's), and the kept-alive leadership
+    // finds at its next renewal that the lease is not its own.
+    let b = election.try_campaign("b", short).unwrap().expect("free");
+    let signal = b.lost_signal().clone();
+    let renewal = b.keep_alive().unwrap();
+    let renewed = coord.renewal_stats().renewals;
+    wait_until(Duration::from_secs(10), "a renewal of b", || {
+        coord.renewal_stats().renewals > renewed
+    });
+    assert!(!fired(&signal), "the signal fired while the lease was held");
+    let other = coordinator(&shared_server().url(), &prefix);
+    let other = other.election("{sig}").unwrap();
+    let _: () = c.del(election.lease_key()).unwrap();
+    let taker = other
+        .try_campaign("taker", Duration::from_secs(60))
+        .unwrap()
+        .expect("free after the delete");
+    assert!(taker.term() > b.term());
+    assert!(
+        matches!(
+            signal.recv_timeout(Duration::from_secs(10)),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected)
+        ),
+        "the signal did not fire after the lease was taken"
+    );
+    assert!(b.is_lost());
+    assert_eq!(coord.renewal_stats().losses, 2);
+    // The taker's lease is untouched by the loser.
+    let lease: String = c.get(election.lease_key()).unwrap();
+    assert!(lease.ends_with(&format!(":{}", taker.term())), "{lease}");
+    drop(renewal);
+    assert_eq!(b.resign().unwrap(), ReleaseOutcome::TakenOver);
+    drop(taker);
 }
 
 #[test]
@@ -565,9 +655,31 @@ fn five_processes_under_kills_and_stops_never_lead_at_once() {
         let mut out = std::io::stdout();
         // The negative control: a leader that never looks whether it lost.
         let heedless = std::env::var("RESPIRE_ELECTION_HEEDLESS").is_ok();
+        let value = pid.to_string();
         loop {
-            let l = match election.campaign(&pid.to_string(), CHAOS_TTL, &never) {
-                Ok(l) => l,
+            // The call that wins and its return bracket the server's grant.
+            let won = if rng.below(2) == 0 {
+                // Waits inside campaign(): a wide bracket.
+                let sent = mono_ns();
+                election
+                    .campaign(&value, CHAOS_TTL, &never)
+                    .map(|l| (l, sent, "wait"))
+            } else {
+                // Waits with observe() until nobody leads, then makes one
+                // attempt: a bracket of one script call.
+                loop {
+                    let mut changes = election.observe();
+                    while !matches!(changes.next(), Some(Ok(None))) {}
+                    let sent = mono_ns();
+                    match election.try_campaign(&value, CHAOS_TTL) {
+                        Ok(Some(l)) => break Ok((l, sent, "once")),
+                        Ok(None) => {}
+                        Err(e) => break Err(e),
+                    }
+                }
+            };
+            let (l, sent, how) = match won {
+                Ok(won) => won,
                 Err(e) => {
                     writeln!(out, "@@error {e}").unwrap();
                     thread::sleep(Duration::from_millis(10));
@@ -575,7 +687,7 @@ fn five_processes_under_kills_and_stops_never_lead_at_once() {
                 }
             };
             let term = l.term().get();
-            writeln!(out, "@@granted {term} {}", mono_ns()).unwrap();
+            writeln!(out, "@@granted {term} {sent} {} {how}", mono_ns()).unwrap();
             let renewal = l.keep_alive().unwrap();
             let hold = Duration::from_millis(50 + rng.below(1500));
             let until = Instant::now() + hold;
@@ -680,21 +792,25 @@ fn five_processes_under_kills_and_stops_never_lead_at_once() {
     let mut granted = std::collections::HashMap::new();
     for (pid, line) in lines_rx.iter() {
         let Some(at) = line.find("@@") else { continue };
-        let mut words = line[at + 2..].split_whitespace();
-        match (words.next(), words.next(), words.next()) {
-            (Some("claim"), Some(term), Some(t)) => {
+        let words: Vec<&str> = line[at + 2..].split_whitespace().collect();
+        match words.as_slice() {
+            ["claim", term, t] => {
                 // A line cut short by kill -9 does not parse and is no claim.
                 if let (Ok(term), Ok(t)) = (term.parse::<u64>(), t.parse::<u64>()) {
                     claims.push((pid, term, t));
                 }
             }
-            (Some("granted"), Some(term), Some(t)) => {
-                if let (Ok(term), Ok(t)) = (term.parse::<u64>(), t.parse::<u64>()) {
-                    granted.insert(term, t);
+            ["granted", term, sent, returned, how @ ("wait" | "once")] => {
+                if let (Ok(term), Ok(sent), Ok(returned)) = (
+                    term.parse::<u64>(),
+                    sent.parse::<u64>(),
+                    returned.parse::<u64>(),
+                ) {
+                    granted.insert(term, (sent, returned, *how == "once"));
                 }
             }
-            (Some("end"), _, _) => ends += 1,
-            (Some("error"), _, _) => errors += 1,
+            ["end", ..] => ends += 1,
+            ["error", ..] => errors += 1,
             _ => {}
         }
     }
@@ -703,23 +819,34 @@ fn five_processes_under_kills_and_stops_never_lead_at_once() {
 
     // The observer never went back, and saw leaders the processes had.
     let mut highest = 0;
-    let mut delays = Vec::new();
+    let mut first_seen = std::collections::BTreeMap::new();
     for (at, change) in &observed {
         match change {
             Ok(Some(term)) => {
                 assert!(*term >= highest, "observed term {term} after {highest}");
                 highest = *term;
-                // From the instant the campaign returned to the leader (the
-                // observer may hear of it first: the delay is then negative).
-                if let Some(&t) = granted.get(term) {
-                    delays.push(*at as i64 - t as i64);
-                }
+                first_seen.entry(*term).or_insert(*at);
             }
             Ok(None) => {}
             Err(e) => panic!("the observer failed on a healthy server: {e}"),
         }
     }
-    delays.sort();
+    // How long after the grant the observer reported each term, bracketed:
+    // the server granted it after the winning call was made and before it
+    // returned, so the delay from the call is at least the true one and the
+    // delay from the return at most (negative when the observer heard of it
+    // before the leader did). Terms won by one attempt (`once`) have a
+    // bracket of one script call; terms won inside campaign()'s wait, one as
+    // wide as the wait.
+    let mut figures: [[Vec<i64>; 3]; 2] = Default::default();
+    for (term, at) in &first_seen {
+        if let Some(&(sent, returned, once)) = granted.get(term) {
+            let [from_sent, from_returned, calls] = &mut figures[usize::from(once)];
+            from_sent.push(*at as i64 - sent as i64);
+            from_returned.push(*at as i64 - returned as i64);
+            calls.push(returned as i64 - sent as i64);
+        }
+    }
     let seen = observed
         .iter()
         .filter(|(_, c)| matches!(c, Ok(Some(_))))
@@ -727,12 +854,117 @@ fn five_processes_under_kills_and_stops_never_lead_at_once() {
     println!(
         "{} leaderships ({kills} kill -9, {stops} SIGSTOP past the TTL, {ends} ended, {errors} \
          campaign errors); no overlap, terms strictly increasing; the observer reported {seen} \
-         leaders, never going back, {} µs after the leader's campaign returned (median of {})",
+         leaders ({} terms), never going back",
         reigns.len(),
-        delays.get(delays.len() / 2).map_or(0, |d| d / 1000),
-        delays.len()
+        first_seen.len(),
     );
+    for (how, [from_sent, from_returned, calls]) in
+        ["won inside campaign()'s wait", "won by one try_campaign()"]
+            .iter()
+            .zip(&mut figures)
+    {
+        println!(
+            "observer's delay for {} terms {how}, median / p90: from the winning call {} / {} \
+             µs, from its return {} / {} µs (the grant lies between; the calls took {} / {} µs)",
+            from_sent.len(),
+            percentile(from_sent, 50),
+            percentile(from_sent, 90),
+            percentile(from_returned, 50),
+            percentile(from_returned, 90),
+            percentile(calls, 50),
+            percentile(calls, 90),
+        );
+    }
     assert!(seen >= 1, "the observer reported no leader");
+    // Every change: each reign the processes recorded is compared with the
+    // terms observed. One that lasted at least a second must have been
+    // reported; a shorter one may come and go between two reads.
+    let observed_terms: std::collections::BTreeSet<u64> = first_seen.keys().copied().collect();
+    let (reported, long) = check_observed(&reigns, &observed_terms, LONG_REIGN)
+        .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    println!(
+        "the observer reported {reported} of {} reigns, and all {long} that lasted {LONG_REIGN:?} \
+         or more",
+        reigns.len()
+    );
+}
+
+/// A reign at least this long (from its first claim to its last) must have
+/// been reported by `observe()`.
+const LONG_REIGN: Duration = Duration::from_secs(1);
+
+/// The `p`th percentile (nearest rank) of `values`, in µs (0 for none).
+fn percentile(values: &mut [i64], p: usize) -> i64 {
+    if values.is_empty() {
+        return 0;
+    }
+    values.sort_unstable();
+    let rank = (values.len() * p).div_ceil(100).max(1);
+    values[rank - 1] / 1000
+}
+
+/// Compares the reigns the processes recorded with the terms the observer
+/// reported: every reign that lasted `long` or more (first claim to last)
+/// must be among them. Returns how many reigns were reported, and how many
+/// lasted `long` or more.
+fn check_observed(
+    reigns: &[Reign],
+    observed: &std::collections::BTreeSet<u64>,
+    long: Duration,
+) -> Result<(usize, usize), String> {
+    let long_ns = long.as_nanos() as u64;
+    let reported = reigns.iter().filter(|r| observed.contains(&r.term)).count();
+    let long: Vec<&Reign> = reigns
+        .iter()
+        .filter(|r| r.last - r.first >= long_ns)
+        .collect();
+    let missed: Vec<String> = long
+        .iter()
+        .filter(|r| !observed.contains(&r.term))
+        .map(|r| {
+            format!(
+                "term {} (pid {}, {} ms)",
+                r.term,
+                r.pid,
+                (r.last - r.first) / 1_000_000
+            )
+        })
+        .collect();
+    if !missed.is_empty() {
+        return Err(format!("the observer never reported {}", missed.join(", ")));
+    }
+    Ok((reported, long.len()))
+}
+
+#[test]
+fn the_observed_checker_finds_a_long_reign_never_reported() {
+    let reign = |term, first, last| Reign {
+        term,
+        pid: 7,
+        first,
+        last,
+    };
+    let s = 1_000_000_000;
+    let reigns = [
+        reign(1, 0, 2 * s),
+        reign(2, 2 * s + 1, 2 * s + 5),
+        reign(3, 3 * s, 4 * s),
+    ];
+    let all: std::collections::BTreeSet<u64> = [1, 2, 3].into();
+    assert_eq!(
+        check_observed(&reigns, &all, Duration::from_secs(1)),
+        Ok((3, 2))
+    );
+    // A short reign missed is allowed.
+    let short_missed: std::collections::BTreeSet<u64> = [1, 3].into();
+    assert_eq!(
+        check_observed(&reigns, &short_missed, Duration::from_secs(1)),
+        Ok((2, 2))
+    );
+    // A reign of exactly a second, missed.
+    let long_missed: std::collections::BTreeSet<u64> = [1, 2].into();
+    let e = check_observed(&reigns, &long_missed, Duration::from_secs(1)).unwrap_err();
+    assert!(e.contains("term 3"), "{e}");
 }
 
 #[test]

@@ -3,7 +3,8 @@
 //! failure in the middle of the global order, loss of one member, keep-alive,
 //! the clean-up of an unanswered grant, and eight threads in two processes
 //! taking random subsets in random orders, checked on the machine's shared
-//! monotonic clock and on the servers (`RESPIRE_MULTI_SECS`, 3 s by default).
+//! monotonic clock, against the keys each call asked for (no partial guard)
+//! and on the servers (`RESPIRE_MULTI_SECS`, 3 s by default).
 //!
 //! `tests/mutants/multi/*.patch` put back defects these tests must catch; each
 //! names the test that catches it (`git apply` it, run that test, `git apply
@@ -32,11 +33,15 @@ fn ms(n: u64) -> Duration {
 }
 
 fn cluster_coordinator(prefix: &str) -> Coordinator {
+    cluster_coordinator_with(prefix, ms(500))
+}
+
+fn cluster_coordinator_with(prefix: &str, node_timeout: Duration) -> Coordinator {
     let seeds = shared_cluster().seed_urls();
     let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
     Coordinator::cluster_builder(&seeds)
         .key_prefix(prefix)
-        .node_timeout(ms(500))
+        .node_timeout(node_timeout)
         .build()
         .expect("connect to the cluster")
 }
@@ -482,6 +487,302 @@ fn a_kept_alive_set_is_renewed_in_one_pipeline_per_server() {
     drop(g);
 }
 
+/// One command a server ran, as its `MONITOR` stream showed it: the client
+/// that sent it (`lua` for a command a script ran), the command's name in
+/// lowercase, and its first key when it is an `EVALSHA` or `EVAL` (but not
+/// the probe with which `keep_alive()` checks its rights, a run of the
+/// renewal script for another owner that changes nothing).
+#[derive(Clone, Debug, PartialEq)]
+struct Ran {
+    client: String,
+    command: String,
+    key: Option<String>,
+}
+
+/// A `MONITOR` connection to one server.
+fn monitor(server: &TestServer) -> redis::Connection {
+    let mut c = server.client();
+    c.send_packed_command(&redis::cmd("MONITOR").get_packed_command())
+        .unwrap();
+    assert_eq!(
+        c.recv_response().unwrap(),
+        redis::Value::Okay,
+        "MONITOR refused"
+    );
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c
+}
+
+/// Reads `monitor`'s stream up to the `ECHO` of `marker` (sent after it was
+/// opened), and returns what the server ran before it.
+fn monitored_until(monitor: &mut redis::Connection, marker: &str) -> Vec<Ran> {
+    let mut ran = Vec::new();
+    loop {
+        let line = match monitor.recv_response().expect("the MONITOR stream") {
+            redis::Value::SimpleString(s) => s,
+            other => panic!("a MONITOR line: {other:?}"),
+        };
+        // `<time> [<db> <client>] "<word>" "<word>" …`
+        let (Some(open), Some(close)) = (line.find('['), line.find(']')) else {
+            panic!("a MONITOR line: {line}");
+        };
+        let client = line[open + 1..close]
+            .split_once(' ')
+            .map_or("", |(_, c)| c)
+            .to_owned();
+        let words: Vec<&str> = line[close + 1..]
+            .split_whitespace()
+            .map(|w| w.trim_matches('"'))
+            .collect();
+        let command = words.first().map_or(String::new(), |w| w.to_lowercase());
+        if command == "echo" && words.get(1) == Some(&marker) {
+            return ran;
+        }
+        let key = (matches!(command.as_str(), "evalsha" | "eval")
+            && !words.contains(&"respire-keepalive-probe"))
+        .then(|| words.get(3).map(|k| (*k).to_owned()))
+        .flatten();
+        ran.push(Ran {
+            client,
+            command,
+            key,
+        });
+    }
+}
+
+/// Checks, for each server, that the renewals of a set's keys (`EVALSHA` or
+/// `EVAL` of one of `keys`) arrived together: in runs of consecutive commands
+/// of one client, with no other command of any client between them, each run
+/// renewing every key of the set on that server (`keys[i]` for server `i`)
+/// exactly once and no key of another server. A run ends at another command,
+/// another client's renewal, or a key it already renewed (the next round,
+/// with nothing between). A script's own commands (client `lua`) are not
+/// counted. Returns the number of runs on each server.
+fn check_renewal_runs(
+    ran: &[Vec<Ran>],
+    keys: &[std::collections::BTreeSet<String>],
+) -> Result<Vec<usize>, String> {
+    let all: std::collections::BTreeSet<&String> = keys.iter().flatten().collect();
+    let mut runs = Vec::new();
+    for (server, (ran, mine)) in ran.iter().zip(keys).enumerate() {
+        let mut count = 0;
+        let mut run: Vec<&Ran> = Vec::new();
+        let mut close = |run: &mut Vec<&Ran>| -> Result<(), String> {
+            if run.is_empty() {
+                return Ok(());
+            }
+            let mut got: Vec<&str> = run.iter().filter_map(|r| r.key.as_deref()).collect();
+            got.sort_unstable();
+            let want: Vec<&str> = mine.iter().map(String::as_str).collect();
+            if got != want {
+                return Err(format!(
+                    "server {server}: renewals {got:?} arrived together, not the set's keys \
+                     there {want:?}"
+                ));
+            }
+            count += 1;
+            run.clear();
+            Ok(())
+        };
+        for r in ran.iter().filter(|r| r.client != "lua") {
+            let renewal = r.key.as_ref().filter(|k| all.contains(k));
+            match renewal {
+                Some(key) if !mine.contains(key) => {
+                    return Err(format!("server {server} ran a renewal of {key}"));
+                }
+                Some(_) => {
+                    if run.first().is_some_and(|first| first.client != r.client)
+                        || run.iter().any(|q| q.key == r.key)
+                    {
+                        close(&mut run)?;
+                    }
+                    run.push(r);
+                }
+                None => close(&mut run)?,
+            }
+        }
+        close(&mut run)?;
+        runs.push(count);
+    }
+    Ok(runs)
+}
+
+/// Checks the rounds of renewal (`runs`: each server's, from
+/// [`check_renewal_runs`]): every server saw as many as the others (one fewer
+/// where the last round was cut off when the keep-alive stopped), and the
+/// library's round trips are one per server per round (as many as the
+/// servers' runs; up to one more per server for a round that was in flight
+/// when the servers were last read). Pipelines sent back to back with nothing
+/// between read as one run, so a round split into several shows here, as
+/// more round trips than runs.
+fn check_rounds(runs: &[usize], round_trips: u64) -> Result<(), String> {
+    let (least, most) = (
+        runs.iter().min().copied().unwrap_or(0),
+        runs.iter().max().copied().unwrap_or(0),
+    );
+    if most > least + 1 {
+        return Err(format!("rounds per server {runs:?}"));
+    }
+    let total: u64 = runs.iter().map(|&r| r as u64).sum();
+    if round_trips < total || round_trips > total + runs.len() as u64 {
+        return Err(format!(
+            "{round_trips} round trips for {total} rounds of renewal the servers saw ({runs:?} \
+             per server)"
+        ));
+    }
+    Ok(())
+}
+
+#[test]
+fn the_renewal_run_checkers_find_split_mixed_and_misrouted_rounds() {
+    let ran = |client: &str, key: Option<&str>| Ran {
+        client: client.into(),
+        command: if key.is_some() { "evalsha" } else { "get" }.into(),
+        key: key.map(Into::into),
+    };
+    let keys: Vec<std::collections::BTreeSet<String>> = vec![
+        ["a".to_owned()].into(),
+        ["b".to_owned(), "c".to_owned()].into(),
+    ];
+    // Rounds apart, or back to back with nothing between.
+    let good = vec![
+        vec![
+            ran("x:1", Some("a")),
+            ran("y:9", None),
+            ran("x:1", Some("a")),
+            ran("x:1", Some("a")),
+        ],
+        vec![
+            ran("x:2", Some("c")),
+            ran("lua", None),
+            ran("x:2", Some("b")),
+            ran("y:9", None),
+            ran("x:2", Some("b")),
+            ran("x:2", Some("c")),
+            ran("x:2", Some("c")),
+            ran("x:2", Some("b")),
+        ],
+    ];
+    assert_eq!(check_renewal_runs(&good, &keys), Ok(vec![3, 3]));
+    // A round on server 1 sent as two round trips, another client's command
+    // between them.
+    let mut split = good.clone();
+    split[1].insert(1, ran("y:9", None));
+    assert!(
+        check_renewal_runs(&split, &keys)
+            .unwrap_err()
+            .contains("arrived together")
+    );
+    // Two connections, one key each.
+    let mut mixed = good.clone();
+    mixed[1][2].client = "x:3".into();
+    assert!(check_renewal_runs(&mixed, &keys).is_err());
+    // A round that renews a key twice and another not at all, and a key on
+    // the wrong server.
+    let mut twice = good.clone();
+    twice[1][0].key = Some("b".into());
+    assert!(check_renewal_runs(&twice, &keys).is_err());
+    let mut misrouted = good.clone();
+    misrouted[0].push(ran("x:1", Some("b")));
+    assert!(check_renewal_runs(&misrouted, &keys).is_err());
+
+    assert!(check_rounds(&[4, 4, 3], 11).is_ok());
+    assert!(check_rounds(&[4, 4, 4], 15).is_ok());
+    // A pipeline per key (six keys, three servers): twice the round trips.
+    assert!(check_rounds(&[4, 4, 4], 24).is_err());
+    // A server left out of rounds.
+    assert!(check_rounds(&[4, 4, 2], 10).is_err());
+    // Fewer round trips than the servers saw pipelines.
+    assert!(check_rounds(&[4, 4, 4], 11).is_err());
+}
+
+#[test]
+fn a_kept_alive_set_across_cluster_primaries_is_renewed_in_one_pipeline_per_primary() {
+    let prefix = unique_prefix("pipeline-cluster");
+    let cluster = shared_cluster();
+    // 1, 2 and 3 keys on the three primaries, each key in a slot of its own.
+    let primaries = cluster.primaries();
+    assert_eq!(primaries.len(), 3, "{primaries:?}");
+    let mut keys: Vec<String> = Vec::new();
+    let mut on: Vec<std::collections::BTreeSet<String>> = vec![Default::default(); 3];
+    for i in 0.. {
+        if on.iter().enumerate().all(|(n, ks)| ks.len() == n + 1) {
+            break;
+        }
+        let key = format!("{{d{i}}}");
+        let physical = format!("{prefix}{key}");
+        let n = primaries
+            .iter()
+            .position(|&p| p == cluster.primary_for_key(&physical))
+            .expect("a primary owns the slot");
+        if on[n].len() < n + 1 {
+            on[n].insert(physical);
+            keys.push(key);
+        }
+    }
+    // A first set on the same keys, kept alive for one round: the renewal
+    // script is then loaded on each primary, so no round below is sent twice
+    // (once answered NOSCRIPT).
+    {
+        let warm = cluster_coordinator_with(&prefix, ms(100));
+        let g = warm
+            .lock_all(&keys)
+            .unwrap()
+            .try_acquire(ms(1_000))
+            .unwrap()
+            .unwrap();
+        let renewal = g.keep_alive().unwrap();
+        wait_until(Duration::from_secs(10), "one round of renewals", || {
+            warm.renewal_stats().renewals >= keys.len() as u64
+        });
+        drop(renewal);
+    }
+    // A coordinator of its own: its renewal counters count this set only.
+    let coord = cluster_coordinator_with(&prefix, ms(100));
+    let set = coord.lock_all(&keys).unwrap();
+    assert!(!set.is_one_call());
+    let g = set.try_acquire(ms(1_000)).unwrap().unwrap();
+    // Watched from the grant on: what the servers run of the set's keys from
+    // now until the keep-alive stops is its renewals.
+    let mut monitors: Vec<redis::Connection> = primaries
+        .iter()
+        .map(|&p| monitor(cluster.node(p)))
+        .collect();
+    let renewal = g.keep_alive().unwrap();
+    wait_until(Duration::from_secs(20), "four rounds of renewals", || {
+        coord.renewal_stats().renewals >= 4 * keys.len() as u64
+    });
+    drop(renewal);
+    assert!(!g.is_lost());
+    // What each primary ran, up to a marker sent after the keep-alive
+    // stopped.
+    let marker = format!("{prefix}end");
+    let ran: Vec<Vec<Ran>> = primaries
+        .iter()
+        .zip(&mut monitors)
+        .map(|(&p, m)| {
+            let _: String = redis::cmd("ECHO")
+                .arg(&marker)
+                .query(&mut cluster.node(p).client())
+                .unwrap();
+            monitored_until(m, &marker)
+        })
+        .collect();
+    let stats = coord.renewal_stats();
+    let runs = check_renewal_runs(&ran, &on).unwrap_or_else(|e| panic!("{e}"));
+    println!(
+        "keys per primary {:?}: rounds of renewal each primary saw {runs:?}; the library counted \
+         {} round trips and {} renewals",
+        on.iter().map(|k| k.len()).collect::<Vec<_>>(),
+        stats.round_trips,
+        stats.renewals
+    );
+    assert!(runs.iter().all(|&r| r >= 3), "{runs:?}");
+    check_rounds(&runs, stats.round_trips).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(stats.failures, 0, "{stats:?}");
+    drop(g);
+}
+
 // ----- loss, keep-alive, release outcomes -------------------------------------
 
 #[test]
@@ -712,6 +1013,53 @@ fn the_hold_checker_finds_overlaps_and_tokens_that_go_back() {
     assert!(check_holds(&back).unwrap_err().contains("after token"));
 }
 
+/// Checks that a guard holds exactly the leases asked for: `asked` as given
+/// to `fenced_lock_all`, `held` as the guard's `fencing_tokens()` named them
+/// (physical keys, with `prefix`). Nothing missing, nothing extra, nothing
+/// twice; the order does not matter.
+fn check_whole(prefix: &str, asked: &[&str], held: &[&str]) -> Result<(), String> {
+    let mut want: Vec<String> = asked.iter().map(|k| format!("{prefix}{k}")).collect();
+    let mut got: Vec<String> = held.iter().map(|k| (*k).to_owned()).collect();
+    want.sort();
+    got.sort();
+    if want != got {
+        return Err(format!(
+            "a partial guard: asked for {want:?}, the guard holds {got:?}"
+        ));
+    }
+    Ok(())
+}
+
+#[test]
+fn the_whole_set_checker_finds_partial_guards() {
+    let asked = ["{k1}:lease", "{k4}:lease", "{k7}:lease"];
+    // In another order than asked: whole.
+    assert!(
+        check_whole(
+            "p:",
+            &asked,
+            &["p:{k7}:lease", "p:{k1}:lease", "p:{k4}:lease"]
+        )
+        .is_ok()
+    );
+    // A member missing: the partial guard the set must never return.
+    let missing = check_whole("p:", &asked, &["p:{k1}:lease", "p:{k7}:lease"]);
+    assert!(missing.unwrap_err().contains("partial"));
+    // A key not asked for, a key twice, a key without its prefix.
+    for held in [
+        &[
+            "p:{k1}:lease",
+            "p:{k4}:lease",
+            "p:{k7}:lease",
+            "p:{k2}:lease",
+        ][..],
+        &["p:{k1}:lease", "p:{k4}:lease", "p:{k4}:lease"][..],
+        &["p:{k1}:lease", "p:{k4}:lease", "{k7}:lease"][..],
+    ] {
+        assert!(check_whole("p:", &asked, held).is_err(), "{held:?}");
+    }
+}
+
 const THREADS_PER_PROCESS: usize = 4;
 const KEYS: usize = 10;
 /// Longer than any wait: a set left waiting on a lease another waiter holds
@@ -722,8 +1070,9 @@ const WAIT: Duration = Duration::from_secs(10);
 
 /// A child: four threads, each taking random subsets of the ten keys in
 /// random orders until the end, printing `@@hold <lost> <from> <to>
-/// <key>=<token>…` for every grant and `@@done <grants> <not granted>
-/// <longest wait in µs>` at the end.
+/// <asked,…> <key>=<token>…` for every grant (the lease keys asked for, as
+/// given, then each lease the guard holds with its token) and `@@done
+/// <grants> <not granted> <longest wait in µs>` at the end.
 fn run_child(coord: &Coordinator, seconds: u64) {
     let end = Instant::now() + Duration::from_secs(seconds);
     let out = std::sync::Mutex::new(std::io::stdout());
@@ -761,9 +1110,12 @@ fn run_child(coord: &Coordinator, seconds: u64) {
                                 .iter()
                                 .map(|(k, t)| format!("{k}={t}"))
                                 .collect();
+                            let asked: Vec<&str> =
+                                pairs.iter().map(|(lease, _)| lease.as_str()).collect();
                             writeln!(
                                 out.lock().unwrap(),
-                                "@@hold {lost} {from} {to} {}",
+                                "@@hold {lost} {from} {to} {} {}",
+                                asked.join(","),
                                 tokens.join(" ")
                             )
                             .unwrap();
@@ -825,13 +1177,25 @@ fn eight_threads_in_two_processes(test: &str, url: &str, cluster: bool, prefix: 
     let deadline = Instant::now() + Duration::from_secs(seconds + 40);
     let mut holds: BTreeMap<String, Vec<Hold>> = BTreeMap::new();
     let (mut done, mut lost, mut errors) = (Vec::new(), 0, Vec::new());
+    let (mut guards, mut partial) = (0u64, Vec::new());
     loop {
         match lines_rx.recv_deadline(deadline) {
             Ok((pid, line)) => {
                 let Some(at) = line.find("@@") else { continue };
                 let words: Vec<&str> = line[at + 2..].split_whitespace().collect();
                 match words.as_slice() {
-                    ["hold", was_lost, from, to, members @ ..] => {
+                    ["hold", was_lost, from, to, asked, members @ ..] => {
+                        // Every guard returned, lost or not, holds the whole
+                        // set asked for.
+                        guards += 1;
+                        let asked: Vec<&str> = asked.split(',').collect();
+                        let held: Vec<&str> = members
+                            .iter()
+                            .map(|m| m.rsplit_once('=').map_or(*m, |(k, _)| k))
+                            .collect();
+                        if let Err(e) = check_whole(prefix, &asked, &held) {
+                            partial.push(format!("pid {pid}: {e}"));
+                        }
                         if *was_lost == "true" {
                             lost += 1;
                             continue;
@@ -870,13 +1234,21 @@ fn eight_threads_in_two_processes(test: &str, url: &str, cluster: bool, prefix: 
         assert!(c.wait().unwrap().success());
     }
     check_holds(&holds).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        partial.is_empty(),
+        "{} of {guards} guards were partial, the first: {:?}",
+        partial.len(),
+        &partial[..partial.len().min(3)]
+    );
     let grants: u64 = done.iter().map(|d| d.1).sum();
+    // Every grant was recorded, and checked whole.
+    assert_eq!(guards, grants, "grants counted and grants recorded differ");
     let missed: u64 = done.iter().map(|d| d.2).sum();
     let longest = done.iter().map(|d| d.3).max().unwrap_or(0);
     let per_key: Vec<usize> = holds.values().map(Vec::len).collect();
     println!(
-        "{grants} sets granted, {missed} waits ran out or failed, {lost} found lost, longest \
-         wait {} ms; holds per key {per_key:?}",
+        "{grants} sets granted, each holding exactly the keys asked for; {missed} waits ran out \
+         or failed, {lost} found lost, longest wait {} ms; holds per key {per_key:?}",
         longest / 1000
     );
     assert!(
