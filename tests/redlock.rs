@@ -732,16 +732,21 @@ fn fan_out_is_parallel_behind_2ms_delays() {
     assert!(ratio <= 1.5, "5-node acquire {ours:?} vs one node {one:?}");
 }
 
+/// Three nodes, the third `one_way` away once every worker is connected (a
+/// node timeout of 1 s); the group and the key `job` under its prefix.
+fn with_a_slow_third_node(name: &str, one_way: Duration) -> (Nodes, RedlockGroup, String) {
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix(name);
+    let group = nodes.group(&prefix, options(1000));
+    drop(group.try_acquire("warm", Duration::from_secs(10)).unwrap());
+    nodes.proxies[2].set_mode(Mode::Delay(one_way));
+    (nodes, group, format!("{prefix}job"))
+}
+
 #[test]
 fn a_late_grant_from_a_slow_node_is_released_by_owner_token() {
     let _x = exclusive();
-    let nodes = Nodes::start(3);
-    let prefix = unique_prefix("late");
-    let group = nodes.group(&prefix, options(1000));
-    let key = format!("{prefix}job");
-    // Every worker connected before the node slows down.
-    drop(group.try_acquire("warm", Duration::from_secs(10)).unwrap());
-    nodes.proxies[2].set_mode(Mode::Delay(Duration::from_millis(150)));
+    let (nodes, group, key) = with_a_slow_third_node("late", Duration::from_millis(150));
     let attempt = group.attempt("job", Duration::from_secs(10)).unwrap();
     eprintln!(
         "one node 300 ms slow: acquired in {:?}: {:?}",
@@ -765,43 +770,40 @@ fn a_late_grant_from_a_slow_node_is_released_by_owner_token() {
 #[test]
 fn an_extension_on_every_node_says_what_the_slow_one_holds() {
     let _x = exclusive();
-    let nodes = Nodes::start(3);
-    let prefix = unique_prefix("hear-all");
-    let group = nodes.group(&prefix, options(1000));
-    let key = format!("{prefix}job");
-    drop(group.try_acquire("warm", Duration::from_secs(10)).unwrap());
-    nodes.proxies[2].set_mode(Mode::Delay(Duration::from_millis(100)));
+    let (nodes, group, key) = with_a_slow_third_node("hear-all", Duration::from_millis(100));
     let guard = group
         .try_acquire("job", Duration::from_secs(10))
         .unwrap()
         .expect("a free key");
+    let heard = || -> Vec<NodeOutcome> {
+        let ttl = Duration::from_secs(10);
+        assert!(
+            guard.extend_on_every_node(ttl).unwrap(),
+            "a quorum holds it"
+        );
+        guard
+            .last_evidence()
+            .into_iter()
+            .map(|n| n.outcome)
+            .collect()
+    };
     // The slow node's late grant is confirmed like the others'.
-    assert!(guard.extend_on_every_node(Duration::from_secs(10)).unwrap());
-    let heard: Vec<NodeOutcome> = guard
-        .last_evidence()
-        .into_iter()
-        .map(|n| n.outcome)
-        .collect();
+    let outcomes = heard();
     assert!(
-        heard.iter().all(|o| *o == NodeOutcome::Granted),
-        "{heard:?}"
+        outcomes.iter().all(|o| *o == NodeOutcome::Granted),
+        "{outcomes:?}"
     );
     // Another owner's value there now: the quorum still holds the lock, and
     // the slow node's answer says it does not.
     let () = nodes.servers[2].client().set(&key, "another").unwrap();
-    assert!(guard.extend_on_every_node(Duration::from_secs(10)).unwrap());
-    let heard: Vec<NodeOutcome> = guard
-        .last_evidence()
-        .into_iter()
-        .map(|n| n.outcome)
-        .collect();
-    assert_eq!(heard[..2], [NodeOutcome::Granted, NodeOutcome::Granted]);
+    let outcomes = heard();
+    assert_eq!(outcomes[..2], [NodeOutcome::Granted, NodeOutcome::Granted]);
     assert!(
         matches!(
-            heard[2],
+            outcomes[2],
             NodeOutcome::HeldByAnother { .. } | NodeOutcome::Missing
         ),
-        "{heard:?}"
+        "{outcomes:?}"
     );
     assert_eq!(nodes.get(2, &key).as_deref(), Some("another"));
 }
