@@ -121,6 +121,17 @@ pub(crate) fn script_calls(conn: &mut redis::Connection) -> u64 {
     calls(conn, &["evalsha", "eval", "set"])
 }
 
+/// Cancels `token` when dropped: a test whose waiting thread runs inside
+/// `thread::scope` holds one, so that a failed check (a panic) still ends the
+/// wait, and the scope reports the failure instead of joining forever.
+pub(crate) struct CancelOnDrop<'a>(pub(crate) &'a respire_coordination::CancelToken);
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
 /// Polls `cond` every few milliseconds until it returns `true`.
 ///
 /// # Panics
