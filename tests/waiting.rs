@@ -974,6 +974,7 @@ fn a_killed_server_ends_a_bounded_wait_with_its_error_and_an_unbounded_wait_ride
     let () = admin.set_ex("killed:{f}:lease", "holder", 600).unwrap();
     let cancel = CancelToken::new();
     thread::scope(|s| {
+        let _stop = support::CancelOnDrop(&cancel);
         let bounded = s.spawn(|| {
             let r = lock.acquire_timeout(LONG_TTL, Duration::from_secs(3));
             (r.map(|g| g.is_some()), Instant::now())
