@@ -989,10 +989,16 @@ fn a_lock_is_lost_as_soon_as_a_node_it_needs_goes_away_without_its_data() {
         .unwrap()
         .expect("nodes 0 and 1");
     let _: () = nodes.servers[2].client().del(&key).unwrap();
-    // Both groups' watchers: the first holder's must be connected to hear
-    // the node go away.
+    // Both groups' watchers, subscribed (a watcher subscribes once it has
+    // read the node's run id, and only from then on reports it gone): the
+    // first holder's must be watching to hear the node go away.
     wait_until(Duration::from_secs(5), "node 0 to be watched", || {
-        clients_named(&nodes, 0, "respire-redlock-watch") == 2
+        let (_, subscribed): (String, u64) = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg("respire-redlock-watch")
+            .query(&mut nodes.servers[0].client())
+            .unwrap();
+        subscribed == 2
     });
     assert!(!first.is_lost());
     // Node 0 goes away without persistence: when it comes back it will have
