@@ -228,13 +228,11 @@ fn d_a_wait_that_ends_after_an_unanswered_attempt_cleans_up_its_grant() {
     // too, and the waiter then never sends the grant (its new connections'
     // set-up is never answered). Such a trial still must leave nothing, and
     // counts as not run.
-    for trial in 1..=8 {
-        if unanswered_grant_trial() {
-            return;
-        }
-        eprintln!("trial {trial}: the waiter's tracked attempt went unanswered; again");
-    }
-    panic!("in 8 trials the waiter never made the grant nobody hears of");
+    support::until_a_trial_runs(
+        8,
+        "the waiter's tracked attempt went unanswered, so it made no grant",
+        unanswered_grant_trial,
+    );
 }
 
 /// One trial: a waiter whose grant is never heard of, cancelled; the grant
@@ -257,17 +255,10 @@ fn unanswered_grant_trial() -> bool {
             script_calls(&mut admin) >= 2
         });
         proxy.set_mode(Mode::DropServerToClient);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let granted = loop {
+        let granted = support::true_within(Duration::from_secs(5), || {
             let v: Option<String> = admin.get("d:{d}:lease").unwrap();
-            if v.is_some_and(|v| v != "crashed-holder") {
-                break true;
-            }
-            if Instant::now() >= deadline {
-                break false;
-            }
-            thread::sleep(ms(5));
-        };
+            v.is_some_and(|v| v != "crashed-holder")
+        });
         // The wait ends with another error: cancellation.
         cancel.cancel();
         let err = waiter.join().unwrap().unwrap_err();

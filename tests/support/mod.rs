@@ -139,17 +139,39 @@ impl Drop for CancelOnDrop<'_> {
 /// Panics with a message naming `what` if `cond` is still `false` after
 /// `deadline`.
 #[track_caller]
-pub(crate) fn wait_until(deadline: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+pub(crate) fn wait_until(deadline: Duration, what: &str, cond: impl FnMut() -> bool) {
+    if !true_within(deadline, cond) {
+        panic!("timed out after {deadline:?} waiting for {what}");
+    }
+}
+
+/// Polls `cond` every few milliseconds until it returns `true` (then
+/// `true`) or `deadline` has passed (then `false`).
+pub(crate) fn true_within(deadline: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let start = Instant::now();
     loop {
         if cond() {
-            return;
+            return true;
         }
         if start.elapsed() >= deadline {
-            panic!("timed out after {deadline:?} waiting for {what}");
+            return false;
         }
         thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// Runs `trial` until one returns `true` (it ran: what it needs came about),
+/// at most `trials` times; a trial returning `false` did not run, for the
+/// reason `not_run` gives, and must have checked what it could. Panics if
+/// none ran.
+pub(crate) fn until_a_trial_runs(trials: u32, not_run: &str, mut trial: impl FnMut() -> bool) {
+    for i in 1..=trials {
+        if trial() {
+            return;
+        }
+        eprintln!("trial {i} not run: {not_run}; again");
+    }
+    panic!("none of {trials} trials ran: {not_run}");
 }
 
 /// A replica of `primary` whose replication link runs through a
