@@ -749,9 +749,12 @@ fn a_primary_restarted_from_an_old_sync_file_and_promoted_is_refused_as_a_lost_h
     let deployment = TestSentinel::builder()
         .down_after(Duration::from_secs(60))
         .start();
+    // Two seconds: a replica that has just synchronised acknowledges within
+    // its once-a-second REPLCONF ACK, and this test is about history, not
+    // about how fast a WAIT is answered.
     let require = Replication::Require {
         replicas: 1,
-        timeout: Duration::from_millis(500),
+        timeout: Duration::from_secs(2),
     };
     let a = builder(&deployment).replication(require).build().unwrap();
     let b = builder(&deployment).replication(require).build().unwrap();
