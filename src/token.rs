@@ -39,12 +39,12 @@ impl OwnerToken {
     pub(crate) fn new() -> Self {
         let bytes = os_random_16();
         const DIGITS: &[u8; 16] = b"0123456789abcdef";
-        let mut hex = String::with_capacity(32);
-        for b in bytes {
-            hex.push(char::from(DIGITS[usize::from(b >> 4)]));
-            hex.push(char::from(DIGITS[usize::from(b & 0xf)]));
+        let mut hex = vec![0u8; 32];
+        for (pair, b) in hex.chunks_exact_mut(2).zip(bytes) {
+            pair[0] = DIGITS[usize::from(b >> 4)];
+            pair[1] = DIGITS[usize::from(b & 0xf)];
         }
-        OwnerToken(hex)
+        OwnerToken(String::from_utf8(hex).expect("hex digits are ASCII"))
     }
 
     pub(crate) fn as_str(&self) -> &str {

@@ -272,7 +272,12 @@ impl Conn {
     /// Sets the socket timeouts to the time left until `deadline`, in whole
     /// milliseconds rounded down, touching the socket only when that changes.
     fn set_deadline(&mut self, deadline: Instant) -> Result<Duration> {
-        let left = left(deadline);
+        self.set_left(left(deadline))
+    }
+
+    /// Sets the socket timeouts to `left`, in whole milliseconds rounded down
+    /// (at least 1), touching the socket only when that changes.
+    fn set_left(&mut self, left: Duration) -> Result<Duration> {
         let ms = (left.as_millis() as u64).max(1);
         if self.timeout_ms != ms {
             let timeout = Some(Duration::from_millis(ms));
@@ -383,11 +388,14 @@ impl Conn {
         }
         let mut values = Vec::with_capacity(count);
         while values.len() < count {
-            if Instant::now() >= deadline {
+            // One clock read per reply: no time left ends the call, and what
+            // is left bounds the read.
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
                 self.broken = true;
                 return Err(Error::Timeout { op, after: timeout });
             }
-            self.set_deadline(deadline)?;
+            self.set_left(left)?;
             match self.inner.recv_response() {
                 // Out-of-band data (RESP3) is not a reply.
                 Ok(redis::Value::Push { .. }) => {}

@@ -19,7 +19,10 @@ pub(crate) struct Pool {
 }
 
 struct PoolState {
-    idle: Vec<Conn>,
+    /// Boxed, so that lending and returning one moves a pointer rather than
+    /// the whole connection struct on every lend and return.
+    #[allow(clippy::vec_box, reason = "a lent connection moves as a pointer")]
+    idle: Vec<Box<Conn>>,
     open: usize,
     /// The server is no longer the deployment's primary: nothing is handed out
     /// or kept any more.
@@ -45,7 +48,7 @@ impl Pool {
         conn.fresh = false;
         let mut state = self.state.lock();
         state.open += 1;
-        state.idle.push(conn);
+        state.idle.push(Box::new(conn));
     }
 
     /// Takes an idle connection, or opens one while under the limit, or waits
@@ -54,7 +57,9 @@ impl Pool {
     /// extends its command deadline by [`Pooled::connect_time`]); with
     /// [`Connect::Within`] whatever is left until `deadline`.
     pub(crate) fn get(&self, deadline: Instant, connect: Connect) -> Result<Pooled<'_>> {
-        let started = Instant::now();
+        // Read only when the call has to wait: the common case takes an idle
+        // connection and needs no clock.
+        let mut started = None;
         let mut state = self.state.lock();
         loop {
             if state.closed {
@@ -81,7 +86,7 @@ impl Pool {
                 return match self.cfg.connect(budget, "respire") {
                     Ok(conn) => Ok(Pooled {
                         pool: self,
-                        conn: Some(conn),
+                        conn: Some(Box::new(conn)),
                         connect_time: opened.elapsed(),
                     }),
                     Err(e) => {
@@ -91,6 +96,7 @@ impl Pool {
                     }
                 };
             }
+            let started = *started.get_or_insert_with(Instant::now);
             if self.freed.wait_until(&mut state, deadline).timed_out() {
                 return Err(Error::PoolTimeout(started.elapsed()));
             }
@@ -109,7 +115,7 @@ impl Pool {
         self.freed.notify_all();
     }
 
-    fn put(&self, mut conn: Conn) {
+    fn put(&self, mut conn: Box<Conn>) {
         conn.fresh = false;
         let mut state = self.state.lock();
         if state.closed {
@@ -146,7 +152,7 @@ pub(crate) enum Connect {
 /// A connection borrowed from the pool; returned on drop unless broken.
 pub(crate) struct Pooled<'a> {
     pool: &'a Pool,
-    conn: Option<Conn>,
+    conn: Option<Box<Conn>>,
     connect_time: Duration,
 }
 

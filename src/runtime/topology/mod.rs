@@ -588,8 +588,9 @@ impl std::fmt::Debug for Topology {
     }
 }
 
-/// One try of `f` on a pooled connection to `node`: its result and what the
-/// server knows of the connection, or the pool's error (nothing sent).
+/// One try of `f` on a pooled connection to `node`: its result and, when it
+/// got no reply, what the server knows of the connection; or the pool's error
+/// (nothing sent).
 fn try_on<T>(
     node: &Node,
     deadline: &mut Instant,
@@ -604,6 +605,12 @@ fn try_on<T>(
     if asking {
         conn.ask_next();
     }
-    let id = conn.identity().cloned();
-    Ok((f(node, &mut conn, *deadline), id))
+    let result = f(node, &mut conn, *deadline);
+    // Only a call that got no reply needs to say where it went.
+    let id = if result.as_ref().is_err_and(Error::is_uncertain) {
+        conn.identity().cloned()
+    } else {
+        None
+    };
+    Ok((result, id))
 }
