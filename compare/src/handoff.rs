@@ -323,6 +323,9 @@ struct Tally {
     handoffs: Vec<f64>,
     /// Release sent → next holder, microseconds.
     from_sent: Vec<f64>,
+    /// Release sent → release returned, for the same hand-offs: how long the
+    /// releaser's own call took (microseconds).
+    release_calls: Vec<f64>,
     grants: usize,
     successions: usize,
     reacquired: usize,
@@ -352,6 +355,8 @@ impl Tally {
                     .push(signed_micros(prev.released, next.acquired));
                 self.from_sent
                     .push(signed_micros(prev.release_sent, next.acquired));
+                self.release_calls
+                    .push(signed_micros(prev.release_sent, prev.released));
             } else {
                 self.late_callers += 1;
             }
@@ -372,6 +377,7 @@ impl Tally {
         }
         latency(&mut figures, "", self.handoffs);
         latency(&mut figures, "sent_", self.from_sent);
+        latency(&mut figures, "release_", self.release_calls);
         figures
     }
 }

@@ -257,8 +257,9 @@ fn handoff_case(out: &mut String, results: &Results, case: Section) {
     out.push_str(
         "\n| implementation | p50 × baseline | p99 × baseline | p50 µs | p99 µs \
          | from release sent: p50 × baseline | p99 × baseline | p50 µs | p99 µs \
-         | hand-offs measured per round | releaser re-acquired | grants per round |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
+         | release call p50 µs | hand-offs measured per round | releaser re-acquired \
+         | grants per round |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let mut overlaps = 0.0;
     for imp in case.impls() {
@@ -270,7 +271,7 @@ fn handoff_case(out: &mut String, results: &Results, case: Section) {
             .sum::<f64>();
         let _ = writeln!(
             out,
-            "| `{}` | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| `{}` | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             imp.name,
             r("p50"),
             r("p99"),
@@ -280,6 +281,7 @@ fn handoff_case(out: &mut String, results: &Results, case: Section) {
             r("sent_p99"),
             num(m("sent_p50")),
             num(m("sent_p99")),
+            num(m("release_p50")),
             num(m("n")),
             percent(m("reacquired")),
             num(m("grants")),
@@ -289,7 +291,10 @@ fn handoff_case(out: &mut String, results: &Results, case: Section) {
         out,
         "\nA negative time means the next holder's acquire returned before the releaser's \
          release call did (the releaser's thread had not run yet); no ratio is shown where \
-         either figure is not positive. Where the releaser re-acquired nearly every grant, \
+         either figure is not positive. The release call's own time (from sending the \
+         release to the call returning, over the same hand-offs) says how much of the time \
+         from release sent the figure from release confirmed leaves out: a releaser whose \
+         call returns later makes that figure smaller without the waiter being any faster. Where the releaser re-acquired nearly every grant, \
          the few hand-offs are those where a waiter's retry happened to come just after a \
          release: their times say nothing of how long the waiters waited (until the turn \
          ended, mostly). Grants acquired before the previous holder had sent its release \
