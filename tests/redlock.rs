@@ -1024,6 +1024,68 @@ fn a_lock_is_lost_as_soon_as_a_node_it_needs_goes_away_without_its_data() {
     assert!(first.extend(ttl).is_ok_and(|held| !held));
 }
 
+/// `INFO` field `name` of `section` on `conn`, as a number.
+fn info_number(conn: &mut redis::Connection, section: &str, name: &str) -> u64 {
+    let info: String = redis::cmd("INFO").arg(section).query(conn).unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}:")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in INFO {section}"))
+}
+
+#[test]
+fn a_node_whose_watcher_never_reached_it_stops_counting_when_another_goes_away() {
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("unwatched");
+    let key = format!("{prefix}job");
+    let ttl = Duration::from_secs(30);
+    // Node 2 takes one client more than this one: the group's worker, which
+    // connects before the watchers start. Its watcher is refused, so it can
+    // never see the server go away or come back without its data.
+    let mut admin = nodes.servers[2].client();
+    wait_until(
+        Duration::from_secs(5),
+        "node 2 to serve only this client",
+        || info_number(&mut admin, "clients", "connected_clients") == 1,
+    );
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxclients")
+        .arg(2)
+        .query(&mut admin)
+        .unwrap();
+    let group = nodes.group(&prefix, options(200));
+    wait_until(
+        Duration::from_secs(5),
+        "node 2 to refuse the watcher",
+        || info_number(&mut admin, "stats", "rejected_connections") >= 1,
+    );
+    let first = group
+        .try_acquire("job", ttl)
+        .unwrap()
+        .expect("all three nodes");
+    let held: Option<String> = admin.get(&key).unwrap();
+    assert!(held.is_some(), "node 2 granted the lock too");
+    wait_until(Duration::from_secs(5), "node 0 to be watched", || {
+        let (_, subscribed): (String, u64) = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg("respire-redlock-watch")
+            .query(&mut nodes.servers[0].client())
+            .unwrap();
+        subscribed == 1
+    });
+    assert!(!first.is_lost(), "nodes 0 and 1 are watched and up");
+    // Node 0 goes away. Nodes 1 and 2 hold the key, but node 2 may have
+    // restarted without it unseen: without a restart delay, only node 1 can
+    // be counted on, fewer than the quorum of 2.
+    nodes.servers[0].kill();
+    let killed = Instant::now();
+    wait_until(Duration::from_secs(5), "the holder to be told", || {
+        first.is_lost()
+    });
+    eprintln!("flagged lost {:?} after the kill", killed.elapsed());
+}
+
 #[test]
 fn keep_alive_extends_and_flags_loss_before_validity_ends() {
     let _x = exclusive();

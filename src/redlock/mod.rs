@@ -152,8 +152,10 @@ pub(crate) use worker::{acquire_reply, confirm_kill, try_budget};
 ///   whether the restarted node kept the key.
 /// - Each node has a watcher on an idle connection of its own. The moment
 ///   that connection fails (the server stopped, restarted or closed it, or,
-///   pinged after 5 s of silence, did not answer) or the watcher finds a new
-///   `run_id`, every live lock is judged again: a node
+///   pinged after 5 s of silence, did not answer), the watcher's first
+///   connection cannot be made (the server may have gone away before the
+///   watcher was there to see it) or the watcher finds a new `run_id`, every
+///   live lock is judged again: a node
 ///   that went away counts no more for a lock unless the restart delay keeps
 ///   it from granting anything before the lock's loss deadline, and a node
 ///   that restarted never counts again. A lock that fewer than a quorum of

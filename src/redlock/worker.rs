@@ -851,8 +851,9 @@ const WATCH_PING_EVERY: Duration = Duration::from_secs(5);
 /// What a node's watcher learns about its server.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum NodeEvent {
-    /// The server closed the watcher's connection, or it failed: the server
-    /// may have stopped, and may come back without its data.
+    /// The server closed the watcher's connection, or it failed, or the
+    /// watcher's first connection could not be made: the server may have
+    /// stopped, and may come back without its data.
     Down,
     /// The watcher is connected to the server running as `run_id`.
     Up { run_id: Arc<str> },
@@ -887,6 +888,12 @@ impl NodeWatcher {
 /// The watcher thread: connects, reports the run id, waits on the idle
 /// connection until it fails (reported as [`NodeEvent::Down`]), and connects
 /// again, pausing between failed tries; until the group is gone.
+///
+/// A first session that fails before the watcher ever reached the server is
+/// reported as [`NodeEvent::Down`] too: the group's workers reached the server
+/// before the watcher started, and it may have gone away (to come back
+/// without its data) before the watcher could see it go. Until a session
+/// reaches it, the node then counts as a node that went away.
 fn watch(
     index: usize,
     cfg: &ConnConfig,
@@ -895,12 +902,17 @@ fn watch(
 ) {
     let mut failures = 0u32;
     let mut up = false;
+    let mut reached = false;
     loop {
         let session = watch_session(index, cfg, on, stop, &mut up);
+        reached |= up;
         match session {
             Ok(()) => return,
             Err(e) => {
-                if up {
+                // A refused subscription is not news about the server: the
+                // watcher stops below and restarts go unnoticed by it.
+                let never_reached = !reached && failures == 0 && !matches!(e, Error::Permission(_));
+                if up || never_reached {
                     up = false;
                     failures = 0;
                     log::debug!("redlock node {}: watcher lost the server: {e}", cfg.addr);
