@@ -117,14 +117,14 @@ impl Section {
     }
 
     /// The sections a run of `cases` has on a machine with `cpus` CPUs: the
-    /// uncontended cases under both placements (one shows client-side
-    /// overhead at its largest, the other with cross-CPU round trips), the
-    /// others with the servers on their own CPU; everything on one CPU when
-    /// there is only one.
+    /// uncontended cases and the hand-off under both placements (one shows
+    /// client-side overhead at its largest, the other with cross-CPU round
+    /// trips), the others with the servers on their own CPU; everything on
+    /// one CPU when there is only one.
     pub(crate) fn all(cases: &[Case], cpus: usize) -> Vec<Section> {
         let mut sections = Vec::new();
         for &case in cases {
-            let both = matches!(case, Case::Single | Case::Redlock);
+            let both = matches!(case, Case::Single | Case::Redlock | Case::Handoff);
             if cpus < 2 {
                 sections.push(Section {
                     case,
@@ -552,7 +552,11 @@ mod tests {
         assert_eq!(Cpus::Two.lists(1), ("0".to_owned(), "0".to_owned()));
         assert_eq!(Cpus::One.lists(4), ("0".to_owned(), "0".to_owned()));
         let two = Section::all(&Case::ALL, 2);
-        assert_eq!(two.len(), 7);
+        assert_eq!(two.len(), 8);
+        assert!(two.contains(&Section {
+            case: Case::Handoff,
+            cpus: Cpus::One
+        }));
         assert!(two.contains(&Section {
             case: Case::Single,
             cpus: Cpus::One
