@@ -46,7 +46,8 @@ use crate::token::OwnerToken;
 /// makes, so a wait that finds the primitive free costs what `try_acquire`
 /// costs; a wait that starts while waiters of this process are queued on the
 /// primitive makes none, and joins the queue behind them, and one on a
-/// primitive whose last wait in this process had to wait makes it 1 ms late
+/// primitive that a wait in this process had to wait for within the last
+/// second makes it 1 ms late
 /// (see [`Fairness`](crate::Fairness) for who gets a lock next). Only when that attempt is not granted does the wait proper begin
 /// (at once, with the next attempt): waits are woken by invalidations of the
 /// keys whose change may free them (client tracking) and by a timer at the

@@ -33,8 +33,8 @@ pub enum Fairness {
     /// them (so a thread that has just released the lock does not take it
     /// back from the waiter its release woke); a single attempt
     /// (`try_acquire`) does not queue. Across processes each change starts a
-    /// race between every process's first waiter; a wait on a key whose last
-    /// wait in the process had to wait (within the last second) pauses 1 ms
+    /// race between every process's first waiter; a wait on a key that a wait
+    /// in the process had to wait for within the last second pauses 1 ms
     /// before its first attempt, which lets a waiter elsewhere, woken by a
     /// release this process may just have made, get there first most of the
     /// time (no guarantee: use `Fifo` for one). The default.
