@@ -993,12 +993,7 @@ fn a_lock_is_lost_as_soon_as_a_node_it_needs_goes_away_without_its_data() {
     // read the node's run id, and only from then on reports it gone): the
     // first holder's must be watching to hear the node go away.
     wait_until(Duration::from_secs(5), "node 0 to be watched", || {
-        let (_, subscribed): (String, u64) = redis::cmd("PUBSUB")
-            .arg("NUMSUB")
-            .arg("respire-redlock-watch")
-            .query(&mut nodes.servers[0].client())
-            .unwrap();
-        subscribed == 2
+        watchers_on(&nodes.servers[0]) == 2
     });
     assert!(!first.is_lost());
     // Node 0 goes away without persistence: when it comes back it will have
@@ -1024,13 +1019,15 @@ fn a_lock_is_lost_as_soon_as_a_node_it_needs_goes_away_without_its_data() {
     assert!(first.extend(ttl).is_ok_and(|held| !held));
 }
 
-/// `INFO` field `name` of `section` on `conn`, as a number.
-fn info_number(conn: &mut redis::Connection, section: &str, name: &str) -> u64 {
-    let info: String = redis::cmd("INFO").arg(section).query(conn).unwrap();
-    info.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name}:")))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in INFO {section}"))
+/// How many group watchers are subscribed on `server` (a watcher subscribes
+/// once it has read the node's run id, and only from then on reports it gone).
+fn watchers_on(server: &TestServer) -> u64 {
+    let (_, subscribed): (String, u64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg("respire-redlock-watch")
+        .query(&mut server.client())
+        .unwrap();
+    subscribed
 }
 
 #[test]
@@ -1039,41 +1036,27 @@ fn a_node_whose_watcher_never_reached_it_stops_counting_when_another_goes_away()
     let prefix = unique_prefix("unwatched");
     let key = format!("{prefix}job");
     let ttl = Duration::from_secs(30);
-    // Node 2 takes one client more than this one: the group's worker, which
-    // connects before the watchers start. Its watcher is refused, so it can
-    // never see the server go away or come back without its data.
-    let mut admin = nodes.servers[2].client();
-    wait_until(
-        Duration::from_secs(5),
-        "node 2 to serve only this client",
-        || info_number(&mut admin, "clients", "connected_clients") == 1,
-    );
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxclients")
-        .arg(2)
-        .query(&mut admin)
-        .unwrap();
+    // Node 2's proxy forwards two more connections: the coordinator's, made
+    // first, and the group's worker's, made before the watchers start. Its
+    // watcher's connection is held without an answer, so it can never see
+    // the server go away or come back without its data.
+    nodes.proxies[2].admit_only(2);
     let group = nodes.group(&prefix, options(200));
-    wait_until(
-        Duration::from_secs(5),
-        "node 2 to refuse the watcher",
-        || info_number(&mut admin, "stats", "rejected_connections") >= 1,
-    );
     let first = group
         .try_acquire("job", ttl)
         .unwrap()
         .expect("all three nodes");
-    let held: Option<String> = admin.get(&key).unwrap();
-    assert!(held.is_some(), "node 2 granted the lock too");
+    assert!(nodes.get(2, &key).is_some(), "node 2 granted the lock too");
     wait_until(Duration::from_secs(5), "node 0 to be watched", || {
-        let (_, subscribed): (String, u64) = redis::cmd("PUBSUB")
-            .arg("NUMSUB")
-            .arg("respire-redlock-watch")
-            .query(&mut nodes.servers[0].client())
-            .unwrap();
-        subscribed == 1
+        watchers_on(&nodes.servers[0]) == 1
     });
+    // The watcher's second try: its first connection ran out of time (the
+    // connect timeout, 2 s). The lock still stands on nodes 0 and 1.
+    wait_until(
+        Duration::from_secs(10),
+        "node 2's watcher to try again",
+        || nodes.proxies[2].turned_away() >= 2,
+    );
     assert!(!first.is_lost(), "nodes 0 and 1 are watched and up");
     // Node 0 goes away. Nodes 1 and 2 hold the key, but node 2 may have
     // restarted without it unseen: without a restart delay, only node 1 can

@@ -368,6 +368,27 @@ fn proxy_pass_forwards_both_ways() {
     );
 }
 
+#[test]
+fn proxy_admits_only_the_connections_it_was_told_to() {
+    let proxy = FaultProxy::start(shared_server().addr());
+    let reply = |s: &mut TcpStream| raw_ping(s, Duration::from_millis(300));
+    // Served (answered) before the limit is set.
+    let mut open = TcpStream::connect(proxy.addr()).unwrap();
+    assert_eq!(reply(&mut open).as_deref(), Some("+PONG\r\n"));
+    proxy.admit_only(1);
+    let mut admitted = TcpStream::connect(proxy.addr()).unwrap();
+    assert_eq!(reply(&mut admitted).as_deref(), Some("+PONG\r\n"));
+    let mut held = TcpStream::connect(proxy.addr()).unwrap();
+    assert_eq!(
+        reply(&mut held),
+        None,
+        "a connection past the limit is held"
+    );
+    assert_eq!(proxy.turned_away(), 1);
+    // Connections open before the limit are not affected.
+    assert_eq!(reply(&mut open).as_deref(), Some("+PONG\r\n"));
+}
+
 /// A proxy that has served many connections keeps no handle of their
 /// finished threads: an unjoined finished thread keeps its stack mapped, and
 /// thousands of them leave no mapping for a new thread.

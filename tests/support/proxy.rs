@@ -88,6 +88,12 @@ struct Shared {
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// Chunks read from clients, forwarded or not.
     client_chunks: std::sync::atomic::AtomicU64,
+    /// How many more new connections are forwarded (see
+    /// [`FaultProxy::admit_only`]); `None`: all of them.
+    admit: Mutex<Option<usize>>,
+    /// New connections held without being forwarded because none was left to
+    /// admit.
+    turned_away: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -155,6 +161,8 @@ impl FaultProxy {
             connections: Mutex::new(HashMap::new()),
             threads: Mutex::new(Vec::new()),
             client_chunks: std::sync::atomic::AtomicU64::new(0),
+            admit: Mutex::new(None),
+            turned_away: std::sync::atomic::AtomicU64::new(0),
         });
         let acceptor = thread::Builder::new()
             .name(format!("proxy-{}-accept", addr.port()))
@@ -217,6 +225,19 @@ impl FaultProxy {
                 let _ = stream.shutdown(Shutdown::Read);
             }
         }
+    }
+
+    /// From now on forwards only the next `n` new connections, whatever the
+    /// mode; later ones are accepted and held open without a byte forwarded
+    /// (as in [`Mode::Blackhole`]), so a client's connection set-up waits
+    /// out its own timeout. Connections already open are not affected.
+    pub(crate) fn admit_only(&self, n: usize) {
+        *lock(&self.shared.admit) = Some(n);
+    }
+
+    /// How many new connections were held because none was left to admit.
+    pub(crate) fn turned_away(&self) -> u64 {
+        self.shared.turned_away.load(Ordering::SeqCst)
     }
 
     /// How many proxied connections are open.
@@ -293,6 +314,13 @@ fn accept_loop(listener: &TcpListener, upstream: SocketAddr, shared: &Arc<Shared
 /// Connects to `upstream` and starts the connection's threads.
 fn serve(client: TcpStream, id: u64, upstream: SocketAddr, shared: &Arc<Shared>) -> io::Result<()> {
     client.set_nodelay(true)?;
+    if let Some(left) = lock(&shared.admit).as_mut() {
+        if *left == 0 {
+            shared.turned_away.fetch_add(1, Ordering::SeqCst);
+            return hold(client, id, shared);
+        }
+        *left -= 1;
+    }
     let server = match TcpStream::connect_timeout(&upstream, UPSTREAM_CONNECT_TIMEOUT) {
         Ok(server) => server,
         Err(_) if shared.mode() == Mode::Blackhole => return hold(client, id, shared),
