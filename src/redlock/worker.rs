@@ -902,17 +902,17 @@ fn watch(
 ) {
     let mut failures = 0u32;
     let mut up = false;
-    let mut reached = false;
     loop {
         let session = watch_session(index, cfg, on, stop, &mut up);
-        reached |= up;
         match session {
             Ok(()) => return,
             Err(e) => {
-                // A refused subscription is not news about the server: the
-                // watcher stops below and restarts go unnoticed by it.
-                let never_reached = !reached && failures == 0 && !matches!(e, Error::Permission(_));
-                if up || never_reached {
+                // `failures` is 0 only at the first session's end (every
+                // failure counts one below): news even when that session
+                // never reached the server. A refused subscription is not
+                // news about the server: the watcher stops below.
+                let first = failures == 0 && !matches!(e, Error::Permission(_));
+                if up || first {
                     up = false;
                     failures = 0;
                     log::debug!("redlock node {}: watcher lost the server: {e}", cfg.addr);
