@@ -111,9 +111,9 @@
 //! 8 contenders on one CPU, against 0 % when the key is kept). A key that
 //! stopped being contended costs a pause per wait for up to a second; the
 //! uncontended path costs a lookup.
-//! With 8 contenders, a coordinator each, the releaser took back 2 % of grants
-//! with the pause (`lock` in BENCHMARKS.md) and 32 % without it (an earlier
-//! run on a busier machine, at the same grant rate). [`Order::Server`] (a
+//! With 8 contenders, a coordinator each, the releaser took back 0 % of grants
+//! with the pause, in both placements of BENCHMARKS.md (`lock`), and 32 %
+//! without it (an earlier run on a busier machine, at the same grant rate). [`Order::Server`] (a
 //! `Lock` with `Fairness::Fifo`) puts the queue on the server instead: the
 //! lock is granted to the head of a sorted set of waiters in arrival order,
 //! each entry expiring unless its waiter refreshes it, so every waiter of a
