@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::keys::{MAX_TTL, hash_tag};
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key_in};
-use crate::lease::kind::{Acquire, Granted, Plain};
+use crate::lease::kind::{Acquire, Granted, Plain, WaitKeys};
 use crate::lease::{busy, string_clean_up};
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::{Attempt, Order};
@@ -168,10 +168,10 @@ impl Acquire<()> for FifoSpec {
         &self.keys
     }
 
-    fn wait_keys(&self) -> Vec<&str> {
+    fn wait_keys(&self) -> WaitKeys<'_> {
         // A change of the order (the head left) may make this waiter the
         // head of a free lock.
-        vec![&self.keys[0], &self.keys[1]]
+        WaitKeys::two(&self.keys[0], &self.keys[1])
     }
 
     fn attempt(

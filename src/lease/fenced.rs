@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key, bad_key_in};
 use crate::lease::guard::LeaseGuard;
-use crate::lease::kind::{Acquire, Fenced, Granted};
+use crate::lease::kind::{Acquire, Fenced, Granted, WaitKeys};
 use crate::lease::{busy, parse_token, string_clean_up};
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
@@ -82,8 +82,8 @@ impl Acquire<FencingToken> for FencedSpec {
         &self.keys
     }
 
-    fn wait_keys(&self) -> Vec<&str> {
-        vec![&self.keys[0]]
+    fn wait_keys(&self) -> WaitKeys<'_> {
+        WaitKeys::one(&self.keys[0])
     }
 
     fn attempt(

@@ -137,11 +137,42 @@ pub(crate) struct Granted<G> {
 }
 
 /// One primitive's acquire logic and keys, behind a [`Lease<K>`](crate::Lease).
+/// The keys a wait watches: one or two, kept without an allocation (every
+/// waiting acquire names them, held or not).
+pub(crate) struct WaitKeys<'a> {
+    keys: [&'a str; 2],
+    len: usize,
+}
+
+impl<'a> WaitKeys<'a> {
+    pub(crate) fn one(key: &'a str) -> Self {
+        WaitKeys {
+            keys: [key, ""],
+            len: 1,
+        }
+    }
+
+    pub(crate) fn two(first: &'a str, second: &'a str) -> Self {
+        WaitKeys {
+            keys: [first, second],
+            len: 2,
+        }
+    }
+}
+
+impl<'a> std::ops::Deref for WaitKeys<'a> {
+    type Target = [&'a str];
+
+    fn deref(&self) -> &[&'a str] {
+        &self.keys[..self.len]
+    }
+}
+
 pub(crate) trait Acquire<G>: Send + Sync {
     /// The physical keys, in the primitive's order.
     fn keys(&self) -> &[String];
     /// Every key whose change may free it; the first holds the lease.
-    fn wait_keys(&self) -> Vec<&str>;
+    fn wait_keys(&self) -> WaitKeys<'_>;
     /// Runs the acquire script once for `owner`, finishing by `deadline`.
     /// `waiting` is true inside a wait (a writer then records its intent).
     /// `uncertain_since` is when the owner's first attempt that got no reply

@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::Deployment;
 use crate::lease::guard::LeaseGuard;
-use crate::lease::kind::{Acquire, Granted, Plain};
+use crate::lease::kind::{Acquire, Granted, Plain, WaitKeys};
 use crate::lease::{busy, string_clean_up};
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
@@ -88,8 +88,8 @@ impl Acquire<()> for PlainSpec {
         &self.keys
     }
 
-    fn wait_keys(&self) -> Vec<&str> {
-        vec![&self.keys[0]]
+    fn wait_keys(&self) -> WaitKeys<'_> {
+        WaitKeys::one(&self.keys[0])
     }
 
     fn attempt(

@@ -20,7 +20,7 @@ use crate::keys;
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::guard::LeaseGuard;
-use crate::lease::kind::{Acquire, Granted, Read, Write};
+use crate::lease::kind::{Acquire, Granted, Read, WaitKeys, Write};
 use crate::lease::{busy, parse_token};
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
@@ -329,10 +329,10 @@ impl Acquire<FencingToken> for ReadSpec {
         &self.keys
     }
 
-    fn wait_keys(&self) -> Vec<&str> {
+    fn wait_keys(&self) -> WaitKeys<'_> {
         match self.preference {
-            Preference::Writer => vec![&self.keys[0], &self.keys[2]],
-            Preference::Reader => vec![&self.keys[0]],
+            Preference::Writer => WaitKeys::two(&self.keys[0], &self.keys[2]),
+            Preference::Reader => WaitKeys::one(&self.keys[0]),
         }
     }
 
@@ -410,8 +410,8 @@ impl Acquire<FencingToken> for WriteSpec {
         &self.keys
     }
 
-    fn wait_keys(&self) -> Vec<&str> {
-        vec![&self.keys[0], &self.keys[1]]
+    fn wait_keys(&self) -> WaitKeys<'_> {
+        WaitKeys::two(&self.keys[0], &self.keys[1])
     }
 
     fn attempt(

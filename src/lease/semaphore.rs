@@ -26,7 +26,7 @@ use crate::keys;
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::guard::LeaseGuard;
-use crate::lease::kind::{Acquire, Granted, Slot};
+use crate::lease::kind::{Acquire, Granted, Slot, WaitKeys};
 use crate::lease::{busy, parse_token};
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
@@ -386,9 +386,9 @@ impl Acquire<(u32, FencingToken)> for SemSpec {
         &self.keys
     }
 
-    fn wait_keys(&self) -> Vec<&str> {
+    fn wait_keys(&self) -> WaitKeys<'_> {
         // A release changes both; a raised capacity, the hash.
-        vec![&self.keys[0], &self.keys[1]]
+        WaitKeys::two(&self.keys[0], &self.keys[1])
     }
 
     fn attempt(
