@@ -66,20 +66,21 @@ impl Group {
         let permanent = (this.len() - permanent.len() < this.quorum)
             .then(|| permanent.first().and_then(|e| e.duplicate_permanent()))
             .flatten();
-        let mut nodes = this.reports(replies, &targets, deadline, &NodeOutcome::Abandoned);
+        let heard = this.answers(replies, &targets, deadline, &NodeOutcome::Abandoned);
         let ttl = Duration::from_millis(ttl_ms);
         let validity = validity(ttl, elapsed, this.options.drift_factor);
         let verdict = tally.acquire();
         let granted = verdict == AcquireVerdict::Granted;
-        let guard = if acquired(&tally, validity) {
-            let evidence = match evidence {
-                Evidence::Both => nodes.clone(),
-                Evidence::Guard => std::mem::take(&mut nodes),
+        let (guard, nodes) = if acquired(&tally, validity) {
+            let nodes = match evidence {
+                Evidence::Both => this.named(&heard),
+                Evidence::Guard => Vec::new(),
             };
-            Some(RedlockGuard::new(this, key, lease, sent, ttl, evidence))
+            let guard = RedlockGuard::new(this, key, lease, sent, ttl, heard);
+            (Some(guard), nodes)
         } else {
             this.clean_up(&lease);
-            None
+            (None, this.named(&heard))
         };
         Ok(RedlockAttempt {
             guard,

@@ -6,16 +6,25 @@ use std::time::{Duration, Instant};
 
 use super::Group;
 use super::options::check_ttl;
-use super::worker::{Completion, Job, Reply};
+use super::worker::{Completion, Gather, Job, Reply, ReplyTo};
 use crate::core::quorum::Tally;
 use crate::core::redlock::{NodeLease, Op};
 use crate::error::Result;
 use crate::report::{NodeOutcome, NodeReport};
 
+/// One node's answer as evidence, without the node's address: evidence is
+/// kept for every operation and read seldom, so the address is added when it
+/// is read ([`Group::named`]).
+#[derive(Clone, Debug)]
+pub(super) struct Heard {
+    pub(super) outcome: NodeOutcome,
+    pub(super) latency: Option<Duration>,
+}
+
 /// Where a fan-out's answers go.
 pub(super) struct Route<'a> {
-    /// The channel for answers (`None`: nobody waits).
-    pub(super) reply: Option<&'a crossbeam_channel::Sender<Reply>>,
+    /// Where the answers go (`None`: nobody waits).
+    pub(super) reply: Option<&'a ReplyTo>,
     /// Echoed in each answer.
     pub(super) tag: u64,
     /// Counted down as each node's share finishes.
@@ -71,63 +80,70 @@ impl Group {
         decided: impl Fn(&Tally) -> bool,
     ) -> (Vec<Option<Reply>>, Tally) {
         let n = self.len();
-        // Room for every answer, so a late worker never blocks on it.
-        let (tx, rx) = crossbeam_channel::bounded(n);
+        let gather = Gather::new(targets.len());
+        let reply = ReplyTo::Gather(gather.clone());
         let route = Route {
-            reply: Some(&tx),
+            reply: Some(&reply),
             tag: 0,
             done,
         };
         self.send(op, lease, targets, deadline, &route);
-        drop(tx);
-        let mut replies: Vec<Option<Reply>> = vec![None; n];
+        drop(reply);
+        let mut replies: Vec<Option<Reply>> = std::iter::repeat_with(|| None).take(n).collect();
         let mut tally = Tally::new(n, targets.len());
         while tally.outstanding > 0 && !decided(&tally) {
-            match rx.recv_deadline(deadline) {
-                Ok(reply) => {
-                    tally.add(reply.vote, reply.outcome == NodeOutcome::Granted);
-                    let i = reply.node;
-                    replies[i] = Some(reply);
-                }
-                Err(_) => break,
-            }
+            let Some(reply) = gather.next(deadline) else {
+                break;
+            };
+            tally.add(reply.vote, reply.outcome == NodeOutcome::Granted);
+            let i = reply.node;
+            replies[i] = Some(reply);
         }
         (replies, tally)
     }
 
-    /// Every node's report; targets without an answer are `Abandoned` (or
-    /// `TimedOut` once the deadline passed), the others `skipped`.
-    pub(super) fn reports(
+    /// Every node's answer; targets without an answer are `Abandoned` (or
+    /// `TimedOut` once the deadline passed), the others `skipped`. Without
+    /// the nodes' addresses, which [`Group::named`] adds when they are read.
+    pub(super) fn answers(
         &self,
         replies: Vec<Option<Reply>>,
         targets: &[usize],
         deadline: Instant,
         skipped: &NodeOutcome,
-    ) -> Vec<NodeReport> {
+    ) -> Vec<Heard> {
         let past = Instant::now() >= deadline;
         replies
             .into_iter()
             .enumerate()
-            .map(|(i, reply)| {
-                let node = self.workers[i].addr.clone();
-                match reply {
-                    Some(r) => NodeReport {
-                        node,
-                        outcome: r.outcome,
-                        latency: r.latency,
+            .map(|(i, reply)| match reply {
+                Some(r) => Heard {
+                    outcome: r.outcome,
+                    latency: r.latency,
+                },
+                None => Heard {
+                    outcome: if !targets.contains(&i) {
+                        skipped.clone()
+                    } else if past {
+                        NodeOutcome::TimedOut
+                    } else {
+                        NodeOutcome::Abandoned
                     },
-                    None => NodeReport {
-                        node,
-                        outcome: if !targets.contains(&i) {
-                            skipped.clone()
-                        } else if past {
-                            NodeOutcome::TimedOut
-                        } else {
-                            NodeOutcome::Abandoned
-                        },
-                        latency: None,
-                    },
-                }
+                    latency: None,
+                },
+            })
+            .collect()
+    }
+
+    /// The answers as reports, each with its node's address.
+    pub(super) fn named(&self, heard: &[Heard]) -> Vec<NodeReport> {
+        heard
+            .iter()
+            .enumerate()
+            .map(|(i, h)| NodeReport {
+                node: self.workers[i].addr.clone(),
+                outcome: h.outcome.clone(),
+                latency: h.latency,
             })
             .collect()
     }

@@ -25,11 +25,12 @@ use std::marker::PhantomData;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::Receiver;
 use parking_lot::Mutex;
 
 use super::Group;
-use super::worker::{Completion, Reply};
+use super::fanout::Heard;
+use super::worker::{Completion, Reply, ReplyTo};
 use crate::core::lease::{Confirmed, LeaseCore, Loss, Refusal, Ticket};
 use crate::core::quorum::{ExtendVerdict, Tally};
 use crate::core::redlock::{Bounds, Extension, NodeLease, Op, Release, Renewable, Renewal};
@@ -47,7 +48,8 @@ use crate::token::FencingToken;
 pub(super) struct RedlockLease {
     group: Arc<Group>,
     cell: LeaseCell<Arc<NodeLease>>,
-    evidence: Mutex<Vec<NodeReport>>,
+    /// Named by the group when read.
+    evidence: Mutex<Vec<Heard>>,
 }
 
 impl RedlockLease {
@@ -114,7 +116,7 @@ impl RedlockGuard {
         nodes: Arc<NodeLease>,
         sent: Instant,
         ttl: Duration,
-        evidence: Vec<NodeReport>,
+        evidence: Vec<Heard>,
     ) -> RedlockGuard {
         let core = LeaseCore::granted(group.timing(), sent, ttl);
         let inner = Arc::new(RedlockLease {
@@ -169,7 +171,7 @@ impl RedlockGuard {
     /// Every node's answer to the last operation on this lock (the acquire,
     /// an extension, or a release).
     pub fn last_evidence(&self) -> Vec<NodeReport> {
-        self.inner.evidence.lock().clone()
+        self.inner.group.named(&self.inner.evidence.lock())
     }
 
     /// Sets the lock's expiry to `ttl` from now on every node that still holds
@@ -255,8 +257,9 @@ impl RedlockGuard {
             Some(&done),
             decided,
         );
-        let nodes = group.reports(replies, &targets, deadline, &NodeOutcome::Abandoned);
-        *self.inner.evidence.lock() = nodes.clone();
+        let heard = group.answers(replies, &targets, deadline, &NodeOutcome::Abandoned);
+        let nodes = group.named(&heard);
+        *self.inner.evidence.lock() = heard;
         let mut extension = Extension::counted(ticket, tally);
         let verdict =
             extension.settle(&self.inner.cell, self.inner.group.now(), || refusal(&nodes));
@@ -370,14 +373,15 @@ impl RedlockGuard {
                 .handle_answer(reply.node, reply.vote, &reply.outcome);
         }
         let skipped = NodeOutcome::NotSent("confirmed by an earlier release".into());
-        let nodes = group.reports(replies, &targets, deadline, &skipped);
+        let heard = group.answers(replies, &targets, deadline, &skipped);
         let result = match self.release.conclude() {
             Ok(held) => {
-                *self.inner.evidence.lock() = nodes;
+                *self.inner.evidence.lock() = heard;
                 Ok(held)
             }
             Err(confirmed) => {
-                *self.inner.evidence.lock() = nodes.clone();
+                let nodes = group.named(&heard);
+                *self.inner.evidence.lock() = heard;
                 Err(Error::QuorumNotReached {
                     op: "release",
                     confirmed,
@@ -550,7 +554,7 @@ impl GroupRenewal {
             let (tx, rx) = crossbeam_channel::unbounded();
             ToNodes {
                 group,
-                tx,
+                tx: ReplyTo::Channel(tx),
                 rx,
                 in_flight: HashMap::new(),
             }
@@ -599,7 +603,8 @@ struct InFlight {
 /// answers come back on `rx` and are counted as they arrive.
 struct ToNodes {
     group: Weak<Group>,
-    tx: Sender<Reply>,
+    /// The channel `rx` reads, as the jobs' reply route.
+    tx: ReplyTo,
     rx: Receiver<Reply>,
     in_flight: HashMap<u64, InFlight>,
 }
@@ -672,13 +677,14 @@ impl Dispatch for ToNodes {
         if f.renewal.is_due() {
             let group = &f.lease.group;
             let targets = group.all();
-            let nodes = group.reports(
+            let heard = group.answers(
                 f.replies.clone(),
                 &targets,
                 f.deadline,
                 &NodeOutcome::Abandoned,
             );
-            *f.lease.evidence.lock() = nodes.clone();
+            let nodes = group.named(&heard);
+            *f.lease.evidence.lock() = heard;
             let (verdict, retry) = f.renewal.settle(&f.lease.cell, now, || refusal(&nodes));
             if verdict == ExtendVerdict::Unknown {
                 log::warn!(

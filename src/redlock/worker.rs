@@ -76,6 +76,83 @@ pub(crate) struct Reply {
     pub(crate) permanent: Option<Arc<Error>>,
 }
 
+/// Where a job's answer goes.
+#[derive(Clone)]
+pub(crate) enum ReplyTo {
+    /// A channel that fan-outs share, told apart by their tags (the renewal
+    /// thread's).
+    Channel(Sender<Reply>),
+    /// One fan-out's answers, for the one thread that waits for them.
+    Gather(Arc<Gather>),
+}
+
+impl ReplyTo {
+    fn deliver(self, reply: Reply) {
+        match self {
+            ReplyTo::Channel(tx) => {
+                let _ = tx.try_send(reply);
+            }
+            ReplyTo::Gather(gather) => gather.add(reply),
+        }
+    }
+}
+
+/// How many times a thread waiting for a fan-out's answers lets others run
+/// before it sleeps: on a CPU shared with the node workers that is often all
+/// it takes for an answer to come, without a wake-up call (as
+/// `crossbeam-channel`'s receivers do before they block).
+const GATHER_YIELDS: u32 = 10;
+
+/// The answers of one fan-out, gathered for the thread that created it: a
+/// worker adds its answer and wakes that thread. Answers that come after the
+/// thread stopped waiting go with the last handle on it.
+///
+/// A fan-out allocates this and nothing else to hear its answers (a channel
+/// of its own cost several times as much on the calling thread).
+pub(crate) struct Gather {
+    replies: Mutex<std::collections::VecDeque<Reply>>,
+    waiter: std::thread::Thread,
+}
+
+impl Gather {
+    /// For the calling thread, the only one that may wait on it, and room
+    /// for `capacity` answers.
+    pub(crate) fn new(capacity: usize) -> Arc<Gather> {
+        Arc::new(Gather {
+            replies: Mutex::new(std::collections::VecDeque::with_capacity(capacity)),
+            waiter: std::thread::current(),
+        })
+    }
+
+    fn add(&self, reply: Reply) {
+        self.replies.lock().push_back(reply);
+        self.waiter.unpark();
+    }
+
+    /// The next answer, waiting for it until `deadline`; `None` when none
+    /// came by then. Only the thread that created it may call this: it parks
+    /// that thread (and takes a wake-up left by a late answer of an earlier
+    /// fan-out as one that may have come too early, checking again).
+    pub(crate) fn next(&self, deadline: Instant) -> Option<Reply> {
+        let mut yields = 0;
+        loop {
+            if let Some(reply) = self.replies.lock().pop_front() {
+                return Some(reply);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            if yields < GATHER_YIELDS {
+                yields += 1;
+                std::thread::yield_now();
+            } else {
+                std::thread::park_timeout(deadline - now);
+            }
+        }
+    }
+}
+
 /// One node's share of a group operation.
 pub(crate) struct Job {
     pub(crate) op: Op,
@@ -83,7 +160,7 @@ pub(crate) struct Job {
     /// Not sent after this (but a release is); the command's own timeout ends here.
     pub(crate) deadline: Instant,
     /// Where the reply goes; `None` for fire-and-forget clean-up.
-    pub(crate) reply: Option<Sender<Reply>>,
+    pub(crate) reply: Option<ReplyTo>,
     /// Echoed in the reply, to tell fan-outs sharing one channel apart.
     pub(crate) tag: u64,
     /// Counted down when the job is finished, whatever its outcome.
@@ -236,7 +313,7 @@ impl NodeWorker {
         if let Err(e) = self.tx.send(job) {
             let job = e.into_inner();
             if let Some(reply) = job.reply {
-                let _ = reply.try_send(Reply {
+                reply.deliver(Reply {
                     node: index,
                     tag: job.tag,
                     outcome: NodeOutcome::Failed("the node's worker thread stopped".into()),
@@ -313,7 +390,7 @@ struct Connector {
 
 /// How a job is answered: where its reply goes, and when it was taken up.
 struct Handle {
-    reply: Option<Sender<Reply>>,
+    reply: Option<ReplyTo>,
     tag: u64,
     done: Option<Arc<Completion>>,
     started: Instant,
@@ -449,7 +526,7 @@ impl Worker {
     /// Answers a job at `now`.
     fn respond(&self, mut handle: Handle, answer: Answer, now: Instant) {
         if let Some(reply) = handle.reply.take() {
-            let _ = reply.try_send(Reply {
+            reply.deliver(Reply {
                 node: self.index,
                 tag: handle.tag,
                 outcome: answer.outcome,
@@ -986,6 +1063,44 @@ mod tests {
         assert_eq!(try_budget(u32::MAX, ms(50), connect), connect);
         assert_eq!(try_budget(0, ms(5), connect), ms(100));
         assert_eq!(try_budget(0, ms(50), ms(150)), ms(150));
+    }
+
+    fn reply(node: usize) -> Reply {
+        Reply {
+            node,
+            tag: 0,
+            outcome: NodeOutcome::Granted,
+            vote: Vote::Yes,
+            latency: None,
+            permanent: None,
+        }
+    }
+
+    #[test]
+    fn a_gather_hands_over_answers_in_order_and_a_late_one_wakes_nobody_wrongly() {
+        let ms = Duration::from_millis;
+        let gather = Gather::new(2);
+        let to = ReplyTo::Gather(gather.clone());
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                to.clone().deliver(reply(1));
+                to.clone().deliver(reply(0));
+            });
+        });
+        let far = Instant::now() + Duration::from_secs(5);
+        assert_eq!(gather.next(far).map(|r| r.node), Some(1));
+        assert_eq!(gather.next(far).map(|r| r.node), Some(0));
+        assert!(gather.next(Instant::now()).is_none(), "nothing more came");
+        // A late answer to the first gather leaves a wake-up behind: the
+        // next gather of this thread takes it for what it is and waits on.
+        to.deliver(reply(2));
+        let next = Gather::new(1);
+        let asked = Instant::now();
+        assert!(next.next(asked + ms(30)).is_none());
+        assert!(
+            asked.elapsed() >= ms(30),
+            "woken early with nothing to read"
+        );
     }
 
     #[test]
