@@ -230,6 +230,12 @@ pub(crate) use worker::{acquire_reply, confirm_kill, try_budget};
 /// threads stop when the last clone of the group and the last guard are
 /// dropped, after finishing the releases already queued.
 ///
+/// A calling thread waits for the nodes' answers parked
+/// ([`std::thread::park_timeout`]), and a node that answers after the
+/// outcome was decided still unparks it: a later [`std::thread::park`] of
+/// that thread may return at once, a spurious wake-up that `park`'s own
+/// contract already asks every caller to expect.
+///
 /// # ACL rights
 ///
 /// On each node: `EVALSHA` and `EVAL` (the scripts, on the keys with the
