@@ -136,7 +136,6 @@ pub(crate) struct Granted<G> {
     pub(crate) sent: Instant,
 }
 
-/// One primitive's acquire logic and keys, behind a [`Lease<K>`](crate::Lease).
 /// The keys a wait watches: one or two, kept without an allocation (every
 /// waiting acquire names them, held or not).
 pub(crate) struct WaitKeys<'a> {
@@ -168,6 +167,7 @@ impl<'a> std::ops::Deref for WaitKeys<'a> {
     }
 }
 
+/// One primitive's acquire logic and keys, behind a [`Lease<K>`](crate::Lease).
 pub(crate) trait Acquire<G>: Send + Sync {
     /// The physical keys, in the primitive's order.
     fn keys(&self) -> &[String];
