@@ -960,19 +960,6 @@ fn restart_delay_keeps_a_node_that_lost_its_data_out() {
     assert!(second.is_some());
 }
 
-/// How many times node `i`'s server ran `command` (`INFO commandstats`).
-fn calls(nodes: &Nodes, i: usize, command: &str) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut nodes.servers[i].client())
-        .unwrap();
-    let prefix = format!("cmdstat_{command}:calls=");
-    info.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse().unwrap())
-}
-
 /// How many connections named `name` node `i`'s server lists.
 fn clients_named(nodes: &Nodes, i: usize, name: &str) -> usize {
     let list: String = redis::cmd("CLIENT")
@@ -1002,10 +989,11 @@ fn a_lock_is_lost_as_soon_as_a_node_it_needs_goes_away_without_its_data() {
         .unwrap()
         .expect("nodes 0 and 1");
     // The attempt returned at the quorum; node 2's `SET NX` may still be on
-    // its way, and would take the key once it is deleted. The `PTTL` that
-    // only a `SET NX` finding the key held is followed by tells it was refused.
+    // its way, and would take the key once it is deleted. Node 2's worker
+    // sends `PTTL` only after its `SET NX` found the key held: one call shows
+    // the lock was refused there.
     wait_until(Duration::from_secs(5), "node 2 to refuse the lock", || {
-        calls(&nodes, 2, "pttl") >= 1
+        nodes.servers[2].command_calls("pttl") >= 1
     });
     let _: () = nodes.servers[2].client().del(&key).unwrap();
     // Both groups' watchers, subscribed (a watcher subscribes once it has
