@@ -14,7 +14,7 @@ use respire_coordination::{
     CancelToken, Coordinator, Error, NodeOutcome, RedlockGroup, RedlockOptions,
 };
 use support::{
-    FaultProxy, Mode, TestServer, script_calls, shared_server, unique_prefix, wait_until,
+    ChildProc, FaultProxy, Mode, TestServer, script_calls, shared_server, unique_prefix, wait_until,
 };
 
 /// Fresh servers, each behind its own proxy.
@@ -2002,4 +2002,86 @@ fn a_node_that_goes_away_loses_a_lock_unless_the_restart_delay_outlasts_it() {
     // lock's deadline, and it came back as the same server.
     assert!(!careful_guard.is_lost());
     assert!(careful_guard.remaining_estimate() > ttl / 2);
+}
+
+const CHILD_ENV: &str = "RESPIRE_REDLOCK_CHILD";
+
+/// Stalls the thread that reports the first renewal, for good: the group's
+/// renewal thread, holding the lease it renewed (as a thread the system does
+/// not schedule for a while does).
+struct StallRenewals(Mutex<Option<std::sync::mpsc::Sender<()>>>);
+
+impl respire_coordination::Observer for StallRenewals {
+    fn renewed(&self, _: &respire_coordination::RenewalEvent<'_>) {
+        if let Some(stalled) = self.0.lock().unwrap().take() {
+            let _ = stalled.send(());
+            loop {
+                thread::park();
+            }
+        }
+    }
+}
+
+#[test]
+fn a_program_that_ends_after_dropping_its_group_leaves_no_key_behind() {
+    const TEST: &str = "a_program_that_ends_after_dropping_its_group_leaves_no_key_behind";
+    const KEY: &str = "{ends}";
+    if std::env::var(CHILD_ENV).as_deref() == Ok("ends") {
+        // A group whose renewal thread stalls after the first renewal, still
+        // holding the lease: the program's drop of the group is then not the
+        // group's last reference.
+        let (stalled, renewal_stalled) = std::sync::mpsc::channel();
+        let urls = support::env("RESPIRE_REDLOCK_URLS");
+        let coordinators = urls
+            .split(',')
+            .map(|url| coordinator(url, "ends:"))
+            .collect();
+        let options = options(1000).with_observer(std::sync::Arc::new(StallRenewals(Mutex::new(
+            Some(stalled),
+        ))));
+        let group = RedlockGroup::new(coordinators, options).unwrap();
+        let mut guard = group
+            .try_acquire(KEY, Duration::from_secs(5))
+            .unwrap()
+            .expect("granted");
+        let renewing = guard.keep_alive().unwrap();
+        renewal_stalled
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a renewal within 10 s");
+        drop(renewing);
+        // Returns at the quorum of the two near nodes; the far node's
+        // release waits behind the renewal still on its way there.
+        assert!(guard.release().unwrap());
+        drop(guard);
+        drop(group);
+        // The test returns, and the process ends.
+        return;
+    }
+    let nodes = Nodes::start(3);
+    // 100 ms each way to the third node.
+    nodes.proxies[2].set_mode(Mode::Delay(Duration::from_millis(100)));
+    let child = ChildProc::spawn(
+        CHILD_ENV,
+        TEST,
+        "ends",
+        &[("RESPIRE_REDLOCK_URLS", nodes.urls().join(","))],
+    );
+    child.finish();
+    // Whatever the ended program sent has reached the far node once the
+    // proxy closed its connections.
+    wait_until(
+        Duration::from_secs(5),
+        "the ended program's connections to close",
+        || nodes.proxies[2].connection_count() == 0,
+    );
+    // The far node was granted the lock (and renewed it): the check below
+    // is of a release, not of a grant that never came.
+    assert_eq!(nodes.servers[2].command_calls("set"), 1);
+    for i in 0..3 {
+        assert_eq!(
+            nodes.get(i, &format!("ends:{KEY}")),
+            None,
+            "node {i} still holds the lock of a program that released it and ended"
+        );
+    }
 }

@@ -126,6 +126,7 @@ impl RedlockGuard {
         });
         group.restarts.register(&inner);
         (inner.cell).observe_with(group.options.observer.as_ref(), Primitive::Redlock);
+        group.users.join();
         RedlockGuard {
             inner,
             release: Release::new(group.len()),
@@ -445,6 +446,13 @@ impl<X> Bounds for LeaseCell<X> {
 
 impl Drop for RedlockGuard {
     fn drop(&mut self) {
+        self.release_on_drop();
+        self.inner.group.users.leave(&self.inner.group);
+    }
+}
+
+impl RedlockGuard {
+    fn release_on_drop(&mut self) {
         if self.release.outcome().is_some() {
             return;
         }

@@ -228,7 +228,11 @@ pub(crate) use worker::{acquire_reply, confirm_kill, try_budget};
 /// connections; the coordinators given to
 /// [`RedlockGroup::new`] are not used for anything but their settings. The
 /// threads stop when the last clone of the group and the last guard are
-/// dropped, after finishing the releases already queued.
+/// dropped, after finishing the releases already queued. Dropping that last
+/// clone or guard blocks, at most a node timeout, until every node's worker
+/// has sent what was queued on it (a release returns once a quorum answered;
+/// the other nodes' releases may still be on their way): a program that ends
+/// right after leaves no key behind on those nodes.
 ///
 /// A calling thread waits for the nodes' answers parked
 /// ([`std::thread::park_timeout`]), and a node that answers after the
@@ -246,9 +250,51 @@ pub(crate) use worker::{acquire_reply, confirm_kill, try_budget};
 /// the server lacks costs one more round trip, once), `CLIENT SETNAME` and
 /// `SUBSCRIBE` to the channel `respire-redlock-watch` (without it a restart is
 /// noticed only by the next command sent to the node).
-#[derive(Clone)]
 pub struct RedlockGroup {
     inner: Arc<Group>,
+}
+
+impl Clone for RedlockGroup {
+    fn clone(&self) -> Self {
+        self.inner.users.join();
+        RedlockGroup {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl Drop for RedlockGroup {
+    fn drop(&mut self) {
+        self.inner.users.leave(&self.inner);
+    }
+}
+
+/// How many clones of a group and guards of its locks the program holds.
+/// The group's own threads hold references to it too (the renewal thread
+/// until it has read a released lease's `Forget`, a watcher reporting an
+/// event), so the group's drop may run on one of them after the program has
+/// moved on, or not at all before it exits. The drop of the program's last
+/// clone or guard is where the program is done with the group: it waits
+/// there until the nodes' workers have taken up what was queued.
+pub(crate) struct Users(std::sync::atomic::AtomicUsize);
+
+impl Users {
+    fn new() -> Self {
+        Users(std::sync::atomic::AtomicUsize::new(1))
+    }
+
+    /// One more clone or guard.
+    pub(crate) fn join(&self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A clone or guard is dropped; the last waits, at most a node timeout,
+    /// for the workers to take up every job queued before.
+    pub(crate) fn leave(&self, group: &Group) {
+        if self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            worker::flush(&group.workers, Instant::now() + group.options.node_timeout);
+        }
+    }
 }
 
 pub(crate) struct Group {
@@ -259,6 +305,8 @@ pub(crate) struct Group {
     quorum: usize,
     renewal: GroupRenewal,
     restarts: Restarts,
+    /// The program's clones and guards.
+    pub(crate) users: Users,
     /// The clock every decision about a lease reads (the monotonic clock;
     /// socket and wait deadlines read the system's own).
     clock: Arc<dyn Clock>,
@@ -659,6 +707,7 @@ impl Group {
                 quorum,
                 renewal: GroupRenewal::new(this.clone()),
                 restarts: Restarts::new(n),
+                users: Users::new(),
                 clock: crate::clock::system(),
                 _watchers: watchers(cfgs, this),
             }),

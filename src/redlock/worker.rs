@@ -40,7 +40,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::conn::{Conn, ConnConfig, Identity};
 use crate::core::quorum::Vote;
@@ -224,11 +224,55 @@ pub(crate) struct NodeStatus {
 /// stops when the handle is dropped.
 pub(crate) struct NodeWorker {
     tx: Sender<Job>,
+    progress: Arc<Progress>,
     pub(crate) addr: String,
     status: Arc<Mutex<NodeStatus>>,
     /// Disconnects when the thread ends.
     ended: Receiver<()>,
     thread: std::thread::ThreadId,
+}
+
+/// How many jobs were queued on a worker, and how many it has taken up: a
+/// job is taken up once its command was sent and answered (or timed out), or
+/// it was answered without one, or kept for the next connection (a release
+/// while the node reconnects).
+#[derive(Default)]
+struct Progress {
+    queued: std::sync::atomic::AtomicU64,
+    taken: Mutex<u64>,
+    changed: Condvar,
+}
+
+impl Progress {
+    fn took(&self, jobs: u64) {
+        *self.taken.lock() += jobs;
+        self.changed.notify_all();
+    }
+}
+
+/// Waits until every worker has taken up the jobs queued on it before this
+/// call, or until `deadline`; a worker's own thread does not wait for itself.
+pub(crate) fn flush(workers: &[NodeWorker], deadline: Instant) {
+    let me = std::thread::current().id();
+    let targets: Vec<u64> = workers
+        .iter()
+        .map(|w| w.progress.queued.load(std::sync::atomic::Ordering::Acquire))
+        .collect();
+    for (w, target) in workers.iter().zip(targets) {
+        if w.thread == me {
+            continue;
+        }
+        let mut taken = w.progress.taken.lock();
+        while *taken < target {
+            if w.progress
+                .changed
+                .wait_until(&mut taken, deadline)
+                .timed_out()
+            {
+                return;
+            }
+        }
+    }
 }
 
 /// Stops the workers after the jobs already queued (releases of dropped
@@ -259,6 +303,8 @@ impl NodeWorker {
         let addr = cfg.addr.to_string();
         let status = Arc::new(Mutex::new(NodeStatus::default()));
         let worker_status = status.clone();
+        let progress = Arc::new(Progress::default());
+        let worker_progress = progress.clone();
         let (end_tx, ended) = crossbeam_channel::bounded::<()>(0);
         let handle = std::thread::Builder::new()
             .name(format!("respire-node-{index}"))
@@ -286,6 +332,7 @@ impl NodeWorker {
                     conn: None,
                     connector: None,
                     status: worker_status,
+                    progress: worker_progress,
                 };
                 worker.adopt_conn(first);
                 if hello.send((index, Ok(greeting))).is_err() {
@@ -295,6 +342,7 @@ impl NodeWorker {
             })?;
         Ok(NodeWorker {
             tx,
+            progress,
             addr,
             status,
             ended,
@@ -310,7 +358,11 @@ impl NodeWorker {
     /// Queues a job. If the thread is gone (it never panics, so only at
     /// shutdown), the reply says so.
     pub(crate) fn send(&self, index: usize, job: Job) {
+        self.progress
+            .queued
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         if let Err(e) = self.tx.send(job) {
+            self.progress.took(1);
             let job = e.into_inner();
             if let Some(reply) = job.reply {
                 reply.deliver(Reply {
@@ -409,6 +461,7 @@ struct Worker {
     /// Making a new connection, while the machine has none.
     connector: Option<Connector>,
     status: Arc<Mutex<NodeStatus>>,
+    progress: Arc<Progress>,
 }
 
 impl Worker {
@@ -481,6 +534,7 @@ impl Worker {
         self.node
             .handle_job(machine::Job::new(job.op, job.lease, job.deadline, handle));
         self.drive_from(now);
+        self.progress.took(1);
     }
 
     /// Does what the machine asks until it waits for something.
