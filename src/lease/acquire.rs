@@ -250,7 +250,8 @@ impl<K: Kind> Lease<K> {
                 let mut attempts = Attempts::default();
                 let waited = waiters::wait_for(&*dep.topology, &w, |conn, d, waiting| {
                     let started = dep.now();
-                    let r = self.attempt(conn, &owner, ttl_ms, d, waiting, attempts.since());
+                    let since = attempts.since();
+                    let r = self.attempt(conn, &owner, ttl_ms, d, started, waiting, since);
                     if let Ok(Attempt::Busy(pttl)) = &r {
                         Acquiring::busy(seen, Some(*pttl));
                     }
@@ -323,7 +324,7 @@ impl<K: Kind> Lease<K> {
         let mut result = Err(Error::Cancelled);
         for retry in [false, true] {
             let mut reused = false;
-            // Read again right before the attempt is sent.
+            let mut first = !retry;
             let mut started = now;
             let (r, lost) = dep.on_key(
                 &self.spec.keys()[0],
@@ -331,8 +332,16 @@ impl<K: Kind> Lease<K> {
                 Connect::Own,
                 |conn, deadline| {
                     reused = !conn.is_fresh();
-                    started = dep.now();
-                    let r = self.attempt(conn, owner, ttl_ms, deadline, false, attempts.since());
+                    // The attempt goes out now. The clock was read for the
+                    // deadline just before, with nothing waited for since
+                    // when this first try has a pooled connection: that read
+                    // stands (an earlier send time is the safe side). After a
+                    // connect or a redirect, it is read again.
+                    if !(std::mem::take(&mut first) && reused) {
+                        started = dep.now();
+                    }
+                    let since = attempts.since();
+                    let r = self.attempt(conn, owner, ttl_ms, deadline, started, false, since);
                     if let Ok(Attempt::Busy(pttl)) = &r {
                         Acquiring::busy(seen, Some(*pttl));
                     }
@@ -360,13 +369,18 @@ impl<K: Kind> Lease<K> {
         (result, attempts)
     }
 
-    #[allow(clippy::type_complexity, reason = "a private helper's result")]
+    #[allow(
+        clippy::type_complexity,
+        clippy::too_many_arguments,
+        reason = "a private helper's result, and one attempt's whole context"
+    )]
     fn attempt(
         &self,
         conn: &mut Conn,
         owner: &OwnerToken,
         ttl_ms: u64,
         deadline: Instant,
+        sent: Instant,
         waiting: bool,
         uncertain_since: Option<Instant>,
     ) -> Result<Attempt<(LeaseGuard<K>, Instant, Instant)>> {
@@ -377,15 +391,21 @@ impl<K: Kind> Lease<K> {
             owner,
             ttl_ms,
             deadline,
+            sent,
             waiting,
             uncertain_since,
         );
         let granted = matches!(attempt, Ok(Attempt::Acquired(_)));
         let acknowledged = replicas_acknowledged(&self.dep, conn, granted);
-        let attempt = attempt?;
-        let received = self.dep.now();
-        Ok(match attempt {
+        Ok(match attempt? {
             Attempt::Acquired(g) => {
+                // Read only for a check that looks at it (a fencing token's
+                // history): the other kinds do not pay for the clock.
+                let received = if self.spec.checks_grants() {
+                    self.dep.now()
+                } else {
+                    g.sent
+                };
                 // A token is checked against the history from the earliest
                 // attempt that may have drawn it (a repeated grant to this
                 // owner returns the token an unanswered attempt drew).

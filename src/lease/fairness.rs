@@ -176,18 +176,18 @@ impl Acquire<()> for FifoSpec {
 
     fn attempt(
         &self,
-        dep: &Deployment,
+        _dep: &Deployment,
         conn: &mut Conn,
         owner: &OwnerToken,
         ttl_ms: u64,
         deadline: Instant,
+        sent: Instant,
         waiting: bool,
         uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<()>>> {
         let keys: Vec<&str> = self.keys.iter().map(String::as_str).collect();
         let ttl = ttl_ms.to_string();
         let entry = self.entry_arg(waiting);
-        let sent = dep.now();
         let reply: Vec<redis::Value> = conn
             .script(
                 &scripts::FIFO_ACQUIRE,

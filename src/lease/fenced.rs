@@ -88,11 +88,12 @@ impl Acquire<FencingToken> for FencedSpec {
 
     fn attempt(
         &self,
-        dep: &Deployment,
+        _dep: &Deployment,
         conn: &mut Conn,
         owner: &OwnerToken,
         ttl_ms: u64,
         deadline: Instant,
+        sent: Instant,
         _waiting: bool,
         _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<FencingToken>>> {
@@ -112,7 +113,6 @@ impl Acquire<FencingToken> for FencedSpec {
             self.value.as_deref().unwrap_or_default(),
         ];
         let args = &arg_slots[..2 + usize::from(self.value.is_some())];
-        let sent = dep.now();
         let reply: Vec<redis::Value> = conn
             .script(&scripts::FENCED_ACQUIRE, keys, args, "acquire", deadline)
             .map_err(|e| {
@@ -154,6 +154,10 @@ impl Acquire<FencingToken> for FencedSpec {
                 reply: format!("{other:?}"),
             }),
         }
+    }
+
+    fn checks_grants(&self) -> bool {
+        true
     }
 
     fn check(

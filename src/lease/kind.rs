@@ -174,7 +174,9 @@ pub(crate) trait Acquire<G>: Send + Sync {
     /// Every key whose change may free it; the first holds the lease.
     fn wait_keys(&self) -> WaitKeys<'_>;
     /// Runs the acquire script once for `owner`, finishing by `deadline`.
-    /// `waiting` is true inside a wait (a writer then records its intent).
+    /// `sent` is when the attempt goes out, read before it is sent: a grant's
+    /// expiry counts from it. `waiting` is true inside a wait (a writer then
+    /// records its intent).
     /// `uncertain_since` is when the owner's first attempt that got no reply
     /// went out: a grant found already in place (that attempt's, or a later
     /// one's, whose reply was lost) dates from then at the earliest.
@@ -186,9 +188,15 @@ pub(crate) trait Acquire<G>: Send + Sync {
         owner: &OwnerToken,
         ttl_ms: u64,
         deadline: Instant,
+        sent: Instant,
         waiting: bool,
         uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<G>>>;
+    /// Whether [`check`](Acquire::check) looks at the grant: only then is
+    /// the time its reply arrived read.
+    fn checks_grants(&self) -> bool {
+        false
+    }
     /// Checks a grant once its reply arrived at `received` (a fencing
     /// regression is an error, and the grant is then released).
     fn check(

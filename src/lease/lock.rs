@@ -94,11 +94,12 @@ impl Acquire<()> for PlainSpec {
 
     fn attempt(
         &self,
-        dep: &Deployment,
+        _dep: &Deployment,
         conn: &mut Conn,
         owner: &OwnerToken,
         ttl_ms: u64,
         deadline: Instant,
+        sent: Instant,
         waiting: bool,
         uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<()>>> {
@@ -130,7 +131,6 @@ impl Acquire<()> for PlainSpec {
                 pipe.cmd("PTTL").arg(key);
             }
         }
-        let sent = dep.now();
         let mut reply = conn.pipeline(&pipe, "acquire", deadline)?;
         if track && reply.len() > 1 {
             // `CLIENT CACHING yes` answers `OK` on a connection whose
@@ -181,7 +181,16 @@ impl Acquire<()> for PlainSpec {
                          {key:?} with SET NX and GET pipelined"
                     );
                     self.no_set_get.store(true, Ordering::Relaxed);
-                    self.attempt(dep, conn, owner, ttl_ms, deadline, waiting, uncertain_since)
+                    self.attempt(
+                        _dep,
+                        conn,
+                        owner,
+                        ttl_ms,
+                        deadline,
+                        sent,
+                        waiting,
+                        uncertain_since,
+                    )
                 }
                 [redis::Value::ServerError(e)] => fail(e),
                 other => Err(Error::UnexpectedReply {

@@ -338,11 +338,12 @@ impl Acquire<FencingToken> for ReadSpec {
 
     fn attempt(
         &self,
-        dep: &Deployment,
+        _dep: &Deployment,
         conn: &mut Conn,
         owner: &OwnerToken,
         ttl_ms: u64,
         deadline: Instant,
+        sent: Instant,
         _waiting: bool,
         _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<FencingToken>>> {
@@ -350,7 +351,6 @@ impl Acquire<FencingToken> for ReadSpec {
         // A repeated grant to this owner (an earlier attempt's whose reply was
         // lost) has its expiry moved to ttl from now if that is later, so it
         // holds for ttl from this send at least: `sent` stands.
-        let sent = dep.now();
         let reply: Vec<redis::Value> = conn
             .script(
                 &scripts::RW_READ_ACQUIRE,
@@ -416,11 +416,12 @@ impl Acquire<FencingToken> for WriteSpec {
 
     fn attempt(
         &self,
-        dep: &Deployment,
+        _dep: &Deployment,
         conn: &mut Conn,
         owner: &OwnerToken,
         ttl_ms: u64,
         deadline: Instant,
+        sent: Instant,
         waiting: bool,
         _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<FencingToken>>> {
@@ -432,7 +433,6 @@ impl Acquire<FencingToken> for WriteSpec {
         // A repeated grant to this owner (an earlier attempt's whose reply was
         // lost) has its expiry moved to ttl from now if that is later, so it
         // holds for ttl from this send at least: `sent` stands.
-        let sent = dep.now();
         let reply: Vec<redis::Value> = conn
             .script(
                 &scripts::RW_WRITE_ACQUIRE,
@@ -468,6 +468,10 @@ impl Acquire<FencingToken> for WriteSpec {
                 reply: format!("{other:?}"),
             }),
         }
+    }
+
+    fn checks_grants(&self) -> bool {
+        true
     }
 
     fn check(

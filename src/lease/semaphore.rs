@@ -398,6 +398,7 @@ impl Acquire<(u32, FencingToken)> for SemSpec {
         owner: &OwnerToken,
         ttl_ms: u64,
         deadline: Instant,
+        sent: Instant,
         _waiting: bool,
         _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<(u32, FencingToken)>>> {
@@ -408,8 +409,9 @@ impl Acquire<(u32, FencingToken)> for SemSpec {
         let (sent, reply) = loop {
             // A repeated grant to this owner (an earlier attempt's whose reply
             // was lost) has its expiry moved to ttl from now if that is later,
-            // so it holds for ttl from this send at least: `sent` stands.
-            let sent = dep.now();
+            // so it holds for ttl from this send at least: `sent` stands. A
+            // second send (the capacity changed meanwhile) is timed anew.
+            let sent = if again { dep.now() } else { sent };
             let reply = conn
                 .script(
                     &scripts::SEM_ACQUIRE,
@@ -463,6 +465,10 @@ impl Acquire<(u32, FencingToken)> for SemSpec {
                 reply: format!("{other:?}"),
             }),
         }
+    }
+
+    fn checks_grants(&self) -> bool {
+        true
     }
 
     fn check(
