@@ -582,9 +582,11 @@ fn five_nodes_survive_two_kills_and_fail_fast_on_three() {
     let _x = exclusive();
     let nodes = Nodes::start(5);
     let prefix = unique_prefix("kills");
-    let node_timeout = Duration::from_millis(200);
-    let group = nodes.group(&prefix, options(200));
-    let ttl = Duration::from_secs(10);
+    // Dead nodes answer at once (their connections are refused): an
+    // operation that waited for them instead would wait this long.
+    let node_timeout = Duration::from_secs(5);
+    let group = nodes.group(&prefix, options(5_000));
+    let ttl = Duration::from_secs(30);
     drop(group.try_acquire("warm", ttl).unwrap().unwrap());
 
     nodes.servers[0].kill();
@@ -596,7 +598,7 @@ fn five_nodes_survive_two_kills_and_fail_fast_on_three() {
         .expect("three of five nodes grant");
     let took = started.elapsed();
     eprintln!("5 nodes, 2 killed: acquired in {took:?}");
-    assert!(took < node_timeout + Duration::from_millis(20), "{took:?}");
+    assert!(took < node_timeout / 2, "{took:?}");
     assert!(guard.release().unwrap());
 
     nodes.servers[2].kill();
@@ -604,10 +606,7 @@ fn five_nodes_survive_two_kills_and_fail_fast_on_three() {
     let err = group.try_acquire("b", ttl).unwrap_err();
     let took = started.elapsed();
     eprintln!("5 nodes, 3 killed: failed in {took:?}: {err}");
-    assert!(
-        took < node_timeout + Duration::from_millis(20),
-        "failing took {took:?}"
-    );
+    assert!(took < node_timeout / 2, "failing took {took:?}");
     let Error::QuorumNotReached {
         op,
         confirmed,
@@ -657,13 +656,18 @@ fn one_blackholed_node_of_five_does_not_slow_acquire() {
     let _x = exclusive();
     let nodes = Nodes::start(5);
     let prefix = unique_prefix("blackhole");
-    let node_timeout = Duration::from_millis(500);
-    let group = nodes.group(&prefix, options(500));
-    let ttl = Duration::from_secs(10);
+    // A node timeout far longer than the whole run: an operation that waited
+    // for the blackholed node, even once, would wait all of it.
+    let group = nodes.group(&prefix, options(30_000));
+    let ttl = Duration::from_secs(120);
+    let stop = AtomicBool::new(false);
     let run = |label: &str| {
         let mut acquire = Vec::new();
         let mut release = Vec::new();
         for _ in 0..300 {
+            if stop.load(Ordering::SeqCst) {
+                return;
+            }
             let t = Instant::now();
             let mut guard = group.try_acquire("job", ttl).unwrap().expect("free");
             acquire.push(t.elapsed());
@@ -674,28 +678,56 @@ fn one_blackholed_node_of_five_does_not_slow_acquire() {
         let max = *acquire.iter().max().unwrap();
         let (acquire, release) = (median(acquire), median(release));
         eprintln!("{label}: acquire median {acquire:?} (max {max:?}), release median {release:?}");
-        (acquire, max)
     };
     run("warm-up");
-    let (healthy, _) = run("5 healthy nodes");
+    run("5 healthy nodes");
     nodes.proxies[4].set_mode(Mode::Blackhole);
-    let (blackholed, max) = run("1 of 5 blackholed");
-    assert!(
-        blackholed <= healthy + Duration::from_millis(2),
-        "median acquire {blackholed:?} with a blackholed node, {healthy:?} without"
-    );
-    assert!(max < node_timeout, "an acquire waited {max:?}");
+    // The blackholed node never answers: 300 acquires and releases end only
+    // if each is decided by the other four, without waiting for it.
+    let done = AtomicBool::new(false);
+    thread::scope(|s| {
+        s.spawn(|| {
+            run("1 of 5 blackholed");
+            done.store(true, Ordering::SeqCst);
+        });
+        let finished =
+            support::true_within(Duration::from_secs(20), || done.load(Ordering::SeqCst));
+        stop.store(true, Ordering::SeqCst);
+        assert!(
+            finished,
+            "300 acquires and releases with one node blackholed did not end within 20 s \
+             (one that waited for that node would wait its 30 s node timeout)"
+        );
+    });
+    // The blackholed node's queue (every acquire and release sent there)
+    // ends with its connection, so that the group's drop does not wait for it.
+    nodes.proxies[4].reset_all();
+}
 
-    // With a blackholed majority, dropping a guard waits at most the node timeout.
-    let guard = group.try_acquire("drop", ttl).unwrap().unwrap();
+#[test]
+fn dropping_a_guard_waits_at_most_the_node_timeout_for_a_blackholed_majority() {
+    let _x = exclusive();
+    let nodes = Nodes::start(5);
+    let prefix = unique_prefix("blackhole-drop");
+    let node_timeout = Duration::from_millis(500);
+    let group = nodes.group(&prefix, options(500));
+    let guard = group
+        .try_acquire("drop", Duration::from_secs(10))
+        .unwrap()
+        .unwrap();
     for p in &nodes.proxies[1..4] {
         p.set_mode(Mode::Blackhole);
     }
     let t = Instant::now();
     drop(guard);
     let took = t.elapsed();
-    eprintln!("drop with 4 of 5 blackholed: {took:?}");
-    assert!(took < node_timeout + Duration::from_millis(100), "{took:?}");
+    eprintln!("drop with 3 of 5 blackholed: {took:?}");
+    // The documented bound, against what a drop that waited for the
+    // blackholed nodes one after another, or twice, would take.
+    assert!(took < node_timeout * 2, "{took:?}");
+    for p in &nodes.proxies[1..4] {
+        p.reset_all();
+    }
 }
 
 #[test]
@@ -1473,7 +1505,11 @@ fn five_nodes_50ms_away_need_the_documented_node_timeout() {
     let group = RedlockGroup::connect(&refs(&urls), options).unwrap();
     let p50 = acquire_median(&group, "job", 5, Duration::from_secs(3));
     eprintln!("5 nodes 50 ms away, node timeout 150 ms: acquire p50 {p50:?}");
-    assert!(p50 < Duration::from_millis(80), "p50 {p50:?}");
+    // Every acquire was granted at its first attempt: one `SET` per node
+    // each, none timed out and sent again.
+    for (i, server) in nodes.servers.iter().enumerate() {
+        assert_eq!(server.command_calls("set"), 5, "node {i}");
+    }
 }
 
 #[test]
