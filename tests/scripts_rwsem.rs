@@ -12,7 +12,7 @@ use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use redis::{Commands, Value};
-use support::{TestServer, shared_server, snapshot, unique_prefix, wait_until};
+use support::{TestServer, server_now, shared_server, snapshot, unique_prefix, wait_until};
 
 // ---------------------------------------------------------------------------
 // Running the scripts
@@ -810,10 +810,15 @@ fn a_retrying_writer_refreshes_its_intent_only_once_a_quarter_of_it_passed() {
     let refreshed = zscore(&mut c, &k.q, "w1").unwrap();
     assert!(refreshed > first + 25_000, "{first} → {refreshed}");
     assert_eq!(pexpiretime(&mut c, &k.q), refreshed);
-    // A short intent recorded a while ago is refreshed.
+    // A short intent recorded a while ago (80 ms on the server's clock, more
+    // than a quarter of it) is refreshed.
     k.write(&mut c, "w2", 10_000, 200).hint();
     let short = zscore(&mut c, &k.q, "w2").unwrap();
-    thread::sleep(Duration::from_millis(80));
+    wait_until(
+        Duration::from_secs(5),
+        "80 ms to pass on the server",
+        || server_now(&mut c).0 >= short - 200 + 80,
+    );
     k.write(&mut c, "w2", 10_000, 200).hint();
     assert!(zscore(&mut c, &k.q, "w2").unwrap() > short);
 }

@@ -413,14 +413,11 @@ fn the_coordinator_follows_a_switch_and_the_old_primary_grants_nothing_after() {
         .position(|(_, r)| matches!(r, Ok(t) if *t > 1_000_000))
         .unwrap();
     let first_new_at = calls[first_new].0;
+    // How soon it followed is a figure; that it followed at all is the wait
+    // above, with its deadline.
     figure(
         "first grant by the new primary after +switch-master",
         first_new_at.saturating_duration_since(switched),
-    );
-    assert!(
-        first_new_at < switched + Duration::from_secs(2),
-        "the switch was followed {:?} after +switch-master",
-        first_new_at - switched
     );
     // Nothing granted by the old primary once the new one granted, and no
     // regression was ever seen.
@@ -625,10 +622,13 @@ fn a_kept_alive_lease_rides_out_a_failover_that_left_its_renewal_unanswered() {
         coord.renewal_stats().failures > failures
     });
     let switched = watcher.wait_for(1, Duration::from_secs(20))[0].at;
-    assert!(
-        switched < granted + ttl + ttl / 2 - Duration::from_secs(1),
-        "the failover came too late to tell"
+    figure(
+        "+switch-master after the grant",
+        switched.saturating_duration_since(granted),
     );
+    // The lease outlived the unanswered renewal until the switch; had the
+    // failover come after its loss deadline, there would be nothing to tell.
+    assert!(!g.is_lost(), "the failover came too late to tell");
     // Its claim is freed by the switch: renewals go on at the new primary.
     let renewed = coord.renewal_stats().renewals;
     wait_until(

@@ -417,36 +417,95 @@ fn proxy_lets_go_of_the_threads_of_closed_connections() {
 
 #[test]
 fn proxy_delay_delays_each_direction_without_limiting_throughput() {
-    let proxy = FaultProxy::start(shared_server().addr());
+    // A server of its own: its count of PINGs is this test's.
+    let server = TestServer::start();
+    let pings = || server.command_calls("ping");
+    let proxy = FaultProxy::start(server.addr());
     let mut con = connect(&proxy.url());
-    proxy.set_mode(Mode::Delay(Duration::from_millis(50)));
-    assert_eq!(proxy.mode(), Mode::Delay(Duration::from_millis(50)));
+    let delay = Duration::from_millis(500);
+    proxy.set_mode(Mode::Delay(delay));
+    assert_eq!(proxy.mode(), Mode::Delay(delay));
 
-    let started = Instant::now();
-    assert_eq!(ping(&mut con).unwrap(), "PONG");
-    let round_trip = started.elapsed();
-    assert!(round_trip >= Duration::from_millis(100), "{round_trip:?}");
+    // Nothing has arrived on `stream` yet (it is left blocking, with a read
+    // timeout, as it was).
+    let nothing_to_read = |stream: &TcpStream| {
+        stream.set_nonblocking(true).unwrap();
+        let peeked = stream.peek(&mut [0; 1]);
+        stream.set_nonblocking(false).unwrap();
+        matches!(peeked, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    };
 
-    // Ten commands written 5 ms apart are all in flight together: they take
-    // about 45 ms + 2 × 50 ms, not 10 × 50 ms.
+    // One command, each way in turn: held in the proxy while the server has
+    // not run it, then run while its reply is held.
     let mut raw = TcpStream::connect(proxy.addr()).unwrap();
     raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let started = Instant::now();
+    let (chunks, before) = (proxy.client_chunks(), pings());
+    raw.write_all(b"PING\r\n").unwrap();
+    wait_until(Duration::from_secs(5), "the PING in the proxy", || {
+        proxy.client_chunks() > chunks
+    });
+    assert_eq!(
+        pings(),
+        before,
+        "the server ran it before its delay was out"
+    );
+    assert!(proxy.client_chunks_done() < proxy.client_chunks());
+    wait_until(Duration::from_secs(5), "the server to run the PING", || {
+        pings() > before
+    });
+    assert!(
+        nothing_to_read(&raw),
+        "the reply came back before its delay was out"
+    );
+    let mut reply = [0; 7];
+    raw.read_exact(&mut reply).unwrap();
+    assert_eq!(&reply, b"+PONG\r\n");
+
+    // Ten commands written 5 ms apart are all in flight together: the server
+    // runs the tenth before the first reply is back (one at a time, the
+    // tenth would leave the proxy after ten delays).
+    let mut raw = TcpStream::connect(proxy.addr()).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let before = pings();
     for _ in 0..10 {
         raw.write_all(b"PING\r\n").unwrap();
         std::thread::sleep(Duration::from_millis(5));
     }
+    wait_until(Duration::from_secs(5), "the server to run all ten", || {
+        pings() >= before + 10
+    });
+    assert!(
+        nothing_to_read(&raw),
+        "a reply came back before the server had run all ten"
+    );
     let mut replies = [0; 70];
     raw.read_exact(&mut replies).unwrap();
-    let elapsed = started.elapsed();
     assert_eq!(&replies, "+PONG\r\n".repeat(10).as_bytes());
-    assert!(elapsed >= Duration::from_millis(100), "{elapsed:?}");
-    assert!(elapsed < Duration::from_millis(450), "{elapsed:?}");
 
+    // Back to Pass: a new command goes through at once, while one sent just
+    // before is still waiting out its delay (it leaves at its original time).
+    let mut held = TcpStream::connect(proxy.addr()).unwrap();
+    held.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let chunks = proxy.client_chunks();
+    held.write_all(b"PING\r\n").unwrap();
+    wait_until(Duration::from_secs(5), "the PING in the proxy", || {
+        proxy.client_chunks() > chunks
+    });
     proxy.set_mode(Mode::Pass);
-    let started = Instant::now();
+    // On a connection opened before the switch.
     assert_eq!(ping(&mut con).unwrap(), "PONG");
-    assert!(started.elapsed() < Duration::from_millis(100));
+    wait_until(
+        Duration::from_secs(5),
+        "all but the delayed PING to leave the proxy",
+        || proxy.client_chunks_done() + 1 == proxy.client_chunks(),
+    );
+    assert!(
+        nothing_to_read(&held),
+        "the delayed PING left the proxy at the switch, not at its time"
+    );
+    let mut reply = [0; 7];
+    held.read_exact(&mut reply).unwrap();
+    assert_eq!(&reply, b"+PONG\r\n");
 }
 
 #[test]

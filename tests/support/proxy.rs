@@ -88,6 +88,9 @@ struct Shared {
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// Chunks read from clients, forwarded or not.
     client_chunks: std::sync::atomic::AtomicU64,
+    /// Chunks read from clients that the proxy is done with: written to the
+    /// server (or found it gone) once due, or discarded by the mode.
+    client_chunks_done: std::sync::atomic::AtomicU64,
     /// How many more new connections are forwarded (see
     /// [`FaultProxy::admit_only`]); `None`: all of them.
     admit: Mutex<Option<usize>>,
@@ -161,6 +164,7 @@ impl FaultProxy {
             connections: Mutex::new(HashMap::new()),
             threads: Mutex::new(Vec::new()),
             client_chunks: std::sync::atomic::AtomicU64::new(0),
+            client_chunks_done: std::sync::atomic::AtomicU64::new(0),
             admit: Mutex::new(None),
             turned_away: std::sync::atomic::AtomicU64::new(0),
         });
@@ -256,6 +260,17 @@ impl FaultProxy {
     /// command has reached the proxy once this grew.
     pub(crate) fn client_chunks(&self) -> u64 {
         self.shared.client_chunks.load(Ordering::SeqCst)
+    }
+
+    /// How many of [`client_chunks`](FaultProxy::client_chunks) the proxy is
+    /// done with: discarded by the mode, or, once due, written to the server
+    /// (or found the server's side closed). While it is below
+    /// `client_chunks()`, bytes a client sent are still held in the proxy
+    /// (such as a command waiting out a [`Mode::Delay`]). Chunks of a
+    /// connection ended by [`FaultProxy::reset_all`] or the proxy's drop
+    /// before they were due are never counted.
+    pub(crate) fn client_chunks_done(&self) -> u64 {
+        self.shared.client_chunks_done.load(Ordering::SeqCst)
     }
 }
 
@@ -446,10 +461,11 @@ fn read_side(
                 let _ = queue.send(Chunk { data: None, due });
                 return;
             }
-            Ok(_) if mode.drops(direction) => {}
+            Ok(_) if mode.drops(direction) => chunk_done(direction, connection),
             Ok(n) => {
                 let data = Some(buf[..n].to_vec());
                 if queue.send(Chunk { data, due }).is_err() {
+                    chunk_done(direction, connection);
                     return;
                 }
             }
@@ -492,17 +508,33 @@ fn write_side(
             thread::sleep((chunk.due - now).min(POLL));
         }
         if connection.shared.mode().drops(direction) {
+            if chunk.data.is_some() {
+                chunk_done(direction, connection);
+            }
             continue;
         }
         let Some(data) = chunk.data else {
             let _ = to.shutdown(Shutdown::Write);
             return;
         };
-        if write_all(&to, &data, connection).is_err() {
+        let written = write_all(&to, &data, connection);
+        chunk_done(direction, connection);
+        if written.is_err() {
             // The receiver is gone: tell the sender.
             let _ = from.shutdown(Shutdown::Both);
             return;
         }
+    }
+}
+
+/// Counts a chunk of data a client sent as done with (see
+/// [`FaultProxy::client_chunks_done`]).
+fn chunk_done(direction: Direction, connection: &Connection) {
+    if direction == Direction::ClientToServer {
+        connection
+            .shared
+            .client_chunks_done
+            .fetch_add(1, Ordering::SeqCst);
     }
 }
 
