@@ -246,6 +246,9 @@ fn with_readers_in_two_processes<T>(
     let readers_key = rw.readers_key().to_owned();
     thread::scope(|s| {
         let readers = s.spawn(|| run_readers(&rw, 0, &stop, &started));
+        // A failed check below stops the readers too, so that the test fails
+        // instead of joining them forever.
+        let _stop_on_failure = SetOnDrop(&stop);
         wait_until(Duration::from_secs(10), "the parent's readers", || {
             started.load(Ordering::SeqCst) == READERS_PER_PROCESS as usize
         });
