@@ -282,7 +282,14 @@ fn a_scripted_scenario_reports_every_event_once_in_order() {
         ((g, released_at, pttl), id)
     });
     let (second, released_at, pttl_at_release) = second;
-    let seen = recorder.since(mark);
+    let mut seen = recorder.since(mark);
+    // The release is reported when its call returns, on this thread; the
+    // waiter its release woke may be granted, and report it, before this
+    // thread runs again (on a busy machine it often is). Those two events
+    // come in either order; every other order is fixed.
+    if seen.len() == 4 && matches!(seen[2].ev, Ev::Granted { .. }) {
+        seen.swap(2, 3);
+    }
     let l2 = lease_of(&seen[3]);
     assert_ne!(l1, l2);
     assert_eq!(
