@@ -775,12 +775,25 @@ fn fan_out_is_parallel_behind_2ms_delays() {
     let key = format!("{prefix}unanswered");
     let attempt = idle.attempt("unanswered", ttl).unwrap();
     assert!(!attempt.is_acquired(), "{:?}", attempt.nodes());
+    // Decided once three timed out (no quorum of 3 is left then), or at the
+    // deadline: the others timed out too, or were abandoned if their
+    // workers' timeouts came in a moment later.
     assert!(
         attempt
             .nodes()
             .iter()
-            .all(|n| n.outcome == NodeOutcome::TimedOut),
+            .all(|n| matches!(n.outcome, NodeOutcome::TimedOut | NodeOutcome::Abandoned)),
         "sent to every node, answered by none: {:?}",
+        attempt.nodes()
+    );
+    assert!(
+        attempt
+            .nodes()
+            .iter()
+            .filter(|n| n.outcome == NodeOutcome::TimedOut)
+            .count()
+            >= 3,
+        "{:?}",
         attempt.nodes()
     );
     wait_until(
@@ -1662,7 +1675,7 @@ fn one_holder_with_the_rest_down_is_an_error_not_contention() {
     let key = format!("{prefix}job");
     let _: () = nodes.servers[0].client().set(&key, "someone-else").unwrap();
     // Nodes 1 and 2 stop answering: node 0's "held" comes first, and the
-    // outcome waits for the other two to time out.
+    // outcome waits for them to time out.
     nodes.proxies[1].set_mode(Mode::Blackhole);
     nodes.proxies[2].set_mode(Mode::Blackhole);
     let ttl = Duration::from_secs(10);
@@ -1675,9 +1688,20 @@ fn one_holder_with_the_rest_down_is_an_error_not_contention() {
                 matches!(evidence[0].outcome, NodeOutcome::HeldByAnother { .. }),
                 "{evidence:?}"
             );
-            for report in &evidence[1..] {
-                assert_eq!(report.outcome, NodeOutcome::TimedOut, "{evidence:?}");
-            }
+            // Decided once one of them timed out (no quorum is left then):
+            // the other timed out too, or was abandoned if its worker's
+            // timeout came in a moment later.
+            let timed_out = evidence[1..]
+                .iter()
+                .filter(|r| r.outcome == NodeOutcome::TimedOut)
+                .count();
+            assert!(timed_out >= 1, "{evidence:?}");
+            assert!(
+                evidence[1..]
+                    .iter()
+                    .all(|r| matches!(r.outcome, NodeOutcome::TimedOut | NodeOutcome::Abandoned)),
+                "{evidence:?}"
+            );
         }
         other => panic!("expected QuorumNotReached, got {other:?}"),
     }
