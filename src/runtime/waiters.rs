@@ -36,11 +36,12 @@
 //! with tracking on from the first attempt, `Lock::acquire` cost 1.77× /
 //! 1.28× the raw `SET NX PX` + compare-and-delete pair and
 //! `FencedLock::acquire` 2.48× / 1.42× it (figures of an earlier run);
-//! with the plain first attempt, `Lock::acquire` costs 1.05× / 1.05× the
-//! raw pair (`try_acquire` 1.05× / 1.04× in the same run),
-//! `FencedLock::acquire` 1.03× / 1.04× the raw fenced script pair, and the
-//! waits of the reader/writer lease and the semaphore 1.02× their raw
-//! script pairs, with client CPU per pair 1.06–1.11× the raw pairs'.
+//! with the plain first attempt, `Lock::acquire` costs 1.06× / 1.04× the
+//! raw pair (`try_acquire` 1.05× / 1.07× in the same run; such ratios move
+//! by a few hundredths between runs), `FencedLock::acquire` 1.05× / 1.05×
+//! the raw fenced script pair, and the waits of the reader/writer lease and
+//! the semaphore 1.02–1.05× their raw script pairs, with client CPU per pair
+//! 1.03–1.11× the raw pairs'.
 //!
 //! Where the ACL denies `CLIENT CACHING` (but allows `CLIENT TRACKING`),
 //! connections fall back to tracking every read (logged once): waits are
@@ -87,9 +88,10 @@
 //! with the releaser's own next attempt would remain). A single attempt
 //! (`try_acquire`) is not a wait and still takes a free lock ahead of the
 //! queue. With 8 contenders sharing a coordinator, the releaser took back 0 %
-//! of grants in the side-by-side run (BENCHMARKS.md, `lock-shared`; the next
-//! holder had the lock at p50 1.19× and p99 1.33× as long after the release
-//! was sent as with the raw tracking waiter, all of whose waiters race).
+//! of grants in the side-by-side run (BENCHMARKS.md, `lock-shared`; counted
+//! from the release sent, the next holder had the lock at p50 1.25× and p99
+//! 1.03× as late as with the raw tracking waiter, all of whose waiters race,
+//! on different CPUs, and at 0.44× and 0.54× on one CPU).
 //! Watchers (an election's observers) keep their first attempt
 //! ([`Order::Race`]).
 //!
@@ -101,8 +103,8 @@
 //! queued) lets waiters elsewhere go first: it pauses 1 ms before its first
 //! attempt, long enough for a waiter in another process woken by the release
 //! this thread may just have made to reach the server (p50 of that hand-off,
-//! counted from the release sent: 0.27 ms on the 2-core machine of
-//! BENCHMARKS.md, 0.3–0.5 ms in earlier runs under load). The key stays
+//! counted from the release sent: 0.44–0.48 ms on the 2-core machine of
+//! BENCHMARKS.md, 0.27–0.5 ms in earlier runs). The key stays
 //! contended for a second after the last wait on it that had to wait, also
 //! through waits granted at once: one such grant only says that no waiter got
 //! there within the pause, which on a busy CPU (the releaser, the server and
