@@ -435,10 +435,23 @@ fn proxy_delay_delays_each_direction_without_limiting_throughput() {
         matches!(peeked, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
     };
 
+    // A new connection through the proxy, and the replies to `n` PINGs on it.
+    let connect_raw = || {
+        let stream = TcpStream::connect(proxy.addr()).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        stream
+    };
+    let read_pongs = |mut stream: &TcpStream, n: usize| {
+        let mut replies = vec![0; 7 * n];
+        stream.read_exact(&mut replies).unwrap();
+        assert_eq!(replies, "+PONG\r\n".repeat(n).as_bytes());
+    };
+
     // One command, each way in turn: held in the proxy while the server has
     // not run it, then run while its reply is held.
-    let mut raw = TcpStream::connect(proxy.addr()).unwrap();
-    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut raw = connect_raw();
     let (chunks, before) = (proxy.client_chunks(), pings());
     raw.write_all(b"PING\r\n").unwrap();
     wait_until(Duration::from_secs(5), "the PING in the proxy", || {
@@ -457,15 +470,12 @@ fn proxy_delay_delays_each_direction_without_limiting_throughput() {
         nothing_to_read(&raw),
         "the reply came back before its delay was out"
     );
-    let mut reply = [0; 7];
-    raw.read_exact(&mut reply).unwrap();
-    assert_eq!(&reply, b"+PONG\r\n");
+    read_pongs(&raw, 1);
 
     // Ten commands written 5 ms apart are all in flight together: the server
     // runs the tenth before the first reply is back (one at a time, the
     // tenth would leave the proxy after ten delays).
-    let mut raw = TcpStream::connect(proxy.addr()).unwrap();
-    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut raw = connect_raw();
     let before = pings();
     for _ in 0..10 {
         raw.write_all(b"PING\r\n").unwrap();
@@ -478,14 +488,11 @@ fn proxy_delay_delays_each_direction_without_limiting_throughput() {
         nothing_to_read(&raw),
         "a reply came back before the server had run all ten"
     );
-    let mut replies = [0; 70];
-    raw.read_exact(&mut replies).unwrap();
-    assert_eq!(&replies, "+PONG\r\n".repeat(10).as_bytes());
+    read_pongs(&raw, 10);
 
     // Back to Pass: a new command goes through at once, while one sent just
     // before is still waiting out its delay (it leaves at its original time).
-    let mut held = TcpStream::connect(proxy.addr()).unwrap();
-    held.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut held = connect_raw();
     let chunks = proxy.client_chunks();
     held.write_all(b"PING\r\n").unwrap();
     wait_until(Duration::from_secs(5), "the PING in the proxy", || {
@@ -503,9 +510,7 @@ fn proxy_delay_delays_each_direction_without_limiting_throughput() {
         nothing_to_read(&held),
         "the delayed PING left the proxy at the switch, not at its time"
     );
-    let mut reply = [0; 7];
-    held.read_exact(&mut reply).unwrap();
-    assert_eq!(&reply, b"+PONG\r\n");
+    read_pongs(&held, 1);
 }
 
 #[test]
