@@ -1176,20 +1176,38 @@ fn what_an_unanswered_acquire_may_have_set_is_deleted_afterwards() {
         // instead of joining the writer forever.
         let _stop = support::CancelOnDrop(&cancel);
         let writer = s.spawn(|| rw.write().acquire(ttl, &cancel));
-        let intent = |c: &mut redis::Connection| -> Option<f64> {
-            let top: Vec<(String, f64)> = c.zrange_withscores(rw.intents_key(), 0, -1).unwrap();
-            top.first().map(|(_, expiry)| *expiry)
-        };
-        let mut recorded = None;
+        // The writer's intent, and the connection its attempts go out on: the
+        // one with tracking on (its invalidations redirected to the
+        // subscriber) that has run an attempt, so every reply to it from now
+        // on is an attempt's.
+        let mut port = None;
         wait_until(Duration::from_secs(10), "the writer's intent", || {
-            recorded = intent(&mut c);
-            recorded.is_some()
+            let tracked: Vec<u16> = support::client_list(&mut c)
+                .iter()
+                .filter(|f| f.get("redir").is_some_and(|r| r != "-1"))
+                .filter(|f| f.get("cmd").is_some_and(|c| c == "evalsha"))
+                .filter_map(|f| f.get("addr")?.rsplit_once(':')?.1.parse().ok())
+                .collect();
+            assert!(tracked.len() <= 1, "one tracked connection: {tracked:?}");
+            port = tracked.first().copied();
+            port.is_some() && c.zcard::<_, u64>(rw.intents_key()).unwrap() > 0
         });
+        let port = port.expect("found above");
+        let dropped = proxy
+            .server_chunks_dropped_to(port)
+            .expect("the tracked connection goes through the proxy");
         // Its next attempt, the intent's refresh, gets no reply (nor do the
         // connections it opens afterwards, so nothing withdraws the intent).
+        // The reply of the attempt that recorded the intent may still be on
+        // its way now and be lost instead: then that attempt is the
+        // unanswered one, and no refresh follows. Either way a reply to that
+        // connection is dropped (and the writer closes it once its node
+        // timeout passed without one).
         proxy.set_mode(support::Mode::DropServerToClient);
-        wait_until(Duration::from_secs(10), "the unanswered refresh", || {
-            intent(&mut c) > recorded
+        wait_until(Duration::from_secs(10), "an unanswered attempt", || {
+            proxy
+                .server_chunks_dropped_to(port)
+                .is_none_or(|n| n > dropped)
         });
         cancel.cancel();
         assert!(matches!(writer.join().unwrap(), Err(Error::Cancelled)));

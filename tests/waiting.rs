@@ -64,18 +64,7 @@ fn wait_for_quiet(admin: &mut redis::Connection, quiet: Duration, within: Durati
 
 /// `CLIENT LIST` as one map of fields per connection.
 fn client_list(server: &TestServer) -> Vec<HashMap<String, String>> {
-    let list: String = redis::cmd("CLIENT")
-        .arg("LIST")
-        .query(&mut server.client())
-        .expect("CLIENT LIST");
-    list.lines()
-        .map(|l| {
-            l.split_whitespace()
-                .filter_map(|f| f.split_once('='))
-                .map(|(k, v)| (k.to_owned(), v.to_owned()))
-                .collect()
-        })
-        .collect()
+    support::client_list(&mut server.client())
 }
 
 /// The connections this crate opened (named `respire`, `respire-renewal`,

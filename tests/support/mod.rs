@@ -85,6 +85,23 @@ pub(crate) fn unique_prefix(test_name: &str) -> String {
     format!("t:{test_name}:{n}:")
 }
 
+/// `CLIENT LIST` of the server behind `conn`, as one map of fields per
+/// connection.
+pub(crate) fn client_list(conn: &mut redis::Connection) -> Vec<HashMap<String, String>> {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(conn)
+        .expect("CLIENT LIST");
+    list.lines()
+        .map(|l| {
+            l.split_whitespace()
+                .filter_map(|f| f.split_once('='))
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect()
+        })
+        .collect()
+}
+
 /// How many times the server behind `conn` has run each command, by the name
 /// `INFO commandstats` gives it (lowercase; a subcommand as
 /// `client|tracking`), `INFO` itself left out.

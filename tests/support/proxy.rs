@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
@@ -110,6 +110,8 @@ struct Entry {
     client: TcpStream,
     upstream: Option<TcpStream>,
     reset: Arc<AtomicBool>,
+    /// Chunks from the server that the mode discarded.
+    server_chunks_dropped: Arc<AtomicU64>,
 }
 
 /// Held by each thread of a connection; the last one to finish unregisters it,
@@ -118,6 +120,7 @@ struct Connection {
     id: u64,
     shared: Arc<Shared>,
     reset: Arc<AtomicBool>,
+    server_chunks_dropped: Arc<AtomicU64>,
 }
 
 impl Connection {
@@ -272,6 +275,19 @@ impl FaultProxy {
     pub(crate) fn client_chunks_done(&self) -> u64 {
         self.shared.client_chunks_done.load(Ordering::SeqCst)
     }
+
+    /// How many chunks of bytes the server sent on one open connection that
+    /// the mode discarded (such as replies in [`Mode::DropServerToClient`]):
+    /// a reply to that connection's client was lost once this grew. The
+    /// connection is the one the server lists at `127.0.0.1:port` (its
+    /// `CLIENT LIST` address); `None` if no open connection is.
+    pub(crate) fn server_chunks_dropped_to(&self, port: u16) -> Option<u64> {
+        lock(&self.shared.connections).values().find_map(|entry| {
+            let upstream = entry.upstream.as_ref()?;
+            (upstream.local_addr().ok()?.port() == port)
+                .then(|| entry.server_chunks_dropped.load(Ordering::SeqCst))
+        })
+    }
 }
 
 impl Drop for FaultProxy {
@@ -344,18 +360,21 @@ fn serve(client: TcpStream, id: u64, upstream: SocketAddr, shared: &Arc<Shared>)
     };
     server.set_nodelay(true)?;
     let reset = Arc::new(AtomicBool::new(false));
+    let dropped = Arc::new(AtomicU64::new(0));
     lock(&shared.connections).insert(
         id,
         Entry {
             client: client.try_clone()?,
             upstream: Some(server.try_clone()?),
             reset: Arc::clone(&reset),
+            server_chunks_dropped: Arc::clone(&dropped),
         },
     );
     let connection = Arc::new(Connection {
         id,
         shared: Arc::clone(shared),
         reset,
+        server_chunks_dropped: dropped,
     });
     let directions = [
         (Direction::ClientToServer, &client, &server),
@@ -397,18 +416,21 @@ fn keep_threads(shared: &Shared, new: impl IntoIterator<Item = JoinHandle<()>>) 
 /// discards until the client closes or the connection is reset.
 fn hold(client: TcpStream, id: u64, shared: &Arc<Shared>) -> io::Result<()> {
     let reset = Arc::new(AtomicBool::new(false));
+    let dropped = Arc::new(AtomicU64::new(0));
     lock(&shared.connections).insert(
         id,
         Entry {
             client: client.try_clone()?,
             upstream: None,
             reset: Arc::clone(&reset),
+            server_chunks_dropped: Arc::clone(&dropped),
         },
     );
     let connection = Connection {
         id,
         shared: Arc::clone(shared),
         reset,
+        server_chunks_dropped: dropped,
     };
     let thread = thread::Builder::new()
         .name(format!("proxy-{id}-hold"))
@@ -461,7 +483,7 @@ fn read_side(
                 let _ = queue.send(Chunk { data: None, due });
                 return;
             }
-            Ok(_) if mode.drops(direction) => chunk_done(direction, connection),
+            Ok(_) if mode.drops(direction) => chunk_dropped(direction, connection),
             Ok(n) => {
                 let data = Some(buf[..n].to_vec());
                 if queue.send(Chunk { data, due }).is_err() {
@@ -509,7 +531,7 @@ fn write_side(
         }
         if connection.shared.mode().drops(direction) {
             if chunk.data.is_some() {
-                chunk_done(direction, connection);
+                chunk_dropped(direction, connection);
             }
             continue;
         }
@@ -534,6 +556,18 @@ fn chunk_done(direction: Direction, connection: &Connection) {
         connection
             .shared
             .client_chunks_done
+            .fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Counts a chunk of data discarded by the mode: done with, if a client sent
+/// it; dropped (see [`FaultProxy::server_chunks_dropped_to`]), if the server
+/// did.
+fn chunk_dropped(direction: Direction, connection: &Connection) {
+    chunk_done(direction, connection);
+    if direction == Direction::ServerToClient {
+        connection
+            .server_chunks_dropped
             .fetch_add(1, Ordering::SeqCst);
     }
 }
