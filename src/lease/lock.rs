@@ -103,33 +103,35 @@ impl Acquire<()> for PlainSpec {
         waiting: bool,
         uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<()>>> {
-        // One round trip of plain commands, no script. An attempt that does
-        // not wait is one command, `SET NX PX GET` (Redis 7.0 on): it takes
-        // the lock if it is free and answers what the key held before, which
-        // tells a grant of this owner's earlier attempt (whose reply was
-        // lost) from another holder, and a key of another type (an error, not
-        // a lock held by someone else) from both. A server that refuses `NX`
-        // with `GET` (before 7.0) gets the pipeline below instead, from then
-        // on. In a wait that found the lock held, `SET NX PX` goes with a
-        // `GET` of its own, after `CLIENT CACHING yes` (which must follow the
-        // `SET`, whose write would clear it) so that the read arms client
-        // tracking (a write does not), and `PTTL`, which says how long the
-        // holder has. An earlier attempt that lands late finds the key set
-        // and changes nothing: it can never shorten the lock.
+        // One round trip of plain commands, no script: `SET NX PX GET`
+        // (Redis 7.0 on). It takes the lock if it is free and answers what
+        // the key held before, which tells a grant of this owner's earlier
+        // attempt (whose reply was lost) from another holder, and a key of
+        // another type (an error, not a lock held by someone else) from both.
+        // An attempt that does not wait is that one command. In a wait that
+        // found the lock held, `PTTL` follows it, which says how long the
+        // holder has and, being a read (a write, `SET` with `GET` too, does
+        // not), arms client tracking of the key; `CLIENT CACHING yes` goes
+        // right before it (after the `SET`, whose write would clear it). A
+        // server that refuses `NX` with `GET` (before 7.0) gets `SET NX PX`
+        // and a `GET` of its own instead, from then on, the `GET` then being
+        // the read `CLIENT CACHING yes` goes before. An earlier attempt that
+        // lands late finds the key set and changes nothing: it can never
+        // shorten the lock.
         let key = &self.keys[0];
         let track = conn.take_track();
-        let set_get = !waiting && !track && !self.no_set_get.load(Ordering::Relaxed);
+        let set_get = !self.no_set_get.load(Ordering::Relaxed);
         let mut pipe = redis::pipe();
         pipe.ignore_errors();
         pipe.add_command(set_command(key, owner.as_str(), ttl_ms, set_get));
+        if track {
+            pipe.cmd("CLIENT").arg("CACHING").arg("yes");
+        }
         if !set_get {
-            if track {
-                pipe.cmd("CLIENT").arg("CACHING").arg("yes");
-            }
             pipe.cmd("GET").arg(key);
-            if waiting {
-                pipe.cmd("PTTL").arg(key);
-            }
+        }
+        if waiting {
+            pipe.cmd("PTTL").arg(key);
         }
         let mut reply = conn.pipeline(&pipe, "acquire", deadline)?;
         if track && reply.len() > 1 {
@@ -166,21 +168,35 @@ impl Acquire<()> for PlainSpec {
             })
         };
         let mine = |v: &[u8]| v == owner.as_str().as_bytes();
+        let held = |pttl: Option<&redis::Value>| match pttl {
+            None => Ok(Attempt::Busy(None)),
+            Some(redis::Value::Int(pttl)) => Ok(Attempt::Busy(busy(*pttl))),
+            Some(redis::Value::ServerError(e)) => fail(e),
+            Some(other) => Err(Error::UnexpectedReply {
+                op: "acquire",
+                reply: format!("{other:?}"),
+            }),
+        };
         if set_get {
             return match reply.as_slice() {
                 // Free: set now.
-                [redis::Value::Nil] => granted(sent),
+                [redis::Value::Nil, ..] => granted(sent),
                 // Set by an earlier attempt of this owner whose reply was
                 // lost: its expiry counts from that attempt at the earliest.
-                [redis::Value::BulkString(v)] if mine(v) => granted(dated(uncertain_since, sent)),
-                [redis::Value::BulkString(_)] => Ok(Attempt::Busy(None)),
-                [redis::Value::ServerError(e)] if refuses_nx_with_get(e) => {
+                [redis::Value::BulkString(v), ..] if mine(v) => {
+                    granted(dated(uncertain_since, sent))
+                }
+                [redis::Value::BulkString(_), pttl @ ..] if pttl.len() <= 1 => held(pttl.first()),
+                [redis::Value::ServerError(e), ..] if refuses_nx_with_get(e) => {
                     // Refused before it ran: nothing was set.
                     log::debug!(
                         "the server refuses SET with NX and GET (before Redis 7.0); acquiring \
                          {key:?} with SET NX and GET pipelined"
                     );
                     self.no_set_get.store(true, Ordering::Relaxed);
+                    if track {
+                        conn.track_next();
+                    }
                     self.attempt(
                         _dep,
                         conn,
@@ -192,7 +208,7 @@ impl Acquire<()> for PlainSpec {
                         uncertain_since,
                     )
                 }
-                [redis::Value::ServerError(e)] => fail(e),
+                [redis::Value::ServerError(e), ..] => fail(e),
                 other => Err(Error::UnexpectedReply {
                     op: "acquire",
                     reply: format!("{other:?}"),
@@ -205,14 +221,12 @@ impl Acquire<()> for PlainSpec {
             [redis::Value::Nil, redis::Value::BulkString(v), ..] if mine(v) => {
                 granted(dated(uncertain_since, sent))
             }
-            [redis::Value::Nil, redis::Value::ServerError(e), ..]
-            | [redis::Value::Nil, _, redis::Value::ServerError(e)] => fail(e),
-            [redis::Value::Nil, _, redis::Value::Int(pttl)] => Ok(Attempt::Busy(busy(*pttl))),
-            // One attempt (no PTTL asked): held by someone else.
+            [redis::Value::Nil, redis::Value::ServerError(e), ..] => fail(e),
             [
                 redis::Value::Nil,
                 redis::Value::BulkString(_) | redis::Value::Nil,
-            ] => Ok(Attempt::Busy(None)),
+                pttl @ ..,
+            ] if pttl.len() <= 1 => held(pttl.first()),
             other => Err(Error::UnexpectedReply {
                 op: "acquire",
                 reply: format!("{other:?}"),

@@ -21,8 +21,8 @@
 //! Tracking is `CLIENT TRACKING ON REDIRECT <subscriber> OPTIN`, turned on
 //! once per pooled connection; a tracked attempt sends `CLIENT CACHING yes`
 //! in the same round trip, right before the command that reads the key (a
-//! `Lock`'s `GET`, after its `SET`, whose write would clear it; the script
-//! of the others). In `OPTIN` mode the plain attempts, releases and
+//! `Lock`'s `PTTL`, after its `SET`, whose write would clear it and which,
+//! as a write, arms nothing itself; the script of the others). In `OPTIN` mode the plain attempts, releases and
 //! renewals that later run on a connection that once waited track nothing.
 //! Plain tracking (`ON` without `OPTIN`) would make every read on such a
 //! connection, the uncontended ones included, cost an invalidation;

@@ -131,8 +131,8 @@ pub(crate) fn calls(conn: &mut redis::Connection, commands: &[&str]) -> u64 {
 }
 
 /// Acquire attempts and releases the server behind `conn` has run: a `Lock`
-/// attempt is one `SET … NX` (with a `GET` and a `PTTL` in the same round
-/// trip when it waits); a fenced attempt, like a release, one `EVALSHA`
+/// attempt is one `SET … NX` (with a `PTTL` in the same round trip when it
+/// waits); a fenced attempt, like a release, one `EVALSHA`
 /// (`EVAL` the first time).
 pub(crate) fn script_calls(conn: &mut redis::Connection) -> u64 {
     calls(conn, &["evalsha", "eval", "set"])
