@@ -36,12 +36,12 @@
 //! with tracking on from the first attempt, `Lock::acquire` cost 1.77× /
 //! 1.28× the raw `SET NX PX` + compare-and-delete pair and
 //! `FencedLock::acquire` 2.48× / 1.42× it (figures of an earlier run);
-//! with the plain first attempt, `Lock::acquire` costs 1.06× / 1.04× the
-//! raw pair (`try_acquire` 1.05× / 1.07× in the same run; such ratios move
-//! by a few hundredths between runs), `FencedLock::acquire` 1.05× / 1.05×
+//! with the plain first attempt, `Lock::acquire` costs 1.06× / 1.02× the
+//! raw pair (`try_acquire` 1.05× / 1.04× in the same run; such ratios move
+//! by a few hundredths between runs), `FencedLock::acquire` 1.03× / 1.00×
 //! the raw fenced script pair, and the waits of the reader/writer lease and
-//! the semaphore 1.02–1.05× their raw script pairs, with client CPU per pair
-//! 1.03–1.11× the raw pairs'.
+//! the semaphore 1.01–1.04× their raw script pairs, with client CPU per pair
+//! 0.97–1.11× the raw pairs'.
 //!
 //! Where the ACL denies `CLIENT CACHING` (but allows `CLIENT TRACKING`),
 //! connections fall back to tracking every read (logged once): waits are
