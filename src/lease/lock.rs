@@ -8,7 +8,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::conn::Conn;
 use crate::core::acquire::dated;
@@ -83,6 +83,58 @@ fn refuses_nx_with_get(e: &redis::ServerError) -> bool {
     e.code() == "ERR" && e.details().is_some_and(|d| d.contains("syntax error"))
 }
 
+/// What the server answered to a plain attempt, `CLIENT CACHING`'s reply
+/// taken out.
+#[derive(Debug, PartialEq)]
+enum Answer<'a> {
+    /// Free: set now.
+    Set,
+    /// Already this owner's: set by an earlier attempt whose reply was lost.
+    Mine,
+    /// Held by someone else, for this long if a `PTTL` asked (and the key
+    /// had an expiry).
+    Held(Option<Duration>),
+    /// `SET` with both `NX` and `GET` refused (before Redis 7.0): nothing ran.
+    NoSetGet,
+    /// An error reply: a key of another type, a denied command, ….
+    Refused(&'a redis::ServerError),
+    /// A reply of another shape.
+    Unexpected,
+}
+
+/// Reads a plain attempt's replies: `[SET NX PX GET]` or `[SET NX PX, GET]`
+/// (`set_get` false, before Redis 7.0), each with a `PTTL` after it in a
+/// wait. `SET … GET` answers what the key held (nil: it was free and is set
+/// now); a plain `SET NX` answers `OK` (set) or nil (not set), and the `GET`
+/// after it whose value it is now.
+fn answer<'a>(reply: &'a [redis::Value], set_get: bool, owner: &[u8]) -> Answer<'a> {
+    use redis::Value::{BulkString, Int, Nil, Okay, ServerError};
+    let held = |pttl: &'a [redis::Value]| match pttl {
+        [] => Answer::Held(None),
+        [Int(pttl)] => Answer::Held(busy(*pttl)),
+        [ServerError(e)] => Answer::Refused(e),
+        _ => Answer::Unexpected,
+    };
+    if set_get {
+        return match reply {
+            [Nil, ..] => Answer::Set,
+            [BulkString(v), ..] if v.as_slice() == owner => Answer::Mine,
+            [BulkString(_), pttl @ ..] => held(pttl),
+            [ServerError(e), ..] if refuses_nx_with_get(e) => Answer::NoSetGet,
+            [ServerError(e), ..] => Answer::Refused(e),
+            _ => Answer::Unexpected,
+        };
+    }
+    match reply {
+        [Okay, ..] => Answer::Set,
+        [ServerError(e), ..] | [Nil, ServerError(e), ..] => Answer::Refused(e),
+        [Nil, BulkString(v), ..] if v.as_slice() == owner => Answer::Mine,
+        // Nil: the holder's key expired between the `SET` and the `GET`.
+        [Nil, BulkString(_) | Nil, pttl @ ..] => held(pttl),
+        _ => Answer::Unexpected,
+    }
+}
+
 impl Acquire<()> for PlainSpec {
     fn keys(&self) -> &[String] {
         &self.keys
@@ -151,85 +203,52 @@ impl Acquire<()> for PlainSpec {
                 sent,
             }))
         };
-        let fail = |e: &redis::ServerError| {
-            let source = redis::RedisError::from(e.clone());
-            Err(if e.code() == "WRONGTYPE" {
-                Error::BadKey {
-                    key: key.clone(),
-                    problem: "holds a value of another type, not a lock".into(),
+        match answer(&reply, set_get, owner.as_str().as_bytes()) {
+            Answer::Set => granted(sent),
+            // Set by an earlier attempt of this owner whose reply was lost:
+            // its expiry counts from that attempt at the earliest.
+            Answer::Mine => granted(dated(uncertain_since, sent)),
+            Answer::Held(pttl) => Ok(Attempt::Busy(pttl)),
+            Answer::NoSetGet => {
+                // Refused before it ran: nothing was set.
+                log::debug!(
+                    "the server refuses SET with NX and GET (before Redis 7.0); acquiring \
+                     {key:?} with SET NX and GET pipelined"
+                );
+                self.no_set_get.store(true, Ordering::Relaxed);
+                if track {
+                    conn.track_next();
                 }
-            } else if crate::error::is_noperm(&source) {
-                Error::Permission(format!("acquire: {source}"))
-            } else {
-                Error::Server {
-                    op: "acquire",
-                    source,
-                }
-            })
-        };
-        let mine = |v: &[u8]| v == owner.as_str().as_bytes();
-        let held = |pttl: Option<&redis::Value>| match pttl {
-            None => Ok(Attempt::Busy(None)),
-            Some(redis::Value::Int(pttl)) => Ok(Attempt::Busy(busy(*pttl))),
-            Some(redis::Value::ServerError(e)) => fail(e),
-            Some(other) => Err(Error::UnexpectedReply {
-                op: "acquire",
-                reply: format!("{other:?}"),
-            }),
-        };
-        if set_get {
-            return match reply.as_slice() {
-                // Free: set now.
-                [redis::Value::Nil, ..] => granted(sent),
-                // Set by an earlier attempt of this owner whose reply was
-                // lost: its expiry counts from that attempt at the earliest.
-                [redis::Value::BulkString(v), ..] if mine(v) => {
-                    granted(dated(uncertain_since, sent))
-                }
-                [redis::Value::BulkString(_), pttl @ ..] if pttl.len() <= 1 => held(pttl.first()),
-                [redis::Value::ServerError(e), ..] if refuses_nx_with_get(e) => {
-                    // Refused before it ran: nothing was set.
-                    log::debug!(
-                        "the server refuses SET with NX and GET (before Redis 7.0); acquiring \
-                         {key:?} with SET NX and GET pipelined"
-                    );
-                    self.no_set_get.store(true, Ordering::Relaxed);
-                    if track {
-                        conn.track_next();
-                    }
-                    self.attempt(
-                        _dep,
-                        conn,
-                        owner,
-                        ttl_ms,
-                        deadline,
-                        sent,
-                        waiting,
-                        uncertain_since,
-                    )
-                }
-                [redis::Value::ServerError(e), ..] => fail(e),
-                other => Err(Error::UnexpectedReply {
-                    op: "acquire",
-                    reply: format!("{other:?}"),
-                }),
-            };
-        }
-        match reply.as_slice() {
-            [redis::Value::Okay, ..] => granted(sent),
-            [redis::Value::ServerError(e), ..] => fail(e),
-            [redis::Value::Nil, redis::Value::BulkString(v), ..] if mine(v) => {
-                granted(dated(uncertain_since, sent))
+                self.attempt(
+                    _dep,
+                    conn,
+                    owner,
+                    ttl_ms,
+                    deadline,
+                    sent,
+                    waiting,
+                    uncertain_since,
+                )
             }
-            [redis::Value::Nil, redis::Value::ServerError(e), ..] => fail(e),
-            [
-                redis::Value::Nil,
-                redis::Value::BulkString(_) | redis::Value::Nil,
-                pttl @ ..,
-            ] if pttl.len() <= 1 => held(pttl.first()),
-            other => Err(Error::UnexpectedReply {
+            Answer::Refused(e) => {
+                let source = redis::RedisError::from(e.clone());
+                Err(if e.code() == "WRONGTYPE" {
+                    Error::BadKey {
+                        key: key.clone(),
+                        problem: "holds a value of another type, not a lock".into(),
+                    }
+                } else if crate::error::is_noperm(&source) {
+                    Error::Permission(format!("acquire: {source}"))
+                } else {
+                    Error::Server {
+                        op: "acquire",
+                        source,
+                    }
+                })
+            }
+            Answer::Unexpected => Err(Error::UnexpectedReply {
                 op: "acquire",
-                reply: format!("{other:?}"),
+                reply: format!("{reply:?}"),
             }),
         }
     }
@@ -265,6 +284,85 @@ mod tests {
             "-READONLY You can't write against a read only replica.\r\n",
         ] {
             assert!(!refuses_nx_with_get(&server_error(other)), "{other}");
+        }
+    }
+
+    #[test]
+    fn every_shape_of_a_plain_attempts_reply_is_read() {
+        use redis::Value::{BulkString, Int, Nil, Okay, ServerError};
+        let owner = b"me".as_slice();
+        let bulk = |v: &str| BulkString(v.as_bytes().to_vec());
+        let error = |text: &str| ServerError(server_error(text));
+        let wrong_type = server_error("-WRONGTYPE Operation against a key\r\n");
+        let read = |reply: &[redis::Value], set_get| format!("{:?}", answer(reply, set_get, owner));
+        let expect = |a: Answer<'_>| format!("{a:?}");
+        let held = |ms| expect(Answer::Held(Some(Duration::from_millis(ms))));
+        // `SET NX PX GET` (Redis 7.0 on), alone or with the wait's `PTTL`.
+        for (reply, want) in [
+            (vec![Nil], expect(Answer::Set)),
+            (vec![Nil, Int(-2)], expect(Answer::Set)),
+            (vec![bulk("me")], expect(Answer::Mine)),
+            (vec![bulk("me"), Int(900)], expect(Answer::Mine)),
+            (vec![bulk("other")], expect(Answer::Held(None))),
+            (vec![bulk("other"), Int(1_500)], held(1_500)),
+            // No expiry on the holder's key, or gone since: no hint.
+            (vec![bulk("other"), Int(-1)], expect(Answer::Held(None))),
+            (vec![bulk("other"), Int(-2)], expect(Answer::Held(None))),
+            (
+                vec![error("-ERR syntax error\r\n"), Int(-2)],
+                expect(Answer::NoSetGet),
+            ),
+            (
+                vec![error("-WRONGTYPE Operation against a key\r\n")],
+                expect(Answer::Refused(&wrong_type)),
+            ),
+            (
+                vec![
+                    bulk("other"),
+                    error("-WRONGTYPE Operation against a key\r\n"),
+                ],
+                expect(Answer::Refused(&wrong_type)),
+            ),
+            (vec![], expect(Answer::Unexpected)),
+            (vec![Okay], expect(Answer::Unexpected)),
+            (
+                vec![bulk("other"), Int(1), Int(1)],
+                expect(Answer::Unexpected),
+            ),
+            (vec![bulk("other"), Nil], expect(Answer::Unexpected)),
+        ] {
+            assert_eq!(read(&reply, true), want, "SET … GET: {reply:?}");
+        }
+        // `SET NX PX` and `GET` (before 7.0), alone or with the `PTTL`.
+        for (reply, want) in [
+            (vec![Okay, bulk("me")], expect(Answer::Set)),
+            (vec![Okay, bulk("me"), Int(30_000)], expect(Answer::Set)),
+            (vec![Nil, bulk("me")], expect(Answer::Mine)),
+            (vec![Nil, bulk("other")], expect(Answer::Held(None))),
+            (vec![Nil, bulk("other"), Int(250)], held(250)),
+            // The holder's key expired between the `SET` and the `GET`.
+            (vec![Nil, Nil, Int(-2)], expect(Answer::Held(None))),
+            (
+                vec![error("-WRONGTYPE Operation against a key\r\n"), Nil],
+                expect(Answer::Refused(&wrong_type)),
+            ),
+            (
+                vec![Nil, error("-WRONGTYPE Operation against a key\r\n")],
+                expect(Answer::Refused(&wrong_type)),
+            ),
+            (
+                vec![
+                    Nil,
+                    bulk("other"),
+                    error("-WRONGTYPE Operation against a key\r\n"),
+                ],
+                expect(Answer::Refused(&wrong_type)),
+            ),
+            // The `GET` reply missing, or a `SET` reply of another kind.
+            (vec![Nil], expect(Answer::Unexpected)),
+            (vec![Int(1), bulk("me")], expect(Answer::Unexpected)),
+        ] {
+            assert_eq!(read(&reply, false), want, "SET NX, GET: {reply:?}");
         }
     }
 
