@@ -344,6 +344,26 @@ impl Error {
 /// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The error of a lock acquire's error reply: a key of another type is
+/// [`Error::BadKey`], a denied command [`Error::Permission`], anything else
+/// [`Error::Server`].
+pub(crate) fn acquire_refused(key: &str, e: &redis::ServerError) -> Error {
+    let source = redis::RedisError::from(e.clone());
+    if e.code() == "WRONGTYPE" {
+        Error::BadKey {
+            key: key.to_owned(),
+            problem: "holds a value of another type, not a lock".into(),
+        }
+    } else if is_noperm(&source) {
+        Error::Permission(format!("acquire: {source}"))
+    } else {
+        Error::Server {
+            op: "acquire",
+            source,
+        }
+    }
+}
+
 /// Whether a server error reply means "permission denied": `NOPERM`, or the
 /// `ERR` a script gets when its user may not run a command or touch a key.
 pub(crate) fn is_noperm(err: &redis::RedisError) -> bool {

@@ -230,22 +230,7 @@ impl Acquire<()> for PlainSpec {
                     uncertain_since,
                 )
             }
-            Answer::Refused(e) => {
-                let source = redis::RedisError::from(e.clone());
-                Err(if e.code() == "WRONGTYPE" {
-                    Error::BadKey {
-                        key: key.clone(),
-                        problem: "holds a value of another type, not a lock".into(),
-                    }
-                } else if crate::error::is_noperm(&source) {
-                    Error::Permission(format!("acquire: {source}"))
-                } else {
-                    Error::Server {
-                        op: "acquire",
-                        source,
-                    }
-                })
-            }
+            Answer::Refused(e) => Err(crate::error::acquire_refused(key, e)),
             Answer::Unexpected => Err(Error::UnexpectedReply {
                 op: "acquire",
                 reply: format!("{reply:?}"),

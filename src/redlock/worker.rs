@@ -724,7 +724,9 @@ pub(crate) fn acquire_reply(reply: &[redis::Value], key: &str, value: &str) -> R
         }
         [redis::Value::ServerError(e), ..]
         | [redis::Value::Nil, redis::Value::ServerError(e), ..]
-        | [redis::Value::Nil, _, redis::Value::ServerError(e)] => Err(acquire_error(key, e)),
+        | [redis::Value::Nil, _, redis::Value::ServerError(e)] => {
+            Err(crate::error::acquire_refused(key, e))
+        }
         [redis::Value::Nil, _, redis::Value::Int(pttl)] => Ok(NodeReply::Held { pttl: *pttl }),
         other => Err(unexpected("acquire", other)),
     }
@@ -788,25 +790,6 @@ fn kill(id: impl redis::ToRedisArgs) -> redis::Cmd {
 /// The scripts a node runs, checked with `SCRIPT EXISTS` on every connection.
 fn node_scripts() -> [&'static Script; 2] {
     [&scripts::LEASE_EXTEND, &scripts::LEASE_RELEASE]
-}
-
-/// The error of an acquire's error reply: a key of another type is
-/// [`Error::BadKey`], a denied command [`Error::Permission`].
-fn acquire_error(key: &str, e: &redis::ServerError) -> Error {
-    let source = redis::RedisError::from(e.clone());
-    if e.code() == "WRONGTYPE" {
-        Error::BadKey {
-            key: key.to_owned(),
-            problem: "holds a value of another type, not a lock".into(),
-        }
-    } else if crate::error::is_noperm(&source) {
-        Error::Permission(format!("acquire: {source}"))
-    } else {
-        Error::Server {
-            op: "acquire",
-            source,
-        }
-    }
 }
 
 /// Connects to a node within `budget` (at most its connect timeout): one round trip for the
