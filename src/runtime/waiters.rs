@@ -22,8 +22,9 @@
 //! once per pooled connection; a tracked attempt sends `CLIENT CACHING yes`
 //! in the same round trip, right before the command that reads the key (a
 //! `Lock`'s `PTTL`, after its `SET`, whose write would clear it and which,
-//! as a write, arms nothing itself; the script of the others). In `OPTIN` mode the plain attempts, releases and
-//! renewals that later run on a connection that once waited track nothing.
+//! as a write, arms nothing itself; the script of the others). In `OPTIN`
+//! mode the plain attempts, releases and renewals that later run on a
+//! connection that once waited track nothing.
 //! Plain tracking (`ON` without `OPTIN`) would make every read on such a
 //! connection, the uncontended ones included, cost an invalidation;
 //! `NOLOOP` only spares a connection the changes it makes itself, and a
