@@ -17,10 +17,9 @@ use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key, bad_key_in};
 use crate::lease::guard::LeaseGuard;
 use crate::lease::kind::{Acquire, Fenced, Granted, WaitKeys};
-use crate::lease::{busy, parse_token, string_clean_up};
-use crate::runtime::renewal::Ops;
+use crate::lease::{busy, string_clean_up, token_grant, unexpected_acquire};
 use crate::runtime::waiters::Attempt;
-use crate::scripts;
+use crate::scripts::{self, Script};
 use crate::token::{FencingToken, OwnerToken};
 
 /// A fenced lock on one deployment. Made by
@@ -77,6 +76,46 @@ impl FencedSpec {
     }
 }
 
+impl FencedSpec {
+    /// Calls `send` with an attempt's script, keys and arguments for `owner`
+    /// at `ttl` milliseconds: lease, fence and the value key when there is
+    /// one; owner, TTL and the value when there is one (on the stack, no
+    /// vector per attempt).
+    pub(crate) fn request<R>(
+        &self,
+        owner: &str,
+        ttl: &str,
+        send: impl FnOnce(&'static Script, &[&str], &[&str]) -> R,
+    ) -> R {
+        let key_slots = [
+            self.keys[0].as_str(),
+            self.keys[1].as_str(),
+            self.keys.get(2).map_or("", String::as_str),
+        ];
+        let arg_slots = [owner, ttl, self.value.as_deref().unwrap_or_default()];
+        send(
+            &scripts::FENCED_ACQUIRE,
+            &key_slots[..self.keys.len()],
+            &arg_slots[..2 + usize::from(self.value.is_some())],
+        )
+    }
+
+    /// Reads the script's reply to an attempt of `owner` sent at `sent`:
+    /// `{1, token}` granted, `{0, pttl}` held.
+    pub(crate) fn read(
+        &self,
+        reply: &[redis::Value],
+        owner: &str,
+        sent: Instant,
+    ) -> Result<Attempt<Granted<FencingToken>>> {
+        match reply {
+            [redis::Value::Int(1), token] => token_grant(token, &self.keys[0], owner, sent),
+            [redis::Value::Int(0), redis::Value::Int(pttl)] => Ok(Attempt::Busy(busy(*pttl))),
+            other => Err(unexpected_acquire(other)),
+        }
+    }
+}
+
 impl Acquire<FencingToken> for FencedSpec {
     fn keys(&self) -> &[String] {
         &self.keys
@@ -98,62 +137,38 @@ impl Acquire<FencingToken> for FencedSpec {
         _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<FencingToken>>> {
         let (lease, fence) = (&self.keys[0], &self.keys[1]);
-        // Lease, fence and the value key when there is one; owner, TTL and
-        // the value when there is one (on the stack, no vector per attempt).
-        let key_slots = [
-            lease.as_str(),
-            fence.as_str(),
-            self.keys.get(2).map_or("", String::as_str),
-        ];
-        let keys = &key_slots[..self.keys.len()];
         let ttl = ttl_ms.to_string();
-        let arg_slots = [
-            owner.as_str(),
-            &ttl,
-            self.value.as_deref().unwrap_or_default(),
-        ];
-        let args = &arg_slots[..2 + usize::from(self.value.is_some())];
-        let reply: Vec<redis::Value> = conn
-            .script(&scripts::FENCED_ACQUIRE, keys, args, "acquire", deadline)
-            .map_err(|e| {
-                let key = match &e {
-                    Error::Server { source, .. }
-                        if source.code() == Some("BADFENCE")
-                            || source.to_string().contains("overflow") =>
-                    {
-                        fence
-                    }
-                    _ => lease,
-                };
-                match e {
-                    Error::Server { source, .. } if source.to_string().contains("overflow") => {
-                        Error::BadKey {
-                            key: key.clone(),
-                            problem: "is at the largest value a counter can hold; no further \
-                                      fencing token can be issued"
-                                .into(),
+        let reply: Vec<redis::Value> =
+            self.request(owner.as_str(), &ttl, |script, keys, args| {
+                conn.script(script, keys, args, "acquire", deadline)
+                    .map_err(|e| {
+                        let key = match &e {
+                            Error::Server { source, .. }
+                                if source.code() == Some("BADFENCE")
+                                    || source.to_string().contains("overflow") =>
+                            {
+                                fence
+                            }
+                            _ => lease,
+                        };
+                        match e {
+                            Error::Server { source, .. }
+                                if source.to_string().contains("overflow") =>
+                            {
+                                Error::BadKey {
+                                    key: key.clone(),
+                                    problem: "is at the largest value a counter can hold; no \
+                                          further fencing token can be issued"
+                                        .into(),
+                                }
+                            }
+                            // BADKEY names its key by index (KEYS[3], the value).
+                            e if key == lease => bad_key_in(e, keys),
+                            e => bad_key(e, key),
                         }
-                    }
-                    // BADKEY names its key by index (KEYS[3], the value).
-                    e if key == lease => bad_key_in(e, keys),
-                    e => bad_key(e, key),
-                }
+                    })
             })?;
-        match reply.as_slice() {
-            [redis::Value::Int(1), token] => {
-                let token = parse_token(token, "acquire")?;
-                Ok(Attempt::Acquired(Granted {
-                    grant: token,
-                    ops: Ops::string_value(lease, format!("{}:{token}", owner.as_str())),
-                    sent,
-                }))
-            }
-            [redis::Value::Int(0), redis::Value::Int(pttl)] => Ok(Attempt::Busy(busy(*pttl))),
-            other => Err(Error::UnexpectedReply {
-                op: "acquire",
-                reply: format!("{other:?}"),
-            }),
-        }
+        self.read(&reply, owner.as_str(), sent)
     }
 
     fn checks_grants(&self) -> bool {

@@ -17,7 +17,7 @@ use crate::lease::acquire::Lease;
 use crate::lease::deployment::Deployment;
 use crate::lease::guard::LeaseGuard;
 use crate::lease::kind::{Acquire, Granted, Plain, WaitKeys};
-use crate::lease::{busy, string_clean_up};
+use crate::lease::{busy, string_clean_up, unexpected_acquire};
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
 use crate::token::OwnerToken;
@@ -56,6 +56,68 @@ impl PlainSpec {
             keys: [key],
             no_set_get: AtomicBool::new(false),
         }
+    }
+
+    /// An attempt's commands, in one pipeline: `SET NX PX`, with `GET` at
+    /// its end when `set_get` (else a `GET` of its own after it); `CLIENT
+    /// CACHING yes` right after the `SET` when `track`; `PTTL` last when
+    /// `waiting`.
+    pub(crate) fn request(
+        &self,
+        owner: &str,
+        ttl_ms: u64,
+        set_get: bool,
+        track: bool,
+        waiting: bool,
+    ) -> redis::Pipeline {
+        let key = &self.keys[0];
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        pipe.add_command(set_command(key, owner, ttl_ms, set_get));
+        if track {
+            pipe.cmd("CLIENT").arg("CACHING").arg("yes");
+        }
+        if !set_get {
+            pipe.cmd("GET").arg(key);
+        }
+        if waiting {
+            pipe.cmd("PTTL").arg(key);
+        }
+        pipe
+    }
+
+    /// Reads the replies of a [`request`](PlainSpec::request) sent at
+    /// `sent` (`CLIENT CACHING`'s taken out). A grant found already this
+    /// owner's (an earlier attempt's, whose reply was lost) dates from
+    /// `uncertain_since`, that attempt's send, at the earliest. `None`: the
+    /// server refused `SET` with both `NX` and `GET` (before Redis 7.0), and
+    /// nothing ran.
+    pub(crate) fn read(
+        &self,
+        reply: &[redis::Value],
+        set_get: bool,
+        owner: &str,
+        sent: Instant,
+        uncertain_since: Option<Instant>,
+    ) -> Option<Result<Attempt<Granted<()>>>> {
+        let key = &self.keys[0];
+        let granted = |sent| {
+            Ok(Attempt::Acquired(Granted {
+                grant: (),
+                ops: Ops::string_value(key, owner.to_owned()),
+                sent,
+            }))
+        };
+        Some(match answer(reply, set_get, owner.as_bytes()) {
+            Answer::Set => granted(sent),
+            // Set by an earlier attempt of this owner whose reply was lost:
+            // its expiry counts from that attempt at the earliest.
+            Answer::Mine => granted(dated(uncertain_since, sent)),
+            Answer::Held(pttl) => Ok(Attempt::Busy(pttl)),
+            Answer::NoSetGet => return None,
+            Answer::Refused(e) => Err(crate::error::acquire_refused(key, e)),
+            Answer::Unexpected => Err(unexpected_acquire(reply)),
+        })
     }
 }
 
@@ -170,21 +232,9 @@ impl Acquire<()> for PlainSpec {
         // the read `CLIENT CACHING yes` goes before. An earlier attempt that
         // lands late finds the key set and changes nothing: it can never
         // shorten the lock.
-        let key = &self.keys[0];
         let track = conn.take_track();
         let set_get = !self.no_set_get.load(Ordering::Relaxed);
-        let mut pipe = redis::pipe();
-        pipe.ignore_errors();
-        pipe.add_command(set_command(key, owner.as_str(), ttl_ms, set_get));
-        if track {
-            pipe.cmd("CLIENT").arg("CACHING").arg("yes");
-        }
-        if !set_get {
-            pipe.cmd("GET").arg(key);
-        }
-        if waiting {
-            pipe.cmd("PTTL").arg(key);
-        }
+        let pipe = self.request(owner.as_str(), ttl_ms, set_get, track, waiting);
         let mut reply = conn.pipeline(&pipe, "acquire", deadline)?;
         if track && reply.len() > 1 {
             // `CLIENT CACHING yes` answers `OK` on a connection whose
@@ -196,24 +246,14 @@ impl Acquire<()> for PlainSpec {
                 });
             }
         }
-        let granted = |sent| {
-            Ok(Attempt::Acquired(Granted {
-                grant: (),
-                ops: Ops::string_value(key, owner.as_str().to_owned()),
-                sent,
-            }))
-        };
-        match answer(&reply, set_get, owner.as_str().as_bytes()) {
-            Answer::Set => granted(sent),
-            // Set by an earlier attempt of this owner whose reply was lost:
-            // its expiry counts from that attempt at the earliest.
-            Answer::Mine => granted(dated(uncertain_since, sent)),
-            Answer::Held(pttl) => Ok(Attempt::Busy(pttl)),
-            Answer::NoSetGet => {
+        match self.read(&reply, set_get, owner.as_str(), sent, uncertain_since) {
+            Some(read) => read,
+            None => {
                 // Refused before it ran: nothing was set.
                 log::debug!(
                     "the server refuses SET with NX and GET (before Redis 7.0); acquiring \
-                     {key:?} with SET NX and GET pipelined"
+                     {:?} with SET NX and GET pipelined",
+                    self.keys[0]
                 );
                 self.no_set_get.store(true, Ordering::Relaxed);
                 if track {
@@ -230,11 +270,6 @@ impl Acquire<()> for PlainSpec {
                     uncertain_since,
                 )
             }
-            Answer::Refused(e) => Err(crate::error::acquire_refused(key, e)),
-            Answer::Unexpected => Err(Error::UnexpectedReply {
-                op: "acquire",
-                reply: format!("{reply:?}"),
-            }),
         }
     }
 

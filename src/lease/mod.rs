@@ -21,9 +21,13 @@ pub(crate) mod multi;
 pub(crate) mod rwlease;
 pub(crate) mod semaphore;
 
-use std::time::Duration;
+use std::fmt;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::lease::kind::Granted;
+use crate::runtime::renewal::Ops;
+use crate::runtime::waiters::Attempt;
 use crate::scripts;
 use crate::token::{FencingToken, OwnerToken};
 
@@ -36,6 +40,30 @@ pub(crate) fn string_clean_up(key: &str, owner: &OwnerToken) -> redis::Cmd {
 /// Reads a `[0, pttl]` busy reply's PTTL.
 pub(crate) fn busy(pttl: i64) -> Option<Duration> {
     u64::try_from(pttl).ok().map(Duration::from_millis)
+}
+
+/// A grant of a lease held as the string `owner:token` on `key`, with the
+/// token a fenced or write acquire script answered (`{1, token}`).
+pub(crate) fn token_grant(
+    token: &redis::Value,
+    key: &str,
+    owner: &str,
+    sent: Instant,
+) -> Result<Attempt<Granted<FencingToken>>> {
+    let token = parse_token(token, "acquire")?;
+    Ok(Attempt::Acquired(Granted {
+        grant: token,
+        ops: Ops::string_value(key, format!("{owner}:{token}")),
+        sent,
+    }))
+}
+
+/// An acquire's reply of a shape no attempt answers.
+pub(crate) fn unexpected_acquire(reply: &(impl fmt::Debug + ?Sized)) -> Error {
+    Error::UnexpectedReply {
+        op: "acquire",
+        reply: format!("{reply:?}"),
+    }
 }
 
 /// Reads a token the scripts return as a string (or, from older scripts, an

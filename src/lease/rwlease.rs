@@ -21,10 +21,10 @@ use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::guard::LeaseGuard;
 use crate::lease::kind::{Acquire, Granted, Read, WaitKeys, Write};
-use crate::lease::{busy, parse_token};
+use crate::lease::{busy, parse_token, token_grant, unexpected_acquire};
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
-use crate::scripts;
+use crate::scripts::{self, Script};
 use crate::token::{FencingToken, OwnerToken};
 
 /// The read side of a [`ReadWriteLease`]: its verbs are those of every
@@ -176,18 +176,11 @@ impl ReadWriteLease {
         Ok(ReadWriteLease {
             read: Lease::new(
                 dep.clone(),
-                Arc::new(ReadSpec {
-                    keys: keys.clone(),
-                    preference,
-                }),
+                Arc::new(ReadSpec::new(keys.clone(), preference)),
             ),
             write: Lease::new(
                 dep.clone(),
-                Arc::new(WriteSpec {
-                    keys,
-                    preference,
-                    node_timeout: dep.node_timeout(),
-                }),
+                Arc::new(WriteSpec::new(keys, preference, dep.node_timeout())),
             ),
             preference,
         })
@@ -300,28 +293,58 @@ fn script_error(e: Error, keys: &[String]) -> Error {
 }
 
 /// The read side's keys and acquire script.
-/// What a reader's (or, `writer`, a writer's) unanswered attempts of `owner`
-/// are cleaned up with, over given keys: for the simulation's model servers.
-#[cfg(test)]
-pub(crate) fn clean_up_rw(keys: [String; 4], writer: bool, owner: &OwnerToken) -> redis::Cmd {
-    let preference = Preference::Writer;
-    if writer {
-        let node_timeout = Duration::ZERO;
-        WriteSpec {
-            keys,
-            preference,
-            node_timeout,
-        }
-        .clean_up(owner)
-    } else {
-        ReadSpec { keys, preference }.clean_up(owner)
-    }
-}
-
-struct ReadSpec {
+pub(crate) struct ReadSpec {
     /// Writer, readers, intents, fence.
     keys: [String; 4],
     preference: Preference,
+}
+
+impl ReadSpec {
+    pub(crate) fn new(keys: [String; 4], preference: Preference) -> ReadSpec {
+        ReadSpec { keys, preference }
+    }
+
+    /// Calls `send` with an attempt's script, keys (writer, readers,
+    /// intents, fence) and arguments (owner, TTL in milliseconds,
+    /// preference).
+    pub(crate) fn request<R>(
+        &self,
+        owner: &str,
+        ttl: &str,
+        send: impl FnOnce(&'static Script, &[&str], &[&str]) -> R,
+    ) -> R {
+        let [w, r, q, fence] = &self.keys;
+        send(
+            &scripts::RW_READ_ACQUIRE,
+            &[w, r, q, fence],
+            &[owner, ttl, self.preference.as_arg()],
+        )
+    }
+
+    /// Reads the script's reply to an attempt of `owner` sent at `sent`:
+    /// `{1, epoch}` granted (the write epoch it joined), `{0, pttl}` held.
+    pub(crate) fn read(
+        &self,
+        reply: &[redis::Value],
+        owner: &str,
+        sent: Instant,
+    ) -> Result<Attempt<Granted<FencingToken>>> {
+        match reply {
+            [redis::Value::Int(1), epoch] => Ok(Attempt::Acquired(Granted {
+                grant: parse_epoch(epoch)?,
+                ops: Ops::member(
+                    vec![self.keys[1].clone()],
+                    owner.to_owned(),
+                    &scripts::RW_READ_EXTEND,
+                    &scripts::RW_READ_VERIFY,
+                    &scripts::RW_READ_RELEASE,
+                ),
+                sent,
+            })),
+            [redis::Value::Int(0), hint] => Ok(Attempt::Busy(busy_hint(hint, "acquire")?)),
+            other => Err(unexpected_acquire(other)),
+        }
+    }
 }
 
 impl Acquire<FencingToken> for ReadSpec {
@@ -347,41 +370,16 @@ impl Acquire<FencingToken> for ReadSpec {
         _waiting: bool,
         _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<FencingToken>>> {
-        let [w, r, q, fence] = &self.keys;
         // A repeated grant to this owner (an earlier attempt's whose reply was
         // lost) has its expiry moved to ttl from now if that is later, so it
         // holds for ttl from this send at least: `sent` stands.
-        let reply: Vec<redis::Value> = conn
-            .script(
-                &scripts::RW_READ_ACQUIRE,
-                &[w, r, q, fence],
-                &[
-                    owner.as_str(),
-                    &ttl_ms.to_string(),
-                    self.preference.as_arg(),
-                ],
-                "acquire",
-                deadline,
-            )
-            .map_err(|e| script_error(e, &self.keys))?;
-        match reply.as_slice() {
-            [redis::Value::Int(1), epoch] => Ok(Attempt::Acquired(Granted {
-                grant: parse_epoch(epoch)?,
-                ops: Ops::member(
-                    vec![r.clone()],
-                    owner.as_str().to_owned(),
-                    &scripts::RW_READ_EXTEND,
-                    &scripts::RW_READ_VERIFY,
-                    &scripts::RW_READ_RELEASE,
-                ),
-                sent,
-            })),
-            [redis::Value::Int(0), hint] => Ok(Attempt::Busy(busy_hint(hint, "acquire")?)),
-            other => Err(Error::UnexpectedReply {
-                op: "acquire",
-                reply: format!("{other:?}"),
-            }),
-        }
+        let ttl = ttl_ms.to_string();
+        let reply: Vec<redis::Value> =
+            self.request(owner.as_str(), &ttl, |script, keys, args| {
+                conn.script(script, keys, args, "acquire", deadline)
+                    .map_err(|e| script_error(e, &self.keys))
+            })?;
+        self.read(&reply, owner.as_str(), sent)
     }
 
     fn clean_up(&self, owner: &OwnerToken) -> redis::Cmd {
@@ -398,11 +396,80 @@ impl Acquire<FencingToken> for ReadSpec {
 }
 
 /// The write side's keys and acquire script.
-struct WriteSpec {
+pub(crate) struct WriteSpec {
     /// Writer, readers, intents, fence.
     keys: [String; 4],
     preference: Preference,
     node_timeout: Duration,
+}
+
+impl WriteSpec {
+    pub(crate) fn new(
+        keys: [String; 4],
+        preference: Preference,
+        node_timeout: Duration,
+    ) -> WriteSpec {
+        WriteSpec {
+            keys,
+            preference,
+            node_timeout,
+        }
+    }
+
+    /// The lifetime of the intent an attempt records, in milliseconds: under
+    /// writer preference, inside a wait; else 0 (none).
+    pub(crate) fn intent(&self, ttl_ms: u64, waiting: bool) -> u64 {
+        match self.preference {
+            Preference::Writer if waiting => intent_ms(ttl_ms, self.node_timeout),
+            _ => 0,
+        }
+    }
+
+    /// Calls `send` with an attempt's script, keys (writer, readers,
+    /// intents, fence) and arguments (owner, TTL and intent in
+    /// milliseconds).
+    pub(crate) fn request<R>(
+        &self,
+        owner: &str,
+        ttl: &str,
+        intent: u64,
+        send: impl FnOnce(&'static Script, &[&str], &[&str]) -> R,
+    ) -> R {
+        let [w, r, q, fence] = &self.keys;
+        send(
+            &scripts::RW_WRITE_ACQUIRE,
+            &[w, r, q, fence],
+            &[owner, ttl, &intent.to_string()],
+        )
+    }
+
+    /// Reads the script's reply to an attempt of `owner` sent at `sent`
+    /// with `intent`: `{1, token}` granted, `{0, pttl}` held. A waiting
+    /// writer comes back in time to refresh its intent.
+    pub(crate) fn read(
+        &self,
+        reply: &[redis::Value],
+        owner: &str,
+        sent: Instant,
+        intent: u64,
+    ) -> Result<Attempt<Granted<FencingToken>>> {
+        match reply {
+            [redis::Value::Int(1), token] => token_grant(token, &self.keys[0], owner, sent),
+            [redis::Value::Int(0), hint] => {
+                let hint = busy_hint(hint, "acquire")?;
+                if intent == 0 {
+                    return Ok(Attempt::Busy(hint));
+                }
+                // Come back in time to refresh the intent (the script does once
+                // a quarter of it has passed), even if nothing changes before.
+                let refresh = Duration::from_millis(intent / 2);
+                Ok(Attempt::Busy(Some(
+                    hint.map_or(refresh, |h| h.min(refresh)),
+                )))
+            }
+            other => Err(unexpected_acquire(other)),
+        }
+    }
 }
 
 impl Acquire<FencingToken> for WriteSpec {
@@ -425,49 +492,17 @@ impl Acquire<FencingToken> for WriteSpec {
         waiting: bool,
         _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<FencingToken>>> {
-        let [w, r, q, fence] = &self.keys;
-        let intent = match self.preference {
-            Preference::Writer if waiting => intent_ms(ttl_ms, self.node_timeout),
-            _ => 0,
-        };
+        let intent = self.intent(ttl_ms, waiting);
         // A repeated grant to this owner (an earlier attempt's whose reply was
         // lost) has its expiry moved to ttl from now if that is later, so it
         // holds for ttl from this send at least: `sent` stands.
-        let reply: Vec<redis::Value> = conn
-            .script(
-                &scripts::RW_WRITE_ACQUIRE,
-                &[w, r, q, fence],
-                &[owner.as_str(), &ttl_ms.to_string(), &intent.to_string()],
-                "acquire",
-                deadline,
-            )
-            .map_err(|e| script_error(e, &self.keys))?;
-        match reply.as_slice() {
-            [redis::Value::Int(1), token] => {
-                let token = parse_token(token, "acquire")?;
-                Ok(Attempt::Acquired(Granted {
-                    grant: token,
-                    ops: Ops::string_value(w, format!("{}:{token}", owner.as_str())),
-                    sent,
-                }))
-            }
-            [redis::Value::Int(0), hint] => {
-                let hint = busy_hint(hint, "acquire")?;
-                if intent == 0 {
-                    return Ok(Attempt::Busy(hint));
-                }
-                // Come back in time to refresh the intent (the script does once
-                // a quarter of it has passed), even if nothing changes before.
-                let refresh = Duration::from_millis(intent / 2);
-                Ok(Attempt::Busy(Some(
-                    hint.map_or(refresh, |h| h.min(refresh)),
-                )))
-            }
-            other => Err(Error::UnexpectedReply {
-                op: "acquire",
-                reply: format!("{other:?}"),
-            }),
-        }
+        let ttl = ttl_ms.to_string();
+        let reply: Vec<redis::Value> =
+            self.request(owner.as_str(), &ttl, intent, |script, keys, args| {
+                conn.script(script, keys, args, "acquire", deadline)
+                    .map_err(|e| script_error(e, &self.keys))
+            })?;
+        self.read(&reply, owner.as_str(), sent, intent)
     }
 
     fn checks_grants(&self) -> bool {

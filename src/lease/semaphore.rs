@@ -27,10 +27,10 @@ use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::guard::LeaseGuard;
 use crate::lease::kind::{Acquire, Granted, Slot, WaitKeys};
-use crate::lease::{busy, parse_token};
+use crate::lease::{busy, parse_token, unexpected_acquire};
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
-use crate::scripts;
+use crate::scripts::{self, Script};
 use crate::token::{FencingToken, OwnerToken};
 
 /// The largest capacity a [`Semaphore`] accepts.
@@ -294,6 +294,55 @@ impl SemSpec {
         }
     }
 
+    /// Calls `send` with an attempt's script, keys (permits, meta, slots)
+    /// and arguments (owner, TTL in milliseconds, the capacity it declares).
+    pub(crate) fn request<R>(
+        &self,
+        owner: &str,
+        ttl: &str,
+        capacity: u32,
+        send: impl FnOnce(&'static Script, &[&str], &[&str]) -> R,
+    ) -> R {
+        let [permits, meta, slots] = &self.keys;
+        send(
+            &scripts::SEM_ACQUIRE,
+            &[permits, meta, slots],
+            &[owner, ttl, &capacity.to_string()],
+        )
+    }
+
+    /// Reads the script's reply to an attempt of `owner` sent at `sent`:
+    /// `{1, slot, token}` granted, `{0, pttl}` all permits held.
+    pub(crate) fn read(
+        &self,
+        reply: &[redis::Value],
+        owner: &str,
+        sent: Instant,
+    ) -> Result<Attempt<Granted<(u32, FencingToken)>>> {
+        match reply {
+            [redis::Value::Int(1), redis::Value::Int(slot), token] => {
+                let token = parse_token(token, "acquire")?;
+                let slot = u32::try_from(*slot).map_err(|_| Error::UnexpectedReply {
+                    op: "acquire",
+                    reply: format!("slot {slot}"),
+                })?;
+                Ok(Attempt::Acquired(Granted {
+                    grant: (slot, token),
+                    ops: Ops::member(
+                        self.keys.to_vec(),
+                        format!("{owner}:{slot}:{token}"),
+                        &scripts::SEM_EXTEND,
+                        &scripts::SEM_VERIFY,
+                        &scripts::SEM_RELEASE,
+                    ),
+                    sent,
+                }))
+            }
+            [redis::Value::Int(0), redis::Value::Int(hint)] => Ok(Attempt::Busy(busy(*hint))),
+            other => Err(unexpected_acquire(other)),
+        }
+    }
+
     /// Checks the base key and capacity; nothing is sent.
     pub(crate) fn new(dep: &Deployment, base: &str, capacity: u32) -> Result<SemSpec> {
         check_capacity(capacity)?;
@@ -402,7 +451,6 @@ impl Acquire<(u32, FencingToken)> for SemSpec {
         _waiting: bool,
         _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<(u32, FencingToken)>>> {
-        let [permits, meta, slots] = &self.keys;
         let ttl = ttl_ms.to_string();
         let mut capacity = self.capacity.load(Ordering::Relaxed);
         let mut again = false;
@@ -412,14 +460,10 @@ impl Acquire<(u32, FencingToken)> for SemSpec {
             // so it holds for ttl from this send at least: `sent` stands. A
             // second send (the capacity changed meanwhile) is timed anew.
             let sent = if again { dep.now() } else { sent };
-            let reply = conn
-                .script(
-                    &scripts::SEM_ACQUIRE,
-                    &[permits, meta, slots],
-                    &[owner.as_str(), &ttl, &capacity.to_string()],
-                    "acquire",
-                    deadline,
-                )
+            let reply = self
+                .request(owner.as_str(), &ttl, capacity, |script, keys, args| {
+                    conn.script(script, keys, args, "acquire", deadline)
+                })
                 .map_err(|e| capacity_mismatch(e, &self.keys));
             match reply {
                 // This handle's own `set_capacity` stored a new capacity while
@@ -440,31 +484,7 @@ impl Acquire<(u32, FencingToken)> for SemSpec {
             }
         };
         let reply: Vec<redis::Value> = reply?;
-        match reply.as_slice() {
-            [redis::Value::Int(1), redis::Value::Int(slot), token] => {
-                let token = parse_token(token, "acquire")?;
-                let slot = u32::try_from(*slot).map_err(|_| Error::UnexpectedReply {
-                    op: "acquire",
-                    reply: format!("slot {slot}"),
-                })?;
-                Ok(Attempt::Acquired(Granted {
-                    grant: (slot, token),
-                    ops: Ops::member(
-                        self.keys.to_vec(),
-                        format!("{}:{slot}:{token}", owner.as_str()),
-                        &scripts::SEM_EXTEND,
-                        &scripts::SEM_VERIFY,
-                        &scripts::SEM_RELEASE,
-                    ),
-                    sent,
-                }))
-            }
-            [redis::Value::Int(0), redis::Value::Int(hint)] => Ok(Attempt::Busy(busy(*hint))),
-            other => Err(Error::UnexpectedReply {
-                op: "acquire",
-                reply: format!("{other:?}"),
-            }),
-        }
+        self.read(&reply, owner.as_str(), sent)
     }
 
     fn checks_grants(&self) -> bool {

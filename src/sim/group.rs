@@ -167,7 +167,8 @@ impl Server {
                 if wire.iter().any(Wire::is_error) {
                     Err(format!("{wire:?}"))
                 } else {
-                    let values: Vec<redis::Value> = wire.into_iter().map(to_value).collect();
+                    let values: Vec<redis::Value> =
+                        wire.into_iter().map(Wire::into_value).collect();
                     acquire_reply(&values, key, value).map_err(|e| e.to_string())
                 }
             }
@@ -189,19 +190,6 @@ impl Server {
                     .ok_or_else(|| format!("{reply}"))
             }
         })
-    }
-}
-
-/// A reply as the client library reads it off the wire.
-fn to_value(w: Wire) -> redis::Value {
-    match w {
-        Wire::Nil => redis::Value::Nil,
-        Wire::Int(n) => redis::Value::Int(n),
-        Wire::Bulk(b) => redis::Value::BulkString(b),
-        Wire::Status(s) if s == "OK" => redis::Value::Okay,
-        Wire::Status(s) => redis::Value::SimpleString(s),
-        Wire::Error(e) => redis::Value::SimpleString(format!("-{e}")),
-        Wire::Array(items) => redis::Value::Array(items.into_iter().map(to_value).collect()),
     }
 }
 
@@ -726,7 +714,7 @@ impl World {
                 let op = "CLIENT KILL (fencing off an unanswered command)";
                 let confirmed = replies
                     .into_iter()
-                    .all(|r| confirm_kill("model", op, Some(to_value(r))).is_ok());
+                    .all(|r| confirm_kill("model", op, Some(r.into_value())).is_ok());
                 if confirmed {
                     let run_id = self.servers[t.i].model.run_id().to_owned();
                     self.connected(&t, conn, &run_id);

@@ -11,9 +11,10 @@
 //! extension's settle, the release's count, the acquire verdict, the restart
 //! delay and the judgement of live leases on the watchers' news of a
 //! restart (`core::redlock`); for single deployments, the acquire's bookkeeping
-//! (`core::acquire`), the holder's own extension (`core::extend`: claim, wait
-//! for an extension in flight, settle, once more after a replaced server's
-//! answer) and the release's reading. Every server is a model
+//! (`core::acquire`), each primitive's attempt as it goes on the wire and the
+//! reading of its reply, the holder's own extension (`core::extend`: claim,
+//! wait for an extension in flight, settle, once more after a replaced
+//! server's answer) and the release's reading. Every server is a model
 //! server (`model`) running the shipped Lua and commands: plain, fenced,
 //! semaphore and reader/writer leases, sets of leases taken all or nothing,
 //! and Redlock's scripts. What is still

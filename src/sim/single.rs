@@ -2,7 +2,12 @@
 //! sharing one fence counter, each process with its renewal schedule and
 //! executor, against one model server (`sim::model`, running the shipped
 //! scripts and commands; with a lagging replica and a promotion in some
-//! schedules).
+//! schedules). Each acquire attempt sends what the primitive's shipped
+//! attempt sends (a `Lock`'s `SET … GET`, with the wait's `PTTL` after the
+//! first refusal; the scripts with their arguments) and its replies are read
+//! by the primitive's shipped reader; the checker holds that reading against
+//! the server's data (granted exactly when the owner holds the lease after
+//! the command, counted from the right send).
 //!
 //! Sets of leases taken all or nothing (`sets_case`): three clients take
 //! random subsets of four plain or fenced leases in random orders with the
@@ -25,12 +30,15 @@ use crate::core::lease::{LeaseCore, Ticket, Verdict};
 use crate::core::schedule::{Next, Schedule, Watched};
 use crate::core::timing::Timing;
 use crate::guard::ReleaseOutcome;
+use crate::lease::fenced::FencedSpec;
 use crate::lease::kind::Acquire;
-use crate::lease::rwlease::{clean_up_rw, intent_ms};
+use crate::lease::kind::Granted;
+use crate::lease::lock::PlainSpec;
+use crate::lease::rwlease::{Preference, ReadSpec, WriteSpec};
 use crate::lease::semaphore::SemSpec;
-use crate::lease::string_clean_up;
 use crate::runtime::lease::LeaseCell;
 use crate::runtime::renewal::{Ops, Shape};
+use crate::runtime::waiters::Attempt;
 use crate::scripts;
 use crate::token::OwnerToken;
 
@@ -61,7 +69,7 @@ const FENCE: &str = "fence";
 /// How a key is held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum KeyKind {
-    /// A plain `Lock`: `SET NX PX`, no token.
+    /// A plain `Lock`: `SET NX PX GET`, no token.
     Plain,
     /// A fenced lease: the shipped script, a token from [`FENCE`].
     Fenced,
@@ -97,6 +105,128 @@ fn sem_keys(key: usize) -> [&'static str; 3] {
 fn rw_keys(key: usize) -> [&'static str; 4] {
     let n = &NAMES[key];
     [n[0], n[3], n[4], n[5]]
+}
+
+/// The shipped acquire of a key: what an attempt sends and how its reply is
+/// read, made over the model server's key names.
+enum Spec {
+    Plain(PlainSpec),
+    Fenced(FencedSpec),
+    Rw(ReadSpec, WriteSpec),
+    Permits(SemSpec, u32),
+}
+
+/// What a shipped reader made of an attempt's reply: the token (0: none),
+/// the value or member held, and when the lease counts from.
+type Read = Attempt<(u64, String, Instant)>;
+
+impl Spec {
+    fn new(kind: KeyKind, key: usize, node_timeout: Duration) -> Spec {
+        match kind {
+            KeyKind::Plain => Spec::Plain(PlainSpec::new(key_name(key).to_owned())),
+            KeyKind::Fenced => {
+                Spec::Fenced(FencedSpec::new(key_name(key).to_owned(), FENCE.to_owned()))
+            }
+            KeyKind::Rw { writers_first } => {
+                let keys = rw_keys(key).map(str::to_owned);
+                let preference = if writers_first {
+                    Preference::Writer
+                } else {
+                    Preference::Reader
+                };
+                Spec::Rw(
+                    ReadSpec::new(keys.clone(), preference),
+                    WriteSpec::new(keys, preference, node_timeout),
+                )
+            }
+            KeyKind::Permits(capacity) => Spec::Permits(
+                SemSpec::from_keys(sem_keys(key).map(str::to_owned), capacity),
+                capacity,
+            ),
+        }
+    }
+
+    /// The commands of one attempt of `owner` (inside a wait when
+    /// `waiting`), in order. The model servers are Redis 7: a plain lock
+    /// sends `SET … GET`; no connection tracks keys.
+    fn request(&self, owner: &str, ttl_ms: u64, waiting: bool) -> Vec<redis::Cmd> {
+        let ttl = ttl_ms.to_string();
+        let evalsha = |script: &'static scripts::Script, keys: &[&str], args: &[&str]| {
+            vec![script.evalsha(keys, args)]
+        };
+        match self {
+            Spec::Plain(spec) => spec
+                .request(owner, ttl_ms, true, false, waiting)
+                .cmd_iter()
+                .cloned()
+                .collect(),
+            Spec::Fenced(spec) => spec.request(owner, &ttl, evalsha),
+            Spec::Rw(read, _) if owner.ends_with('r') => read.request(owner, &ttl, evalsha),
+            Spec::Rw(_, write) => {
+                write.request(owner, &ttl, write.intent(ttl_ms, waiting), evalsha)
+            }
+            Spec::Permits(spec, capacity) => spec.request(owner, &ttl, *capacity, evalsha),
+        }
+    }
+
+    /// The shipped clean-up after unanswered attempts of `owner`.
+    fn clean_up(&self, owner: &OwnerToken) -> redis::Cmd {
+        match self {
+            Spec::Plain(spec) => spec.clean_up(owner),
+            Spec::Fenced(spec) => spec.clean_up(owner),
+            Spec::Rw(read, _) if owner.as_str().ends_with('r') => read.clean_up(owner),
+            Spec::Rw(_, write) => write.clean_up(owner),
+            Spec::Permits(spec, _) => spec.clean_up(owner),
+        }
+    }
+
+    /// Reads the replies to a [`request`](Spec::request) sent at `sent`, as
+    /// the shipped attempt does; `since` is when the owner's first
+    /// unanswered attempt went out.
+    fn read(
+        &self,
+        reply: &[redis::Value],
+        owner: &str,
+        ttl_ms: u64,
+        waiting: bool,
+        sent: Instant,
+        since: Option<Instant>,
+    ) -> Result<Read, String> {
+        fn took<G>(
+            read: crate::error::Result<Attempt<Granted<G>>>,
+            token: impl Fn(&G) -> u64,
+        ) -> Result<Read, String> {
+            Ok(match read.map_err(|e| format!("acquire reply: {e}"))? {
+                Attempt::Acquired(g) => {
+                    Attempt::Acquired((token(&g.grant), g.ops.member.clone(), g.sent))
+                }
+                Attempt::Busy(hint) => Attempt::Busy(hint),
+            })
+        }
+        // A script's reply is one array, which the connection hands over as
+        // its items.
+        let reply = match (self, reply) {
+            (Spec::Plain(_), reply) => reply,
+            (_, [redis::Value::Array(items)]) => items.as_slice(),
+            (_, other) => return Err(format!("a script's reply that is not one array: {other:?}")),
+        };
+        match self {
+            Spec::Plain(spec) => took(
+                spec.read(reply, true, owner, sent, since)
+                    .ok_or("a Redis 7 model refused SET with NX and GET")?,
+                |()| 0,
+            ),
+            Spec::Fenced(spec) => took(spec.read(reply, owner, sent), |t| t.get()),
+            // A reader holds no token (its grant is the write epoch it
+            // joined).
+            Spec::Rw(read, _) if owner.ends_with('r') => took(read.read(reply, owner, sent), |_| 0),
+            Spec::Rw(_, write) => took(
+                write.read(reply, owner, sent, write.intent(ttl_ms, waiting)),
+                |t| t.get(),
+            ),
+            Spec::Permits(spec, _) => took(spec.read(reply, owner, sent), |(_, t)| t.get()),
+        }
+    }
 }
 
 /// The shipped extension, verification and release commands of a lease held
@@ -229,12 +359,12 @@ fn members(server: &ModelServer, set: &str) -> Vec<(String, f64)> {
 
 #[derive(Clone, Debug)]
 enum Req {
-    /// One attempt: `SET NX PX` and `GET` for a plain lock, the shipped
-    /// fenced acquire script otherwise.
+    /// One attempt: the shipped attempt's commands for the key's kind.
     Acquire {
         key: usize,
         owner: String,
         ttl_ms: u64,
+        waiting: bool,
     },
     /// The shipped extension of each lease, in one pipeline.
     Extend {
@@ -260,14 +390,13 @@ enum Req {
 
 #[derive(Clone, Debug)]
 enum Resp {
-    /// The token (0: none), the value or member held, and whether the key
-    /// held this owner's grant already.
-    Granted {
-        token: u64,
-        value: String,
+    /// An attempt's replies, and what the server's data showed: whether the
+    /// owner held the lease before it ran, and whether after.
+    Attempt {
+        reply: Vec<redis::Value>,
         existed: bool,
+        holds: bool,
     },
-    Busy,
     Ints(Vec<i64>),
     /// A release's reply, and the outcome the server's data called for.
     Released {
@@ -386,6 +515,9 @@ struct Acquiring {
     /// reply: each must be killed when the acquire ends.
     lost: Vec<ConnId>,
     tries: u32,
+    /// An attempt found the lease held (or got no reply): the next ones
+    /// are a wait's.
+    waiting: bool,
 }
 
 struct User {
@@ -460,6 +592,8 @@ struct World {
     streamed: usize,
     /// How each key is held.
     kinds: [KeyKind; 2],
+    /// The shipped acquire of each key.
+    specs: [Spec; 2],
     /// Whether each key's last lease ended by a release or a deletion (not
     /// by expiry), for the takeover count.
     ended: [bool; 2],
@@ -526,34 +660,40 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         *t = Duration::from_millis(t.as_nanos().div_ceil(1_000_000) as u64);
     }
     ttls.retain(|t| timing.usable_ttl(*t));
+    // Drawn in this order: a seed replays the same schedule.
+    let server = ModelServer::new(seed, 1_700_000_000_000 + rng.below(1 << 30) as i64);
+    let lag = Duration::from_micros(rng.below(node_timeout.as_micros() as u64 * 3));
+    let kinds = [
+        [
+            KeyKind::Plain,
+            KeyKind::Fenced,
+            KeyKind::Permits(1),
+            KeyKind::Permits(2),
+            KeyKind::Rw {
+                writers_first: true,
+            },
+            KeyKind::Rw {
+                writers_first: false,
+            },
+        ][rng.below(6) as usize],
+        KeyKind::Fenced,
+    ];
+    let specs = [0, 1].map(|key| Spec::new(kinds[key], key, node_timeout));
     let mut w = World {
         origin: Instant::now(),
         now: Duration::ZERO,
         timing,
         net,
-        server: ModelServer::new(seed, 1_700_000_000_000 + rng.below(1 << 30) as i64),
+        server,
         old: None,
         generation: 0,
         clients: HashMap::new(),
         last_in: HashMap::new(),
         last_out: HashMap::new(),
-        lag: Duration::from_micros(rng.below(node_timeout.as_micros() as u64 * 3)),
+        lag,
         streamed: 0,
-        kinds: [
-            [
-                KeyKind::Plain,
-                KeyKind::Fenced,
-                KeyKind::Permits(1),
-                KeyKind::Permits(2),
-                KeyKind::Rw {
-                    writers_first: true,
-                },
-                KeyKind::Rw {
-                    writers_first: false,
-                },
-            ][rng.below(6) as usize],
-            KeyKind::Fenced,
-        ],
+        kinds,
+        specs,
         ended: [true, true],
         went_back: false,
         cleaned: HashSet::new(),
@@ -754,7 +894,6 @@ impl World {
             return Ok(None);
         };
         let kinds = self.kinds;
-        let node_timeout = self.timing.node_timeout;
         let target = match req {
             Req::Kill { target } => (self.conn_gen.get(target) == Some(&generation))
                 .then(|| self.clients.get(target).copied())
@@ -774,109 +913,32 @@ impl World {
         }
         let int = |r: Reply| r.as_int().ok_or_else(|| format!("not an integer: {r:?}"));
         let resp = match req {
-            Req::Acquire { key, owner, ttl_ms } => {
-                let name = key_name(*key);
+            Req::Acquire {
+                key,
+                owner,
+                ttl_ms,
+                waiting,
+            } => {
                 let kind = kinds[*key];
-                let ttl = ttl_ms.to_string();
                 let reads = matches!(kind, KeyKind::Rw { .. }) && owner.ends_with('r');
-                let mine = match kind {
+                // The oracle: whether the owner holds the lease, from the data.
+                let holds = |server: &ModelServer| match kind {
                     KeyKind::Permits(_) => {
                         field_at(server, sem_keys(*key)[1], &format!("holder:{owner}")).is_some()
                     }
                     KeyKind::Rw { .. } if reads => members(server, rw_keys(*key)[1])
                         .iter()
                         .any(|(m, _)| m == owner),
-                    _ => string_at(server, name)
+                    _ => string_at(server, key_name(*key))
                         .is_some_and(|v| v == *owner || v.starts_with(&format!("{owner}:"))),
                 };
-                let resp = match kind {
-                    KeyKind::Plain => {
-                        let set = redis::cmd("SET")
-                            .arg(name)
-                            .arg(owner)
-                            .arg("NX")
-                            .arg("PX")
-                            .arg(*ttl_ms)
-                            .clone();
-                        run_on(server, client, &set);
-                        match run_on(server, client, redis::cmd("GET").arg(name)) {
-                            Some(Reply::Bulk(v)) if v == owner.as_bytes() => Resp::Granted {
-                                token: 0,
-                                value: owner.clone(),
-                                existed: mine,
-                            },
-                            _ => Resp::Busy,
-                        }
-                    }
-                    KeyKind::Fenced | KeyKind::Rw { .. } | KeyKind::Permits(_) => {
-                        let cmd = match kind {
-                            KeyKind::Rw { writers_first } => {
-                                let keys = rw_keys(*key);
-                                let keys = keys.to_vec();
-                                if reads {
-                                    let preference =
-                                        if writers_first { "writer" } else { "reader" };
-                                    scripts::RW_READ_ACQUIRE
-                                        .evalsha(&keys, &[owner, &ttl, preference])
-                                } else {
-                                    // A waiting writer's intent, as the shipped
-                                    // writer records it under writer preference.
-                                    let intent = if writers_first {
-                                        intent_ms(*ttl_ms, node_timeout)
-                                    } else {
-                                        0
-                                    };
-                                    scripts::RW_WRITE_ACQUIRE
-                                        .evalsha(&keys, &[owner, &ttl, &intent.to_string()])
-                                }
-                            }
-                            KeyKind::Permits(capacity) => {
-                                let keys = sem_keys(*key);
-                                let keys = keys.to_vec();
-                                scripts::SEM_ACQUIRE
-                                    .evalsha(&keys, &[owner, &ttl, &capacity.to_string()])
-                            }
-                            _ => scripts::FENCED_ACQUIRE.evalsha(&[name, FENCE], &[owner, &ttl]),
-                        };
-                        // `{1, token}`, `{1, epoch}` for a reader, `{1, slot,
-                        // token}` for a permit; `{0, hint}` when busy.
-                        let token = |t: &[u8]| {
-                            let t = String::from_utf8_lossy(t).into_owned();
-                            t.parse::<u64>().map(|n| (n, t)).map_err(|e| format!("{e}"))
-                        };
-                        match run_on(server, client, &cmd) {
-                            Some(Reply::Array(a)) => match a.as_slice() {
-                                [Reply::Int(1), Reply::Bulk(_)] if reads => Resp::Granted {
-                                    token: 0,
-                                    value: owner.clone(),
-                                    existed: mine,
-                                },
-                                [Reply::Int(1), Reply::Bulk(t)] => {
-                                    let (token, t) = token(t)?;
-                                    let value = format!("{owner}:{t}");
-                                    Resp::Granted {
-                                        token,
-                                        value,
-                                        existed: mine,
-                                    }
-                                }
-                                [Reply::Int(1), Reply::Int(slot), Reply::Bulk(t)] => {
-                                    let (token, t) = token(t)?;
-                                    let value = format!("{owner}:{slot}:{t}");
-                                    Resp::Granted {
-                                        token,
-                                        value,
-                                        existed: mine,
-                                    }
-                                }
-                                [Reply::Int(0), Reply::Int(_)] => Resp::Busy,
-                                other => return Err(format!("acquire reply {other:?}")),
-                            },
-                            other => return Err(format!("acquire reply {other:?}")),
-                        }
-                    }
-                };
-                if matches!(resp, Resp::Granted { .. }) && !mine {
+                let mine = holds(server);
+                let mut reply = Vec::new();
+                for cmd in self.specs[*key].request(owner, *ttl_ms, *waiting) {
+                    reply.push(run_on(server, client, &cmd).ok_or("closed")?.into_value());
+                }
+                let holds = holds(server);
+                if holds && !mine {
                     if self.cleaned.contains(&(generation, owner.clone())) {
                         return Err(format!(
                             "an attempt of {owner} granted after its clean-up ran: the \
@@ -887,7 +949,11 @@ impl World {
                         self.stats.takeovers += 1;
                     }
                 }
-                resp
+                Resp::Attempt {
+                    reply,
+                    existed: mine,
+                    holds,
+                }
             }
             Req::Extend { items } => {
                 let mut out = Vec::with_capacity(items.len());
@@ -943,20 +1009,7 @@ impl World {
             }
             Req::ReleasePrefix { key, owner } => {
                 let owner_token = OwnerToken::from_raw(owner.clone());
-                let cmd = match kinds[*key] {
-                    KeyKind::Plain | KeyKind::Fenced => {
-                        string_clean_up(key_name(*key), &owner_token)
-                    }
-                    KeyKind::Permits(capacity) => {
-                        SemSpec::from_keys(sem_keys(*key).map(str::to_owned), capacity)
-                            .clean_up(&owner_token)
-                    }
-                    KeyKind::Rw { .. } => clean_up_rw(
-                        rw_keys(*key).map(str::to_owned),
-                        owner.ends_with('w'),
-                        &owner_token,
-                    ),
-                };
+                let cmd = self.specs[*key].clean_up(&owner_token);
                 let had = server.exists(key_name(*key));
                 run_on(server, client, &cmd);
                 if had && !server.exists(key_name(*key)) {
@@ -1241,6 +1294,7 @@ impl World {
                 attempts: Attempts::default(),
                 lost: Vec::new(),
                 tries: 0,
+                waiting: false,
             });
             if a.owner.is_empty() {
                 let n = self.users[u].owners;
@@ -1262,6 +1316,7 @@ impl World {
                 key: self.users[u].key,
                 owner: a.owner.clone(),
                 ttl_ms: a.ttl.as_millis() as u64,
+                waiting: a.waiting,
             };
             self.users[u].busy = true;
             let conn = self.users[u].conn;
@@ -1462,36 +1517,65 @@ impl World {
     fn acquired(&mut self, u: usize, p: Pending, resp: Option<Resp>) -> Result<(), String> {
         let now = self.at();
         let proc = self.users[u].proc;
-        match resp {
-            Some(Resp::Granted {
-                token,
-                value,
+        let key = self.users[u].key;
+        // The shipped reader's verdict on the replies, against the data.
+        let read = match resp {
+            Some(Resp::Attempt {
+                reply,
                 existed,
+                holds,
             }) => {
+                let a = self.users[u].acquiring.as_ref().expect("acquiring");
+                let since = a.attempts.since();
+                let ttl_ms = a.ttl.as_millis() as u64;
+                let read =
+                    self.specs[key].read(&reply, &a.owner, ttl_ms, a.waiting, p.sent, since)?;
+                // A grant counts from its send, or (a plain lock's, found
+                // already the owner's) from the first unanswered attempt's;
+                // the scripts move a repeated grant's expiry to a TTL from
+                // now.
+                let from = if existed && self.kinds[key] == KeyKind::Plain {
+                    dated(since, p.sent)
+                } else {
+                    p.sent
+                };
+                match read {
+                    Attempt::Acquired((_, _, sent)) if holds && sent == from => {}
+                    Attempt::Busy(_) if !holds => {}
+                    _ => {
+                        return Err(format!(
+                            "user {u}: the reply {reply:?} was read as {:?}, where the server's \
+                             data shows the owner {}holding the lease (from {:?})",
+                            match &read {
+                                Attempt::Acquired((t, v, at)) => format!(
+                                    "granted {v} (token {t}) from {:?}",
+                                    at.duration_since(self.origin)
+                                ),
+                                Attempt::Busy(hint) => format!("held (hint {hint:?})"),
+                            },
+                            if holds { "" } else { "not " },
+                            from.duration_since(self.origin),
+                        ));
+                    }
+                }
+                Some(read)
+            }
+            None => None,
+            Some(other) => return Err(format!("acquire reply {other:?}")),
+        };
+        match read {
+            Some(Attempt::Acquired((token, value, from))) => {
                 self.stats.grants += 1;
                 // Granted by a primary that was replaced meanwhile.
                 let exposed = self.conn_gen.get(&p.conn) != Some(&self.generation);
                 let mut a = self.users[u].acquiring.take().expect("acquiring");
-                let key = self.users[u].key;
                 // Attempts that got no reply are stopped from granting again.
                 let attempts = std::mem::take(&mut a.attempts);
                 let since = attempts.since();
                 self.clean_up_after(proc, key, None, &a.lost, attempts.finish(true), a.ttl)?;
-                if matches!(self.kinds[key], KeyKind::Rw { .. }) && token == 0 {
-                    // A reader: no token; a repeated grant moves its expiry to
-                    // ttl from now if later, so its own send stands.
-                    self.hold(u, key, value, p.sent, a.ttl, exposed);
-                    return Ok(());
-                }
-                if self.kinds[key] == KeyKind::Plain {
-                    // A plain lock: no token; a grant found in place dates from
-                    // the owner's first unanswered attempt.
-                    let sent = if existed {
-                        dated(since, p.sent)
-                    } else {
-                        p.sent
-                    };
-                    self.hold(u, key, value, sent, a.ttl, exposed);
+                if token == 0 {
+                    // A plain lock or a reader: no token.
+                    self.hold(u, key, value, from, a.ttl, exposed);
                     return Ok(());
                 }
                 // The counter the token came from.
@@ -1500,8 +1584,8 @@ impl World {
                     KeyKind::Rw { .. } => ("write", 2),
                     _ => ("fence", 0),
                 };
-                // The grant may date from the owner's first unanswered attempt.
-                let sent = dated(since, p.sent);
+                // The token may come from the owner's first unanswered attempt.
+                let sent = dated(since, from);
                 // The fence book, against the definition: a regression is a
                 // token not above one whose reply came before this send.
                 let expected = self.procs[proc]
@@ -1561,11 +1645,13 @@ impl World {
                         a.owner
                     ));
                 }
-                self.hold(u, key, value, p.sent, a.ttl, exposed);
+                self.hold(u, key, value, from, a.ttl, exposed);
             }
-            Some(Resp::Busy) | None => {
+            Some(Attempt::Busy(_)) | None => {
                 let a = self.users[u].acquiring.as_mut().expect("acquiring");
-                if resp.is_none() {
+                // The next attempts are a wait's.
+                a.waiting = true;
+                if read.is_none() {
                     // As the shipped wait records it: the attempt's send
                     // first, the connection once the call returned.
                     a.attempts.unanswered(p.sent, []);
@@ -1586,7 +1672,6 @@ impl World {
                     self.queue.push(self.now + pause, Ev::UserNext(u));
                 }
             }
-            other => return Err(format!("acquire reply {other:?}")),
         }
         Ok(())
     }

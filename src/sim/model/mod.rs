@@ -83,6 +83,22 @@ impl Reply {
     pub(crate) fn is_error(&self) -> bool {
         matches!(self, Reply::Error(_))
     }
+
+    /// The reply as the `redis` crate reads it off the wire.
+    pub(crate) fn into_value(self) -> redis::Value {
+        match self {
+            Reply::Nil => redis::Value::Nil,
+            Reply::Int(n) => redis::Value::Int(n),
+            Reply::Bulk(b) => redis::Value::BulkString(b),
+            Reply::Status(s) if s == "OK" => redis::Value::Okay,
+            Reply::Status(s) => redis::Value::SimpleString(s),
+            Reply::Error(e) => redis::parse_redis_value(format!("-{e}\r\n").as_bytes())
+                .expect("an error line the redis crate reads"),
+            Reply::Array(items) => {
+                redis::Value::Array(items.into_iter().map(Reply::into_value).collect())
+            }
+        }
+    }
 }
 
 impl std::fmt::Display for Reply {
