@@ -58,6 +58,11 @@ impl PlainSpec {
         }
     }
 
+    /// Whether attempts send `SET` with `GET` (until a server refused it).
+    pub(crate) fn set_get(&self) -> bool {
+        !self.no_set_get.load(Ordering::Relaxed)
+    }
+
     /// An attempt's commands, in one pipeline: `SET NX PX`, with `GET` at
     /// its end when `set_get` (else a `GET` of its own after it); `CLIENT
     /// CACHING yes` right after the `SET` when `track`; `PTTL` last when
@@ -90,8 +95,8 @@ impl PlainSpec {
     /// `sent` (`CLIENT CACHING`'s taken out). A grant found already this
     /// owner's (an earlier attempt's, whose reply was lost) dates from
     /// `uncertain_since`, that attempt's send, at the earliest. `None`: the
-    /// server refused `SET` with both `NX` and `GET` (before Redis 7.0), and
-    /// nothing ran.
+    /// server refused `SET` with both `NX` and `GET` (before Redis 7.0) and
+    /// nothing ran; attempts send the older form from then on.
     pub(crate) fn read(
         &self,
         reply: &[redis::Value],
@@ -114,7 +119,14 @@ impl PlainSpec {
             // its expiry counts from that attempt at the earliest.
             Answer::Mine => granted(dated(uncertain_since, sent)),
             Answer::Held(pttl) => Ok(Attempt::Busy(pttl)),
-            Answer::NoSetGet => return None,
+            Answer::NoSetGet => {
+                log::debug!(
+                    "the server refuses SET with NX and GET (before Redis 7.0); acquiring \
+                     {key:?} with SET NX and GET pipelined"
+                );
+                self.no_set_get.store(true, Ordering::Relaxed);
+                return None;
+            }
             Answer::Refused(e) => Err(crate::error::acquire_refused(key, e)),
             Answer::Unexpected => Err(unexpected_acquire(reply)),
         })
@@ -233,7 +245,7 @@ impl Acquire<()> for PlainSpec {
         // lands late finds the key set and changes nothing: it can never
         // shorten the lock.
         let track = conn.take_track();
-        let set_get = !self.no_set_get.load(Ordering::Relaxed);
+        let set_get = self.set_get();
         let pipe = self.request(owner.as_str(), ttl_ms, set_get, track, waiting);
         let mut reply = conn.pipeline(&pipe, "acquire", deadline)?;
         if track && reply.len() > 1 {
@@ -249,13 +261,8 @@ impl Acquire<()> for PlainSpec {
         match self.read(&reply, set_get, owner.as_str(), sent, uncertain_since) {
             Some(read) => read,
             None => {
-                // Refused before it ran: nothing was set.
-                log::debug!(
-                    "the server refuses SET with NX and GET (before Redis 7.0); acquiring \
-                     {:?} with SET NX and GET pipelined",
-                    self.keys[0]
-                );
-                self.no_set_get.store(true, Ordering::Relaxed);
+                // Refused before it ran: nothing was set. Sent again at once
+                // in the older form.
                 if track {
                     conn.track_next();
                 }

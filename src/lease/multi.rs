@@ -35,7 +35,7 @@ use crate::lease::acquire::{
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::guard::{KeepAlive, LeaseGuard};
 use crate::lease::kind::{Fenced, Granted, Kind, Plain};
-use crate::lease::{busy, parse_token};
+use crate::lease::{busy, parse_token, unexpected_acquire};
 use crate::observe::Acquiring;
 use crate::runtime::lease::SharedSignal;
 use crate::runtime::renewal::Ops;
@@ -176,12 +176,7 @@ impl MultiLease<Fenced> {
     /// A set of fenced locks, in the caller's order (validated by the
     /// coordinator: at least one, no key twice among leases and counters).
     pub(crate) fn fenced(dep: Arc<Deployment>, members: Vec<Lease<Fenced>>) -> Self {
-        MultiLease::new(
-            dep,
-            members,
-            |v| parse_token(v, "acquire"),
-            |owner, token| format!("{}:{token}", owner.as_str()),
-        )
+        MultiLease::new(dep, members, |v| parse_token(v, "acquire"), fenced_value)
     }
 }
 
@@ -546,8 +541,8 @@ impl<K: Kind> MultiLease<K> {
         let acknowledged = replicas_acknowledged(dep, conn, granted);
         let reply = reply?;
         let received = dep.now();
-        match reply.as_slice() {
-            [redis::Value::Int(1), tokens @ ..] if tokens.len() == self.members.len() => {
+        match read_set(&reply, self.members.len())? {
+            SetReply::Granted(tokens) => {
                 // A lease found already ours was granted by an earlier
                 // attempt whose reply was lost: the set counts from the
                 // earliest such attempt.
@@ -563,23 +558,53 @@ impl<K: Kind> MultiLease<K> {
                 let guard = MultiGuard::new(dep.clone(), guards);
                 Ok(Attempt::Acquired((guard, sent, received)))
             }
-            [
-                redis::Value::Int(0),
-                redis::Value::Int(held),
-                redis::Value::Int(pttl),
-            ] => {
-                let held = usize::try_from(*held).ok().and_then(|i| i.checked_sub(1));
-                if let Some(seen) = held.and_then(|i| seen.get_mut(i)) {
-                    Acquiring::busy(seen, Some(busy(*pttl)));
+            SetReply::Held { at, pttl } => {
+                if let Some(seen) = at.and_then(|i| seen.get_mut(i)) {
+                    Acquiring::busy(seen, Some(pttl));
                 }
-                Ok(Attempt::Busy(busy(*pttl)))
+                Ok(Attempt::Busy(pttl))
             }
-            other => Err(Error::UnexpectedReply {
-                op: "acquire",
-                reply: format!("{other:?}"),
-            }),
         }
     }
+}
+
+/// What one `multi_acquire` call answered.
+#[derive(Debug, PartialEq)]
+pub(crate) enum SetReply<'a> {
+    /// Every lease granted: its token in the call's order (a plain lease's
+    /// is not one).
+    Granted(&'a [redis::Value]),
+    /// A lease found held, by its index in the call's order when the script
+    /// names it, and how long its holder has.
+    Held {
+        at: Option<usize>,
+        pttl: Option<Duration>,
+    },
+}
+
+/// Reads a `multi_acquire` call's reply over `leases` leases: `{1, token…}`
+/// every lease granted, `{0, index, pttl}` one found held (nothing of the
+/// set taken).
+pub(crate) fn read_set(reply: &[redis::Value], leases: usize) -> Result<SetReply<'_>> {
+    match reply {
+        [redis::Value::Int(1), tokens @ ..] if tokens.len() == leases => {
+            Ok(SetReply::Granted(tokens))
+        }
+        [
+            redis::Value::Int(0),
+            redis::Value::Int(held),
+            redis::Value::Int(pttl),
+        ] => Ok(SetReply::Held {
+            at: usize::try_from(*held).ok().and_then(|i| i.checked_sub(1)),
+            pttl: busy(*pttl),
+        }),
+        other => Err(unexpected_acquire(other)),
+    }
+}
+
+/// The value a fenced lease of a set holds: `owner:token`.
+pub(crate) fn fenced_value(owner: &OwnerToken, token: &FencingToken) -> String {
+    format!("{}:{token}", owner.as_str())
 }
 
 /// The keys and arguments of one `multi_acquire` call for `owner`: the lease

@@ -43,7 +43,9 @@ use independence::check_independent;
 use options::{check_options, random_unit, retry_pause};
 use restarts::Restarts;
 #[cfg(test)]
-pub(crate) use worker::{acquire_reply, confirm_kill, try_budget};
+pub(crate) use worker::{
+    acquire_reads, acquire_reply, acquire_set, confirm_kill, found_set, try_budget,
+};
 
 /// A lock held by a majority of independent Redis servers: antirez's Redlock.
 ///

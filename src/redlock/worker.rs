@@ -617,21 +617,10 @@ impl Worker {
                 // long the holder has), within the same deadline. Every
                 // attempt has its own owner value, so a late duplicate finds
                 // the key set and changes nothing.
-                let mut set = redis::pipe();
-                set.ignore_errors();
-                set.cmd("SET")
-                    .arg(key)
-                    .arg(value)
-                    .arg("NX")
-                    .arg("PX")
-                    .arg(ttl_ms);
-                let mut reply = conn.pipeline(&set, "acquire", deadline)?;
-                if matches!(reply.as_slice(), [redis::Value::Nil]) {
-                    let mut read = redis::pipe();
-                    read.ignore_errors();
-                    read.cmd("GET").arg(key);
-                    read.cmd("PTTL").arg(key);
-                    reply.extend(conn.pipeline(&read, "acquire", deadline)?);
+                let mut reply =
+                    conn.pipeline(&acquire_set(key, value, ttl_ms), "acquire", deadline)?;
+                if found_set(&reply) {
+                    reply.extend(conn.pipeline(&acquire_reads(key), "acquire", deadline)?);
                 }
                 acquire_reply(&reply, key, value)
             }
@@ -710,6 +699,37 @@ impl Worker {
         };
         self.conn = Some(node.conn);
     }
+}
+
+/// An acquire's first round trip: `SET NX PX`, all an uncontended attempt
+/// sends.
+pub(crate) fn acquire_set(key: &str, value: &str, ttl_ms: u64) -> redis::Pipeline {
+    let mut set = redis::pipe();
+    set.ignore_errors();
+    set.cmd("SET")
+        .arg(key)
+        .arg(value)
+        .arg("NX")
+        .arg("PX")
+        .arg(ttl_ms);
+    set
+}
+
+/// Whether the `SET`'s reply calls for [`acquire_reads`]: it found the key
+/// set.
+pub(crate) fn found_set(reply: &[redis::Value]) -> bool {
+    matches!(reply, [redis::Value::Nil])
+}
+
+/// An acquire's second round trip, when its `SET` found the key set: `GET`
+/// (a key of another type is an error, not a holder) and `PTTL` (how long
+/// the holder has).
+pub(crate) fn acquire_reads(key: &str) -> redis::Pipeline {
+    let mut read = redis::pipe();
+    read.ignore_errors();
+    read.cmd("GET").arg(key);
+    read.cmd("PTTL").arg(key);
+    read
 }
 
 /// What the acquire's `SET NX PX` answered (and, when it found the key set,

@@ -6,9 +6,10 @@
 //! client's [`Node`] machine per server (jobs in order, deadline skips,
 //! taints, kills before reuse, releases kept for later), the extension's
 //! settle and fence ([`Extension`]), the release's count ([`Release`]), the
-//! acquire verdict ([`acquired`]) and the readers of the servers' replies
-//! (`acquire_reply`, `confirm_kill`, `fences_for`). What is written here is
-//! what lies outside the process or on the wire: model servers
+//! acquire verdict ([`acquired`]), the acquire's commands (`acquire_set`,
+//! then `acquire_reads` when `found_set`) and the readers of the servers'
+//! replies (`acquire_reply`, `confirm_kill`, `fences_for`). What is written
+//! here is what lies outside the process or on the wire: model servers
 //! (`src/sim/model`, running the shipped Lua), a network that delays, loses
 //! and keeps order per connection only, and the transport of each machine
 //! (which command goes on which model connection, the connector's tries).
@@ -35,7 +36,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::model::{ClientId, ModelServer, Persistence, Reply as Wire, Value};
+use super::model::{ClientId, ModelServer, Persistence, Reply as Wire, Value, argv};
 use super::{Net, Queue, Rng, Stats, instant};
 use crate::conn::Identity;
 use crate::core::lease::{LeaseCore, Loss, Refusal};
@@ -47,7 +48,9 @@ use crate::core::redlock::{
 use crate::core::schedule::{Next, Schedule, Watched};
 use crate::core::timing::{Timing, rest_after};
 use crate::error::Error;
-use crate::redlock::{acquire_reply, confirm_kill, try_budget};
+use crate::redlock::{
+    acquire_reads, acquire_reply, acquire_set, confirm_kill, found_set, try_budget,
+};
 use crate::runtime::lease::LeaseCell;
 use crate::scripts;
 
@@ -131,6 +134,22 @@ impl Server {
         self.model.command_from(conn, argv)
     }
 
+    /// Runs a shipped pipeline's commands in turn; their replies as the
+    /// connection reads them.
+    fn run_pipeline(
+        &mut self,
+        conn: ClientId,
+        pipe: &redis::Pipeline,
+    ) -> Option<Vec<redis::Value>> {
+        pipe.cmd_iter()
+            .map(|cmd| {
+                self.model
+                    .command_from(conn, &argv(cmd))
+                    .map(Wire::into_value)
+            })
+            .collect()
+    }
+
     /// Until when (true time, ns) the checker counts this server as keeping
     /// others from `value`'s key after a crash took it: while the process
     /// is down and, once it is back, until the restart delay has passed.
@@ -154,23 +173,14 @@ impl Server {
         let (key, value) = (lease.key(i), lease.value());
         Some(match op {
             Op::Acquire { ttl_ms } => {
-                let ttl = ttl_ms.to_string();
-                // `SET NX PX` alone; `GET` and `PTTL` only when it found the
-                // key set (the second round trip modelled as arriving with
-                // the first).
-                let set = self.run(conn, &["SET", key, value, "NX", "PX", &ttl])?;
-                let mut wire = vec![set];
-                if wire[0] == Wire::Nil {
-                    wire.push(self.run(conn, &["GET", key])?);
-                    wire.push(self.run(conn, &["PTTL", key])?);
+                // The shipped round trips: `SET NX PX`, then `GET` and `PTTL`
+                // only when it found the key set (the second modelled as
+                // arriving with the first).
+                let mut reply = self.run_pipeline(conn, &acquire_set(key, value, ttl_ms))?;
+                if found_set(&reply) {
+                    reply.extend(self.run_pipeline(conn, &acquire_reads(key))?);
                 }
-                if wire.iter().any(Wire::is_error) {
-                    Err(format!("{wire:?}"))
-                } else {
-                    let values: Vec<redis::Value> =
-                        wire.into_iter().map(Wire::into_value).collect();
-                    acquire_reply(&values, key, value).map_err(|e| e.to_string())
-                }
+                acquire_reply(&reply, key, value).map_err(|e| e.to_string())
             }
             Op::Extend { ttl_ms } => {
                 let ttl = ttl_ms.to_string();

@@ -279,6 +279,12 @@ pub(crate) struct Stats {
     /// Extensions confirmed by a server that had been switched away from,
     /// sent again on the new one.
     pub(crate) reset_reruns: u64,
+    /// Grants an attempt found already in place for its owner (an earlier
+    /// attempt's whose reply was lost).
+    pub(crate) repeated: u64,
+    /// Attempts a server before Redis 7.0 refused (`SET` with `NX` and
+    /// `GET`), sent again in the older form.
+    pub(crate) older_set: u64,
 }
 
 impl Stats {
@@ -296,6 +302,8 @@ impl Stats {
         self.restarts += o.restarts;
         self.exposed += o.exposed;
         self.reset_reruns += o.reset_reruns;
+        self.repeated += o.repeated;
+        self.older_set += o.older_set;
     }
 }
 
@@ -349,5 +357,6 @@ fn single_deployment_leases() {
         assert!(stats.unanswered > 0 && stats.fences > 0, "{stats:?}");
         assert!(stats.losses > 0 && stats.regressions > 0, "{stats:?}");
         assert!(stats.failovers > 0 && stats.exposed > 0, "{stats:?}");
+        assert!(stats.repeated > 0 && stats.older_set > 0, "{stats:?}");
     }
 }

@@ -20,7 +20,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::model::{ClientId, Entry, ModelServer, Reply, Value};
+use super::model::{ClientId, Entry, ModelServer, Reply, Value, argv};
 use super::{Net, Queue, Rng, Stats, instant};
 use crate::core::acquire::{Attempts, CleanUp, dated};
 use crate::core::executor::{Command, Executor as Machine, ExtendReply, Renewal};
@@ -34,6 +34,8 @@ use crate::lease::fenced::FencedSpec;
 use crate::lease::kind::Acquire;
 use crate::lease::kind::Granted;
 use crate::lease::lock::PlainSpec;
+use crate::lease::multi::{SetReply, fenced_value, read_set};
+use crate::lease::parse_token;
 use crate::lease::rwlease::{Preference, ReadSpec, WriteSpec};
 use crate::lease::semaphore::SemSpec;
 use crate::runtime::lease::LeaseCell;
@@ -147,16 +149,16 @@ impl Spec {
     }
 
     /// The commands of one attempt of `owner` (inside a wait when
-    /// `waiting`), in order. The model servers are Redis 7: a plain lock
-    /// sends `SET … GET`; no connection tracks keys.
-    fn request(&self, owner: &str, ttl_ms: u64, waiting: bool) -> Vec<redis::Cmd> {
+    /// `waiting`), in order: a plain lock's `SET … GET` when `set_get`, else
+    /// `SET NX PX` and `GET`. No connection tracks keys.
+    fn request(&self, owner: &str, ttl_ms: u64, waiting: bool, set_get: bool) -> Vec<redis::Cmd> {
         let ttl = ttl_ms.to_string();
         let evalsha = |script: &'static scripts::Script, keys: &[&str], args: &[&str]| {
             vec![script.evalsha(keys, args)]
         };
         match self {
             Spec::Plain(spec) => spec
-                .request(owner, ttl_ms, true, false, waiting)
+                .request(owner, ttl_ms, set_get, false, waiting)
                 .cmd_iter()
                 .cloned()
                 .collect(),
@@ -182,26 +184,31 @@ impl Spec {
 
     /// Reads the replies to a [`request`](Spec::request) sent at `sent`, as
     /// the shipped attempt does; `since` is when the owner's first
-    /// unanswered attempt went out.
+    /// unanswered attempt went out. `None`: the server refused `SET` with
+    /// `NX` and `GET`, and the attempt goes again in the older form.
+    #[allow(clippy::too_many_arguments, reason = "one attempt's whole context")]
     fn read(
         &self,
         reply: &[redis::Value],
         owner: &str,
         ttl_ms: u64,
         waiting: bool,
+        set_get: bool,
         sent: Instant,
         since: Option<Instant>,
-    ) -> Result<Read, String> {
+    ) -> Result<Option<Read>, String> {
         fn took<G>(
             read: crate::error::Result<Attempt<Granted<G>>>,
             token: impl Fn(&G) -> u64,
-        ) -> Result<Read, String> {
-            Ok(match read.map_err(|e| format!("acquire reply: {e}"))? {
-                Attempt::Acquired(g) => {
-                    Attempt::Acquired((token(&g.grant), g.ops.member.clone(), g.sent))
-                }
-                Attempt::Busy(hint) => Attempt::Busy(hint),
-            })
+        ) -> Result<Option<Read>, String> {
+            Ok(Some(
+                match read.map_err(|e| format!("acquire reply: {e}"))? {
+                    Attempt::Acquired(g) => {
+                        Attempt::Acquired((token(&g.grant), g.ops.member.clone(), g.sent))
+                    }
+                    Attempt::Busy(hint) => Attempt::Busy(hint),
+                },
+            ))
         }
         // A script's reply is one array, which the connection hands over as
         // its items.
@@ -211,11 +218,10 @@ impl Spec {
             (_, other) => return Err(format!("a script's reply that is not one array: {other:?}")),
         };
         match self {
-            Spec::Plain(spec) => took(
-                spec.read(reply, true, owner, sent, since)
-                    .ok_or("a Redis 7 model refused SET with NX and GET")?,
-                |()| 0,
-            ),
+            Spec::Plain(spec) => match spec.read(reply, set_get, owner, sent, since) {
+                Some(read) => took(read, |()| 0),
+                None => Ok(None),
+            },
             Spec::Fenced(spec) => took(spec.read(reply, owner, sent), |t| t.get()),
             // A reader holds no token (its grant is the write epoch it
             // joined).
@@ -251,16 +257,6 @@ fn ops(kind: KeyKind, key: usize, value: &str) -> Ops {
             &scripts::SEM_RELEASE,
         ),
     }
-}
-
-/// The argument vector of a shipped command.
-fn argv(cmd: &redis::Cmd) -> Vec<Vec<u8>> {
-    cmd.args_iter()
-        .map(|a| match a {
-            redis::Arg::Simple(b) => b.to_vec(),
-            _ => b"0".to_vec(),
-        })
-        .collect()
 }
 
 /// Runs a shipped command on `client`, as the connection does: `EVALSHA`,
@@ -365,6 +361,8 @@ enum Req {
         owner: String,
         ttl_ms: u64,
         waiting: bool,
+        /// A plain lock's `SET` carries `GET`.
+        set_get: bool,
     },
     /// The shipped extension of each lease, in one pipeline.
     Extend {
@@ -396,6 +394,7 @@ enum Resp {
         reply: Vec<redis::Value>,
         existed: bool,
         holds: bool,
+        set_get: bool,
     },
     Ints(Vec<i64>),
     /// A release's reply, and the outcome the server's data called for.
@@ -716,6 +715,11 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
     };
     let mut faults = false;
     w.server.set_rate(rate);
+    if w.rng.chance(0.5) {
+        // A server before Redis 7.0: a plain lock's attempts fall back to
+        // `SET NX PX` and a `GET` after the first refusal.
+        w.server.refuse_nx_with_get();
+    }
     let start = w.rng.below(3) * 99_999_999_999_998;
     if start > 0 {
         w.server.put(
@@ -918,6 +922,7 @@ impl World {
                 owner,
                 ttl_ms,
                 waiting,
+                set_get,
             } => {
                 let kind = kinds[*key];
                 let reads = matches!(kind, KeyKind::Rw { .. }) && owner.ends_with('r');
@@ -934,7 +939,7 @@ impl World {
                 };
                 let mine = holds(server);
                 let mut reply = Vec::new();
-                for cmd in self.specs[*key].request(owner, *ttl_ms, *waiting) {
+                for cmd in self.specs[*key].request(owner, *ttl_ms, *waiting, *set_get) {
                     reply.push(run_on(server, client, &cmd).ok_or("closed")?.into_value());
                 }
                 let holds = holds(server);
@@ -953,6 +958,7 @@ impl World {
                     reply,
                     existed: mine,
                     holds,
+                    set_get: *set_get,
                 }
             }
             Req::Extend { items } => {
@@ -1311,16 +1317,7 @@ impl World {
                 a.ttl = ttl;
                 a.tries = 1 + self.rng.below(4) as u32;
             }
-            let a = self.users[u].acquiring.as_ref().expect("set");
-            let req = Req::Acquire {
-                key: self.users[u].key,
-                owner: a.owner.clone(),
-                ttl_ms: a.ttl.as_millis() as u64,
-                waiting: a.waiting,
-            };
-            self.users[u].busy = true;
-            let conn = self.users[u].conn;
-            self.send(Who::User(u), conn, req, Purpose::Acquire);
+            self.send_attempt(u);
             return Ok(());
         }
         if self.steps_left > 0 {
@@ -1387,6 +1384,25 @@ impl World {
         }
         self.think(u);
         Ok(())
+    }
+
+    /// Sends user `u`'s next acquire attempt.
+    fn send_attempt(&mut self, u: usize) {
+        let key = self.users[u].key;
+        let a = self.users[u].acquiring.as_ref().expect("acquiring");
+        let req = Req::Acquire {
+            key,
+            owner: a.owner.clone(),
+            ttl_ms: a.ttl.as_millis() as u64,
+            waiting: a.waiting,
+            set_get: match &self.specs[key] {
+                Spec::Plain(spec) => spec.set_get(),
+                _ => true,
+            },
+        };
+        self.users[u].busy = true;
+        let conn = self.users[u].conn;
+        self.send(Who::User(u), conn, req, Purpose::Acquire);
     }
 
     /// The guard's reset_expiry, driven by its machine: a send, a wait for
@@ -1524,12 +1540,25 @@ impl World {
                 reply,
                 existed,
                 holds,
+                set_get,
             }) => {
                 let a = self.users[u].acquiring.as_ref().expect("acquiring");
                 let since = a.attempts.since();
                 let ttl_ms = a.ttl.as_millis() as u64;
-                let read =
-                    self.specs[key].read(&reply, &a.owner, ttl_ms, a.waiting, p.sent, since)?;
+                let Some(read) = self.specs[key]
+                    .read(&reply, &a.owner, ttl_ms, a.waiting, set_get, p.sent, since)?
+                else {
+                    // Refused before it ran (a server before Redis 7.0): the
+                    // shipped attempt sends the older form at once.
+                    if holds != existed {
+                        return Err(format!(
+                            "user {u}: a refused SET with NX and GET changed the lease"
+                        ));
+                    }
+                    self.stats.older_set += 1;
+                    self.send_attempt(u);
+                    return Ok(());
+                };
                 // A grant counts from its send, or (a plain lock's, found
                 // already the owner's) from the first unanswered attempt's;
                 // the scripts move a repeated grant's expiry to a TTL from
@@ -1540,7 +1569,9 @@ impl World {
                     p.sent
                 };
                 match read {
-                    Attempt::Acquired((_, _, sent)) if holds && sent == from => {}
+                    Attempt::Acquired((_, _, sent)) if holds && sent == from => {
+                        self.stats.repeated += u64::from(existed);
+                    }
                     Attempt::Busy(_) if !holds => {}
                     _ => {
                         return Err(format!(
@@ -2181,8 +2212,15 @@ pub(crate) fn sets_case(seed: u64) -> Result<Stats, String> {
             }
             let reply = run_on(&mut server, me.client, &cmd);
             let after: Vec<Option<String>> = keys.iter().map(|k| value_of(&server, *k)).collect();
-            match reply {
-                Some(Reply::Array(items)) if items.first() == Some(&Reply::Int(1)) => {
+            // A script's reply is one array, which the connection hands over as
+            // its items; the shipped reader reads them.
+            let items: Vec<redis::Value> = match reply.map(Reply::into_value) {
+                Some(redis::Value::Array(items)) => items,
+                other => return Err(format!("multi_acquire answered {other:?}")),
+            };
+            let owner_token = OwnerToken::from_raw(owner.clone());
+            match read_set(&items, keys.len()).map_err(|e| e.to_string())? {
+                SetReply::Granted(granted) => {
                     stats.grants += 1;
                     attempts.granted(at);
                     let since = attempts.since();
@@ -2194,15 +2232,14 @@ pub(crate) fn sets_case(seed: u64) -> Result<Stats, String> {
                         }
                     }
                     let mut values = Vec::new();
-                    for (i, key) in keys.iter().enumerate() {
-                        let token = match items.get(i + 1) {
-                            Some(Reply::Bulk(t)) => String::from_utf8_lossy(t).into_owned(),
-                            other => return Err(format!("a grant without token {i}: {other:?}")),
-                        };
-                        let value = if fenced {
-                            format!("{owner}:{token}")
-                        } else {
-                            owner.clone()
+                    for (i, (key, token)) in keys.iter().zip(granted).enumerate() {
+                        let token = fenced
+                            .then(|| parse_token(token, "acquire"))
+                            .transpose()
+                            .map_err(|e| format!("grant {i}: {e}"))?;
+                        let value = match &token {
+                            Some(token) => fenced_value(&owner_token, token),
+                            None => owner.clone(),
                         };
                         if after[i].as_deref() != Some(value.as_str()) {
                             return Err(format!(
@@ -2211,8 +2248,8 @@ pub(crate) fn sets_case(seed: u64) -> Result<Stats, String> {
                                 after[i]
                             ));
                         }
-                        if fenced {
-                            let t: u64 = token.parse().map_err(|_| format!("token {token}"))?;
+                        if let Some(token) = token {
+                            let t = token.get();
                             let repeated = before[i].as_deref() == Some(value.as_str());
                             if !repeated && t <= tokens[*key] {
                                 return Err(format!(
@@ -2231,7 +2268,7 @@ pub(crate) fn sets_case(seed: u64) -> Result<Stats, String> {
                         core: LeaseCore::granted(timing, dated(since, at), ttl),
                     });
                 }
-                Some(Reply::Array(items)) if items.first() == Some(&Reply::Int(0)) => {
+                SetReply::Held { .. } => {
                     // Busy: all or nothing, so nothing changed.
                     if before != after {
                         return Err(format!(
@@ -2250,7 +2287,6 @@ pub(crate) fn sets_case(seed: u64) -> Result<Stats, String> {
                     });
                     abandoned.insert(owner);
                 }
-                other => return Err(format!("multi_acquire answered {other:?}")),
             }
         }
         // The invariants, at this instant.

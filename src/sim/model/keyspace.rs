@@ -181,6 +181,8 @@ pub(crate) struct Keyspace {
     /// `PTTL` and the base of `SET PX` and `PEXPIRE` read the clock passed to
     /// [`Keyspace::exec`].
     script_start: Option<i64>,
+    /// `SET` with both `NX` and `GET` is a syntax error, as before Redis 7.0.
+    refuses_nx_with_get: bool,
 }
 
 /// A command's name and arity (Redis's convention: `n` exactly n arguments
@@ -351,6 +353,12 @@ impl Keyspace {
             replica,
             ..Keyspace::default()
         }
+    }
+
+    /// Answers `SET` with both `NX` and `GET` with a syntax error and runs
+    /// nothing, as Redis before 7.0 does.
+    pub(crate) fn refuse_nx_with_get(&mut self) {
+        self.refuses_nx_with_get = true;
     }
 
     /// Makes this a primary's keyspace (expired keys are deleted from now
@@ -617,6 +625,9 @@ impl Keyspace {
                 _ => return err(SYNTAX),
             }
             i += 1;
+        }
+        if nx && get && self.refuses_nx_with_get {
+            return err(SYNTAX);
         }
         let old = match self.live(key, now) {
             None => None,
@@ -1217,6 +1228,22 @@ mod tests {
         );
         assert_eq!(run(&mut ks, 1011, &["GET", "k"]), Reply::Nil);
         assert_eq!(run(&mut ks, 1011, &["PEXPIRETIME", "k"]), Reply::Int(-2));
+    }
+
+    #[test]
+    fn set_with_nx_and_get_answers_what_was_there_or_before_7_0_a_syntax_error() {
+        let mut ks = Keyspace::new(false);
+        let set = ["SET", "k", "me", "NX", "PX", "100", "GET"];
+        assert_eq!(run(&mut ks, 1000, &set), Reply::Nil);
+        assert_eq!(run(&mut ks, 1001, &set), Reply::Bulk(b"me".to_vec()));
+        let mut old = Keyspace::new(false);
+        old.refuse_nx_with_get();
+        assert_eq!(run(&mut old, 1000, &set), Reply::Error(SYNTAX.into()));
+        assert_eq!(run(&mut old, 1000, &["GET", "k"]), Reply::Nil);
+        assert_eq!(
+            run(&mut old, 1000, &["SET", "k", "me", "PX", "100", "GET"]),
+            Reply::Nil
+        );
     }
 
     #[test]

@@ -101,6 +101,16 @@ impl Reply {
     }
 }
 
+/// The argument vector of a shipped command.
+pub(crate) fn argv(cmd: &redis::Cmd) -> Vec<Vec<u8>> {
+    cmd.args_iter()
+        .map(|a| match a {
+            redis::Arg::Simple(b) => b.to_vec(),
+            _ => b"0".to_vec(),
+        })
+        .collect()
+}
+
 impl std::fmt::Display for Reply {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

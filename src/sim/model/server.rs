@@ -317,6 +317,13 @@ impl ModelServer {
         self.advance_to(self.now + delta_ms);
     }
 
+    /// Refuses `SET` with both `NX` and `GET` (a syntax error that runs
+    /// nothing), as Redis before 7.0 does; a replica added later refuses it
+    /// too.
+    pub(crate) fn refuse_nx_with_get(&mut self) {
+        self.data.refuse_nx_with_get();
+    }
+
     /// Server milliseconds per true millisecond for [`ModelServer::elapse`]
     /// (1.01 runs 1 % fast). Defaults to 1.
     pub(crate) fn set_rate(&mut self, rate: f64) {
