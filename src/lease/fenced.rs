@@ -74,9 +74,7 @@ impl FencedSpec {
             value: Some(value),
         }
     }
-}
 
-impl FencedSpec {
     /// Calls `send` with an attempt's script, keys and arguments for `owner`
     /// at `ttl` milliseconds: lease, fence and the value key when there is
     /// one; owner, TTL and the value when there is one (on the stack, no
@@ -98,6 +96,33 @@ impl FencedSpec {
             &key_slots[..self.keys.len()],
             &arg_slots[..2 + usize::from(self.value.is_some())],
         )
+    }
+
+    /// The error of a refused attempt over `keys`, named by the key it is
+    /// about: a fence counter at its largest value or not a counter, the
+    /// value key (`BADKEY` names it by index), else the lease key.
+    fn refused(&self, e: Error, keys: &[&str]) -> Error {
+        let (lease, fence) = (&self.keys[0], &self.keys[1]);
+        let key = match &e {
+            Error::Server { source, .. }
+                if source.code() == Some("BADFENCE") || source.to_string().contains("overflow") =>
+            {
+                fence
+            }
+            _ => lease,
+        };
+        match e {
+            Error::Server { source, .. } if source.to_string().contains("overflow") => {
+                Error::BadKey {
+                    key: key.clone(),
+                    problem: "is at the largest value a counter can hold; no further fencing \
+                              token can be issued"
+                        .into(),
+                }
+            }
+            e if key == lease => bad_key_in(e, keys),
+            e => bad_key(e, key),
+        }
     }
 
     /// Reads the script's reply to an attempt of `owner` sent at `sent`:
@@ -136,37 +161,11 @@ impl Acquire<FencingToken> for FencedSpec {
         _waiting: bool,
         _uncertain_since: Option<Instant>,
     ) -> Result<Attempt<Granted<FencingToken>>> {
-        let (lease, fence) = (&self.keys[0], &self.keys[1]);
         let ttl = ttl_ms.to_string();
         let reply: Vec<redis::Value> =
             self.request(owner.as_str(), &ttl, |script, keys, args| {
                 conn.script(script, keys, args, "acquire", deadline)
-                    .map_err(|e| {
-                        let key = match &e {
-                            Error::Server { source, .. }
-                                if source.code() == Some("BADFENCE")
-                                    || source.to_string().contains("overflow") =>
-                            {
-                                fence
-                            }
-                            _ => lease,
-                        };
-                        match e {
-                            Error::Server { source, .. }
-                                if source.to_string().contains("overflow") =>
-                            {
-                                Error::BadKey {
-                                    key: key.clone(),
-                                    problem: "is at the largest value a counter can hold; no \
-                                          further fencing token can be issued"
-                                        .into(),
-                                }
-                            }
-                            // BADKEY names its key by index (KEYS[3], the value).
-                            e if key == lease => bad_key_in(e, keys),
-                            e => bad_key(e, key),
-                        }
-                    })
+                    .map_err(|e| self.refused(e, keys))
             })?;
         self.read(&reply, owner.as_str(), sent)
     }

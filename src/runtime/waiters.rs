@@ -90,9 +90,9 @@
 //! (`try_acquire`) is not a wait and still takes a free lock ahead of the
 //! queue. With 8 contenders sharing a coordinator, the releaser took back 0 %
 //! of grants in the side-by-side run (BENCHMARKS.md, `lock-shared`; counted
-//! from the release sent, the next holder had the lock at p50 1.25× and p99
-//! 1.03× as late as with the raw tracking waiter, all of whose waiters race,
-//! on different CPUs, and at 0.44× and 0.54× on one CPU).
+//! from the release sent, the next holder had the lock at p50 1.22× and p99
+//! 0.88× as late as with the raw tracking waiter, all of whose waiters race,
+//! on different CPUs, and at 0.43× and 0.53× on one CPU).
 //! Watchers (an election's observers) keep their first attempt
 //! ([`Order::Race`]).
 //!
@@ -104,7 +104,7 @@
 //! queued) lets waiters elsewhere go first: it pauses 1 ms before its first
 //! attempt, long enough for a waiter in another process woken by the release
 //! this thread may just have made to reach the server (p50 of that hand-off,
-//! counted from the release sent: 0.44–0.48 ms on the 2-core machine of
+//! counted from the release sent: 0.43–0.53 ms on the 2-core machine of
 //! BENCHMARKS.md, 0.27–0.5 ms in earlier runs). The key stays
 //! contended for a second after the last wait on it that had to wait, also
 //! through waits granted at once: one such grant only says that no waiter got
@@ -114,15 +114,16 @@
 //! 8 contenders on one CPU, against 0 % when the key is kept). A key that
 //! stopped being contended costs a pause per wait for up to a second; the
 //! uncontended path costs a lookup.
-//! With 8 contenders, a coordinator each, the releaser took back 0 % of grants
-//! with the pause, in both placements of BENCHMARKS.md (`lock`), and 32 %
-//! without it (an earlier run on a busier machine, at the same grant rate). [`Order::Server`] (a
-//! `Lock` with `Fairness::Fifo`) puts the queue on the server instead: the
-//! lock is granted to the head of a sorted set of waiters in arrival order,
-//! each entry expiring unless its waiter refreshes it, so every waiter of a
-//! process is woken by every change and wakes at least once per refresh
-//! interval. A holder's renewals change the key, so they wake each
-//! process's first waiter for one re-check per renewal.
+//! With 8 contenders, a coordinator each, the releaser took back 11 % of
+//! grants with the pause on one CPU and 0 % on different CPUs in
+//! BENCHMARKS.md (`lock`; 0 % and 0 % in the run before), and 32 % without
+//! it (an earlier run on a busier machine, at the same grant rate).
+//! [`Order::Server`] (a `Lock` with `Fairness::Fifo`) puts the queue on the
+//! server instead: the lock is granted to the head of a sorted set of
+//! waiters in arrival order, each entry expiring unless its waiter refreshes
+//! it, so every waiter of a process is woken by every change and wakes at
+//! least once per refresh interval. A holder's renewals change the key, so
+//! they wake each process's first waiter for one re-check per renewal.
 //!
 //! While every pooled connection is busy (a burst of waiters woken at once), a
 //! waiter keeps waiting for one rather than failing; nothing has been sent then.

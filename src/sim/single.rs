@@ -3,8 +3,9 @@
 //! executor, against one model server (`sim::model`, running the shipped
 //! scripts and commands; with a lagging replica and a promotion in some
 //! schedules). Each acquire attempt sends what the primitive's shipped
-//! attempt sends (a `Lock`'s `SET … GET`, with the wait's `PTTL` after the
-//! first refusal; the scripts with their arguments) and its replies are read
+//! attempt sends (a `Lock`'s `SET … GET`, with the wait's `PTTL` once an
+//! attempt found the lock held; the scripts with their arguments; on a
+//! server before Redis 7.0, the older form) and its replies are read
 //! by the primitive's shipped reader; the checker holds that reading against
 //! the server's data (granted exactly when the owner holds the lease after
 //! the command, counted from the right send).
@@ -31,8 +32,7 @@ use crate::core::schedule::{Next, Schedule, Watched};
 use crate::core::timing::Timing;
 use crate::guard::ReleaseOutcome;
 use crate::lease::fenced::FencedSpec;
-use crate::lease::kind::Acquire;
-use crate::lease::kind::Granted;
+use crate::lease::kind::{Acquire, Granted};
 use crate::lease::lock::PlainSpec;
 use crate::lease::multi::{SetReply, fenced_value, read_set};
 use crate::lease::parse_token;
