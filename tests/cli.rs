@@ -241,21 +241,20 @@ fn a_lost_lease_stops_the_command() {
 #[test]
 fn sigterm_stops_the_command_and_releases() {
     let server = TestServer::start();
-    let child = respire_lock(&["run", "--url", &server.url(), "job", "--", "sleep", "30"])
-        .spawn()
-        .unwrap();
+    let events = events_path("sigterm");
+    // Signalled once the command runs (its `started` event), which is what
+    // this test is about.
+    let child = inside_until_signalled(&["--url", &server.url()], &events);
     let mut admin = server.client();
-    wait_until(Duration::from_secs(10), "the lease to be taken", || {
-        admin.exists::<_, bool>("respire-lock:{job}:w").unwrap()
-    });
+    assert!(admin.exists::<_, bool>("respire-lock:{job}:w").unwrap());
     let started = Instant::now();
-    let pid = rustix::process::Pid::from_child(&child);
-    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    signal(&child, rustix::process::Signal::TERM);
     let out = child.wait_with_output().unwrap();
     // sleep died of the forwarded SIGTERM: 128 + 15.
     assert_eq!(out.status.code(), Some(143));
     assert!(started.elapsed() < Duration::from_secs(10));
     assert!(!admin.exists::<_, bool>("respire-lock:{job}:w").unwrap());
+    let _ = std::fs::remove_file(&events);
 }
 
 #[test]
