@@ -2173,6 +2173,14 @@ fn elect_runs_the_command_while_leader_and_leader_reports_it() {
     let server = TestServer::start();
     let url = server.url();
     let events = events_path("elect");
+    // The command says it has printed by creating `printed`: the test signals
+    // it only after, so the line is in the pipe whatever the scheduling.
+    let printed = events_path("elect-printed");
+    let script = format!(
+        "echo term=$RESPIRE_LEADER_TERM token=$RESPIRE_FENCING_TOKEN value=$RESPIRE_LEADER_VALUE; \
+         : > '{}'; exec sleep 30",
+        printed.display()
+    );
     let leading = respire_lock(&[
         "elect",
         "--url",
@@ -2187,7 +2195,7 @@ fn elect_runs_the_command_while_leader_and_leader_reports_it() {
         "--",
         "sh",
         "-c",
-        "echo term=$RESPIRE_LEADER_TERM token=$RESPIRE_FENCING_TOKEN value=$RESPIRE_LEADER_VALUE; exec sleep 30",
+        &script,
     ])
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
@@ -2221,6 +2229,9 @@ fn elect_runs_the_command_while_leader_and_leader_reports_it() {
     assert_eq!(out.status.code(), Some(75), "{}", text(&out.stderr));
 
     // SIGTERM goes to the command's group; the leadership is resigned after.
+    wait_until(Duration::from_secs(10), "the command to print", || {
+        printed.exists()
+    });
     signal(&leading, rustix::process::Signal::TERM);
     let out = leading.into_inner().wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(128 + 15), "{}", text(&out.stderr));
@@ -2236,6 +2247,7 @@ fn elect_runs_the_command_while_leader_and_leader_reports_it() {
         vec![serde_json::json!({"name": "jobs", "leader": false, "term": null, "value": null})]
     );
     std::fs::remove_file(&events).unwrap();
+    std::fs::remove_file(&printed).unwrap();
 }
 
 #[test]
