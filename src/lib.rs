@@ -367,6 +367,20 @@
 //! (coordinator, group or guard) that needs them is dropped. A failure in a
 //! background thread flags leases lost and logs; it never panics.
 //!
+//! # Signals
+//!
+//! A signal handled by a thread that is inside a call of this crate can fail
+//! that call. Every socket the crate reads has a timeout, and Linux does not
+//! restart a read with a timeout after a signal handler has run (`SA_RESTART`
+//! does not cover it): the read fails with `EINTR`. A reply cannot be read on
+//! after a failed read, so the call fails with [`Error::Io`] and its command
+//! counts as one whose reply is missing, with its worst possible effect
+//! assumed. That is safe, but it is a failure nothing caused. A program that
+//! handles signals should block them (`pthread_sigmask`) before it starts
+//! any thread and take them on one thread that calls nothing of this crate,
+//! as `respire-lock` does: the threads this crate starts inherit the mask of
+//! the thread that starts them.
+//!
 //! # Guarantees and limits
 //!
 //! - Mutual exclusion holds while clocks advance at similar rates and processes

@@ -257,6 +257,64 @@ fn sigterm_stops_the_command_and_releases() {
     let _ = std::fs::remove_file(&events);
 }
 
+/// Signals the run takes (SIGCHLD here, which ends nothing) coming while it
+/// waits for replies fail none of its calls: a thread of their own takes
+/// them. A handler run by a thread inside a socket read with a timeout would
+/// end that read (`EINTR`), and the reply would count as lost. The command
+/// starts with no signal blocked.
+#[test]
+fn signals_arriving_while_replies_are_awaited_fail_nothing() {
+    let server = TestServer::start();
+    let slow = support::FaultProxy::start(server.addr());
+    // Each reply comes 100 ms after the server sent it: every read blocks.
+    slow.set_mode(support::Mode::DelayServerToClient(Duration::from_millis(
+        100,
+    )));
+    let url = slow.url();
+    for mode in [&[][..], &["--shared"], &["--max", "2"]] {
+        let mut args = vec!["run", "--url", &url];
+        args.extend_from_slice(mode);
+        // The command says which signals it has blocked: none. (Run as the
+        // command itself: a shell may clear its mask when it starts.)
+        args.extend_from_slice(&["job", "--", "grep", "^SigBlk:", "/proc/self/status"]);
+        let mut child = respire_lock(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut sent = 0u32;
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "{mode:?}: the run did not end");
+            signal(&child, rustix::process::Signal::CHILD);
+            sent += 1;
+            // Paces the signals, a few per reply; not a wait for anything.
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        // The command ran and succeeded, and so did every call of the run.
+        assert_eq!(status.code(), Some(0), "{mode:?}, {sent} signals: {err}");
+        assert!(sent > 50, "{mode:?}: only {sent} signals were sent");
+        assert!(err.is_empty(), "{mode:?}: {err}");
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
+        assert_eq!(out, "SigBlk:\t0000000000000000\n", "{mode:?}");
+    }
+    // Every lease was released: what is left (the fencing counter and such)
+    // never expires, and every lease key does.
+    let mut admin = server.client();
+    let keys: Vec<String> = admin.keys("respire-lock:*").unwrap();
+    let leases: Vec<&String> = keys
+        .iter()
+        .filter(|k| admin.pttl::<_, i64>(k.as_str()).unwrap() != -1)
+        .collect();
+    assert!(leases.is_empty(), "{leases:?} of {keys:?}");
+}
+
 #[test]
 fn without_a_url_nothing_starts() {
     let marker = events_path("marker");

@@ -89,7 +89,7 @@ pub(crate) use worker::{
 ///
 /// - **At least twice the slowest node's round trip.** The group measures
 ///   each node's round trip when it connects (the setup round trip, confirmed
-///   by up to two more samples while it looks slow) and refuses a node timeout below
+///   by up to four more samples while it looks slow) and refuses a node timeout below
 ///   twice it with [`Error::NodeTimeoutTooShort`], naming the node, its round
 ///   trip and the node timeout it needs. Twice, because one round trip is the
 ///   floor of every command, and the second one absorbs the tail of the
@@ -343,7 +343,7 @@ impl RedlockGroup {
     ///
     /// Connects to every node at once and blocks until all are connected (at
     /// most the longest connect timeout): one round trip after the handshake
-    /// per node, plus up to two more samples on a node whose round trip looks
+    /// per node, plus up to four more samples on a node whose round trip looks
     /// too slow for the node timeout. Then starts one worker thread per node; the
     /// renewal thread starts later, when first needed.
     ///

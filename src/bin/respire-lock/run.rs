@@ -12,6 +12,7 @@ use std::time::{Duration, Instant, SystemTime};
 use clap::ArgMatches;
 use clap::parser::ValueSource;
 use crossbeam_channel::{Receiver, select};
+use nix::sys::signal::SigSet;
 use parking_lot::Mutex;
 use respire_coordination::{
     CancelToken, Coordinator, Election, Error, FencingToken, Kind, Leadership, Lease, LeaseGuard,
@@ -661,9 +662,10 @@ impl Run<'_> {
             return Ended::CannotStart(format!("cannot start the guardian: {e}"));
         }
         let child = supervise::command(program, &args.command[1..]).and_then(|mut cmd| {
-            cmd.envs(env.iter().map(|(k, v)| (k, v)))
-                .stdin(Stdio::inherit())
-                .spawn()
+            supervise::spawn(
+                cmd.envs(env.iter().map(|(k, v)| (k, v)))
+                    .stdin(Stdio::inherit()),
+            )
         });
         let mut child = match child {
             Ok(child) => child,
@@ -830,21 +832,46 @@ fn describe_others(ins: &respire_coordination::Inspection, skip_exclusive: bool)
 }
 
 /// Signals for this process, delivered on a channel.
+///
+/// They are blocked in the calling thread, and so in every thread started
+/// after (the library's among them), and taken by a thread of their own. A
+/// handler run by a thread inside a library call would fail that call: Linux
+/// does not restart a socket read with a timeout after a handler, whatever
+/// `SA_RESTART` says, and the library takes a reply it could not read as
+/// missing. Call this before anything starts a thread; start processes with
+/// [`supervise::spawn`], which gives them the mask the tool started with.
 fn signals() -> std::io::Result<Receiver<i32>> {
     let mut wanted = FORWARDED.to_vec();
     wanted.push(SIGCHLD);
+    let mut mask = SigSet::empty();
+    for &signal in &wanted {
+        mask.add(nix::sys::signal::Signal::try_from(signal)?);
+    }
+    supervise::block_signals(&mask)?;
     let mut signals = signal_hook::iterator::Signals::new(wanted)?;
     let (tx, rx) = crossbeam_channel::unbounded();
+    let (unblocked_tx, unblocked) = crossbeam_channel::bounded(1);
     std::thread::Builder::new()
         .name("respire-signals".into())
         .spawn(move || {
+            // Signals that came before are pending, and delivered here now.
+            let unblocked = mask.thread_unblock();
+            let failed = unblocked.is_err();
+            let _ = unblocked_tx.send(unblocked);
+            if failed {
+                return;
+            }
             for signal in signals.forever() {
                 if tx.send(signal).is_err() {
                     return;
                 }
             }
         })?;
-    Ok(rx)
+    match unblocked.recv() {
+        Ok(Ok(())) => Ok(rx),
+        Ok(Err(errno)) => Err(errno.into()),
+        Err(_) => Err(std::io::Error::other("the signal thread ended at once")),
+    }
 }
 
 /// The deadline of a wait: `None` to wait until acquired, also for a wait too
@@ -1238,10 +1265,11 @@ impl ThrowawayServer {
         .collect();
         let child = supervise::command(program.as_os_str(), &args)
             .and_then(|mut cmd| {
-                cmd.stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .spawn()
+                supervise::spawn(
+                    cmd.stdin(Stdio::null())
+                        .stdout(Stdio::null())
+                        .stderr(Stdio::null()),
+                )
             })
             .map_err(|e| format!("cannot start redis-server: {e}"))?;
         guardian.watch_group(child.id() as i32);

@@ -14,7 +14,10 @@ use std::io::{BufRead as _, Write as _};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+
+use nix::sys::signal::{SigSet, SigmaskHow};
 
 use rustix::process::{Pid, Signal};
 
@@ -45,6 +48,43 @@ pub(crate) fn exec_main(args: &[OsString]) -> ExitCode {
     let err = Command::new(program).args(&args[2..]).exec();
     crate::say(&format!("respire-lock: cannot run {program:?}: {err}"));
     ExitCode::from(127)
+}
+
+/// The signal mask the tool started with, kept by [`block_signals`] for the
+/// processes it starts.
+static STARTED_WITH: OnceLock<SigSet> = OnceLock::new();
+
+/// Blocks `signals` in the calling thread, and so in every thread it starts
+/// after, keeping the mask it had for the processes the tool starts (see
+/// [`spawn`]).
+pub(crate) fn block_signals(signals: &SigSet) -> nix::Result<()> {
+    let started_with = signals.thread_swap_mask(SigmaskHow::SIG_BLOCK)?;
+    let _ = STARTED_WITH.get_or_init(|| started_with);
+    Ok(())
+}
+
+/// Starts `cmd` with the signal mask the tool started with. A child inherits
+/// the mask of the thread that starts it, and the tool's threads block the
+/// signals its signal thread takes: a command started with them blocked
+/// would never hear the SIGTERM passed on to it. The calling thread has the
+/// started-with mask while it starts the child; a signal it takes meanwhile
+/// interrupts no library call.
+pub(crate) fn spawn(cmd: &mut Command) -> std::io::Result<Child> {
+    let Some(started_with) = STARTED_WITH.get() else {
+        return cmd.spawn();
+    };
+    let blocked = started_with.thread_swap_mask(SigmaskHow::SIG_SETMASK)?;
+    let child = cmd.spawn();
+    if let Err(errno) = blocked.thread_set_mask() {
+        // Not a state to go on in: this thread would take signals inside
+        // library calls.
+        if let Ok(mut child) = child {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        return Err(errno.into());
+    }
+    child
 }
 
 /// A command line for `program` with `args`, started through the exec step
@@ -169,13 +209,14 @@ impl Guardian {
         if self.child.is_some() {
             return Ok(());
         }
-        let mut child = Command::new(std::env::current_exe()?)
-            .arg(GUARD)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .spawn()?;
+        let mut child = spawn(
+            Command::new(std::env::current_exe()?)
+                .arg(GUARD)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .process_group(0),
+        )?;
         self.stdin = child.stdin.take();
         self.child = Some(child);
         Ok(())
