@@ -219,6 +219,24 @@ pub enum Error {
         required: u32,
     },
 
+    /// The replication guard's `Require` mode: the primary extended the lease
+    /// (`reset_expiry`), but fewer replicas than required acknowledged the
+    /// extension within the timeout, so a replica promoted now may not have
+    /// it. It does not count: the guard's bound stays where it was (lowered
+    /// to the new expiry if that is shorter), and the lease is still held
+    /// until then unless flagged lost.
+    #[error(
+        "the primary extended {key:?}, but only {acknowledged} of the {required} required replica(s) acknowledged it; the extension does not count"
+    )]
+    ExtensionNotReplicated {
+        /// The physical key of the lease.
+        key: String,
+        /// How many replicas acknowledged the extension (`WAIT`'s answer).
+        acknowledged: u32,
+        /// How many were required.
+        required: u32,
+    },
+
     /// The replication guard's `Require` mode on a Sentinel deployment: the
     /// primary now serving does not have, in its replication history, the
     /// point at which replicas had acknowledged a grant to this coordinator

@@ -43,6 +43,10 @@ pub(crate) struct ConnConfig {
     /// primary (a Sentinel deployment's data nodes), or learn its replicas
     /// (the replication guard).
     pub(crate) role: RoleCheck,
+    /// Under `Replication::Require`: how many replicas must acknowledge an
+    /// extension (`WAIT` pipelined after it) before it counts, and how long
+    /// `WAIT` may block. `None`: extensions count once the primary confirms.
+    pub(crate) extension_acks: Option<(u32, Duration)>,
     /// The settings it was made from, to reach other servers of the same
     /// deployment (cluster nodes, a new primary) the same way.
     settings: ConnSettings,
@@ -82,6 +86,8 @@ pub(crate) struct ConnSettings {
     pub(crate) connect_timeout: Duration,
     pub(crate) node_timeout: Duration,
     pub(crate) role: RoleCheck,
+    /// See [`ConnConfig::extension_acks`].
+    pub(crate) extension_acks: Option<(u32, Duration)>,
     #[cfg(feature = "tls")]
     pub(crate) tls: TlsMaterial,
 }
@@ -148,6 +154,7 @@ impl ConnConfig {
             connect_timeout: s.connect_timeout,
             node_timeout: s.node_timeout,
             role: s.role,
+            extension_acks: s.extension_acks,
             settings: s,
         })
     }

@@ -839,6 +839,10 @@ impl CoordinatorBuilder {
             connect_timeout: self.connect_timeout,
             node_timeout: self.node_timeout,
             role,
+            extension_acks: match self.replication {
+                Replication::Require { replicas, timeout } => Some((replicas, timeout)),
+                _ => None,
+            },
             #[cfg(feature = "tls")]
             tls: self.tls.clone(),
         }
@@ -855,6 +859,7 @@ impl CoordinatorBuilder {
             connect_timeout: self.connect_timeout,
             node_timeout: self.node_timeout,
             role: RoleCheck::None,
+            extension_acks: None,
             #[cfg(feature = "tls")]
             tls: self
                 .sentinel_tls

@@ -73,6 +73,13 @@ pub(crate) enum ExtendReply {
     NotRun,
     /// It ran, but with an effect that cannot be read: the worst of it stands.
     Unreadable,
+    /// The primary applied it, but fewer replicas than the replication guard
+    /// requires acknowledged it (`WAIT`), so a replica promoted now may not
+    /// have it: it counts as if unanswered, its worst case stands (a
+    /// shortening bounds the lease from its send time, an extension counts
+    /// for nothing). Its reply came, so nothing of it can arrive later and
+    /// there is nothing to fence.
+    Unreplicated,
 }
 
 impl ExtendReply {
@@ -102,6 +109,9 @@ pub(crate) enum Settled {
     Stale,
     /// Not run; nothing changed.
     NotRun,
+    /// Applied by the primary but not acknowledged by enough replicas: the
+    /// bound did not move (its worst case stands); try again.
+    Unreplicated,
     /// Ran with an effect that cannot be read (its worst case stands).
     Unreadable,
 }
@@ -138,6 +148,11 @@ pub(crate) fn settle<L: Claim>(
             lease.unanswered(ticket, now);
             lease.fenced(ticket, now);
             Settled::Unreadable
+        }
+        ExtendReply::Unreplicated => {
+            lease.unanswered(ticket, now);
+            lease.fenced(ticket, now);
+            Settled::Unreplicated
         }
     }
 }
@@ -267,7 +282,8 @@ impl<L: Claim, C, K: Clone + PartialEq> Executor<L, C, K> {
             .map(|(lease, ticket, ttl)| {
                 let reply = replies.next().unwrap_or(ExtendReply::NotRun);
                 let settled = settle(&lease, ticket, reply, now);
-                let retry = (settled == Settled::NotRun).then(|| now + retry_delay(ttl));
+                let retry = matches!(settled, Settled::NotRun | Settled::Unreplicated)
+                    .then(|| now + retry_delay(ttl));
                 (lease, settled, retry)
             })
             .collect()

@@ -58,6 +58,9 @@ pub(crate) enum ResetDone {
     SwitchedTwice,
     /// It ran with an effect that cannot be read; its worst case stands.
     Unreadable,
+    /// The primary applied it, but too few replicas acknowledged it: not
+    /// counted, its worst case stands.
+    Unreplicated,
 }
 
 impl ResetExpiry {
@@ -100,6 +103,7 @@ impl ResetExpiry {
             Settled::Stale => return self.once_more(lease, now),
             Settled::NotRun => ResetDone::NotRun(!lease.is_lost(now)),
             Settled::Unreadable => ResetDone::Unreadable,
+            Settled::Unreplicated => ResetDone::Unreplicated,
         })
     }
 

@@ -18,6 +18,7 @@ use crate::guard::{Fencing, Guard, ReleaseOutcome, Verifiable, sealed};
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::kind::{Fenced, Kind};
 use crate::observe::LeaseId;
+use crate::replication::Replication;
 use crate::runtime::renewal::Cell;
 use crate::token::FencingToken;
 
@@ -235,6 +236,14 @@ impl<K: Kind> LeaseGuard<K> {
         let mut step = reset.claim(&self.cell, now);
         // The last reply, for an unreadable one's report.
         let mut code = 0;
+        // Under the replication guard's `Require`, `WAIT` follows the script
+        // in the same round trip: the extension counts only once enough
+        // replicas have it. `acked`: what the last `WAIT` answered.
+        let acks = match self.dep.replication {
+            Replication::Require { replicas, timeout } => Some((replicas, timeout)),
+            _ => None,
+        };
+        let mut acked = None;
         loop {
             let ticket = match step {
                 ResetStep::Send(ticket) => ticket,
@@ -262,12 +271,17 @@ impl<K: Kind> LeaseGuard<K> {
                             op: "reset expiry",
                             reply: code.to_string(),
                         }),
+                        ResetDone::Unreplicated => Err(Error::ExtensionNotReplicated {
+                            key: self.key().to_owned(),
+                            acknowledged: acked.unwrap_or(0),
+                            required: acks.map_or(0, |(n, _)| n),
+                        }),
                     };
                 }
             };
             // A shorter TTL bounds the lease from now: the renewal thread must know.
             self.dep.runtime().touch(&self.cell);
-            let deadline = self.dep.now() + nt;
+            let deadline = self.dep.now() + nt + acks.map_or(Duration::ZERO, |(_, t)| t);
             // The transport runs a call that a server retired meanwhile
             // answered once more on the current one; an extension must not
             // go again under this claim (a switch gives it up, and a renewal
@@ -279,6 +293,9 @@ impl<K: Kind> LeaseGuard<K> {
                         if answered {
                             return Ok(None);
                         }
+                        if let Some((replicas, timeout)) = acks {
+                            conn.wait_after_next(replicas, timeout, false);
+                        }
                         let reply = conn.script(
                             ops.extend_script(),
                             &keys,
@@ -287,13 +304,20 @@ impl<K: Kind> LeaseGuard<K> {
                             deadline,
                         );
                         answered = reply.is_ok();
+                        acked = conn.take_waited();
                         reply.map(Some)
                     });
             let now = self.dep.now();
             match reply {
                 Ok(Some(reply)) => {
                     code = reply;
-                    step = reset.replied(&self.cell, ticket, ExtendReply::of(code), now);
+                    let reply = match acks {
+                        Some((replicas, _)) if code == 1 && acked.unwrap_or(0) < replicas => {
+                            ExtendReply::Unreplicated
+                        }
+                        _ => ExtendReply::of(code),
+                    };
+                    step = reset.replied(&self.cell, ticket, reply, now);
                 }
                 // Answered by a server retired meanwhile (the second run
                 // sent nothing, or found no server to run on): the answer
@@ -563,6 +587,7 @@ mod tests {
             connect_timeout: ms(100),
             node_timeout: ms(100),
             role: RoleCheck::None,
+            extension_acks: None,
             #[cfg(feature = "tls")]
             tls: Default::default(),
         })

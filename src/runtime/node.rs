@@ -451,6 +451,22 @@ impl Executor {
         })
     }
 
+    /// Has the next pipeline on the executor's connection followed by `WAIT`
+    /// for `acks` (replicas, timeout), when the replication guard asks for it.
+    fn arm_wait(&mut self, acks: Option<(u32, Duration)>) {
+        if let (Some((replicas, timeout)), Some(conn)) = (acks, self.conn.as_mut()) {
+            conn.wait_after_next(replicas, timeout, false);
+        }
+    }
+
+    /// How many replicas acknowledged the last pipeline (`None` when no
+    /// `WAIT` was asked for; 0 when it got no answer).
+    fn take_acked(&mut self, acks: Option<(u32, Duration)>) -> Option<u32> {
+        let conn = self.conn.as_mut()?;
+        let waited = conn.take_waited();
+        acks.map(|_| waited.unwrap_or(0))
+    }
+
     /// Kills connection `target` from the executor's connection; Ok once the
     /// server answered that no such connection is open any more.
     ///
@@ -497,8 +513,14 @@ impl Executor {
         }
         // Every step shares one deadline: a node timeout, and never past the
         // earliest loss deadline in the batch (a later reply would not count).
+        // Under the replication guard's `Require`, `WAIT` follows the
+        // pipeline, and may block for its own timeout.
+        let acks = self.cfg.extension_acks;
+        let wait = acks.map_or(Duration::ZERO, |(_, timeout)| timeout);
         let earliest = batch.iter().map(|l| l.lost_at()).min().unwrap_or(now);
-        let deadline = (now + nt).min(earliest).max(now + Duration::from_millis(1));
+        let deadline = (now + nt + wait)
+            .min(earliest)
+            .max(now + Duration::from_millis(1));
         if let Err(e) = self.ensure_conn(deadline) {
             log::warn!("renewal connection to {} failed: {e}", self.cfg.addr);
             Counters::add(&self.counters.failures, batch.len() as u64);
@@ -520,7 +542,13 @@ impl Executor {
             .map(|(lease, _, ttl)| lease.extra().extend_cmd(ttl_ms(*ttl)))
             .collect();
         let conn_id = self.conn.as_ref().and_then(Conn::identity).cloned();
+        // How many replicas acknowledged each renewal's write (`None`: no
+        // `WAIT` was asked for).
+        let mut acked: Vec<Option<u32>> = vec![None; cmds.len()];
+        self.arm_wait(acks);
         let mut reply = self.send(&cmds, asking, "renew", deadline);
+        let first = self.take_acked(acks);
+        acked.iter_mut().for_each(|a| *a = first);
         // A server that lost the script (restarted, SCRIPT FLUSH) gets it with
         // EVAL for those leases, in the time left.
         if let Ok(values) = &mut reply {
@@ -538,10 +566,14 @@ impl Executor {
                         lease.extra().extend_eval(ttl_ms(*ttl))
                     })
                     .collect();
-                match self.send(&again, asking, "renew", deadline) {
+                self.arm_wait(acks);
+                let sent = self.send(&again, asking, "renew", deadline);
+                let second = self.take_acked(acks);
+                match sent {
                     Ok(evals) => {
                         for (i, v) in missing.into_iter().zip(evals) {
                             values[i] = v;
+                            acked[i] = second;
                         }
                     }
                     Err(e) => reply = Err(e),
@@ -572,8 +604,15 @@ impl Executor {
             Ok(values) => {
                 let mut forward: Vec<(NodeAddr, Vec<Arc<Cell>>)> = Vec::new();
                 let mut replies = Vec::with_capacity(values.len());
-                for value in &values {
+                for (value, acked) in values.iter().zip(&acked) {
                     replies.push(match value {
+                        // Applied by the primary, but a replica promoted now
+                        // may not have it: it does not count.
+                        redis::Value::Int(1)
+                            if acks.is_some_and(|(n, _)| acked.unwrap_or(0) < n) =>
+                        {
+                            ExtendReply::Unreplicated
+                        }
                         redis::Value::Int(n) => ExtendReply::of(*n),
                         // An error reply (a refusal, a server busy, loading,
                         // read-only, migrating or redirected): not run.
@@ -610,6 +649,15 @@ impl Executor {
                         // (a switch while it ran): it counts for nothing, and
                         // the schedule plans the next renewal from the bound.
                         (Settled::Stale, _) => done.push((lease.id(), None)),
+                        (Settled::Unreplicated, _) => {
+                            log::warn!(
+                                "a renewal of {:?} was not acknowledged by the replicas the \
+                                 replication guard requires: it does not count",
+                                lease.key()
+                            );
+                            Counters::add(&self.counters.failures, 1);
+                            done.push((lease.id(), retry.or(Some(self.retry_at(&lease)))));
+                        }
                         (Settled::NotRun | Settled::Unreadable, _) => {
                             log::warn!("unexpected renewal reply for {:?}: {value:?}", lease.key());
                             if is_code(value, "READONLY")
