@@ -509,7 +509,7 @@ pub use observe::MetricsObserver;
 pub use observe::TracingObserver;
 pub use observe::{
     AttemptEvent, ContentionEvent, GrantEvent, LeaseId, LossCause, LossEvent, Observer,
-    PollingEvent, Primitive, ReleaseEvent, RenewalEvent, TopologyChange, TopologyEvent, WaitEnd,
+    PollingEvent, Primitive, ReleaseEvent, RenewalEvent, ServerClockEvent, TopologyChange, TopologyEvent, WaitEnd,
     WaitEndEvent,
 };
 pub use redlock::{

@@ -122,6 +122,13 @@ pub trait Observer: Send + Sync {
     fn polling(&self, event: &PollingEvent<'_>) {
         let _ = event;
     }
+
+    /// A server's wall clock was found to have run ahead of this process's
+    /// monotonic clock: every lease on it was cut by what the server gained
+    /// (see the crate docs on server clocks).
+    fn server_clock_jumped(&self, event: &ServerClockEvent<'_>) {
+        let _ = event;
+    }
 }
 
 /// Which primitive an event is about.
@@ -370,6 +377,20 @@ pub struct TopologyEvent<'a> {
     pub change: TopologyChange<'a>,
 }
 
+/// A server's wall clock ran ahead of this process's monotonic clock between
+/// two readings of its `TIME` by more than the drift allowance.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct ServerClockEvent<'a> {
+    /// The server (no credentials).
+    pub server: &'a str,
+    /// How far ahead it may have run since the reading before: every lease
+    /// on it had its bound moved this much earlier.
+    pub gain: Duration,
+    /// How many leases were cut.
+    pub leases: usize,
+}
+
 /// Waits on a server fell back to polling (every 50–150 ms), because
 /// invalidations could not be tracked there. Reported once per coordinator.
 #[derive(Clone, Copy, Debug)]
@@ -585,6 +606,24 @@ pub(crate) fn slots_moved(observer: Option<&Arc<dyn Observer>>, deployment: &str
     };
     call(&**observer, "topology_changed", |o| {
         o.topology_changed(&event)
+    });
+}
+
+/// Reports a server clock that ran ahead.
+pub(crate) fn server_clock_jumped(
+    observer: Option<&Arc<dyn Observer>>,
+    server: &str,
+    gain: Duration,
+    leases: usize,
+) {
+    let Some(observer) = observer else { return };
+    let event = ServerClockEvent {
+        server,
+        gain,
+        leases,
+    };
+    call(&**observer, "server_clock_jumped", |o| {
+        o.server_clock_jumped(&event)
     });
 }
 

@@ -174,6 +174,11 @@ impl ConnConfig {
         ConnConfig::new(s)
     }
 
+    /// This server's id for lease claims: see [`server_id`].
+    pub(crate) fn server_id(&self) -> u64 {
+        server_id(&self.addr)
+    }
+
     /// The database number it selects.
     pub(crate) fn database(&self) -> Option<i64> {
         self.settings.database
@@ -260,4 +265,14 @@ fn describe_addr(addr: &ConnectionAddr, db: i64) -> String {
     } else {
         format!("{base}/{db}")
     }
+}
+
+/// An id for the server at `addr` (as a [`ConnConfig`] describes it), the
+/// same for every connection to it: a claimed extension remembers the server
+/// its command went to by it.
+pub(crate) fn server_id(addr: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    addr.hash(&mut h);
+    h.finish()
 }

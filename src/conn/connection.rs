@@ -249,6 +249,12 @@ impl Conn {
         self.fresh
     }
 
+    /// The id of the server it is connected to (see
+    /// [`ConnConfig::server_id`](super::ConnConfig::server_id)).
+    pub(crate) fn server_id(&self) -> u64 {
+        super::config::server_id(&self.addr)
+    }
+
     /// The server's address, as configured.
     pub(crate) fn addr(&self) -> &str {
         &self.addr

@@ -210,7 +210,7 @@ mod tests {
         let mut r = ResetExpiry::new(t0, ms(30_000), ms(100));
         let first = sent(r.claim(&l, t0 + ms(10)));
         // The deployment switched while it ran: the claim is given up.
-        assert!(l.0.lock().switched());
+        assert!(l.0.lock().switched(None));
         let second = sent(r.replied(&l, first, ExtendReply::Extended, t0 + ms(20)));
         assert_ne!(first, second);
         assert_eq!(
@@ -225,9 +225,9 @@ mod tests {
         let l = lease(t0, 1_000);
         let mut r = ResetExpiry::new(t0, ms(30_000), ms(100));
         let first = sent(r.claim(&l, t0 + ms(10)));
-        assert!(l.0.lock().switched());
+        assert!(l.0.lock().switched(None));
         let second = sent(r.replied(&l, first, ExtendReply::Extended, t0 + ms(20)));
-        assert!(l.0.lock().switched());
+        assert!(l.0.lock().switched(None));
         let step = r.replied(&l, second, ExtendReply::Extended, t0 + ms(30));
         assert_eq!(step, ResetStep::Done(ResetDone::SwitchedTwice));
         assert_eq!(l.0.lock().valid_until(), t0 + ms(998));
@@ -253,7 +253,7 @@ mod tests {
         let l = lease(t0, 1_000);
         let mut r = ResetExpiry::new(t0, ms(300), ms(100));
         let first = sent(r.claim(&l, t0 + ms(10)));
-        assert!(l.0.lock().switched());
+        assert!(l.0.lock().switched(None));
         let renewal = l.begin_extend(t0 + ms(12), ms(1_000)).unwrap();
         assert_eq!(
             r.replaced(&l, first, t0 + ms(20)),

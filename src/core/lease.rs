@@ -17,6 +17,13 @@
 //!   connection it was sent on was killed and the kill confirmed:
 //!   [`LeaseCore::fenced`]). A command whose effect stayed unknown keeps
 //!   bounding the lease until a later command is confirmed.
+//! - A reading of the server can only lower the bound: a verification that
+//!   found less time left than counted on, or a server clock found to have
+//!   run ahead (its expiries come that much earlier). Such a bound is lifted
+//!   only by an extension sent after the reading's reply came, which the
+//!   server certainly ran after what was read.
+//! - A claim remembers the server its command went to: when the lease moves
+//!   to another server, only a claim whose command went elsewhere is given up.
 //! - Loss is permanent. The lease is lost when the server says so (the key is
 //!   gone or has another owner), when its loss deadline — the bound minus one
 //!   node timeout — passes, or when a confirmation arrives only after that
@@ -107,10 +114,11 @@ impl Verdict {
         }
     }
 
-    /// Applies it to a lease whose verification was sent at `sent`.
-    pub(crate) fn apply(self, core: &mut LeaseCore, sent: Instant) {
+    /// Applies it to a lease whose verification was sent at `sent` and
+    /// answered at `received`.
+    pub(crate) fn apply(self, core: &mut LeaseCore, sent: Instant, received: Instant) {
         match self {
-            Verdict::Held(left) => core.verified(sent, left),
+            Verdict::Held(left) => core.verified(sent, left, received),
             Verdict::Lost(loss) => {
                 core.mark_lost(loss);
             }
@@ -131,6 +139,16 @@ pub(crate) enum Refusal {
 struct Pending {
     ticket: Ticket,
     stamp: Stamp,
+    /// The server the command went to (see [`LeaseCore::dispatched`]).
+    server: Option<u64>,
+}
+
+/// A bound learned from a reading of the server, lifted only by an extension
+/// sent at or after `lifted_by`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Held {
+    until: Instant,
+    lifted_by: Instant,
 }
 
 /// The client's knowledge of one lease.
@@ -147,6 +165,8 @@ pub(crate) struct LeaseCore {
     /// fenced off: it may still be applied at any later time, after any later
     /// extension, so no confirmed extension counts for longer than this.
     cap: Option<Duration>,
+    /// A bound from a verification or a server clock that ran ahead.
+    held: Option<Held>,
     pending: Option<Pending>,
     lost: Option<Loss>,
     finished: bool,
@@ -162,11 +182,17 @@ impl LeaseCore {
             base: Stamp { sent, ttl },
             floor: None,
             cap: None,
+            held: None,
             pending: None,
             lost: None,
             finished: false,
             tickets: 0,
         }
+    }
+
+    /// The drift allowance it was granted with.
+    pub(crate) fn drift_factor(&self) -> f64 {
+        self.timing.drift_factor
     }
 
     /// The TTL of the last confirmed command: what renewals use.
@@ -180,6 +206,9 @@ impl LeaseCore {
         let mut until = t.valid_until(self.base.sent, self.base.ttl);
         if let Some(floor) = self.floor {
             until = until.min(floor);
+        }
+        if let Some(held) = &self.held {
+            until = until.min(held.until);
         }
         if let Some(p) = &self.pending {
             until = until.min(t.valid_until(p.stamp.sent, p.stamp.ttl));
@@ -255,8 +284,23 @@ impl LeaseCore {
         self.pending = Some(Pending {
             ticket,
             stamp: Stamp { sent: now, ttl },
+            server: None,
         });
         Ok(ticket)
+    }
+
+    /// The extension claimed with `ticket` goes to `server` now (an id the
+    /// transport gives each server). Returns `false` when that claim was
+    /// given up meanwhile (the lease moved to another server): then it must
+    /// not be sent.
+    pub(crate) fn dispatched(&mut self, ticket: Ticket, server: u64) -> bool {
+        match &mut self.pending {
+            Some(p) if p.ticket == ticket => {
+                p.server = Some(server);
+                true
+            }
+            _ => false,
+        }
     }
 
     fn take(&mut self, ticket: Ticket) -> Option<Pending> {
@@ -286,6 +330,9 @@ impl LeaseCore {
             ttl: self.cap.map_or(p.stamp.ttl, |cap| cap.min(p.stamp.ttl)),
         };
         self.floor = None;
+        if self.held.is_some_and(|h| p.stamp.sent >= h.lifted_by) {
+            self.held = None;
+        }
         self.observe(now);
         if self.is_lost(now) {
             Confirmed::Lost
@@ -347,21 +394,59 @@ impl LeaseCore {
     /// with the expiry of an older grant or extension than the one the guard
     /// counts on (extensions replicate asynchronously), and only the server's
     /// own remaining time says how long it really has.
-    pub(crate) fn verified(&mut self, sent: Instant, remaining: Option<Duration>) {
+    ///
+    /// Only an extension sent at or after `received` (when the read's reply
+    /// came) lifts that bound: one sent before may have run before the read,
+    /// and its late confirmation says nothing the read did not.
+    pub(crate) fn verified(&mut self, sent: Instant, remaining: Option<Duration>, received: Instant) {
         if let Some(remaining) = remaining {
-            let until = self.timing.valid_until(sent, remaining);
-            self.floor = Some(self.floor.map_or(until, |f| f.min(until)));
+            self.hold(self.timing.valid_until(sent, remaining), received);
         }
     }
 
-    /// The server the lease lives on changed (a failover, a slot that moved):
-    /// nothing the old one says about an extension counts any more, and an
-    /// extension sent to it can no longer reach the new one. A claimed
-    /// extension is given up: its worst case (a shortening counted from its
-    /// send time) stays in the bound until a later extension is confirmed,
-    /// and its ticket goes stale, so a late confirmation from the old server
-    /// is ignored. Returns whether a claim was given up.
-    pub(crate) fn switched(&mut self) -> bool {
+    /// The server's clock was found, by a reading whose reply came at
+    /// `detected`, to have run ahead of the client's by up to `gain`: every
+    /// expiry it set before then comes that much earlier, so the bound moves
+    /// `gain` earlier, until an extension sent at or after `detected` (set on
+    /// the server's new clock) is confirmed.
+    pub(crate) fn clock_gained(&mut self, gain: Duration, detected: Instant) {
+        let until = self
+            .valid_until()
+            .checked_sub(gain)
+            .unwrap_or(self.origin)
+            .max(self.origin);
+        self.hold(until, detected);
+    }
+
+    fn hold(&mut self, until: Instant, lifted_by: Instant) {
+        self.held = Some(match self.held {
+            Some(h) => Held {
+                until: h.until.min(until),
+                lifted_by: h.lifted_by.max(lifted_by),
+            },
+            None => Held { until, lifted_by },
+        });
+    }
+
+    /// The server the lease lives on changed (a failover, a slot that moved)
+    /// to `current` (`None`: not known yet): nothing another server says
+    /// about an extension counts any more, and an extension sent to one can
+    /// no longer reach the lease. A claimed extension whose command went to
+    /// another server, or was not sent yet, is given up: its worst case (a
+    /// shortening counted from its send time) stays in the bound until a
+    /// later extension is confirmed, and its ticket goes stale, so a late
+    /// confirmation is ignored and a send not made yet is not made
+    /// ([`dispatched`](LeaseCore::dispatched) refuses it). A claim whose
+    /// command went to `current` stays: its answer counts, and until it comes
+    /// no other extension may overlap it. Returns whether a claim was given
+    /// up.
+    pub(crate) fn switched(&mut self, current: Option<u64>) -> bool {
+        let keep = self
+            .pending
+            .is_some_and(|p| p.server.is_some() && p.server == current);
+        if keep {
+            return false;
+        }
         match self.pending.take() {
             Some(p) => {
                 let until = self.timing.valid_until(p.stamp.sent, p.stamp.ttl);
@@ -611,13 +696,13 @@ mod tests {
         let t0 = Instant::now();
         let mut c = core(t0, 30_000);
         // The new primary has 2 s left, read by a verify sent at 1 s.
-        c.verified(t0 + ms(1_000), Some(ms(2_000)));
+        c.verified(t0 + ms(1_000), Some(ms(2_000)), t0 + ms(1_001));
         assert_eq!(c.valid_until(), t0 + ms(1_000 + 1_998));
         assert!(c.is_lost(t0 + ms(2_898)));
         // A later read cannot lift the bound.
         let mut c = core(t0, 30_000);
-        c.verified(t0 + ms(1_000), Some(ms(2_000)));
-        c.verified(t0 + ms(1_500), Some(ms(20_000)));
+        c.verified(t0 + ms(1_000), Some(ms(2_000)), t0 + ms(1_001));
+        c.verified(t0 + ms(1_500), Some(ms(20_000)), t0 + ms(1_501));
         assert_eq!(c.valid_until(), t0 + ms(2_998));
         // A confirmed extension on the new server does.
         let t = c.begin_extend(t0 + ms(1_600), ms(30_000)).unwrap();
@@ -625,7 +710,7 @@ mod tests {
         assert_eq!(c.valid_until(), t0 + ms(1_600 + 29_998));
         // No expiry on the server: nothing learned about an end.
         let mut c = core(t0, 30_000);
-        c.verified(t0 + ms(1_000), None);
+        c.verified(t0 + ms(1_000), None, t0 + ms(1_001));
         assert_eq!(c.valid_until(), t0 + ms(29_998));
     }
 
@@ -637,7 +722,7 @@ mod tests {
         let t = c.begin_extend(t0 + ms(100), ms(4_000)).unwrap();
         c.unanswered(t);
         assert!(c.is_claimed());
-        assert!(c.switched());
+        assert!(c.switched(None));
         assert!(!c.is_claimed());
         // Its worst case stays in the bound.
         assert_eq!(c.valid_until(), t0 + ms(100 + 3_998));
@@ -647,11 +732,11 @@ mod tests {
         // In flight and confirmed by the old server after the switch: ignored.
         let mut c = core(t0, 10_000);
         let t = c.begin_extend(t0 + ms(100), ms(60_000)).unwrap();
-        assert!(c.switched());
+        assert!(c.switched(None));
         assert_eq!(c.extended(t, t0 + ms(200)), Confirmed::Stale);
         assert_eq!(c.valid_until(), t0 + ms(9_998));
         // Nothing claimed: nothing to give up.
-        assert!(!c.switched());
+        assert!(!c.switched(None));
     }
 
     #[test]

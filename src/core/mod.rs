@@ -14,4 +14,5 @@ pub(crate) mod lease;
 pub(crate) mod quorum;
 pub(crate) mod redlock;
 pub(crate) mod schedule;
+pub(crate) mod server_clock;
 pub(crate) mod timing;

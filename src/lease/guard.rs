@@ -290,7 +290,9 @@ impl<K: Kind> LeaseGuard<K> {
             let (reply, lost): (Result<Option<i64>>, _) =
                 self.dep
                     .on_key(self.key(), deadline, Connect::Own, |conn, deadline| {
-                        if answered {
+                        // Not under a claim a switch gave up meanwhile (a
+                        // redirection's second run included).
+                        if answered || !self.cell.dispatched(ticket, conn.server_id()) {
                             return Ok(None);
                         }
                         if let Some((replicas, timeout)) = acks {

@@ -182,6 +182,11 @@ impl<X> LeaseCell<X> {
         self.state.lock().core.lost_at()
     }
 
+    /// See [`LeaseCore::drift_factor`].
+    pub(crate) fn drift_factor(&self) -> f64 {
+        self.state.lock().core.drift_factor()
+    }
+
     pub(crate) fn valid_until(&self) -> Instant {
         self.state.lock().core.valid_until()
     }
@@ -301,17 +306,29 @@ impl<X> LeaseCell<X> {
     pub(crate) fn verified(&self, verdict: Verdict, sent: Instant, now: Instant) -> bool {
         let mut held = false;
         self.change(now, |c| {
-            verdict.apply(c, sent);
+            verdict.apply(c, sent, now);
             held = !c.is_lost(now);
         });
         held
     }
 
-    /// The server the lease lives on changed (see [`LeaseCore::switched`]).
-    pub(crate) fn switched(&self, now: Instant) {
+    /// The server the lease lives on changed, to the server `current` (see
+    /// [`LeaseCore::switched`]).
+    pub(crate) fn switched(&self, now: Instant, current: Option<u64>) {
         self.change(now, |c| {
-            c.switched();
+            c.switched(current);
         });
+    }
+
+    /// See [`LeaseCore::dispatched`]: whether the extension claimed with
+    /// `ticket` may go to `server`.
+    pub(crate) fn dispatched(&self, ticket: Ticket, server: u64) -> bool {
+        self.locked().core.dispatched(ticket, server)
+    }
+
+    /// See [`LeaseCore::clock_gained`].
+    pub(crate) fn clock_gained(&self, gain: Duration, detected: Instant) {
+        self.change(detected, |c| c.clock_gained(gain, detected));
     }
 
     pub(crate) fn mark_lost(&self, now: Instant, loss: Loss) {

@@ -30,6 +30,7 @@ use crate::conn::cluster::{NodeAddr, Redirect, redirect_of};
 use crate::conn::{Conn, ConnConfig, Identity, Pool};
 use crate::core::executor::{Command, Executor as Machine, ExtendReply, Settled};
 use crate::core::lease::{Ticket, Verdict};
+use crate::core::server_clock::{self, Reading, ServerClock};
 use crate::core::timing;
 use crate::error::{Error, Result};
 use crate::runtime::renewal::{Cell, Counters, Renewal};
@@ -53,6 +54,11 @@ pub(crate) trait Directory: Send + Sync {
     fn suspect(&self);
     /// The node that serves `key` now.
     fn current(&self, key: &str) -> Option<Arc<Node>>;
+    /// The clock of `server` (its id) was found, by a reading whose reply
+    /// came at `detected`, to have run ahead by up to `gain`: cut every live
+    /// lease on it but those in `spared` (extended after the reading), and
+    /// tell the observer.
+    fn clock_gained(&self, server: u64, addr: &str, gain: Duration, detected: Instant, spared: &[u64]);
 }
 
 /// Work for a node's executor.
@@ -185,6 +191,7 @@ impl Node {
             conn: None,
             machine: Machine::new(self.cfg.node_timeout),
             verifies: Vec::new(),
+            server_clock: ServerClock::default(),
         };
         std::thread::Builder::new()
             .name("respire-io".into())
@@ -256,6 +263,8 @@ struct Executor {
     /// The choreography: claims, fences, clean-ups.
     machine: Machine<Arc<Cell>, CleanUpCmd, Identity>,
     verifies: Vec<PendingVerify>,
+    /// The last reading of the server's clock.
+    server_clock: ServerClock,
 }
 
 /// The redirection an error reply in a pipeline carries.
@@ -451,6 +460,39 @@ impl Executor {
         })
     }
 
+    /// Takes the server's `TIME`, read by a pipeline sent at `sent` and
+    /// answered at `received`, as a reading of its clock; when the clock ran
+    /// ahead of this process's since the last reading by more than `drift`
+    /// allows, every live lease on this server but those in `spared` is cut
+    /// by what it gained. Redis expires keys by its wall clock, so a clock
+    /// stepped forward ends them that much early.
+    fn read_clock(
+        &mut self,
+        time: &redis::Value,
+        sent: Instant,
+        received: Instant,
+        drift: f64,
+        spared: &[u64],
+    ) {
+        let Some(server) = redis::from_redis_value_ref::<Vec<String>>(time)
+            .ok()
+            .and_then(|t| server_clock::parse_time(&t))
+        else {
+            log::debug!("unexpected TIME reply from {}: {time:?}", self.cfg.addr);
+            return;
+        };
+        let reading = Reading {
+            server,
+            sent,
+            received,
+        };
+        if let Some(gain) = self.server_clock.read(reading, drift)
+            && let Some(dir) = self.dir.upgrade()
+        {
+            dir.clock_gained(self.cfg.server_id(), &self.cfg.addr, gain, received, spared);
+        }
+    }
+
     /// Has the next pipeline on the executor's connection followed by `WAIT`
     /// for `acks` (replicas, timeout), when the replication guard asks for it.
     fn arm_wait(&mut self, acks: Option<(u32, Duration)>) {
@@ -532,21 +574,46 @@ impl Executor {
         }
         let (renewal, skipped) = self.machine.renew(batch, self.clock.now());
         done.extend(skipped);
-        let Some(renewal) = renewal else {
+        let Some(mut renewal) = renewal else {
             self.report(done);
             return;
         };
-        let cmds: Vec<redis::Cmd> = renewal
-            .items
-            .iter()
-            .map(|(lease, _, ttl)| lease.extra().extend_cmd(ttl_ms(*ttl)))
+        // A claim the deployment gave up meanwhile (the key's server changed)
+        // is not sent here: the lease is planned again, for its server now.
+        let server = self.cfg.server_id();
+        renewal.items.retain(|(lease, ticket, _)| {
+            let sent = lease.dispatched(*ticket, server);
+            if !sent {
+                done.push((lease.id(), Some(now + Duration::from_millis(2))));
+            }
+            sent
+        });
+        if renewal.items.is_empty() {
+            self.report(done);
+            return;
+        }
+        // The server's `TIME` first: the renewals after it run on the clock
+        // it reads (see `read_clock`).
+        let cmds: Vec<redis::Cmd> = std::iter::once(redis::cmd("TIME"))
+            .chain(
+                renewal
+                    .items
+                    .iter()
+                    .map(|(lease, _, ttl)| lease.extra().extend_cmd(ttl_ms(*ttl))),
+            )
             .collect();
         let conn_id = self.conn.as_ref().and_then(Conn::identity).cloned();
         // How many replicas acknowledged each renewal's write (`None`: no
         // `WAIT` was asked for).
-        let mut acked: Vec<Option<u32>> = vec![None; cmds.len()];
+        let mut acked: Vec<Option<u32>> = vec![None; renewal.items.len()];
         self.arm_wait(acks);
+        let sent_at = self.clock.now();
         let mut reply = self.send(&cmds, asking, "renew", deadline);
+        let received_at = self.clock.now();
+        let server_time = match &mut reply {
+            Ok(values) if !values.is_empty() => Some(values.remove(0)),
+            _ => None,
+        };
         let first = self.take_acked(acks);
         acked.iter_mut().for_each(|a| *a = first);
         // A server that lost the script (restarted, SCRIPT FLUSH) gets it with
@@ -620,6 +687,16 @@ impl Executor {
                     });
                 }
                 let settled = self.machine.renewed(renewal, replies, now);
+                // Extended after the `TIME` read: on the server's clock now.
+                let spared: Vec<u64> = settled
+                    .iter()
+                    .filter(|(_, outcome, _)| *outcome == Settled::Held)
+                    .map(|(lease, _, _)| lease.id())
+                    .collect();
+                let drift = settled.first().map(|(l, _, _)| l.drift_factor());
+                if let (Some(time), Some(drift)) = (&server_time, drift) {
+                    self.read_clock(time, sent_at, received_at, drift, &spared);
+                }
                 for ((lease, outcome, retry), value) in settled.into_iter().zip(&values) {
                     match (outcome, redirection(value, &self.host)) {
                         // The slot is served elsewhere now: the map is updated

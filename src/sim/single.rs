@@ -1215,7 +1215,7 @@ impl World {
             self.users[u].conn = self.conn_for(p);
             if let Some(g) = &self.users[u].guard {
                 let cell = g.cell.clone();
-                cell.switched(now);
+                cell.switched(now, None);
                 self.touch(p, &cell);
                 self.procs[p].exec.queue.push_back(Job::Verify(cell));
             }

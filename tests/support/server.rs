@@ -72,9 +72,17 @@ pub(crate) struct TestServerBuilder {
     extra_args: Vec<String>,
     cluster_node_timeout: Option<Duration>,
     sentinel_config: Option<String>,
+    env: Vec<(String, String)>,
 }
 
 impl TestServerBuilder {
+    /// Sets an environment variable for the server process (and its
+    /// restarts), such as `LD_PRELOAD` of libfaketime. Defaults to none.
+    pub(crate) fn env(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.env.push((name.into(), value.into()));
+        self
+    }
+
     /// Turns on the append-only file with `appendfsync always`, so every
     /// acknowledged write survives [`TestServer::kill`] and
     /// [`TestServer::restart`]. Defaults to off (`--appendonly no`).
@@ -272,6 +280,8 @@ pub(crate) struct TestServer {
     cluster_bus_port: Option<u16>,
     dir: PathBuf,
     command_line: Vec<String>,
+    /// Environment variables of the server process.
+    env: Vec<(String, String)>,
     ready_line: &'static str,
     tls: Option<TlsFiles>,
     requirepass: Option<String>,
@@ -356,7 +366,14 @@ impl TestServer {
             // A node that failed to launch may have saved its state for another port.
             let _ = fs::remove_file(dir.join(CLUSTER_CONFIG_FILE));
             let command_line = builder.command_line(port, &dir, tls.as_ref());
-            match launch(&command_line, &dir, port, tls.is_some(), ready_line) {
+            match launch(
+                &command_line,
+                &builder.env,
+                &dir,
+                port,
+                tls.is_some(),
+                ready_line,
+            ) {
                 Ok(process) => {
                     return TestServer {
                         port,
@@ -365,6 +382,7 @@ impl TestServer {
                             .map(|_| port + CLUSTER_BUS_OFFSET),
                         dir,
                         command_line,
+                        env: builder.env.clone(),
                         ready_line,
                         tls,
                         requirepass: builder.requirepass,
@@ -565,6 +583,7 @@ impl TestServer {
         loop {
             match launch(
                 &self.command_line,
+                &self.env,
                 &self.dir,
                 self.port,
                 self.tls.is_some(),
@@ -668,6 +687,7 @@ fi
 /// Spawns `redis-server` with `command_line` and waits until it is ready.
 fn launch(
     command_line: &[String],
+    env: &[(String, String)],
     dir: &Path,
     port: u16,
     tls: bool,
@@ -683,6 +703,7 @@ fn launch(
         .arg("respire-test-server")
         .arg(dir)
         .args(command_line)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(stderr)

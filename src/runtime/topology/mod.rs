@@ -121,7 +121,7 @@ pub(crate) struct Topology {
     counters: Arc<Counters>,
     clock: Arc<dyn Clock>,
     pool_size: usize,
-    live: Option<Mutex<Live>>,
+    live: Mutex<Live>,
     /// Asks the topology thread to look again now.
     poke: Option<Sender<()>>,
     /// Dropped with the topology: its threads stop.
@@ -139,7 +139,6 @@ impl Topology {
     ) -> Arc<Topology> {
         let counters: Arc<Counters> = Arc::default();
         let registry = Arc::new(Registry::new(describe.clone()).observed_by(s.observer.clone()));
-        let topological = threads.is_some();
         let (poke, stop) = match threads {
             Some((poke, stop)) => (Some(poke), Some(stop)),
             None => (None, None),
@@ -153,11 +152,9 @@ impl Topology {
                 counters: counters.clone(),
                 clock: s.clock.clone(),
                 pool_size: s.pool_size,
-                live: topological.then(|| {
-                    Mutex::new(Live {
-                        cells: Vec::new(),
-                        prune_at: 64,
-                    })
+                live: Mutex::new(Live {
+                    cells: Vec::new(),
+                    prune_at: 64,
                 }),
                 poke,
                 _stop: stop,
@@ -266,18 +263,27 @@ impl Topology {
         }
     }
 
-    /// Remembers a lease granted here, to verify it after a change (Cluster and
-    /// Sentinel only).
+    /// Remembers a lease granted here, to verify it after a change and to
+    /// cut it when its server's clock runs ahead.
     pub(crate) fn register(&self, cell: &Arc<Cell>) {
-        if let Some(live) = &self.live {
-            let mut live = live.lock();
-            if live.cells.len() >= live.prune_at {
-                live.cells
-                    .retain(|w| w.upgrade().is_some_and(|c| !c.is_finished()));
-                live.prune_at = (live.cells.len() * 2).max(64);
-            }
-            live.cells.push(Arc::downgrade(cell));
+        let mut live = self.live.lock();
+        if live.cells.len() >= live.prune_at {
+            live.cells
+                .retain(|w| w.upgrade().is_some_and(|c| !c.is_finished()));
+            live.prune_at = (live.cells.len() * 2).max(64);
         }
+        live.cells.push(Arc::downgrade(cell));
+    }
+
+    /// The live leases (not finished) that `keep` selects.
+    fn live_where(&self, keep: impl Fn(&Cell) -> bool) -> Vec<Arc<Cell>> {
+        self.live
+            .lock()
+            .cells
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|c| !c.is_finished() && keep(c))
+            .collect()
     }
 
     /// Runs `f` on a connection to the server that holds `key`, following
@@ -394,22 +400,16 @@ impl Topology {
     /// `changed` names.
     fn slots_changed(&self, changed: &dyn Fn(u16) -> bool) {
         self.registry.wake_where(|key| changed(key_slot(key)));
-        let Some(live) = &self.live else {
-            return;
-        };
-        let cells: Vec<Arc<Cell>> = live
-            .lock()
-            .cells
-            .iter()
-            .filter_map(Weak::upgrade)
-            .filter(|c| !c.is_finished() && changed(key_slot(c.key().as_bytes())))
-            .collect();
+        let cells = self.live_where(|c| changed(key_slot(c.key().as_bytes())));
         // Nothing the old server says about an extension counts from now on;
         // the verification on the new one bounds each lease by what it has
         // left there.
+        // A claim whose command went to the server that holds the key now
+        // stays: its answer counts.
         let now = self.clock.now();
         for cell in &cells {
-            cell.switched(now);
+            let current = self.node_for(cell.key()).ok().map(|n| n.cfg.server_id());
+            cell.switched(now, current);
         }
         let mut by_node: Vec<(Arc<Node>, Vec<Arc<Cell>>)> = Vec::new();
         for cell in cells {
@@ -514,6 +514,25 @@ impl Directory for Topology {
 
     fn current(&self, key: &str) -> Option<Arc<Node>> {
         self.node_for(key).ok().map(|n| n.arc())
+    }
+
+    fn clock_gained(&self, server: u64, addr: &str, gain: Duration, detected: Instant, spared: &[u64]) {
+        let cells = self.live_where(|c| {
+            !spared.contains(&c.id())
+                && self
+                    .node_for(c.key())
+                    .is_ok_and(|n| n.cfg.server_id() == server)
+        });
+        log::warn!(
+            "the clock of {addr} ran up to {gain:?} ahead of this process's: {} lease(s) on it \
+             count that much less time left",
+            cells.len()
+        );
+        for cell in &cells {
+            cell.clock_gained(gain, detected);
+            self.renewal.touch(cell);
+        }
+        observe::server_clock_jumped(self.observer(), addr, gain, cells.len());
     }
 
     fn node_at(&self, addr: &NodeAddr) -> Option<Arc<Node>> {
