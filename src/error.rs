@@ -383,13 +383,16 @@ pub(crate) fn acquire_refused(key: &str, e: &redis::ServerError) -> Error {
 }
 
 /// Whether a server error reply means "permission denied": `NOPERM`, or the
-/// `ERR` a script gets when its user may not run a command or touch a key.
+/// `ERR` a script gets when its user may not run a command or touch a key
+/// (Redis: "The user executing the script can't …"; Valkey: "ACL failure in
+/// script: …").
 pub(crate) fn is_noperm(err: &redis::RedisError) -> bool {
     match err.code() {
         Some("NOPERM") => true,
         Some("ERR") => err.detail().is_some_and(|d| {
             d.contains("user executing the script can't run")
                 || d.contains("user executing the script can't access")
+                || d.starts_with("ACL failure in script:")
         }),
         _ => false,
     }

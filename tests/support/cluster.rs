@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use respire_coordination::key_slot;
 
-use super::{TestServer, TestServerBuilder};
+use super::{ServerKind, TestServer, TestServerBuilder};
 
 /// The number of hash slots.
 pub(crate) const SLOTS: u16 = 16384;
@@ -124,12 +124,14 @@ impl TestClusterBuilder {
     }
 }
 
-/// Runs `redis-cli --cluster create` over `nodes`: the first three become
-/// primaries, the others their replicas (`replicas` each).
+/// Runs `redis-cli --cluster create` (`valkey-cli` for Valkey) over `nodes`:
+/// the first three become primaries, the others their replicas (`replicas`
+/// each).
 fn create(nodes: &[TestServer], replicas: usize) {
     let log_path = nodes[0].dir().join(CREATE_LOG_FILE);
     let log = File::create(&log_path).expect("create the cluster-create log");
-    let mut command = Command::new("redis-cli");
+    let program = ServerKind::current().cli_program();
+    let mut command = Command::new(program);
     command.arg("--cluster").arg("create");
     for node in nodes {
         command.arg(node.addr().to_string());
@@ -142,7 +144,7 @@ fn create(nodes: &[TestServer], replicas: usize) {
         .stdout(log.try_clone().expect("clone the log handle"))
         .stderr(log)
         .spawn()
-        .unwrap_or_else(|e| panic!("cannot run redis-cli: {e}"));
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", program.display()));
     let started = Instant::now();
     let status = loop {
         if let Some(status) = child.try_wait().expect("wait for redis-cli") {

@@ -6,6 +6,8 @@
 //! runs a primary and a replica under three sentinels, [`FaultProxy`] sits
 //! between a client and a server to delay, drop or cut traffic, and
 //! [`wait_until`] waits for a condition with a deadline instead of sleeping.
+//! `RESPIRE_TEST_SERVER=valkey` runs every one of those processes on
+//! `valkey-server` (and `valkey-cli`) instead ([`ServerKind`]).
 //!
 //! Use it with `mod support;` from a file in `tests/`, or with
 //! `#[path = "../tests/support/mod.rs"] mod support;` from a bench.
@@ -16,6 +18,7 @@
 mod child;
 mod cluster;
 mod keyspace;
+mod kind;
 mod proxy;
 mod sentinel;
 mod server;
@@ -36,6 +39,8 @@ pub(crate) use cluster::{
 };
 #[allow(unused_imports)]
 pub(crate) use keyspace::{local_instant, members, server_now, snapshot};
+#[allow(unused_imports)]
+pub(crate) use kind::{SERVER_VARIABLE, ServerKind};
 #[allow(unused_imports)]
 pub(crate) use proxy::{FaultProxy, Mode};
 #[allow(unused_imports)]

@@ -1,4 +1,5 @@
-//! `redis-server` processes on free local ports, one throwaway directory each.
+//! `redis-server` processes on free local ports, one throwaway directory each
+//! (`valkey-server` with `RESPIRE_TEST_SERVER=valkey`: see [`ServerKind`]).
 
 use std::fmt::Write as _;
 use std::fs::{self, File};
@@ -11,6 +12,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use super::kind::ServerKind;
 use super::tls::TlsFiles;
 
 /// How long a server may take to start answering.
@@ -157,8 +159,8 @@ impl TestServerBuilder {
     ///
     /// # Panics
     ///
-    /// Panics, with the server log, if `redis-server` cannot be started or is
-    /// not ready within 10 seconds.
+    /// Panics, with the server log, if the server program cannot be started or
+    /// is not ready within 10 seconds.
     pub(crate) fn start(self) -> TestServer {
         TestServer::launch_new(self)
     }
@@ -666,12 +668,13 @@ fn tls_client(_url: &str, _files: &TlsFiles) -> redis::RedisResult<redis::Client
 /// Starts `redis-server` in the background and prints its pid, then waits
 /// for a line on stdin (sent by [`Process::stop`]) or for EOF (this test
 /// process has exited): either way it SIGKILLs and reaps the server; on EOF it
-/// also removes the server's directory. Arguments: the directory, then the
-/// server's command line.
+/// also removes the server's directory. Arguments: the directory, the server
+/// program ([`ServerKind::server_program`]), then the server's command line.
 const SUPERVISOR: &str = r#"
 dir=$1
-shift
-redis-server "$@" </dev/null >/dev/null &
+program=$2
+shift 2
+"$program" "$@" </dev/null >/dev/null &
 server=$!
 echo "$server"
 if read -r line; then
@@ -684,7 +687,7 @@ else
 fi
 "#;
 
-/// Spawns `redis-server` with `command_line` and waits until it is ready.
+/// Spawns the server program ([`ServerKind::current`]) with `command_line` and waits until it is ready.
 fn launch(
     command_line: &[String],
     env: &[(String, String)],
@@ -702,6 +705,7 @@ fn launch(
         .arg(SUPERVISOR)
         .arg("respire-test-server")
         .arg(dir)
+        .arg(ServerKind::current().server_program())
         .args(command_line)
         .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::piped())
@@ -733,13 +737,20 @@ fn launch(
         if !process.is_running() {
             process.stop();
             let details = format!(
-                "redis-server exited before it was ready\n{}",
+                "{} exited before it was ready\n{}",
+                ServerKind::current().server_program().display(),
                 describe_logs(dir, log_offset, port)
             );
             let new_log = read_lossy(&log);
             let new_log = new_log.get(log_offset as usize..).unwrap_or_default();
             return Err(if new_log.contains("Address already in use") {
                 LaunchError::PortTaken(details)
+            } else if tls && new_log.contains("Failed finding TLS support") {
+                // The Valkey build from the PyPI wheel has no TLS.
+                LaunchError::Failed(format!(
+                    "{} is built without TLS: a TLS test server cannot run on it\n{details}",
+                    ServerKind::current().server_program().display()
+                ))
             } else {
                 LaunchError::Failed(details)
             });
@@ -750,7 +761,8 @@ fn launch(
         if started.elapsed() > READY_DEADLINE {
             process.stop();
             return Err(LaunchError::Failed(format!(
-                "redis-server was not ready within {READY_DEADLINE:?}\n{}",
+                "{} was not ready within {READY_DEADLINE:?}\n{}",
+                ServerKind::current().server_program().display(),
                 describe_logs(dir, log_offset, port)
             )));
         }
@@ -789,7 +801,8 @@ fn describe_logs(dir: &Path, offset: u64, port: u16) -> String {
     let lines: Vec<&str> = log.lines().collect();
     let tail = &lines[lines.len().saturating_sub(LOG_TAIL_LINES)..];
     let mut text = format!(
-        "--- redis-server on port {port}: last {} log lines ---\n",
+        "--- {}-server on port {port}: last {} log lines ---\n",
+        ServerKind::current().name(),
         tail.len()
     );
     for line in tail {

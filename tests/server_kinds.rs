@@ -1,0 +1,238 @@
+//! What differs between the servers the suite runs on — Redis 7.0 (the
+//! default) and Valkey 8.1 (`RESPIRE_TEST_SERVER=valkey`) — each difference
+//! checked as a fact on whichever server this run uses, and where the library
+//! depends on it, the library's behaviour checked to be the same on both.
+
+mod support;
+
+use std::time::Duration;
+
+use respire_coordination::{Coordinator, Error};
+use support::{ServerKind, TestServer, shared_server, unique_prefix};
+
+/// `field:value` lines of `INFO section`.
+fn info_field(conn: &mut redis::Connection, section: &str, field: &str) -> Option<String> {
+    let info: String = redis::cmd("INFO").arg(section).query(conn).expect("INFO");
+    let prefix = format!("{field}:");
+    info.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .map(|v| v.trim().to_owned())
+}
+
+/// The `HELLO` reply's field `name`, as text.
+fn hello_field(conn: &mut redis::Connection, name: &str) -> String {
+    let reply: Vec<redis::Value> = redis::cmd("HELLO").arg(2).query(conn).expect("HELLO 2");
+    let text = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        redis::Value::SimpleString(s) => s.clone(),
+        redis::Value::Int(n) => n.to_string(),
+        other => format!("{other:?}"),
+    };
+    reply
+        .chunks(2)
+        .find(|pair| text(&pair[0]) == name)
+        .map(|pair| text(&pair[1]))
+        .unwrap_or_else(|| panic!("HELLO has no field {name}"))
+}
+
+#[test]
+fn info_and_hello_name_the_server_and_its_version() {
+    let mut conn = shared_server().client();
+    let redis_version = info_field(&mut conn, "server", "redis_version");
+    let valkey_version = info_field(&mut conn, "server", "valkey_version");
+    let server_name = info_field(&mut conn, "server", "server_name");
+    match ServerKind::current() {
+        ServerKind::Redis => {
+            let version = redis_version.expect("redis_version");
+            assert!(version.starts_with("7.0."), "redis_version:{version}");
+            assert_eq!(valkey_version, None);
+            assert_eq!(server_name, None);
+            assert_eq!(hello_field(&mut conn, "server"), "redis");
+            assert_eq!(hello_field(&mut conn, "version"), version);
+        }
+        ServerKind::Valkey => {
+            // Valkey reports a fixed Redis version for clients that look for
+            // features by it, and its own beside it: a check of `redis_version`
+            // alone takes Valkey 8.1 for Redis 7.2.
+            assert_eq!(redis_version.as_deref(), Some("7.2.4"));
+            assert_eq!(valkey_version.as_deref(), Some("8.1.8"));
+            assert_eq!(server_name.as_deref(), Some("valkey"));
+            assert_eq!(hello_field(&mut conn, "server"), "valkey");
+            assert_eq!(hello_field(&mut conn, "version"), "8.1.8");
+        }
+    }
+}
+
+#[test]
+fn set_ifeq_compares_and_sets_on_valkey_only() {
+    let mut conn = shared_server().client();
+    let key = format!("{}k", unique_prefix("ifeq"));
+    let set_ifeq = |conn: &mut redis::Connection, value: &str, expected: &str| {
+        redis::cmd("SET")
+            .arg(&key)
+            .arg(value)
+            .arg("IFEQ")
+            .arg(expected)
+            .arg("PX")
+            .arg(60_000)
+            .query::<Option<String>>(conn)
+    };
+    let get = |conn: &mut redis::Connection| -> Option<String> {
+        redis::cmd("GET").arg(&key).query(conn).expect("GET")
+    };
+    let pttl = |conn: &mut redis::Connection| -> i64 {
+        redis::cmd("PTTL").arg(&key).query(conn).expect("PTTL")
+    };
+    match ServerKind::current() {
+        ServerKind::Redis => {
+            let _: () = redis::cmd("SET")
+                .arg(&key)
+                .arg("a")
+                .query(&mut conn)
+                .unwrap();
+            let err = set_ifeq(&mut conn, "b", "a").unwrap_err();
+            assert_eq!(err.code(), Some("ERR"), "{err}");
+            assert!(err.to_string().contains("syntax error"), "{err}");
+            assert_eq!(get(&mut conn).as_deref(), Some("a"));
+            assert_eq!(pttl(&mut conn), -1);
+        }
+        ServerKind::Valkey => {
+            // No key: nothing set, none created.
+            assert_eq!(set_ifeq(&mut conn, "b", "a").unwrap(), None);
+            assert_eq!(get(&mut conn), None);
+            let _: () = redis::cmd("SET")
+                .arg(&key)
+                .arg("a")
+                .query(&mut conn)
+                .unwrap();
+            // Another value: refused, the key as it was.
+            assert_eq!(set_ifeq(&mut conn, "b", "other").unwrap(), None);
+            assert_eq!(get(&mut conn).as_deref(), Some("a"));
+            assert_eq!(pttl(&mut conn), -1);
+            // The value it holds: replaced, with the new expiry.
+            assert_eq!(
+                set_ifeq(&mut conn, "b", "a").unwrap().as_deref(),
+                Some("OK")
+            );
+            assert_eq!(get(&mut conn).as_deref(), Some("b"));
+            let ttl = pttl(&mut conn);
+            assert!((59_000..=60_000).contains(&ttl), "PTTL {ttl}");
+        }
+    }
+}
+
+#[test]
+fn waitaof_exists_on_valkey_only() {
+    let mut conn = shared_server().client();
+    let reply = redis::cmd("WAITAOF")
+        .arg(0)
+        .arg(0)
+        .arg(100)
+        .query::<Vec<i64>>(&mut conn);
+    match ServerKind::current() {
+        ServerKind::Redis => {
+            let err = reply.unwrap_err();
+            assert!(err.to_string().contains("unknown command"), "{err}");
+        }
+        // No append-only file and no replica: nothing acknowledged.
+        ServerKind::Valkey => assert_eq!(reply.unwrap(), vec![0, 0]),
+    }
+}
+
+/// A server with the user `app` (password `pw`) allowed the keys `app*`
+/// only, every command but `PEXPIRE`.
+fn server_with_a_restricted_user() -> TestServer {
+    TestServer::builder()
+        .acl_user("app on >pw ~app* &* +@all -pexpire")
+        .start()
+}
+
+#[test]
+fn a_script_denied_a_key_is_refused_alike_and_is_a_permission_error_on_both() {
+    let server = server_with_a_restricted_user();
+    let mut app = server
+        .redis_client_for(&server.url_for_user("app", "pw"))
+        .get_connection()
+        .unwrap();
+    // The facts: a key passed as a script's key is checked before the script
+    // runs, `NOPERM` on both servers, worded differently...
+    let err = redis::cmd("EVAL")
+        .arg("return redis.call('GET', KEYS[1])")
+        .arg(1)
+        .arg("other")
+        .query::<Option<String>>(&mut app)
+        .unwrap_err();
+    assert_eq!(err.code(), Some("NOPERM"), "{err}");
+    // ...while a key the script names itself fails inside the script, as an
+    // `ERR` whose words differ by server.
+    let err = redis::cmd("EVAL")
+        .arg("return redis.call('GET', 'other')")
+        .arg(0)
+        .query::<Option<String>>(&mut app)
+        .unwrap_err();
+    assert_eq!(err.code(), Some("ERR"), "{err}");
+    let expected = match ServerKind::current() {
+        ServerKind::Redis => "The user executing the script can't access at least one of the keys",
+        ServerKind::Valkey => "ACL failure in script: No permissions to access a key",
+    };
+    assert!(err.to_string().contains(expected), "{err}");
+    // The library: a fenced acquire (a script) on keys outside the pattern is
+    // a permission error, and nothing is written.
+    let coord = Coordinator::builder(&server.url_for_user("app", "pw"))
+        .key_prefix("other:")
+        .build()
+        .unwrap();
+    let err = coord
+        .fenced_lock("{f}:lease", "{f}:fence")
+        .unwrap()
+        .try_acquire(Duration::from_secs(5))
+        .unwrap_err();
+    assert!(matches!(err, Error::Permission(_)), "{err}");
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query(&mut server.client())
+        .unwrap();
+    assert!(keys.is_empty(), "{keys:?}");
+}
+
+#[test]
+fn a_script_denied_a_command_words_it_by_server_and_is_a_permission_error_on_both() {
+    let server = server_with_a_restricted_user();
+    let mut app = server
+        .redis_client_for(&server.url_for_user("app", "pw"))
+        .get_connection()
+        .unwrap();
+    let err = redis::cmd("EVAL")
+        .arg("return redis.call('PEXPIRE', KEYS[1], 1000)")
+        .arg(1)
+        .arg("app:k")
+        .query::<i64>(&mut app)
+        .unwrap_err();
+    assert_eq!(err.code(), Some("ERR"), "{err}");
+    let expected = match ServerKind::current() {
+        ServerKind::Redis => "The user executing the script can't run this command",
+        ServerKind::Valkey => {
+            "ACL failure in script: User app has no permissions to run the 'pexpire' command"
+        }
+    };
+    assert!(err.to_string().contains(expected), "{err}");
+    // The library: a fenced lease's extension (a script calling PEXPIRE) is a
+    // permission error, and the lease keeps the expiry it had.
+    let coord = Coordinator::builder(&server.url_for_user("app", "pw"))
+        .key_prefix("app:")
+        .build()
+        .unwrap();
+    let guard = coord
+        .fenced_lock("{f}:lease", "{f}:fence")
+        .unwrap()
+        .try_acquire(Duration::from_secs(5))
+        .unwrap()
+        .unwrap();
+    let err = guard.reset_expiry(Duration::from_secs(60)).unwrap_err();
+    assert!(matches!(err, Error::Permission(_)), "{err}");
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg("app:{f}:lease")
+        .query(&mut server.client())
+        .unwrap();
+    assert!((0..=5_000).contains(&pttl), "PTTL {pttl}");
+}
