@@ -509,8 +509,8 @@ pub use observe::MetricsObserver;
 pub use observe::TracingObserver;
 pub use observe::{
     AttemptEvent, ContentionEvent, GrantEvent, LeaseId, LossCause, LossEvent, Observer,
-    PollingEvent, Primitive, ReleaseEvent, RenewalEvent, ServerClockEvent, TopologyChange, TopologyEvent, WaitEnd,
-    WaitEndEvent,
+    PollingEvent, Primitive, ReleaseEvent, RenewalEvent, ServerClockEvent, TopologyChange,
+    TopologyEvent, WaitEnd, WaitEndEvent,
 };
 pub use redlock::{
     RedlockAttempt, RedlockGroup, RedlockGuard, RedlockKeepAlive, RedlockNode, RedlockOptions,

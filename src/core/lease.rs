@@ -398,7 +398,12 @@ impl LeaseCore {
     /// Only an extension sent at or after `received` (when the read's reply
     /// came) lifts that bound: one sent before may have run before the read,
     /// and its late confirmation says nothing the read did not.
-    pub(crate) fn verified(&mut self, sent: Instant, remaining: Option<Duration>, received: Instant) {
+    pub(crate) fn verified(
+        &mut self,
+        sent: Instant,
+        remaining: Option<Duration>,
+        received: Instant,
+    ) {
         if let Some(remaining) = remaining {
             self.hold(self.timing.valid_until(sent, remaining), received);
         }
@@ -737,6 +742,84 @@ mod tests {
         assert_eq!(c.valid_until(), t0 + ms(9_998));
         // Nothing claimed: nothing to give up.
         assert!(!c.switched(None));
+    }
+
+    #[test]
+    fn a_switch_keeps_a_claim_whose_command_went_to_the_server_the_key_is_on_now() {
+        let t0 = Instant::now();
+        let (old, new) = (1, 2);
+        // A renewal dispatched to the new primary before the switch is
+        // applied: its claim stays, and its confirmation counts.
+        let mut c = core(t0, 10_000);
+        let t = c.begin_extend(t0 + ms(100), ms(10_000)).unwrap();
+        assert!(c.dispatched(t, new));
+        assert!(!c.switched(Some(new)));
+        assert!(c.is_claimed());
+        // So no other extension can overlap it.
+        assert_eq!(c.begin_extend(t0 + ms(150), ms(400)), Err(Refusal::Busy));
+        assert_eq!(c.extended(t, t0 + ms(200)), Confirmed::Held);
+        assert_eq!(c.valid_until(), t0 + ms(100 + 9_998));
+        // One that went to the old primary is given up.
+        let mut c = core(t0, 10_000);
+        let t = c.begin_extend(t0 + ms(100), ms(10_000)).unwrap();
+        assert!(c.dispatched(t, old));
+        assert!(c.switched(Some(new)));
+        assert_eq!(c.extended(t, t0 + ms(200)), Confirmed::Stale);
+        // One claimed but not sent yet is given up, and then not sent.
+        let mut c = core(t0, 10_000);
+        let t = c.begin_extend(t0 + ms(100), ms(10_000)).unwrap();
+        assert!(c.switched(Some(new)));
+        assert!(!c.dispatched(t, new));
+        // Redirected (MOVED) before any answer: the claim follows its command.
+        let mut c = core(t0, 10_000);
+        let t = c.begin_extend(t0 + ms(100), ms(10_000)).unwrap();
+        assert!(c.dispatched(t, old));
+        assert!(c.dispatched(t, new));
+        assert!(!c.switched(Some(new)));
+    }
+
+    #[test]
+    fn a_verify_is_lifted_only_by_an_extension_sent_after_its_reply() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 10_000);
+        // An extension in flight; a verify sent after it reads 2 s left.
+        let t = c.begin_extend(t0 + ms(100), ms(10_000)).unwrap();
+        c.verified(t0 + ms(150), Some(ms(2_000)), t0 + ms(160));
+        assert_eq!(c.valid_until(), t0 + ms(150 + 1_998));
+        // The extension's late confirmation does not undo what the verify
+        // read: the server may have run it before the verify.
+        assert_eq!(c.extended(t, t0 + ms(170)), Confirmed::Held);
+        assert_eq!(c.valid_until(), t0 + ms(150 + 1_998));
+        // One sent after the verify's reply does.
+        let t = c.begin_extend(t0 + ms(200), ms(10_000)).unwrap();
+        assert_eq!(c.extended(t, t0 + ms(210)), Confirmed::Held);
+        assert_eq!(c.valid_until(), t0 + ms(200 + 9_998));
+    }
+
+    #[test]
+    fn a_server_clock_that_ran_ahead_cuts_the_bound_until_a_later_extension() {
+        let t0 = Instant::now();
+        let mut c = core(t0, 12_000);
+        assert_eq!(c.valid_until(), t0 + ms(11_998));
+        // Found 1 s in to have gained 10 s.
+        c.clock_gained(ms(10_000), t0 + ms(1_000));
+        assert_eq!(c.valid_until(), t0 + ms(1_998));
+        assert!(c.is_lost(t0 + ms(1_898)));
+        // An extension sent before the finding (it may have run on the old
+        // clock) lifts nothing.
+        let mut c = core(t0, 12_000);
+        let t = c.begin_extend(t0 + ms(900), ms(12_000)).unwrap();
+        c.clock_gained(ms(10_000), t0 + ms(1_000));
+        assert_eq!(c.extended(t, t0 + ms(1_001)), Confirmed::Held);
+        assert_eq!(c.valid_until(), t0 + ms(1_998));
+        // One sent after it was set on the new clock.
+        let t = c.begin_extend(t0 + ms(1_100), ms(12_000)).unwrap();
+        assert_eq!(c.extended(t, t0 + ms(1_101)), Confirmed::Held);
+        assert_eq!(c.valid_until(), t0 + ms(1_100 + 11_998));
+        // A gain larger than the whole lease: lost at once.
+        let mut c = core(t0, 1_000);
+        c.clock_gained(ms(10_000), t0 + ms(100));
+        assert!(c.is_lost(t0 + ms(100)));
     }
 
     #[test]

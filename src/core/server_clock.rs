@@ -58,8 +58,7 @@ pub(crate) fn parse_time(reply: &[String]) -> Option<Duration> {
         [secs, micros] => {
             let secs: u64 = secs.parse().ok()?;
             let micros: u64 = micros.parse().ok()?;
-            (micros < 1_000_000)
-                .then(|| Duration::from_secs(secs) + Duration::from_micros(micros))
+            (micros < 1_000_000).then(|| Duration::from_secs(secs) + Duration::from_micros(micros))
         }
         _ => None,
     }

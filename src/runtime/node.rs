@@ -58,7 +58,14 @@ pub(crate) trait Directory: Send + Sync {
     /// came at `detected`, to have run ahead by up to `gain`: cut every live
     /// lease on it but those in `spared` (extended after the reading), and
     /// tell the observer.
-    fn clock_gained(&self, server: u64, addr: &str, gain: Duration, detected: Instant, spared: &[u64]);
+    fn clock_gained(
+        &self,
+        server: u64,
+        addr: &str,
+        gain: Duration,
+        detected: Instant,
+        spared: &[u64],
+    );
 }
 
 /// Work for a node's executor.

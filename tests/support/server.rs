@@ -75,9 +75,17 @@ pub(crate) struct TestServerBuilder {
     cluster_node_timeout: Option<Duration>,
     sentinel_config: Option<String>,
     env: Vec<(String, String)>,
+    kind: Option<ServerKind>,
 }
 
 impl TestServerBuilder {
+    /// Runs this server program whatever [`ServerKind::current`] says (a
+    /// test of one kind's behaviour). Defaults to [`ServerKind::current`].
+    pub(crate) fn kind(mut self, kind: ServerKind) -> Self {
+        self.kind = Some(kind);
+        self
+    }
+
     /// Sets an environment variable for the server process (and its
     /// restarts), such as `LD_PRELOAD` of libfaketime. Defaults to none.
     pub(crate) fn env(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
@@ -284,6 +292,8 @@ pub(crate) struct TestServer {
     command_line: Vec<String>,
     /// Environment variables of the server process.
     env: Vec<(String, String)>,
+    /// The server program it runs.
+    kind: ServerKind,
     ready_line: &'static str,
     tls: Option<TlsFiles>,
     requirepass: Option<String>,
@@ -371,6 +381,7 @@ impl TestServer {
             match launch(
                 &command_line,
                 &builder.env,
+                builder.kind.unwrap_or_else(ServerKind::current),
                 &dir,
                 port,
                 tls.is_some(),
@@ -385,6 +396,7 @@ impl TestServer {
                         dir,
                         command_line,
                         env: builder.env.clone(),
+                        kind: builder.kind.unwrap_or_else(ServerKind::current),
                         ready_line,
                         tls,
                         requirepass: builder.requirepass,
@@ -586,6 +598,7 @@ impl TestServer {
             match launch(
                 &self.command_line,
                 &self.env,
+                self.kind,
                 &self.dir,
                 self.port,
                 self.tls.is_some(),
@@ -687,10 +700,11 @@ else
 fi
 "#;
 
-/// Spawns the server program ([`ServerKind::current`]) with `command_line` and waits until it is ready.
+/// Spawns the server program of `kind` with `command_line` and waits until it is ready.
 fn launch(
     command_line: &[String],
     env: &[(String, String)],
+    kind: ServerKind,
     dir: &Path,
     port: u16,
     tls: bool,
@@ -705,7 +719,7 @@ fn launch(
         .arg(SUPERVISOR)
         .arg("respire-test-server")
         .arg(dir)
-        .arg(ServerKind::current().server_program())
+        .arg(kind.server_program())
         .args(command_line)
         .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::piped())
@@ -738,7 +752,7 @@ fn launch(
             process.stop();
             let details = format!(
                 "{} exited before it was ready\n{}",
-                ServerKind::current().server_program().display(),
+                kind.server_program().display(),
                 describe_logs(dir, log_offset, port)
             );
             let new_log = read_lossy(&log);
@@ -749,7 +763,7 @@ fn launch(
                 // The Valkey build from the PyPI wheel has no TLS.
                 LaunchError::Failed(format!(
                     "{} is built without TLS: a TLS test server cannot run on it\n{details}",
-                    ServerKind::current().server_program().display()
+                    kind.server_program().display()
                 ))
             } else {
                 LaunchError::Failed(details)
@@ -762,7 +776,7 @@ fn launch(
             process.stop();
             return Err(LaunchError::Failed(format!(
                 "{} was not ready within {READY_DEADLINE:?}\n{}",
-                ServerKind::current().server_program().display(),
+                kind.server_program().display(),
                 describe_logs(dir, log_offset, port)
             )));
         }

@@ -516,7 +516,14 @@ impl Directory for Topology {
         self.node_for(key).ok().map(|n| n.arc())
     }
 
-    fn clock_gained(&self, server: u64, addr: &str, gain: Duration, detected: Instant, spared: &[u64]) {
+    fn clock_gained(
+        &self,
+        server: u64,
+        addr: &str,
+        gain: Duration,
+        detected: Instant,
+        spared: &[u64],
+    ) {
         let cells = self.live_where(|c| {
             !spared.contains(&c.id())
                 && self
