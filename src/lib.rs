@@ -291,15 +291,42 @@
 //! acknowledged ([`Error::NotReplicated`]). `respire-lock doctor` reports
 //! replicas and persistence on every primary.
 //!
-//! Extensions replicate asynchronously too, and `WAIT` does not follow them:
-//! a promoted replica may hold a lease with the expiry of an earlier grant or
-//! extension than the one the guard counts on. So at a switch every live
-//! lease is verified on the new server and its bound becomes at most the time
-//! it has left there (`sent + remaining − drift`); nothing the old primary
-//! confirms counts any more. Between the promotion and that verification (the
-//! time it takes the sentinels to announce the switch, or a slot-map refresh)
-//! a guard cannot know, and its bound may be later than the new primary's
-//! expiry: that window is the price of asynchronous replication.
+//! Extensions replicate asynchronously too. What a guard counts on depends on
+//! the replication guard:
+//!
+//! - **`Replication::Require`** closes the window. `WAIT` follows every
+//!   extension as it follows every grant (the renewal pipeline and
+//!   [`LeaseGuard::reset_expiry`]), and an extension too few replicas
+//!   acknowledged counts as one that got no reply: the bound does not move
+//!   (a shorter TTL still bounds it from its send time), and `reset_expiry`
+//!   fails with [`Error::ExtensionNotReplicated`]. So no guard counts on
+//!   more than what the required replicas hold, and a replica promoted in
+//!   their place holds the lease at least until the guard's bound, whether or
+//!   not this client ever hears of the promotion: under a partition that
+//!   leaves the client with the old primary and hides the switch from it (no
+//!   sentinel reachable, no `+switch-master`, the old primary confirming
+//!   every renewal), its guards are flagged lost at the last replicated
+//!   extension's bound, before the new primary lets the key go. Each renewal
+//!   and `reset_expiry` may then take up to the replication timeout longer.
+//!   It holds for the replicas that acknowledged, so require as many as may
+//!   be promoted without the others (one, with one replica; Sentinel promotes
+//!   the best replica it can reach).
+//! - **`Off` and `Report`** (the default is `Off` on every topology: `Require`
+//!   turns a replica's outage into failed grants and renewals, which only the
+//!   operator can weigh) leave a window. At a switch the coordinator sees,
+//!   every live lease is verified on the new server and its bound becomes at
+//!   most the time it has left there (`sent + remaining − drift`); nothing the
+//!   old primary confirms counts any more. Until then — the time the
+//!   sentinels take to announce the switch, or a slot-map refresh, and
+//!   *without bound* when a partition hides the switch from the client — a
+//!   guard may count on renewals the new primary never received, and another
+//!   client may be granted the lease there. To close it without `Require`,
+//!   configure the primaries with `min-replicas-to-write 1` and
+//!   `min-replicas-max-lag N`: a primary cut off from its replicas then
+//!   refuses renewals after `N` seconds, so the guard is flagged lost within
+//!   `N` seconds plus its usual margin (choose TTLs longer than that).
+//!   `respire-lock doctor` reports both settings. Redis Cluster behaves the
+//!   same, with `cluster-node-timeout` in place of the sentinels' timing.
 //!
 //! **Time bounds** are those of a standalone server: one attempt takes at most
 //! the node timeout (plus the connect timeout per connection it opens, a
@@ -386,6 +413,20 @@
 //! - Mutual exclusion holds while clocks advance at similar rates and processes
 //!   do not pause longer than the loss margin; fencing covers the rest, for
 //!   resources that check tokens.
+//! - Redis expires keys by its *wall* clock: a server clock stepped forward
+//!   (an NTP step, a resumed virtual machine) ends every lease on it early by
+//!   the step. Each renewal pipeline reads the server's `TIME` first, and when
+//!   the server's clock ran ahead of this process's monotonic clock since the
+//!   last reading by more than the drift allows, every lease on that server
+//!   has its bound moved earlier by what the server gained (until an
+//!   extension set on the new clock is confirmed), is renewed at once if kept
+//!   alive, and the [`Observer`] is told (`server_clock_jumped`). A step is
+//!   found by the next renewal on that server (every kept-alive lease renews
+//!   at half its TTL), so a lease is flagged before the server lets it go
+//!   when the server still had more time left than that after the step; a
+//!   step larger than a lease's remaining time ends it on the server at once,
+//!   and its next renewal finds it gone. A server on which nothing is kept
+//!   alive is not read at all.
 //! - One Redis deployment is one authority: asynchronous replication means a
 //!   failover can lose a grant, and then two holders can exist (see
 //!   [Topologies](#topologies-standalone-sentinel-cluster) for what the

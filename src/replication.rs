@@ -1,4 +1,5 @@
-//! The optional replication guard: `WAIT` after every grant.
+//! The optional replication guard: `WAIT` after every grant (and, under
+//! `Require`, after every extension).
 
 use std::time::Duration;
 
@@ -73,7 +74,13 @@ pub enum Replication {
     },
     /// `WAIT` for `replicas` acknowledgements, for at most `timeout`; a grant
     /// with fewer is released at once and the acquire fails with
-    /// [`Error::NotReplicated`](crate::Error::NotReplicated).
+    /// [`Error::NotReplicated`](crate::Error::NotReplicated). Extensions
+    /// (every renewal pipeline, `reset_expiry`) are followed by `WAIT` too,
+    /// and one with fewer acknowledgements does not count: the guard's bound
+    /// stays where it was, so it never passes what the required replicas
+    /// hold, and a guard whose replicas stop acknowledging is flagged lost at
+    /// the last acknowledged extension's bound (see the crate docs on
+    /// failovers and partitions).
     Require {
         /// How many replicas must acknowledge each grant, at least 1.
         replicas: u32,

@@ -201,3 +201,278 @@ fn under_require_reset_expiry_that_no_replica_acknowledged_is_an_error_and_count
     let mut on_replica = replica.client();
     assert!(pttl(&mut on_replica, &key) > 0);
 }
+
+// ----- an asymmetric partition on Sentinel -------------------------------------
+
+const SERVICE: &str = "cut";
+const SENTINEL_USER: &str = "user sentinel on >sentinel-pw ~* &* +@all";
+const REPLICATION_USER: &str = "user replicator on >replicator-pw +psync +replconf +ping";
+/// The clients' user: the default user is off, so a connection whose `AUTH`
+/// failed can do nothing (a sentinel's `PING` on it is refused).
+const APP_USER: &str = "user app on >app-pw ~* &* +@all";
+const DEFAULT_OFF: &str = "user default off";
+
+/// A primary, its replica and three sentinels, where the sentinels and the
+/// replica reach the primary as ACL users of their own (`sentinel`,
+/// `replicator`): switching those users off on the primary cuts the
+/// sentinels' and the replica's links to it, and nothing else.
+/// A connection to `server` as the clients' user.
+fn app(server: &TestServer) -> redis::Connection {
+    redis::Client::open(server.url_for_user("app", "app-pw"))
+        .unwrap()
+        .get_connection()
+        .unwrap()
+}
+
+struct Deployment {
+    primary: TestServer,
+    replica: TestServer,
+    sentinels: Vec<TestServer>,
+}
+
+impl Deployment {
+    fn start() -> Deployment {
+        let users = |b: support::TestServerBuilder| {
+            b.acl_user(DEFAULT_OFF)
+                .acl_user(APP_USER)
+                .acl_user(SENTINEL_USER)
+                .acl_user(REPLICATION_USER)
+        };
+        let primary = users(TestServer::builder()).start();
+        let replica = users(TestServer::builder())
+            .args([
+                "--replicaof",
+                "127.0.0.1",
+                &primary.port().to_string(),
+                "--masteruser",
+                "replicator",
+                "--masterauth",
+                "replicator-pw",
+            ])
+            .start();
+        wait_until(ms(10_000), "the replica to be online", || {
+            let info: String = redis::cmd("INFO")
+                .arg("replication")
+                .query(&mut app(&primary))
+                .unwrap();
+            info.contains("connected_slaves:1") && info.contains("state=online")
+        });
+        let config = format!(
+            "sentinel monitor {SERVICE} 127.0.0.1 {} 2\n\
+             sentinel down-after-milliseconds {SERVICE} 500\n\
+             sentinel failover-timeout {SERVICE} 2000\n\
+             sentinel auth-user {SERVICE} sentinel\n\
+             sentinel auth-pass {SERVICE} sentinel-pw\n",
+            primary.port()
+        );
+        let sentinels: Vec<TestServer> = (0..3)
+            .map(|_| TestServer::builder().sentinel(config.clone()).start())
+            .collect();
+        for s in &sentinels {
+            wait_until(
+                ms(15_000),
+                "each sentinel to know the others and the replica",
+                || {
+                    let fields: Vec<String> = redis::cmd("SENTINEL")
+                        .arg("MASTER")
+                        .arg(SERVICE)
+                        .query(&mut s.client())
+                        .unwrap_or_default();
+                    let field = |name: &str| {
+                        fields
+                            .iter()
+                            .position(|f| f == name)
+                            .and_then(|i| fields.get(i + 1))
+                            .and_then(|v| v.parse::<u32>().ok())
+                    };
+                    field("num-slaves") == Some(1) && field("num-other-sentinels") == Some(2)
+                },
+            );
+        }
+        Deployment {
+            primary,
+            replica,
+            sentinels,
+        }
+    }
+
+    /// The primary the sentinels name now.
+    fn named_primary(&self) -> Option<u16> {
+        let (_, port): (String, u16) = redis::cmd("SENTINEL")
+            .arg("GET-MASTER-ADDR-BY-NAME")
+            .arg(SERVICE)
+            .query(&mut self.sentinels[0].client())
+            .ok()?;
+        Some(port)
+    }
+
+    /// Cuts the sentinels and the replica off the primary; clients of the
+    /// primary stay connected.
+    fn cut_primary_off(&self) {
+        let mut conn = app(&self.primary);
+        for user in ["sentinel", "replicator"] {
+            let _: () = redis::cmd("ACL")
+                .arg("SETUSER")
+                .arg(user)
+                .arg("off")
+                .query(&mut conn)
+                .unwrap();
+            let _: i64 = redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("USER")
+                .arg(user)
+                .query(&mut conn)
+                .unwrap();
+        }
+    }
+}
+
+/// What happened once the client holding a kept-alive lease was left on the
+/// old primary's side: whether the new primary let the key go (or gave it to
+/// another) while the guard was still held, whether a client on the other
+/// side was granted the key, and what the promoted replica had left when the
+/// guard was flagged lost.
+#[derive(Debug)]
+struct Split {
+    promoted: bool,
+    other_granted: bool,
+    let_go_while_held: bool,
+    replica_left_at_loss: Option<i64>,
+}
+
+fn split(replication: Replication) -> Split {
+    let d = Deployment::start();
+    let prefix = unique_prefix("sentinel_split");
+    // The client on the primary's side reaches the sentinels through proxies
+    // that the split blackholes; the other client reaches them directly.
+    let links: Vec<support::FaultProxy> = d
+        .sentinels
+        .iter()
+        .map(|s| support::FaultProxy::start(s.addr()))
+        .collect();
+    let urls: Vec<String> = links.iter().map(|l| l.url()).collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let near = Coordinator::sentinel_builder(&urls, SERVICE)
+        .username("app")
+        .password("app-pw")
+        .key_prefix(&prefix)
+        .node_timeout(NODE_TIMEOUT)
+        .replication(replication)
+        .build()
+        .unwrap();
+    let direct: Vec<String> = d.sentinels.iter().map(TestServer::url).collect();
+    let direct: Vec<&str> = direct.iter().map(String::as_str).collect();
+    let far = Coordinator::sentinel_builder(&direct, SERVICE)
+        .username("app")
+        .password("app-pw")
+        .key_prefix(&prefix)
+        .node_timeout(NODE_TIMEOUT)
+        .build()
+        .unwrap();
+
+    let lock = near.lock("job").unwrap();
+    let guard = lock.try_acquire(TTL).unwrap().expect("free");
+    let keep = guard.keep_alive().unwrap();
+    let key = guard.key().to_owned();
+    let mut on_replica = app(&d.replica);
+    let owner: String = redis::cmd("GET")
+        .arg(&key)
+        .query(&mut app(&d.primary))
+        .unwrap();
+    let granted = expire_time(&mut on_replica, &key);
+    wait_until(ms(5_000), "a renewal on the replica", || {
+        expire_time(&mut on_replica, &key) > granted
+    });
+
+    for link in &links {
+        link.set_mode(Mode::Blackhole);
+    }
+    d.cut_primary_off();
+    let cut = Instant::now();
+    // The other side asks once the sentinels have promoted the replica.
+    let far_lock = far.lock("job").unwrap();
+    let mut far_lock = Some(far_lock);
+    let mut other = None;
+
+    let mut result = Split {
+        promoted: false,
+        other_granted: false,
+        let_go_while_held: false,
+        replica_left_at_loss: None,
+    };
+    while cut.elapsed() < ms(20_000) {
+        // The promoted replica is read first: a guard seen held after that
+        // read was held when it answered.
+        // The promotion closes the replica's client connections: read again
+        // on a new one.
+        let read = |conn: &mut redis::Connection| -> redis::RedisResult<(Option<String>, i64)> {
+            redis::pipe()
+                .cmd("GET")
+                .arg(&key)
+                .cmd("PTTL")
+                .arg(&key)
+                .query(conn)
+        };
+        let (held_there, left) = match read(&mut on_replica) {
+            Ok(r) => r,
+            Err(_) => {
+                on_replica = app(&d.replica);
+                read(&mut on_replica).unwrap()
+            }
+        };
+        let lost = guard.is_lost();
+        if lost && result.replica_left_at_loss.is_none() {
+            result.replica_left_at_loss = Some(if held_there.as_deref() == Some(owner.as_str()) {
+                left
+            } else {
+                -2
+            });
+        }
+        if held_there.as_deref() != Some(owner.as_str()) && !lost {
+            result.let_go_while_held = true;
+        }
+        result.promoted |= d.named_primary() == Some(d.replica.port());
+        if result.promoted
+            && let Some(lock) = far_lock.take()
+        {
+            other = Some(std::thread::spawn(move || {
+                lock.acquire_timeout(TTL, ms(12_000))
+            }));
+        }
+        if other.as_ref().is_some_and(|o| o.is_finished()) {
+            break;
+        }
+        std::thread::sleep(ms(5));
+    }
+    let outcome = other.map(|o| o.join().unwrap());
+    result.other_granted = matches!(outcome, Some(Ok(Some(_))));
+    if !result.promoted || !result.other_granted {
+        eprintln!(
+            "the other side's acquire: {outcome:?}\n{}",
+            d.sentinels[0].log()
+        );
+    }
+    drop(keep);
+    result
+}
+
+#[test]
+fn on_sentinel_a_partition_that_hides_the_switch_ends_the_guard_before_the_new_primary_lets_go_under_require()
+ {
+    let s = split(require());
+    assert!(s.promoted, "the sentinels promoted the replica: {s:?}");
+    assert!(s.other_granted, "the other side was granted the key: {s:?}");
+    assert!(!s.let_go_while_held, "{s:?}");
+    let left = s.replica_left_at_loss.expect("flagged lost");
+    assert!(left >= NODE_TIMEOUT.as_millis() as i64, "{s:?}");
+}
+
+#[test]
+fn on_sentinel_a_partition_that_hides_the_switch_leaves_two_holders_without_the_replication_guard()
+{
+    // The negative control: the window the docs state for `Off`.
+    let s = split(Replication::Off);
+    assert!(s.promoted, "the sentinels promoted the replica: {s:?}");
+    assert!(s.other_granted, "the other side was granted the key: {s:?}");
+    assert!(s.let_go_while_held, "{s:?}");
+}

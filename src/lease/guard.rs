@@ -214,9 +214,16 @@ impl<K: Kind> LeaseGuard<K> {
     /// confirmation came after the loss deadline: stop the work.
     ///
     /// From the moment it is sent, a *shorter* `ttl` bounds the guard; a longer
-    /// one counts only once confirmed.
+    /// one counts only once confirmed. Under
+    /// [`Replication::Require`](crate::Replication::Require), `WAIT` follows
+    /// the extension in the same round trip (the call may take up to the
+    /// replication timeout longer), and it counts only once the required
+    /// replicas acknowledged it.
     ///
     /// # Errors
+    /// [`Error::ExtensionNotReplicated`] under `Require` when too few replicas
+    /// acknowledged the extension: it does not count (the bound stays where
+    /// it was, or moves to the new expiry if that is shorter);
     /// [`Error::InvalidArgument`] for a bad TTL (nothing sent);
     /// [`Error::Timeout`] when an earlier extension's outcome is still unknown
     /// after a node timeout (nothing sent); [`Error::Topology`] when the

@@ -313,6 +313,13 @@ impl Executor {
     }
 
     fn handle(&mut self, job: Job) {
+        // Sent here after the server was retired (a call that got no reply
+        // from it while it was being replaced): what was to be killed or
+        // deleted here can no longer reach the server the keys live on now.
+        if self.is_retired() {
+            self.handle_retired(job);
+            return;
+        }
         match job {
             Job::Retire => self.retire(),
             Job::Renew { leases, asking } => self.renew(leases, asking),
@@ -384,6 +391,48 @@ impl Executor {
             .flat_map(|v| v.leases)
             .collect();
         self.hand_over(verifies, now);
+    }
+
+    /// A job that arrived after the server was retired. A fence is not
+    /// needed any more (the retired server's writes are discarded when it
+    /// rejoins as a replica, and a moved key is not on it): the claim is freed
+    /// with its worst case kept, as at the retirement. A clean-up's delete by
+    /// owner goes to the server that holds the key now; a verification too.
+    fn handle_retired(&mut self, job: Job) {
+        let now = self.clock.now();
+        let dir = self.dir.upgrade();
+        match job {
+            Job::Retire => self.retire(),
+            Job::Renew { leases, .. } => self.renew(leases, false),
+            Job::Verify { leases, .. } => self.hand_over(leases, now),
+            Job::Fence { lease, ticket, .. } => {
+                lease.fenced(ticket, now);
+                if let Some(dir) = &dir {
+                    dir.renewal().touch(&lease);
+                }
+            }
+            Job::Cleanup {
+                cmd: Some(cmd),
+                key,
+                give_up_at,
+                hops,
+                ..
+            } => match dir.as_ref().and_then(|d| d.current(&key)) {
+                Some(node) if !node.is_retired() => {
+                    node.submit(Job::Cleanup {
+                        conns: Vec::new(),
+                        cmd: Some(cmd),
+                        key,
+                        give_up_at,
+                        hops,
+                    });
+                }
+                _ => log::warn!("no current server for {key:?}: a clean-up there is dropped"),
+            },
+            // Only the late arrival of unanswered attempts was to be stopped:
+            // the retired server's writes no longer count.
+            Job::Cleanup { cmd: None, .. } => {}
+        }
     }
 
     /// Sends leases to be verified on the nodes that serve their keys now;
