@@ -118,6 +118,15 @@ pub enum Error {
     /// to a replica that had not received every increment, a restart without
     /// persistence, eviction, or someone reset it). The lease that came with it was
     /// released again.
+    ///
+    /// "Already saw" means: received before the attempt that got the token
+    /// was sent (the first attempt whose reply was missing, in a wait), so
+    /// that replies processed out of order never raise it falsely. The
+    /// coordinator remembers, for as long as it lives, the highest token of
+    /// each of the last 10,000 fence keys it used; for a send older than a few
+    /// node timeouts it compares against a thinned record of that history, so
+    /// a token received just before a send made long ago (within about the
+    /// send's age) may go unseen.
     #[error(
         "fencing counter {fence_key:?} went back: issued {issued}, but {seen} was already seen; its history was lost"
     )]

@@ -10,12 +10,18 @@
 //! before its own attempt was sent is a regression.
 //!
 //! Per fence key the book keeps the tokens received within a short horizon
-//! (an attempt's reply arrives within the node timeout of its send) and one
-//! running maximum for everything older; it remembers a bounded number of
-//! fence keys, forgetting the least recently used. A grant whose first attempt
-//! was sent before the horizon (a long wait whose early attempt got no reply
-//! and whose grant came back later) is checked against the recent history
-//! only: the check may then miss a regression, but never reports a false one.
+//! (an attempt's reply arrives within the node timeout of its send), and for
+//! everything older a thinned record of the running maximum: at most
+//! [`PAST_POINTS`] points (receipt instant, highest token received until
+//! then), dense for the recent past and sparser the older they are. A grant
+//! whose first attempt was sent long ago (a wait whose early attempt got no
+//! reply, spanning a restart) is checked against the last point received
+//! before that send: every token the coordinator received before the point
+//! counts, for as long as the coordinator lives, and only tokens received
+//! between the point and the send (a gap that grows with the send's age, to
+//! at most about that age) may be missed. The check never reports a false regression. The book
+//! remembers a bounded number of fence keys, forgetting the least recently
+//! used.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -27,6 +33,9 @@ pub(crate) const REMEMBERED_KEYS: usize = 10_000;
 /// history.
 const ATTEMPTS_PER_HORIZON: u32 = 4;
 
+/// How many points of a key's older history the book keeps.
+pub(crate) const PAST_POINTS: usize = 32;
+
 /// The horizon of a deployment whose attempts take at most `node_timeout`
 /// plus `replication` (the `WAIT` pipelined after a grant blocks up to its own
 /// timeout before the reply comes): a few of those.
@@ -36,39 +45,65 @@ pub(crate) fn horizon(node_timeout: Duration, replication: Duration) -> Duration
 
 #[derive(Debug, Default)]
 struct History {
-    /// The highest token received before `settled_before`.
-    settled: u64,
-    settled_before: Option<Instant>,
+    /// Older history, thinned: (received, running maximum), in order.
+    past: Vec<(Instant, u64)>,
     /// Tokens received since: (received, running maximum).
     recent: VecDeque<(Instant, u64)>,
     used: u64,
 }
 
 impl History {
+    /// Moves what was received before `before` into the thinned past.
     fn settle(&mut self, before: Instant) {
         while let Some(&(at, max)) = self.recent.front() {
             if at >= before {
                 break;
             }
-            self.settled = self.settled.max(max);
-            self.settled_before = Some(before);
             self.recent.pop_front();
+            match self.past.last_mut() {
+                // Nothing new: the later receipt of the same maximum is
+                // worth less than the earlier one.
+                Some(last) if last.1 >= max => {}
+                _ => self.past.push((at, max)),
+            }
+            if self.past.len() > PAST_POINTS {
+                self.thin(before);
+            }
         }
     }
 
-    /// The highest token received strictly before `sent`. For a send older
-    /// than the settled history, only what is certain counts: nothing, so
-    /// that a grant whose attempt began long ago is never refused falsely.
+    /// Drops the inner point whose removal costs least: a send between it
+    /// and the next point is then checked against the point before it (a
+    /// lower running maximum, never a false alarm), so the cost is the window
+    /// left between its neighbours, relative to how old the sends in it are
+    /// at `now`. The oldest and the newest point (the running maximum of all
+    /// the past) stay; the rest end up spaced roughly geometrically by age.
+    fn thin(&mut self, now: Instant) {
+        let last = self.past.len() - 1;
+        let cost = |i: usize| {
+            let window = self.past[i + 1]
+                .0
+                .saturating_duration_since(self.past[i - 1].0);
+            let age = now
+                .saturating_duration_since(self.past[i + 1].0)
+                .max(Duration::from_nanos(1));
+            window.as_secs_f64() / age.as_secs_f64()
+        };
+        if let Some(i) = (1..last).min_by(|&a, &b| cost(a).total_cmp(&cost(b))) {
+            self.past.remove(i);
+        }
+    }
+
+    /// The highest token known to have been received strictly before `sent`.
     fn seen_before(&self, sent: Instant) -> u64 {
         let n = self.recent.partition_point(|&(at, _)| at < sent);
-        let settled = match self.settled_before {
-            Some(before) if sent >= before => self.settled,
-            Some(_) => 0,
-            None => self.settled,
-        };
+        if n > 0 {
+            return self.recent[n - 1].1;
+        }
+        let n = self.past.partition_point(|&(at, _)| at < sent);
         match n {
-            0 => settled,
-            n => settled.max(self.recent[n - 1].1),
+            0 => 0,
+            n => self.past[n - 1].1,
         }
     }
 
@@ -91,7 +126,8 @@ impl History {
     }
 
     fn record(&mut self, received: Instant, token: u64) {
-        let max = self.recent.back().map_or(self.settled, |&(_, m)| m);
+        let settled = self.past.last().map_or(0, |&(_, m)| m);
+        let max = self.recent.back().map_or(settled, |&(_, m)| m);
         // Replies are recorded as they are processed; keep the deque sorted
         // even if two threads record out of order by a hair.
         let at = self
@@ -215,11 +251,48 @@ mod tests {
         // Sent after 220 came back; its reply waited for WAIT's whole timeout.
         let sent = t0 + ms(5);
         assert_eq!(book.check("f", 20, sent, sent + nt + wait), Err(220));
-        // With a horizon of node timeouts alone, 220 was settled before this
-        // attempt's send and no longer counted: the regression went unseen.
+        // With a horizon of node timeouts alone, 220 is settled before this
+        // attempt's reply, and still counts.
         let mut short = FenceBook::new(nt * ATTEMPTS_PER_HORIZON, 100);
         short.check("f", 220, t0, t0 + ms(1)).unwrap();
-        assert_eq!(short.check("f", 20, sent, sent + nt + wait), Ok(()));
+        assert_eq!(short.check("f", 20, sent, sent + nt + wait), Err(220));
+    }
+
+    #[test]
+    fn a_wait_that_began_long_ago_is_checked_against_what_came_before_it() {
+        // Token 6 received; a wait sends its first attempt after that, gets
+        // no reply (the server went down) and is granted token 1 by the
+        // restarted server seconds later.
+        let t0 = Instant::now();
+        let mut book = FenceBook::new(ms(400), 100);
+        book.check("f", 6, t0, t0 + ms(1)).unwrap();
+        let first_send = t0 + ms(10);
+        let granted = t0 + ms(1_500);
+        assert_eq!(book.check("f", 1, first_send, granted), Err(6));
+        // A day of grants later, a send made after token 6 still sees it.
+        let mut book = FenceBook::new(ms(400), 100);
+        for i in 0..86_400u64 {
+            let at = t0 + Duration::from_secs(i);
+            book.check("f", i + 1, at, at + ms(1)).unwrap();
+        }
+        let h = &book.keys["f"];
+        assert!(h.past.len() <= PAST_POINTS, "{}", h.past.len());
+        let late = t0 + Duration::from_secs(86_400 + 60);
+        // Sent an hour ago: a token issued well before then is refused.
+        let sent = late - Duration::from_secs(3_600);
+        let seen = book.check("f", 80_000, sent, late).unwrap_err();
+        assert!(seen >= 80_000, "{seen}");
+        // And never a false alarm: a token above everything received
+        // before the send is fine, however old the send.
+        let mut book = FenceBook::new(ms(400), 100);
+        for i in 0..1_000u64 {
+            let at = t0 + ms(i * 100);
+            book.check("f", i + 1, at, at + ms(1)).unwrap();
+        }
+        assert!(
+            book.check("f", 500, t0 + ms(49_900), t0 + ms(200_000))
+                .is_ok()
+        );
     }
 
     #[test]
