@@ -1228,3 +1228,38 @@ fn what_an_unanswered_acquire_may_have_set_is_deleted_afterwards() {
         || coord.renewal_stats().killed_connections >= 3,
     );
 }
+
+#[test]
+fn a_waiting_writers_intent_is_refreshed_while_readers_hold_longer_than_it_lives() {
+    let server = shared_server();
+    let prefix = unique_prefix("intent_refresh");
+    let coord = coordinator(&server.url(), &prefix);
+    let other = coordinator(&server.url(), &prefix);
+    let lease = coord.read_write_lease("{i}base").unwrap();
+    // A reader whose TTL (6 s) is far longer than a waiting writer's intent
+    // (1 s with this node timeout).
+    let reader = lease.read().try_acquire(ms(6_000)).unwrap().expect("free");
+    let intents = lease.intents_key().to_owned();
+    thread::scope(|s| {
+        let writer = s.spawn(|| lease.write().acquire_timeout(ms(2_000), ms(10_000)));
+        let mut conn = server.client();
+        wait_until(ms(5_000), "the writer's intent", || {
+            conn.zcard::<_, u64>(&intents).unwrap() == 1
+        });
+        // For three of the intent's lifetimes, no new reader gets in.
+        let readers = other.read_write_lease("{i}base").unwrap();
+        let start = Instant::now();
+        while start.elapsed() < ms(3_000) {
+            let got = readers.read().try_acquire(ms(1_000)).unwrap();
+            assert!(
+                got.is_none(),
+                "a new reader got in {:?} after the writer began to wait",
+                start.elapsed()
+            );
+            thread::sleep(ms(50));
+        }
+        drop(reader);
+        let granted = writer.join().unwrap().unwrap();
+        assert!(granted.is_some(), "the writer was granted once the reader left");
+    });
+}
