@@ -274,3 +274,27 @@ fn fifo_refuses_bad_input_and_changes_nothing() {
     let plain = lock.with_fairness(Fairness::Barging).unwrap();
     assert_eq!(plain.fairness(), Fairness::Barging);
 }
+
+#[test]
+fn a_fifo_queue_whose_expiry_set_was_lost_moves_again_once_its_dead_head_lapses() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("fifo_heal");
+    let lock = fifo_lock(&url, &prefix);
+    let key = lock.key().to_owned();
+    // What a crashed head leaves once the expiry set is gone (evicted,
+    // deleted by hand): its place in the order, and no expiry entry.
+    let mut conn = shared_server().client();
+    let _: () = redis::cmd("ZADD")
+        .arg(format!("{key}:queue"))
+        .arg(1)
+        .arg("crashed-waiter")
+        .query(&mut conn)
+        .unwrap();
+    let started = Instant::now();
+    let guard = lock
+        .acquire_timeout(Duration::from_secs(5), ENTRY_TTL * 4)
+        .unwrap();
+    assert!(guard.is_some(), "the queue never moved past its dead head");
+    // It waited for the dead head's new entry to lapse: one lifetime.
+    assert!(started.elapsed() >= ENTRY_TTL - Duration::from_millis(50));
+}

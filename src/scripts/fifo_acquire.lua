@@ -4,7 +4,8 @@
 -- keeps its place, and its entry's expiry is moved to ARGV[3] ms from now:
 -- a waiter that stops refreshing (it crashed, or gave up without a word)
 -- drops out of the queue by itself once its entry expires. Dead entries are
--- pruned first, by the server's clock (TIME).
+-- pruned first, by the server's clock (TIME); a head whose expiry entry is
+-- missing (the expiry set was lost) is given one entry lifetime.
 -- The order set is written only when a waiter joins or leaves (and its key
 -- expiry is moved at most once per entry lifetime), so waiters that refresh
 -- do not wake each other; every key whose change could free a busy caller
@@ -60,6 +61,20 @@ for _, w in ipairs(dead) do
 end
 if #dead > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+end
+
+-- A head with no expiry entry (the expiry set was evicted or deleted by
+-- hand) would block the queue for good if it crashed: it is given one entry
+-- lifetime from now, which a live head refreshes on its next attempt. Only
+-- a caller that queues knows the lifetime.
+if entry > 0 then
+  local head = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+  if head and head ~= owner and not redis.call('ZSCORE', KEYS[3], head) then
+    redis.call('ZADD', KEYS[3], now + entry, head)
+    if redis.call('PTTL', KEYS[3]) < entry then
+      redis.call('PEXPIRE', KEYS[3], 2 * entry)
+    end
+  end
 end
 
 local held = redis.call('GET', KEYS[1])
