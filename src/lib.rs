@@ -223,7 +223,9 @@
 //!
 //! Releasing reports a [`ReleaseOutcome`]: `Released`, `Expired`, `TakenOver`, or
 //! `Uncertain` when it was sent but no reply came (the lease then ends at its
-//! expiry). A release that could not be sent at all is an error.
+//! expiry). A release that could not be sent at all is an error, and is sent
+//! again in the background until the server answers or the lease would have
+//! expired.
 //!
 //! # Topologies: standalone, Sentinel, Cluster
 //!

@@ -1046,3 +1046,33 @@ fn observe_polls_where_tracking_is_denied_and_still_sees_every_change() {
         .map(|n| n.trim().to_owned());
     assert_eq!(tracked.as_deref(), Some("0"));
 }
+
+#[test]
+fn a_resign_that_could_not_be_sent_is_sent_again_once_the_server_answers() {
+    let server = TestServer::builder().append_only().start();
+    let prefix = unique_prefix("resign_later");
+    let coord = coordinator(&server.url(), &prefix);
+    let election = coord.election("{later}").unwrap();
+    let ttl = Duration::from_secs(30);
+    let leadership = election
+        .try_campaign("me", ttl)
+        .unwrap()
+        .expect("no leader yet");
+    // The server goes down; the resign cannot reach it.
+    server.kill();
+    let err = leadership.resign().unwrap_err();
+    assert!(err.is_retryable(), "{err:?}");
+    // Back with its data (the append-only file): the old leader is there,
+    // until the resign sent in the background reaches it, long before the
+    // lease's TTL.
+    server.restart();
+    let started = Instant::now();
+    let watcher = coordinator(&server.url(), &prefix);
+    let watched = watcher.election("{later}").unwrap();
+    wait_until(
+        Duration::from_secs(10),
+        "the resigned leader to be gone",
+        || watched.leader().is_ok_and(|l| l.is_none()),
+    );
+    assert!(started.elapsed() < ttl / 2);
+}

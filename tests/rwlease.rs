@@ -1260,6 +1260,9 @@ fn a_waiting_writers_intent_is_refreshed_while_readers_hold_longer_than_it_lives
         }
         drop(reader);
         let granted = writer.join().unwrap().unwrap();
-        assert!(granted.is_some(), "the writer was granted once the reader left");
+        assert!(
+            granted.is_some(),
+            "the writer was granted once the reader left"
+        );
     });
 }

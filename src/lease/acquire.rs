@@ -280,7 +280,8 @@ impl<K: Kind> Lease<K> {
         // their connections are killed, and what they may have set deleted by
         // owner unless a later attempt was granted.
         let acquired = matches!(result, Ok(Some(_)));
-        if let Some(left) = attempts.finish(acquired) {
+        let left = attempts.finish(acquired);
+        if let Some(left) = &left {
             dep.clean_up(
                 &left.conns,
                 left.delete.then(|| self.spec.clean_up(&owner)),
@@ -288,9 +289,16 @@ impl<K: Kind> Lease<K> {
                 Duration::from_millis(ttl_ms),
             );
         }
-        let Some((guard, sent, received)) = result? else {
+        let Some((mut guard, sent, received)) = result? else {
             return Ok(None);
         };
+        // Granted after attempts that got no reply: one may still arrive
+        // after a quick release and set the lease again, for nobody.
+        if let Some(left) = left
+            && !left.conns.is_empty()
+        {
+            guard.after_late_attempts(left.conns, self.spec.clean_up(&owner));
+        }
         if let Err(e) = replication_kept(dep, guard.key(), guard.replicas_acknowledged()) {
             drop(guard);
             return Err(e);

@@ -20,6 +20,7 @@ use crate::lease::kind::{Fenced, Kind};
 use crate::observe::LeaseId;
 use crate::replication::Replication;
 use crate::runtime::renewal::Cell;
+use crate::runtime::topology::Uncertain;
 use crate::token::FencingToken;
 
 /// A held lease of kind `K` on one deployment: [`LockGuard`](crate::LockGuard),
@@ -47,6 +48,10 @@ pub struct LeaseGuard<K: Kind> {
     cell: Arc<Cell>,
     grant: K::Grant,
     acknowledged: Option<u32>,
+    /// Earlier attempts of the acquire that got no reply, which may still
+    /// arrive (their connections are being killed), and the delete by owner
+    /// that undoes what one may set: the release sends it after their kill.
+    late: Option<(Vec<Uncertain>, redis::Cmd)>,
     _kind: PhantomData<K>,
 }
 
@@ -62,8 +67,16 @@ impl<K: Kind> LeaseGuard<K> {
             cell,
             grant,
             acknowledged,
+            late: None,
             _kind: PhantomData,
         }
+    }
+
+    /// Earlier attempts of the acquire got no reply on `sent`: a late one
+    /// could set the lease again after the release, so the release has their
+    /// connections killed and then runs `delete` (by owner).
+    pub(crate) fn after_late_attempts(&mut self, sent: Vec<Uncertain>, delete: redis::Cmd) {
+        self.late = Some((sent, delete));
     }
 
     pub(crate) fn cell(&self) -> &Arc<Cell> {
@@ -393,12 +406,16 @@ impl<K: Kind> LeaseGuard<K> {
     /// Returns what it found: [`ReleaseOutcome::Released`], `Expired`,
     /// `TakenOver` (the other holder keeps it), or `Uncertain` when the release
     /// was sent but no reply came (the lease then ends at its expiry at the
-    /// latest).
+    /// latest). When the acquire that granted this lease had attempts that got
+    /// no reply, one of them could still arrive and set the lease again now
+    /// that it is free: their connections are killed in the background and
+    /// what they may have set is deleted by owner.
     ///
     /// # Errors
-    /// When nothing could be sent ([`Error::PoolTimeout`], [`Error::Connect`]:
-    /// the lease then ends at its expiry), and server errors such as a missing
-    /// ACL right.
+    /// When nothing could be sent ([`Error::PoolTimeout`], [`Error::Connect`]
+    /// and other retryable errors): the release is then sent again in the
+    /// background until the server answers or the lease would have expired by
+    /// itself. Server errors such as a missing ACL right.
     pub fn release(mut self) -> Result<ReleaseOutcome> {
         self.release_once()
     }
@@ -433,6 +450,13 @@ impl<K: Kind> LeaseGuard<K> {
                 break;
             }
         }
+        // An earlier attempt of the acquire may still arrive and set the
+        // lease again, now that it is free: once its connection is killed,
+        // what it set is deleted by owner.
+        if let Some((sent, delete)) = self.late.take() {
+            self.dep
+                .clean_up(&sent, Some(delete), self.key(), self.cell.ttl());
+        }
         let outcome = match reply {
             Ok(code) => Ok(ReleaseOutcome::of(code)),
             Err(e) if e.is_uncertain() => {
@@ -441,6 +465,24 @@ impl<K: Kind> LeaseGuard<K> {
                     self.key()
                 );
                 Ok(ReleaseOutcome::Uncertain)
+            }
+            // Not sent (no connection could be made): the lease would stay
+            // until its expiry, so the release is sent in the background
+            // until then, as soon as the server answers again.
+            Err(e) if e.is_retryable() => {
+                // Past any expiry the lease can have: its last extension was
+                // sent before now.
+                let until = self.dep.now() + self.cell.ttl() + self.dep.node_timeout();
+                log::warn!(
+                    "release of {:?} could not be sent ({e}); trying again in the background",
+                    self.key()
+                );
+                self.dep.in_background(
+                    self.key(),
+                    ops.release_script().eval(&keys, args.as_slice()),
+                    until,
+                );
+                Err(e)
             }
             Err(e) => Err(bad_key_in(e, &keys)),
         };
