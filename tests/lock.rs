@@ -823,3 +823,58 @@ fn a_grant_found_in_place_after_a_failover_counts_from_the_first_send() {
         expiry - sent
     );
 }
+
+#[test]
+fn a_verify_that_finds_less_time_left_bounds_the_guard_and_its_loss_signal() {
+    // A server holding the lease with less time than the guard counts on
+    // (as a promoted replica that missed an extension does): the verify
+    // moves the guard's bound to what the server has, and the loss signal
+    // closes before the server lets the key go.
+    let prefix = unique_prefix("verify_bounds");
+    let coord = coordinator(&prefix);
+    let lock = coord.lock("job").unwrap();
+    let guard = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    let signal = guard.lost_signal().clone();
+    let mut admin = shared_server().client();
+    let _: () = admin.pexpire(guard.key(), 2_000).unwrap();
+    let left = guard.verify_still_held().unwrap().expect("held");
+    assert!(left <= Duration::from_millis(2_000), "{left:?}");
+    assert!(
+        guard.remaining_estimate() <= Duration::from_millis(2_000),
+        "{:?}",
+        guard.remaining_estimate()
+    );
+    // The signal closes (nothing is ever sent on it) within the time the
+    // server had left, and the server still has the key then.
+    let closed = signal.recv_timeout(Duration::from_secs(5));
+    assert_eq!(
+        closed,
+        Err(crossbeam_channel::RecvTimeoutError::Disconnected),
+        "the loss signal closed"
+    );
+    let server_left: i64 = admin.pttl(guard.key()).unwrap();
+    assert!(
+        server_left > 0,
+        "flagged with {server_left} ms left on the server"
+    );
+    assert!(guard.is_lost());
+}
+
+#[test]
+fn a_verify_after_a_restart_answers_on_a_fresh_connection() {
+    // The pooled connection died with the server; the key survived in the
+    // append-only file. The verify is idempotent, so it runs again on a new
+    // connection instead of failing.
+    let server = TestServer::builder().append_only().start();
+    let coord = Coordinator::builder(&server.url())
+        .key_prefix(&unique_prefix("verify_restart"))
+        .node_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let lock = coord.lock("job").unwrap();
+    let guard = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
+    server.restart();
+    let left = guard.verify_still_held().unwrap().expect("still held");
+    assert!(left > Duration::from_secs(25), "{left:?}");
+    assert!(!guard.is_lost());
+}
