@@ -117,6 +117,37 @@ fn set_ifeq_compares_and_sets_on_valkey_only() {
             assert_eq!(get(&mut conn).as_deref(), Some("b"));
             let ttl = pttl(&mut conn);
             assert!((59_000..=60_000).contains(&ttl), "PTTL {ttl}");
+            // With GET, one reply tells the three cases of an extension apart:
+            // the key's own value (extended), another value (refused), none
+            // (gone, not created); a key of another type is an error.
+            let extend = |conn: &mut redis::Connection, key: &str, value: &str| {
+                redis::cmd("SET")
+                    .arg(key)
+                    .arg(value)
+                    .arg("IFEQ")
+                    .arg(value)
+                    .arg("PX")
+                    .arg(30_000)
+                    .arg("GET")
+                    .query::<Option<String>>(conn)
+            };
+            assert_eq!(extend(&mut conn, &key, "b").unwrap().as_deref(), Some("b"));
+            let ttl = pttl(&mut conn);
+            assert!((29_000..=30_000).contains(&ttl), "PTTL {ttl}");
+            assert_eq!(extend(&mut conn, &key, "c").unwrap().as_deref(), Some("b"));
+            assert_eq!(get(&mut conn).as_deref(), Some("b"));
+            let gone = format!("{key}:gone");
+            assert_eq!(extend(&mut conn, &gone, "c").unwrap(), None);
+            let exists: i64 = redis::cmd("EXISTS").arg(&gone).query(&mut conn).unwrap();
+            assert_eq!(exists, 0);
+            let list = format!("{key}:list");
+            let _: i64 = redis::cmd("LPUSH")
+                .arg(&list)
+                .arg("x")
+                .query(&mut conn)
+                .unwrap();
+            let err = extend(&mut conn, &list, "c").unwrap_err();
+            assert_eq!(err.code(), Some("WRONGTYPE"), "{err}");
         }
     }
 }
@@ -235,4 +266,64 @@ fn a_script_denied_a_command_words_it_by_server_and_is_a_permission_error_on_bot
         .query(&mut server.client())
         .unwrap();
     assert!((0..=5_000).contains(&pttl), "PTTL {pttl}");
+}
+
+#[test]
+fn a_set_whose_expiry_is_the_current_millisecond_is_kept_by_redis_and_deleted_by_valkey() {
+    let mut conn = shared_server().client();
+    let prefix = unique_prefix("pxat");
+    // Inside a script the server decides expiries at the script's start, so
+    // the millisecond `TIME` gives is "now" for every command in it (unless
+    // the script straddles a millisecond boundary: then tried again).
+    let script = "local t = redis.call('TIME') \
+        local now = t[1] * 1000 + math.floor(t[2] / 1000) \
+        local set = redis.call('SET', KEYS[1], 'v', 'PXAT', now) \
+        redis.call('SET', KEYS[2], 'v') \
+        local pexpireat = redis.call('PEXPIREAT', KEYS[2], now) \
+        local after = redis.call('TIME') \
+        local same = (after[1] * 1000 + math.floor(after[2] / 1000)) == now \
+        return {same and 1 or 0, set.ok, redis.call('EXISTS', KEYS[1]), \
+            redis.call('PTTL', KEYS[1]), pexpireat, redis.call('EXISTS', KEYS[2])}";
+    let mut reply = None;
+    for attempt in 0.. {
+        assert!(attempt < 100, "no script ran within one millisecond");
+        let got: (i64, String, i64, i64, i64, i64) = redis::cmd("EVAL")
+            .arg(script)
+            .arg(2)
+            .arg(format!("{prefix}{attempt}:set"))
+            .arg(format!("{prefix}{attempt}:pexpireat"))
+            .query(&mut conn)
+            .unwrap();
+        if got.0 == 1 {
+            reply = Some(got);
+            break;
+        }
+    }
+    let (_, set, set_exists, set_pttl, pexpireat, pexpireat_exists) = reply.unwrap();
+    assert_eq!(set, "OK");
+    // PEXPIREAT at the current millisecond deletes the key on both...
+    assert_eq!((pexpireat, pexpireat_exists), (1, 0));
+    match ServerKind::current() {
+        // ...while Redis 7.0 keeps a key SET with it until that millisecond
+        // has passed...
+        ServerKind::Redis => assert_eq!((set_exists, set_pttl), (1, 0)),
+        // ...and Valkey 8.1 deletes it as it deletes the other.
+        ServerKind::Valkey => assert_eq!((set_exists, set_pttl), (0, -2)),
+    }
+}
+
+#[test]
+fn an_unknown_command_in_a_script_is_worded_by_server() {
+    let mut conn = shared_server().client();
+    let err = redis::cmd("EVAL")
+        .arg("return redis.call('NOSUCH')")
+        .arg(0)
+        .query::<i64>(&mut conn)
+        .unwrap_err();
+    assert_eq!(err.code(), Some("ERR"), "{err}");
+    let expected = match ServerKind::current() {
+        ServerKind::Redis => "Unknown Redis command called from script",
+        ServerKind::Valkey => "Unknown command called from script",
+    };
+    assert!(err.to_string().contains(expected), "{err}");
 }
