@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use respire_coordination::{Coordinator, Error};
-use support::{ServerKind, TestServer, shared_server, unique_prefix};
+use support::{ServerKind, TestSentinel, TestServer, shared_server, unique_prefix};
 
 /// `field:value` lines of `INFO section`.
 fn info_field(conn: &mut redis::Connection, section: &str, field: &str) -> Option<String> {
@@ -326,4 +326,69 @@ fn an_unknown_command_in_a_script_is_worded_by_server() {
         ServerKind::Valkey => "Unknown command called from script",
     };
     assert!(err.to_string().contains(expected), "{err}");
+}
+
+#[test]
+fn scripts_see_the_compatible_version_and_valkey_adds_the_server_global() {
+    let mut conn = shared_server().client();
+    let version: String = redis::cmd("EVAL")
+        .arg("return redis.REDIS_VERSION")
+        .arg(0)
+        .query(&mut conn)
+        .unwrap();
+    let server_call = redis::cmd("EVAL")
+        .arg("return server.call('PING')")
+        .arg(0)
+        .query::<String>(&mut conn);
+    match ServerKind::current() {
+        ServerKind::Redis => {
+            assert!(version.starts_with("7.0."), "{version}");
+            let err = server_call.unwrap_err();
+            assert!(
+                err.to_string()
+                    .contains("nonexistent global variable 'server'"),
+                "{err}"
+            );
+        }
+        ServerKind::Valkey => {
+            assert_eq!(version, "7.2.4");
+            assert_eq!(server_call.unwrap(), "PONG");
+        }
+    }
+}
+
+#[test]
+fn sentinel_names_the_primary_by_the_command_the_library_sends_on_both() {
+    let deployment = TestSentinel::start();
+    let primary = deployment.primary();
+    let mut sentinel = deployment.sentinel(0).client();
+    // What the library asks: the same answer on both.
+    let addr: (String, String) = redis::cmd("SENTINEL")
+        .arg("GET-MASTER-ADDR-BY-NAME")
+        .arg(deployment.service())
+        .query(&mut sentinel)
+        .unwrap();
+    assert_eq!(addr, ("127.0.0.1".to_owned(), primary.port().to_string()));
+    // Roles keep the old words on Valkey too.
+    let role = |server: &TestServer| -> String {
+        let reply: Vec<redis::Value> = redis::cmd("ROLE").query(&mut server.client()).unwrap();
+        match &reply[0] {
+            redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+            other => panic!("ROLE answered {other:?}"),
+        }
+    };
+    assert_eq!(role(primary), "master");
+    assert_eq!(role(deployment.replica()), "slave");
+    // Valkey adds the new name beside the old one.
+    let by_new_name = redis::cmd("SENTINEL")
+        .arg("GET-PRIMARY-ADDR-BY-NAME")
+        .arg(deployment.service())
+        .query::<(String, String)>(&mut sentinel);
+    match ServerKind::current() {
+        ServerKind::Redis => {
+            let err = by_new_name.unwrap_err();
+            assert_eq!(err.code(), Some("ERR"), "{err}");
+        }
+        ServerKind::Valkey => assert_eq!(by_new_name.unwrap(), addr),
+    }
 }
