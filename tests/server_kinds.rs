@@ -7,8 +7,9 @@ mod support;
 
 use std::time::Duration;
 
+use respire_coordination::key_slot;
 use respire_coordination::{Coordinator, Error};
-use support::{ServerKind, TestSentinel, TestServer, shared_server, unique_prefix};
+use support::{ServerKind, TestCluster, TestSentinel, TestServer, shared_server, unique_prefix};
 
 /// `field:value` lines of `INFO section`.
 fn info_field(conn: &mut redis::Connection, section: &str, field: &str) -> Option<String> {
@@ -390,5 +391,77 @@ fn sentinel_names_the_primary_by_the_command_the_library_sends_on_both() {
             assert_eq!(err.code(), Some("ERR"), "{err}");
         }
         ServerKind::Valkey => assert_eq!(by_new_name.unwrap(), addr),
+    }
+}
+
+#[test]
+fn keys_a_node_drops_with_a_slot_it_lost_are_invalidated_by_valkey_only() {
+    let cluster = TestCluster::start();
+    // Two keys on one primary, in different slots: one whose slot is taken
+    // away, one to show that the invalidation channel works.
+    let moved = "{moved}k".to_owned();
+    let source = cluster.primary_for_key(&moved);
+    let control = (0..1000)
+        .map(|i| format!("{{control{i}}}k"))
+        .find(|k| {
+            cluster.primary_for_key(k) == source
+                && key_slot(k.as_bytes()) != key_slot(moved.as_bytes())
+        })
+        .expect("a second key on that primary");
+    let to = *cluster
+        .primaries()
+        .iter()
+        .find(|&&p| p != source)
+        .expect("another primary");
+    let node = cluster.node(source);
+    let mut admin = node.client();
+    for key in [&moved, &control] {
+        let () = redis::cmd("SET")
+            .arg(key)
+            .arg("v")
+            .query(&mut admin)
+            .unwrap();
+    }
+    // A subscriber, and a connection tracking both keys into it.
+    let mut subscriber = node.client();
+    let id: i64 = redis::cmd("CLIENT")
+        .arg("ID")
+        .query(&mut subscriber)
+        .unwrap();
+    let mut pubsub = subscriber.as_pubsub();
+    pubsub.subscribe("__redis__:invalidate").unwrap();
+    pubsub
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut tracker = node.client();
+    let () = redis::cmd("CLIENT")
+        .arg("TRACKING")
+        .arg("ON")
+        .arg("REDIRECT")
+        .arg(id)
+        .query(&mut tracker)
+        .unwrap();
+    for key in [&moved, &control] {
+        let _: String = redis::cmd("GET").arg(key).query(&mut tracker).unwrap();
+    }
+    // The slot is given to another primary: the source drops its keys.
+    cluster.reassign_slot(key_slot(moved.as_bytes()), to);
+    // Then a write the source surely reports: every invalidation of the drop
+    // comes before it on the subscriber's connection.
+    let () = redis::cmd("SET")
+        .arg(&control)
+        .arg("w")
+        .query(&mut admin)
+        .unwrap();
+    let mut invalidated = Vec::new();
+    while !invalidated.contains(&control) {
+        let message = pubsub.get_message().expect("an invalidation within 10 s");
+        let keys: Option<Vec<String>> = message.get_payload().unwrap();
+        invalidated.extend(keys.unwrap_or_default());
+    }
+    let dropped_reported = invalidated.contains(&moved);
+    match ServerKind::current() {
+        ServerKind::Redis => assert!(!dropped_reported, "{invalidated:?}"),
+        ServerKind::Valkey => assert!(dropped_reported, "{invalidated:?}"),
     }
 }
