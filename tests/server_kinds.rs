@@ -7,11 +7,10 @@ mod support;
 
 use std::time::Duration;
 
-use respire_coordination::key_slot;
-use respire_coordination::{Coordinator, Error};
+use respire_coordination::{Coordinator, Error, key_slot};
 use support::{ServerKind, TestCluster, TestSentinel, TestServer, shared_server, unique_prefix};
 
-/// `field:value` lines of `INFO section`.
+/// The value of `field` in `INFO section`, if the server reports it.
 fn info_field(conn: &mut redis::Connection, section: &str, field: &str) -> Option<String> {
     let info: String = redis::cmd("INFO").arg(section).query(conn).expect("INFO");
     let prefix = format!("{field}:");
