@@ -678,7 +678,7 @@ fn tls_client(_url: &str, _files: &TlsFiles) -> redis::RedisResult<redis::Client
     panic!("a client for a TLS test server needs the crate feature `tls`")
 }
 
-/// Starts `redis-server` in the background and prints its pid, then waits
+/// Starts the server program in the background and prints its pid, then waits
 /// for a line on stdin (sent by [`Process::stop`]) or for EOF (this test
 /// process has exited): either way it SIGKILLs and reaps the server; on EOF it
 /// also removes the server's directory. Arguments: the directory, the server
@@ -700,7 +700,8 @@ else
 fi
 "#;
 
-/// Spawns the server program of `kind` with `command_line` and waits until it is ready.
+/// Spawns the server program of `kind` (with the environment variables
+/// `env`) with `command_line` and waits until it is ready.
 fn launch(
     command_line: &[String],
     env: &[(String, String)],
