@@ -1,5 +1,9 @@
 //! The `respire-lock` command-line tool, run as a real process against real
 //! servers.
+//!
+//! `tests/mutants/cli/*.patch` put back defects these tests must catch; each
+//! names the test that catches it (`git apply` it, run that test, `git apply
+//! -R` it).
 
 mod support;
 
@@ -364,7 +368,38 @@ fn errors_have_their_own_exit_codes() {
         "--",
         "/nonexistent/cmd",
     ]);
-    assert_eq!(out.status.code(), Some(70), "{}", text(&out.stderr));
+    assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
+}
+
+/// A command that cannot be started (not found, not executable) ends the
+/// run with 69 (`EX_UNAVAILABLE`, as flock), a status of the tool's own.
+#[test]
+fn a_command_that_cannot_start_exits_with_69() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-cannot-start");
+    let plain = events_path("plain");
+    std::fs::write(&plain, b"true\n").unwrap();
+    for command in [
+        "no-such-command-anywhere",
+        "/nonexistent/cmd",
+        plain.to_str().unwrap(),
+    ] {
+        let out = run(&[
+            "run", "--url", &url, "--prefix", &prefix, "job", "--", command,
+        ]);
+        assert_eq!(
+            out.status.code(),
+            Some(69),
+            "{command}: {}",
+            text(&out.stderr)
+        );
+        assert!(
+            text(&out.stderr).contains("cannot run"),
+            "{}",
+            text(&out.stderr)
+        );
+    }
+    std::fs::remove_file(&plain).unwrap();
 }
 
 #[test]
@@ -882,10 +917,10 @@ fn json_events_of_a_run() {
         "--",
         "/nonexistent/cmd",
     ]);
-    assert_eq!(out.status.code(), Some(70));
+    assert_eq!(out.status.code(), Some(69));
     let all = events_in(&events);
     let error = event(&all, "error");
-    assert_eq!(error["exit_code"], 70);
+    assert_eq!(error["exit_code"], 69);
     assert!(
         error["message"]
             .as_str()
@@ -2593,4 +2628,272 @@ fn a_redlock_run_takes_a_node_that_cannot_say_what_it_holds_as_held() {
     assert_eq!(out.status.code(), Some(75), "{err}");
     assert!(err.contains("did not say what it holds"), "{err}");
     assert!(!err.contains("limited-secret"), "{err}");
+}
+
+// ---------------------------------------------------------------------------
+// The dead-man's switch, inherited signals
+
+/// The machine's monotonic clock, which every process reads alike, in
+/// nanoseconds.
+fn monotonic_ns() -> u64 {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+/// Set in a copy of this test binary that a run starts as its command: the
+/// file it appends its readings of the monotonic clock to.
+const RECORD_ENV: &str = "RESPIRE_CLI_RECORD";
+/// With [`RECORD_ENV`]: `loop` appends a reading every 2 ms until killed,
+/// `once` appends one and exits.
+const RECORD_MODE_ENV: &str = "RESPIRE_CLI_RECORD_MODE";
+
+/// The command of a run that records its liveness: this test binary, running
+/// `test` alone as a recorder into `log`.
+fn recorder(run: &mut Command, test: &str, log: &std::path::Path, mode: &str) {
+    run.args([
+        "--",
+        std::env::current_exe().unwrap().to_str().unwrap(),
+        test,
+        "--exact",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(RECORD_ENV, log)
+    .env(RECORD_MODE_ENV, mode);
+}
+
+/// In a recorder: appends readings of the monotonic clock to its file.
+fn record_liveness() {
+    use std::io::Write as _;
+    let path = std::env::var_os(RECORD_ENV).unwrap();
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap();
+    let once = std::env::var(RECORD_MODE_ENV).as_deref() == Ok("once");
+    loop {
+        writeln!(file, "{}", monotonic_ns()).unwrap();
+        if once {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The readings a recorder appended to `log`.
+fn readings(log: &std::path::Path) -> Vec<u64> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.parse().ok())
+        .collect()
+}
+
+/// One round of [`a_stopped_tool_cannot_keep_its_command_past_the_lease`]:
+/// returns `Err` with what went wrong when the second command started while
+/// the first was still alive.
+fn stopped_supervisor_round(url: &str, key: &str) -> Result<(), String> {
+    const TEST: &str = "a_stopped_tool_cannot_keep_its_command_past_the_lease";
+    let first_log = events_path(&format!("{key}-first"));
+    let second_log = events_path(&format!("{key}-second"));
+    let mut first = respire_lock(&[
+        "run",
+        "--url",
+        url,
+        "--ttl",
+        "3s",
+        "--kill-after",
+        "1s",
+        key,
+    ]);
+    recorder(&mut first, TEST, &first_log, "loop");
+    let first = KillOnDrop(Some(
+        first
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    wait_until(
+        Duration::from_secs(10),
+        "the first command to record",
+        || !readings(&first_log).is_empty(),
+    );
+    let mut second = respire_lock(&["run", "--url", url, "--wait", "30s", key]);
+    recorder(&mut second, TEST, &second_log, "once");
+    let second = KillOnDrop(Some(
+        second
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    // The second run waits: its writer intent is on the server.
+    let mut admin = redis::Client::open(url).unwrap().get_connection().unwrap();
+    let intents = format!("respire-lock:{{{key}}}:q");
+    wait_until(Duration::from_secs(10), "the second run to wait", || {
+        admin.zcard::<_, u64>(&intents).unwrap() > 0
+    });
+    let stopped_at = monotonic_ns();
+    signal(&first, rustix::process::Signal::STOP);
+    let out = second.into_inner().wait_with_output().unwrap();
+    if out.status.code() != Some(0) {
+        return Err(format!("the second run: {out:?}"));
+    }
+    let second_started = *readings(&second_log).first().ok_or("no second start")?;
+    signal(&first, rustix::process::Signal::CONT);
+    let first_out = first.into_inner().wait_with_output().unwrap();
+    let first_readings = readings(&first_log);
+    let last_alive = *first_readings.last().unwrap();
+    let _ = std::fs::remove_file(&first_log);
+    let _ = std::fs::remove_file(&second_log);
+    if last_alive >= second_started {
+        return Err(format!(
+            "the first command was alive {} ms after the second started",
+            (last_alive - second_started) / 1_000_000
+        ));
+    }
+    // Not vacuous: the first command ran on after its tool was stopped.
+    if last_alive <= stopped_at {
+        return Err("the first command ended before its tool was stopped".into());
+    }
+    if first_out.status.code() != Some(76) {
+        return Err(format!("the first run: {first_out:?}"));
+    }
+    Ok(())
+}
+
+/// A stopped `respire-lock` (SIGSTOP, a debugger) renews nothing; its
+/// guardian stops the command at the lease's loss deadline, so a run waiting
+/// for the key never starts its command while the first one is alive, as
+/// both commands record on the shared monotonic clock. 20 rounds, 10 at a
+/// time. `tests/mutants/cli/a-no-dead-mans-switch.patch` turns the switch off.
+#[test]
+fn a_stopped_tool_cannot_keep_its_command_past_the_lease() {
+    if std::env::var_os(RECORD_ENV).is_some() {
+        return record_liveness();
+    }
+    let server = TestServer::start();
+    let url = server.url();
+    let failures: Vec<String> = (0..2)
+        .flat_map(|wave| {
+            std::thread::scope(|s| {
+                let rounds: Vec<_> = (0..10)
+                    .map(|i| {
+                        let url = &url;
+                        s.spawn(move || stopped_supervisor_round(url, &format!("dms{wave}-{i}")))
+                    })
+                    .collect();
+                rounds
+                    .into_iter()
+                    .filter_map(|r| r.join().unwrap().err())
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "{} of 20 rounds: {failures:#?}",
+        failures.len()
+    );
+}
+
+/// The state letter of process `pid` (`R`, `S`, `T` for stopped...), from
+/// `/proc`.
+fn process_state(pid: i32) -> char {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next())
+        .unwrap_or('?')
+}
+
+/// Ctrl-Z reaches only the terminal's foreground group, the tool's, not the
+/// command's group of its own: SIGTSTP to the tool stops the command's group
+/// too, and SIGCONT continues it.
+#[test]
+fn sigtstp_stops_the_command_with_the_tool_and_sigcont_resumes_both() {
+    let server = TestServer::start();
+    let events = events_path("tstp");
+    let tool = KillOnDrop(Some(inside_until_signalled(
+        &["--url", &server.url()],
+        &events,
+    )));
+    let command = started_pid(&events);
+    let tool_pid = tool.id() as i32;
+    signal(&tool, rustix::process::Signal::TSTP);
+    wait_until(
+        Duration::from_secs(5),
+        "the tool and its command stopped",
+        || process_state(tool_pid) == 'T' && process_state(command) == 'T',
+    );
+    signal(&tool, rustix::process::Signal::CONT);
+    wait_until(
+        Duration::from_secs(5),
+        "the tool and its command running again",
+        || process_state(tool_pid) != 'T' && process_state(command) != 'T',
+    );
+    signal(&tool, rustix::process::Signal::TERM);
+    let out = tool.into_inner().wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(128 + 15));
+    assert!(!group_alive(command));
+    std::fs::remove_file(&events).unwrap();
+}
+
+/// `nohup respire-lock run ...`: a SIGHUP ignored when the tool started stays
+/// ignored, by the tool and by its command, as with flock.
+#[test]
+fn signals_ignored_at_start_stay_ignored_by_the_tool_and_its_command() {
+    let server = TestServer::start();
+    let events = events_path("nohup");
+    let go = events_path("nohup-go");
+    let script = format!(
+        "while [ ! -e '{}' ]; do sleep 0.02; done; echo survived",
+        go.display()
+    );
+    let mut nohup = Command::new("nohup");
+    nohup.args([
+        BIN,
+        "run",
+        "--url",
+        &server.url(),
+        "--events-file",
+        events.to_str().unwrap(),
+        "job",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    for var in ENV_VARS {
+        nohup.env_remove(var);
+    }
+    let tool = KillOnDrop(Some(
+        nohup
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let command = started_pid(&events);
+    // A hang-up for the tool, and for the command's group: a command that
+    // does not ignore it dies of it before it can see `go`.
+    signal(&tool, rustix::process::Signal::HUP);
+    rustix::process::kill_process_group(
+        rustix::process::Pid::from_raw(command).unwrap(),
+        rustix::process::Signal::HUP,
+    )
+    .unwrap();
+    std::fs::write(&go, "").unwrap();
+    let out = tool.into_inner().wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "survived\n");
+    assert!(
+        events_in(&events).iter().all(|e| e["event"] != "forwarded"),
+        "{:?}",
+        events_in(&events)
+    );
+    std::fs::remove_file(&events).unwrap();
+    std::fs::remove_file(&go).unwrap();
 }

@@ -4,9 +4,12 @@
 //!   (exclusive and fenced, `--shared`, `--max N`, or a Redlock quorum), runs CMD
 //!   in a process group of its own with the fencing token in
 //!   `RESPIRE_FENCING_TOKEN`, keeps the lease alive while CMD runs, passes HUP,
-//!   INT, QUIT and TERM on to the group, stops the group (SIGTERM, then SIGKILL)
-//!   if the lease is lost, releases the lease once the group is gone, and exits
-//!   with CMD's status.
+//!   INT, QUIT and TERM on to the group (and stops and continues it with the
+//!   tool on TSTP and CONT), stops the group (SIGTERM, then SIGKILL) if the
+//!   lease is lost, releases the lease once the group is gone, and exits with
+//!   CMD's status. A guardian process stops the group at the lease's loss
+//!   deadline even when the tool itself is stopped or frozen (see
+//!   `supervise`).
 //! - `respire-lock status KEY` reports who holds KEY, in which mode, by which
 //!   token and for how long.
 //! - `respire-lock elect NAME CMD [ARGS...]` campaigns to lead the election

@@ -19,7 +19,7 @@ use respire_coordination::{
     MAX_TTL, NodeOutcome, RedlockGroup, RedlockGuard, RedlockOptions, ReleaseOutcome,
 };
 use rustix::process::{Pid, Signal};
-use signal_hook::consts::{SIGCHLD, SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+use signal_hook::consts::{SIGCHLD, SIGCONT, SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGTSTP};
 
 use crate::args::{EXIT_USAGE, ElectArgs, RunArgs, Usage, Wait, check_run};
 use crate::endpoint::{self, Tls};
@@ -311,7 +311,13 @@ impl Run<'_> {
         let grant = grant(&guard);
         self.report.acquired(&grant, mode.name(), ttl);
         let why_lost = || single_loss_cause(coord, &base, grant.token, mode);
-        let ended = self.run_child(&grant.env(), guard.lost_signal(), &why_lost);
+        let held = Held {
+            lost: guard.lost_signal(),
+            remaining: &|| guard.remaining_estimate(),
+            is_lost: &|| guard.is_lost(),
+            why_lost: &why_lost,
+        };
+        let ended = self.run_child(&grant.env(), &held);
         drop(renewal);
         let (outcome, detail) = release_words(guard.release());
         self.report.released(outcome, detail.as_deref());
@@ -379,7 +385,13 @@ impl Run<'_> {
             env.push(("RESPIRE_LEADER_TERM", term.to_string()));
             env.push(("RESPIRE_LEADER_VALUE", value.to_owned()));
             let why_lost = || election_loss_cause(&election, term);
-            let ended = self.run_child(&env, leadership.lost_signal(), &why_lost);
+            let held = Held {
+                lost: leadership.lost_signal(),
+                remaining: &|| leadership.remaining_estimate(),
+                is_lost: &|| leadership.is_lost(),
+                why_lost: &why_lost,
+            };
+            let ended = self.run_child(&env, &held);
             drop(renewal);
             let (outcome, detail) = release_words(leadership.resign());
             self.report.released(outcome, detail.as_deref());
@@ -515,7 +527,13 @@ impl Run<'_> {
         };
         self.report.acquired(&grant, "redlock", ttl);
         let why_lost = || redlock_loss_cause(&guard);
-        let ended = self.run_child(&grant.env(), guard.lost_signal(), &why_lost);
+        let held = Held {
+            lost: guard.lost_signal(),
+            remaining: &|| guard.remaining_estimate(),
+            is_lost: &|| guard.is_lost(),
+            why_lost: &why_lost,
+        };
+        let ended = self.run_child(&grant.env(), &held);
         drop(renewal);
         let mut guard = guard;
         match guard.release() {
@@ -646,13 +664,9 @@ impl Run<'_> {
     }
 
     /// Starts the command in its own process group and supervises it until it
-    /// and its group are gone.
-    fn run_child(
-        &mut self,
-        env: &[(&str, String)],
-        lost: &Receiver<()>,
-        why_lost: &dyn Fn() -> LossCause,
-    ) -> Ended {
+    /// and its group are gone. The guardian stops the group when the loss
+    /// deadline of `held` passes, even if this process cannot.
+    fn run_child(&mut self, env: &[(&str, String)], held: &Held<'_>) -> Ended {
         let args = self.args;
         let program = &args.command[0];
         if let Err(why) = supervise::resolve(program) {
@@ -661,65 +675,125 @@ impl Run<'_> {
         if let Err(e) = self.guardian.ensure_started() {
             return Ended::CannotStart(format!("cannot start the guardian: {e}"));
         }
-        let child = supervise::command(program, &args.command[1..]).and_then(|mut cmd| {
-            supervise::spawn(
+        let deadline = self.loss_deadline(held);
+        let child =
+            supervise::command(program, &args.command[1..], Some(deadline)).and_then(|mut cmd| {
                 cmd.envs(env.iter().map(|(k, v)| (k, v)))
-                    .stdin(Stdio::inherit()),
-            )
-        });
+                    .stdin(Stdio::inherit())
+                    .spawn()
+            });
         let mut child = match child {
             Ok(child) => child,
             Err(e) => return Ended::CannotStart(format!("cannot run {program:?}: {e}")),
         };
         let pgid = child.id() as i32;
-        self.guardian.watch_group(pgid);
+        // The command runs only once the guardian holds its deadline.
+        let started = self
+            .guardian
+            .guard_group(pgid, deadline, args.kill_after)
+            .map_err(|e| format!("cannot reach the guardian: {e}"))
+            .and_then(|()| {
+                supervise::handshake(&child).map_err(|e| format!("cannot start {program:?}: {e}"))
+            });
+        match started {
+            Ok(true) => {}
+            Ok(false) | Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                supervise::stop_group(pgid, Duration::ZERO);
+                self.guardian.forget_group(pgid);
+                return Ended::CannotStart(match started {
+                    Err(why) => why,
+                    _ if (held.is_lost)() => {
+                        format!("the lease was lost before {program:?} could start")
+                    }
+                    _ => format!("cannot start {program:?}"),
+                });
+            }
+        }
+        supervise::set_current_group(pgid);
         self.report.started(child.id(), &args.command);
-        let ended = self.supervise(&mut child, pgid, lost, why_lost);
+        let ended = self.supervise(&mut child, pgid, deadline, held);
         if let Ended::Exited(status) | Ended::LeaseLost(status) = &ended {
             self.report.exited(*status);
         }
         // Whatever is left of the group goes before the lease does.
         supervise::stop_group(pgid, args.kill_after);
+        supervise::set_current_group(0);
         self.guardian.forget_group(pgid);
         ended
     }
 
-    /// Waits for the command, passing signals on to its group and stopping
-    /// the group if the lease is lost.
+    /// The lease's loss deadline on the machine's monotonic clock: its
+    /// `remaining` estimate less one node timeout (the library's loss
+    /// deadline), counted from a reading of the clock taken before the
+    /// estimate, so never later than the library's own.
+    fn loss_deadline(&self, held: &Held<'_>) -> Duration {
+        let before = supervise::monotonic_now();
+        before + (held.remaining)().saturating_sub(self.args.keys.node_timeout)
+    }
+
+    /// Waits for the command, passing signals on to its group, telling the
+    /// guardian each new loss deadline, and stopping the group if the lease
+    /// is lost.
     fn supervise(
-        &self,
+        &mut self,
         child: &mut Child,
         pgid: i32,
-        lost_signal: &Receiver<()>,
-        why_lost: &dyn Fn() -> LossCause,
+        mut told: Duration,
+        held: &Held<'_>,
     ) -> Ended {
         let mut kill_at: Option<Instant> = None;
         let mut lease_lost = false;
         loop {
             match child.try_wait() {
                 Ok(Some(status)) if lease_lost => return Ended::LeaseLost(status),
-                Ok(Some(status)) => return Ended::Exited(status),
+                Ok(Some(status)) => {
+                    // A command that ended once the lease was gone (the
+                    // guardian stopped it while this process could not) ends
+                    // as any loss does.
+                    if (held.is_lost)() {
+                        let mut cause = (held.why_lost)();
+                        cause.reason.push_str(
+                            "; the command ended after the loss deadline, stopped by the \
+                             guardian if it was still running then",
+                        );
+                        self.report.lost(&cause);
+                        return Ended::LeaseLost(status);
+                    }
+                    return Ended::Exited(status);
+                }
                 Ok(None) => {}
                 Err(e) => return Ended::WaitFailed(e),
             }
             if kill_at.is_some_and(|at| Instant::now() >= at) {
                 supervise::signal_group(pgid, Signal::KILL);
             }
+            if !lease_lost {
+                // Told again when a renewal moved it (not for the jitter of
+                // the clock readings that compute it).
+                let deadline = self.loss_deadline(held);
+                if deadline.abs_diff(told) > Duration::from_millis(1) {
+                    self.guardian.deadline(pgid, deadline);
+                    told = deadline;
+                }
+            }
             // SIGCHLD wakes this promptly; the timeout covers a coalesced
-            // signal and the SIGKILL deadline.
+            // signal, the SIGKILL deadline and the guardian's deadline.
             let tick = crossbeam_channel::after(Duration::from_millis(100));
             let lost = if lease_lost {
                 crossbeam_channel::never()
             } else {
-                lost_signal.clone()
+                held.lost.clone()
             };
             select! {
                 recv(lost) -> _ => {
                     lease_lost = true;
                     supervise::signal_group(pgid, Signal::TERM);
+                    supervise::signal_group(pgid, Signal::CONT);
                     kill_at = Some(Instant::now() + self.args.kill_after);
                     // Stop first, explain after: the explanation asks Redis.
-                    self.report.lost(&why_lost());
+                    self.report.lost(&(held.why_lost)());
                 }
                 recv(self.signals) -> sig => {
                     if let Ok(sig) = sig
@@ -746,7 +820,7 @@ impl Run<'_> {
                     report.key
                 ),
             ),
-            Ended::CannotStart(msg) => report.error(EXIT_CANNOT_RUN, &msg),
+            Ended::CannotStart(msg) => report.error(EXIT_UNAVAILABLE, &msg),
             Ended::WaitFailed(e) => report.error(
                 EXIT_CANNOT_RUN,
                 &format!("waiting for the command failed: {e}"),
@@ -838,10 +912,20 @@ fn describe_others(ins: &respire_coordination::Inspection, skip_exclusive: bool)
 /// handler run by a thread inside a library call would fail that call: Linux
 /// does not restart a socket read with a timeout after a handler, whatever
 /// `SA_RESTART` says, and the library takes a reply it could not read as
-/// missing. Call this before anything starts a thread; start processes with
-/// [`supervise::spawn`], which gives them the mask the tool started with.
+/// missing. Call this before anything starts a thread; the command starts
+/// through [`supervise::command`], which gives it the mask the tool started
+/// with.
+///
+/// A signal ignored when the tool started (as under `nohup`) is left ignored,
+/// as flock leaves it, and the command inherits it ignored. SIGTSTP stops the
+/// command's group, then the tool; SIGCONT continues the group (see
+/// [`supervise::stop_all`]); neither reaches the channel's receivers.
 fn signals() -> std::io::Result<Receiver<i32>> {
-    let mut wanted = FORWARDED.to_vec();
+    let mut wanted: Vec<i32> = [&FORWARDED[..], &[SIGTSTP, SIGCONT]]
+        .concat()
+        .into_iter()
+        .filter(|s| !supervise::ignored_at_start(*s))
+        .collect();
     wanted.push(SIGCHLD);
     let mut mask = SigSet::empty();
     for &signal in &wanted {
@@ -862,8 +946,14 @@ fn signals() -> std::io::Result<Receiver<i32>> {
                 return;
             }
             for signal in signals.forever() {
-                if tx.send(signal).is_err() {
-                    return;
+                match signal {
+                    SIGTSTP => supervise::stop_all(),
+                    SIGCONT => supervise::continue_all(),
+                    _ => {
+                        if tx.send(signal).is_err() {
+                            return;
+                        }
+                    }
                 }
             }
         })?;
@@ -966,6 +1056,18 @@ fn redlock_loss_cause(guard: &RedlockGuard) -> LossCause {
             nodes.join("; ")
         ),
     }
+}
+
+/// The lease a command runs under, as its supervision reads it.
+struct Held<'a> {
+    /// Disconnects at the loss deadline.
+    lost: &'a Receiver<()>,
+    /// The lease's `remaining_estimate`.
+    remaining: &'a dyn Fn() -> Duration,
+    /// The lease's `is_lost`.
+    is_lost: &'a dyn Fn() -> bool,
+    /// Why it was lost, once it is.
+    why_lost: &'a dyn Fn() -> LossCause,
 }
 
 /// How the command's supervision ended.
@@ -1263,13 +1365,12 @@ impl ThrowawayServer {
         .map(OsString::from)
         .chain([dir.clone().into_os_string()])
         .collect();
-        let child = supervise::command(program.as_os_str(), &args)
+        let child = supervise::command(program.as_os_str(), &args, None)
             .and_then(|mut cmd| {
-                supervise::spawn(
-                    cmd.stdin(Stdio::null())
-                        .stdout(Stdio::null())
-                        .stderr(Stdio::null()),
-                )
+                cmd.stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
             })
             .map_err(|e| format!("cannot start redis-server: {e}"))?;
         guardian.watch_group(child.id() as i32);
