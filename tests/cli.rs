@@ -522,7 +522,7 @@ fn redlock_mode_takes_a_quorum_and_releases_it() {
     assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
     assert!(out.stdout.is_empty());
     let out = run(&["status", "--redlock", &joined, "--json", "job"]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(status["nodes"], 2, "{status}");
     assert_eq!(status["held"], false, "{status}");
@@ -765,7 +765,11 @@ fn status_reports_holder_token_and_ttl() {
         }
         args.push("job");
         let out = run(&args);
-        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        // 0 when held, 1 when free.
+        let free =
+            text(&out.stdout).contains(": free") || text(&out.stdout).contains("\"held\":false");
+        let code = if free { 1 } else { 0 };
+        assert_eq!(out.status.code(), Some(code), "{}", text(&out.stderr));
         text(&out.stdout)
     };
     // Never taken.
@@ -1693,7 +1697,7 @@ fn every_rule_is_checked_before_anything_is_sent() {
     usage(&["--max", "0"], &["--max"]);
     usage(&["--max", "10001"], &["--max"]);
     usage(&["-n", "--wait", "1s"], &["--wait"]);
-    usage(&["-E", "0"], &["--conflict-exit-code"]);
+    usage(&["-E", "256"], &["--conflict-exit-code"]);
     usage(&["--lost-exit-code", "256"], &["--lost-exit-code"]);
     usage(&["--tls-cert", "/nonexistent"], &["--tls-key"]);
     let out = run(&[
@@ -2151,7 +2155,8 @@ fn tls_options_reach_a_server_that_wants_client_certificates() {
         .env("RESPIRE_LOCK_TLS_KEY", &key)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    // Free: status 1.
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
     assert_eq!(
         text(&out.stdout).trim(),
         "job: free (last fencing token issued: 1)"
@@ -2573,7 +2578,7 @@ fn redlock_run_beside_a_slow_node(planted: Option<&str>) -> (Option<i32>, String
             .unwrap();
     }
     let nodes = [slow.url(), servers[1].url(), servers[2].url()].join(",");
-    let args = ["run", "-n", "--node-timeout", "1s", "--ttl", "5s"];
+    let args = ["run", "-n", "-v", "--node-timeout", "1s", "--ttl", "5s"];
     let mut args = args.to_vec();
     args.extend_from_slice(&["--redlock", &nodes, "job", "true"]);
     let out = run(&args);
@@ -2618,7 +2623,7 @@ fn a_redlock_run_takes_a_node_that_cannot_say_what_it_holds_as_held() {
     let events = events_path("unreadable");
     let mut counted = inside_until_signalled(&["--url", &servers[0].url(), "--max", "2"], &events);
     let nodes = [limited, servers[1].url(), servers[2].url()].join(",");
-    let out = run(&["run", "-n", "--redlock", &nodes, "job", "true"]);
+    let out = run(&["run", "-n", "-v", "--redlock", &nodes, "job", "true"]);
     signal(&counted, rustix::process::Signal::TERM);
     assert_eq!(counted.wait().unwrap().code(), Some(128 + 15));
     std::fs::remove_file(&events).unwrap();
@@ -2896,4 +2901,244 @@ fn signals_ignored_at_start_stay_ignored_by_the_tool_and_its_command() {
     );
     std::fs::remove_file(&events).unwrap();
     std::fs::remove_file(&go).unwrap();
+}
+
+// ---------------------------------------------------------------------------
+// flock's habits: -E 0, -s, -x/-e, quiet conflicts, the environment
+
+/// `flock -n -E 0`, the cron idiom: a conflict is a silent success, and the
+/// command does not run; whatever mode holds the key, a conflict prints
+/// nothing without -v.
+#[test]
+fn a_conflict_in_any_mode_is_quiet_and_e_0_makes_it_a_success() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-e0");
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let attempt = |key: &str, extra: &[&str]| {
+        let mut args = vec!["run", "--url", &url, "--prefix", &prefix];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&[key, "echo", "ran"]);
+        run(&args)
+    };
+    let ttl = Duration::from_secs(30);
+    let _exclusive = coord
+        .read_write_lease("{fenced}")
+        .unwrap()
+        .write()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
+    let _shared = coord
+        .read_write_lease("{shared}")
+        .unwrap()
+        .read()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
+    let _counted = coord
+        .semaphore("{counted}", 1)
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
+    for (key, modes) in [
+        ("fenced", &[&[][..], &["--shared"], &["--max", "1"]][..]),
+        ("shared", &[&[][..], &["--max", "1"]]),
+        ("counted", &[&[][..], &["--shared"], &["--max", "1"]]),
+    ] {
+        for mode in modes {
+            let mut extra = vec!["-n", "-E", "0"];
+            extra.extend_from_slice(mode);
+            let out = attempt(key, &extra);
+            assert_eq!(out.status.code(), Some(0), "{key} {mode:?}: {out:?}");
+            assert!(
+                out.stdout.is_empty() && out.stderr.is_empty(),
+                "{key} {mode:?}: {out:?}"
+            );
+            let mut extra = vec!["-n"];
+            extra.extend_from_slice(mode);
+            let out = attempt(key, &extra);
+            assert_eq!(out.status.code(), Some(75), "{key} {mode:?}: {out:?}");
+            assert!(out.stderr.is_empty(), "{key} {mode:?}: {out:?}");
+        }
+    }
+    // -v says which mode holds it.
+    let out = attempt("counted", &["-n", "-v"]);
+    assert!(
+        text(&out.stderr).contains("held in another mode: counted"),
+        "{out:?}"
+    );
+}
+
+/// flock's mode flags: -s is --shared, -x and -e are the exclusive default;
+/// two modes on the command line are refused.
+#[test]
+fn s_x_and_e_choose_the_mode_as_with_flock() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-sxe");
+    let mode_of = |flag: &str| {
+        let events = events_path("sxe");
+        let out = run(&[
+            "run",
+            "--url",
+            &url,
+            "--prefix",
+            &prefix,
+            flag,
+            "--events-file",
+            events.to_str().unwrap(),
+            "job",
+            "true",
+        ]);
+        assert!(out.status.success(), "{flag}: {out:?}");
+        let mode = event(&events_in(&events), "acquired")["mode"].clone();
+        std::fs::remove_file(&events).unwrap();
+        mode
+    };
+    assert_eq!(mode_of("-s"), "shared");
+    assert_eq!(mode_of("-x"), "fenced");
+    assert_eq!(mode_of("-e"), "fenced");
+    assert_eq!(mode_of("--exclusive"), "fenced");
+    for pair in [["-x", "-s"], ["-e", "--max=2"], ["-s", "--max=2"]] {
+        let mut args = vec!["run", "--url", &url, "--prefix", &prefix];
+        args.extend_from_slice(&pair);
+        args.extend_from_slice(&["job", "true"]);
+        let out = run(&args);
+        assert_eq!(out.status.code(), Some(64), "{pair:?}: {out:?}");
+        assert!(
+            text(&out.stderr).contains("exclude each other"),
+            "{pair:?}: {out:?}"
+        );
+    }
+}
+
+/// An option from the environment never conflicts with one on the command
+/// line: the command line wins. Two from the environment alone are refused,
+/// naming their variables.
+#[test]
+fn the_command_line_wins_over_the_environment_without_a_conflict() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-envwins");
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let _held = exclusive_holder(&coord)
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    let with_env = |env: &[(&str, &str)], extra: &[&str], key: &str| {
+        let events = events_path("envwins");
+        let mut args = vec!["run", "--url", &url, "--prefix", &prefix];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--events-file", events.to_str().unwrap(), key, "true"]);
+        let mut cmd = respire_lock(&args);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let started = Instant::now();
+        let out = cmd.output().unwrap();
+        let all = events_in(&events);
+        let _ = std::fs::remove_file(&events);
+        (out, started.elapsed(), all)
+    };
+    // -n on the line, a wait in the environment: one attempt.
+    let (out, took, _) = with_env(&[("RESPIRE_LOCK_WAIT", "5m")], &["-n"], "job");
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    // --wait on the line, -n in the environment: the wait.
+    let (out, took, _) = with_env(&[("RESPIRE_LOCK_NONBLOCK", "1")], &["-w", "300ms"], "job");
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert!(took >= Duration::from_millis(300), "{took:?}");
+    // --max on the line, --shared in the environment: counted.
+    let (out, _, all) = with_env(&[("RESPIRE_LOCK_SHARED", "1")], &["--max", "2"], "free");
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(event(&all, "acquired")["mode"], "counted");
+    // -x on the line, --max in the environment: exclusive.
+    let (out, _, all) = with_env(&[("RESPIRE_LOCK_MAX", "2")], &["-x"], "free2");
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(event(&all, "acquired")["mode"], "fenced");
+    // Both from the environment: refused, naming the variables.
+    let (out, _, _) = with_env(
+        &[("RESPIRE_LOCK_SHARED", "1"), ("RESPIRE_LOCK_MAX", "2")],
+        &[],
+        "free",
+    );
+    assert_eq!(out.status.code(), Some(64), "{out:?}");
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("RESPIRE_LOCK_SHARED") && stderr.contains("RESPIRE_LOCK_MAX"),
+        "{stderr}"
+    );
+}
+
+/// `status` exits 0 when KEY is held, 1 when free, 69 when Redis cannot be
+/// asked; with --json, stdout always holds one object, an error object too.
+#[test]
+fn status_exit_codes_tell_held_from_free_from_error() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-status-codes");
+    let status = |url: &str, json: bool| {
+        let mut args = vec!["status", "--url", url, "--prefix", &prefix];
+        if json {
+            args.push("--json");
+        }
+        args.push("job");
+        run(&args)
+    };
+    let out = status(&url, false);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let out = status(&url, true);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert_eq!(json_lines(&out.stdout)[0]["held"], false);
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let held = exclusive_holder(&coord)
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    let out = status(&url, false);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    drop(held);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let nobody = format!("redis://user:secret@127.0.0.1:{port}");
+    let out = status(&nobody, true);
+    assert_eq!(out.status.code(), Some(69), "{out:?}");
+    let json = json_lines(&out.stdout);
+    assert_eq!(json.len(), 1, "{out:?}");
+    assert_eq!(json[0]["key"], "job");
+    assert_eq!(json[0]["exit_code"], 69);
+    assert!(json[0]["error"].as_str().is_some_and(|e| !e.is_empty()));
+    assert!(!text(&out.stdout).contains("secret") && !text(&out.stderr).contains("secret"));
+    // A usage error too.
+    let out = respire_lock(&["status", "--json", "job"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(64), "{out:?}");
+    assert_eq!(json_lines(&out.stdout)[0]["exit_code"], 64);
+}
+
+/// `doctor` takes its URL one way: URL and --url together are refused
+/// (without showing either); either beats REDIS_URL.
+#[test]
+fn doctor_takes_its_url_one_way() {
+    let url = shared_server().url();
+    let out = run(&["doctor", "--url", &url, "redis://user:secret@127.0.0.1:1"]);
+    assert_eq!(out.status.code(), Some(64), "{out:?}");
+    assert!(text(&out.stderr).contains("not both"), "{out:?}");
+    assert!(!text(&out.stderr).contains("secret"));
+    let out = respire_lock(&["doctor", "--json", &url])
+        .env("REDIS_URL", "redis://127.0.0.1:1")
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(69), "{out:?}");
+    assert_ne!(out.status.code(), Some(64), "{out:?}");
+    assert!(json_lines(&out.stdout)[0]["findings"].is_array(), "{out:?}");
 }

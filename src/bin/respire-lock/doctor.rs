@@ -40,7 +40,19 @@ impl Finding {
     }
 }
 
-pub(crate) fn main(args: DoctorArgs) -> ExitCode {
+pub(crate) fn main(args: DoctorArgs, matches: &clap::ArgMatches) -> ExitCode {
+    // One URL, given one way: the positional URL and --url together are
+    // refused (neither is shown: they may hold passwords); either on the
+    // command line beats REDIS_URL.
+    let url_on_line = matches.value_source("url") == Some(clap::parser::ValueSource::CommandLine);
+    if url_on_line && args.positional_url.is_some() {
+        Usage::new(
+            "doctor takes one URL: give it as URL or with --url, not both",
+            Some("doctor"),
+        )
+        .print();
+        return ExitCode::from(EXIT_USAGE);
+    }
     let Some(url) = args.positional_url.or(args.url) else {
         Usage::new(
             "doctor needs a Redis deployment to check: give URL, --url or set REDIS_URL",

@@ -80,7 +80,12 @@ fn main() -> ExitCode {
             run::elect_main(args, sub)
         }
         Command::Leader(args) => leader::main(args),
-        Command::Doctor(args) => doctor::main(args),
+        Command::Doctor(args) => {
+            let sub = matches
+                .subcommand_matches("doctor")
+                .expect("the doctor subcommand was parsed");
+            doctor::main(args, sub)
+        }
         Command::Completions { shell } => {
             let mut out = std::io::stdout().lock();
             clap_complete::generate(shell, &mut Cli::command(), "respire-lock", &mut out);

@@ -21,7 +21,7 @@ use respire_coordination::{
 use rustix::process::{Pid, Signal};
 use signal_hook::consts::{SIGCHLD, SIGCONT, SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGTSTP};
 
-use crate::args::{EXIT_USAGE, ElectArgs, RunArgs, Usage, Wait, check_run};
+use crate::args::{EXIT_USAGE, ElectArgs, RunArgs, Usage, Wait, check_run, settle_run};
 use crate::endpoint::{self, Tls};
 use crate::json::{self, Object};
 use crate::supervise::{self, Guardian};
@@ -77,6 +77,13 @@ fn target(args: &RunArgs, matches: &ArgMatches, subcommand: &str) -> Result<Targ
 }
 
 pub(crate) fn main(args: RunArgs, matches: &ArgMatches) -> ExitCode {
+    let args = match settle_run(args, matches, "run") {
+        Ok(args) => args,
+        Err(usage) => {
+            usage.print();
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
     drive(&args, matches, "run", |run, target| match target {
         Target::Redlock(urls) => run.redlock(&urls),
         Target::Url(url) => run.single(&url),
@@ -85,7 +92,14 @@ pub(crate) fn main(args: RunArgs, matches: &ArgMatches) -> ExitCode {
 }
 
 /// `respire-lock elect`: `run`'s supervision, under a leadership.
-pub(crate) fn elect_main(args: ElectArgs, matches: &ArgMatches) -> ExitCode {
+pub(crate) fn elect_main(mut args: ElectArgs, matches: &ArgMatches) -> ExitCode {
+    args.run = match settle_run(args.run, matches, "elect") {
+        Ok(run) => run,
+        Err(usage) => {
+            usage.print();
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
     let value = args.value.clone().unwrap_or_else(default_value);
     drive(&args.run, matches, "elect", |run, target| match target {
         Target::Url(url) => run.elect(&url, &value, args.recampaign),
@@ -1286,18 +1300,16 @@ impl Reporter {
         );
     }
 
-    /// Held elsewhere: quiet without `-v` (as flock), but a holder in another
-    /// mode is always named.
+    /// Held elsewhere, in whatever mode: quiet without `-v`, as flock (a cron
+    /// job's conflict mails nobody); `-v` names the holder's mode.
     fn not_acquired(&self, code: u8, other_mode: Option<&str>) -> ExitCode {
-        let text = match other_mode {
-            Some(other) => Some(format!(
+        let text = self.verbose.then(|| match other_mode {
+            Some(other) => format!(
                 "{:?} is held in another mode: {other}; not acquired",
                 self.key
-            )),
-            None => self
-                .verbose
-                .then(|| format!("{:?} is held elsewhere; not acquired", self.key)),
-        };
+            ),
+            None => format!("{:?} is held elsewhere; not acquired", self.key),
+        });
         self.emit(
             "not_acquired",
             |o| o.num("exit_code", code).opt_str("held_as", other_mode),

@@ -12,13 +12,35 @@ use crate::endpoint::{self, Tls};
 use crate::json::{self, Object};
 use crate::{EXIT_UNAVAILABLE, say, show};
 
+/// `status`'s exit status when KEY is held (in any mode).
+const HELD: u8 = 0;
+/// `status`'s exit status when KEY is free.
+const FREE: u8 = 1;
+
 pub(crate) fn main(args: StatusArgs, matches: &clap::ArgMatches) -> ExitCode {
+    let json = args.json;
+    let key = args.key.clone();
+    // Every failure: a sentence on stderr, and with --json an object on
+    // stdout too, so that a program reading stdout always gets one.
+    let fail = |code: u8, message: &str| {
+        if json {
+            show(
+                &Object::new()
+                    .str("key", &key)
+                    .str("error", message)
+                    .num("exit_code", code)
+                    .finish(),
+            );
+        }
+        ExitCode::from(code)
+    };
+    let usage = |usage: Usage| {
+        usage.print();
+        fail(EXIT_USAGE, &usage.problem)
+    };
     let tls = match Tls::read(&args.tls, "status") {
         Ok(t) => t,
-        Err(usage) => {
-            usage.print();
-            return ExitCode::from(EXIT_USAGE);
-        }
+        Err(u) => return usage(u),
     };
     let base = endpoint::base(&args.key);
     // As for `run`: --url on the command line beats --redlock; from the
@@ -31,20 +53,17 @@ pub(crate) fn main(args: StatusArgs, matches: &clap::ArgMatches) -> ExitCode {
     let (urls, redlock) = match (url, &args.redlock) {
         (Some(url), _) => (vec![url.clone()], false),
         (None, Some(list)) => {
-            if let Err(usage) = list.check("status") {
-                usage.print();
-                return ExitCode::from(EXIT_USAGE);
+            if let Err(u) = list.check("status") {
+                return usage(u);
             }
             (list.0.clone(), true)
         }
         (None, None) => {
-            Usage::new(
+            return usage(Usage::new(
                 "status needs a Redis deployment to ask: give --url or set REDIS_URL \
                  (or --redlock)",
                 Some("status"),
-            )
-            .print();
-            return ExitCode::from(EXIT_USAGE);
+            ));
         }
     };
     let mut answers = Vec::new();
@@ -53,20 +72,22 @@ pub(crate) fn main(args: StatusArgs, matches: &clap::ArgMatches) -> ExitCode {
         match read {
             Ok(ins) => answers.push(ins),
             Err(e) if !redlock => {
-                say(&format!("respire-lock: {e}"));
+                let message = crate::scrub(&e.to_string());
+                say(&format!("respire-lock: {message}"));
                 let code = if endpoint::is_usage(&e) {
                     EXIT_USAGE
                 } else {
                     EXIT_UNAVAILABLE
                 };
-                return ExitCode::from(code);
+                return fail(code, &message);
             }
             Err(e) => say(&format!("respire-lock: a node did not answer: {e}")),
         }
     }
     if answers.is_empty() {
-        say("respire-lock: no node of the Redlock group answered");
-        return ExitCode::from(EXIT_UNAVAILABLE);
+        let message = "no node of the Redlock group answered";
+        say(&format!("respire-lock: {message}"));
+        return fail(EXIT_UNAVAILABLE, message);
     }
     let view = if redlock {
         View::redlock(&answers, urls.len())
@@ -78,7 +99,7 @@ pub(crate) fn main(args: StatusArgs, matches: &clap::ArgMatches) -> ExitCode {
     } else {
         show(&view.describe(&args.key));
     }
-    ExitCode::SUCCESS
+    ExitCode::from(if view.held() { HELD } else { FREE })
 }
 
 /// What `status` reports.
