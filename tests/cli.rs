@@ -2407,7 +2407,7 @@ fn elect_stops_the_command_on_loss_and_recampaigns_with_a_higher_term() {
     // Taken over, or (when a renewal found the key deleted before the other
     // contender got in) gone.
     let cause = event(&evs, "lost")["cause"].clone();
-    assert!(cause == "taken_over" || cause == "expired", "{cause}");
+    assert!(cause == "taken_over" || cause == "gone", "{cause}");
     assert_eq!(event(&evs, "recampaign")["event"], "recampaign");
     // It campaigns again, and leads once the other resigns.
     assert_eq!(
@@ -3141,4 +3141,62 @@ fn doctor_takes_its_url_one_way() {
     assert_ne!(out.status.code(), Some(69), "{out:?}");
     assert_ne!(out.status.code(), Some(64), "{out:?}");
     assert!(json_lines(&out.stdout)[0]["findings"].is_array(), "{out:?}");
+}
+
+/// The `lost` event names the library's cause (its `LossCause` and detail,
+/// heard through an observer), not a guess made by reading the keys after:
+/// a deleted key is `gone`, a server that stops answering leaves the renewal
+/// `renewal_unconfirmed`.
+#[test]
+fn a_lost_event_gives_the_librarys_cause() {
+    let server = TestServer::start();
+    let url = server.url();
+    let lost_event = |key: &str, fault: &dyn Fn()| {
+        let events = events_path("cause");
+        let child = respire_lock(&[
+            "run",
+            "--url",
+            &url,
+            "--ttl",
+            "1s",
+            "--node-timeout",
+            "100ms",
+            "--kill-after",
+            "100ms",
+            "--events-file",
+            events.to_str().unwrap(),
+            key,
+            "--",
+            "sleep",
+            "30",
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .map(|c| KillOnDrop(Some(c)))
+        .unwrap();
+        started_pid(&events);
+        fault();
+        let out = child.into_inner().wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(76), "{}", text(&out.stderr));
+        let lost = event(&events_in(&events), "lost").clone();
+        std::fs::remove_file(&events).unwrap();
+        lost
+    };
+    let lost = lost_event("deleted", &|| {
+        let _: () = server.client().del("respire-lock:{deleted}:w").unwrap();
+    });
+    assert_eq!(lost["cause"], "gone", "{lost}");
+    let lost = lost_event("paused", &|| {
+        let _: () = redis::cmd("CLIENT")
+            .arg("PAUSE")
+            .arg(1500)
+            .arg("ALL")
+            .query(&mut server.client())
+            .unwrap();
+    });
+    assert_eq!(lost["cause"], "renewal_unconfirmed", "{lost}");
+    assert!(
+        lost["reason"].as_str().is_some_and(|r| !r.is_empty()),
+        "{lost}"
+    );
 }

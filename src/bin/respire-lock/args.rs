@@ -65,7 +65,8 @@ UTC) and \"key\", and by event:
   acquired      lease_key, token (null with --redlock and --shared), ttl_ms,
                 mode (\"fenced\" | \"redlock\" | \"shared\" | \"counted\"), slot, write_epoch
   started       pid, command
-  lost          cause (\"expired\" | \"taken_over\" | \"deadline\" | \"unreachable\" | \"quorum\"), reason
+  lost          cause, the library's (LossCause): \"expired\" | \"renewal_unconfirmed\" |
+                \"gone\" | \"taken_over\" | \"other\"; reason, the library's detail
   exited        code, signal (one of them null)
   forwarded     signal
   unreachable   message (a wait goes on, but Redis does not answer)

@@ -28,6 +28,7 @@ mod doctor;
 mod endpoint;
 mod json;
 mod leader;
+mod losses;
 mod run;
 mod status;
 mod supervise;

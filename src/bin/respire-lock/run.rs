@@ -15,8 +15,8 @@ use crossbeam_channel::{Receiver, select};
 use nix::sys::signal::SigSet;
 use parking_lot::Mutex;
 use respire_coordination::{
-    CancelToken, Coordinator, Election, Error, FencingToken, Kind, Leadership, Lease, LeaseGuard,
-    MAX_TTL, NodeOutcome, RedlockGroup, RedlockGuard, RedlockOptions, ReleaseOutcome,
+    CancelToken, Coordinator, Error, Kind, Leadership, Lease, LeaseGuard, MAX_TTL, NodeOutcome,
+    RedlockGroup, RedlockGuard, RedlockOptions, ReleaseOutcome,
 };
 use rustix::process::{Pid, Signal};
 use signal_hook::consts::{SIGCHLD, SIGCONT, SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGTSTP};
@@ -24,6 +24,7 @@ use signal_hook::consts::{SIGCHLD, SIGCONT, SIGHUP, SIGINT, SIGQUIT, SIGTERM, SI
 use crate::args::{EXIT_USAGE, ElectArgs, RunArgs, Usage, Wait, check_run, settle_run};
 use crate::endpoint::{self, Tls};
 use crate::json::{self, Object};
+use crate::losses::{self, Loss};
 use crate::supervise::{self, Guardian};
 use crate::{EXIT_CANNOT_RUN, EXIT_UNAVAILABLE, say};
 
@@ -324,7 +325,7 @@ impl Run<'_> {
         };
         let grant = grant(&guard);
         self.report.acquired(&grant, mode.name(), ttl);
-        let why_lost = || single_loss_cause(coord, &base, grant.token, mode);
+        let why_lost = library_loss;
         let held = Held {
             lost: guard.lost_signal(),
             remaining: &|| guard.remaining_estimate(),
@@ -398,7 +399,7 @@ impl Run<'_> {
             let mut env = grant.env();
             env.push(("RESPIRE_LEADER_TERM", term.to_string()));
             env.push(("RESPIRE_LEADER_VALUE", value.to_owned()));
-            let why_lost = || election_loss_cause(&election, term);
+            let why_lost = library_loss;
             let held = Held {
                 lost: leadership.lost_signal(),
                 remaining: &|| leadership.remaining_estimate(),
@@ -421,7 +422,8 @@ impl Run<'_> {
         let options = RedlockOptions {
             node_timeout: args.keys.node_timeout,
             ..RedlockOptions::default()
-        };
+        }
+        .with_observer(losses::observer());
         // One coordinator per node: the group's settings, and the inspection
         // of what other modes hold there. A group is made only when every
         // node answers (their independence is checked then).
@@ -540,7 +542,7 @@ impl Run<'_> {
             slot: None,
         };
         self.report.acquired(&grant, "redlock", ttl);
-        let why_lost = || redlock_loss_cause(&guard);
+        let why_lost = || redlock_loss(&guard);
         let held = Held {
             lost: guard.lost_signal(),
             remaining: &|| guard.remaining_estimate(),
@@ -576,6 +578,8 @@ impl Run<'_> {
         probe: impl Fn() -> Result<(), String> + Sync,
     ) -> Result<G, ExitCode> {
         let (args, report) = (self.args, self.report);
+        // A loss reported from now on is this lease's.
+        losses::forget();
         let cancel = CancelToken::new();
         let wait = if args.nonblock {
             Wait::For(Duration::ZERO)
@@ -988,88 +992,25 @@ fn deadline(wait: Wait, now: Instant) -> Option<Instant> {
     }
 }
 
-/// Why a lease was lost: a stable word for programs and a sentence for people.
-struct LossCause {
-    cause: &'static str,
-    reason: String,
+/// The loss of the lease the command runs under, as the library reported
+/// it (see [`losses`]).
+fn library_loss() -> Loss {
+    losses::first(Duration::from_secs(1)).unwrap_or_else(|| Loss {
+        cause: "other",
+        reason: "the library reported no cause within a second of the loss".into(),
+    })
 }
 
-/// Reads KEY's keys once after a loss to say what happened to the lease.
-fn single_loss_cause(coord: &Coordinator, base: &str, token: Option<u64>, mode: Mode) -> LossCause {
-    let ins = match coord.inspect(base) {
-        Ok(ins) => ins,
-        Err(e) => {
-            return LossCause {
-                cause: "unreachable",
-                reason: format!("no renewal was confirmed before the local loss deadline ({e})"),
-            };
-        }
-    };
-    if mode != Mode::Exclusive {
-        return LossCause {
-            cause: "deadline",
-            reason: "no renewal was confirmed before the local loss deadline".into(),
-        };
-    }
-    match &ins.exclusive {
-        None => LossCause {
-            cause: "expired",
-            reason: "the lease key is gone: it expired or was deleted".into(),
-        },
-        Some(x) if x.fencing_token.map(|t| t.get()) == token => LossCause {
-            cause: "deadline",
-            reason: "no renewal was confirmed before the local loss deadline \
-                     (the server still had the lease)"
-                .into(),
-        },
-        Some(x) => LossCause {
-            cause: "taken_over",
-            reason: match x.fencing_token {
-                Some(other) => format!("another holder has the key, with fencing token {other}"),
-                None => "the key holds another owner's value".into(),
-            },
-        },
-    }
-}
-
-/// Reads the election once after a loss to say what happened to the
-/// leadership of `term`.
-fn election_loss_cause(election: &Election, term: FencingToken) -> LossCause {
-    match election.leader() {
-        Err(e) => LossCause {
-            cause: "unreachable",
-            reason: format!("no renewal was confirmed before the local loss deadline ({e})"),
-        },
-        Ok(None) => LossCause {
-            cause: "expired",
-            reason: "the leader's lease is gone: it expired or was deleted".into(),
-        },
-        Ok(Some(l)) if l.term == term => LossCause {
-            cause: "deadline",
-            reason: "no renewal was confirmed before the local loss deadline \
-                     (the server still had the lease)"
-                .into(),
-        },
-        Ok(Some(l)) => LossCause {
-            cause: "taken_over",
-            reason: format!("another leader was elected, with term {}", l.term),
-        },
-    }
-}
-
-fn redlock_loss_cause(guard: &RedlockGuard) -> LossCause {
+/// A Redlock loss in the library's words, with what each node last said.
+fn redlock_loss(guard: &RedlockGuard) -> Loss {
+    let mut loss = library_loss();
     let nodes: Vec<String> = guard
         .last_evidence()
         .iter()
         .map(|n| format!("{}: {}", n.node, n.outcome))
         .collect();
-    LossCause {
-        cause: "quorum",
-        reason: format!(
-            "the lock could not be kept on a quorum of nodes ({})",
-            nodes.join("; ")
-        ),
-    }
+    loss.reason = format!("{} (nodes: {})", loss.reason, nodes.join("; "));
+    loss
 }
 
 /// The lease a command runs under, as its supervision reads it.
@@ -1081,7 +1022,7 @@ struct Held<'a> {
     /// The lease's `is_lost`.
     is_lost: &'a dyn Fn() -> bool,
     /// Why it was lost, once it is.
-    why_lost: &'a dyn Fn() -> LossCause,
+    why_lost: &'a dyn Fn() -> Loss,
 }
 
 /// How the command's supervision ended.
@@ -1223,7 +1164,7 @@ impl Reporter {
         );
     }
 
-    fn lost(&self, cause: &LossCause) {
+    fn lost(&self, cause: &Loss) {
         self.emit(
             "lost",
             |o| o.str("cause", cause.cause).str("reason", &cause.reason),
