@@ -100,7 +100,9 @@ Exits 0 when nothing failed, 1 when a check failed, 69 when Redis cannot be reac
 A check that cannot read what it needs (INFO or CONFIG denied) says \"unknown\".
 
 Check ids:
-  version      the server version (client tracking needs Redis 6)
+  version      the server version: Redis 7.0 or later is needed (fail below); Valkey
+               is named by its valkey_version and judged by the redis_version it
+               reports for compatibility
   persistence  appendonly / appendfsync: does the fence counter survive a crash
   eviction     maxmemory-policy: can leases or counters be evicted
   replication  role and replicas
