@@ -42,7 +42,7 @@ fn assert_waiting_after_an_attempt(url: &str, before: u64, waiting: &mut std::pr
 const BIN: &str = env!("CARGO_BIN_EXE_respire-lock");
 
 /// Every environment variable `run` reads.
-const ENV_VARS: [&str; 24] = [
+const ENV_VARS: [&str; 25] = [
     "REDIS_URL",
     "RESPIRE_LOCK_REDLOCK",
     "RESPIRE_LOCK_THROWAWAY",
@@ -50,6 +50,7 @@ const ENV_VARS: [&str; 24] = [
     "RESPIRE_LOCK_WAIT",
     "RESPIRE_LOCK_CONFLICT_EXIT_CODE",
     "RESPIRE_LOCK_LOST_EXIT_CODE",
+    "RESPIRE_LOCK_EXCLUSIVE",
     "RESPIRE_LOCK_SHARED",
     "RESPIRE_LOCK_MAX",
     "RESPIRE_LOCK_TTL",
@@ -596,7 +597,7 @@ fn help_and_version_on_every_subcommand() {
     }
     // Long help documents the environment, exit codes and JSON fields.
     let help = text(&run(&["run", "--help"]).stdout);
-    for var in &ENV_VARS[..19] {
+    for var in &ENV_VARS[..20] {
         assert!(help.contains(var), "{var} missing from run --help");
     }
     for word in [
@@ -3199,4 +3200,66 @@ fn a_lost_event_gives_the_librarys_cause() {
         lost["reason"].as_str().is_some_and(|r| !r.is_empty()),
         "{lost}"
     );
+}
+
+/// `respire-lock man` prints manual pages made from the same clap
+/// definitions as `--help`: the tool's and one per subcommand, each valid
+/// roff (groff finds nothing to warn about, where it is installed).
+#[test]
+fn man_pages_come_from_the_command_line_definitions() {
+    for page in [
+        "",
+        "run",
+        "status",
+        "elect",
+        "leader",
+        "doctor",
+        "completions",
+        "man",
+    ] {
+        let args: Vec<&str> = ["man", page]
+            .into_iter()
+            .filter(|a| !a.is_empty())
+            .collect();
+        let out = run(&args);
+        assert_eq!(out.status.code(), Some(0), "{page}: {}", text(&out.stderr));
+        let roff = text(&out.stdout);
+        let title = if page.is_empty() {
+            "respire-lock".to_owned()
+        } else {
+            format!("respire-lock-{page}")
+        };
+        assert!(roff.contains(&format!(".TH {title} 1 ")), "{page}: {roff}");
+        if let Ok(mut groff) = Command::new("groff")
+            .args(["-man", "-Tascii", "-ww", "-z"])
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+        {
+            use std::io::Write as _;
+            groff
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(roff.as_bytes())
+                .unwrap();
+            let checked = groff.wait_with_output().unwrap();
+            assert!(
+                checked.stderr.is_empty(),
+                "{page}: {}",
+                text(&checked.stderr)
+            );
+        }
+    }
+    let run_page = text(&run(&["man", "run"]).stdout);
+    for said in [
+        "RESPIRE_LOCK_KILL_AFTER",
+        "\\-\\-conflict\\-exit\\-code",
+        "DETAILS",
+        "Exit status",
+    ] {
+        assert!(run_page.contains(said), "{said}: {run_page}");
+    }
+    let out = run(&["man", "frobnicate"]);
+    assert_eq!(out.status.code(), Some(64));
 }

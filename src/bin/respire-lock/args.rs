@@ -203,6 +203,18 @@ pub(crate) enum Command {
         /// The shell to complete for.
         shell: clap_complete::Shell,
     },
+    /// Print a manual page (roff) on stdout: the tool's, or a subcommand's.
+    ///
+    /// man -l <(respire-lock man run)
+    /// respire-lock man > /usr/local/share/man/man1/respire-lock.1
+    /// respire-lock man run > /usr/local/share/man/man1/respire-lock-run.1
+    #[command(verbatim_doc_comment)]
+    Man {
+        /// The subcommand whose page to print (respire-lock-SUBCOMMAND(1));
+        /// without it, the tool's page, respire-lock(1).
+        #[arg(value_parser = ["run", "status", "elect", "leader", "doctor", "completions", "man"])]
+        subcommand: Option<String>,
+    },
 }
 
 /// How long `run` waits for the lease.
@@ -778,9 +790,17 @@ fn subcommand_of(args: &[OsString]) -> Option<&'static str> {
         .skip(1)
         .map(OsString::as_os_str)
         .find(|a| !a.as_encoded_bytes().starts_with(b"-"))?;
-    ["run", "status", "elect", "leader", "doctor", "completions"]
-        .into_iter()
-        .find(|name| OsStr::new(name) == first)
+    [
+        "run",
+        "status",
+        "elect",
+        "leader",
+        "doctor",
+        "completions",
+        "man",
+    ]
+    .into_iter()
+    .find(|name| OsStr::new(name) == first)
 }
 
 #[cfg(test)]

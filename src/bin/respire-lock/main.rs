@@ -19,6 +19,7 @@
 //! - `respire-lock doctor URL` reports what on a deployment weakens the
 //!   guarantees.
 //! - `respire-lock completions SHELL` prints a shell completion script.
+//! - `respire-lock man [SUBCOMMAND]` prints a manual page.
 //!
 //! Every option can also come from an environment variable; `--help` on each
 //! subcommand lists them.
@@ -29,6 +30,7 @@ mod endpoint;
 mod json;
 mod leader;
 mod losses;
+mod man;
 mod run;
 mod status;
 mod supervise;
@@ -86,6 +88,13 @@ fn main() -> ExitCode {
                 .subcommand_matches("doctor")
                 .expect("the doctor subcommand was parsed");
             doctor::main(args, sub)
+        }
+        Command::Man { subcommand } => {
+            let mut out = std::io::stdout().lock();
+            match man::render(subcommand.as_deref(), &mut out).and_then(|()| out.flush()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(_) => ExitCode::from(EXIT_CANNOT_RUN),
+            }
         }
         Command::Completions { shell } => {
             let mut out = std::io::stdout().lock();
