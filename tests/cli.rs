@@ -3263,3 +3263,34 @@ fn man_pages_come_from_the_command_line_definitions() {
     let out = run(&["man", "frobnicate"]);
     assert_eq!(out.status.code(), Some(64));
 }
+
+/// The README says how to install, the MSRV `Cargo.toml` declares, the
+/// minimum server `doctor` checks, where the reliability figures are, and
+/// every variable the tool reads.
+#[test]
+fn the_readme_states_install_msrv_minimum_server_and_every_variable() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    let msrv = manifest
+        .lines()
+        .find_map(|l| l.strip_prefix("rust-version = "))
+        .unwrap()
+        .trim_matches('"');
+    let doctor_help = text(&run(&["doctor", "--help"]).stdout);
+    assert!(doctor_help.contains("Redis 7.0 or later"), "{doctor_help}");
+    for said in [
+        "cargo add respire-coordination",
+        "cargo install respire-coordination --features cli",
+        &format!("Rust {msrv} or later"),
+        "Redis 7.0 or later",
+        "valkey_version",
+        "(RELIABILITY.md)",
+        "respire-lock man",
+    ] {
+        assert!(readme.contains(said), "the README does not say {said:?}");
+    }
+    for var in ENV_VARS {
+        assert!(readme.contains(var), "the README does not name {var}");
+    }
+}

@@ -43,7 +43,14 @@ of its group. If the lease is lost, the group gets SIGTERM, then SIGKILL after
 --kill-after. When CMD ends, what is left of its group gets the same, then the lease
 is released. Because CMD's group is not the terminal's foreground group, a CMD that
 reads from the terminal is stopped (SIGTTIN); give it its input another way. Ctrl-C
-still reaches it: the terminal signals respire-lock, which passes the signal on.
+still reaches it: the terminal signals respire-lock, which passes the signal on;
+Ctrl-Z (SIGTSTP) stops CMD's group, then respire-lock, and SIGCONT continues both.
+A signal ignored when respire-lock started (nohup) stays ignored, by CMD too.
+
+Dead-man's switch: a guardian process holds the lease's loss deadline, renewed with
+each confirmed renewal, and stops CMD's group at it (SIGTERM, then SIGKILL after
+--kill-after) even when respire-lock itself is stopped, frozen or starved; CMD
+starts only once the guardian holds it.
 
 DURATION: 500ms, 10s, 1m30s, 2h, ... (a bare number is seconds).
 --ttl must leave room to renew at half of it: at least (2 x node timeout + 2 ms) /
