@@ -3294,3 +3294,33 @@ fn the_readme_states_install_msrv_minimum_server_and_every_variable() {
         assert!(readme.contains(var), "the README does not name {var}");
     }
 }
+
+/// The other side of the switch: a run that renews its lease in time is
+/// never stopped by its guardian, even with the shortest TTL its node
+/// timeout allows (the guardian hears every new deadline as the renewal
+/// that moved it is confirmed).
+#[test]
+fn a_run_that_keeps_its_lease_is_never_stopped_by_its_guardian() {
+    let server = TestServer::start();
+    let events = events_path("healthy");
+    let out = run(&[
+        "run",
+        "--url",
+        &server.url(),
+        "--ttl",
+        "450ms",
+        "--node-timeout",
+        "100ms",
+        "--events-file",
+        events.to_str().unwrap(),
+        "job",
+        "--",
+        "sleep",
+        "3",
+    ]);
+    let all = events_in(&events);
+    std::fs::remove_file(&events).unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}: {all:?}", text(&out.stderr));
+    assert!(all.iter().all(|e| e["event"] != "lost"), "{all:?}");
+    assert_eq!(event(&all, "exited")["code"], 0);
+}

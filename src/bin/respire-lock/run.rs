@@ -796,8 +796,9 @@ impl Run<'_> {
                     told = deadline;
                 }
             }
-            // SIGCHLD wakes this promptly; the timeout covers a coalesced
-            // signal, the SIGKILL deadline and the guardian's deadline.
+            // SIGCHLD wakes this promptly, and a confirmed renewal; the
+            // timeout covers a coalesced signal, the SIGKILL deadline, and a
+            // deadline moved without a renewal (a verify that shortened it).
             let tick = crossbeam_channel::after(Duration::from_millis(100));
             let lost = if lease_lost {
                 crossbeam_channel::never()
@@ -822,6 +823,9 @@ impl Run<'_> {
                         self.report.forwarded(sig);
                     }
                 }
+                // A confirmed renewal moved the deadline: tell the guardian
+                // at once, at the top of the loop.
+                recv(losses::renewals()) -> _ => {}
                 recv(tick) -> _ => {}
             }
         }
