@@ -411,7 +411,9 @@ impl Run<'_> {
             let (outcome, detail) = release_words(leadership.resign());
             self.report.released(outcome, detail.as_deref());
             match ended {
-                Ended::LeaseLost(_) if recampaign => self.report.recampaign(),
+                Ended::LeaseLost(_) | Ended::LostBeforeStart if recampaign => {
+                    self.report.recampaign()
+                }
                 ended => return self.finish(ended),
             }
         }
@@ -720,13 +722,16 @@ impl Run<'_> {
                 let _ = child.wait();
                 supervise::stop_group(pgid, Duration::ZERO);
                 self.guardian.forget_group(pgid);
-                return Ended::CannotStart(match started {
-                    Err(why) => why,
+                return match started {
+                    Err(why) => Ended::CannotStart(why),
+                    // The exec step found the deadline passed (this process
+                    // was held up between the grant and the start).
                     _ if (held.is_lost)() => {
-                        format!("the lease was lost before {program:?} could start")
+                        self.report.lost(&(held.why_lost)());
+                        Ended::LostBeforeStart
                     }
-                    _ => format!("cannot start {program:?}"),
-                });
+                    _ => Ended::CannotStart(format!("cannot start {program:?}")),
+                };
             }
         }
         supervise::set_current_group(pgid);
@@ -839,6 +844,13 @@ impl Run<'_> {
                 self.args.lost_exit_code,
                 &format!(
                     "the lease on {:?} was lost; the command was stopped",
+                    report.key
+                ),
+            ),
+            Ended::LostBeforeStart => report.error(
+                self.args.lost_exit_code,
+                &format!(
+                    "the lease on {:?} was lost before the command could start",
                     report.key
                 ),
             ),
@@ -1034,6 +1046,8 @@ enum Ended {
     Exited(ExitStatus),
     /// The lease was lost; the command was stopped and ended with this status.
     LeaseLost(ExitStatus),
+    /// The lease was lost before the command could start; it never ran.
+    LostBeforeStart,
     CannotStart(String),
     WaitFailed(std::io::Error),
 }
