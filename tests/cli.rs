@@ -3324,3 +3324,60 @@ fn a_run_that_keeps_its_lease_is_never_stopped_by_its_guardian() {
     assert!(all.iter().all(|e| e["event"] != "lost"), "{all:?}");
     assert_eq!(event(&all, "exited")["code"], 0);
 }
+
+/// The guardians among the children of process `parent` (this binary run
+/// with its internal guardian argument).
+fn guardians_of(parent: u32) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|entry| {
+            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            let (_, rest) = stat.rsplit_once(')')?;
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            let alive = fields.first().is_some_and(|s| *s != "Z" && *s != "X");
+            let ppid: u32 = fields.get(1)?.parse().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let guard = cmdline
+                .split(|b| *b == 0)
+                .any(|arg| arg == b"--respire-lock-internal-guard");
+            (alive && ppid == parent && guard).then_some(pid)
+        })
+        .collect()
+}
+
+/// A guardian that dies (kill -9) is replaced, told the command's deadline:
+/// the tool stopped after that still cannot keep its command past the lease.
+#[test]
+fn a_killed_guardian_is_replaced_and_still_stops_the_command() {
+    let server = TestServer::start();
+    let events = events_path("guardian-killed");
+    let tool = KillOnDrop(Some(inside_until_signalled(
+        &["--url", &server.url(), "--ttl", "3s", "--kill-after", "1s"],
+        &events,
+    )));
+    let command = started_pid(&events);
+    let first = guardians_of(tool.id());
+    assert_eq!(first.len(), 1, "{first:?}");
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(first[0]).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    wait_until(Duration::from_secs(5), "a new guardian", || {
+        let now = guardians_of(tool.id());
+        now.len() == 1 && now[0] != first[0]
+    });
+    assert!(group_alive(command), "the command died with its guardian");
+    signal(&tool, rustix::process::Signal::STOP);
+    wait_until(
+        Duration::from_secs(8),
+        "the new guardian to stop the command",
+        || !group_alive(command),
+    );
+    signal(&tool, rustix::process::Signal::CONT);
+    let out = tool.into_inner().wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(76));
+    std::fs::remove_file(&events).unwrap();
+}

@@ -792,6 +792,8 @@ impl Run<'_> {
             if kill_at.is_some_and(|at| Instant::now() >= at) {
                 supervise::signal_group(pgid, Signal::KILL);
             }
+            // A guardian that died is replaced, told this group's deadline.
+            let _ = self.guardian.keep_running();
             if !lease_lost {
                 // Told again when a renewal moved it (not for the jitter of
                 // the clock readings that compute it).

@@ -319,10 +319,17 @@ pub(crate) fn stop_group(pgid: i32, kill_after: Duration) {
     }
 }
 
-/// The tool's side of the guardian: a pipe to it, once it is started.
+/// The tool's side of the guardian: a pipe to it, once it is started, and
+/// what it was told, so that a guardian that died (killed by someone, by the
+/// kernel's OOM killer) is replaced by one told the same.
 pub(crate) struct Guardian {
     child: Option<Child>,
     stdin: Option<ChildStdin>,
+    /// The groups it watches, with the deadline and grace period of those it
+    /// guards.
+    groups: BTreeMap<i32, Option<(Duration, Duration)>>,
+    /// The directories it removes if the tool dies.
+    dirs: Vec<String>,
 }
 
 impl Guardian {
@@ -332,6 +339,8 @@ impl Guardian {
         Guardian {
             child: None,
             stdin: None,
+            groups: BTreeMap::new(),
+            dirs: Vec::new(),
         }
     }
 
@@ -353,15 +362,67 @@ impl Guardian {
         Ok(())
     }
 
-    fn tell(&mut self, line: &str) -> std::io::Result<()> {
+    /// Replaces a guardian that is no longer running by a new one told all
+    /// the current one was; does nothing while it runs (or before it was
+    /// first started).
+    pub(crate) fn keep_running(&mut self) -> std::io::Result<()> {
+        match self.child.as_mut().map(Child::try_wait) {
+            Some(Ok(Some(_)) | Err(_)) => self.replace(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Starts a new guardian in place of the current one and tells it every
+    /// group and directory.
+    fn replace(&mut self) -> std::io::Result<()> {
+        // Killed before its pipe closes: a guardian that reads the end of
+        // its input kills every group it watches.
+        if let Some(mut old) = self.child.take() {
+            let _ = old.kill();
+            let _ = old.wait();
+        }
+        drop(self.stdin.take());
+        self.ensure_started()?;
+        let mut lines: Vec<String> = self
+            .groups
+            .iter()
+            .map(|(pgid, guarded)| match guarded {
+                Some((deadline, grace)) => {
+                    format!("guard {pgid} {} {}", deadline.as_nanos(), grace.as_nanos())
+                }
+                None => format!("group {pgid}"),
+            })
+            .collect();
+        lines.extend(self.dirs.iter().map(|dir| format!("dir {dir}")));
+        for line in lines {
+            self.write(&line)?;
+        }
+        Ok(())
+    }
+
+    fn write(&mut self, line: &str) -> std::io::Result<()> {
         match self.stdin.as_mut() {
             Some(stdin) => writeln!(stdin, "{line}").and_then(|()| stdin.flush()),
             None => Err(std::io::Error::other("the guardian is not running")),
         }
     }
 
+    /// Tells the guardian `line`, after the state it reflects was recorded;
+    /// a guardian that cannot hear it is replaced (the new one is told the
+    /// whole state).
+    fn tell(&mut self, line: &str) -> std::io::Result<()> {
+        if self.child.is_none() {
+            return Err(std::io::Error::other("the guardian is not running"));
+        }
+        match self.write(line) {
+            Ok(()) => Ok(()),
+            Err(_) => self.replace(),
+        }
+    }
+
     /// Kill group `pgid` if the tool dies.
     pub(crate) fn watch_group(&mut self, pgid: i32) {
+        self.groups.insert(pgid, None);
         let _ = self.tell(&format!("group {pgid}"));
     }
 
@@ -375,6 +436,7 @@ impl Guardian {
         deadline: Duration,
         grace: Duration,
     ) -> std::io::Result<()> {
+        self.groups.insert(pgid, Some((deadline, grace)));
         self.tell(&format!(
             "guard {pgid} {} {}",
             deadline.as_nanos(),
@@ -384,17 +446,22 @@ impl Guardian {
 
     /// The loss deadline of group `pgid`'s lease moved to `deadline`.
     pub(crate) fn deadline(&mut self, pgid: i32, deadline: Duration) {
+        if let Some(Some((told, _))) = self.groups.get_mut(&pgid) {
+            *told = deadline;
+        }
         let _ = self.tell(&format!("deadline {pgid} {}", deadline.as_nanos()));
     }
 
     /// Group `pgid` is gone: forget it.
     pub(crate) fn forget_group(&mut self, pgid: i32) {
+        self.groups.remove(&pgid);
         let _ = self.tell(&format!("forget {pgid}"));
     }
 
     /// Remove `dir` if the tool dies (after the groups are gone).
     pub(crate) fn watch_dir(&mut self, dir: &Path) {
         if let Some(dir) = dir.to_str().filter(|d| !d.contains('\n')) {
+            self.dirs.push(dir.to_owned());
             let _ = self.tell(&format!("dir {dir}"));
         }
     }
@@ -402,6 +469,7 @@ impl Guardian {
     /// `dir` was removed: forget it.
     pub(crate) fn forget_dir(&mut self, dir: &Path) {
         if let Some(dir) = dir.to_str() {
+            self.dirs.retain(|d| d != dir);
             let _ = self.tell(&format!("forget-dir {dir}"));
         }
     }
