@@ -42,7 +42,7 @@ fn assert_waiting_after_an_attempt(url: &str, before: u64, waiting: &mut std::pr
 const BIN: &str = env!("CARGO_BIN_EXE_respire-lock");
 
 /// Every environment variable `run` reads.
-const ENV_VARS: [&str; 25] = [
+const ENV_VARS: [&str; 27] = [
     "REDIS_URL",
     "RESPIRE_LOCK_REDLOCK",
     "RESPIRE_LOCK_THROWAWAY",
@@ -69,6 +69,8 @@ const ENV_VARS: [&str; 25] = [
     "RESPIRE_LOCK_VALUE",
     "RESPIRE_LOCK_RECAMPAIGN",
     "RESPIRE_LOCK_WATCH",
+    "RESPIRE_LOCK_LEASE_KEY",
+    "RESPIRE_LOCK_FENCE_KEY",
 ];
 
 /// The tool with `args`, and none of its environment variables set.
@@ -3380,4 +3382,72 @@ fn a_killed_guardian_is_replaced_and_still_stops_the_command() {
     let out = tool.into_inner().wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(76));
     std::fs::remove_file(&events).unwrap();
+}
+
+/// `status --lease` reads a lease a program made with the library on keys
+/// of its own choosing: a `FencedLock` as the crate's docs make one (with
+/// `--fence`, the last token issued) and a plain `Lock`.
+#[test]
+fn status_reads_a_lease_the_library_made_on_any_keys() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-lease");
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let (lease, fence) = ("{reports:daily}:lease", "{reports:daily}:fence");
+    let status = |extra: &[&str]| {
+        let mut args = vec!["status", "--url", &url, "--prefix", &prefix];
+        args.extend_from_slice(extra);
+        run(&args)
+    };
+    let out = status(&["--lease", lease, "--fence", fence]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let guard = coord
+        .fenced_lock(lease, fence)
+        .unwrap()
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    let out = status(&["--json", "--lease", lease, "--fence", fence]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let json = &json_lines(&out.stdout)[0];
+    assert_eq!(json["key"], lease);
+    assert_eq!(json["mode"], "exclusive");
+    assert_eq!(json["token"], guard.fencing_token().get());
+    assert_eq!(json["last_token"], guard.fencing_token().get());
+    let out = status(&["--lease", lease]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(
+        text(&out.stdout).starts_with(&format!(
+            "{lease}: held exclusive by fencing token {}",
+            guard.fencing_token()
+        )),
+        "{out:?}"
+    );
+    drop(guard);
+    let _plain = coord
+        .lock("nightly")
+        .unwrap()
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    let out = status(&["--lease", "nightly"]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(
+        text(&out.stdout).contains("without a fencing token"),
+        "{out:?}"
+    );
+    // KEY and --lease together, or --fence without --lease: refused.
+    let out = status(&["--lease", lease, "job"]);
+    assert_eq!(out.status.code(), Some(64), "{out:?}");
+    let out = status(&["--fence", fence, "job"]);
+    assert_eq!(out.status.code(), Some(64), "{out:?}");
+    // KEY on the command line beats --lease from the environment.
+    let out = respire_lock(&["status", "--url", &url, "--prefix", &prefix, "job"])
+        .env("RESPIRE_LOCK_LEASE_KEY", "nightly")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(text(&out.stdout).starts_with("job: free"), "{out:?}");
 }

@@ -94,6 +94,12 @@ Exit status, for scripts to branch on:
   64  usage error (such as no --url, REDIS_URL or --redlock)
   69  Redis cannot be asked
 
+With --lease LEASE_KEY (and --fence FENCE_KEY) instead of KEY, status reads a lease a
+program made with the library on keys of its choosing (give its --prefix): a Lock, a
+FencedLock (its token, and with --fence the last token issued), a Redlock lock (with
+--redlock). KEY on the command line beats --lease from the environment; both on the
+command line are refused.
+
 With --json, stdout always gets one object. On an error: key, error (the message)
 and exit_code. Otherwise: key, base, held (bool), mode (\"free\" |
 \"exclusive\" | \"shared\" | \"counted\" | \"mixed\" | \"redlock\"), token (the exclusive
@@ -441,9 +447,19 @@ pub(crate) struct StatusArgs {
     #[arg(long, env = "RESPIRE_LOCK_JSON", value_parser = clap::builder::BoolishValueParser::new())]
     pub(crate) json: bool,
 
+    /// Instead of KEY: read the lease at this key (under --prefix) that a
+    /// program made with the library (`Lock`, `FencedLock` with any keys, a
+    /// Redlock lock).
+    #[arg(long, env = "RESPIRE_LOCK_LEASE_KEY", value_name = "LEASE_KEY", value_parser = parse_lease_key)]
+    pub(crate) lease: Option<String>,
+
+    /// With --lease: the fenced lock's counter key, for the last token issued.
+    #[arg(long, env = "RESPIRE_LOCK_FENCE_KEY", value_name = "FENCE_KEY", value_parser = parse_lease_key)]
+    pub(crate) fence: Option<String>,
+
     /// The name of the lease, as given to `run`.
-    #[arg(value_parser = parse_key)]
-    pub(crate) key: String,
+    #[arg(value_parser = parse_key, required_unless_present = "lease")]
+    pub(crate) key: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -674,6 +690,13 @@ fn parse_key(text: &str) -> Result<String, String> {
     }
     if text.contains(['{', '}']) {
         return Err("KEY may not contain braces: it becomes the keys' hash tag".into());
+    }
+    Ok(text.to_owned())
+}
+
+fn parse_lease_key(text: &str) -> Result<String, String> {
+    if text.is_empty() {
+        return Err("the key is empty".into());
     }
     Ok(text.to_owned())
 }

@@ -19,7 +19,20 @@ const FREE: u8 = 1;
 
 pub(crate) fn main(args: StatusArgs, matches: &clap::ArgMatches) -> ExitCode {
     let json = args.json;
-    let key = args.key.clone();
+    // What is read: KEY's keys in `run`'s layout, or a lease on keys of a
+    // program's choosing. KEY beats --lease from the environment.
+    let lease_on_line =
+        matches.value_source("lease") == Some(clap::parser::ValueSource::CommandLine);
+    let target = match (&args.key, &args.lease) {
+        (Some(_), Some(_)) if lease_on_line => None,
+        (Some(key), _) => Some(Read::Layout(key.clone())),
+        (None, Some(lease)) => Some(Read::Lease(lease.clone(), args.fence.clone())),
+        (None, None) => None,
+    };
+    let key = match &target {
+        Some(Read::Layout(key) | Read::Lease(key, _)) => key.clone(),
+        None => args.key.clone().unwrap_or_default(),
+    };
     // Every failure: a sentence on stderr, and with --json an object on
     // stdout too, so that a program reading stdout always gets one.
     let fail = |code: u8, message: &str| {
@@ -38,11 +51,22 @@ pub(crate) fn main(args: StatusArgs, matches: &clap::ArgMatches) -> ExitCode {
         usage.print();
         fail(EXIT_USAGE, &usage.problem)
     };
+    let Some(target) = target else {
+        return usage(Usage::new(
+            "KEY and --lease exclude each other: give one",
+            Some("status"),
+        ));
+    };
+    if args.fence.is_some() && matches!(target, Read::Layout(_)) {
+        return usage(Usage::new(
+            "--fence goes with --lease: KEY's layout has its own counter",
+            Some("status"),
+        ));
+    }
     let tls = match Tls::read(&args.tls, "status") {
         Ok(t) => t,
         Err(u) => return usage(u),
     };
-    let base = endpoint::base(&args.key);
     // As for `run`: --url on the command line beats --redlock; from the
     // environment, RESPIRE_LOCK_REDLOCK beats REDIS_URL.
     let url_given = matches.value_source("url") == Some(clap::parser::ValueSource::CommandLine);
@@ -68,7 +92,10 @@ pub(crate) fn main(args: StatusArgs, matches: &clap::ArgMatches) -> ExitCode {
     };
     let mut answers = Vec::new();
     for url in &urls {
-        let read = endpoint::connect(url, &args.keys, &tls).and_then(|c| c.inspect(&base));
+        let read = endpoint::connect(url, &args.keys, &tls).and_then(|c| match &target {
+            Read::Layout(key) => c.inspect(&endpoint::base(key)),
+            Read::Lease(lease, fence) => c.inspect_lease(lease, fence.as_deref()),
+        });
         match read {
             Ok(ins) => answers.push(ins),
             Err(e) if !redlock => {
@@ -89,17 +116,26 @@ pub(crate) fn main(args: StatusArgs, matches: &clap::ArgMatches) -> ExitCode {
         say(&format!("respire-lock: {message}"));
         return fail(EXIT_UNAVAILABLE, message);
     }
-    let view = if redlock {
+    let mut view = if redlock {
         View::redlock(&answers, urls.len())
     } else {
         View::single(&answers[0])
     };
+    view.counter_read = !matches!(target, Read::Lease(_, None));
     if args.json {
-        show(&view.json(&args.key));
+        show(&view.json(&key));
     } else {
-        show(&view.describe(&args.key));
+        show(&view.describe(&key));
     }
     ExitCode::from(if view.held() { HELD } else { FREE })
+}
+
+/// What `status` reads.
+enum Read {
+    /// KEY's keys in the layout `run` uses.
+    Layout(String),
+    /// A lease key and, for a fenced lock, its counter key.
+    Lease(String, Option<String>),
 }
 
 /// What `status` reports.
@@ -108,6 +144,8 @@ struct View<'a> {
     mode: &'static str,
     /// With --redlock: nodes that answered, nodes holding it, nodes in all.
     redlock: Option<(usize, usize, usize)>,
+    /// Whether a fence counter was read (not for --lease without --fence).
+    counter_read: bool,
 }
 
 impl<'a> View<'a> {
@@ -123,6 +161,7 @@ impl<'a> View<'a> {
             ins,
             mode,
             redlock: None,
+            counter_read: true,
         }
     }
 
@@ -140,6 +179,7 @@ impl<'a> View<'a> {
                 View::single(shown).mode
             },
             redlock: Some((answers.len(), holding.len(), nodes)),
+            counter_read: true,
         }
     }
 
@@ -173,7 +213,8 @@ impl<'a> View<'a> {
                 let x = ins.exclusive.as_ref();
                 let holder = match x.and_then(|x| x.fencing_token) {
                     Some(t) => format!("fencing token {t}"),
-                    None => "a value without a fencing token (a Redlock run's)".into(),
+                    None => "a value without a fencing token (a Redlock run's, or a plain lock's)"
+                        .into(),
                 };
                 format!(
                     "held exclusive by {holder}, {}",
@@ -212,7 +253,11 @@ impl<'a> View<'a> {
             }
             _ => "held in several modes at once (keys written outside one layout)".into(),
         };
-        format!("{key}: {what} ({last})")
+        if self.counter_read {
+            format!("{key}: {what} ({last})")
+        } else {
+            format!("{key}: {what}")
+        }
     }
 
     fn json(&self, key: &str) -> String {
