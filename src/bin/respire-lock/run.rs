@@ -727,7 +727,8 @@ impl Run<'_> {
                     // The exec step found the deadline passed (this process
                     // was held up between the grant and the start).
                     _ if (held.is_lost)() => {
-                        self.report.lost(&(held.why_lost)());
+                        self.report
+                            .lost(&(held.why_lost)(), "the command was not started");
                         Ended::LostBeforeStart
                     }
                     _ => Ended::CannotStart(format!("cannot start {program:?}")),
@@ -776,12 +777,11 @@ impl Run<'_> {
                     // guardian stopped it while this process could not) ends
                     // as any loss does.
                     if (held.is_lost)() {
-                        let mut cause = (held.why_lost)();
-                        cause.reason.push_str(
-                            "; the command ended after the loss deadline, stopped by the \
+                        self.report.lost(
+                            &(held.why_lost)(),
+                            "the command ended after the loss deadline, stopped by the \
                              guardian if it was still running then",
                         );
-                        self.report.lost(&cause);
                         return Ended::LeaseLost(status);
                     }
                     return Ended::Exited(status);
@@ -819,7 +819,7 @@ impl Run<'_> {
                     supervise::signal_group(pgid, Signal::CONT);
                     kill_at = Some(Instant::now() + self.args.kill_after);
                     // Stop first, explain after: the explanation asks Redis.
-                    self.report.lost(&(held.why_lost)());
+                    self.report.lost(&(held.why_lost)(), "stopping the command");
                 }
                 recv(self.signals) -> sig => {
                     if let Ok(sig) = sig
@@ -1184,14 +1184,12 @@ impl Reporter {
         );
     }
 
-    fn lost(&self, cause: &Loss) {
+    /// The lease was lost; `after` says what became of the command.
+    fn lost(&self, cause: &Loss, after: &str) {
         self.emit(
             "lost",
             |o| o.str("cause", cause.cause).str("reason", &cause.reason),
-            Some(format!(
-                "the lease was lost ({}); stopping the command",
-                cause.reason
-            )),
+            Some(format!("the lease was lost ({}); {after}", cause.reason)),
         );
     }
 

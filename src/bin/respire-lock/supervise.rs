@@ -33,9 +33,9 @@ use nix::sys::signal::{SigSet, SigmaskHow};
 use rustix::process::{Pid, Signal, WaitIdOptions};
 
 /// First argument of the exec step:
-/// `respire-lock <EXEC> <parent pid> <deadline> <mask> CMD ARGS…`, the
-/// deadline in nanoseconds of the monotonic clock (`-` for none), the mask the
-/// signal numbers (comma-separated, `-` for none) to block in the command.
+/// `respire-lock <EXEC> <parent pid> <deadline> <mask> CMD ARGS…`: the
+/// deadline in nanoseconds of the monotonic clock (`-` for none), and the
+/// signal numbers to block in the command (comma-separated, `-` for none).
 pub(crate) const EXEC: &str = "--respire-lock-internal-exec";
 /// First argument of the guardian: `respire-lock <GUARD>`, commands on stdin.
 pub(crate) const GUARD: &str = "--respire-lock-internal-guard";
