@@ -1,5 +1,9 @@
 //! The `respire-lock` command-line tool, run as a real process against real
 //! servers.
+//!
+//! `tests/mutants/cli/*.patch` put back defects these tests must catch; each
+//! names the test that catches it (`git apply` it, run that test, `git apply
+//! -R` it).
 
 mod support;
 
@@ -38,7 +42,7 @@ fn assert_waiting_after_an_attempt(url: &str, before: u64, waiting: &mut std::pr
 const BIN: &str = env!("CARGO_BIN_EXE_respire-lock");
 
 /// Every environment variable `run` reads.
-const ENV_VARS: [&str; 24] = [
+const ENV_VARS: [&str; 27] = [
     "REDIS_URL",
     "RESPIRE_LOCK_REDLOCK",
     "RESPIRE_LOCK_THROWAWAY",
@@ -46,6 +50,7 @@ const ENV_VARS: [&str; 24] = [
     "RESPIRE_LOCK_WAIT",
     "RESPIRE_LOCK_CONFLICT_EXIT_CODE",
     "RESPIRE_LOCK_LOST_EXIT_CODE",
+    "RESPIRE_LOCK_EXCLUSIVE",
     "RESPIRE_LOCK_SHARED",
     "RESPIRE_LOCK_MAX",
     "RESPIRE_LOCK_TTL",
@@ -64,6 +69,8 @@ const ENV_VARS: [&str; 24] = [
     "RESPIRE_LOCK_VALUE",
     "RESPIRE_LOCK_RECAMPAIGN",
     "RESPIRE_LOCK_WATCH",
+    "RESPIRE_LOCK_LEASE_KEY",
+    "RESPIRE_LOCK_FENCE_KEY",
 ];
 
 /// The tool with `args`, and none of its environment variables set.
@@ -364,7 +371,38 @@ fn errors_have_their_own_exit_codes() {
         "--",
         "/nonexistent/cmd",
     ]);
-    assert_eq!(out.status.code(), Some(70), "{}", text(&out.stderr));
+    assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
+}
+
+/// A command that cannot be started (not found, not executable) ends the
+/// run with 69 (`EX_UNAVAILABLE`, as flock), a status of the tool's own.
+#[test]
+fn a_command_that_cannot_start_exits_with_69() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-cannot-start");
+    let plain = events_path("plain");
+    std::fs::write(&plain, b"true\n").unwrap();
+    for command in [
+        "no-such-command-anywhere",
+        "/nonexistent/cmd",
+        plain.to_str().unwrap(),
+    ] {
+        let out = run(&[
+            "run", "--url", &url, "--prefix", &prefix, "job", "--", command,
+        ]);
+        assert_eq!(
+            out.status.code(),
+            Some(69),
+            "{command}: {}",
+            text(&out.stderr)
+        );
+        assert!(
+            text(&out.stderr).contains("cannot run"),
+            "{}",
+            text(&out.stderr)
+        );
+    }
+    std::fs::remove_file(&plain).unwrap();
 }
 
 #[test]
@@ -487,7 +525,7 @@ fn redlock_mode_takes_a_quorum_and_releases_it() {
     assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
     assert!(out.stdout.is_empty());
     let out = run(&["status", "--redlock", &joined, "--json", "job"]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(status["nodes"], 2, "{status}");
     assert_eq!(status["held"], false, "{status}");
@@ -561,7 +599,7 @@ fn help_and_version_on_every_subcommand() {
     }
     // Long help documents the environment, exit codes and JSON fields.
     let help = text(&run(&["run", "--help"]).stdout);
-    for var in &ENV_VARS[..19] {
+    for var in &ENV_VARS[..20] {
         assert!(help.contains(var), "{var} missing from run --help");
     }
     for word in [
@@ -730,7 +768,11 @@ fn status_reports_holder_token_and_ttl() {
         }
         args.push("job");
         let out = run(&args);
-        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        // 0 when held, 1 when free.
+        let free =
+            text(&out.stdout).contains(": free") || text(&out.stdout).contains("\"held\":false");
+        let code = if free { 1 } else { 0 };
+        assert_eq!(out.status.code(), Some(code), "{}", text(&out.stderr));
         text(&out.stdout)
     };
     // Never taken.
@@ -882,10 +924,10 @@ fn json_events_of_a_run() {
         "--",
         "/nonexistent/cmd",
     ]);
-    assert_eq!(out.status.code(), Some(70));
+    assert_eq!(out.status.code(), Some(69));
     let all = events_in(&events);
     let error = event(&all, "error");
-    assert_eq!(error["exit_code"], 70);
+    assert_eq!(error["exit_code"], 69);
     assert!(
         error["message"]
             .as_str()
@@ -1658,7 +1700,7 @@ fn every_rule_is_checked_before_anything_is_sent() {
     usage(&["--max", "0"], &["--max"]);
     usage(&["--max", "10001"], &["--max"]);
     usage(&["-n", "--wait", "1s"], &["--wait"]);
-    usage(&["-E", "0"], &["--conflict-exit-code"]);
+    usage(&["-E", "256"], &["--conflict-exit-code"]);
     usage(&["--lost-exit-code", "256"], &["--lost-exit-code"]);
     usage(&["--tls-cert", "/nonexistent"], &["--tls-key"]);
     let out = run(&[
@@ -2116,7 +2158,8 @@ fn tls_options_reach_a_server_that_wants_client_certificates() {
         .env("RESPIRE_LOCK_TLS_KEY", &key)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    // Free: status 1.
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
     assert_eq!(
         text(&out.stdout).trim(),
         "job: free (last fencing token issued: 1)"
@@ -2367,7 +2410,7 @@ fn elect_stops_the_command_on_loss_and_recampaigns_with_a_higher_term() {
     // Taken over, or (when a renewal found the key deleted before the other
     // contender got in) gone.
     let cause = event(&evs, "lost")["cause"].clone();
-    assert!(cause == "taken_over" || cause == "expired", "{cause}");
+    assert!(cause == "taken_over" || cause == "gone", "{cause}");
     assert_eq!(event(&evs, "recampaign")["event"], "recampaign");
     // It campaigns again, and leads once the other resigns.
     assert_eq!(
@@ -2538,7 +2581,7 @@ fn redlock_run_beside_a_slow_node(planted: Option<&str>) -> (Option<i32>, String
             .unwrap();
     }
     let nodes = [slow.url(), servers[1].url(), servers[2].url()].join(",");
-    let args = ["run", "-n", "--node-timeout", "1s", "--ttl", "5s"];
+    let args = ["run", "-n", "-v", "--node-timeout", "1s", "--ttl", "5s"];
     let mut args = args.to_vec();
     args.extend_from_slice(&["--redlock", &nodes, "job", "true"]);
     let out = run(&args);
@@ -2583,7 +2626,7 @@ fn a_redlock_run_takes_a_node_that_cannot_say_what_it_holds_as_held() {
     let events = events_path("unreadable");
     let mut counted = inside_until_signalled(&["--url", &servers[0].url(), "--max", "2"], &events);
     let nodes = [limited, servers[1].url(), servers[2].url()].join(",");
-    let out = run(&["run", "-n", "--redlock", &nodes, "job", "true"]);
+    let out = run(&["run", "-n", "-v", "--redlock", &nodes, "job", "true"]);
     signal(&counted, rustix::process::Signal::TERM);
     assert_eq!(counted.wait().unwrap().code(), Some(128 + 15));
     std::fs::remove_file(&events).unwrap();
@@ -2593,4 +2636,818 @@ fn a_redlock_run_takes_a_node_that_cannot_say_what_it_holds_as_held() {
     assert_eq!(out.status.code(), Some(75), "{err}");
     assert!(err.contains("did not say what it holds"), "{err}");
     assert!(!err.contains("limited-secret"), "{err}");
+}
+
+// ---------------------------------------------------------------------------
+// The dead-man's switch, inherited signals
+
+/// The machine's monotonic clock, which every process reads alike, in
+/// nanoseconds.
+fn monotonic_ns() -> u64 {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+/// Set in a copy of this test binary that a run starts as its command: the
+/// file it appends its readings of the monotonic clock to.
+const RECORD_ENV: &str = "RESPIRE_CLI_RECORD";
+/// With [`RECORD_ENV`]: `loop` appends a reading every 2 ms until killed,
+/// `once` appends one and exits.
+const RECORD_MODE_ENV: &str = "RESPIRE_CLI_RECORD_MODE";
+
+/// The command of a run that records its liveness: this test binary, running
+/// `test` alone as a recorder into `log`.
+fn recorder(run: &mut Command, test: &str, log: &std::path::Path, mode: &str) {
+    run.args([
+        "--",
+        std::env::current_exe().unwrap().to_str().unwrap(),
+        test,
+        "--exact",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(RECORD_ENV, log)
+    .env(RECORD_MODE_ENV, mode);
+}
+
+/// In a recorder: appends readings of the monotonic clock to its file.
+fn record_liveness() {
+    use std::io::Write as _;
+    let path = std::env::var_os(RECORD_ENV).unwrap();
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap();
+    let once = std::env::var(RECORD_MODE_ENV).as_deref() == Ok("once");
+    loop {
+        writeln!(file, "{}", monotonic_ns()).unwrap();
+        if once {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The readings a recorder appended to `log`.
+fn readings(log: &std::path::Path) -> Vec<u64> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.parse().ok())
+        .collect()
+}
+
+/// One round of [`a_stopped_tool_cannot_keep_its_command_past_the_lease`]:
+/// returns `Err` with what went wrong when the second command started while
+/// the first was still alive.
+fn stopped_supervisor_round(url: &str, key: &str) -> Result<(), String> {
+    const TEST: &str = "a_stopped_tool_cannot_keep_its_command_past_the_lease";
+    let first_log = events_path(&format!("{key}-first"));
+    let second_log = events_path(&format!("{key}-second"));
+    let mut first = respire_lock(&[
+        "run",
+        "--url",
+        url,
+        "--ttl",
+        "3s",
+        "--kill-after",
+        "1s",
+        key,
+    ]);
+    recorder(&mut first, TEST, &first_log, "loop");
+    let first = KillOnDrop(Some(
+        first
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    wait_until(
+        Duration::from_secs(10),
+        "the first command to record",
+        || !readings(&first_log).is_empty(),
+    );
+    let mut second = respire_lock(&["run", "--url", url, "--wait", "30s", key]);
+    recorder(&mut second, TEST, &second_log, "once");
+    let second = KillOnDrop(Some(
+        second
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    // The second run waits: its writer intent is on the server.
+    let mut admin = redis::Client::open(url).unwrap().get_connection().unwrap();
+    let intents = format!("respire-lock:{{{key}}}:q");
+    wait_until(Duration::from_secs(10), "the second run to wait", || {
+        admin.zcard::<_, u64>(&intents).unwrap() > 0
+    });
+    let stopped_at = monotonic_ns();
+    signal(&first, rustix::process::Signal::STOP);
+    let out = second.into_inner().wait_with_output().unwrap();
+    if out.status.code() != Some(0) {
+        return Err(format!("the second run: {out:?}"));
+    }
+    let second_started = *readings(&second_log).first().ok_or("no second start")?;
+    signal(&first, rustix::process::Signal::CONT);
+    let first_out = first.into_inner().wait_with_output().unwrap();
+    let first_readings = readings(&first_log);
+    let last_alive = *first_readings.last().unwrap();
+    let _ = std::fs::remove_file(&first_log);
+    let _ = std::fs::remove_file(&second_log);
+    if last_alive >= second_started {
+        return Err(format!(
+            "the first command was alive {} ms after the second started",
+            (last_alive - second_started) / 1_000_000
+        ));
+    }
+    // Not vacuous: the first command ran on after its tool was stopped.
+    if last_alive <= stopped_at {
+        return Err("the first command ended before its tool was stopped".into());
+    }
+    if first_out.status.code() != Some(76) {
+        return Err(format!("the first run: {first_out:?}"));
+    }
+    Ok(())
+}
+
+/// A stopped `respire-lock` (SIGSTOP, a debugger) renews nothing; its
+/// guardian stops the command at the lease's loss deadline, so a run waiting
+/// for the key never starts its command while the first one is alive, as
+/// both commands record on the shared monotonic clock. 20 rounds, 10 at a
+/// time. `tests/mutants/cli/a-no-dead-mans-switch.patch` turns the switch off.
+#[test]
+fn a_stopped_tool_cannot_keep_its_command_past_the_lease() {
+    if std::env::var_os(RECORD_ENV).is_some() {
+        return record_liveness();
+    }
+    let server = TestServer::start();
+    let url = server.url();
+    let failures: Vec<String> = (0..2)
+        .flat_map(|wave| {
+            std::thread::scope(|s| {
+                let rounds: Vec<_> = (0..10)
+                    .map(|i| {
+                        let url = &url;
+                        s.spawn(move || stopped_supervisor_round(url, &format!("dms{wave}-{i}")))
+                    })
+                    .collect();
+                rounds
+                    .into_iter()
+                    .filter_map(|r| r.join().unwrap().err())
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "{} of 20 rounds: {failures:#?}",
+        failures.len()
+    );
+}
+
+/// The state letter of process `pid` (`R`, `S`, `T` for stopped...), from
+/// `/proc`.
+fn process_state(pid: i32) -> char {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next())
+        .unwrap_or('?')
+}
+
+/// Ctrl-Z reaches only the terminal's foreground group, the tool's, not the
+/// command's group of its own: SIGTSTP to the tool stops the command's group
+/// too, and SIGCONT continues it.
+#[test]
+fn sigtstp_stops_the_command_with_the_tool_and_sigcont_resumes_both() {
+    let server = TestServer::start();
+    let events = events_path("tstp");
+    let tool = KillOnDrop(Some(inside_until_signalled(
+        &["--url", &server.url()],
+        &events,
+    )));
+    let command = started_pid(&events);
+    let tool_pid = tool.id() as i32;
+    signal(&tool, rustix::process::Signal::TSTP);
+    wait_until(
+        Duration::from_secs(5),
+        "the tool and its command stopped",
+        || process_state(tool_pid) == 'T' && process_state(command) == 'T',
+    );
+    signal(&tool, rustix::process::Signal::CONT);
+    wait_until(
+        Duration::from_secs(5),
+        "the tool and its command running again",
+        || process_state(tool_pid) != 'T' && process_state(command) != 'T',
+    );
+    signal(&tool, rustix::process::Signal::TERM);
+    let out = tool.into_inner().wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(128 + 15));
+    assert!(!group_alive(command));
+    std::fs::remove_file(&events).unwrap();
+}
+
+/// `nohup respire-lock run ...`: a SIGHUP ignored when the tool started stays
+/// ignored, by the tool and by its command, as with flock.
+#[test]
+fn signals_ignored_at_start_stay_ignored_by_the_tool_and_its_command() {
+    let server = TestServer::start();
+    let events = events_path("nohup");
+    let go = events_path("nohup-go");
+    let script = format!(
+        "while [ ! -e '{}' ]; do sleep 0.02; done; echo survived",
+        go.display()
+    );
+    let mut nohup = Command::new("nohup");
+    nohup.args([
+        BIN,
+        "run",
+        "--url",
+        &server.url(),
+        "--events-file",
+        events.to_str().unwrap(),
+        "job",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    for var in ENV_VARS {
+        nohup.env_remove(var);
+    }
+    let tool = KillOnDrop(Some(
+        nohup
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let command = started_pid(&events);
+    // A hang-up for the tool, and for the command's group: a command that
+    // does not ignore it dies of it before it can see `go`.
+    signal(&tool, rustix::process::Signal::HUP);
+    rustix::process::kill_process_group(
+        rustix::process::Pid::from_raw(command).unwrap(),
+        rustix::process::Signal::HUP,
+    )
+    .unwrap();
+    std::fs::write(&go, "").unwrap();
+    let out = tool.into_inner().wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "survived\n");
+    assert!(
+        events_in(&events).iter().all(|e| e["event"] != "forwarded"),
+        "{:?}",
+        events_in(&events)
+    );
+    std::fs::remove_file(&events).unwrap();
+    std::fs::remove_file(&go).unwrap();
+}
+
+// ---------------------------------------------------------------------------
+// flock's habits: -E 0, -s, -x/-e, quiet conflicts, the environment
+
+/// `flock -n -E 0`, the cron idiom: a conflict is a silent success, and the
+/// command does not run; whatever mode holds the key, a conflict prints
+/// nothing without -v.
+#[test]
+fn a_conflict_in_any_mode_is_quiet_and_e_0_makes_it_a_success() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-e0");
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let attempt = |key: &str, extra: &[&str]| {
+        let mut args = vec!["run", "--url", &url, "--prefix", &prefix];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&[key, "echo", "ran"]);
+        run(&args)
+    };
+    let ttl = Duration::from_secs(30);
+    let _exclusive = coord
+        .read_write_lease("{fenced}")
+        .unwrap()
+        .write()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
+    let _shared = coord
+        .read_write_lease("{shared}")
+        .unwrap()
+        .read()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
+    let _counted = coord
+        .semaphore("{counted}", 1)
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
+    for (key, modes) in [
+        ("fenced", &[&[][..], &["--shared"], &["--max", "1"]][..]),
+        ("shared", &[&[][..], &["--max", "1"]]),
+        ("counted", &[&[][..], &["--shared"], &["--max", "1"]]),
+    ] {
+        for mode in modes {
+            let mut extra = vec!["-n", "-E", "0"];
+            extra.extend_from_slice(mode);
+            let out = attempt(key, &extra);
+            assert_eq!(out.status.code(), Some(0), "{key} {mode:?}: {out:?}");
+            assert!(
+                out.stdout.is_empty() && out.stderr.is_empty(),
+                "{key} {mode:?}: {out:?}"
+            );
+            let mut extra = vec!["-n"];
+            extra.extend_from_slice(mode);
+            let out = attempt(key, &extra);
+            assert_eq!(out.status.code(), Some(75), "{key} {mode:?}: {out:?}");
+            assert!(out.stderr.is_empty(), "{key} {mode:?}: {out:?}");
+        }
+    }
+    // -v says which mode holds it.
+    let out = attempt("counted", &["-n", "-v"]);
+    assert!(
+        text(&out.stderr).contains("held in another mode: counted"),
+        "{out:?}"
+    );
+}
+
+/// flock's mode flags: -s is --shared, -x and -e are the exclusive default;
+/// two modes on the command line are refused.
+#[test]
+fn s_x_and_e_choose_the_mode_as_with_flock() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-sxe");
+    let mode_of = |flag: &str| {
+        let events = events_path("sxe");
+        let out = run(&[
+            "run",
+            "--url",
+            &url,
+            "--prefix",
+            &prefix,
+            flag,
+            "--events-file",
+            events.to_str().unwrap(),
+            "job",
+            "true",
+        ]);
+        assert!(out.status.success(), "{flag}: {out:?}");
+        let mode = event(&events_in(&events), "acquired")["mode"].clone();
+        std::fs::remove_file(&events).unwrap();
+        mode
+    };
+    assert_eq!(mode_of("-s"), "shared");
+    assert_eq!(mode_of("-x"), "fenced");
+    assert_eq!(mode_of("-e"), "fenced");
+    assert_eq!(mode_of("--exclusive"), "fenced");
+    for pair in [["-x", "-s"], ["-e", "--max=2"], ["-s", "--max=2"]] {
+        let mut args = vec!["run", "--url", &url, "--prefix", &prefix];
+        args.extend_from_slice(&pair);
+        args.extend_from_slice(&["job", "true"]);
+        let out = run(&args);
+        assert_eq!(out.status.code(), Some(64), "{pair:?}: {out:?}");
+        assert!(
+            text(&out.stderr).contains("exclude each other"),
+            "{pair:?}: {out:?}"
+        );
+    }
+}
+
+/// An option from the environment never conflicts with one on the command
+/// line: the command line wins. Two from the environment alone are refused,
+/// naming their variables.
+#[test]
+fn the_command_line_wins_over_the_environment_without_a_conflict() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-envwins");
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let _held = exclusive_holder(&coord)
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    let with_env = |env: &[(&str, &str)], extra: &[&str], key: &str| {
+        let events = events_path("envwins");
+        let mut args = vec!["run", "--url", &url, "--prefix", &prefix];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--events-file", events.to_str().unwrap(), key, "true"]);
+        let mut cmd = respire_lock(&args);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let started = Instant::now();
+        let out = cmd.output().unwrap();
+        let all = events_in(&events);
+        let _ = std::fs::remove_file(&events);
+        (out, started.elapsed(), all)
+    };
+    // -n on the line, a wait in the environment: one attempt.
+    let (out, took, _) = with_env(&[("RESPIRE_LOCK_WAIT", "5m")], &["-n"], "job");
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    // --wait on the line, -n in the environment: the wait.
+    let (out, took, _) = with_env(&[("RESPIRE_LOCK_NONBLOCK", "1")], &["-w", "300ms"], "job");
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert!(took >= Duration::from_millis(300), "{took:?}");
+    // --max on the line, --shared in the environment: counted.
+    let (out, _, all) = with_env(&[("RESPIRE_LOCK_SHARED", "1")], &["--max", "2"], "free");
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(event(&all, "acquired")["mode"], "counted");
+    // -x on the line, --max in the environment: exclusive.
+    let (out, _, all) = with_env(&[("RESPIRE_LOCK_MAX", "2")], &["-x"], "free2");
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(event(&all, "acquired")["mode"], "fenced");
+    // Both from the environment: refused, naming the variables.
+    let (out, _, _) = with_env(
+        &[("RESPIRE_LOCK_SHARED", "1"), ("RESPIRE_LOCK_MAX", "2")],
+        &[],
+        "free",
+    );
+    assert_eq!(out.status.code(), Some(64), "{out:?}");
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("RESPIRE_LOCK_SHARED") && stderr.contains("RESPIRE_LOCK_MAX"),
+        "{stderr}"
+    );
+}
+
+/// `status` exits 0 when KEY is held, 1 when free, 69 when Redis cannot be
+/// asked; with --json, stdout always holds one object, an error object too.
+#[test]
+fn status_exit_codes_tell_held_from_free_from_error() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-status-codes");
+    let status = |url: &str, json: bool| {
+        let mut args = vec!["status", "--url", url, "--prefix", &prefix];
+        if json {
+            args.push("--json");
+        }
+        args.push("job");
+        run(&args)
+    };
+    let out = status(&url, false);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let out = status(&url, true);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert_eq!(json_lines(&out.stdout)[0]["held"], false);
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let held = exclusive_holder(&coord)
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    let out = status(&url, false);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    drop(held);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let nobody = format!("redis://user:secret@127.0.0.1:{port}");
+    let out = status(&nobody, true);
+    assert_eq!(out.status.code(), Some(69), "{out:?}");
+    let json = json_lines(&out.stdout);
+    assert_eq!(json.len(), 1, "{out:?}");
+    assert_eq!(json[0]["key"], "job");
+    assert_eq!(json[0]["exit_code"], 69);
+    assert!(json[0]["error"].as_str().is_some_and(|e| !e.is_empty()));
+    assert!(!text(&out.stdout).contains("secret") && !text(&out.stderr).contains("secret"));
+    // A usage error too.
+    let out = respire_lock(&["status", "--json", "job"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(64), "{out:?}");
+    assert_eq!(json_lines(&out.stdout)[0]["exit_code"], 64);
+}
+
+/// `doctor` takes its URL one way: URL and --url together are refused
+/// (without showing either); either beats REDIS_URL.
+#[test]
+fn doctor_takes_its_url_one_way() {
+    let url = shared_server().url();
+    let out = run(&["doctor", "--url", &url, "redis://user:secret@127.0.0.1:1"]);
+    assert_eq!(out.status.code(), Some(64), "{out:?}");
+    assert!(text(&out.stderr).contains("not both"), "{out:?}");
+    assert!(!text(&out.stderr).contains("secret"));
+    let out = respire_lock(&["doctor", "--json", &url])
+        .env("REDIS_URL", "redis://127.0.0.1:1")
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(69), "{out:?}");
+    assert_ne!(out.status.code(), Some(64), "{out:?}");
+    assert!(json_lines(&out.stdout)[0]["findings"].is_array(), "{out:?}");
+}
+
+/// The `lost` event names the library's cause (its `LossCause` and detail,
+/// heard through an observer), not a guess made by reading the keys after:
+/// a deleted key is `gone`, a server that stops answering leaves the renewal
+/// `renewal_unconfirmed`.
+#[test]
+fn a_lost_event_gives_the_librarys_cause() {
+    let server = TestServer::start();
+    let url = server.url();
+    let lost_event = |key: &str, fault: &dyn Fn()| {
+        let events = events_path("cause");
+        let child = respire_lock(&[
+            "run",
+            "--url",
+            &url,
+            "--ttl",
+            "1s",
+            "--node-timeout",
+            "100ms",
+            "--kill-after",
+            "100ms",
+            "--events-file",
+            events.to_str().unwrap(),
+            key,
+            "--",
+            "sleep",
+            "30",
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .map(|c| KillOnDrop(Some(c)))
+        .unwrap();
+        started_pid(&events);
+        fault();
+        let out = child.into_inner().wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(76), "{}", text(&out.stderr));
+        let lost = event(&events_in(&events), "lost").clone();
+        std::fs::remove_file(&events).unwrap();
+        lost
+    };
+    let lost = lost_event("deleted", &|| {
+        let _: () = server.client().del("respire-lock:{deleted}:w").unwrap();
+    });
+    assert_eq!(lost["cause"], "gone", "{lost}");
+    let lost = lost_event("paused", &|| {
+        let _: () = redis::cmd("CLIENT")
+            .arg("PAUSE")
+            .arg(1500)
+            .arg("ALL")
+            .query(&mut server.client())
+            .unwrap();
+    });
+    assert_eq!(lost["cause"], "renewal_unconfirmed", "{lost}");
+    assert!(
+        lost["reason"].as_str().is_some_and(|r| !r.is_empty()),
+        "{lost}"
+    );
+}
+
+/// `respire-lock man` prints manual pages made from the same clap
+/// definitions as `--help`: the tool's and one per subcommand, each valid
+/// roff (groff finds nothing to warn about, where it is installed).
+#[test]
+fn man_pages_come_from_the_command_line_definitions() {
+    for page in [
+        "",
+        "run",
+        "status",
+        "elect",
+        "leader",
+        "doctor",
+        "completions",
+        "man",
+    ] {
+        let args: Vec<&str> = ["man", page]
+            .into_iter()
+            .filter(|a| !a.is_empty())
+            .collect();
+        let out = run(&args);
+        assert_eq!(out.status.code(), Some(0), "{page}: {}", text(&out.stderr));
+        let roff = text(&out.stdout);
+        let title = if page.is_empty() {
+            "respire-lock".to_owned()
+        } else {
+            format!("respire-lock-{page}")
+        };
+        assert!(roff.contains(&format!(".TH {title} 1 ")), "{page}: {roff}");
+        if let Ok(mut groff) = Command::new("groff")
+            .args(["-man", "-Tascii", "-ww", "-z"])
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+        {
+            use std::io::Write as _;
+            groff
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(roff.as_bytes())
+                .unwrap();
+            let checked = groff.wait_with_output().unwrap();
+            assert!(
+                checked.stderr.is_empty(),
+                "{page}: {}",
+                text(&checked.stderr)
+            );
+        }
+    }
+    let run_page = text(&run(&["man", "run"]).stdout);
+    for said in [
+        "RESPIRE_LOCK_KILL_AFTER",
+        "\\-\\-conflict\\-exit\\-code",
+        "DETAILS",
+        "Exit status",
+    ] {
+        assert!(run_page.contains(said), "{said}: {run_page}");
+    }
+    let out = run(&["man", "frobnicate"]);
+    assert_eq!(out.status.code(), Some(64));
+}
+
+/// The README says how to install, the MSRV `Cargo.toml` declares, the
+/// minimum server `doctor` checks, where the reliability figures are, and
+/// every variable the tool reads.
+#[test]
+fn the_readme_states_install_msrv_minimum_server_and_every_variable() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    let msrv = manifest
+        .lines()
+        .find_map(|l| l.strip_prefix("rust-version = "))
+        .unwrap()
+        .trim_matches('"');
+    let doctor_help = text(&run(&["doctor", "--help"]).stdout);
+    assert!(doctor_help.contains("Redis 7.0 or later"), "{doctor_help}");
+    for said in [
+        "cargo add respire-coordination",
+        "cargo install respire-coordination --features cli",
+        &format!("Rust {msrv} or later"),
+        "Redis 7.0 or later",
+        "valkey_version",
+        "(RELIABILITY.md)",
+        "respire-lock man",
+    ] {
+        assert!(readme.contains(said), "the README does not say {said:?}");
+    }
+    for var in ENV_VARS {
+        assert!(readme.contains(var), "the README does not name {var}");
+    }
+}
+
+/// The other side of the switch: a run that renews its lease in time is
+/// never stopped by its guardian, even with the shortest TTL its node
+/// timeout allows (the guardian hears every new deadline as the renewal
+/// that moved it is confirmed).
+#[test]
+fn a_run_that_keeps_its_lease_is_never_stopped_by_its_guardian() {
+    let server = TestServer::start();
+    let events = events_path("healthy");
+    let out = run(&[
+        "run",
+        "--url",
+        &server.url(),
+        "--ttl",
+        "450ms",
+        "--node-timeout",
+        "100ms",
+        "--events-file",
+        events.to_str().unwrap(),
+        "job",
+        "--",
+        "sleep",
+        "3",
+    ]);
+    let all = events_in(&events);
+    std::fs::remove_file(&events).unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}: {all:?}", text(&out.stderr));
+    assert!(all.iter().all(|e| e["event"] != "lost"), "{all:?}");
+    assert_eq!(event(&all, "exited")["code"], 0);
+}
+
+/// The guardians among the children of process `parent` (this binary run
+/// with its internal guardian argument).
+fn guardians_of(parent: u32) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|entry| {
+            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            let (_, rest) = stat.rsplit_once(')')?;
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            let alive = fields.first().is_some_and(|s| *s != "Z" && *s != "X");
+            let ppid: u32 = fields.get(1)?.parse().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let guard = cmdline
+                .split(|b| *b == 0)
+                .any(|arg| arg == b"--respire-lock-internal-guard");
+            (alive && ppid == parent && guard).then_some(pid)
+        })
+        .collect()
+}
+
+/// A guardian that dies (kill -9) is replaced, told the command's deadline:
+/// the tool stopped after that still cannot keep its command past the lease.
+#[test]
+fn a_killed_guardian_is_replaced_and_still_stops_the_command() {
+    let server = TestServer::start();
+    let events = events_path("guardian-killed");
+    let tool = KillOnDrop(Some(inside_until_signalled(
+        &["--url", &server.url(), "--ttl", "3s", "--kill-after", "1s"],
+        &events,
+    )));
+    let command = started_pid(&events);
+    let first = guardians_of(tool.id());
+    assert_eq!(first.len(), 1, "{first:?}");
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(first[0]).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    wait_until(Duration::from_secs(5), "a new guardian", || {
+        let now = guardians_of(tool.id());
+        now.len() == 1 && now[0] != first[0]
+    });
+    assert!(group_alive(command), "the command died with its guardian");
+    signal(&tool, rustix::process::Signal::STOP);
+    wait_until(
+        Duration::from_secs(8),
+        "the new guardian to stop the command",
+        || !group_alive(command),
+    );
+    signal(&tool, rustix::process::Signal::CONT);
+    let out = tool.into_inner().wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(76));
+    std::fs::remove_file(&events).unwrap();
+}
+
+/// `status --lease` reads a lease a program made with the library on keys
+/// of its own choosing: a `FencedLock` as the crate's docs make one (with
+/// `--fence`, the last token issued) and a plain `Lock`.
+#[test]
+fn status_reads_a_lease_the_library_made_on_any_keys() {
+    let url = shared_server().url();
+    let prefix = unique_prefix("cli-lease");
+    let coord = Coordinator::builder(&url)
+        .key_prefix(&prefix)
+        .build()
+        .unwrap();
+    let (lease, fence) = ("{reports:daily}:lease", "{reports:daily}:fence");
+    let status = |extra: &[&str]| {
+        let mut args = vec!["status", "--url", &url, "--prefix", &prefix];
+        args.extend_from_slice(extra);
+        run(&args)
+    };
+    let out = status(&["--lease", lease, "--fence", fence]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let guard = coord
+        .fenced_lock(lease, fence)
+        .unwrap()
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    let out = status(&["--json", "--lease", lease, "--fence", fence]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let json = &json_lines(&out.stdout)[0];
+    assert_eq!(json["key"], lease);
+    assert_eq!(json["mode"], "exclusive");
+    assert_eq!(json["token"], guard.fencing_token().get());
+    assert_eq!(json["last_token"], guard.fencing_token().get());
+    let out = status(&["--lease", lease]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(
+        text(&out.stdout).starts_with(&format!(
+            "{lease}: held exclusive by fencing token {}",
+            guard.fencing_token()
+        )),
+        "{out:?}"
+    );
+    drop(guard);
+    let _plain = coord
+        .lock("nightly")
+        .unwrap()
+        .try_acquire(Duration::from_secs(30))
+        .unwrap()
+        .unwrap();
+    let out = status(&["--lease", "nightly"]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(
+        text(&out.stdout).contains("without a fencing token"),
+        "{out:?}"
+    );
+    // KEY and --lease together, or --fence without --lease: refused.
+    let out = status(&["--lease", lease, "job"]);
+    assert_eq!(out.status.code(), Some(64), "{out:?}");
+    let out = status(&["--fence", fence, "job"]);
+    assert_eq!(out.status.code(), Some(64), "{out:?}");
+    // KEY on the command line beats --lease from the environment.
+    let out = respire_lock(&["status", "--url", &url, "--prefix", &prefix, "job"])
+        .env("RESPIRE_LOCK_LEASE_KEY", "nightly")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(text(&out.stdout).starts_with("job: free"), "{out:?}");
 }

@@ -169,3 +169,69 @@ fn the_same_over_resp3() {
     assert_eq!(counted.permits.len(), 1);
     assert_eq!(counted.permits[0].fencing_token, p.fencing_token());
 }
+
+#[test]
+fn a_lease_on_keys_of_the_callers_choosing() {
+    let prefix = unique_prefix("inspect-lease");
+    let coord = coordinator(&prefix);
+    let (lease, fence) = ("{reports:daily}:lease", "{reports:daily}:fence");
+    let free = coord.inspect_lease(lease, Some(fence)).unwrap();
+    assert_eq!(free.held_as(), HeldAs::Free);
+    assert_eq!(free.base, format!("{prefix}{lease}"));
+    assert_eq!(free.last_write_token, None);
+
+    // A fenced lock made as the crate's docs show.
+    let fenced = coord.fenced_lock(lease, fence).unwrap();
+    let guard = fenced.try_acquire(TTL).unwrap().unwrap();
+    let held = coord.inspect_lease(lease, Some(fence)).unwrap();
+    assert_eq!(held.held_as(), HeldAs::Exclusive);
+    let x = held.exclusive.as_ref().unwrap();
+    assert_eq!(x.fencing_token, Some(guard.fencing_token()));
+    let pttl: i64 = shared_server()
+        .client()
+        .pttl(format!("{prefix}{lease}"))
+        .unwrap();
+    let left = x.remaining.unwrap();
+    assert!(
+        left <= TTL && left.as_millis() as i64 >= pttl - 1_000,
+        "{left:?} {pttl}"
+    );
+    assert_eq!(held.last_write_token, Some(guard.fencing_token()));
+    // Without the fence key: the holder, no counter.
+    let held = coord.inspect_lease(lease, None).unwrap();
+    assert_eq!(
+        held.exclusive.unwrap().fencing_token,
+        Some(guard.fencing_token())
+    );
+    assert_eq!(held.last_write_token, None);
+    guard.release().unwrap();
+    let after = coord.inspect_lease(lease, Some(fence)).unwrap();
+    assert_eq!(after.exclusive, None);
+    assert_eq!(after.last_write_token, Some(FencingToken(1)));
+
+    // A plain lock: held, no token.
+    let plain = coord.lock("nightly").unwrap();
+    let guard = plain.try_acquire(TTL).unwrap().unwrap();
+    let held = coord.inspect_lease("nightly", None).unwrap();
+    assert_eq!(held.held_as(), HeldAs::Exclusive);
+    assert_eq!(held.exclusive.as_ref().unwrap().fencing_token, None);
+    drop(guard);
+
+    // Bad input and bad keys.
+    assert!(matches!(
+        coord.inspect_lease("{a}:lease", Some("{b}:fence")),
+        Err(Error::CrossSlot { .. })
+    ));
+    assert!(matches!(
+        coord.inspect_lease("", None),
+        Err(Error::InvalidArgument(_))
+    ));
+    let _: () = shared_server()
+        .client()
+        .rpush(format!("{prefix}a-list"), "x")
+        .unwrap();
+    assert!(matches!(
+        coord.inspect_lease("a-list", None),
+        Err(Error::BadKey { .. })
+    ));
+}

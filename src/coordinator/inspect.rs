@@ -4,7 +4,10 @@
 //! `B:fence`), a [`FencedLock`](crate::FencedLock) made on `B:w` and `B:fence`,
 //! and the permits of a [`Semaphore`](crate::Semaphore) (`B:permits`,
 //! `B:meta`). One pipelined round trip of reads; nothing is changed, expired
-//! entries included (they are left for the next acquire to prune).
+//! entries included (they are left for the next acquire to prune). A lease on
+//! keys of the caller's choosing (a [`Lock`](crate::Lock), a
+//! [`FencedLock`](crate::FencedLock) on any lease and fence keys, a Redlock
+//! lock on one node) is read by [`Coordinator::inspect_lease`].
 
 use std::time::{Duration, Instant};
 
@@ -192,18 +195,7 @@ impl Coordinator {
                 .collect())
         };
 
-        let value: Option<String> = from(&values[1]).ok_or_else(|| bad(&w, "not a string"))?;
-        let pttl: i64 = from(&values[2]).ok_or_else(|| bad(&w, "unexpected PTTL reply"))?;
-        let exclusive = match (value, pttl) {
-            (None, _) | (Some(_), -2) => None,
-            (Some(value), pttl) => Some(ExclusiveHolder {
-                fencing_token: value
-                    .rsplit_once(':')
-                    .and_then(|(_, t)| t.parse().ok())
-                    .map(FencingToken),
-                remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
-            }),
-        };
+        let exclusive = holder(&values[1], &values[2], &w)?;
         let readers = unexpired(&values[3], &r)?
             .into_iter()
             .map(|(_, left)| left)
@@ -252,6 +244,101 @@ impl Coordinator {
             read_at,
         })
     }
+}
+
+impl Coordinator {
+    /// Reads, without changing anything, the lease at `lease_key` (the
+    /// prefix is applied) whatever made it: a [`Lock`](crate::Lock), a
+    /// [`FencedLock`](crate::FencedLock) on any lease and fence keys, or a
+    /// Redlock lock on this one node; with `fence_key`, also the last token
+    /// the fenced lock's counter issued. The holder, if any, is in
+    /// [`exclusive`](Inspection::exclusive) (a fencing token only for a
+    /// fenced lock's `owner:token` value), the last token in
+    /// [`last_write_token`](Inspection::last_write_token); `base` is the
+    /// lease key with the prefix, and the other fields are empty.
+    ///
+    /// Blocks for one pipelined round trip, as [`inspect`](Coordinator::inspect).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty key, and [`Error::CrossSlot`]
+    /// for a fence key in another cluster slot than the lease key (nothing
+    /// sent); [`Error::BadKey`] naming a key of another type or a counter
+    /// that is not one; transport errors as for every command.
+    pub fn inspect_lease(&self, lease_key: &str, fence_key: Option<&str>) -> Result<Inspection> {
+        let dep = self.deployment();
+        let lease = keys::physical(&dep.prefix, lease_key, "inspected lease key")?;
+        let fence = fence_key
+            .map(|f| keys::physical(&dep.prefix, f, "inspected fence key"))
+            .transpose()?;
+        if let Some(fence) = &fence {
+            keys::same_slot(&lease, fence)?;
+        }
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(&lease).cmd("PTTL").arg(&lease);
+        if let Some(fence) = &fence {
+            pipe.cmd("GET").arg(fence);
+        }
+        let read_at = dep.now();
+        let deadline = read_at + dep.node_timeout();
+        let replies = dep
+            .on_key(&lease, deadline, Connect::Own, |conn, deadline| {
+                conn.pipeline(&pipe, "inspect", deadline)
+            })
+            .0?;
+        let expected = if fence.is_some() { 3 } else { 2 };
+        if replies.len() != expected {
+            return Err(Error::Config(format!(
+                "inspect: {} replies to {expected} reads",
+                replies.len()
+            )));
+        }
+        let keys = [&lease, &lease, fence.as_ref().unwrap_or(&lease)];
+        for (value, key) in replies.iter().zip(keys) {
+            if let redis::Value::ServerError(e) = value {
+                return Err(Error::BadKey {
+                    key: key.to_owned(),
+                    problem: format!("cannot be read: {}", e.details().unwrap_or("error")),
+                });
+            }
+        }
+        let exclusive = holder(&replies[0], &replies[1], &lease)?;
+        let last_write_token = match &fence {
+            Some(fence) => counter(&replies[2], fence)?,
+            None => None,
+        };
+        Ok(Inspection {
+            base: lease,
+            exclusive,
+            readers: Vec::new(),
+            waiting_writers: 0,
+            last_write_token,
+            permits: Vec::new(),
+            capacity: None,
+            last_permit_token: None,
+            read_at,
+        })
+    }
+}
+
+/// The holder of an exclusive key from its `GET` and `PTTL` replies: a
+/// fencing token when the value is `owner:token`.
+fn holder(value: &redis::Value, pttl: &redis::Value, key: &str) -> Result<Option<ExclusiveHolder>> {
+    let bad = |problem: &str| Error::BadKey {
+        key: key.to_owned(),
+        problem: problem.to_owned(),
+    };
+    let value: Option<String> = from(value).ok_or_else(|| bad("not a string"))?;
+    let pttl: i64 = from(pttl).ok_or_else(|| bad("unexpected PTTL reply"))?;
+    Ok(match (value, pttl) {
+        (None, _) | (Some(_), -2) => None,
+        (Some(value), pttl) => Some(ExclusiveHolder {
+            fencing_token: value
+                .rsplit_once(':')
+                .and_then(|(_, t)| t.parse().ok())
+                .map(FencingToken),
+            remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
+        }),
+    })
 }
 
 /// The members and scores of `ZRANGE … WITHSCORES`: a flat list in RESP2,

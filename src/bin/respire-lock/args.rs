@@ -18,16 +18,23 @@ independent servers. Without either, nothing is started and the exit status is 6
 only with runs that use that same server, i.e. none).
 
 Modes, all on one key layout under <prefix>{KEY}: (so that they exclude each other):
-  (default)   exclusive, fenced: one holder; CMD sees RESPIRE_FENCING_TOKEN, strictly
+  (default), -x (-e)
+              exclusive, fenced: one holder; CMD sees RESPIRE_FENCING_TOKEN, strictly
               increasing per KEY (pass it to the resource, have it refuse lower ones)
-  --shared    shared: many holders at once, never beside an exclusive one;
+  -s, --shared
+              shared: many holders at once, never beside an exclusive one;
               CMD sees RESPIRE_WRITE_EPOCH (the last exclusive token)
   --max N     counted: at most N holders; CMD sees RESPIRE_FENCING_TOKEN and
               RESPIRE_LOCK_SLOT (0..N)
   --redlock   exclusive on a quorum, no fencing token
 A run that finds KEY held in another mode (such as counted permits while it wants it
-exclusive) waits for them like for any holder, or with -n says so and ends with the
-conflict code. CMD also sees RESPIRE_LOCK_KEY (the lease key in Redis).
+exclusive) waits for them like for any holder, or with -n ends with the conflict
+code (naming that mode with -v). CMD also sees RESPIRE_LOCK_KEY (the lease key in
+Redis).
+
+Options that exclude each other (-n and --wait; -x, --shared and --max;
+--events-fd and --events-file) are refused together on the command line; one given
+on the command line wins over the others set in the environment.
 
 Supervision: CMD runs in a process group of its own. SIGHUP, SIGINT, SIGQUIT and
 SIGTERM to respire-lock are passed on, as themselves, to that whole group; CMD dies
@@ -36,7 +43,14 @@ of its group. If the lease is lost, the group gets SIGTERM, then SIGKILL after
 --kill-after. When CMD ends, what is left of its group gets the same, then the lease
 is released. Because CMD's group is not the terminal's foreground group, a CMD that
 reads from the terminal is stopped (SIGTTIN); give it its input another way. Ctrl-C
-still reaches it: the terminal signals respire-lock, which passes the signal on.
+still reaches it: the terminal signals respire-lock, which passes the signal on;
+Ctrl-Z (SIGTSTP) stops CMD's group, then respire-lock, and SIGCONT continues both.
+A signal ignored when respire-lock started (nohup) stays ignored, by CMD too.
+
+Dead-man's switch: a guardian process holds the lease's loss deadline, renewed with
+each confirmed renewal, and stops CMD's group at it (SIGTERM, then SIGKILL after
+--kill-after) even when respire-lock itself is stopped, frozen or starved; CMD
+starts only once the guardian holds it.
 
 DURATION: 500ms, 10s, 1m30s, 2h, ... (a bare number is seconds).
 --ttl must leave room to renew at half of it: at least (2 x node timeout + 2 ms) /
@@ -44,11 +58,12 @@ DURATION: 500ms, 10s, 1m30s, 2h, ... (a bare number is seconds).
 
 Exit status: CMD's status (128+N if it died of signal N), or
   64  usage error (nothing was sent to Redis)
-  69  Redis unavailable or refused
-  70  CMD could not be started
-  75  not acquired: held elsewhere and -n, or the wait ran out (-E sets it)
+  69  Redis unavailable or refused, or CMD could not be started (as flock)
+  70  respire-lock itself failed (signal handlers, waiting for CMD)
+  75  not acquired: held elsewhere and -n, or the wait ran out (-E sets it;
+      -n -E 0 makes a conflict a silent success, as flock -n -E 0)
   76  CMD stopped: the lease was lost (--lost-exit-code sets it)
-A conflict prints nothing without -v.
+A conflict prints nothing without -v, whatever mode holds KEY.
 
 With --events-fd N or --events-file PATH, each event is one JSON object on a line
 there (stderr stays for people), with the fields \"event\", \"time\" (RFC 3339,
@@ -57,7 +72,8 @@ UTC) and \"key\", and by event:
   acquired      lease_key, token (null with --redlock and --shared), ttl_ms,
                 mode (\"fenced\" | \"redlock\" | \"shared\" | \"counted\"), slot, write_epoch
   started       pid, command
-  lost          cause (\"expired\" | \"taken_over\" | \"deadline\" | \"unreachable\" | \"quorum\"), reason
+  lost          cause, the library's (LossCause): \"expired\" | \"renewal_unconfirmed\" |
+                \"gone\" | \"taken_over\" | \"other\"; reason, the library's detail
   exited        code, signal (one of them null)
   forwarded     signal
   unreachable   message (a wait goes on, but Redis does not answer)
@@ -70,10 +86,22 @@ UTC) and \"key\", and by event:
 const STATUS_AFTER_HELP: &str = "\
 Reads the keys `run` uses for KEY (everything under <prefix>{KEY}:) through the
 library's inspection call, on every deployment `run` accepts; with --redlock, on
-every node. Changes nothing. Exits 0 whether KEY is held or free, 69 when Redis
-cannot be asked, 64 without --url, REDIS_URL or --redlock.
+every node. Changes nothing.
 
-With --json, one object on stdout: key, base, held (bool), mode (\"free\" |
+Exit status, for scripts to branch on:
+  0   KEY is held (in any mode)
+  1   KEY is free
+  64  usage error (such as no --url, REDIS_URL or --redlock)
+  69  Redis cannot be asked
+
+With --lease LEASE_KEY (and --fence FENCE_KEY) instead of KEY, status reads a lease a
+program made with the library on keys of its choosing (give its --prefix): a Lock, a
+FencedLock (its token, and with --fence the last token issued), a Redlock lock (with
+--redlock). KEY on the command line beats --lease from the environment; both on the
+command line are refused.
+
+With --json, stdout always gets one object. On an error: key, error (the message)
+and exit_code. Otherwise: key, base, held (bool), mode (\"free\" |
 \"exclusive\" | \"shared\" | \"counted\" | \"mixed\" | \"redlock\"), token (the exclusive
 holder's fencing token, or null), ttl_ms (the exclusive holder's remaining time, or
 null), readers, waiting_writers, permits (a list of {slot, token, ttl_ms}),
@@ -85,7 +113,9 @@ Exits 0 when nothing failed, 1 when a check failed, 69 when Redis cannot be reac
 A check that cannot read what it needs (INFO or CONFIG denied) says \"unknown\".
 
 Check ids:
-  version      the server version (client tracking needs Redis 6)
+  version      the server version: Redis 7.0 or later is needed (fail below); Valkey
+               is named by its valkey_version and judged by the redis_version it
+               reports for compatibility
   persistence  appendonly / appendfsync: does the fence counter survive a crash
   eviction     maxmemory-policy: can leases or counters be evicted
   replication  role and replicas
@@ -186,6 +216,18 @@ pub(crate) enum Command {
         /// The shell to complete for.
         shell: clap_complete::Shell,
     },
+    /// Print a manual page (roff) on stdout: the tool's, or a subcommand's.
+    ///
+    /// man -l <(respire-lock man run)
+    /// respire-lock man > /usr/local/share/man/man1/respire-lock.1
+    /// respire-lock man run > /usr/local/share/man/man1/respire-lock-run.1
+    #[command(verbatim_doc_comment)]
+    Man {
+        /// The subcommand whose page to print (respire-lock-SUBCOMMAND(1));
+        /// without it, the tool's page, respire-lock(1).
+        #[arg(value_parser = ["run", "status", "elect", "leader", "doctor", "completions", "man"])]
+        subcommand: Option<String>,
+    },
 }
 
 /// How long `run` waits for the lease.
@@ -248,7 +290,9 @@ pub(crate) struct RunArgs {
     pub(crate) throwaway: bool,
 
     /// Fail at once (exit with the conflict code) if KEY is held: one attempt.
-    #[arg(short = 'n', long, env = "RESPIRE_LOCK_NONBLOCK", conflicts_with = "wait", value_parser = clap::builder::BoolishValueParser::new())]
+    /// Excludes --wait (on the command line; from the environment, the option
+    /// given on the command line wins).
+    #[arg(short = 'n', long, env = "RESPIRE_LOCK_NONBLOCK", value_parser = clap::builder::BoolishValueParser::new())]
     pub(crate) nonblock: bool,
 
     /// How long to wait for the lease: a DURATION (0 = one attempt) or "forever".
@@ -257,16 +301,20 @@ pub(crate) struct RunArgs {
     pub(crate) wait: Wait,
 
     /// The exit status when KEY is held elsewhere (with -n, or when the wait runs
-    /// out).
-    #[arg(short = 'E', long, env = "RESPIRE_LOCK_CONFLICT_EXIT_CODE", value_name = "CODE", default_value = "75", value_parser = parse_exit_code)]
+    /// out); 0 to treat a conflict as success, as `flock -n -E 0` does.
+    #[arg(short = 'E', long, env = "RESPIRE_LOCK_CONFLICT_EXIT_CODE", value_name = "CODE", default_value = "75", value_parser = parse_conflict_exit_code)]
     pub(crate) conflict_exit_code: u8,
 
     /// The exit status when CMD was stopped because the lease was lost.
     #[arg(long, env = "RESPIRE_LOCK_LOST_EXIT_CODE", value_name = "CODE", default_value = "76", value_parser = parse_exit_code)]
     pub(crate) lost_exit_code: u8,
 
+    /// Take KEY exclusive and fenced: the default mode, as flock's -x (-e).
+    #[arg(short = 'x', long, short_alias = 'e', env = "RESPIRE_LOCK_EXCLUSIVE", value_parser = clap::builder::BoolishValueParser::new())]
+    pub(crate) exclusive: bool,
+
     /// Take KEY shared: many shared runs at once, none beside an exclusive one.
-    #[arg(long, env = "RESPIRE_LOCK_SHARED", conflicts_with = "max", value_parser = clap::builder::BoolishValueParser::new())]
+    #[arg(short = 's', long, env = "RESPIRE_LOCK_SHARED", value_parser = clap::builder::BoolishValueParser::new())]
     pub(crate) shared: bool,
 
     /// Let at most N runs hold KEY at once (a semaphore of N permits; 1..=10000).
@@ -296,12 +344,7 @@ pub(crate) struct RunArgs {
 
     /// Write every event as one JSON object per line to this open file
     /// descriptor (see --help).
-    #[arg(
-        long,
-        env = "RESPIRE_LOCK_EVENTS_FD",
-        value_name = "N",
-        conflicts_with = "events_file"
-    )]
+    #[arg(long, env = "RESPIRE_LOCK_EVENTS_FD", value_name = "N")]
     pub(crate) events_fd: Option<u32>,
 
     /// Append every event as one JSON object per line to this file (see --help).
@@ -404,14 +447,25 @@ pub(crate) struct StatusArgs {
     #[arg(long, env = "RESPIRE_LOCK_JSON", value_parser = clap::builder::BoolishValueParser::new())]
     pub(crate) json: bool,
 
+    /// Instead of KEY: read the lease at this key (under --prefix) that a
+    /// program made with the library (`Lock`, `FencedLock` with any keys, a
+    /// Redlock lock).
+    #[arg(long, env = "RESPIRE_LOCK_LEASE_KEY", value_name = "LEASE_KEY", value_parser = parse_lease_key)]
+    pub(crate) lease: Option<String>,
+
+    /// With --lease: the fenced lock's counter key, for the last token issued.
+    #[arg(long, env = "RESPIRE_LOCK_FENCE_KEY", value_name = "FENCE_KEY", value_parser = parse_lease_key)]
+    pub(crate) fence: Option<String>,
+
     /// The name of the lease, as given to `run`.
-    #[arg(value_parser = parse_key)]
-    pub(crate) key: String,
+    #[arg(value_parser = parse_key, required_unless_present = "lease")]
+    pub(crate) key: Option<String>,
 }
 
 #[derive(Args, Debug)]
 pub(crate) struct DoctorArgs {
-    /// The Redis deployment to check (also accepted as the positional URL).
+    /// The Redis deployment to check; or give it as the positional URL (not
+    /// both).
     #[arg(
         long = "url",
         env = "REDIS_URL",
@@ -436,9 +490,100 @@ pub(crate) struct DoctorArgs {
     #[arg(long, env = "RESPIRE_LOCK_JSON", value_parser = clap::builder::BoolishValueParser::new())]
     pub(crate) json: bool,
 
-    /// The Redis deployment to check, as --url.
+    /// The Redis deployment to check, as --url (not both; either beats
+    /// REDIS_URL).
     #[arg(value_name = "URL")]
     pub(crate) positional_url: Option<String>,
+}
+
+/// Settles the options of `run` that exclude each other (-n and --wait;
+/// -x, --shared and --max; --events-fd and --events-file): two on the
+/// command line are a usage error; one on the command line wins over the
+/// others from the environment, which are dropped; two from the environment
+/// alone are a usage error naming their variables.
+pub(crate) fn settle_run(
+    mut args: RunArgs,
+    matches: &clap::ArgMatches,
+    subcommand: &str,
+) -> Result<RunArgs, Usage> {
+    use clap::parser::ValueSource;
+    let given = |id: &str, set: bool| match matches.value_source(id) {
+        Some(ValueSource::CommandLine) if set => Some(true),
+        Some(ValueSource::EnvVariable) if set => Some(false),
+        _ => None,
+    };
+    let groups: [&[(&str, &str, &str, bool)]; 3] = [
+        &[
+            ("nonblock", "-n", "RESPIRE_LOCK_NONBLOCK", args.nonblock),
+            ("wait", "--wait", "RESPIRE_LOCK_WAIT", true),
+        ],
+        &[
+            ("exclusive", "-x", "RESPIRE_LOCK_EXCLUSIVE", args.exclusive),
+            ("shared", "--shared", "RESPIRE_LOCK_SHARED", args.shared),
+            ("max", "--max", "RESPIRE_LOCK_MAX", args.max.is_some()),
+        ],
+        &[
+            (
+                "events_fd",
+                "--events-fd",
+                "RESPIRE_LOCK_EVENTS_FD",
+                args.events_fd.is_some(),
+            ),
+            (
+                "events_file",
+                "--events-file",
+                "RESPIRE_LOCK_EVENTS_FILE",
+                args.events_file.is_some(),
+            ),
+        ],
+    ];
+    let mut dropped = Vec::new();
+    for group in groups {
+        let on_line: Vec<_> = group
+            .iter()
+            .filter(|o| given(o.0, o.3) == Some(true))
+            .collect();
+        let from_env: Vec<_> = group
+            .iter()
+            .filter(|o| given(o.0, o.3) == Some(false))
+            .collect();
+        let names = |opts: &[&(&str, &str, &str, bool)], env: bool| {
+            let names: Vec<&str> = opts.iter().map(|o| if env { o.2 } else { o.1 }).collect();
+            names.join(" and ")
+        };
+        if on_line.len() > 1 {
+            return Err(Usage::new(
+                format!("{} exclude each other", names(&on_line, false)),
+                Some(subcommand),
+            ));
+        }
+        if on_line.is_empty() && from_env.len() > 1 {
+            return Err(Usage::new(
+                format!(
+                    "{} are both set and exclude each other: unset one, or give the \
+                     option you want on the command line",
+                    names(&from_env, true)
+                ),
+                Some(subcommand),
+            ));
+        }
+        if !on_line.is_empty() {
+            dropped.extend(from_env.iter().map(|o| o.0));
+        }
+    }
+    for id in dropped {
+        match id {
+            "nonblock" => args.nonblock = false,
+            "wait" => args.wait = Wait::Forever,
+            "exclusive" => args.exclusive = false,
+            "shared" => args.shared = false,
+            "max" => args.max = None,
+            "events_fd" => args.events_fd = None,
+            "events_file" => args.events_file = None,
+            _ => {}
+        }
+    }
+    Ok(args)
 }
 
 /// The rules between `run`'s options, checked before anything is sent.
@@ -473,6 +618,12 @@ pub(crate) fn check_tls(tls: &TlsOptions, subcommand: &str) -> Result<(), Usage>
         ));
     }
     Ok(())
+}
+
+fn parse_conflict_exit_code(text: &str) -> Result<u8, String> {
+    text.trim()
+        .parse::<u8>()
+        .map_err(|_| "expected an exit status from 0 to 255".into())
 }
 
 fn parse_exit_code(text: &str) -> Result<u8, String> {
@@ -539,6 +690,13 @@ fn parse_key(text: &str) -> Result<String, String> {
     }
     if text.contains(['{', '}']) {
         return Err("KEY may not contain braces: it becomes the keys' hash tag".into());
+    }
+    Ok(text.to_owned())
+}
+
+fn parse_lease_key(text: &str) -> Result<String, String> {
+    if text.is_empty() {
+        return Err("the key is empty".into());
     }
     Ok(text.to_owned())
 }
@@ -662,9 +820,17 @@ fn subcommand_of(args: &[OsString]) -> Option<&'static str> {
         .skip(1)
         .map(OsString::as_os_str)
         .find(|a| !a.as_encoded_bytes().starts_with(b"-"))?;
-    ["run", "status", "elect", "leader", "doctor", "completions"]
-        .into_iter()
-        .find(|name| OsStr::new(name) == first)
+    [
+        "run",
+        "status",
+        "elect",
+        "leader",
+        "doctor",
+        "completions",
+        "man",
+    ]
+    .into_iter()
+    .find(|name| OsStr::new(name) == first)
 }
 
 #[cfg(test)]

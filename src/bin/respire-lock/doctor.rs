@@ -10,6 +10,10 @@ use crate::endpoint::{self, Tls};
 use crate::json::{self, Object};
 use crate::{EXIT_UNAVAILABLE, say, show};
 
+/// The oldest Redis the library runs on: the read/write scripts behind
+/// `run`'s default mode call `PEXPIRETIME` (7.0).
+const MIN_REDIS: (u32, u32) = (7, 0);
+
 /// The channel the invalidation subscriber listens on.
 const CHANNEL: &str = "__redis__:invalidate";
 
@@ -40,7 +44,19 @@ impl Finding {
     }
 }
 
-pub(crate) fn main(args: DoctorArgs) -> ExitCode {
+pub(crate) fn main(args: DoctorArgs, matches: &clap::ArgMatches) -> ExitCode {
+    // One URL, given one way: the positional URL and --url together are
+    // refused (neither is shown: they may hold passwords); either on the
+    // command line beats REDIS_URL.
+    let url_on_line = matches.value_source("url") == Some(clap::parser::ValueSource::CommandLine);
+    if url_on_line && args.positional_url.is_some() {
+        Usage::new(
+            "doctor takes one URL: give it as URL or with --url, not both",
+            Some("doctor"),
+        )
+        .print();
+        return ExitCode::from(EXIT_USAGE);
+    }
     let Some(url) = args.positional_url.or(args.url) else {
         Usage::new(
             "doctor needs a Redis deployment to check: give URL, --url or set REDIS_URL",
@@ -325,42 +341,7 @@ fn node_checks(
     };
 
     let server = info(&mut conn, "server");
-    match field(&server, "redis_version") {
-        None => out.push(Finding::new(
-            Level::Warn,
-            "version",
-            "version: unknown: INFO server cannot be read (ACL?); Redis 6 or later is needed \
-             for client tracking",
-        )),
-        Some(version) => {
-            let mut parts = version.split('.').map(|v| v.parse::<u32>().unwrap_or(0));
-            let major = parts.next().unwrap_or(0);
-            let minor = parts.next().unwrap_or(0);
-            if (major, minor) < (6, 2) {
-                out.push(Finding::new(
-                    Level::Warn,
-                    "version",
-                    format!(
-                        "redis {version}: no CLIENT INFO (6.2): a connection is killed by id \
-                         alone, and after a server restart that id may be another client's"
-                    ),
-                ));
-            }
-            out.push(if major >= 6 {
-                Finding::new(
-                    Level::Ok,
-                    "version",
-                    format!("redis {version}: client tracking and RESP3 supported"),
-                )
-            } else {
-                Finding::new(
-                    Level::Warn,
-                    "version",
-                    format!("redis {version}: no client tracking; waiters will poll"),
-                )
-            });
-        }
-    }
+    out.extend(version_findings(&server));
 
     let persistence = match (
         config(&mut conn, "appendonly"),
@@ -630,5 +611,86 @@ fn subscribe(conn: &mut redis::Connection) -> Subscribed {
         Ok(other) => Subscribed::Failed(format!("unexpected reply {other:?}")),
         Err(e) if e.code() == Some("NOPERM") => Subscribed::Denied(e.to_string()),
         Err(e) => Subscribed::Failed(e.to_string()),
+    }
+}
+
+/// The server's name and version from `INFO server`: Valkey reports
+/// `redis_version` (the Redis version it is compatible with) and
+/// `valkey_version` beside it; the minimum is judged on `redis_version`.
+fn version_findings(server: &str) -> Vec<Finding> {
+    let field = |name: &str| {
+        server
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}:")))
+            .map(|v| v.trim().to_owned())
+    };
+    let (min_major, min_minor) = MIN_REDIS;
+    let Some(version) = field("redis_version") else {
+        return vec![Finding::new(
+            Level::Warn,
+            "version",
+            format!(
+                "version: unknown: INFO server cannot be read (ACL?); Redis \
+                 {min_major}.{min_minor} or later is needed"
+            ),
+        )];
+    };
+    let name = match field("valkey_version") {
+        Some(valkey) => format!("valkey {valkey} (redis_version {version})"),
+        None => format!("redis {version}"),
+    };
+    let mut parts = version.split('.').map(|v| v.parse::<u32>().unwrap_or(0));
+    let major = parts.next().unwrap_or(0);
+    let minor = parts.next().unwrap_or(0);
+    if (major, minor) < MIN_REDIS {
+        return vec![Finding::new(
+            Level::Fail,
+            "version",
+            format!(
+                "{name}: too old: Redis {min_major}.{min_minor} or later is needed \
+                 (the scripts of run's default exclusive mode and of --shared call \
+                 PEXPIRETIME, and fail on older servers)"
+            ),
+        )];
+    }
+    vec![Finding::new(
+        Level::Ok,
+        "version",
+        format!(
+            "{name}: at least Redis {min_major}.{min_minor}: every script, client tracking \
+             and CLIENT INFO supported"
+        ),
+    )]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn judged(info: &str) -> (Level, String) {
+        let findings = version_findings(info);
+        assert_eq!(findings.len(), 1);
+        (findings[0].level, findings[0].message.clone())
+    }
+
+    #[test]
+    fn the_minimum_server_is_redis_7_0_and_valkey_is_named_as_valkey() {
+        let (level, message) =
+            judged("# Server\r\nredis_version:6.2.14\r\nredis_mode:standalone\r\n");
+        assert_eq!(level, Level::Fail, "{message}");
+        assert!(message.starts_with("redis 6.2.14: too old"), "{message}");
+        let (level, message) = judged("redis_version:7.0.15\r\n");
+        assert_eq!(level, Level::Ok, "{message}");
+        assert!(message.starts_with("redis 7.0.15:"), "{message}");
+        let (level, message) = judged(
+            "# Server\r\nredis_version:7.2.4\r\nserver_name:valkey\r\nvalkey_version:8.1.1\r\n",
+        );
+        assert_eq!(level, Level::Ok, "{message}");
+        assert!(
+            message.starts_with("valkey 8.1.1 (redis_version 7.2.4):"),
+            "{message}"
+        );
+        let (level, _) = judged("# Server\r\n");
+        assert_eq!(level, Level::Warn);
     }
 }

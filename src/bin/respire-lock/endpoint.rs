@@ -74,12 +74,14 @@ impl Tls {
     }
 }
 
-/// Connects to the deployment at `url` with the key options and TLS files.
+/// Connects to the deployment at `url` with the key options and TLS files;
+/// the losses of its leases are heard by [`losses`](crate::losses).
 pub(crate) fn connect(url: &str, keys: &KeyOptions, tls: &Tls) -> Result<Coordinator, Error> {
     tls.apply(
         Coordinator::builder(url)
             .key_prefix(&keys.prefix)
-            .node_timeout(keys.node_timeout),
+            .node_timeout(keys.node_timeout)
+            .observer(crate::losses::observer()),
     )
     .build()
 }

@@ -4,9 +4,12 @@
 //!   (exclusive and fenced, `--shared`, `--max N`, or a Redlock quorum), runs CMD
 //!   in a process group of its own with the fencing token in
 //!   `RESPIRE_FENCING_TOKEN`, keeps the lease alive while CMD runs, passes HUP,
-//!   INT, QUIT and TERM on to the group, stops the group (SIGTERM, then SIGKILL)
-//!   if the lease is lost, releases the lease once the group is gone, and exits
-//!   with CMD's status.
+//!   INT, QUIT and TERM on to the group (and stops and continues it with the
+//!   tool on TSTP and CONT), stops the group (SIGTERM, then SIGKILL) if the
+//!   lease is lost, releases the lease once the group is gone, and exits with
+//!   CMD's status. A guardian process stops the group at the lease's loss
+//!   deadline even when the tool itself is stopped or frozen (see
+//!   `supervise`).
 //! - `respire-lock status KEY` reports who holds KEY, in which mode, by which
 //!   token and for how long.
 //! - `respire-lock elect NAME CMD [ARGS...]` campaigns to lead the election
@@ -16,6 +19,7 @@
 //! - `respire-lock doctor URL` reports what on a deployment weakens the
 //!   guarantees.
 //! - `respire-lock completions SHELL` prints a shell completion script.
+//! - `respire-lock man [SUBCOMMAND]` prints a manual page.
 //!
 //! Every option can also come from an environment variable; `--help` on each
 //! subcommand lists them.
@@ -25,6 +29,8 @@ mod doctor;
 mod endpoint;
 mod json;
 mod leader;
+mod losses;
+mod man;
 mod run;
 mod status;
 mod supervise;
@@ -77,7 +83,19 @@ fn main() -> ExitCode {
             run::elect_main(args, sub)
         }
         Command::Leader(args) => leader::main(args),
-        Command::Doctor(args) => doctor::main(args),
+        Command::Doctor(args) => {
+            let sub = matches
+                .subcommand_matches("doctor")
+                .expect("the doctor subcommand was parsed");
+            doctor::main(args, sub)
+        }
+        Command::Man { subcommand } => {
+            let mut out = std::io::stdout().lock();
+            match man::render(subcommand.as_deref(), &mut out).and_then(|()| out.flush()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(_) => ExitCode::from(EXIT_CANNOT_RUN),
+            }
+        }
         Command::Completions { shell } => {
             let mut out = std::io::stdout().lock();
             clap_complete::generate(shell, &mut Cli::command(), "respire-lock", &mut out);

@@ -15,15 +15,16 @@ use crossbeam_channel::{Receiver, select};
 use nix::sys::signal::SigSet;
 use parking_lot::Mutex;
 use respire_coordination::{
-    CancelToken, Coordinator, Election, Error, FencingToken, Kind, Leadership, Lease, LeaseGuard,
-    MAX_TTL, NodeOutcome, RedlockGroup, RedlockGuard, RedlockOptions, ReleaseOutcome,
+    CancelToken, Coordinator, Error, Kind, Leadership, Lease, LeaseGuard, MAX_TTL, NodeOutcome,
+    RedlockGroup, RedlockGuard, RedlockOptions, ReleaseOutcome,
 };
 use rustix::process::{Pid, Signal};
-use signal_hook::consts::{SIGCHLD, SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+use signal_hook::consts::{SIGCHLD, SIGCONT, SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGTSTP};
 
-use crate::args::{EXIT_USAGE, ElectArgs, RunArgs, Usage, Wait, check_run};
+use crate::args::{EXIT_USAGE, ElectArgs, RunArgs, Usage, Wait, check_run, settle_run};
 use crate::endpoint::{self, Tls};
 use crate::json::{self, Object};
+use crate::losses::{self, Loss};
 use crate::supervise::{self, Guardian};
 use crate::{EXIT_CANNOT_RUN, EXIT_UNAVAILABLE, say};
 
@@ -77,6 +78,13 @@ fn target(args: &RunArgs, matches: &ArgMatches, subcommand: &str) -> Result<Targ
 }
 
 pub(crate) fn main(args: RunArgs, matches: &ArgMatches) -> ExitCode {
+    let args = match settle_run(args, matches, "run") {
+        Ok(args) => args,
+        Err(usage) => {
+            usage.print();
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
     drive(&args, matches, "run", |run, target| match target {
         Target::Redlock(urls) => run.redlock(&urls),
         Target::Url(url) => run.single(&url),
@@ -85,7 +93,14 @@ pub(crate) fn main(args: RunArgs, matches: &ArgMatches) -> ExitCode {
 }
 
 /// `respire-lock elect`: `run`'s supervision, under a leadership.
-pub(crate) fn elect_main(args: ElectArgs, matches: &ArgMatches) -> ExitCode {
+pub(crate) fn elect_main(mut args: ElectArgs, matches: &ArgMatches) -> ExitCode {
+    args.run = match settle_run(args.run, matches, "elect") {
+        Ok(run) => run,
+        Err(usage) => {
+            usage.print();
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
     let value = args.value.clone().unwrap_or_else(default_value);
     drive(&args.run, matches, "elect", |run, target| match target {
         Target::Url(url) => run.elect(&url, &value, args.recampaign),
@@ -310,8 +325,14 @@ impl Run<'_> {
         };
         let grant = grant(&guard);
         self.report.acquired(&grant, mode.name(), ttl);
-        let why_lost = || single_loss_cause(coord, &base, grant.token, mode);
-        let ended = self.run_child(&grant.env(), guard.lost_signal(), &why_lost);
+        let why_lost = library_loss;
+        let held = Held {
+            lost: guard.lost_signal(),
+            remaining: &|| guard.remaining_estimate(),
+            is_lost: &|| guard.is_lost(),
+            why_lost: &why_lost,
+        };
+        let ended = self.run_child(&grant.env(), &held);
         drop(renewal);
         let (outcome, detail) = release_words(guard.release());
         self.report.released(outcome, detail.as_deref());
@@ -378,13 +399,21 @@ impl Run<'_> {
             let mut env = grant.env();
             env.push(("RESPIRE_LEADER_TERM", term.to_string()));
             env.push(("RESPIRE_LEADER_VALUE", value.to_owned()));
-            let why_lost = || election_loss_cause(&election, term);
-            let ended = self.run_child(&env, leadership.lost_signal(), &why_lost);
+            let why_lost = library_loss;
+            let held = Held {
+                lost: leadership.lost_signal(),
+                remaining: &|| leadership.remaining_estimate(),
+                is_lost: &|| leadership.is_lost(),
+                why_lost: &why_lost,
+            };
+            let ended = self.run_child(&env, &held);
             drop(renewal);
             let (outcome, detail) = release_words(leadership.resign());
             self.report.released(outcome, detail.as_deref());
             match ended {
-                Ended::LeaseLost(_) if recampaign => self.report.recampaign(),
+                Ended::LeaseLost(_) | Ended::LostBeforeStart if recampaign => {
+                    self.report.recampaign()
+                }
                 ended => return self.finish(ended),
             }
         }
@@ -395,7 +424,8 @@ impl Run<'_> {
         let options = RedlockOptions {
             node_timeout: args.keys.node_timeout,
             ..RedlockOptions::default()
-        };
+        }
+        .with_observer(losses::observer());
         // One coordinator per node: the group's settings, and the inspection
         // of what other modes hold there. A group is made only when every
         // node answers (their independence is checked then).
@@ -514,8 +544,14 @@ impl Run<'_> {
             slot: None,
         };
         self.report.acquired(&grant, "redlock", ttl);
-        let why_lost = || redlock_loss_cause(&guard);
-        let ended = self.run_child(&grant.env(), guard.lost_signal(), &why_lost);
+        let why_lost = || redlock_loss(&guard);
+        let held = Held {
+            lost: guard.lost_signal(),
+            remaining: &|| guard.remaining_estimate(),
+            is_lost: &|| guard.is_lost(),
+            why_lost: &why_lost,
+        };
+        let ended = self.run_child(&grant.env(), &held);
         drop(renewal);
         let mut guard = guard;
         match guard.release() {
@@ -544,6 +580,8 @@ impl Run<'_> {
         probe: impl Fn() -> Result<(), String> + Sync,
     ) -> Result<G, ExitCode> {
         let (args, report) = (self.args, self.report);
+        // A loss reported from now on is this lease's.
+        losses::forget();
         let cancel = CancelToken::new();
         let wait = if args.nonblock {
             Wait::For(Duration::ZERO)
@@ -646,13 +684,9 @@ impl Run<'_> {
     }
 
     /// Starts the command in its own process group and supervises it until it
-    /// and its group are gone.
-    fn run_child(
-        &mut self,
-        env: &[(&str, String)],
-        lost: &Receiver<()>,
-        why_lost: &dyn Fn() -> LossCause,
-    ) -> Ended {
+    /// and its group are gone. The guardian stops the group when the loss
+    /// deadline of `held` passes, even if this process cannot.
+    fn run_child(&mut self, env: &[(&str, String)], held: &Held<'_>) -> Ended {
         let args = self.args;
         let program = &args.command[0];
         if let Err(why) = supervise::resolve(program) {
@@ -661,65 +695,131 @@ impl Run<'_> {
         if let Err(e) = self.guardian.ensure_started() {
             return Ended::CannotStart(format!("cannot start the guardian: {e}"));
         }
-        let child = supervise::command(program, &args.command[1..]).and_then(|mut cmd| {
-            supervise::spawn(
+        let deadline = self.loss_deadline(held);
+        let child =
+            supervise::command(program, &args.command[1..], Some(deadline)).and_then(|mut cmd| {
                 cmd.envs(env.iter().map(|(k, v)| (k, v)))
-                    .stdin(Stdio::inherit()),
-            )
-        });
+                    .stdin(Stdio::inherit())
+                    .spawn()
+            });
         let mut child = match child {
             Ok(child) => child,
             Err(e) => return Ended::CannotStart(format!("cannot run {program:?}: {e}")),
         };
         let pgid = child.id() as i32;
-        self.guardian.watch_group(pgid);
+        // The command runs only once the guardian holds its deadline.
+        let started = self
+            .guardian
+            .guard_group(pgid, deadline, args.kill_after)
+            .map_err(|e| format!("cannot reach the guardian: {e}"))
+            .and_then(|()| {
+                supervise::handshake(&child).map_err(|e| format!("cannot start {program:?}: {e}"))
+            });
+        match started {
+            Ok(true) => {}
+            Ok(false) | Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                supervise::stop_group(pgid, Duration::ZERO);
+                self.guardian.forget_group(pgid);
+                return match started {
+                    Err(why) => Ended::CannotStart(why),
+                    // The exec step found the deadline passed (this process
+                    // was held up between the grant and the start).
+                    _ if (held.is_lost)() => {
+                        self.report
+                            .lost(&(held.why_lost)(), "the command was not started");
+                        Ended::LostBeforeStart
+                    }
+                    _ => Ended::CannotStart(format!("cannot start {program:?}")),
+                };
+            }
+        }
+        supervise::set_current_group(pgid);
         self.report.started(child.id(), &args.command);
-        let ended = self.supervise(&mut child, pgid, lost, why_lost);
+        let ended = self.supervise(&mut child, pgid, deadline, held);
         if let Ended::Exited(status) | Ended::LeaseLost(status) = &ended {
             self.report.exited(*status);
         }
         // Whatever is left of the group goes before the lease does.
         supervise::stop_group(pgid, args.kill_after);
+        supervise::set_current_group(0);
         self.guardian.forget_group(pgid);
         ended
     }
 
-    /// Waits for the command, passing signals on to its group and stopping
-    /// the group if the lease is lost.
+    /// The lease's loss deadline on the machine's monotonic clock: its
+    /// `remaining` estimate less one node timeout (the library's loss
+    /// deadline), counted from a reading of the clock taken before the
+    /// estimate, so never later than the library's own.
+    fn loss_deadline(&self, held: &Held<'_>) -> Duration {
+        let before = supervise::monotonic_now();
+        before + (held.remaining)().saturating_sub(self.args.keys.node_timeout)
+    }
+
+    /// Waits for the command, passing signals on to its group, telling the
+    /// guardian each new loss deadline, and stopping the group if the lease
+    /// is lost.
     fn supervise(
-        &self,
+        &mut self,
         child: &mut Child,
         pgid: i32,
-        lost_signal: &Receiver<()>,
-        why_lost: &dyn Fn() -> LossCause,
+        mut told: Duration,
+        held: &Held<'_>,
     ) -> Ended {
         let mut kill_at: Option<Instant> = None;
         let mut lease_lost = false;
         loop {
             match child.try_wait() {
                 Ok(Some(status)) if lease_lost => return Ended::LeaseLost(status),
-                Ok(Some(status)) => return Ended::Exited(status),
+                Ok(Some(status)) => {
+                    // A command that ended once the lease was gone (the
+                    // guardian stopped it while this process could not) ends
+                    // as any loss does.
+                    if (held.is_lost)() {
+                        self.report.lost(
+                            &(held.why_lost)(),
+                            "the command ended after the loss deadline, stopped by the \
+                             guardian if it was still running then",
+                        );
+                        return Ended::LeaseLost(status);
+                    }
+                    return Ended::Exited(status);
+                }
                 Ok(None) => {}
                 Err(e) => return Ended::WaitFailed(e),
             }
             if kill_at.is_some_and(|at| Instant::now() >= at) {
                 supervise::signal_group(pgid, Signal::KILL);
             }
-            // SIGCHLD wakes this promptly; the timeout covers a coalesced
-            // signal and the SIGKILL deadline.
+            // A guardian that died is replaced, told this group's deadline.
+            let _ = self.guardian.keep_running();
+            if !lease_lost {
+                // Told again when a renewal moved it (not for the jitter of
+                // the clock readings that compute it).
+                let deadline = self.loss_deadline(held);
+                if deadline.abs_diff(told) > Duration::from_millis(1) {
+                    self.guardian.deadline(pgid, deadline);
+                    told = deadline;
+                }
+            }
+            // SIGCHLD wakes this promptly, and a confirmed renewal; the
+            // timeout covers a coalesced signal, the SIGKILL deadline, and a
+            // deadline moved without a renewal (a verify that shortened it).
             let tick = crossbeam_channel::after(Duration::from_millis(100));
             let lost = if lease_lost {
                 crossbeam_channel::never()
             } else {
-                lost_signal.clone()
+                held.lost.clone()
             };
             select! {
                 recv(lost) -> _ => {
                     lease_lost = true;
                     supervise::signal_group(pgid, Signal::TERM);
+                    supervise::signal_group(pgid, Signal::CONT);
                     kill_at = Some(Instant::now() + self.args.kill_after);
                     // Stop first, explain after: the explanation asks Redis.
-                    self.report.lost(&why_lost());
+                    self.report.lost(&(held.why_lost)(), "stopping the command");
                 }
                 recv(self.signals) -> sig => {
                     if let Ok(sig) = sig
@@ -730,6 +830,9 @@ impl Run<'_> {
                         self.report.forwarded(sig);
                     }
                 }
+                // A confirmed renewal moved the deadline: tell the guardian
+                // at once, at the top of the loop.
+                recv(losses::renewals()) -> _ => {}
                 recv(tick) -> _ => {}
             }
         }
@@ -746,7 +849,14 @@ impl Run<'_> {
                     report.key
                 ),
             ),
-            Ended::CannotStart(msg) => report.error(EXIT_CANNOT_RUN, &msg),
+            Ended::LostBeforeStart => report.error(
+                self.args.lost_exit_code,
+                &format!(
+                    "the lease on {:?} was lost before the command could start",
+                    report.key
+                ),
+            ),
+            Ended::CannotStart(msg) => report.error(EXIT_UNAVAILABLE, &msg),
             Ended::WaitFailed(e) => report.error(
                 EXIT_CANNOT_RUN,
                 &format!("waiting for the command failed: {e}"),
@@ -838,10 +948,20 @@ fn describe_others(ins: &respire_coordination::Inspection, skip_exclusive: bool)
 /// handler run by a thread inside a library call would fail that call: Linux
 /// does not restart a socket read with a timeout after a handler, whatever
 /// `SA_RESTART` says, and the library takes a reply it could not read as
-/// missing. Call this before anything starts a thread; start processes with
-/// [`supervise::spawn`], which gives them the mask the tool started with.
+/// missing. Call this before anything starts a thread; the command starts
+/// through [`supervise::command`], which gives it the mask the tool started
+/// with.
+///
+/// A signal ignored when the tool started (as under `nohup`) is left ignored,
+/// as flock leaves it, and the command inherits it ignored. SIGTSTP stops the
+/// command's group, then the tool; SIGCONT continues the group (see
+/// [`supervise::stop_all`]); neither reaches the channel's receivers.
 fn signals() -> std::io::Result<Receiver<i32>> {
-    let mut wanted = FORWARDED.to_vec();
+    let mut wanted: Vec<i32> = [&FORWARDED[..], &[SIGTSTP, SIGCONT]]
+        .concat()
+        .into_iter()
+        .filter(|s| !supervise::ignored_at_start(*s))
+        .collect();
     wanted.push(SIGCHLD);
     let mut mask = SigSet::empty();
     for &signal in &wanted {
@@ -862,8 +982,14 @@ fn signals() -> std::io::Result<Receiver<i32>> {
                 return;
             }
             for signal in signals.forever() {
-                if tx.send(signal).is_err() {
-                    return;
+                match signal {
+                    SIGTSTP => supervise::stop_all(),
+                    SIGCONT => supervise::continue_all(),
+                    _ => {
+                        if tx.send(signal).is_err() {
+                            return;
+                        }
+                    }
                 }
             }
         })?;
@@ -884,88 +1010,37 @@ fn deadline(wait: Wait, now: Instant) -> Option<Instant> {
     }
 }
 
-/// Why a lease was lost: a stable word for programs and a sentence for people.
-struct LossCause {
-    cause: &'static str,
-    reason: String,
+/// The loss of the lease the command runs under, as the library reported
+/// it (see [`losses`]).
+fn library_loss() -> Loss {
+    losses::first(Duration::from_secs(1)).unwrap_or_else(|| Loss {
+        cause: "other",
+        reason: "the library reported no cause within a second of the loss".into(),
+    })
 }
 
-/// Reads KEY's keys once after a loss to say what happened to the lease.
-fn single_loss_cause(coord: &Coordinator, base: &str, token: Option<u64>, mode: Mode) -> LossCause {
-    let ins = match coord.inspect(base) {
-        Ok(ins) => ins,
-        Err(e) => {
-            return LossCause {
-                cause: "unreachable",
-                reason: format!("no renewal was confirmed before the local loss deadline ({e})"),
-            };
-        }
-    };
-    if mode != Mode::Exclusive {
-        return LossCause {
-            cause: "deadline",
-            reason: "no renewal was confirmed before the local loss deadline".into(),
-        };
-    }
-    match &ins.exclusive {
-        None => LossCause {
-            cause: "expired",
-            reason: "the lease key is gone: it expired or was deleted".into(),
-        },
-        Some(x) if x.fencing_token.map(|t| t.get()) == token => LossCause {
-            cause: "deadline",
-            reason: "no renewal was confirmed before the local loss deadline \
-                     (the server still had the lease)"
-                .into(),
-        },
-        Some(x) => LossCause {
-            cause: "taken_over",
-            reason: match x.fencing_token {
-                Some(other) => format!("another holder has the key, with fencing token {other}"),
-                None => "the key holds another owner's value".into(),
-            },
-        },
-    }
-}
-
-/// Reads the election once after a loss to say what happened to the
-/// leadership of `term`.
-fn election_loss_cause(election: &Election, term: FencingToken) -> LossCause {
-    match election.leader() {
-        Err(e) => LossCause {
-            cause: "unreachable",
-            reason: format!("no renewal was confirmed before the local loss deadline ({e})"),
-        },
-        Ok(None) => LossCause {
-            cause: "expired",
-            reason: "the leader's lease is gone: it expired or was deleted".into(),
-        },
-        Ok(Some(l)) if l.term == term => LossCause {
-            cause: "deadline",
-            reason: "no renewal was confirmed before the local loss deadline \
-                     (the server still had the lease)"
-                .into(),
-        },
-        Ok(Some(l)) => LossCause {
-            cause: "taken_over",
-            reason: format!("another leader was elected, with term {}", l.term),
-        },
-    }
-}
-
-fn redlock_loss_cause(guard: &RedlockGuard) -> LossCause {
+/// A Redlock loss in the library's words, with what each node last said.
+fn redlock_loss(guard: &RedlockGuard) -> Loss {
+    let mut loss = library_loss();
     let nodes: Vec<String> = guard
         .last_evidence()
         .iter()
         .map(|n| format!("{}: {}", n.node, n.outcome))
         .collect();
-    LossCause {
-        cause: "quorum",
-        reason: format!(
-            "the lock could not be kept on a quorum of nodes ({})",
-            nodes.join("; ")
-        ),
-    }
+    loss.reason = format!("{} (nodes: {})", loss.reason, nodes.join("; "));
+    loss
+}
+
+/// The lease a command runs under, as its supervision reads it.
+struct Held<'a> {
+    /// Disconnects at the loss deadline.
+    lost: &'a Receiver<()>,
+    /// The lease's `remaining_estimate`.
+    remaining: &'a dyn Fn() -> Duration,
+    /// The lease's `is_lost`.
+    is_lost: &'a dyn Fn() -> bool,
+    /// Why it was lost, once it is.
+    why_lost: &'a dyn Fn() -> Loss,
 }
 
 /// How the command's supervision ended.
@@ -973,6 +1048,8 @@ enum Ended {
     Exited(ExitStatus),
     /// The lease was lost; the command was stopped and ended with this status.
     LeaseLost(ExitStatus),
+    /// The lease was lost before the command could start; it never ran.
+    LostBeforeStart,
     CannotStart(String),
     WaitFailed(std::io::Error),
 }
@@ -1107,14 +1184,12 @@ impl Reporter {
         );
     }
 
-    fn lost(&self, cause: &LossCause) {
+    /// The lease was lost; `after` says what became of the command.
+    fn lost(&self, cause: &Loss, after: &str) {
         self.emit(
             "lost",
             |o| o.str("cause", cause.cause).str("reason", &cause.reason),
-            Some(format!(
-                "the lease was lost ({}); stopping the command",
-                cause.reason
-            )),
+            Some(format!("the lease was lost ({}); {after}", cause.reason)),
         );
     }
 
@@ -1184,18 +1259,16 @@ impl Reporter {
         );
     }
 
-    /// Held elsewhere: quiet without `-v` (as flock), but a holder in another
-    /// mode is always named.
+    /// Held elsewhere, in whatever mode: quiet without `-v`, as flock (a cron
+    /// job's conflict mails nobody); `-v` names the holder's mode.
     fn not_acquired(&self, code: u8, other_mode: Option<&str>) -> ExitCode {
-        let text = match other_mode {
-            Some(other) => Some(format!(
+        let text = self.verbose.then(|| match other_mode {
+            Some(other) => format!(
                 "{:?} is held in another mode: {other}; not acquired",
                 self.key
-            )),
-            None => self
-                .verbose
-                .then(|| format!("{:?} is held elsewhere; not acquired", self.key)),
-        };
+            ),
+            None => format!("{:?} is held elsewhere; not acquired", self.key),
+        });
         self.emit(
             "not_acquired",
             |o| o.num("exit_code", code).opt_str("held_as", other_mode),
@@ -1263,13 +1336,12 @@ impl ThrowawayServer {
         .map(OsString::from)
         .chain([dir.clone().into_os_string()])
         .collect();
-        let child = supervise::command(program.as_os_str(), &args)
+        let child = supervise::command(program.as_os_str(), &args, None)
             .and_then(|mut cmd| {
-                supervise::spawn(
-                    cmd.stdin(Stdio::null())
-                        .stdout(Stdio::null())
-                        .stderr(Stdio::null()),
-                )
+                cmd.stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
             })
             .map_err(|e| format!("cannot start redis-server: {e}"))?;
         guardian.watch_group(child.id() as i32);

@@ -12,15 +12,61 @@ use crate::endpoint::{self, Tls};
 use crate::json::{self, Object};
 use crate::{EXIT_UNAVAILABLE, say, show};
 
+/// `status`'s exit status when KEY is held (in any mode).
+const HELD: u8 = 0;
+/// `status`'s exit status when KEY is free.
+const FREE: u8 = 1;
+
 pub(crate) fn main(args: StatusArgs, matches: &clap::ArgMatches) -> ExitCode {
+    let json = args.json;
+    // What is read: KEY's keys in `run`'s layout, or a lease on keys of a
+    // program's choosing. KEY beats --lease from the environment.
+    let lease_on_line =
+        matches.value_source("lease") == Some(clap::parser::ValueSource::CommandLine);
+    let target = match (&args.key, &args.lease) {
+        (Some(_), Some(_)) if lease_on_line => None,
+        (Some(key), _) => Some(Read::Layout(key.clone())),
+        (None, Some(lease)) => Some(Read::Lease(lease.clone(), args.fence.clone())),
+        (None, None) => None,
+    };
+    let key = match &target {
+        Some(Read::Layout(key) | Read::Lease(key, _)) => key.clone(),
+        None => args.key.clone().unwrap_or_default(),
+    };
+    // Every failure: a sentence on stderr, and with --json an object on
+    // stdout too, so that a program reading stdout always gets one.
+    let fail = |code: u8, message: &str| {
+        if json {
+            show(
+                &Object::new()
+                    .str("key", &key)
+                    .str("error", message)
+                    .num("exit_code", code)
+                    .finish(),
+            );
+        }
+        ExitCode::from(code)
+    };
+    let usage = |usage: Usage| {
+        usage.print();
+        fail(EXIT_USAGE, &usage.problem)
+    };
+    let Some(target) = target else {
+        return usage(Usage::new(
+            "KEY and --lease exclude each other: give one",
+            Some("status"),
+        ));
+    };
+    if args.fence.is_some() && matches!(target, Read::Layout(_)) {
+        return usage(Usage::new(
+            "--fence goes with --lease: KEY's layout has its own counter",
+            Some("status"),
+        ));
+    }
     let tls = match Tls::read(&args.tls, "status") {
         Ok(t) => t,
-        Err(usage) => {
-            usage.print();
-            return ExitCode::from(EXIT_USAGE);
-        }
+        Err(u) => return usage(u),
     };
-    let base = endpoint::base(&args.key);
     // As for `run`: --url on the command line beats --redlock; from the
     // environment, RESPIRE_LOCK_REDLOCK beats REDIS_URL.
     let url_given = matches.value_source("url") == Some(clap::parser::ValueSource::CommandLine);
@@ -31,54 +77,65 @@ pub(crate) fn main(args: StatusArgs, matches: &clap::ArgMatches) -> ExitCode {
     let (urls, redlock) = match (url, &args.redlock) {
         (Some(url), _) => (vec![url.clone()], false),
         (None, Some(list)) => {
-            if let Err(usage) = list.check("status") {
-                usage.print();
-                return ExitCode::from(EXIT_USAGE);
+            if let Err(u) = list.check("status") {
+                return usage(u);
             }
             (list.0.clone(), true)
         }
         (None, None) => {
-            Usage::new(
+            return usage(Usage::new(
                 "status needs a Redis deployment to ask: give --url or set REDIS_URL \
                  (or --redlock)",
                 Some("status"),
-            )
-            .print();
-            return ExitCode::from(EXIT_USAGE);
+            ));
         }
     };
     let mut answers = Vec::new();
     for url in &urls {
-        let read = endpoint::connect(url, &args.keys, &tls).and_then(|c| c.inspect(&base));
+        let read = endpoint::connect(url, &args.keys, &tls).and_then(|c| match &target {
+            Read::Layout(key) => c.inspect(&endpoint::base(key)),
+            Read::Lease(lease, fence) => c.inspect_lease(lease, fence.as_deref()),
+        });
         match read {
             Ok(ins) => answers.push(ins),
             Err(e) if !redlock => {
-                say(&format!("respire-lock: {e}"));
+                let message = crate::scrub(&e.to_string());
+                say(&format!("respire-lock: {message}"));
                 let code = if endpoint::is_usage(&e) {
                     EXIT_USAGE
                 } else {
                     EXIT_UNAVAILABLE
                 };
-                return ExitCode::from(code);
+                return fail(code, &message);
             }
             Err(e) => say(&format!("respire-lock: a node did not answer: {e}")),
         }
     }
     if answers.is_empty() {
-        say("respire-lock: no node of the Redlock group answered");
-        return ExitCode::from(EXIT_UNAVAILABLE);
+        let message = "no node of the Redlock group answered";
+        say(&format!("respire-lock: {message}"));
+        return fail(EXIT_UNAVAILABLE, message);
     }
-    let view = if redlock {
+    let mut view = if redlock {
         View::redlock(&answers, urls.len())
     } else {
         View::single(&answers[0])
     };
+    view.counter_read = !matches!(target, Read::Lease(_, None));
     if args.json {
-        show(&view.json(&args.key));
+        show(&view.json(&key));
     } else {
-        show(&view.describe(&args.key));
+        show(&view.describe(&key));
     }
-    ExitCode::SUCCESS
+    ExitCode::from(if view.held() { HELD } else { FREE })
+}
+
+/// What `status` reads.
+enum Read {
+    /// KEY's keys in the layout `run` uses.
+    Layout(String),
+    /// A lease key and, for a fenced lock, its counter key.
+    Lease(String, Option<String>),
 }
 
 /// What `status` reports.
@@ -87,6 +144,8 @@ struct View<'a> {
     mode: &'static str,
     /// With --redlock: nodes that answered, nodes holding it, nodes in all.
     redlock: Option<(usize, usize, usize)>,
+    /// Whether a fence counter was read (not for --lease without --fence).
+    counter_read: bool,
 }
 
 impl<'a> View<'a> {
@@ -102,6 +161,7 @@ impl<'a> View<'a> {
             ins,
             mode,
             redlock: None,
+            counter_read: true,
         }
     }
 
@@ -119,6 +179,7 @@ impl<'a> View<'a> {
                 View::single(shown).mode
             },
             redlock: Some((answers.len(), holding.len(), nodes)),
+            counter_read: true,
         }
     }
 
@@ -152,7 +213,8 @@ impl<'a> View<'a> {
                 let x = ins.exclusive.as_ref();
                 let holder = match x.and_then(|x| x.fencing_token) {
                     Some(t) => format!("fencing token {t}"),
-                    None => "a value without a fencing token (a Redlock run's)".into(),
+                    None => "a value without a fencing token (a Redlock run's, or a plain lock's)"
+                        .into(),
                 };
                 format!(
                     "held exclusive by {holder}, {}",
@@ -191,7 +253,11 @@ impl<'a> View<'a> {
             }
             _ => "held in several modes at once (keys written outside one layout)".into(),
         };
-        format!("{key}: {what} ({last})")
+        if self.counter_read {
+            format!("{key}: {what} ({last})")
+        } else {
+            format!("{key}: {what}")
+        }
     }
 
     fn json(&self, key: &str) -> String {
