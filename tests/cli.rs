@@ -1328,6 +1328,7 @@ fn doctor_reports_a_sentinel_deployment() {
             deployment.primary().port()
         ),
         "warn  primary: replication: 1 replica(s), asynchronous".to_owned(),
+        "min-replicas-to-write 0: cut off from its replicas".to_owned(),
         "FAIL  primary: persistence: appendonly no".to_owned(),
         "warn  failover: after a switch the old primary keeps accepting writes".to_owned(),
     ] {
@@ -3450,4 +3451,25 @@ fn status_reads_a_lease_the_library_made_on_any_keys() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     assert!(text(&out.stdout).starts_with("job: free"), "{out:?}");
+}
+
+#[test]
+fn doctor_reports_whether_a_primary_refuses_writes_without_its_replicas() {
+    let primary = TestServer::start();
+    let (_link, _replica) = support::proxied_replica(&primary);
+    let report = text(&run(&["doctor", &primary.url()]).stdout);
+    assert!(report.contains("min-replicas-to-write 0"), "{report}");
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("min-replicas-to-write")
+        .arg(1)
+        .arg("min-replicas-max-lag")
+        .arg(5)
+        .query(&mut primary.client())
+        .unwrap();
+    let report = text(&run(&["doctor", &primary.url()]).stdout);
+    assert!(
+        report.contains("min-replicas-to-write 1 with min-replicas-max-lag 5"),
+        "{report}"
+    );
 }

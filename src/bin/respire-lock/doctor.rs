@@ -412,12 +412,30 @@ fn node_checks(
                     "replication: no replica: nothing can take over if this primary fails",
                 )
             } else if replicas > 0 {
+                // A primary cut off from its replicas keeps confirming
+                // renewals unless it refuses writes without them.
+                let min =
+                    config(&mut conn, "min-replicas-to-write").and_then(|v| v.parse::<u32>().ok());
+                let lag = config(&mut conn, "min-replicas-max-lag");
+                let guarded = match (min, lag) {
+                    (Some(n), Some(lag)) if n > 0 => format!(
+                        "min-replicas-to-write {n} with min-replicas-max-lag {lag}: cut off from \
+                         its replicas, it refuses renewals after {lag} s, so a guard that cannot \
+                         see a failover is flagged lost within that plus its margin"
+                    ),
+                    (Some(0), _) => "min-replicas-to-write 0: cut off from its replicas (a \
+                         partition that hides a failover), it keeps confirming renewals that no \
+                         promoted replica has; set min-replicas-to-write 1 and \
+                         min-replicas-max-lag, or use Replication::Require"
+                        .to_owned(),
+                    _ => "min-replicas-to-write unknown (CONFIG cannot be read)".to_owned(),
+                };
                 Finding::new(
                     Level::Warn,
                     "replication",
                     format!(
                         "replication: {replicas} replica(s), asynchronous: a failover can lose \
-                         grants and fence increments (two holders, repeated tokens)"
+                         grants and fence increments (two holders, repeated tokens); {guarded}"
                     ),
                 )
             } else {
