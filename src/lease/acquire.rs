@@ -69,6 +69,7 @@ use crate::token::OwnerToken;
 /// the same bound. A wait returns by its deadline plus at most one attempt's
 /// bound (an attempt started just before the deadline is finished, so that its
 /// grant is not left behind); cancellation interrupts it between attempts.
+#[must_use = "a lease handle takes nothing until one of its acquire verbs is called"]
 pub struct Lease<K: Kind> {
     dep: Arc<Deployment>,
     spec: Arc<dyn Acquire<K::Grant>>,

@@ -73,6 +73,7 @@ use crate::token::FencingToken;
 /// paused leader with, so this crate offers elections on one deployment only;
 /// for a quorum, use consensus (etcd, ZooKeeper, Consul).
 #[derive(Clone)]
+#[must_use = "an election handle campaigns for nothing until a campaign verb is called"]
 pub struct Election {
     dep: Arc<Deployment>,
     name: String,

@@ -114,6 +114,7 @@ use crate::token::{FencingToken, OwnerToken};
 /// order. A wait returns by its deadline plus the bound of the attempts in
 /// flight, and the release of the leases already taken (each bounded by the
 /// node timeout).
+#[must_use = "a lease handle takes nothing until one of its acquire verbs is called"]
 pub struct MultiLease<K: Kind> {
     dep: Arc<Deployment>,
     /// The leases, in the caller's order.

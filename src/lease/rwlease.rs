@@ -151,6 +151,7 @@ impl Preference {
 /// the four holds something else (a fence counter with an expiry or a
 /// non-integer value included); nothing is changed then.
 #[derive(Clone)]
+#[must_use = "a lease handle takes nothing until `read()` or `write()` and an acquire verb are called"]
 pub struct ReadWriteLease {
     read: ReadLease,
     write: WriteLease,
