@@ -113,6 +113,20 @@ pub enum Error {
         problem: String,
     },
 
+    /// The server is older than this crate supports: Redis 7.0 (or a server
+    /// compatible with it, such as Valkey, which reports `redis_version` 7.2)
+    /// is the minimum, for `SET … NX GET` and `PEXPIRETIME`. Found when the
+    /// coordinator is built, before any lease is taken.
+    #[error(
+        "{server} runs Redis {version}; this crate needs Redis 7.0 or later (SET NX GET, PEXPIRETIME)"
+    )]
+    ServerTooOld {
+        /// The server (no credentials).
+        server: String,
+        /// The `redis_version` it reported.
+        version: String,
+    },
+
     /// A fencing token was issued that is not greater than one this coordinator
     /// already saw for the same counter: the counter's history was lost (failover
     /// to a replica that had not received every increment, a restart without

@@ -20,6 +20,10 @@
 //! # Ok(()) }
 //! ```
 //!
+//! The servers must run Redis 7.0 or later (or a server compatible with it,
+//! such as Valkey 8): [`CoordinatorBuilder::build`] refuses an older one with
+//! [`Error::ServerTooOld`].
+//!
 //! # Choosing a primitive
 //!
 //! None of these is consensus. Pick the safety model first:

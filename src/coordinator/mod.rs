@@ -613,6 +613,9 @@ impl CoordinatorBuilder {
     ///   cluster mode, a cluster not formed), no sentinel knows the service, a
     ///   URL names something that is not a sentinel, or the named primary is
     ///   not one (`ROLE`).
+    /// - [`Error::ServerTooOld`] when the server (the one that holds the key
+    ///   prefix, in a cluster) reports a Redis version before 7.0 (`INFO
+    ///   server`, one more round trip; a user denied `INFO` is not judged).
     pub fn build(self) -> Result<Coordinator> {
         let target = self.check()?;
         let settings = Settings {
@@ -643,16 +646,16 @@ impl CoordinatorBuilder {
             drift_factor: self.drift_factor,
             node_timeout: self.node_timeout,
         };
-        Ok(Coordinator {
-            dep: Arc::new(Deployment::new(
-                topology,
-                self.key_prefix,
-                timing,
-                self.connect_timeout,
-                self.replication,
-                settings.clock,
-            )),
-        })
+        let dep = Arc::new(Deployment::new(
+            topology,
+            self.key_prefix,
+            timing,
+            self.connect_timeout,
+            self.replication,
+            settings.clock,
+        ));
+        dep.check_server_version(&dep.prefix)?;
+        Ok(Coordinator { dep })
     }
 
     /// Checks the settings and makes the connection config of the standalone

@@ -43,7 +43,42 @@ pub(crate) struct Deployment {
     probed: Mutex<Vec<&'static str>>,
 }
 
+/// Whether `INFO server`'s `redis_version` is 7.0 or later; the version
+/// found, or `None` when the reply names none.
+pub(crate) fn supported_version(info: &str) -> Option<(bool, String)> {
+    let version = info
+        .lines()
+        .find_map(|l| l.trim_end().strip_prefix("redis_version:"))?;
+    let major: u32 = version.split('.').next()?.parse().ok()?;
+    Some((major >= 7, version.to_owned()))
+}
+
 impl Deployment {
+    /// Refuses a server older than Redis 7.0, asking the server that holds
+    /// `key` (`INFO server`, one round trip). A server that does not let the
+    /// user run `INFO` is not judged.
+    pub(crate) fn check_server_version(&self, key: &str) -> Result<()> {
+        let deadline = self.now() + self.connect_timeout + self.node_timeout();
+        let mut server = String::new();
+        let (info, _) = self.on_key(key, deadline, Connect::Own, |conn, deadline| {
+            server = conn.addr().to_owned();
+            conn.query::<String>(redis::cmd("INFO").arg("server"), "INFO server", deadline)
+        });
+        let info = match info {
+            Ok(info) => info,
+            // Denied by the ACL (or refused otherwise): not judged.
+            Err(e @ (Error::Permission(_) | Error::Server { .. })) => {
+                log::debug!("the server's version cannot be read ({e}); not checked");
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        match supported_version(&info) {
+            Some((false, version)) => Err(Error::ServerTooOld { server, version }),
+            _ => Ok(()),
+        }
+    }
+
     pub(crate) fn new(
         topology: Arc<Topology>,
         prefix: String,
@@ -422,5 +457,36 @@ mod tests {
         );
         let e = bad_key_in(server("OTHER something"), &keys);
         assert!(matches!(e, Error::Server { .. }));
+    }
+}
+
+#[cfg(test)]
+mod version_tests {
+    use super::supported_version;
+
+    #[test]
+    fn redis_7_0_and_later_are_supported_and_older_servers_are_named() {
+        let info = |v: &str| format!("# Server\r\nredis_version:{v}\r\nredis_mode:standalone\r\n");
+        assert_eq!(
+            supported_version(&info("7.0.15")),
+            Some((true, "7.0.15".into()))
+        );
+        assert_eq!(
+            supported_version(&info("7.2.4")),
+            Some((true, "7.2.4".into()))
+        );
+        assert_eq!(
+            supported_version(&info("8.0.0")),
+            Some((true, "8.0.0".into()))
+        );
+        assert_eq!(
+            supported_version(&info("6.2.14")),
+            Some((false, "6.2.14".into()))
+        );
+        assert_eq!(
+            supported_version(&info("5.0.7")),
+            Some((false, "5.0.7".into()))
+        );
+        assert_eq!(supported_version("# Server\r\n"), None);
     }
 }
