@@ -28,10 +28,15 @@ pub(crate) struct Reading {
     pub(crate) received: Instant,
 }
 
-/// The last reading of one server's clock.
-#[derive(Clone, Copy, Debug, Default)]
+/// How many earlier readings a new one is compared with: a slow reply makes
+/// a poor baseline (its instant is known only within its round trip), so
+/// one slow reading must not erase the precise ones before it.
+const BASELINES: usize = 4;
+
+/// The last readings of one server's clock.
+#[derive(Clone, Debug, Default)]
 pub(crate) struct ServerClock {
-    last: Option<Reading>,
+    last: Vec<Reading>,
 }
 
 impl ServerClock {
@@ -39,16 +44,36 @@ impl ServerClock {
     /// ahead of the client's since the last one, when that is more than
     /// `drift_factor` (as for a lease's TTL) allows: every expiry the server
     /// set before `reading.received` may come that much earlier.
+    ///
+    /// The reading is compared with each of the last few: the largest gain
+    /// any of them shows counts. After a finding, only the new reading is
+    /// kept, so that one step is reported once.
     pub(crate) fn read(&mut self, reading: Reading, drift_factor: f64) -> Option<Duration> {
-        let last = self.last.replace(reading)?;
-        let server = reading.server.checked_sub(last.server)?;
-        let most = reading.received.saturating_duration_since(last.sent);
-        let least = reading.sent.saturating_duration_since(last.received);
-        if server <= most + timing::drift(most, drift_factor) {
-            return None;
+        let gain = self
+            .last
+            .iter()
+            .filter_map(|last| gained(last, &reading, drift_factor))
+            .max();
+        if gain.is_some() {
+            self.last.clear();
+        } else if self.last.len() == BASELINES {
+            self.last.remove(0);
         }
-        Some(server.saturating_sub(least))
+        self.last.push(reading);
+        gain
     }
+}
+
+/// How far the server's clock may have run ahead between `last` and `now`,
+/// when that is more than `drift_factor` allows.
+fn gained(last: &Reading, now: &Reading, drift_factor: f64) -> Option<Duration> {
+    let server = now.server.checked_sub(last.server)?;
+    let most = now.received.saturating_duration_since(last.sent);
+    let least = now.sent.saturating_duration_since(last.received);
+    if server <= most + timing::drift(most, drift_factor) {
+        return None;
+    }
+    Some(server.saturating_sub(least))
 }
 
 /// Reads the reply to `TIME`: seconds and microseconds, as two integers or
@@ -102,6 +127,21 @@ mod tests {
         assert_eq!(gain, ms(11_000 - 998));
         // The next reading starts from the stepped clock.
         assert_eq!(c.read(reading(12_000, t0, 2_000, 2_002), 0.01), None);
+    }
+
+    #[test]
+    fn a_slow_reply_does_not_hide_a_step_the_reading_before_it_shows() {
+        let t0 = Instant::now();
+        let mut c = ServerClock::default();
+        // Precise readings up to 124 ms, then one answered 109 ms late.
+        c.read(reading(0, t0, 0, 0), 0.05);
+        c.read(reading(124, t0, 124, 124), 0.05);
+        c.read(reading(233, t0, 124, 233), 0.05);
+        // A 96 ms step at 552 ms; read at 587 ms. Against the slow reading
+        // alone the server's 450 ms are within 463 ms plus drift; against the
+        // precise one before it, 559 ms against 463 ms are not.
+        let gain = c.read(reading(587 + 96, t0, 587, 587), 0.05).unwrap();
+        assert!(gain >= ms(96), "{gain:?}");
     }
 
     #[test]
