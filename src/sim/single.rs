@@ -1718,9 +1718,6 @@ impl World {
             return self.reset_step(u, reset, step);
         }
         self.stats.extensions += 1;
-        if self.procs[p].switching && generation == self.generation {
-            self.stats.interleaved += 1;
-        }
         let items = vec![(key, value, reset.ttl().as_millis() as u64)];
         self.send(
             Who::User(u),
