@@ -647,6 +647,8 @@ struct Proc {
     live_from: u32,
     /// Between publishing a new primary and applying the switch to the leases.
     switching: bool,
+    /// Its executor read the primary's clock before and after its last jump.
+    seen_step: bool,
 }
 
 struct World {
@@ -877,6 +879,7 @@ fn run_case(seed: u64, faulty: bool) -> Result<Stats, String> {
             old: None,
             live_from: 0,
             switching: false,
+            seen_step: false,
         });
     }
     for (i, &(proc, key)) in USERS.iter().enumerate() {
@@ -1298,6 +1301,9 @@ impl World {
                 self.stats.clock_steps += 1;
                 self.server.step_clock(ms);
                 self.stepped = Some((self.now, self.generation));
+                for p in &mut self.procs {
+                    p.seen_step = false;
+                }
                 for u in &mut self.users {
                     if let Some(g) = &mut u.guard {
                         g.stepped = true;
@@ -2076,10 +2082,14 @@ impl World {
             seen_lost: false,
             renewable: false,
             // Granted on the clock before a jump: the jump may be found
-            // only by a later reading, or by its next extension.
+            // only by a later reading, or by its next extension. Once its
+            // process has read the server before and after the jump, it
+            // knows: a grant sent before the jump counts no longer than what
+            // the jump left it.
             stepped: self
                 .stepped
-                .is_some_and(|(at, _)| sent <= instant(self.origin, at)),
+                .is_some_and(|(at, _)| sent <= instant(self.origin, at))
+                && !self.procs[self.users[u].proc].seen_step,
         });
         self.think(u);
     }
@@ -2374,6 +2384,7 @@ impl World {
             && before < at
             && at < read_at
         {
+            self.procs[p].seen_step = true;
             for u in &mut self.users {
                 if u.proc == p
                     && let Some(g) = &mut u.guard
