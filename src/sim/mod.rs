@@ -42,8 +42,7 @@
 //! the head of every renewal pipeline and judged by the shipped
 //! `ServerClock`, whose finding cuts the process's leases with
 //! `clock_gained`; for Redlock, crashes and restarts with and without the
-//! data) and
-//! a model network (delays, lost requests, lost replies, replies
+//! data) and a model network (delays, lost requests, lost replies, replies
 //! arriving after the client gave up, order kept per connection only, killed
 //! connections).
 

@@ -3,13 +3,13 @@
 //! executor, against one model server (`sim::model`, running the shipped
 //! scripts and commands; with a lagging replica and a promotion in some
 //! schedules, which each process goes through in the runtime's steps, and a
-//! forward jump of the primary's clock in others). Each acquire attempt sends what the primitive's shipped
-//! attempt sends (a `Lock`'s `SET … GET`, with the wait's `PTTL` once an
-//! attempt found the lock held; the scripts with their arguments; on a
-//! server before Redis 7.0, the older form) and its replies are read
-//! by the primitive's shipped reader; the checker holds that reading against
-//! the server's data (granted exactly when the owner holds the lease after
-//! the command, counted from the right send).
+//! forward jump of the primary's clock in others). Each acquire attempt sends
+//! what the primitive's shipped attempt sends (a `Lock`'s `SET … GET`, with
+//! the wait's `PTTL` once an attempt found the lock held; the scripts with
+//! their arguments; on a server before Redis 7.0, the older form) and its
+//! replies are read by the primitive's shipped reader; the checker holds
+//! that reading against the server's data (granted exactly when the owner
+//! holds the lease after the command, counted from the right send).
 //!
 //! Sets of leases taken all or nothing (`sets_case`): three clients take
 //! random subsets of four plain or fenced leases in random orders with the
@@ -532,10 +532,10 @@ struct Guard {
     deleted: Option<Instant>,
     /// A check found it lost: loss is permanent.
     seen_lost: bool,
-    /// Its server's clock jumped forward since its bound was set, and no
-    /// reading of that server by its process has found the jump yet (nor
-    /// has an extension sent after it been confirmed): until then the
-    /// client cannot know.
+    /// Its server's clock jumped forward since its bound was set, and its
+    /// process has not read that server's clock both before and after the
+    /// jump (nor has an extension sent after it been confirmed): until then
+    /// the client cannot know.
     stepped: bool,
     /// Kept alive since a moment with time enough to renew.
     renewable: bool,
