@@ -21,8 +21,8 @@
 //! written here rather than run from the runtime: the I/O around them (which
 //! request goes on which connection, the Redlock connector's tries, the
 //! fan-outs' waits), the acquire attempts' retry loop, and what the
-//! transport does with a reply from a primary the process has switched away
-//! from (it runs the call once more on the new one: for an extension the
+//! transport does with a reply from a primary the process has retired (it
+//! runs the call once more on the new one: for an extension the
 //! guard then sends nothing and hands the answer to its machine as a replaced
 //! server's, which is what the model does; any other such call is counted
 //! here as unanswered, the worst case).
@@ -31,8 +31,18 @@
 //! single deployments a replica fed by a lagging stream that is promoted at a
 //! random instant, losing the unreplicated tail, while the old primary keeps
 //! serving the connections made to it until each process learns of the
-//! switch; for Redlock, crashes and restarts with and without the data) and
-//! a model network (delays, lost requests, lost replies, replies
+//! switch, which it goes through in the runtime's steps, each an event of its
+//! own that others interleave with: the new primary published (new sends,
+//! renewals included, go there, through a new executor), the old one retired
+//! (its executor's machine frees the claims it held for kills once its last
+//! request is answered), then `switched` with the new primary's id on every
+//! live lease and a verification there; every extension is dispatched to the
+//! id of the server it goes to, and not sent when its claim was given up
+//! meanwhile; a primary's wall clock that jumps forward, read by `TIME` at
+//! the head of every renewal pipeline and judged by the shipped
+//! `ServerClock`, whose finding cuts the process's leases with
+//! `clock_gained`; for Redlock, crashes and restarts with and without the
+//! data) and a model network (delays, lost requests, lost replies, replies
 //! arriving after the client gave up, order kept per connection only, killed
 //! connections).
 
@@ -44,7 +54,10 @@
 //!   events, so this covers every instant, each expiry included. After a
 //!   promotion, a lease is exempt until its process verified it on the new
 //!   primary: until it learns of the switch, no client can know (counted as
-//!   `exposed`);
+//!   `exposed`). After a jump of its server's clock, likewise until its
+//!   process read that server's `TIME` before and after the jump (the
+//!   shipped reading must then have found it), or an extension of the lease
+//!   sent after the jump was confirmed;
 //! - for Redlock, no two guards are valid at once (a server a crash emptied
 //!   counts as holding the lease while it is down and for the restart delay);
 //! - a lease the server no longer holds for its owner (expired, deleted,
@@ -63,8 +76,9 @@
 //!   server had left when the extension was sent (`single/heard.rs`).
 //!
 //! `RESPIRE_SIM_CASES=n` sets the number of schedules per test (default
-//! 60,000 single-deployment, 40,000 Redlock and 3,000 lease-set ones, every command a script
-//! or command run on a model server); `RESPIRE_SIM_SEED=s` replays one,
+//! 60,000 single-deployment, 16,000 single-deployment ones each with a
+//! failover or a clock jump or both, 40,000 Redlock and 3,000 lease-set ones,
+//! every command a script or command run on a model server); `RESPIRE_SIM_SEED=s` replays one,
 //! `RESPIRE_SIM_BASE=b` starts the seeds elsewhere (for long runs in chunks),
 //! and `RESPIRE_SIM_TRACE=1` prints its events. A failure prints its seed.
 
@@ -285,6 +299,15 @@ pub(crate) struct Stats {
     /// Attempts a server before Redis 7.0 refused (`SET` with `NX` and
     /// `GET`), sent again in the older form.
     pub(crate) older_set: u64,
+    /// Renewals sent to a new primary after it was published and before
+    /// the switch was applied to the leases.
+    pub(crate) interleaved: u64,
+    /// Extensions not sent because their claim was given up meanwhile.
+    pub(crate) undispatched: u64,
+    /// Forward jumps of a server's clock.
+    pub(crate) clock_steps: u64,
+    /// Readings of a server's clock that found it ran ahead and cut leases.
+    pub(crate) clock_cuts: u64,
 }
 
 impl Stats {
@@ -304,6 +327,10 @@ impl Stats {
         self.reset_reruns += o.reset_reruns;
         self.repeated += o.repeated;
         self.older_set += o.older_set;
+        self.interleaved += o.interleaved;
+        self.undispatched += o.undispatched;
+        self.clock_steps += o.clock_steps;
+        self.clock_cuts += o.clock_cuts;
     }
 }
 
@@ -312,13 +339,15 @@ pub(crate) fn instant(origin: Instant, at: Duration) -> Instant {
     origin + at
 }
 
-/// The default number of schedules of each test in `cargo test`: 103,000 in
+/// The default number of schedules of each test in `cargo test`: 119,000 in
 /// all, within the test suite's time budget (every command of each runs the
 /// shipped Lua on a model server; a Redlock schedule, on three to five).
 const SINGLE_CASES: u64 = 60_000;
 const REDLOCK_CASES: u64 = 40_000;
 /// Schedules of sets of leases taken all or nothing.
 const SETS_CASES: u64 = 3_000;
+/// Schedules each with a failover or a server clock step, or both.
+const FAULTS_CASES: u64 = 16_000;
 
 #[test]
 fn redlock_leases() {
@@ -358,5 +387,22 @@ fn single_deployment_leases() {
         assert!(stats.losses > 0 && stats.regressions > 0, "{stats:?}");
         assert!(stats.failovers > 0 && stats.exposed > 0, "{stats:?}");
         assert!(stats.repeated > 0 && stats.older_set > 0, "{stats:?}");
+    }
+}
+
+#[test]
+fn single_deployment_switches_and_clock_steps() {
+    let stats = run(
+        "single_deployment_switches_and_clock_steps",
+        seeds(FAULTS_CASES, 4),
+        single::faults_case,
+    );
+    if stats.cases >= 1_000 {
+        // Renewals reached a new primary between its publication and the
+        // switch's application, extensions whose claim a switch gave up
+        // were not sent, and clock jumps were found.
+        assert!(stats.failovers > 0 && stats.interleaved > 0, "{stats:?}");
+        assert!(stats.undispatched > 0, "{stats:?}");
+        assert!(stats.clock_steps > 0 && stats.clock_cuts > 0, "{stats:?}");
     }
 }

@@ -2,13 +2,14 @@
 //! sharing one fence counter, each process with its renewal schedule and
 //! executor, against one model server (`sim::model`, running the shipped
 //! scripts and commands; with a lagging replica and a promotion in some
-//! schedules). Each acquire attempt sends what the primitive's shipped
-//! attempt sends (a `Lock`'s `SET … GET`, with the wait's `PTTL` once an
-//! attempt found the lock held; the scripts with their arguments; on a
-//! server before Redis 7.0, the older form) and its replies are read
-//! by the primitive's shipped reader; the checker holds that reading against
-//! the server's data (granted exactly when the owner holds the lease after
-//! the command, counted from the right send).
+//! schedules, which each process goes through in the runtime's steps, and a
+//! forward jump of the primary's clock in others). Each acquire attempt sends
+//! what the primitive's shipped attempt sends (a `Lock`'s `SET … GET`, with
+//! the wait's `PTTL` once an attempt found the lock held; the scripts with
+//! their arguments; on a server before Redis 7.0, the older form) and its
+//! replies are read by the primitive's shipped reader; the checker holds
+//! that reading against the server's data (granted exactly when the owner
+//! holds the lease after the command, counted from the right send).
 //!
 //! Sets of leases taken all or nothing (`sets_case`): three clients take
 //! random subsets of four plain or fenced leases in random orders with the
@@ -24,11 +25,12 @@ use std::time::{Duration, Instant};
 use super::model::{ClientId, Entry, ModelServer, Reply, Value, argv};
 use super::{Net, Queue, Rng, Stats, instant};
 use crate::core::acquire::{Attempts, CleanUp, dated};
-use crate::core::executor::{Command, Executor as Machine, ExtendReply, Renewal};
-use crate::core::extend::{ResetExpiry, ResetStep};
+use crate::core::executor::{Command, Executor as Machine, ExtendReply, Renewal, Settled};
+use crate::core::extend::{ResetDone, ResetExpiry, ResetStep};
 use crate::core::fences::FenceBook;
 use crate::core::lease::{LeaseCore, Ticket, Verdict};
 use crate::core::schedule::{Next, Schedule, Watched};
+use crate::core::server_clock::{self, Reading, ServerClock};
 use crate::core::timing::Timing;
 use crate::guard::ReleaseOutcome;
 use crate::lease::fenced::FencedSpec;
@@ -364,9 +366,11 @@ enum Req {
         /// A plain lock's `SET` carries `GET`.
         set_get: bool,
     },
-    /// The shipped extension of each lease, in one pipeline.
+    /// The shipped extension of each lease, in one pipeline; the
+    /// executor's renewal pipeline reads the server's `TIME` first.
     Extend {
         items: Vec<(usize, String, u64)>,
+        time: bool,
     },
     Verify {
         key: usize,
@@ -397,6 +401,13 @@ enum Resp {
         set_get: bool,
     },
     Ints(Vec<i64>),
+    /// A renewal pipeline's replies: the server's `TIME` (read when the
+    /// pipeline ran, at `read_at` true time), then each extension's.
+    Renewed {
+        time: Vec<String>,
+        read_at: Duration,
+        ints: Vec<i64>,
+    },
     /// A release's reply, and the outcome the server's data called for.
     Released {
         code: i64,
@@ -435,7 +446,8 @@ struct Pending {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Who {
     User(usize),
-    Exec(usize),
+    /// Process `p`'s executor of the primary of this generation.
+    Exec(usize, u32),
 }
 
 enum Ev {
@@ -462,8 +474,24 @@ enum Ev {
         generation: u32,
         n: usize,
     },
-    /// Process `p` learns of the new primary.
-    Switch(usize),
+    /// Process `p` publishes the new primary: new sends go to it.
+    Publish(usize),
+    /// Process `p` retires the old primary: its executor's claims held for
+    /// kills are freed, and nothing it says counts any more.
+    Retire(usize),
+    /// Process `p` applies the switch to every live lease (the claims whose
+    /// command went elsewhere are given up) and verifies them on the new
+    /// primary.
+    Switched(usize),
+    /// User `u` sends the extension it claimed (after connecting, or being
+    /// descheduled, since the claim).
+    ResetSend {
+        u: usize,
+        ticket: Ticket,
+        reset: ResetExpiry,
+    },
+    /// The current primary's wall clock jumps forward by this many ms.
+    ClockStep(i64),
     /// Someone deletes the key (an operator, an eviction).
     Delete(usize),
 }
@@ -480,7 +508,11 @@ impl Ev {
             Ev::CounterBack => "counter back".into(),
             Ev::Promote => "promote".into(),
             Ev::Replicate { generation, n } => format!("replicate {n} of {generation}"),
-            Ev::Switch(p) => format!("switch {p}"),
+            Ev::Publish(p) => format!("publish {p}"),
+            Ev::Retire(p) => format!("retire {p}"),
+            Ev::Switched(p) => format!("switched {p}"),
+            Ev::ResetSend { u, ticket, .. } => format!("reset send {u} {ticket:?}"),
+            Ev::ClockStep(ms) => format!("clock step {ms} ms"),
             Ev::Delete(key) => format!("delete {key}"),
         }
     }
@@ -500,6 +532,11 @@ struct Guard {
     deleted: Option<Instant>,
     /// A check found it lost: loss is permanent.
     seen_lost: bool,
+    /// Its server's clock jumped forward since its bound was set, and its
+    /// process has not read that server's clock both before and after the
+    /// jump (nor has an extension sent after it been confirmed): until then
+    /// the client cannot know.
+    stepped: bool,
     /// Kept alive since a moment with time enough to renew.
     renewable: bool,
 }
@@ -541,14 +578,53 @@ enum Job {
     Cleanup(Vec<ConnId>, usize, Option<String>, Duration),
 }
 
-/// A process's executor: the shipped machine, driven over one model
-/// connection, one request at a time, with its job queue.
+/// A process's executor of one server: the shipped machine, driven over one
+/// model connection, one request at a time, with its job queue and the
+/// last reading of its server's clock.
 struct Exec {
+    /// The generation of the primary it talks to.
+    server: u32,
     conn: ConnId,
     busy: bool,
+    /// Its server was retired: nothing it says counts any more.
+    retired: bool,
     queue: VecDeque<Job>,
     /// Clean-ups carry the key and the owner to delete by.
     machine: Machine<Arc<Cell>, (usize, Option<String>), ConnId>,
+    /// The shipped reading of the server's clock.
+    clock: ServerClock,
+    /// When (true time) the server ran the last `TIME` fed to `clock`.
+    last_read: Option<Duration>,
+}
+
+impl Proc {
+    /// Its executor of the primary of `generation`, if it has one.
+    fn exec_of(&mut self, generation: u32) -> Option<&mut Exec> {
+        if self.exec.server == generation {
+            return Some(&mut self.exec);
+        }
+        self.old.as_mut().filter(|e| e.server == generation)
+    }
+}
+
+impl Exec {
+    fn new(server: u32, conn: ConnId, node_timeout: Duration) -> Exec {
+        Exec {
+            server,
+            conn,
+            busy: false,
+            retired: false,
+            queue: VecDeque::new(),
+            machine: Machine::new(node_timeout),
+            clock: ServerClock::default(),
+            last_read: None,
+        }
+    }
+}
+
+/// The id the transport gives the primary of `generation`.
+fn server_id(generation: u32) -> u64 {
+    u64::from(generation) + 1
 }
 
 struct Proc {
@@ -562,7 +638,17 @@ struct Proc {
     /// Whether its connections know their ids (an ACL may deny `CLIENT
     /// ID`): without them nothing unanswered can be fenced off.
     ids: bool,
+    /// The executor of the primary it knows.
     exec: Exec,
+    /// The executor of the primary it switched away from, until that one is
+    /// retired and its last request answered.
+    old: Option<Exec>,
+    /// Generations below this are retired: their answers do not count.
+    live_from: u32,
+    /// Between publishing a new primary and applying the switch to the leases.
+    switching: bool,
+    /// Its executor read the primary's clock before and after its last jump.
+    seen_step: bool,
 }
 
 struct World {
@@ -621,6 +707,9 @@ struct World {
     calm: bool,
     /// What an observer of every lease heard.
     hearing: Arc<heard::Hearing>,
+    /// When the primary's clock last jumped forward, and that primary's
+    /// generation.
+    stepped: Option<(Duration, u32)>,
 }
 
 /// Lease keys 0 and 1 share one fence counter. Users 0 (process 0) and 2
@@ -628,6 +717,16 @@ struct World {
 const USERS: [(usize, usize); 3] = [(0, 0), (0, 1), (1, 0)];
 
 pub(crate) fn case(seed: u64) -> Result<Stats, String> {
+    run_case(seed, false)
+}
+
+/// A schedule with a failover (its switch in separate steps that other
+/// events interleave with) or a forward jump of the primary's clock, or both.
+pub(crate) fn faults_case(seed: u64) -> Result<Stats, String> {
+    run_case(seed, true)
+}
+
+fn run_case(seed: u64, faulty: bool) -> Result<Stats, String> {
     let mut rng = Rng::new(seed);
     let node_timeout = Duration::from_millis(10 + rng.below(190));
     let drift_factor = [0.0, 0.01, 0.05][rng.below(3) as usize];
@@ -711,6 +810,7 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         deleted_at: [None; 2],
         calm: false,
         trace: std::env::var_os("RESPIRE_SIM_TRACE").is_some(),
+        stepped: None,
         rng,
     };
     let mut faults = false;
@@ -730,10 +830,40 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
             }),
         );
     }
-    if w.rng.chance(0.3) {
+    // With `faulty`, a failover or a clock step at least, often both.
+    let (promote, step) = if faulty {
+        match w.rng.below(3) {
+            0 => (true, false),
+            1 => (false, true),
+            _ => (true, true),
+        }
+    } else {
+        (w.rng.chance(0.3), false)
+    };
+    // Faults come within the first seconds; in a faulty schedule, while
+    // its users are still busy (a few of the shortest TTLs).
+    let within = match faulty {
+        true => 1_000 + w.ttls[0].as_micros() as u64 * 6,
+        false => 3_000_000,
+    };
+    if faulty {
+        // Messages that are overtaken: an extension in flight across a
+        // switch's steps, or across a clock jump.
+        w.net.p_slow = w.net.p_slow.max(0.04);
+    }
+    if promote {
         w.server.add_replica();
-        let at = w.rng.micros(1_000, 3_000_000);
+        let at = w.rng.micros(1_000, within);
         w.queue.push(at, Ev::Promote);
+        faults = true;
+    }
+    if step {
+        // By less than most leases have left, or by more than any has.
+        let ttl = w.ttls[w.rng.below(w.ttls.len() as u64) as usize];
+        let by = ttl.mul_f64([0.3, 0.6, 1.5][w.rng.below(3) as usize]);
+        let at = w.rng.micros(1_000, within);
+        w.queue
+            .push(at, Ev::ClockStep(by.as_millis().max(1) as i64));
         faults = true;
     }
     for _ in 0..2 {
@@ -745,12 +875,11 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
             wake: None,
             generation: 0,
             ids: w.rng.below(6) != 0,
-            exec: Exec {
-                conn,
-                busy: false,
-                queue: VecDeque::new(),
-                machine: Machine::new(node_timeout),
-            },
+            exec: Exec::new(0, conn, node_timeout),
+            old: None,
+            live_from: 0,
+            switching: false,
+            seen_step: false,
         });
     }
     for (i, &(proc, key)) in USERS.iter().enumerate() {
@@ -842,11 +971,6 @@ impl World {
     /// A new connection of process `p`, to the primary it knows.
     fn conn_for(&mut self, p: usize) -> ConnId {
         self.conn_at(self.procs[p].generation)
-    }
-
-    /// Whether `conn` leads to the primary process `p` knows now.
-    fn current_for(&self, p: usize, conn: ConnId) -> bool {
-        self.conn_gen.get(&conn) == Some(&self.procs[p].generation)
     }
 
     /// The server a connection leads to.
@@ -961,13 +1085,34 @@ impl World {
                     set_get: *set_get,
                 }
             }
-            Req::Extend { items } => {
+            Req::Extend { items, time } => {
+                let clock = match time {
+                    true => match server.command_from(client, &["TIME"]) {
+                        Some(Reply::Array(parts)) => parts
+                            .into_iter()
+                            .map(|p| match p {
+                                Reply::Bulk(b) => Ok(String::from_utf8_lossy(&b).into_owned()),
+                                other => Err(format!("TIME answered {other:?}")),
+                            })
+                            .collect::<Result<Vec<_>, _>>()
+                            .map(Some)?,
+                        other => return Err(format!("TIME answered {other:?}")),
+                    },
+                    false => None,
+                };
                 let mut out = Vec::with_capacity(items.len());
                 for (key, value, ttl_ms) in items {
                     let cmd = ops(kinds[*key], *key, value).extend_cmd(*ttl_ms);
                     out.push(int(run_on(server, client, &cmd).ok_or("closed")?)?);
                 }
-                Resp::Ints(out)
+                match clock {
+                    Some(time) => Resp::Renewed {
+                        time,
+                        read_at: self.now,
+                        ints: out,
+                    },
+                    None => Resp::Ints(out),
+                }
             }
             Req::Verify { key, value } => {
                 match run_on(
@@ -1077,13 +1222,13 @@ impl World {
                 if let Some(p) = self.pending.remove(&id) {
                     let proc = match p.who {
                         Who::User(u) => self.users[u].proc,
-                        Who::Exec(proc) => proc,
+                        Who::Exec(proc, _) => proc,
                     };
-                    let current = self.current_for(proc, p.conn);
-                    // An extension answered by a primary the process switched
-                    // away from meanwhile: the shipped transport runs the call
-                    // once more, and the guard's second run sends nothing and
-                    // hands the answer to its machine as from a replaced server.
+                    let current = !self.retired_for(proc, p.conn);
+                    // An extension answered by a primary the process retired
+                    // meanwhile: the shipped transport runs the call once
+                    // more, and the guard's second run sends nothing and hands
+                    // the answer to its machine as from a replaced server.
                     if !current
                         && let (Who::User(u), Purpose::Reset { ticket, reset }, Resp::Ints(_)) =
                             (p.who, &p.purpose, &resp)
@@ -1097,10 +1242,13 @@ impl World {
                         self.touch(proc, &cell);
                         return self.reset_step(u, reset, step);
                     }
-                    // Any other call from a primary the process no longer
-                    // uses counts as unanswered: its pool was closed at the
-                    // switch.
-                    let resp = current.then_some(resp);
+                    // Any other call from a primary the process retired
+                    // counts as unanswered: its pool was closed then. (The
+                    // executors judge their own replies.)
+                    let resp = match p.who {
+                        Who::User(_) => current.then_some(resp),
+                        Who::Exec(..) => Some(resp),
+                    };
                     self.replied(p, resp)?;
                 }
             }
@@ -1123,13 +1271,45 @@ impl World {
                             g.exposed = true;
                         }
                     }
+                    // Each process learns of it later, and goes through the
+                    // steps of a switch at instants of their own, with room
+                    // for renewals and extensions between them.
+                    // The runtime takes them one after another on one thread:
+                    // often within a round trip, sometimes far apart.
+                    let nt = self.timing.node_timeout.as_micros() as u64;
+                    let rtt = self.net.delay.1 * 2;
                     for p in 0..self.procs.len() {
-                        let at = self.now + self.rng.micros(1_000, 300_000);
-                        self.queue.push(at, Ev::Switch(p));
+                        let publish = self.now + self.rng.micros(1_000, 300_000);
+                        let mut gap = || match self.rng.below(3) {
+                            0 => Duration::ZERO,
+                            1 => self.rng.micros(0, rtt),
+                            _ => self.rng.micros(0, nt * 2),
+                        };
+                        let retire = publish + gap();
+                        let switched = retire + gap();
+                        self.queue.push(publish, Ev::Publish(p));
+                        self.queue.push(retire, Ev::Retire(p));
+                        self.queue.push(switched, Ev::Switched(p));
                     }
                 }
             }
-            Ev::Switch(p) => self.switch(p),
+            Ev::Publish(p) => self.publish(p),
+            Ev::Retire(p) => self.retire(p),
+            Ev::Switched(p) => self.switched(p),
+            Ev::ResetSend { u, ticket, reset } => self.reset_send(u, ticket, reset)?,
+            Ev::ClockStep(ms) => {
+                self.stats.clock_steps += 1;
+                self.server.step_clock(ms);
+                self.stepped = Some((self.now, self.generation));
+                for p in &mut self.procs {
+                    p.seen_step = false;
+                }
+                for u in &mut self.users {
+                    if let Some(g) = &mut u.guard {
+                        g.stepped = true;
+                    }
+                }
+            }
             Ev::Delete(key) => {
                 self.server.put(key_name(key), None);
                 // Of a semaphore, the permits go; the meta hash with its
@@ -1189,15 +1369,67 @@ impl World {
         Ok(())
     }
 
-    /// Process `p` learns that the primary changed, as the runtime does on a
-    /// switch: the old server's executor is retired (the shipped machine
-    /// frees its claims), connections go to the new primary, and every live
-    /// lease gives up what the old server would have confirmed and is
-    /// verified on the new one.
-    fn switch(&mut self, p: usize) {
+    /// Whether process `p` retired the server `conn` leads to.
+    fn retired_for(&self, p: usize, conn: ConnId) -> bool {
+        self.conn_gen
+            .get(&conn)
+            .is_none_or(|g| *g < self.procs[p].live_from)
+    }
+
+    /// Process `p`'s executor of the primary of `generation`, if it has one.
+    fn exec_of(&mut self, p: usize, generation: u32) -> Option<&mut Exec> {
+        self.procs[p].exec_of(generation)
+    }
+
+    /// The first step of a switch, as the runtime takes it: process `p`
+    /// publishes the new primary. New sends (renewals, the holders' calls)
+    /// go there, to a new executor; the old server's executor goes on with
+    /// what it was given until it is retired.
+    fn publish(&mut self, p: usize) {
+        let generation = self.generation;
+        if self.procs[p].generation == generation {
+            return;
+        }
+        self.procs[p].generation = generation;
+        self.procs[p].switching = true;
+        let conn = self.conn_at(generation);
+        let new = Exec::new(generation, conn, self.timing.node_timeout);
+        let old = std::mem::replace(&mut self.procs[p].exec, new);
+        self.procs[p].old = Some(old);
+        for u in 0..self.users.len() {
+            if self.users[u].proc == p {
+                self.users[u].conn = self.conn_for(p);
+            }
+        }
+        self.exec_kick(p);
+        self.arm(p);
+    }
+
+    /// The second step: the old server is retired. What it says no longer
+    /// counts; once its executor has no request out, the shipped machine
+    /// frees the claims it held for kills (their worst case kept) and its
+    /// clean-ups and verifications go to the new primary's executor.
+    fn retire(&mut self, p: usize) {
+        let proc = &mut self.procs[p];
+        let Some(old) = &mut proc.old else {
+            return;
+        };
+        old.retired = true;
+        proc.live_from = old.server + 1;
+        if !old.busy {
+            self.finish_retire(p);
+        }
+    }
+
+    /// The retired executor's machine lets go, as the runtime's does after
+    /// its last request: what is queued there is planned again, handed over
+    /// or (a fence) freed with its worst case kept.
+    fn finish_retire(&mut self, p: usize) {
+        let Some(mut old) = self.procs[p].old.take() else {
+            return;
+        };
         let now = self.at();
-        self.procs[p].generation = self.generation;
-        let (freed, cleanups) = self.procs[p].exec.machine.retire(now);
+        let (freed, cleanups) = old.machine.retire(now);
         for lease in freed {
             self.touch(p, &lease);
         }
@@ -1207,15 +1439,44 @@ impl World {
                 .machine
                 .clean_up(Vec::new(), c.payload, c.give_up_at, now);
         }
-        self.procs[p].exec.conn = self.conn_for(p);
+        for job in old.queue.drain(..) {
+            match job {
+                Job::Renew(batch) => {
+                    for lease in batch {
+                        let again = now + Duration::from_millis(2);
+                        self.procs[p].sched.completed(lease.id(), now, Some(again));
+                    }
+                }
+                Job::Verify(cell) => self.procs[p].exec.queue.push_back(Job::Verify(cell)),
+                Job::Fence(_, lease, ticket) => {
+                    lease.fenced(ticket, now);
+                    self.touch(p, &lease);
+                }
+                Job::Cleanup(_, key, Some(owner), give_up) => self.procs[p]
+                    .exec
+                    .queue
+                    .push_back(Job::Cleanup(Vec::new(), key, Some(owner), give_up)),
+                Job::Cleanup(_, _, None, _) => {}
+            }
+        }
+        self.exec_kick(p);
+        self.arm(p);
+    }
+
+    /// The last step: every live lease of process `p` is told the key's
+    /// server now (a claim whose command went to another is given up) and
+    /// is verified on the new primary.
+    fn switched(&mut self, p: usize) {
+        let now = self.at();
+        self.procs[p].switching = false;
+        let current = server_id(self.procs[p].generation);
         for u in 0..self.users.len() {
             if self.users[u].proc != p {
                 continue;
             }
-            self.users[u].conn = self.conn_for(p);
             if let Some(g) = &self.users[u].guard {
                 let cell = g.cell.clone();
-                cell.switched(now, None);
+                cell.switched(now, Some(current));
                 self.touch(p, &cell);
                 self.procs[p].exec.queue.push_back(Job::Verify(cell));
             }
@@ -1412,7 +1673,7 @@ impl World {
         let Some(g) = &self.users[u].guard else {
             return Ok(());
         };
-        let (cell, key, value) = (g.cell.clone(), g.key, g.value.clone());
+        let cell = g.cell.clone();
         match step {
             ResetStep::Done(_) => self.think(u),
             ResetStep::Wait(_) => {
@@ -1421,19 +1682,55 @@ impl World {
                     .push(self.now + Duration::from_millis(1), Ev::UserNext(u));
             }
             ResetStep::Send(ticket) => {
-                self.stats.extensions += 1;
                 self.touch(p, &cell);
                 self.users[u].busy = true;
-                let conn = self.users[u].conn;
-                let items = vec![(key, value, reset.ttl().as_millis() as u64)];
-                self.send(
-                    Who::User(u),
-                    conn,
-                    Req::Extend { items },
-                    Purpose::Reset { ticket, reset },
-                );
+                // Sent at once, or after a pause (a connection made, the
+                // thread descheduled) in which the deployment may switch.
+                if self.rng.chance(0.2) {
+                    let pause = self.rng.micros(0, self.net.delay.1 * 4);
+                    self.queue
+                        .push(self.now + pause, Ev::ResetSend { u, ticket, reset });
+                    return Ok(());
+                }
+                return self.reset_send(u, ticket, reset);
             }
         }
+        Ok(())
+    }
+
+    /// Sends the extension user `u` claimed with `ticket` to the primary its
+    /// process knows now, unless the claim was given up meanwhile: then,
+    /// as the guard does, it counts as answered by a replaced server.
+    fn reset_send(
+        &mut self,
+        u: usize,
+        ticket: Ticket,
+        mut reset: ResetExpiry,
+    ) -> Result<(), String> {
+        let p = self.users[u].proc;
+        let Some(g) = &self.users[u].guard else {
+            self.users[u].busy = false;
+            self.think(u);
+            return Ok(());
+        };
+        let (cell, key, value) = (g.cell.clone(), g.key, g.value.clone());
+        let conn = self.users[u].conn;
+        let generation = self.conn_gen[&conn];
+        if !cell.dispatched(ticket, server_id(generation)) {
+            self.users[u].busy = false;
+            self.stats.undispatched += 1;
+            let step = reset.replaced(&cell, ticket, self.at());
+            self.touch(p, &cell);
+            return self.reset_step(u, reset, step);
+        }
+        self.stats.extensions += 1;
+        let items = vec![(key, value, reset.ttl().as_millis() as u64)];
+        self.send(
+            Who::User(u),
+            conn,
+            Req::Extend { items, time: false },
+            Purpose::Reset { ticket, reset },
+        );
         Ok(())
     }
 
@@ -1474,6 +1771,9 @@ impl World {
                                 Some(Resp::Ints(v)) => {
                                     let step =
                                         reset.replied(&cell, ticket, ExtendReply::of(v[0]), now);
+                                    if step == ResetStep::Done(ResetDone::Held) {
+                                        self.extended_after_step(&cell, p.sent);
+                                    }
                                     self.learned(&cell, p.sent);
                                     if !matches!(step, ResetStep::Done(_)) {
                                         // Confirmed by a switched-away server:
@@ -1486,11 +1786,23 @@ impl World {
                                 None => {
                                     cell.unanswered(ticket, now);
                                     let conn = self.procs[proc].ids.then_some(p.conn);
-                                    self.procs[proc].exec.queue.push_back(Job::Fence(
-                                        conn,
-                                        cell.clone(),
-                                        ticket,
-                                    ));
+                                    // Fenced by the executor of the server it
+                                    // went to; once that one is retired, the
+                                    // claim is freed with its worst case kept.
+                                    let generation = self.conn_gen[&p.conn];
+                                    let live_from = self.procs[proc].live_from;
+                                    match self.exec_of(proc, generation) {
+                                        Some(exec) if !exec.retired => exec
+                                            .queue
+                                            .push_back(Job::Fence(conn, cell.clone(), ticket)),
+                                        Some(_) => cell.fenced(ticket, now),
+                                        None if generation < live_from => cell.fenced(ticket, now),
+                                        None => self.procs[proc].exec.queue.push_back(Job::Fence(
+                                            conn,
+                                            cell.clone(),
+                                            ticket,
+                                        )),
+                                    }
                                     self.exec_kick(proc);
                                 }
                                 other => return Err(format!("reset reply {other:?}")),
@@ -1525,7 +1837,7 @@ impl World {
                     _ => return Err("user purpose".into()),
                 }
             }
-            Who::Exec(proc) => self.exec_replied(proc, p, resp)?,
+            Who::Exec(proc, generation) => self.exec_replied(proc, generation, p, resp)?,
         }
         Ok(())
     }
@@ -1769,19 +2081,43 @@ impl World {
             deleted: self.deleted_at[key].filter(|d| *d >= sent),
             seen_lost: false,
             renewable: false,
+            // Granted on the clock before a jump: the jump may be found
+            // only by a later reading, or by its next extension. Once its
+            // process has read the server before and after the jump, it
+            // knows: a grant sent before the jump counts no longer than what
+            // the jump left it.
+            stepped: self
+                .stepped
+                .is_some_and(|(at, _)| sent <= instant(self.origin, at))
+                && !self.procs[self.users[u].proc].seen_step,
         });
         self.think(u);
     }
 
-    /// The executor: one request at a time; what the machine hands out
-    /// first (kills, clean-ups), then queued jobs in order.
+    /// Process `p`'s executors: the current one, and the one of the server it
+    /// switched away from until that one is retired.
     fn exec_kick(&mut self, p: usize) {
+        let current = self.procs[p].exec.server;
+        self.kick(p, current);
+        if let Some(old) = self.procs[p].old.as_ref().filter(|e| !e.retired) {
+            let old = old.server;
+            self.kick(p, old);
+        }
+    }
+
+    /// The executor of `generation`'s primary: one request at a time; what
+    /// the machine hands out first (kills, clean-ups), then queued jobs in
+    /// order.
+    fn kick(&mut self, p: usize, generation: u32) {
         let now = self.at();
+        let who = Who::Exec(p, generation);
         loop {
-            if self.procs[p].exec.busy {
+            let Some(exec) = self.procs[p].exec_of(generation) else {
+                return;
+            };
+            if exec.busy {
                 return;
             }
-            let exec = &mut self.procs[p].exec;
             let conn = exec.conn;
             let command = match exec.machine.poll_command(now) {
                 None => None,
@@ -1801,7 +2137,7 @@ impl World {
             };
             if let Some((req, purpose)) = command {
                 exec.busy = true;
-                self.send(Who::Exec(p), conn, req, purpose);
+                self.send(who, conn, req, purpose);
                 return;
             }
             let Some(job) = exec.queue.pop_front() else {
@@ -1822,7 +2158,7 @@ impl World {
                         value: m.value.clone(),
                     };
                     exec.busy = true;
-                    self.send(Who::Exec(p), conn, req, Purpose::ExecVerify { cell });
+                    self.send(who, conn, req, Purpose::ExecVerify { cell });
                     return;
                 }
                 Job::Fence(conn, lease, ticket) => exec.machine.fence(conn, lease, ticket, now),
@@ -1835,52 +2171,122 @@ impl World {
                     for (id, at) in skipped {
                         self.procs[p].sched.completed(id, now, at);
                     }
-                    if let Some(renewal) = renewal {
-                        self.stats.extensions += renewal.items.len() as u64;
-                        let items = renewal
-                            .items
-                            .iter()
-                            .map(|(lease, _, ttl)| {
-                                let m = lease.extra();
-                                (m.key, m.value.clone(), ttl.as_millis() as u64)
-                            })
-                            .collect();
-                        self.procs[p].exec.busy = true;
-                        self.send(
-                            Who::Exec(p),
-                            conn,
-                            Req::Extend { items },
-                            Purpose::Renew { renewal },
-                        );
-                        return;
+                    let Some(mut renewal) = renewal else {
+                        continue;
+                    };
+                    // A claim given up meanwhile is not sent: planned again.
+                    let mut undispatched = Vec::new();
+                    renewal.items.retain(|(lease, ticket, _)| {
+                        let sent = lease.dispatched(*ticket, server_id(generation));
+                        if !sent {
+                            undispatched.push(lease.id());
+                        }
+                        sent
+                    });
+                    for id in undispatched {
+                        self.stats.undispatched += 1;
+                        let again = now + Duration::from_millis(2);
+                        self.procs[p].sched.completed(id, now, Some(again));
                     }
+                    if renewal.items.is_empty() {
+                        continue;
+                    }
+                    self.stats.extensions += renewal.items.len() as u64;
+                    if self.procs[p].switching && generation == self.generation {
+                        self.stats.interleaved += renewal.items.len() as u64;
+                    }
+                    let items = renewal
+                        .items
+                        .iter()
+                        .map(|(lease, _, ttl)| {
+                            let m = lease.extra();
+                            (m.key, m.value.clone(), ttl.as_millis() as u64)
+                        })
+                        .collect();
+                    self.exec_of(p, generation).expect("present").busy = true;
+                    self.send(
+                        who,
+                        conn,
+                        Req::Extend { items, time: true },
+                        Purpose::Renew { renewal },
+                    );
+                    return;
                 }
             }
         }
     }
 
-    fn exec_replied(&mut self, p: usize, pend: Pending, resp: Option<Resp>) -> Result<(), String> {
+    fn exec_replied(
+        &mut self,
+        p: usize,
+        generation: u32,
+        pend: Pending,
+        resp: Option<Resp>,
+    ) -> Result<(), String> {
         let now = self.at();
-        self.procs[p].exec.busy = false;
-        if resp.is_none() {
-            self.procs[p].exec.conn = self.conn_for(p);
+        let Some(exec) = self.exec_of(p, generation) else {
+            return Err(format!("a reply for a gone executor of {generation}"));
+        };
+        exec.busy = false;
+        if exec.retired {
+            // Retired while the request was out: what the old server says no
+            // longer counts (a renewal's claims are settled as unreadable,
+            // their worst case kept, and planned again for the new primary);
+            // then the machine lets go.
+            match pend.purpose {
+                Purpose::Renew { renewal } => {
+                    let len = renewal.items.len();
+                    let unread = std::iter::repeat_n(ExtendReply::Unreadable, len);
+                    let settled = exec.machine.renewed(renewal, unread, now);
+                    for (lease, _, _) in settled {
+                        let again = now + Duration::from_millis(2);
+                        self.procs[p].sched.completed(lease.id(), now, Some(again));
+                    }
+                }
+                Purpose::ExecVerify { cell } => {
+                    self.procs[p].exec.queue.push_back(Job::Verify(cell));
+                }
+                _ => {}
+            }
+            self.finish_retire(p);
+            return Ok(());
         }
+        if resp.is_none() {
+            let conn = self.conn_at(generation);
+            self.exec_of(p, generation).expect("present").conn = conn;
+        }
+        let exec = self.exec_of(p, generation).expect("present");
         match pend.purpose {
             Purpose::Renew { renewal } => match resp {
-                Some(Resp::Ints(v)) => {
-                    let replies = v.into_iter().map(ExtendReply::of);
-                    let settled = self.procs[p].exec.machine.renewed(renewal, replies, now);
-                    for (lease, _, retry) in settled {
+                Some(Resp::Renewed {
+                    time,
+                    read_at,
+                    ints,
+                }) => {
+                    let replies = ints.into_iter().map(ExtendReply::of);
+                    let settled = exec.machine.renewed(renewal, replies, now);
+                    // Extended after the `TIME` read: on the server's clock now.
+                    let spared: Vec<u64> = settled
+                        .iter()
+                        .filter(|(_, outcome, _)| *outcome == Settled::Held)
+                        .map(|(lease, _, _)| lease.id())
+                        .collect();
+                    let drift = settled.first().map(|(l, _, _)| l.drift_factor());
+                    for (lease, outcome, retry) in settled {
                         self.procs[p].sched.completed(lease.id(), now, retry);
                         self.learned(&lease, pend.sent);
+                        if outcome == Settled::Held {
+                            self.extended_after_step(&lease, pend.sent);
+                        }
+                    }
+                    if let Some(drift) = drift {
+                        self.read_clock(p, generation, &time, read_at, pend.sent, &spared, drift)?;
                     }
                 }
                 None => {
                     let conn = self.procs[p].ids.then_some(pend.conn);
-                    let done = self.procs[p]
-                        .exec
-                        .machine
-                        .renewal_unanswered(renewal, conn, now);
+                    let exec = self.exec_of(p, generation).expect("present");
+                    let done = exec.machine.renewal_unanswered(renewal, conn, now);
                     for (id, retry) in done {
                         self.procs[p].sched.completed(id, now, retry);
                     }
@@ -1888,17 +2294,14 @@ impl World {
                 other => return Err(format!("renew reply {other:?}")),
             },
             Purpose::Kill => {
-                let freed = self.procs[p].exec.machine.kill_done(resp.is_some(), now);
+                let freed = exec.machine.kill_done(resp.is_some(), now);
                 self.stats.fences += u64::from(!freed.is_empty());
                 for lease in freed {
                     self.touch(p, &lease);
                 }
             }
             Purpose::CleanupRelease => {
-                self.procs[p]
-                    .exec
-                    .machine
-                    .clean_up_done(resp.is_some(), now);
+                exec.machine.clean_up_done(resp.is_some(), now);
             }
             Purpose::ExecVerify { cell } => match resp {
                 Some(Resp::Ints(v)) => {
@@ -1915,7 +2318,7 @@ impl World {
                     }
                 }
                 // Tried again until it answers or the lease is lost.
-                None => self.procs[p].exec.queue.push_back(Job::Verify(cell)),
+                None => exec.queue.push_back(Job::Verify(cell)),
                 other => return Err(format!("verify reply {other:?}")),
             },
             _ => return Err("executor purpose".into()),
@@ -1923,6 +2326,92 @@ impl World {
         self.exec_kick(p);
         self.arm(p);
         Ok(())
+    }
+
+    /// The shipped reading of a server's clock, as the runtime's executor
+    /// takes it from a renewal pipeline sent at `sent` whose `TIME` the
+    /// server ran at `read_at` (true time): when the clock ran ahead, every
+    /// live lease of process `p` on that server but those in `spared` is
+    /// cut by what it gained.
+    #[allow(clippy::too_many_arguments, reason = "one reading's whole context")]
+    fn read_clock(
+        &mut self,
+        p: usize,
+        generation: u32,
+        time: &[String],
+        read_at: Duration,
+        sent: Instant,
+        spared: &[u64],
+        drift: f64,
+    ) -> Result<(), String> {
+        let now = self.at();
+        let server = server_clock::parse_time(time).ok_or("a TIME reply")?;
+        let reading = Reading {
+            server,
+            sent,
+            received: now,
+        };
+        let exec = self.exec_of(p, generation).expect("present");
+        let gain = exec.clock.read(reading, drift);
+        let before = exec.last_read.replace(read_at);
+        if self.trace {
+            eprintln!("  reading of {generation} by {p}: gain {gain:?}, last read at {before:?}");
+        }
+        // The leases on that server, as the process sees it.
+        let on_it = self.procs[p].generation == generation;
+        if let Some(gain) = gain
+            && on_it
+        {
+            self.stats.clock_cuts += 1;
+            for u in 0..self.users.len() {
+                let Some(g) = &self.users[u].guard else {
+                    continue;
+                };
+                if self.users[u].proc != p || spared.contains(&g.cell.id()) {
+                    continue;
+                }
+                let cell = g.cell.clone();
+                cell.clock_gained(gain, now);
+                self.touch(p, &cell);
+            }
+        }
+        // The checker's side: a jump of this server between the last reading
+        // and this one is known to the process now (whether or not the
+        // shipped reading found it, which the invariants judge).
+        if let (Some(before), Some((at, stepped))) = (before, self.stepped)
+            && on_it
+            && stepped == generation
+            && before < at
+            && at < read_at
+        {
+            self.procs[p].seen_step = true;
+            for u in &mut self.users {
+                if u.proc == p
+                    && let Some(g) = &mut u.guard
+                {
+                    g.stepped = false;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A confirmed extension of `cell` sent at `sent`: after a jump of the
+    /// server's clock it was set on the new clock.
+    fn extended_after_step(&mut self, cell: &Arc<Cell>, sent: Instant) {
+        let Some((at, _)) = self.stepped else {
+            return;
+        };
+        if sent < instant(self.origin, at) {
+            return;
+        }
+        for u in &mut self.users {
+            if let Some(g) = &mut u.guard
+                && Arc::ptr_eq(&g.cell, cell)
+            {
+                g.stepped = false;
+            }
+        }
     }
 
     /// The invariants, at the end of an instant.
@@ -2000,7 +2489,7 @@ impl World {
                 }
                 continue;
             }
-            if g.exposed || g.deleted.is_some() {
+            if g.exposed || g.deleted.is_some() || g.stepped {
                 self.stats.exposed += 1;
                 continue;
             }

@@ -98,7 +98,9 @@ impl World {
 
     /// Notes the extensions `req` sends, if it is one.
     pub(super) fn hear_sent(&self, req: &Req) {
-        let Req::Extend { items } = req else { return };
+        let Req::Extend { items, .. } = req else {
+            return;
+        };
         for (key, value, _) in items {
             let mut held = self.users.iter().filter_map(|u| u.guard.as_ref());
             if let Some(g) = held.find(|g| g.key == *key && g.value == *value) {
@@ -147,7 +149,7 @@ impl World {
         // What the server holds now, for the extensions sent in this instant.
         let mut ends = HashMap::new();
         for g in self.users.iter().filter_map(|u| u.guard.as_ref()) {
-            let exempt = g.exposed || g.deleted.is_some();
+            let exempt = g.exposed || g.deleted.is_some() || g.stepped;
             let end = (!exempt).then(|| self.ends_at(g.key, &g.value)).flatten();
             ends.insert(g.cell.id(), end);
         }
