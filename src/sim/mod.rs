@@ -390,6 +390,18 @@ fn single_deployment_leases() {
     }
 }
 
+/// Seeds that once found a defect, run on every build.
+#[test]
+fn single_deployment_switches_and_clock_steps_found_before() {
+    // A slow `TIME` reply hid a clock step when a reading was compared with
+    // the one before it only.
+    run(
+        "single_deployment_switches_and_clock_steps_found_before",
+        vec![0x5c13_0e0c_8174_60ce],
+        single::faults_case,
+    );
+}
+
 #[test]
 fn single_deployment_switches_and_clock_steps() {
     let stats = run(
