@@ -487,6 +487,21 @@ fn observe_reports_each_change_in_order_and_never_a_lower_term() {
     }
     low.resign().unwrap();
     assert_eq!(value(next(&rx)), None);
+    // A later term still below the highest reported is refused too: the
+    // regression does not lower the bar.
+    let lower = elsewhere
+        .election("{o}")
+        .unwrap()
+        .try_campaign("lower", long)
+        .unwrap()
+        .unwrap();
+    assert_eq!(lower.term().get(), 2);
+    match next(&rx) {
+        Err(Error::FencingRegression { issued, seen, .. }) => assert_eq!((issued, seen), (2, 3)),
+        other => panic!("{other:?}"),
+    }
+    lower.resign().unwrap();
+    assert_eq!(value(next(&rx)), None);
     let _: () = c.set(election.term_key(), 10).unwrap();
     let high = elsewhere
         .election("{o}")

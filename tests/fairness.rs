@@ -133,6 +133,57 @@ fn fifo_grants_go_in_the_order_waiters_joined_the_queue_and_never_out_of_turn() 
 }
 
 #[test]
+fn fifo_waiters_that_wait_several_entry_lifetimes_keep_their_places() {
+    const WAITERS: usize = 3;
+    let server = shared_server();
+    let prefix = unique_prefix("fifo_long_wait");
+    let url = server.url();
+    let holder = fifo_lock(&url, &prefix);
+    let queue = format!("{}:queue", holder.key());
+    let mut admin = server.client();
+    let held = holder.try_acquire(TTL).unwrap().unwrap();
+    let locks: Vec<Lock> = (0..WAITERS).map(|_| fifo_lock(&url, &prefix)).collect();
+    let granted: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+    let mut joined: Vec<String> = Vec::new();
+    let mut orders_seen = 0;
+    thread::scope(|s| {
+        for (i, lock) in locks.iter().enumerate() {
+            let granted = &granted;
+            s.spawn(move || {
+                let g = lock
+                    .acquire_timeout(TTL, Duration::from_secs(30))
+                    .unwrap()
+                    .expect("granted in turn");
+                granted.lock().unwrap().push(i);
+                g.release().unwrap();
+            });
+            wait_until(Duration::from_secs(10), "the waiter to queue", || {
+                admin.zcard::<_, usize>(&queue).unwrap() == i + 1
+            });
+            let order: Vec<String> = admin.zrange(&queue, 0, -1).unwrap();
+            assert_eq!(order[..i], joined[..], "an earlier waiter moved");
+            joined.push(order[i].clone());
+        }
+        // Every entry outlives its lifetime twice over while it waits: each
+        // waiter refreshes its own, and none drops out and queues again
+        // behind the others. The oracle is the server's queue itself.
+        let until = Instant::now() + ENTRY_TTL * 5 / 2;
+        while Instant::now() < until {
+            let order: Vec<String> = admin.zrange(&queue, 0, -1).unwrap();
+            assert_eq!(
+                order, joined,
+                "the server's queue changed order while waiting"
+            );
+            orders_seen += 1;
+            thread::sleep(Duration::from_millis(10));
+        }
+        held.release().unwrap();
+    });
+    println!("the queue read {orders_seen} times in join order");
+    assert_eq!(*granted.lock().unwrap(), (0..WAITERS).collect::<Vec<_>>());
+}
+
+#[test]
 fn a_fifo_wait_that_gives_up_leaves_the_queue_at_once() {
     let server = shared_server();
     let prefix = unique_prefix("fifo_give_up");

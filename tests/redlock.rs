@@ -1271,6 +1271,42 @@ fn loss_is_flagged_before_a_quorum_of_servers_expires_the_lock() {
 }
 
 #[test]
+fn a_lock_granted_over_slow_links_is_bounded_from_the_send_of_its_attempt() {
+    let _x = exclusive();
+    let nodes = Nodes::start(3);
+    let prefix = unique_prefix("slow-grant");
+    let group = nodes.group(&prefix, options(600));
+    let key = format!("{prefix}job");
+    let ttl = Duration::from_secs(3);
+    // Every request reaches its server 150 ms late and every reply comes
+    // back 150 ms late: the servers start the TTL half a round trip after
+    // the attempt went out, and the reply comes a whole one after.
+    for proxy in &nodes.proxies {
+        proxy.set_mode(Mode::Delay(Duration::from_millis(150)));
+    }
+    let guard = group
+        .try_acquire("job", ttl)
+        .unwrap()
+        .expect("nobody holds it");
+    let looked = Instant::now();
+    let believed_until = looked + guard.remaining_estimate();
+    for proxy in &nodes.proxies {
+        proxy.set_mode(Mode::Pass);
+    }
+    // Read directly from the servers, by their clocks (see `server_expiry`).
+    let ends = quorum_expiry(&nodes, &key).expect("held on a quorum");
+    eprintln!(
+        "the guard's bound is {:?} before a quorum of servers expire the lock",
+        ends.saturating_duration_since(believed_until)
+    );
+    assert!(
+        believed_until <= ends,
+        "the guard counts on the lock {:?} past a quorum of servers' expiry",
+        believed_until - ends
+    );
+}
+
+#[test]
 fn release_reports_whether_a_quorum_still_held_the_lock() {
     let _x = exclusive();
     let nodes = Nodes::start(3);

@@ -384,17 +384,26 @@ mod tests {
 
     #[test]
     fn a_failed_primary_is_not_routed_to() {
-        let shard = Array(vec![
-            b("slots"),
-            Array(vec![Int(0), Int(100)]),
-            b("nodes"),
-            Array(vec![
+        // Whichever of the two the server lists first.
+        for nodes in [
+            vec![
                 node("a", 7000, "master", "failed"),
                 node("b", 7003, "master", "online"),
-            ]),
-        ]);
-        let shards = parse_shards(&Array(vec![shard]), false, "h").unwrap();
-        assert_eq!(shards[0].primary.port, 7003);
+            ],
+            vec![
+                node("b", 7003, "master", "online"),
+                node("a", 7000, "master", "failed"),
+            ],
+        ] {
+            let shard = Array(vec![
+                b("slots"),
+                Array(vec![Int(0), Int(100)]),
+                b("nodes"),
+                Array(nodes),
+            ]);
+            let shards = parse_shards(&Array(vec![shard]), false, "h").unwrap();
+            assert_eq!(shards[0].primary.port, 7003);
+        }
     }
 
     #[test]

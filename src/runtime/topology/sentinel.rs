@@ -190,26 +190,15 @@ impl Topology {
         let Shape::Sentinel(s) = &self.shape else {
             return;
         };
-        let mut votes: Vec<(NodeAddr, usize)> = Vec::new();
-        let mut answered = 0;
+        let mut answers = Vec::with_capacity(s.sentinels.len());
         for (i, sentinel) in s.sentinels.iter().enumerate() {
             let budget = sentinel.node_timeout.min(sentinel.connect_timeout);
             match ask_master(sentinel, &s.service, budget, &mut conns[i]) {
-                Ok(Some(addr)) => {
-                    answered += 1;
-                    match votes.iter_mut().find(|(a, _)| *a == addr) {
-                        Some((_, n)) => *n += 1,
-                        None => votes.push((addr, 1)),
-                    }
-                }
-                Ok(None) => answered += 1,
+                Ok(named) => answers.push(named),
                 Err(e) => log::debug!("sentinel {}: {e}", sentinel.addr),
             }
         }
-        votes.sort_by_key(|v| std::cmp::Reverse(v.1));
-        if let Some((addr, n)) = votes.first()
-            && n * 2 > answered
-        {
+        if let Some(addr) = majority(&answers) {
             self.switch_to(addr);
         }
     }
@@ -230,6 +219,25 @@ impl Topology {
             self.check_sentinels(conns);
         }
     }
+}
+
+/// The primary named by more than half of the sentinels that answered, if
+/// one is. `answers` holds one entry per sentinel that answered: the primary
+/// it named, or `None` when it does not know the service (it counts among
+/// those that answered, and names nobody).
+fn majority(answers: &[Option<NodeAddr>]) -> Option<&NodeAddr> {
+    let mut votes: Vec<(&NodeAddr, usize)> = Vec::new();
+    for addr in answers.iter().flatten() {
+        match votes.iter_mut().find(|(a, _)| *a == addr) {
+            Some((_, n)) => *n += 1,
+            None => votes.push((addr, 1)),
+        }
+    }
+    votes.sort_by_key(|v| std::cmp::Reverse(v.1));
+    votes
+        .first()
+        .filter(|(_, n)| n * 2 > answers.len())
+        .map(|(addr, _)| *addr)
 }
 
 /// `SENTINEL GET-MASTER-ADDR-BY-NAME service` on the sentinel `cfg`, reusing
@@ -393,4 +401,40 @@ fn subscribe_switches(
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(port: u16) -> Option<NodeAddr> {
+        Some(NodeAddr {
+            host: "127.0.0.1".to_owned(),
+            port,
+        })
+    }
+
+    #[test]
+    fn a_primary_named_by_more_than_half_of_those_that_answered_is_followed() {
+        assert_eq!(majority(&[addr(1)]), addr(1).as_ref());
+        assert_eq!(majority(&[addr(1), addr(1), addr(2)]), addr(1).as_ref());
+        assert_eq!(majority(&[addr(2), addr(1), addr(1)]), addr(1).as_ref());
+        assert_eq!(
+            majority(&[addr(1), addr(2), addr(2), None, addr(2)]),
+            addr(2).as_ref()
+        );
+    }
+
+    #[test]
+    fn half_of_those_that_answered_or_fewer_move_nothing() {
+        assert_eq!(majority(&[]), None);
+        // Two sentinels that disagree (the third did not answer): a tie.
+        assert_eq!(majority(&[addr(1), addr(2)]), None);
+        assert_eq!(majority(&[addr(2), addr(1)]), None);
+        assert_eq!(majority(&[addr(1), addr(1), addr(2), addr(2)]), None);
+        // A sentinel that does not know the service answered, naming nobody.
+        assert_eq!(majority(&[addr(1), None]), None);
+        assert_eq!(majority(&[addr(1), None, None]), None);
+        assert_eq!(majority(&[None, None, None]), None);
+    }
 }
