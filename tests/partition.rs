@@ -31,11 +31,29 @@ fn coordinator(primary: &TestServer, prefix: &str, replication: Replication) -> 
         .expect("connect")
 }
 
+/// One replica's acknowledgement, waited for long enough that a loaded
+/// machine's replica answers in time when its link is up.
 fn require() -> Replication {
     Replication::Require {
         replicas: 1,
-        timeout: ms(100),
+        timeout: ms(500),
     }
+}
+
+/// Waits until the replica acknowledges the primary's writes (`WAIT` on a
+/// write of the test's own answers 1): until it has acknowledged an offset
+/// once, the primary streams it nothing and a `WAIT` times out.
+fn until_acknowledged(primary: &TestServer) {
+    let mut conn = primary.client();
+    wait_until(ms(10_000), "the replica to acknowledge a write", || {
+        let _: () = redis::cmd("SET")
+            .arg("respire-test-ack")
+            .arg(1)
+            .query(&mut conn)
+            .unwrap();
+        let acked: i64 = redis::cmd("WAIT").arg(1).arg(500).query(&mut conn).unwrap();
+        acked == 1
+    });
 }
 
 /// The replica's `PTTL` for `key`: −2 once it is gone there.
@@ -107,6 +125,7 @@ fn watch(coord: &Coordinator, replica: &TestServer, cut: impl FnOnce()) -> Watch
 fn under_require_a_renewal_no_replica_acknowledged_never_moves_the_bound_past_the_replica() {
     let primary = TestServer::start();
     let (link, replica) = proxied_replica(&primary);
+    until_acknowledged(&primary);
     let prefix = unique_prefix("require_renewal");
     let coord = coordinator(&primary, &prefix, require());
     let w = watch(&coord, &replica, || link.set_mode(Mode::Blackhole));
@@ -126,6 +145,7 @@ fn without_the_replication_guard_the_primary_keeps_the_lease_alive_past_the_repl
     // guard counts on a lease a promoted replica no longer has.
     let primary = TestServer::start();
     let (link, replica) = proxied_replica(&primary);
+    until_acknowledged(&primary);
     let prefix = unique_prefix("off_renewal");
     let coord = coordinator(&primary, &prefix, Replication::Off);
     let lock = coord.lock("job").unwrap();
@@ -151,6 +171,7 @@ fn without_the_replication_guard_the_primary_keeps_the_lease_alive_past_the_repl
 fn under_require_reset_expiry_that_no_replica_acknowledged_is_an_error_and_counts_for_nothing() {
     let primary = TestServer::start();
     let (link, replica) = proxied_replica(&primary);
+    until_acknowledged(&primary);
     let prefix = unique_prefix("require_reset");
     // A node timeout that a loaded machine's round trip after `WAIT`'s own
     // timeout fits in: an answer, not a timeout, is what is judged here.
