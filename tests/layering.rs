@@ -1,4 +1,4 @@
-//! The modules of `src/` import one another in one direction only (DESIGN §7):
+//! The modules of `src/` import one another in one direction only:
 //! leaves, then connections, the pure core, the runtime, the lease family
 //! (whose primitives sit side by side), Redlock and the coordinator. Read from the `crate::` and `super::` paths in the sources,
 //! grouped imports (`use crate::{a, b::{c, d}}`) included.

@@ -1,7 +1,8 @@
 //! The shipped Lua scripts on the model server, under random schedules of
-//! clients and clock, checked against their contracts (DESIGN §3) by a record
-//! kept outside the scripts and outside the model's data: what each reply
-//! granted, extended or released, at which server time, with which TTL.
+//! clients and clock, checked against their contracts (each script's opening
+//! comment) by a record kept outside the scripts and outside the model's
+//! data: what each reply granted, extended or released, at which server time,
+//! with which TTL.
 //!
 //! - Fenced lease (`fenced_acquire`, `lease_extend`, `lease_verify`,
 //!   `lease_release`): every reply is the one the contract gives for the
