@@ -157,6 +157,17 @@ pub(crate) fn settle<L: Claim>(
     }
 }
 
+/// The leases a renewal pipeline extended (settled [`Settled::Held`]): each
+/// ran after the server's `TIME` that opens the pipeline, so its new expiry is
+/// on the clock that reading saw, and a clock cut the reading finds spares it.
+pub(crate) fn extended_in<L: Claim>(settled: &[(L, Settled, Option<Instant>)]) -> Vec<u64> {
+    settled
+        .iter()
+        .filter(|(_, outcome, _)| *outcome == Settled::Held)
+        .map(|(lease, _, _)| lease.id())
+        .collect()
+}
+
 /// Renewals sent as one pipeline, waiting for their replies.
 #[derive(Debug)]
 pub(crate) struct Renewal<L> {

@@ -28,7 +28,7 @@ use parking_lot::Mutex;
 use crate::clock::Clock;
 use crate::conn::cluster::{NodeAddr, Redirect, redirect_of};
 use crate::conn::{Conn, ConnConfig, Identity, Pool};
-use crate::core::executor::{Command, Executor as Machine, ExtendReply, Settled};
+use crate::core::executor::{Command, Executor as Machine, ExtendReply, Settled, extended_in};
 use crate::core::lease::{Ticket, Verdict};
 use crate::core::server_clock::{self, Reading, ServerClock};
 use crate::core::timing;
@@ -743,12 +743,7 @@ impl Executor {
                     });
                 }
                 let settled = self.machine.renewed(renewal, replies, now);
-                // Extended after the `TIME` read: on the server's clock now.
-                let spared: Vec<u64> = settled
-                    .iter()
-                    .filter(|(_, outcome, _)| *outcome == Settled::Held)
-                    .map(|(lease, _, _)| lease.id())
-                    .collect();
+                let spared = extended_in(&settled);
                 let drift = settled.first().map(|(l, _, _)| l.drift_factor());
                 if let (Some(time), Some(drift)) = (&server_time, drift) {
                     self.read_clock(time, sent_at, received_at, drift, &spared);

@@ -2265,12 +2265,7 @@ impl World {
                 }) => {
                     let replies = ints.into_iter().map(ExtendReply::of);
                     let settled = exec.machine.renewed(renewal, replies, now);
-                    // Extended after the `TIME` read: on the server's clock now.
-                    let spared: Vec<u64> = settled
-                        .iter()
-                        .filter(|(_, outcome, _)| *outcome == Settled::Held)
-                        .map(|(lease, _, _)| lease.id())
-                        .collect();
+                    let spared = crate::core::executor::extended_in(&settled);
                     let drift = settled.first().map(|(l, _, _)| l.drift_factor());
                     for (lease, outcome, retry) in settled {
                         self.procs[p].sched.completed(lease.id(), now, retry);
