@@ -1,9 +1,14 @@
-//! The clock every lease decision reads, injectable so that the lease logic can
-//! be driven by simulated time (ureq's `CurrentTime`).
+//! The clock every part of the library reads, injectable so that the lease
+//! logic can be driven by simulated time (ureq's `CurrentTime`).
 //!
 //! The pure lease core (`crate::core`) never reads a clock: every transition
-//! takes the instant it happens at. The runtime and the guards read the
-//! monotonic clock through this trait, once per decision.
+//! takes the instant it happens at. Everything else — connections and their
+//! deadlines, the waiters, the topology threads, the guards, the Redlock
+//! workers — reads the deployment's clock through this trait, which the
+//! coordinator builder hands to every part it makes; tests/layering.rs fails
+//! on a direct `Instant::now` or `.elapsed()` anywhere but here. What blocks
+//! in the operating system (a socket timeout, a channel's timer) still waits
+//! in real time for the span computed from this clock.
 
 use std::sync::Arc;
 use std::time::Instant;

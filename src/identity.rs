@@ -55,6 +55,16 @@ impl Identity {
         Identity { id, addr: None }
     }
 
+    /// A connection no server has (id `i64::MAX`, which a server never hands
+    /// out): killing it checks the right to `CLIENT KILL` (allowed: it
+    /// answers 0; denied: `NOPERM`) and closes nothing.
+    pub(crate) fn nobody() -> Identity {
+        Identity {
+            id: i64::MAX.unsigned_abs(),
+            addr: None,
+        }
+    }
+
     /// The server's id for the connection.
     pub(crate) fn id(&self) -> u64 {
         self.id

@@ -463,12 +463,13 @@ pub(crate) struct Acquiring<'a> {
 }
 
 impl<'a> Acquiring<'a> {
-    /// Reports the attempt to `observer` and starts the call's clock.
+    /// Reports the attempt to `observer` and starts the call's clock at `now`.
     pub(crate) fn start(
         observer: &'a Arc<dyn Observer>,
         key: &'a str,
         primitive: Primitive,
         waits: bool,
+        now: Instant,
     ) -> Acquiring<'a> {
         let event = AttemptEvent {
             key,
@@ -480,7 +481,7 @@ impl<'a> Acquiring<'a> {
             observer: &**observer,
             key,
             primitive,
-            started: Instant::now(),
+            started: now,
             contended: false,
         }
     }
@@ -501,17 +502,18 @@ impl<'a> Acquiring<'a> {
         call(this.observer, "contended", |o| o.contended(&event));
     }
 
-    /// Reports how the call ended, from its result (`once`: a single
-    /// attempt); `grant` names a grant's lease and its fencing token.
+    /// Reports how the call ended at `now`, from its result (`once`: a
+    /// single attempt); `grant` names a grant's lease and its fencing token.
     #[inline]
     pub(crate) fn finish<G>(
         this: Option<Acquiring<'_>>,
         result: &Result<Option<G>, Error>,
         once: bool,
+        now: Instant,
         grant: impl FnOnce(&G) -> (LeaseId, Option<FencingToken>),
     ) {
         let Some(this) = this else { return };
-        let waited = this.started.elapsed();
+        let waited = now.saturating_duration_since(this.started);
         match Ended::of(result, once, grant) {
             Ended::Granted(lease, token) => {
                 let event = GrantEvent {
@@ -652,7 +654,7 @@ mod tests {
     fn a_panicking_observer_is_caught_and_the_call_goes_on() {
         let panics = Arc::new(Panics(AtomicUsize::new(0)));
         let observer: Arc<dyn Observer> = panics.clone();
-        let _started = Acquiring::start(&observer, "k", Primitive::Lock, false);
+        let _started = Acquiring::start(&observer, "k", Primitive::Lock, false, Instant::now());
         assert_eq!(panics.0.load(Ordering::Relaxed), 1);
     }
 

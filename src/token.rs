@@ -58,6 +58,16 @@ impl OwnerToken {
     }
 }
 
+/// A random number in `0.0..1.0` from the operating system's generator (0.5
+/// if it fails): the jitter of back-offs and polls.
+pub(crate) fn random_unit() -> f64 {
+    let mut b = [0u8; 4];
+    if getrandom::fill(&mut b).is_err() {
+        return 0.5;
+    }
+    f64::from(u32::from_le_bytes(b)) / (f64::from(u32::MAX) + 1.0)
+}
+
 /// 16 bytes from the operating system's generator, read 1 KiB at a time per
 /// thread (one system call per 64 tokens, each byte used once).
 fn os_random_16() -> [u8; 16] {

@@ -430,22 +430,160 @@ fn the_lower_layers_import_nothing_above_them() {
     }
 }
 
+/// The primitives of the lease family, side by side: each imports the shared
+/// lease pieces (deployment, kinds, handle, guard), never another primitive,
+/// except where one is built on another (listed in [`BUILT_ON`]).
+const PRIMITIVES: [&str; 7] = [
+    "lease::lock",
+    "lease::fenced",
+    "lease::rwlease",
+    "lease::semaphore",
+    "lease::election",
+    "lease::fairness",
+    "lease::multi",
+];
+
+/// The one import each primitive built on a sibling may make: an election is
+/// a fenced lease with a value; a FIFO-fair lock takes the plain lock's spec.
+const BUILT_ON: [(&str, &str); 2] = [
+    ("lease::election", "lease::fenced"),
+    ("lease::fairness", "lease::lock"),
+];
+
+/// Every import of one primitive by another that [`BUILT_ON`] does not list.
+fn sibling_imports<'a>(edges: &BTreeMap<&'a str, BTreeSet<&'a str>>) -> Vec<(&'a str, &'a str)> {
+    let mut found = Vec::new();
+    for (m, targets) in edges {
+        if !PRIMITIVES.contains(m) {
+            continue;
+        }
+        for t in targets {
+            if PRIMITIVES.contains(t) && !BUILT_ON.contains(&(*m, *t)) {
+                found.push((*m, *t));
+            }
+        }
+    }
+    found
+}
+
 #[test]
 fn the_primitives_import_no_sibling() {
     let mods = modules();
-    let edges = edges(&mods);
-    let primitives = [
-        "lease::lock",
-        "lease::fenced",
-        "lease::rwlease",
-        "lease::semaphore",
-    ];
-    for m in primitives {
+    for m in PRIMITIVES {
         assert!(mods.contains_key(m), "no module {m}");
-        for t in &edges[m] {
-            assert!(!primitives.contains(t), "{m} imports its sibling {t}");
+    }
+    let edges = edges(&mods);
+    let found = sibling_imports(&edges);
+    assert!(
+        found.is_empty(),
+        "primitives importing a sibling: {found:?}"
+    );
+}
+
+#[test]
+fn the_sibling_checker_finds_a_planted_import() {
+    let mut mods = BTreeMap::new();
+    mods.insert(
+        "lease::semaphore".to_owned(),
+        "use crate::lease::rwlease::Spec;".to_owned(),
+    );
+    mods.insert("lease::rwlease".to_owned(), String::new());
+    mods.insert(
+        "lease::election".to_owned(),
+        "use crate::lease::fenced::F;".to_owned(),
+    );
+    mods.insert("lease::fenced".to_owned(), String::new());
+    let edges = edges(&mods);
+    assert_eq!(
+        sibling_imports(&edges),
+        vec![("lease::semaphore", "lease::rwlease")]
+    );
+}
+
+/// `code` (as [`code_only`] gives it) with every item marked `#[cfg(test)]`
+/// blanked out: a block up to its closing brace, anything else up to its `;`.
+fn without_test_items(code: &str) -> String {
+    let mut out: Vec<char> = code.chars().collect();
+    let marker: Vec<char> = "#[cfg(test)]".chars().collect();
+    let mut i = 0;
+    while i + marker.len() <= out.len() {
+        if out[i..i + marker.len()] != marker[..] {
+            i += 1;
+            continue;
+        }
+        let mut j = i + marker.len();
+        let mut depth = 0usize;
+        while j < out.len() {
+            match out[j] {
+                '{' => depth += 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        break;
+                    }
+                }
+                ';' if depth == 0 => break,
+                _ => {}
+            }
+            j += 1;
+        }
+        let end = (j + 1).min(out.len());
+        for c in &mut out[i..end] {
+            if *c != '\n' {
+                *c = ' ';
+            }
+        }
+        i = j + 1;
+    }
+    out.into_iter().collect()
+}
+
+/// Every read of the operating system's monotonic clock that bypasses the
+/// deployment's clock: `Instant::now` or `.elapsed()` in shipped code of any
+/// module but `clock` (test items and the simulation aside), as
+/// `(module, line)`.
+fn direct_clock_reads(mods: &BTreeMap<String, String>) -> Vec<(String, usize)> {
+    let mut found = Vec::new();
+    for (m, text) in mods {
+        if m == "clock" || m == "sim" || m.starts_with("sim::") {
+            continue;
+        }
+        let code = without_test_items(&code_only(text));
+        for (n, line) in code.lines().enumerate() {
+            if line.contains("Instant::now") || line.contains(".elapsed()") {
+                found.push((m.clone(), n + 1));
+            }
         }
     }
+    found
+}
+
+#[test]
+fn every_clock_read_goes_through_the_deployments_clock() {
+    let mods = modules();
+    let found = direct_clock_reads(&mods);
+    assert!(
+        found.is_empty(),
+        "clock reads outside clock.rs (use the deployment's clock): {found:?}"
+    );
+}
+
+#[test]
+fn the_clock_checker_finds_a_planted_read() {
+    let mut mods = BTreeMap::new();
+    mods.insert(
+        "runtime::x".to_owned(),
+        "fn f(c: &dyn Clock) -> Instant {\n    c.now()\n}\nfn g() -> Duration {\n    let t = c.now();\n    t.elapsed()\n}\nfn h() { let s = \"Instant::now()\"; }\n// Instant::now()\n#[cfg(test)]\nmod tests {\n    fn t() { let _ = Instant::now(); }\n}\n#[cfg(test)]\nfn u() { Instant::now(); }\nfn late() -> Instant { Instant::now() }\n"
+            .to_owned(),
+    );
+    mods.insert(
+        "clock".to_owned(),
+        "fn now() -> Instant { Instant::now() }".to_owned(),
+    );
+    assert_eq!(
+        direct_clock_reads(&mods),
+        vec![("runtime::x".to_owned(), 6), ("runtime::x".to_owned(), 16)]
+    );
 }
 
 #[test]

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
 
+use crate::clock::Clock;
 use crate::error::{Error, Result};
 
 use super::url::redact_url;
@@ -47,6 +48,8 @@ pub(crate) struct ConnConfig {
     /// extension (`WAIT` pipelined after it) before it counts, and how long
     /// `WAIT` may block. `None`: extensions count once the primary confirms.
     pub(crate) extension_acks: Option<(u32, Duration)>,
+    /// The clock its deadlines are read on.
+    pub(crate) clock: Arc<dyn Clock>,
     /// The settings it was made from, to reach other servers of the same
     /// deployment (cluster nodes, a new primary) the same way.
     settings: ConnSettings,
@@ -86,6 +89,8 @@ pub(crate) struct ConnSettings {
     pub(crate) connect_timeout: Duration,
     pub(crate) node_timeout: Duration,
     pub(crate) role: RoleCheck,
+    /// The clock every deadline is read on (the deployment's).
+    pub(crate) clock: Arc<dyn Clock>,
     /// See [`ConnConfig::extension_acks`].
     pub(crate) extension_acks: Option<(u32, Duration)>,
     #[cfg(feature = "tls")]
@@ -155,6 +160,7 @@ impl ConnConfig {
             node_timeout: s.node_timeout,
             role: s.role,
             extension_acks: s.extension_acks,
+            clock: s.clock.clone(),
             settings: s,
         })
     }

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use redis::{ConnectionLike, FromRedisValue};
 
+use crate::clock::Clock;
 use crate::error::{Error, Result, is_noperm};
 use crate::identity::Identity;
 use crate::replication::ReplicationPoint;
@@ -54,7 +55,7 @@ impl ConnConfig {
         name: &str,
         extra: &[redis::Cmd],
     ) -> Result<Opened> {
-        let started = Instant::now();
+        let started = self.clock.now();
         let budget = budget
             .min(self.connect_timeout)
             .max(Duration::from_millis(1));
@@ -77,6 +78,7 @@ impl ConnConfig {
             fresh: true,
             uncached: Vec::new(),
             attachment: None,
+            clock: self.clock.clone(),
         };
         // The first round trip also completes a TLS handshake and surfaces a
         // server that accepts connections but does not answer, so its transport
@@ -96,7 +98,7 @@ impl ConnConfig {
             pipe.add_command(cmd.clone());
         }
         let deadline = started + budget;
-        let sent = Instant::now();
+        let sent = self.clock.now();
         let values = match conn.pipeline(&pipe, "connection setup", deadline) {
             Ok(values) => values,
             Err(Error::Timeout { .. }) => {
@@ -108,7 +110,7 @@ impl ConnConfig {
             Err(Error::Io { source, .. }) => return Err(self.connect_error(source, budget)),
             Err(e) => return Err(e),
         };
-        let round_trip = sent.elapsed();
+        let round_trip = self.clock.now().saturating_duration_since(sent);
         let mut values = values.into_iter();
         match values.next() {
             Some(redis::Value::ServerError(e)) if matches!(e.code(), "NOAUTH" | "WRONGPASS") => {
@@ -233,16 +235,19 @@ pub(crate) struct Conn {
     /// State a higher layer keeps with this connection and drops with it (the
     /// waiters keep client-tracking state here, and hear of the close by its drop).
     pub(crate) attachment: Option<Box<dyn Any + Send>>,
-}
-
-/// The time left until `deadline`, at least 1 ms (the smallest socket timeout).
-pub(crate) fn left(deadline: Instant) -> Duration {
-    deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(1))
+    /// The clock its deadlines are read on (the deployment's).
+    clock: Arc<dyn Clock>,
 }
 
 impl Conn {
+    /// The time left until `deadline`, at least 1 ms (the smallest socket
+    /// timeout).
+    fn left(&self, deadline: Instant) -> Duration {
+        deadline
+            .saturating_duration_since(self.clock.now())
+            .max(Duration::from_millis(1))
+    }
+
     /// Whether the connection was just opened (never idle in a pool, where
     /// the server may have closed it meanwhile).
     pub(crate) fn is_fresh(&self) -> bool {
@@ -278,7 +283,7 @@ impl Conn {
     /// Sets the socket timeouts to the time left until `deadline`, in whole
     /// milliseconds rounded down, touching the socket only when that changes.
     fn set_deadline(&mut self, deadline: Instant) -> Result<Duration> {
-        self.set_left(left(deadline))
+        self.set_left(self.left(deadline))
     }
 
     /// Sets the socket timeouts to `left`, in whole milliseconds rounded down
@@ -363,7 +368,7 @@ impl Conn {
         let wrapped = wrap(pipe.cmd_iter(), asking, wait, track);
         let mut values = self.raw_pipeline(&wrapped, op, deadline)?;
         if track {
-            let timeout = left(deadline);
+            let timeout = self.left(deadline);
             if let redis::Value::ServerError(e) = values.remove(0) {
                 return Err(self.fail(redis::RedisError::from(e), op, timeout));
             }
@@ -396,7 +401,7 @@ impl Conn {
         while values.len() < count {
             // One clock read per reply: no time left ends the call, and what
             // is left bounds the read.
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.saturating_duration_since(self.clock.now());
             if left.is_zero() {
                 self.broken = true;
                 return Err(Error::Timeout { op, after: timeout });
@@ -447,7 +452,7 @@ impl Conn {
                     "script {} not cached on the server; sending it",
                     script.name
                 );
-                if Instant::now() >= deadline {
+                if self.clock.now() >= deadline {
                     return Err(Error::Timeout {
                         op,
                         after: Duration::ZERO,
@@ -565,7 +570,7 @@ impl Conn {
         };
         for sha in [uncached.is_none(), false] {
             let pipe = wrap(std::iter::once(&cmd), asking, wait, track);
-            let timeout = left(deadline);
+            let timeout = self.left(deadline);
             let mut values = self.raw_pipeline(&pipe, op, deadline)?.into_iter();
             if track && let Some(redis::Value::ServerError(e)) = values.next() {
                 return Err(self.fail(redis::RedisError::from(e), op, timeout));
@@ -584,7 +589,7 @@ impl Conn {
                         "script {} not cached on the server; sending it",
                         script.name
                     );
-                    if Instant::now() >= deadline {
+                    if self.clock.now() >= deadline {
                         return Err(Error::Timeout {
                             op,
                             after: Duration::ZERO,
@@ -623,6 +628,7 @@ impl Conn {
         read_every: Duration,
     ) -> Result<Subscriber<'_>> {
         let io = |op: &'static str| move |source: redis::RedisError| Error::Io { op, source };
+        let clock = self.clock.clone();
         let raw = &mut self.inner;
         raw.set_read_timeout(Some(node_timeout.max(read_every)))
             .and_then(|()| raw.set_write_timeout(Some(node_timeout)))
@@ -654,13 +660,14 @@ impl Conn {
         pubsub
             .set_read_timeout(Some(read_every))
             .map_err(io("setting socket timeouts"))?;
-        Ok(Subscriber { pubsub })
+        Ok(Subscriber { pubsub, clock })
     }
 }
 
 /// A subscribed connection (see [`Conn::subscribe`]).
 pub(crate) struct Subscriber<'a> {
     pubsub: redis::PubSub<'a>,
+    clock: Arc<dyn Clock>,
 }
 
 impl Subscriber<'_> {
@@ -675,11 +682,11 @@ impl Subscriber<'_> {
         on: &mut dyn FnMut(redis::Msg) -> bool,
     ) -> Result<()> {
         let io = |op: &'static str| move |source: redis::RedisError| Error::Io { op, source };
-        let mut last_heard = Instant::now();
+        let mut last_heard = self.clock.now();
         loop {
             match self.pubsub.get_message() {
                 Ok(msg) => {
-                    last_heard = Instant::now();
+                    last_heard = self.clock.now();
                     if !on(msg) {
                         return Ok(());
                     }
@@ -688,9 +695,10 @@ impl Subscriber<'_> {
                     if stop() {
                         return Ok(());
                     }
-                    if last_heard.elapsed() >= ping_every {
+                    let now = self.clock.now();
+                    if now.saturating_duration_since(last_heard) >= ping_every {
                         self.pubsub.ping::<redis::Value>().map_err(io("PING"))?;
-                        last_heard = Instant::now();
+                        last_heard = now;
                     }
                 }
                 Err(e) => return Err(io("receiving a subscribed message")(e)),

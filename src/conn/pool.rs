@@ -80,14 +80,14 @@ impl Pool {
                 drop(state);
                 let budget = match connect {
                     Connect::Own => self.cfg.connect_timeout,
-                    Connect::Within => deadline.saturating_duration_since(Instant::now()),
+                    Connect::Within => deadline.saturating_duration_since(self.cfg.clock.now()),
                 };
-                let opened = Instant::now();
+                let opened = self.cfg.clock.now();
                 return match self.cfg.connect(budget, "respire") {
                     Ok(conn) => Ok(Pooled {
                         pool: self,
                         conn: Some(Box::new(conn)),
-                        connect_time: opened.elapsed(),
+                        connect_time: self.cfg.clock.now().saturating_duration_since(opened),
                     }),
                     Err(e) => {
                         self.state.lock().open -= 1;
@@ -96,9 +96,11 @@ impl Pool {
                     }
                 };
             }
-            let started = *started.get_or_insert_with(Instant::now);
+            let started = *started.get_or_insert_with(|| self.cfg.clock.now());
             if self.freed.wait_until(&mut state, deadline).timed_out() {
-                return Err(Error::PoolTimeout(started.elapsed()));
+                return Err(Error::PoolTimeout(
+                    self.cfg.clock.now().saturating_duration_since(started),
+                ));
             }
         }
     }

@@ -9,7 +9,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::clock;
+use crate::clock::{self, Clock};
 use crate::conn::url::{Auth, DEFAULT_PORT, ParsedTarget, parse_target};
 use crate::conn::{ConnConfig, ConnSettings, Protocol, RoleCheck, redact_url};
 use crate::core::timing::Timing;
@@ -362,6 +362,8 @@ pub struct CoordinatorBuilder {
     sentinel_password: Option<String>,
     node_tls: Option<bool>,
     observer: Option<Arc<dyn Observer>>,
+    /// The clock every part of the deployment reads (the monotonic clock).
+    clock: Arc<dyn Clock>,
     #[cfg(feature = "tls")]
     tls: crate::conn::TlsMaterial,
     #[cfg(feature = "tls")]
@@ -405,6 +407,7 @@ impl CoordinatorBuilder {
             sentinel_password: None,
             node_tls: None,
             observer: None,
+            clock: clock::system(),
             #[cfg(feature = "tls")]
             tls: Default::default(),
             #[cfg(feature = "tls")]
@@ -621,7 +624,7 @@ impl CoordinatorBuilder {
         let settings = Settings {
             pool_size: self.pool_size,
             refresh: self.refresh,
-            clock: clock::system(),
+            clock: self.clock.clone(),
             observer: self.observer.clone(),
         };
         let role = match self.replication {
@@ -842,6 +845,7 @@ impl CoordinatorBuilder {
             connect_timeout: self.connect_timeout,
             node_timeout: self.node_timeout,
             role,
+            clock: self.clock.clone(),
             extension_acks: match self.replication {
                 Replication::Require { replicas, timeout } => Some((replicas, timeout)),
                 _ => None,
@@ -862,6 +866,7 @@ impl CoordinatorBuilder {
             connect_timeout: self.connect_timeout,
             node_timeout: self.node_timeout,
             role: RoleCheck::None,
+            clock: self.clock.clone(),
             extension_acks: None,
             #[cfg(feature = "tls")]
             tls: self

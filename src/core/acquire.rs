@@ -78,6 +78,22 @@ impl<C> Attempts<C> {
         self.unanswered.extend(conns);
     }
 
+    /// A try of an attempt sent at `sent` ended: with no reply (`unanswered`:
+    /// it may have been applied), or with one; either way it went out on
+    /// `conns` (a call that followed redirections left several).
+    pub(crate) fn tried(
+        &mut self,
+        unanswered: bool,
+        sent: Instant,
+        conns: impl IntoIterator<Item = C>,
+    ) {
+        if unanswered {
+            self.unanswered(sent, conns);
+        } else {
+            self.went_out_on(conns);
+        }
+    }
+
     /// An attempt sent at `sent` was granted.
     pub(crate) fn granted(&mut self, sent: Instant) {
         self.granted_at.get_or_insert(sent);

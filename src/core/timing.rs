@@ -63,11 +63,26 @@ pub(crate) fn drift(ttl: Duration, factor: f64) -> Duration {
     ttl.mul_f64(factor) + Duration::from_millis(2)
 }
 
+/// The one back-off of the library: the pause after the `n`-th failure (or
+/// busy attempt) in a row, `base × 2^(n−1)` at most `max`, of which `unit`
+/// (a random number in `0.0..1.0`; 1.0 for no jitter) keeps between half and
+/// all, so that contenders who failed together do not retry together.
+pub(crate) fn backoff(n: u32, base: Duration, max: Duration, unit: f64) -> Duration {
+    let shift = n.clamp(1, 17) - 1;
+    let ceiling = base.saturating_mul(1u32 << shift).min(max);
+    ceiling.mul_f64(0.5 + 0.5 * unit.clamp(0.0, 1.0))
+}
+
 /// How long a Redlock node's connector pauses after its `failures`-th failed
-/// try in a row: 25 ms, doubling, at most 1 s.
+/// try in a row: 25 ms, doubling, at most 1 s (no jitter: each node has its
+/// own connector, and a healed node should be found soon).
 pub(crate) fn rest_after(failures: u32) -> Duration {
-    let shift = failures.clamp(1, 7) - 1;
-    (Duration::from_millis(25) * (1u32 << shift)).min(Duration::from_secs(1))
+    backoff(
+        failures,
+        Duration::from_millis(25),
+        Duration::from_secs(1),
+        1.0,
+    )
 }
 
 /// How long to wait before retrying a renewal that failed.

@@ -2,6 +2,7 @@
 //! share: one attempt, bounded and cancellable waits, and the clean-up after
 //! attempts whose reply was lost.
 
+use std::cell::RefCell;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -96,12 +97,12 @@ pub(crate) enum Wait<'a> {
 }
 
 impl<'a> Wait<'a> {
-    /// The wait as it starts: `Cancelled` if its token already is, and one
-    /// attempt if its deadline has already passed.
-    pub(crate) fn starting(self) -> Result<Wait<'a>> {
+    /// The wait as it starts at `now`: `Cancelled` if its token already is,
+    /// and one attempt if its deadline has already passed.
+    pub(crate) fn starting(self, now: Instant) -> Result<Wait<'a>> {
         match self {
             Wait::Until(_, Some(cancel)) if cancel.is_cancelled() => Err(Error::Cancelled),
-            Wait::Until(Some(deadline), _) if deadline <= Instant::now() => Ok(Wait::Once),
+            Wait::Until(Some(deadline), _) if deadline <= now => Ok(Wait::Once),
             other => Ok(other),
         }
     }
@@ -156,8 +157,7 @@ impl<K: Kind> Lease<K> {
     /// As [`try_acquire`](Lease::try_acquire); retryable errors only when the
     /// wait ran out after a failed attempt.
     pub fn acquire_timeout(&self, ttl: Duration, wait: Duration) -> Result<Option<LeaseGuard<K>>> {
-        let now = Instant::now();
-        match now.checked_add(wait) {
+        match self.dep.now().checked_add(wait) {
             Some(deadline) => self.acquire_deadline(ttl, deadline),
             None => self.run(ttl, Wait::Until(None, None)),
         }
@@ -206,13 +206,15 @@ impl<K: Kind> Lease<K> {
 
     fn run(&self, ttl: Duration, wait: Wait<'_>) -> Result<Option<LeaseGuard<K>>> {
         let once = matches!(wait, Wait::Once);
-        let start = |o| Acquiring::start(o, self.first_key(), K::PRIMITIVE, !once);
+        let start = |o| Acquiring::start(o, self.first_key(), K::PRIMITIVE, !once, self.dep.now());
         let mut seen = self.dep.observer().map(start);
         let result = self.run_seen(ttl, wait, &mut seen);
         if let Ok(Some(guard)) = &result {
             guard.cell().observe_with(self.dep.observer(), K::PRIMITIVE);
         }
-        Acquiring::finish(seen, &result, once, |g| (g.lease_id(), K::token(g.grant())));
+        Acquiring::finish(seen, &result, once, self.dep.now(), |g| {
+            (g.lease_id(), K::token(g.grant()))
+        });
         result
     }
 
@@ -233,7 +235,7 @@ impl<K: Kind> Lease<K> {
         let dep = &self.dep;
         let ttl_ms = dep.check_ttl(ttl)?;
         history_kept(dep, &self.spec.keys()[0])?;
-        let wait = wait.starting()?;
+        let wait = wait.starting(dep.now())?;
         let owner = OwnerToken::new();
         let (result, attempts) = match wait {
             Wait::Once => self.once(&owner, ttl_ms, seen),
@@ -327,55 +329,40 @@ impl<K: Kind> Lease<K> {
         Attempts<Uncertain>,
     ) {
         let dep = &self.dep;
-        let mut attempts = Attempts::default();
+        let attempts = RefCell::new(Attempts::default());
         let now = dep.now();
         let deadline = now + dep.node_timeout() + dep.replication.timeout();
-        let mut result = Err(Error::Cancelled);
-        for retry in [false, true] {
-            let mut reused = false;
-            let mut first = !retry;
-            let mut started = now;
-            let (r, lost) = dep.on_key(
-                &self.spec.keys()[0],
-                deadline,
-                Connect::Own,
-                |conn, deadline| {
-                    reused = !conn.is_fresh();
-                    // The attempt goes out now. The clock was read for the
-                    // deadline just before, with nothing waited for since
-                    // when this first try has a pooled connection: that read
-                    // stands (an earlier send time is the safe side). After a
-                    // connect or a redirect, it is read again.
-                    if !(std::mem::take(&mut first) && reused) {
-                        started = dep.now();
-                    }
-                    let since = attempts.since();
-                    let r = self.attempt(conn, owner, ttl_ms, deadline, started, false, since);
-                    if let Ok(Attempt::Busy(pttl)) = &r {
-                        Acquiring::busy(seen, Some(*pttl));
-                    }
-                    if matches!(r, Ok(Attempt::Acquired(_))) {
-                        attempts.granted(started);
-                    }
-                    r
-                },
-            );
-            result = r.map(|a| match a {
-                Attempt::Acquired(g) => Some(g),
-                Attempt::Busy(_) => None,
-            });
-            if result.as_ref().is_err_and(Error::is_uncertain) {
-                attempts.unanswered(started, lost);
-            } else {
-                attempts.went_out_on(lost);
-            }
-            let dead_pooled = reused && matches!(result, Err(Error::Io { .. }));
-            if dead_pooled && !retry {
-                continue;
-            }
-            break;
-        }
-        (result, attempts)
+        let mut first = true;
+        let started = std::cell::Cell::new(now);
+        let result = dep.on_key_fresh_retry(
+            &self.spec.keys()[0],
+            deadline,
+            Connect::Own,
+            |conn, deadline| {
+                // The attempt goes out now. The clock was read for the
+                // deadline just before, with nothing waited for since when
+                // the first try has a pooled connection: that read stands (an
+                // earlier send time is the safe side). After a connect, a
+                // redirect or a dead pooled connection, it is read again.
+                if !std::mem::take(&mut first) || conn.is_fresh() {
+                    started.set(dep.now());
+                }
+                let since = attempts.borrow().since();
+                let r = self.attempt(conn, owner, ttl_ms, deadline, started.get(), false, since);
+                if let Ok(Attempt::Busy(pttl)) = &r {
+                    Acquiring::busy(seen, Some(*pttl));
+                }
+                if matches!(r, Ok(Attempt::Acquired(_))) {
+                    attempts.borrow_mut().granted(started.get());
+                }
+                r
+            },
+            |r, lost| {
+                let unanswered = r.as_ref().is_err_and(Error::is_uncertain);
+                attempts.borrow_mut().tried(unanswered, started.get(), lost);
+            },
+        );
+        (result.map(Attempt::granted), attempts.into_inner())
     }
 
     #[allow(

@@ -121,6 +121,35 @@ impl Deployment {
             })
     }
 
+    /// [`on_key`](Deployment::on_key), once more on a fresh connection when
+    /// the first try went out on a pooled connection that turned out dead
+    /// (an I/O error: the server closed it while it was idle, as after a
+    /// restart or an idle timeout): for commands that may run twice. `tried`
+    /// hears each try's result and where a command that got no reply went.
+    pub(crate) fn on_key_fresh_retry<T>(
+        &self,
+        key: &str,
+        deadline: Instant,
+        connect: Connect,
+        mut f: impl FnMut(&mut Conn, Instant) -> Result<T>,
+        mut tried: impl FnMut(&Result<T>, Option<Uncertain>),
+    ) -> Result<T> {
+        let mut result = Err(Error::Cancelled);
+        for retry in [false, true] {
+            let mut reused = false;
+            let (r, lost) = self.on_key(key, deadline, connect, |conn, deadline| {
+                reused = !conn.is_fresh();
+                f(conn, deadline)
+            });
+            tried(&r, lost);
+            result = r;
+            if retry || !reused || !matches!(result, Err(Error::Io { .. })) {
+                break;
+            }
+        }
+        result
+    }
+
     pub(crate) fn node_timeout(&self) -> Duration {
         self.timing.node_timeout
     }
@@ -249,13 +278,7 @@ impl Deployment {
         }
         // An id no connection has: allowed ⇒ `:0`, denied ⇒ NOPERM. (Every
         // node of a cluster is assumed to have the same ACL.)
-        let kill = redis::cmd("CLIENT")
-            .arg("KILL")
-            .arg("ID")
-            .arg(i64::MAX)
-            .arg("SKIPME")
-            .arg("yes")
-            .clone();
+        let kill = Identity::nobody().kill_cmd();
         match conn.query::<i64>(&kill, "CLIENT KILL", deadline) {
             Ok(_) => {
                 let _ = self.keepalive_ok.set(());

@@ -244,21 +244,15 @@ impl Election {
     /// when the lease key holds something that is not a leader's lease.
     pub fn leader(&self) -> Result<Option<Leader>> {
         let deadline = self.dep.now() + self.dep.node_timeout();
-        let mut result = Err(Error::Cancelled);
-        for retry in [false, true] {
-            let mut reused = false;
-            result = self
-                .dep
-                .on_key(&self.keys[0], deadline, Connect::Own, |conn, deadline| {
-                    reused = !conn.is_fresh();
-                    self.read(conn, deadline)
-                })
-                .0;
-            if !(reused && !retry && matches!(result, Err(Error::Io { .. }))) {
-                break;
-            }
-        }
-        result.map(|r| r.leader)
+        self.dep
+            .on_key_fresh_retry(
+                &self.keys[0],
+                deadline,
+                Connect::Own,
+                |conn, deadline| self.read(conn, deadline),
+                |_, _| {},
+            )
+            .map(|r| r.leader)
     }
 
     /// Follows the leader: a blocking iterator that yields the current leader
@@ -558,7 +552,7 @@ impl LeaderChanges {
             return None;
         }
         if self.failures > 0 {
-            let pause = Instant::now() + failure_pause(self.failures);
+            let pause = self.election.dep.now() + failure_pause(self.failures);
             let wake = deadline.map_or(pause, |d| d.min(pause));
             crossbeam_channel::select! {
                 recv(cancelled) -> _ => return None,

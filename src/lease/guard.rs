@@ -173,26 +173,22 @@ impl<K: Kind> LeaseGuard<K> {
         op: &'static str,
     ) -> Result<Option<Duration>> {
         let deadline = self.dep.now() + self.dep.node_timeout();
-        let mut reply = Err(Error::Cancelled);
         let mut sent = self.dep.now();
         // A pooled connection the server closed (a restart): once more on a
         // fresh one, which is safe for an idempotent script.
-        for retry in [false, true] {
-            let mut reused = false;
-            reply = self
-                .dep
-                .on_key(self.key(), deadline, Connect::Own, |conn, deadline| {
-                    reused = !conn.is_fresh();
+        let reply = self
+            .dep
+            .on_key_fresh_retry(
+                self.key(),
+                deadline,
+                Connect::Own,
+                |conn, deadline| {
                     sent = self.dep.now();
                     conn.script::<Vec<i64>>(script, keys, args, op, deadline)
-                })
-                .0
-                .map_err(|e| bad_key_in(e, keys));
-            if !(reused && !retry && matches!(reply, Err(Error::Io { .. }))) {
-                break;
-            }
-        }
-        let reply = reply?;
+                },
+                |_, _| {},
+            )
+            .map_err(|e| bad_key_in(e, keys))?;
         let now = self.dep.now();
         match Verdict::of(&reply) {
             Some(verdict) => {
@@ -428,28 +424,23 @@ impl<K: Kind> LeaseGuard<K> {
         let ops = self.cell.extra();
         let keys = ops.key_refs();
         let args = ops.release_arg_refs();
-        let mut reply = Err(Error::Cancelled);
         // A pooled connection the server closed (a restart): once more on a
         // fresh one within the same bound (deleting by owner is idempotent).
-        for retry in [false, true] {
-            let mut reused = false;
-            reply = self
-                .dep
-                .on_key(self.key(), deadline, Connect::Within, |conn, deadline| {
-                    reused = !conn.is_fresh();
-                    conn.script::<i64>(
-                        ops.release_script(),
-                        &keys,
-                        args.as_slice(),
-                        "release",
-                        deadline,
-                    )
-                })
-                .0;
-            if !(reused && !retry && matches!(reply, Err(Error::Io { .. }))) {
-                break;
-            }
-        }
+        let reply = self.dep.on_key_fresh_retry(
+            self.key(),
+            deadline,
+            Connect::Within,
+            |conn, deadline| {
+                conn.script::<i64>(
+                    ops.release_script(),
+                    &keys,
+                    args.as_slice(),
+                    "release",
+                    deadline,
+                )
+            },
+            |_, _| {},
+        );
         // An earlier attempt of the acquire may still arrive and set the
         // lease again, now that it is free: once its connection is killed,
         // what it set is deleted by owner.
@@ -638,6 +629,7 @@ mod tests {
             connect_timeout: ms(100),
             node_timeout: ms(100),
             role: RoleCheck::None,
+            clock: clock.clone(),
             extension_acks: None,
             #[cfg(feature = "tls")]
             tls: Default::default(),

@@ -3,11 +3,13 @@
 //! primitive implements (`kind.rs`), the generic handle `Lease<K>`
 //! (`acquire.rs`) and guard `LeaseGuard<K>` (`guard.rs`), and the reply
 //! helpers below. Then one file per primitive, side by side: `lock.rs`,
-//! `fenced.rs`, `rwlease.rs` and `semaphore.rs`; each imports the shared
-//! pieces only, never another primitive, except `election.rs`, which is a
-//! fenced lease with a value (it builds on `fenced.rs`). `multi.rs` holds
-//! several plain or fenced leases as one set (the coordinator hands it the
-//! leases).
+//! `fenced.rs`, `rwlease.rs`, `semaphore.rs`, `election.rs`, `fairness.rs`
+//! and `multi.rs`; each imports the shared pieces only, never another
+//! primitive, except where one is built on another: `election.rs` is a
+//! fenced lease with a value (it builds on `fenced.rs`), and `fairness.rs`
+//! queues the plain lock of `lock.rs`. `multi.rs` holds several plain or
+//! fenced leases as one set (the coordinator hands it the leases).
+//! tests/layering.rs checks both rules.
 
 pub(crate) mod acquire;
 pub(crate) mod deployment;

@@ -17,6 +17,7 @@
 //! [`FencedLock`](crate::FencedLock)); the [`MultiGuard`] holds one guard per
 //! key and answers for the set.
 
+use std::cell::RefCell;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -255,7 +256,7 @@ impl<K: Kind> MultiLease<K> {
     /// As [`try_acquire`](MultiLease::try_acquire); retryable errors only
     /// when the wait ran out after a failed attempt.
     pub fn acquire_timeout(&self, ttl: Duration, wait: Duration) -> Result<Option<MultiGuard<K>>> {
-        match Instant::now().checked_add(wait) {
+        match self.dep.now().checked_add(wait) {
             Some(deadline) => self.acquire_deadline(ttl, deadline),
             None => self.run(ttl, Wait::Until(None, None)),
         }
@@ -314,7 +315,13 @@ impl<K: Kind> MultiLease<K> {
                 .iter()
                 .map(|m| {
                     let key = m.physical_keys()[0].as_str();
-                    Some(Acquiring::start(observer, key, K::PRIMITIVE, !once))
+                    Some(Acquiring::start(
+                        observer,
+                        key,
+                        K::PRIMITIVE,
+                        !once,
+                        self.dep.now(),
+                    ))
                 })
                 .collect(),
             None => Vec::new(),
@@ -328,10 +335,16 @@ impl<K: Kind> MultiLease<K> {
             }
         }
         for (i, member) in seen.into_iter().enumerate() {
-            Acquiring::finish(member, &result, once, |g: &MultiGuard<K>| {
-                let m = &g.members[i];
-                (m.lease_id(), K::token(m.grant()))
-            });
+            Acquiring::finish(
+                member,
+                &result,
+                once,
+                self.dep.now(),
+                |g: &MultiGuard<K>| {
+                    let m = &g.members[i];
+                    (m.lease_id(), K::token(m.grant()))
+                },
+            );
         }
         result
     }
@@ -346,7 +359,7 @@ impl<K: Kind> MultiLease<K> {
         if self.one_call {
             history_kept(&self.dep, self.members[0].physical_keys()[0].as_str())?;
         }
-        let wait = wait.starting()?;
+        let wait = wait.starting(self.dep.now())?;
         if self.one_call {
             self.at_once(ttl_ms, wait, seen)
         } else {
@@ -389,7 +402,7 @@ impl<K: Kind> MultiLease<K> {
             drop(guard);
             let out_of_time = match wait {
                 Wait::Once => true,
-                Wait::Until(deadline, _) => deadline.is_some_and(|d| Instant::now() >= d),
+                Wait::Until(deadline, _) => deadline.is_some_and(|d| self.dep.now() >= d),
             };
             if out_of_time {
                 return Ok(None);
@@ -480,37 +493,29 @@ impl<K: Kind> MultiLease<K> {
         Attempts<crate::runtime::topology::Uncertain>,
     ) {
         let dep = &self.dep;
-        let mut attempts = Attempts::default();
+        let attempts = RefCell::new(Attempts::default());
         let deadline = dep.now() + dep.node_timeout() + dep.replication.timeout();
         let key = &self.members[0].physical_keys()[0];
-        let mut result = Err(Error::Cancelled);
-        for retry in [false, true] {
-            let mut reused = false;
-            let mut started = dep.now();
-            let (r, lost) = dep.on_key(key, deadline, Connect::Own, |conn, deadline| {
-                reused = !conn.is_fresh();
-                started = dep.now();
-                let r = self.attempt(conn, owner, ttl_ms, deadline, attempts.since(), seen);
+        let started = std::cell::Cell::new(dep.now());
+        let result = dep.on_key_fresh_retry(
+            key,
+            deadline,
+            Connect::Own,
+            |conn, deadline| {
+                started.set(dep.now());
+                let since = attempts.borrow().since();
+                let r = self.attempt(conn, owner, ttl_ms, deadline, since, seen);
                 if matches!(r, Ok(Attempt::Acquired(_))) {
-                    attempts.granted(started);
+                    attempts.borrow_mut().granted(started.get());
                 }
                 r
-            });
-            result = r.map(|a| match a {
-                Attempt::Acquired(g) => Some(g),
-                Attempt::Busy(_) => None,
-            });
-            if result.as_ref().is_err_and(Error::is_uncertain) {
-                attempts.unanswered(started, lost);
-            } else {
-                attempts.went_out_on(lost);
-            }
-            if reused && !retry && matches!(result, Err(Error::Io { .. })) {
-                continue;
-            }
-            break;
-        }
-        (result, attempts)
+            },
+            |r, lost| {
+                let unanswered = r.as_ref().is_err_and(Error::is_uncertain);
+                attempts.borrow_mut().tried(unanswered, started.get(), lost);
+            },
+        );
+        (result.map(Attempt::granted), attempts.into_inner())
     }
 
     /// Runs `multi_acquire` once (and the replication guard's `WAIT` after

@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::Group;
 use super::guard::RedlockGuard;
@@ -45,7 +45,7 @@ impl Group {
         let owner = OwnerToken::new();
         let lease = Arc::new(NodeLease::new(keys, owner.as_str().to_owned()));
         let targets = this.all();
-        let sent = Instant::now();
+        let sent = this.now();
         let deadline = sent + this.options.node_timeout;
         let (replies, tally) = this.fan_out(
             Op::Acquire { ttl_ms },
@@ -55,7 +55,7 @@ impl Group {
             None,
             |t| t.decided(),
         );
-        let elapsed = sent.elapsed();
+        let elapsed = this.now().saturating_duration_since(sent);
         // Failures that trying again will not cure, on enough nodes that no
         // quorum can form without them: the attempt's error is theirs.
         let permanent: Vec<&Arc<Error>> = replies

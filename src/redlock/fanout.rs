@@ -92,7 +92,7 @@ impl Group {
         let mut replies: Vec<Option<Reply>> = std::iter::repeat_with(|| None).take(n).collect();
         let mut tally = Tally::new(n, targets.len());
         while tally.outstanding > 0 && !decided(&tally) {
-            let Some(reply) = gather.next(deadline) else {
+            let Some(reply) = gather.next(deadline, &*self.clock) else {
                 break;
             };
             tally.add(reply.vote, reply.outcome == NodeOutcome::Granted);
@@ -112,7 +112,7 @@ impl Group {
         deadline: Instant,
         skipped: &NodeOutcome,
     ) -> Vec<Heard> {
-        let past = Instant::now() >= deadline;
+        let past = self.now() >= deadline;
         replies
             .into_iter()
             .enumerate()
@@ -152,7 +152,7 @@ impl Group {
     /// failed attempt. Nodes that were never sent the acquire are skipped (by
     /// their workers, which run it after the acquire).
     pub(super) fn clean_up(&self, lease: &Arc<NodeLease>) {
-        let deadline = Instant::now() + self.options.node_timeout;
+        let deadline = self.now() + self.options.node_timeout;
         let route = Route {
             reply: None,
             tag: 0,

@@ -22,7 +22,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
@@ -31,6 +31,7 @@ use parking_lot::Mutex;
 use super::Group;
 use super::fanout::Heard;
 use super::worker::{Completion, Reply, ReplyTo};
+use crate::clock::Clock;
 use crate::core::lease::{Confirmed, LeaseCore, Loss, Refusal, Ticket};
 use crate::core::quorum::{ExtendVerdict, Tally};
 use crate::core::redlock::{Bounds, Extension, NodeLease, Op, Release, Renewable, Renewal};
@@ -41,11 +42,11 @@ use crate::guard::ReleaseOutcome;
 use crate::observe::{LeaseId, Primitive};
 use crate::report::{NodeOutcome, NodeReport, summarize};
 use crate::runtime::lease::LeaseCell;
-use crate::runtime::scheduler::{Dispatch, Scheduler};
+use crate::runtime::scheduler::{Dispatch, RenewalThread, Watchable};
 use crate::token::FencingToken;
 
 /// One Redlock lease, shared by its guard and the renewal thread.
-pub(super) struct RedlockLease {
+pub(crate) struct RedlockLease {
     group: Arc<Group>,
     cell: LeaseCell<Arc<NodeLease>>,
     /// Named by the group when read.
@@ -230,7 +231,7 @@ impl RedlockGuard {
         let ttl = Duration::from_millis(ttl_ms);
         let cell = &self.inner.cell;
         let nt = group.options.node_timeout;
-        let waited = Instant::now() + nt;
+        let waited = group.now() + nt;
         let ticket = loop {
             match cell.begin_extend(self.inner.group.now(), ttl) {
                 Ok(ticket) => break ticket,
@@ -359,7 +360,7 @@ impl RedlockGuard {
             return Ok(outcome);
         }
         let targets = self.release.targets();
-        let deadline = Instant::now() + group.options.node_timeout;
+        let deadline = group.now() + group.options.node_timeout;
         let release = &self.release;
         let (replies, _) = group.fan_out(
             Op::Release,
@@ -527,75 +528,31 @@ impl Group {
     }
 }
 
-type GroupScheduler = Scheduler<Arc<RedlockLease>, Reply>;
-
 /// The group's renewal thread, started on first use.
-pub(crate) struct GroupRenewal {
-    group: Weak<Group>,
-    scheduler: OnceLock<GroupScheduler>,
-    start: Mutex<()>,
+pub(crate) type GroupRenewal = RenewalThread<ToNodes>;
+
+/// The renewal thread of `group`, not started yet.
+pub(super) fn group_renewal(group: Weak<Group>, clock: Arc<dyn Clock>) -> GroupRenewal {
+    RenewalThread::new("respire-redlock", clock, move || {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        ToNodes {
+            group: group.clone(),
+            tx: ReplyTo::Channel(tx),
+            rx,
+            in_flight: HashMap::new(),
+        }
+    })
 }
 
-impl GroupRenewal {
-    pub(super) fn new(group: Weak<Group>) -> Self {
-        GroupRenewal {
-            group,
-            scheduler: OnceLock::new(),
-            start: Mutex::new(()),
-        }
+impl Watchable for RedlockLease {
+    fn mark_watched(&self) -> bool {
+        self.cell.watch()
     }
-
-    fn scheduler(&self) -> Result<&GroupScheduler> {
-        if let Some(s) = self.scheduler.get() {
-            return Ok(s);
-        }
-        let _start = self.start.lock();
-        if let Some(s) = self.scheduler.get() {
-            return Ok(s);
-        }
-        let group = self.group.clone();
-        let clock = self
-            .group
-            .upgrade()
-            .map_or_else(crate::clock::system, |g| g.clock.clone());
-        let s = Scheduler::spawn("respire-redlock", clock, move |_replies| {
-            let (tx, rx) = crossbeam_channel::unbounded();
-            ToNodes {
-                group,
-                tx: ReplyTo::Channel(tx),
-                rx,
-                in_flight: HashMap::new(),
-            }
-        })
-        .map_err(|source| Error::Thread {
-            name: "respire-redlock",
-            source,
-        })?;
-        Ok(self.scheduler.get_or_init(|| s))
+    fn is_watched(&self) -> bool {
+        self.cell.is_watched()
     }
-
-    fn watch(&self, lease: &Arc<RedlockLease>) -> Result<()> {
-        if lease.cell.watch() {
-            self.scheduler()?
-                .send(crate::runtime::scheduler::Msg::Watch(lease.clone()));
-        }
-        Ok(())
-    }
-
-    fn touch(&self, lease: &RedlockLease) {
-        if lease.cell.is_watched()
-            && let Some(s) = self.scheduler.get()
-        {
-            s.send(crate::runtime::scheduler::Msg::Touch(lease.cell.id()));
-        }
-    }
-
-    fn forget(&self, lease: &RedlockLease) {
-        if lease.cell.is_watched()
-            && let Some(s) = self.scheduler.get()
-        {
-            s.send(crate::runtime::scheduler::Msg::Forget(lease.cell.id()));
-        }
+    fn watch_id(&self) -> u64 {
+        self.cell.id()
     }
 }
 
@@ -609,7 +566,7 @@ struct InFlight {
 
 /// The renewal thread's dispatcher: extensions go to the node workers, whose
 /// answers come back on `rx` and are counted as they arrive.
-struct ToNodes {
+pub(crate) struct ToNodes {
     group: Weak<Group>,
     /// The channel `rx` reads, as the jobs' reply route.
     tx: ReplyTo,

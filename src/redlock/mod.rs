@@ -40,7 +40,7 @@ pub use options::RedlockOptions;
 use attempt::Evidence;
 use guard::GroupRenewal;
 use independence::check_independent;
-use options::{check_options, random_unit, retry_pause};
+use options::{check_options, retry_pause};
 use restarts::Restarts;
 #[cfg(test)]
 pub(crate) use worker::{
@@ -294,7 +294,7 @@ impl Users {
     /// for the workers to take up every job queued before.
     pub(crate) fn leave(&self, group: &Group) {
         if self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
-            worker::flush(&group.workers, Instant::now() + group.options.node_timeout);
+            worker::flush(&group.workers, group.now() + group.options.node_timeout);
         }
     }
 }
@@ -309,8 +309,8 @@ pub(crate) struct Group {
     restarts: Restarts,
     /// The program's clones and guards.
     pub(crate) users: Users,
-    /// The clock every decision about a lease reads (the monotonic clock;
-    /// socket and wait deadlines read the system's own).
+    /// The clock every part of the group reads: the one its nodes'
+    /// connection settings carry (the monotonic clock).
     clock: Arc<dyn Clock>,
     /// Stop when the group is dropped.
     _watchers: Vec<NodeWatcher>,
@@ -469,10 +469,16 @@ impl RedlockGroup {
     /// key that holds another type, an error reply, ...) when
     /// so many nodes failed that way that no quorum can form without them.
     pub fn try_acquire(&self, key: &str, ttl: Duration) -> Result<Option<RedlockGuard>> {
-        let start = |o| Acquiring::start(o, key, Primitive::Redlock, false);
+        let start = |o| Acquiring::start(o, key, Primitive::Redlock, false, self.inner.now());
         let mut seen = self.observer().map(start);
         let result = self.try_once(key, ttl, &mut seen);
-        Acquiring::finish(seen, &result, true, RedlockGuard::observed);
+        Acquiring::finish(
+            seen,
+            &result,
+            true,
+            self.inner.now(),
+            RedlockGuard::observed,
+        );
         result
     }
 
@@ -517,7 +523,7 @@ impl RedlockGroup {
         ttl: Duration,
         wait: Duration,
     ) -> Result<Option<RedlockGuard>> {
-        let deadline = Instant::now().checked_add(wait);
+        let deadline = self.inner.now().checked_add(wait);
         self.wait(key, ttl, deadline, None)
     }
 
@@ -575,10 +581,16 @@ impl RedlockGroup {
         deadline: Option<Instant>,
         cancel: Option<&CancelToken>,
     ) -> Result<Option<RedlockGuard>> {
-        let start = |o| Acquiring::start(o, key, Primitive::Redlock, true);
+        let start = |o| Acquiring::start(o, key, Primitive::Redlock, true, self.inner.now());
         let mut seen = self.observer().map(start);
         let result = self.wait_seen(key, ttl, deadline, cancel, &mut seen);
-        Acquiring::finish(seen, &result, false, RedlockGuard::observed);
+        Acquiring::finish(
+            seen,
+            &result,
+            false,
+            self.inner.now(),
+            RedlockGuard::observed,
+        );
         result
     }
 
@@ -620,7 +632,7 @@ impl RedlockGroup {
                 }
                 Err(e) => return Err(e),
             }
-            let now = Instant::now();
+            let now = self.inner.now();
             if deadline.is_some_and(|d| now >= d) {
                 return match last_error {
                     Some(e) => Err(e),
@@ -628,7 +640,7 @@ impl RedlockGroup {
                 };
             }
             tries = tries.saturating_add(1);
-            let pause = retry_pause(tries, options.retry_base, options.retry_max, random_unit());
+            let pause = retry_pause(tries, options.retry_base, options.retry_max);
             let wake = deadline.map_or(now + pause, |d| d.min(now + pause));
             crossbeam_channel::select! {
                 recv(cancelled) -> _ => return Err(Error::Cancelled),
@@ -655,6 +667,10 @@ impl Group {
         let mut prefixes = Vec::with_capacity(nodes.len());
         let mut longest = Duration::ZERO;
         let cfgs: Vec<Arc<ConnConfig>> = nodes.iter().map(|(cfg, _)| cfg.clone()).collect();
+        // The nodes' configurations carry the clock their builder chose.
+        let clock = cfgs
+            .first()
+            .map_or_else(crate::clock::system, |cfg| cfg.clock.clone());
         for (i, (cfg, prefix)) in nodes.into_iter().enumerate() {
             longest = longest.max(cfg.connect_timeout);
             let worker =
@@ -670,7 +686,7 @@ impl Group {
         drop(hello_tx);
         // Each worker's connect is bounded by its connect timeout; the margin
         // only guards against a worker that never reports.
-        let until = Instant::now() + longest + Duration::from_secs(1);
+        let until = clock.now() + longest + Duration::from_secs(1);
         let mut hellos: Vec<Option<Hello>> = vec![None; workers.len()];
         for _ in 0..workers.len() {
             match hello_rx.recv_deadline(until) {
@@ -707,10 +723,10 @@ impl Group {
                 workers,
                 options,
                 quorum,
-                renewal: GroupRenewal::new(this.clone()),
+                renewal: guard::group_renewal(this.clone(), clock.clone()),
                 restarts: Restarts::new(n),
                 users: Users::new(),
-                clock: crate::clock::system(),
+                clock,
                 _watchers: watchers(cfgs, this),
             }),
         })
@@ -769,7 +785,7 @@ impl Drop for Group {
     fn drop(&mut self) {
         // Queued releases (of guards dropped just before) still reach their
         // nodes before the program moves on, for at most a node timeout.
-        let deadline = Instant::now() + self.options.node_timeout;
+        let deadline = self.now() + self.options.node_timeout;
         worker::stop(std::mem::take(&mut self.workers), deadline);
     }
 }

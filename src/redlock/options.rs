@@ -4,10 +4,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::core::timing;
+use crate::core::timing::{self, backoff};
 use crate::error::{Error, Result};
 use crate::keys;
 use crate::observe::Observer;
+use crate::token::random_unit;
 
 /// Settings of a [`RedlockGroup`](crate::RedlockGroup). Build it with struct update syntax:
 ///
@@ -157,19 +158,8 @@ pub(super) fn check_ttl(ttl: Duration, options: &RedlockOptions) -> Result<u64> 
 
 /// The pause before retry number `tries` (from 1): random between half and all
 /// of `base × 2^(tries − 1)`, capped at `max`. `unit` is in `0.0..1.0`.
-pub(super) fn retry_pause(tries: u32, base: Duration, max: Duration, unit: f64) -> Duration {
-    let shift = tries.clamp(1, 16) - 1;
-    let ceiling = base.saturating_mul(1u32 << shift).min(max);
-    ceiling.mul_f64(0.5 + 0.5 * unit.clamp(0.0, 1.0))
-}
-
-/// A random number in `0.0..1.0` from the OS generator (0.5 if it fails).
-pub(super) fn random_unit() -> f64 {
-    let mut b = [0u8; 4];
-    if getrandom::fill(&mut b).is_err() {
-        return 0.5;
-    }
-    f64::from(u32::from_le_bytes(b)) / (f64::from(u32::MAX) + 1.0)
+pub(super) fn retry_pause(tries: u32, base: Duration, max: Duration) -> Duration {
+    backoff(tries, base, max, random_unit())
 }
 
 #[cfg(test)]
@@ -229,13 +219,12 @@ mod tests {
     #[test]
     fn retry_pauses_are_jittered_and_bounded() {
         let (base, max) = (ms(10), ms(200));
-        assert_eq!(retry_pause(1, base, max, 0.0), ms(5));
-        assert_eq!(retry_pause(1, base, max, 1.0), ms(10));
-        assert_eq!(retry_pause(3, base, max, 0.0), ms(20));
-        assert_eq!(retry_pause(30, base, max, 1.0), ms(200));
-        let seen: std::collections::HashSet<_> = (0..100)
-            .map(|_| retry_pause(2, base, max, random_unit()))
-            .collect();
+        assert_eq!(backoff(1, base, max, 0.0), ms(5));
+        assert_eq!(backoff(1, base, max, 1.0), ms(10));
+        assert_eq!(backoff(3, base, max, 0.0), ms(20));
+        assert_eq!(backoff(30, base, max, 1.0), ms(200));
+        let seen: std::collections::HashSet<_> =
+            (0..100).map(|_| retry_pause(2, base, max)).collect();
         assert!(seen.len() > 10);
         assert!(seen.iter().all(|d| *d >= ms(10) && *d <= ms(20)));
     }

@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 
+use crate::clock::Clock;
 use crate::conn::{Conn, ConnConfig, Identity};
 use crate::core::quorum::Vote;
 use crate::core::redlock::{
@@ -56,10 +57,6 @@ use crate::scripts::{self, Script};
 
 /// The name node connections carry in `CLIENT LIST`.
 pub(crate) const CONN_NAME: &str = "respire-redlock";
-
-/// A client id no connection has (ids count up from 1): `CLIENT KILL ID` of it
-/// checks the right to kill without killing anything.
-const NO_CLIENT: i64 = i64::MAX;
 
 /// How many more round-trip samples a node whose setup round trip looked too
 /// slow for the node timeout gets, while the group is made, before the
@@ -139,13 +136,13 @@ impl Gather {
     /// came by then. Only the thread that created it may call this: it parks
     /// that thread (and takes a wake-up left by a late answer of an earlier
     /// fan-out as one that may have come too early, checking again).
-    pub(crate) fn next(&self, deadline: Instant) -> Option<Reply> {
+    pub(crate) fn next(&self, deadline: Instant, clock: &dyn Clock) -> Option<Reply> {
         let mut yields = 0;
         loop {
             if let Some(reply) = self.replies.lock().pop_front() {
                 return Some(reply);
             }
-            let now = Instant::now();
+            let now = clock.now();
             if now >= deadline {
                 return None;
             }
@@ -508,7 +505,7 @@ impl Worker {
     /// Before the thread ends: releases still waiting for a connection get
     /// one more connect timeout.
     fn last_releases(&mut self) {
-        let until = Instant::now() + self.cfg.connect_timeout;
+        let until = self.cfg.clock.now() + self.cfg.connect_timeout;
         while !self.node.is_connected() && self.node.deferred() > 0 {
             let Some(rx) = self.connector.as_ref().map(|c| c.rx.clone()) else {
                 break;
@@ -530,7 +527,7 @@ impl Worker {
     }
 
     fn handle(&mut self, job: Job) {
-        let now = Instant::now();
+        let now = self.cfg.clock.now();
         let handle = Handle {
             reply: job.reply,
             tag: job.tag,
@@ -545,7 +542,7 @@ impl Worker {
 
     /// Does what the machine asks until it waits for something.
     fn drive(&mut self) {
-        self.drive_from(Instant::now());
+        self.drive_from(self.cfg.clock.now());
     }
 
     /// [`Worker::drive`], with the clock read at `now`, and read again after
@@ -557,11 +554,11 @@ impl Worker {
             match action {
                 Action::Respond { handle, answer } => {
                     self.respond(handle, answer, now);
-                    now = Instant::now();
+                    now = self.cfg.clock.now();
                 }
                 Action::Connect { tainted, run_id } => {
                     self.start_connector(tainted, run_id);
-                    now = Instant::now();
+                    now = self.cfg.clock.now();
                 }
                 Action::Send {
                     op,
@@ -570,7 +567,7 @@ impl Worker {
                 } => {
                     let sent = now;
                     let result = self.run_command(op, &lease, deadline);
-                    now = Instant::now();
+                    now = self.cfg.clock.now();
                     let broken = self.conn.as_ref().is_none_or(Conn::is_broken);
                     self.node.handle_result(result, broken, now - sent);
                     if !self.node.is_connected() && self.conn.take().is_some() {
@@ -693,7 +690,8 @@ impl Worker {
 
     /// Starts using a new connection.
     fn adopt(&mut self, node: NodeConn) {
-        self.node.handle_connected(node.connected(), Instant::now());
+        self.node
+            .handle_connected(node.connected(), self.cfg.clock.now());
         self.adopt_conn(node);
     }
 
@@ -806,13 +804,6 @@ pub(crate) fn try_budget(
         .min(connect_timeout)
 }
 
-/// `CLIENT KILL ID id SKIPME yes`: the number of clients killed (0 or 1).
-fn kill(id: impl redis::ToRedisArgs) -> redis::Cmd {
-    let mut cmd = redis::cmd("CLIENT");
-    cmd.arg("KILL").arg("ID").arg(id).arg("SKIPME").arg("yes");
-    cmd
-}
-
 /// The scripts a node runs, checked with `SCRIPT EXISTS` on every connection.
 fn node_scripts() -> [&'static Script; 2] {
     [&scripts::LEASE_EXTEND, &scripts::LEASE_RELEASE]
@@ -841,9 +832,9 @@ fn open_node(
     }
     extra.push(exists);
     if creating {
-        extra.push(kill(NO_CLIENT));
+        extra.push(Identity::nobody().kill_cmd());
     }
-    let asked = Instant::now();
+    let asked = cfg.clock.now();
     let budget = budget.min(cfg.connect_timeout);
     let deadline = asked + budget;
     let opened = cfg.connect_with(budget, CONN_NAME, &extra)?;
@@ -908,13 +899,13 @@ fn open_node(
         if !creating || round_trip * ROUND_TRIPS_PER_TIMEOUT <= node_timeout {
             break;
         }
-        let t = Instant::now();
+        let t = cfg.clock.now();
         let _: i64 = conn.query(
             redis::cmd("CLIENT").arg("ID"),
             "CLIENT ID (another round-trip sample)",
             deadline,
         )?;
-        round_trip = round_trip.min(t.elapsed());
+        round_trip = round_trip.min(cfg.clock.now().saturating_duration_since(t));
     }
     let started_by = started_by(asked, info.uptime);
     Ok(NodeConn {
@@ -1087,7 +1078,7 @@ fn watch_session(
     up: &mut bool,
 ) -> Result<()> {
     let mut conn = cfg.connect_pubsub(cfg.connect_timeout, "respire-redlock-watch")?;
-    let deadline = Instant::now() + cfg.node_timeout;
+    let deadline = cfg.clock.now() + cfg.node_timeout;
     let info: String = conn.query(redis::cmd("INFO").arg("server"), "INFO", deadline)?;
     let mut subscriber = conn.subscribe(WATCH_CHANNEL, cfg.node_timeout, WATCH_READ)?;
     match parse_info(&info).run_id {
@@ -1151,15 +1142,29 @@ mod tests {
             });
         });
         let far = Instant::now() + Duration::from_secs(5);
-        assert_eq!(gather.next(far).map(|r| r.node), Some(1));
-        assert_eq!(gather.next(far).map(|r| r.node), Some(0));
-        assert!(gather.next(Instant::now()).is_none(), "nothing more came");
+        assert_eq!(
+            gather.next(far, &crate::clock::Monotonic).map(|r| r.node),
+            Some(1)
+        );
+        assert_eq!(
+            gather.next(far, &crate::clock::Monotonic).map(|r| r.node),
+            Some(0)
+        );
+        assert!(
+            gather
+                .next(Instant::now(), &crate::clock::Monotonic)
+                .is_none(),
+            "nothing more came"
+        );
         // A late answer to the first gather leaves a wake-up behind: the
         // next gather of this thread takes it for what it is and waits on.
         to.deliver(reply(2));
         let next = Gather::new(1);
         let asked = Instant::now();
-        assert!(next.next(asked + ms(30)).is_none());
+        assert!(
+            next.next(asked + ms(30), &crate::clock::Monotonic)
+                .is_none()
+        );
         assert!(
             asked.elapsed() >= ms(30),
             "woken early with nothing to read"

@@ -19,6 +19,7 @@ use crate::core::executor::Claim;
 use crate::core::lease::{Confirmed, LeaseCore, Loss, Refusal, Ticket, Verdict};
 use crate::core::schedule::Next;
 use crate::observe::{LossCause, Observer, Primitive, Watching};
+use crate::runtime::scheduler::Watchable;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -416,6 +417,18 @@ impl<X> Claim for Arc<LeaseCell<X>> {
     }
     fn unfenceable(&self, ticket: Ticket, now: Instant) {
         LeaseCell::unfenceable(self, ticket, now)
+    }
+}
+
+impl<X> Watchable for LeaseCell<X> {
+    fn mark_watched(&self) -> bool {
+        self.watch()
+    }
+    fn is_watched(&self) -> bool {
+        LeaseCell::is_watched(self)
+    }
+    fn watch_id(&self) -> u64 {
+        self.id()
     }
 }
 

@@ -1,9 +1,13 @@
-//! The code that starts threads, but for the Redlock node workers (beside the
-//! rest of Redlock, in `redlock/worker.rs`): the renewal thread, the
-//! per-server executors and invalidation subscribers, the topology followers
-//! of Cluster and Sentinel deployments, the Redlock renewal thread (per
-//! `RedlockGroup`), and the lease state they share with the guards. Everything here drives the pure core
-//! (`crate::core`) with real time and real connections.
+//! The threads of a single deployment and what they share: the renewal
+//! thread (`renewal.rs`, over the scheduler of `scheduler.rs`, which a
+//! Redlock group's renewal thread in `redlock/guard.rs` runs too), the
+//! per-server executors (`node.rs`) and invalidation subscribers
+//! (`tracking.rs`), the topology followers of Cluster and Sentinel
+//! deployments (`topology/`), the waiters (`waiters.rs`), and the lease state
+//! they share with the guards (`lease.rs`). The Redlock node workers live
+//! beside the rest of Redlock, in `redlock/worker.rs`. Everything here drives
+//! the pure core (`crate::core`) with the deployment's clock and real
+//! connections.
 
 pub(crate) mod lease;
 pub(crate) mod node;

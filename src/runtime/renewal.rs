@@ -8,16 +8,13 @@
 //! pipeline and reports back here.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Instant;
-
-use parking_lot::Mutex;
 
 use crate::clock::Clock;
 use crate::core::schedule::{Next, Watched};
-use crate::error::Error;
 use crate::runtime::lease::LeaseCell;
-use crate::runtime::scheduler::{Dispatch, Msg, Scheduler};
+use crate::runtime::scheduler::{Dispatch, RenewalThread};
 use crate::scripts::Script;
 
 /// How a lease is held on the server, for the commands that extend, verify and
@@ -239,7 +236,7 @@ pub(crate) trait Lanes: Send + Sync {
 }
 
 /// The renewal thread's dispatcher: hands batches to the lanes.
-struct ToLanes {
+pub(crate) struct ToLanes {
     lanes: Weak<dyn Lanes>,
 }
 
@@ -261,74 +258,21 @@ impl Dispatch for ToLanes {
 }
 
 /// The renewal thread of one deployment, started on first use.
-pub(crate) struct Renewal {
-    clock: Arc<dyn Clock>,
-    lanes: Weak<dyn Lanes>,
-    scheduler: OnceLock<Scheduler<Arc<Cell>, Completed>>,
-    start: Mutex<()>,
+pub(crate) type Renewal = RenewalThread<ToLanes>;
+
+/// The renewal thread of the deployment whose servers `lanes` reaches, not
+/// started yet.
+pub(crate) fn renewal(clock: Arc<dyn Clock>, lanes: Weak<dyn Lanes>) -> Renewal {
+    RenewalThread::new("respire-renewal", clock, move || ToLanes {
+        lanes: lanes.clone(),
+    })
 }
 
 impl Renewal {
-    pub(crate) fn new(clock: Arc<dyn Clock>, lanes: Weak<dyn Lanes>) -> Renewal {
-        Renewal {
-            clock,
-            lanes,
-            scheduler: OnceLock::new(),
-            start: Mutex::new(()),
-        }
-    }
-
-    fn scheduler(&self) -> Result<&Scheduler<Arc<Cell>, Completed>, Error> {
-        if let Some(s) = self.scheduler.get() {
-            return Ok(s);
-        }
-        let _start = self.start.lock();
-        if let Some(s) = self.scheduler.get() {
-            return Ok(s);
-        }
-        let lanes = self.lanes.clone();
-        let s = Scheduler::spawn("respire-renewal", self.clock.clone(), |_replies| ToLanes {
-            lanes,
-        })
-        .map_err(|source| Error::Thread {
-            name: "respire-renewal",
-            source,
-        })?;
-        Ok(self.scheduler.get_or_init(|| s))
-    }
-
-    /// Has the renewal thread watch `lease` (its loss signal, its keep-alive).
-    pub(crate) fn watch(&self, lease: &Arc<Cell>) -> Result<(), Error> {
-        if lease.watch() {
-            self.scheduler()?.send(Msg::Watch(lease.clone()));
-        }
-        Ok(())
-    }
-
-    /// A watched lease changed.
-    pub(crate) fn touch(&self, lease: &Cell) {
-        if lease.is_watched()
-            && let Some(s) = self.scheduler.get()
-        {
-            s.send(Msg::Touch(lease.id()));
-        }
-    }
-
-    /// A watched lease was released.
-    pub(crate) fn forget(&self, lease: &Cell) {
-        if lease.is_watched()
-            && let Some(s) = self.scheduler.get()
-        {
-            s.send(Msg::Forget(lease.id()));
-        }
-    }
-
     /// An executor finished renewals: (lease id, when to retry).
     pub(crate) fn completed(&self, done: Vec<(u64, Option<Instant>)>) {
-        if let Some(s) = self.scheduler.get()
-            && !done.is_empty()
-        {
-            s.send(Msg::Reply(Completed(done)));
+        if !done.is_empty() {
+            self.reply(Completed(done));
         }
     }
 }

@@ -6,23 +6,27 @@
 //! signal closes at its deadline even while a renewal is blocked on a socket.
 //!
 //! It stops when its handle is dropped (the last coordinator clone, group
-//! clone or guard is gone).
+//! clone or guard is gone). [`RenewalThread`] is the front both kinds of
+//! deployment hold: it starts the thread on first use and tells it of the
+//! leases to watch.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
 
 use crate::clock::Clock;
 use crate::core::schedule::{Schedule, Watched};
+use crate::error::Error;
 
 /// Where a renewal thread sends due renewals; implemented per deployment kind.
 pub(crate) trait Dispatch: Send + 'static {
     type Lease: Watched + Clone + Send + 'static;
     type Reply: Send + 'static;
     /// Starts renewing `batch`; must not block on I/O. Replies arrive as
-    /// [`Msg::Reply`] through the sender given to [`Scheduler::spawn`]'s
-    /// `make`, or on [`Dispatch::replies`]. Returns the renewals it completed
+    /// [`Msg::Reply`] through [`Scheduler::send`], or on
+    /// [`Dispatch::replies`]. Returns the renewals it completed
     /// at once (nothing to send): (lease id, when to retry).
     fn dispatch(&mut self, batch: Vec<Self::Lease>, now: Instant) -> Vec<(u64, Option<Instant>)>;
     /// A channel of replies of its own (the nodes of a group answer there).
@@ -53,20 +57,14 @@ pub(crate) struct Scheduler<L, R> {
 }
 
 impl<L: Send + 'static, R: Send + 'static> Scheduler<L, R> {
-    /// Starts the thread. `make` builds the dispatcher, given a sender its
-    /// executors reply on.
-    pub(crate) fn spawn<D>(
-        name: &str,
-        clock: Arc<dyn Clock>,
-        make: impl FnOnce(Sender<Msg<L, R>>) -> D,
-    ) -> std::io::Result<Self>
+    /// Starts the thread, which hands due renewals to `dispatch`.
+    pub(crate) fn spawn<D>(name: &str, clock: Arc<dyn Clock>, dispatch: D) -> std::io::Result<Self>
     where
         D: Dispatch<Lease = L, Reply = R>,
         L: Watched + Clone,
     {
         let (tx, rx) = crossbeam_channel::unbounded();
         let (stop_tx, stop_rx) = crossbeam_channel::bounded(0);
-        let dispatch = make(tx.clone());
         std::thread::Builder::new()
             .name(name.to_owned())
             .spawn(move || run(&rx, &stop_rx, &*clock, dispatch))?;
@@ -133,6 +131,120 @@ fn handle<D: Dispatch>(
             for (id, retry_at) in dispatch.on_reply(reply, now) {
                 schedule.completed(id, now, retry_at);
             }
+        }
+    }
+}
+
+/// A lease as the front of a renewal thread sees it: marked watched once, by
+/// its first watch, so that touching or forgetting a lease nobody watches
+/// sends nothing.
+pub(crate) trait Watchable {
+    /// Marks it watched; true the first time.
+    fn mark_watched(&self) -> bool;
+    /// Whether it was marked watched.
+    fn is_watched(&self) -> bool;
+    /// Its id in the schedule.
+    fn watch_id(&self) -> u64;
+}
+
+impl<T: Watchable + ?Sized> Watchable for Arc<T> {
+    fn mark_watched(&self) -> bool {
+        (**self).mark_watched()
+    }
+    fn is_watched(&self) -> bool {
+        (**self).is_watched()
+    }
+    fn watch_id(&self) -> u64 {
+        (**self).watch_id()
+    }
+}
+
+/// The renewal thread of one deployment or Redlock group, started the first
+/// time a lease is watched (see the module docs); its dispatcher is made by
+/// `make` then (again after a start that failed).
+pub(crate) struct RenewalThread<D: Dispatch> {
+    name: &'static str,
+    clock: Arc<dyn Clock>,
+    make: Box<dyn Fn() -> D + Send + Sync>,
+    scheduler: OnceLock<Scheduler<D::Lease, D::Reply>>,
+    start: Mutex<()>,
+}
+
+impl<D: Dispatch> RenewalThread<D> {
+    /// Not started yet: the thread will be named `name` and read `clock`.
+    pub(crate) fn new(
+        name: &'static str,
+        clock: Arc<dyn Clock>,
+        make: impl Fn() -> D + Send + Sync + 'static,
+    ) -> Self {
+        RenewalThread {
+            name,
+            clock,
+            make: Box::new(make),
+            scheduler: OnceLock::new(),
+            start: Mutex::new(()),
+        }
+    }
+
+    /// The running thread's handle, started now if needed.
+    fn scheduler(&self) -> Result<&Scheduler<D::Lease, D::Reply>, Error>
+    where
+        D::Lease: Watched + Clone,
+    {
+        if let Some(s) = self.scheduler.get() {
+            return Ok(s);
+        }
+        let _start = self.start.lock();
+        if let Some(s) = self.scheduler.get() {
+            return Ok(s);
+        }
+        let s =
+            Scheduler::spawn(self.name, self.clock.clone(), (self.make)()).map_err(|source| {
+                Error::Thread {
+                    name: self.name,
+                    source,
+                }
+            })?;
+        Ok(self.scheduler.get_or_init(|| s))
+    }
+
+    /// Has the thread watch `lease` (its loss signal, its keep-alive),
+    /// starting the thread if needed.
+    ///
+    /// # Errors
+    /// [`Error::Thread`] when the thread could not be started.
+    pub(crate) fn watch(&self, lease: &D::Lease) -> Result<(), Error>
+    where
+        D::Lease: Watched + Watchable + Clone,
+    {
+        if lease.mark_watched() {
+            self.scheduler()?.send(Msg::Watch(lease.clone()));
+        }
+        Ok(())
+    }
+
+    /// A watched lease changed: plan it again.
+    pub(crate) fn touch(&self, lease: &(impl Watchable + ?Sized)) {
+        if lease.is_watched()
+            && let Some(s) = self.scheduler.get()
+        {
+            s.send(Msg::Touch(lease.watch_id()));
+        }
+    }
+
+    /// A watched lease was released.
+    pub(crate) fn forget(&self, lease: &(impl Watchable + ?Sized)) {
+        if lease.is_watched()
+            && let Some(s) = self.scheduler.get()
+        {
+            s.send(Msg::Forget(lease.watch_id()));
+        }
+    }
+
+    /// Hands the thread a reply, if it runs.
+    pub(crate) fn reply(&self, reply: D::Reply) {
+        if let Some(s) = self.scheduler.get() {
+            s.send(Msg::Reply(reply));
         }
     }
 }

@@ -18,7 +18,7 @@
 //! polling once, with the reason.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
@@ -172,11 +172,11 @@ fn session(
         generation,
     });
     registry.wake_all();
-    let mut last_heard = Instant::now();
+    let mut last_heard = registry.now();
     loop {
         match pubsub.get_message() {
             Ok(msg) => {
-                last_heard = Instant::now();
+                last_heard = registry.now();
                 if msg.get_channel_name() != CHANNEL {
                     continue;
                 }
@@ -198,11 +198,12 @@ fn session(
                 if stopped(stop) || tracker.is_denied() {
                     return Ok(());
                 }
-                if last_heard.elapsed() >= PING_EVERY {
+                let now = registry.now();
+                if now.saturating_duration_since(last_heard) >= PING_EVERY {
                     // A silent peer may be gone: its pong must come back within
                     // the read timeout or the connection is replaced.
                     pubsub.ping::<redis::Value>().map_err(io("PING"))?;
-                    last_heard = Instant::now();
+                    last_heard = now;
                 }
             }
             Err(e) => return Err(io("receiving invalidations")(e)),

@@ -32,17 +32,10 @@
 //! after the failed attempt, instead of a whole attempt, costs the same
 //! round trip but cannot take a lease freed meanwhile. The price is one
 //! round trip more for a wait that finds the key held (it waits anyway).
-//! Measured side by side (`scripts/bench-compare`, BENCHMARKS.md; p50 of
-//! acquire + release, servers and client on one CPU / on different CPUs):
-//! with tracking on from the first attempt, `Lock::acquire` cost 1.77× /
-//! 1.28× the raw `SET NX PX` + compare-and-delete pair and
-//! `FencedLock::acquire` 2.48× / 1.42× it (figures of an earlier run);
-//! with the plain first attempt, `Lock::acquire` costs 1.06× / 1.02× the
-//! raw pair (`try_acquire` 1.05× / 1.04× in the same run; such ratios move
-//! by a few hundredths between runs), `FencedLock::acquire` 1.03× / 1.00×
-//! the raw fenced script pair, and the waits of the reader/writer lease and
-//! the semaphore 1.01–1.04× their raw script pairs, with client CPU per pair
-//! 0.97–1.11× the raw pairs'.
+//! Tracking armed from the first attempt instead made an uncontended wait
+//! cost well above the raw `SET NX PX` + compare-and-delete pair; with the
+//! plain first attempt it costs about the raw pair (BENCHMARKS.md, section 1,
+//! has the figures of the last `scripts/bench-compare` run).
 //!
 //! Where the ACL denies `CLIENT CACHING` (but allows `CLIENT TRACKING`),
 //! connections fall back to tracking every read (logged once): waits are
@@ -88,11 +81,9 @@
 //! (the release would have to know the waiters' keys per kind, and the race
 //! with the releaser's own next attempt would remain). A single attempt
 //! (`try_acquire`) is not a wait and still takes a free lock ahead of the
-//! queue. With 8 contenders sharing a coordinator, the releaser took back 0 %
-//! of grants in the side-by-side run (BENCHMARKS.md, `lock-shared`; counted
-//! from the release sent, the next holder had the lock at p50 1.22× and p99
-//! 0.88× as late as with the raw tracking waiter, all of whose waiters race,
-//! on different CPUs, and at 0.43× and 0.53× on one CPU).
+//! queue. How often the releaser takes the lock back, and how late the next
+//! holder gets it against the raw tracking waiter (all of whose waiters
+//! race), is measured in BENCHMARKS.md (section 3, `lock-shared`).
 //! Watchers (an election's observers) keep their first attempt
 //! ([`Order::Race`]).
 //!
@@ -103,21 +94,18 @@
 //! on such a key (within the last second, and with nobody of its process
 //! queued) lets waiters elsewhere go first: it pauses 1 ms before its first
 //! attempt, long enough for a waiter in another process woken by the release
-//! this thread may just have made to reach the server (p50 of that hand-off,
-//! counted from the release sent: 0.43–0.53 ms on the 2-core machine of
-//! BENCHMARKS.md, 0.27–0.5 ms in earlier runs). The key stays
+//! this thread may just have made to reach the server (the hand-off's p50
+//! from the release sent is about half a millisecond on the machine of
+//! BENCHMARKS.md). The key stays
 //! contended for a second after the last wait on it that had to wait, also
 //! through waits granted at once: one such grant only says that no waiter got
 //! there within the pause, which on a busy CPU (the releaser, the server and
 //! the woken waiters on one CPU) happens often, and a releaser that forgot
-//! the key on it took the lock back at once from then on (61 % of grants with
-//! 8 contenders on one CPU, against 0 % when the key is kept). A key that
-//! stopped being contended costs a pause per wait for up to a second; the
-//! uncontended path costs a lookup.
-//! With 8 contenders, a coordinator each, the releaser took back 11 % of
-//! grants with the pause on one CPU and 0 % on different CPUs in
-//! BENCHMARKS.md (`lock`; 0 % and 0 % in the run before), and 32 % without
-//! it (an earlier run on a busier machine, at the same grant rate).
+//! the key on it took the lock back at once from then on, for most grants
+//! with 8 contenders on one CPU. A key that stopped being contended costs a
+//! pause per wait for up to a second; the uncontended path costs a lookup.
+//! BENCHMARKS.md (section 3, `lock`) has the releaser's re-acquire share with
+//! a coordinator per contender.
 //! [`Order::Server`] (a `Lock` with `Fairness::Fifo`) puts the queue on the
 //! server instead: the lock is granted to the head of a sorted set of
 //! waiters in arrival order, each entry expiring unless its waiter refreshes
@@ -146,9 +134,12 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 
 use crate::cancel::CancelToken;
+use crate::clock::Clock;
 use crate::conn::Conn;
+use crate::core::timing::backoff;
 use crate::error::{Error, Result};
 use crate::observe::{self, Observer};
+use crate::token::random_unit;
 
 /// The outcome of one acquire attempt.
 pub(crate) enum Attempt<T> {
@@ -156,6 +147,16 @@ pub(crate) enum Attempt<T> {
     Acquired(T),
     /// Held by someone else, for at most this long (`None`: no expiry).
     Busy(Option<Duration>),
+}
+
+impl<T> Attempt<T> {
+    /// What was granted, if anything.
+    pub(crate) fn granted(self) -> Option<T> {
+        match self {
+            Attempt::Acquired(t) => Some(t),
+            Attempt::Busy(_) => None,
+        }
+    }
 }
 
 /// Whether invalidations from one server can be relied on right now.
@@ -217,6 +218,8 @@ pub(crate) struct Registry {
     /// with when the last such wait was granted: someone else, maybe in
     /// another process, wants them too.
     contended: Mutex<HashMap<Vec<u8>, Instant>>,
+    /// The deployment's clock, which every wait reads.
+    clock: Arc<dyn Clock>,
 }
 
 /// The invalidation subscriber of one server, as its command connections see
@@ -300,7 +303,7 @@ impl Tracker {
 }
 
 impl Registry {
-    pub(crate) fn new(addr: String) -> Self {
+    pub(crate) fn new(addr: String, clock: Arc<dyn Clock>) -> Self {
         Registry {
             addr,
             queues: Mutex::new(HashMap::new()),
@@ -308,7 +311,13 @@ impl Registry {
             next_id: AtomicU64::new(1),
             observer: None,
             contended: Mutex::new(HashMap::new()),
+            clock,
         }
+    }
+
+    /// The instant now, by the deployment's clock.
+    pub(crate) fn now(&self) -> Instant {
+        self.clock.now()
     }
 
     /// The same registry, telling `observer` what it logs once.
@@ -402,11 +411,11 @@ impl Registry {
     fn note_grant(&self, key: &str, waited: bool) {
         let mut contended = self.contended.lock();
         if waited {
-            contended.insert(key.as_bytes().to_vec(), Instant::now());
+            contended.insert(key.as_bytes().to_vec(), self.now());
         } else if !contended.is_empty()
             && contended
                 .get(key.as_bytes())
-                .is_some_and(|at| at.elapsed() >= CONTENDED_FOR)
+                .is_some_and(|&at| self.now().saturating_duration_since(at) >= CONTENDED_FOR)
         {
             contended.remove(key.as_bytes());
         }
@@ -418,7 +427,7 @@ impl Registry {
         !contended.is_empty()
             && contended
                 .get(key.as_bytes())
-                .is_some_and(|at| at.elapsed() < recent)
+                .is_some_and(|&at| self.now().saturating_duration_since(at) < recent)
     }
 
     /// An invalidation for `key`: wake the first waiter of each class on it.
@@ -499,13 +508,7 @@ impl Drop for Waiter<'_> {
 
 /// A random poll interval between 50 and 150 ms.
 fn poll_interval() -> Duration {
-    let mut b = [0u8; 2];
-    let jitter = if getrandom::fill(&mut b).is_ok() {
-        u64::from(u16::from_le_bytes(b)) % 100
-    } else {
-        50
-    };
-    Duration::from_millis(50 + jitter)
+    Duration::from_millis(50) + Duration::from_millis(100).mul_f64(random_unit())
 }
 
 /// Client tracking turned on for one command connection, redirected to the
@@ -760,16 +763,11 @@ pub(crate) trait Route {
 /// The pause after the `n`-th failure in a row of a wait: random between half
 /// and all of 10 ms × 2^(n−1), at most 1 s.
 pub(crate) fn failure_pause(n: u32) -> Duration {
-    let ceiling = (Duration::from_millis(10) * (1u32 << n.clamp(1, 8).saturating_sub(1)))
-        .min(Duration::from_secs(1));
-    let mut b = [0u8; 2];
-    let unit = if getrandom::fill(&mut b).is_ok() {
-        f64::from(u16::from_le_bytes(b)) / 65_536.0
-    } else {
-        0.5
-    };
-    ceiling.mul_f64(0.5 + 0.5 * unit)
+    backoff(n, WAIT_BACKOFF.0, WAIT_BACKOFF.1, random_unit())
 }
+
+/// The base and the ceiling of [`failure_pause`].
+const WAIT_BACKOFF: (Duration, Duration) = (Duration::from_millis(10), Duration::from_secs(1));
 
 /// Waits for an acquire to succeed: re-attempts when woken by an invalidation of
 /// one of the keys, by the expiry timer, or by polling when tracking is
@@ -796,7 +794,7 @@ pub(crate) fn wait_for<R: Route, T>(
 /// giving a subscriber started now a moment to connect (so that the next
 /// attempt arms tracking instead of polling once).
 fn join<'r, R: Route>(route: &'r R, w: &WaitFor<'_>) -> Waiter<'r> {
-    let settle = Instant::now() + w.settle;
+    let settle = route.registry().now() + w.settle;
     if let Ok(tracker) = route.tracker(w.keys[0]) {
         tracker.await_settled(w.deadline.map_or(settle, |d| d.min(settle)));
     }
@@ -838,7 +836,7 @@ fn wait_loop<R: Route, T>(
     if !behind
         && w.order == Order::Local
         && registry.was_contended(w.keys[0], CONTENDED_FOR)
-        && w.deadline.is_none_or(|d| Instant::now() + YIELD < d)
+        && w.deadline.is_none_or(|d| registry.now() + YIELD < d)
     {
         // The last wait on this key in this process had to wait: waiters
         // elsewhere may be on their way to it now (this thread may have just
@@ -870,7 +868,7 @@ fn wait_loop<R: Route, T>(
             continue;
         }
         let waiting = waiter.is_some();
-        let started = Instant::now();
+        let started = registry.now();
         let (outcome, lost) = route.attempt(
             w.keys[0],
             started + w.node_timeout,
@@ -914,7 +912,7 @@ fn wait_loop<R: Route, T>(
                 last_error = None;
                 verdict = true;
                 failures = 0;
-                if past(Instant::now()) {
+                if past(registry.now()) {
                     return Ok(None);
                 }
                 // Held: from now on the wait pays for waiting. The next
@@ -935,7 +933,7 @@ fn wait_loop<R: Route, T>(
             // waiters woken at once): nothing was sent, so keep waiting for
             // one while the wait lasts; at its end the last verdict stands.
             Err(Error::PoolTimeout(after)) => {
-                if !past(Instant::now()) {
+                if !past(registry.now()) {
                     continue;
                 }
                 return match last_error {
@@ -965,14 +963,14 @@ fn wait_loop<R: Route, T>(
                     failure_pause(failures)
                 };
                 last_error = Some(e);
-                if past(Instant::now()) {
+                if past(registry.now()) {
                     return Err(last_error.take().expect("set above"));
                 }
                 if waiter.is_none() {
                     // Not granted: the wait proper begins, as when held.
                     waiter = Some(join(route, w));
                 }
-                let wake = Instant::now() + pause;
+                let wake = registry.now() + pause;
                 let wake = w.deadline.map_or(wake, |d| d.min(wake));
                 crossbeam_channel::select! {
                     recv(cancelled) -> _ => return Err(Error::Cancelled),
@@ -985,7 +983,7 @@ fn wait_loop<R: Route, T>(
         let waiter = waiter
             .as_ref()
             .expect("a tracked attempt is made registered");
-        let now = Instant::now();
+        let now = registry.now();
         if past(now) {
             return match last_error {
                 Some(e) => Err(e),
@@ -1017,7 +1015,7 @@ fn wait_loop<R: Route, T>(
             recv(waiter.rx) -> _ => {}
             recv(cancelled) -> _ => return Err(Error::Cancelled),
             recv(timer) -> _ => {
-                if past(Instant::now()) {
+                if past(registry.now()) {
                     return Ok(None);
                 }
             }
@@ -1031,7 +1029,7 @@ mod tests {
 
     #[test]
     fn invalidation_wakes_only_the_first_and_leaving_passes_it_on() {
-        let reg = Registry::new("redis://test".into());
+        let reg = Registry::new("redis://test".into(), crate::clock::system());
         let a = reg.register(&["k"], false);
         let b = reg.register(&["k"], false);
         let other = reg.register(&["j"], false);
@@ -1053,7 +1051,7 @@ mod tests {
 
     #[test]
     fn a_key_stays_contended_through_grants_at_once_for_a_second_after_one_that_waited() {
-        let reg = Registry::new("redis://test".into());
+        let reg = Registry::new("redis://test".into(), crate::clock::system());
         assert!(!reg.was_contended("k", CONTENDED_FOR));
         reg.note_grant("k", true);
         assert!(reg.was_contended("k", CONTENDED_FOR));
@@ -1080,7 +1078,7 @@ mod tests {
 
     #[test]
     fn a_wait_queues_behind_waiters_of_its_class_only() {
-        let reg = Registry::new("redis://test".into());
+        let reg = Registry::new("redis://test".into(), crate::clock::system());
         assert!(reg.register_behind(&["k"]).is_none());
         let a = reg.register(&["k"], false);
         // A writer-like class on the same first key does not queue behind it.
@@ -1099,7 +1097,7 @@ mod tests {
 
     #[test]
     fn a_pending_wake_is_kept_until_the_waiter_looks() {
-        let reg = Registry::new("redis://test".into());
+        let reg = Registry::new("redis://test".into(), crate::clock::system());
         let a = reg.register(&["k"], false);
         reg.wake_key(b"k");
         reg.wake_key(b"k");
@@ -1109,7 +1107,7 @@ mod tests {
 
     #[test]
     fn leaving_from_the_middle_does_not_wake_anyone() {
-        let reg = Registry::new("redis://test".into());
+        let reg = Registry::new("redis://test".into(), crate::clock::system());
         let a = reg.register(&["k"], false);
         let b = reg.register(&["k"], false);
         let c = reg.register(&["k"], false);
@@ -1123,7 +1121,7 @@ mod tests {
 
     #[test]
     fn closing_a_connection_with_current_tracking_wakes_every_first_waiter() {
-        let reg = Arc::new(Registry::new("redis://test".into()));
+        let reg = Arc::new(Registry::new("redis://test".into(), crate::clock::system()));
         let tracker = Arc::new(Tracker::new());
         tracker.set_status(Status::Ready {
             redirect: 7,
@@ -1150,7 +1148,7 @@ mod tests {
 
     #[test]
     fn a_slot_change_wakes_only_the_keys_it_names() {
-        let reg = Registry::new("redis://test".into());
+        let reg = Registry::new("redis://test".into(), crate::clock::system());
         let a = reg.register(&["{a}k"], false);
         let b = reg.register(&["{b}k"], false);
         reg.wake_where(|key| key.starts_with(b"{a}"));
@@ -1160,7 +1158,7 @@ mod tests {
 
     #[test]
     fn waiters_on_other_keys_queue_apart_on_the_key_they_share() {
-        let reg = Registry::new("redis://test".into());
+        let reg = Registry::new("redis://test".into(), crate::clock::system());
         // Readers wait on [w, q], writers on [w, r]: both on w.
         let r1 = reg.register(&["w", "q"], false);
         let w1 = reg.register(&["w", "r"], false);

@@ -4,11 +4,12 @@
 //! `MOVED`.
 
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_channel::Receiver;
 use parking_lot::RwLock;
 
+use crate::clock::Clock;
 use crate::conn::cluster::{NodeAddr, Shard, parse_shards, parse_slots};
 use crate::conn::{Conn, ConnConfig};
 use crate::error::{Error, Result, is_noperm};
@@ -122,9 +123,10 @@ impl Topology {
         }
         let weak = Arc::downgrade(&topo);
         let interval = s.refresh;
+        let thread_clock = s.clock.clone();
         std::thread::Builder::new()
             .name("respire-topology".into())
-            .spawn(move || cluster_thread(&weak, &poke_rx, &stop_rx, interval))
+            .spawn(move || cluster_thread(&weak, &poke_rx, &stop_rx, interval, &*thread_clock))
             .map_err(|source| Error::Thread {
                 name: "respire-topology",
                 source,
@@ -263,7 +265,7 @@ fn read_shards(cfg: &ConnConfig, budget: Duration) -> Result<Vec<Shard>> {
 
 /// `CLUSTER SHARDS`, or `CLUSTER SLOTS` where it is unknown, on `conn`.
 fn query_shards(conn: &mut Conn, cfg: &ConnConfig, host: &str) -> Result<Vec<Shard>> {
-    let deadline = Instant::now() + cfg.node_timeout;
+    let deadline = cfg.clock.now() + cfg.node_timeout;
     let cmd = redis::cmd("CLUSTER").arg("SHARDS").clone();
     match conn.query::<redis::Value>(&cmd, "CLUSTER SHARDS", deadline) {
         Ok(v) => parse_shards(&v, cfg.tls, host),
@@ -303,9 +305,10 @@ fn cluster_thread(
     poke: &Receiver<()>,
     stop: &Receiver<()>,
     interval: Duration,
+    clock: &dyn Clock,
 ) {
     let mut cached = None;
-    let mut last = Instant::now();
+    let mut last = clock.now();
     loop {
         let next = last + interval;
         crossbeam_channel::select! {
@@ -313,7 +316,7 @@ fn cluster_thread(
             recv(stop) -> _ => return,
             recv(crossbeam_channel::at(next)) -> _ => {}
         }
-        let since = last.elapsed();
+        let since = clock.now().saturating_duration_since(last);
         if since < MIN_REFRESH {
             std::thread::sleep(MIN_REFRESH - since);
         }
@@ -322,7 +325,7 @@ fn cluster_thread(
         };
         topo.refresh_cluster(&mut cached);
         drop(topo);
-        last = Instant::now();
+        last = clock.now();
         while poke.try_recv().is_ok() {}
     }
 }

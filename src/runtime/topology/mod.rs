@@ -49,7 +49,7 @@ use crate::error::{Error, Result};
 use crate::keys::key_slot;
 use crate::observe::{self, Observer};
 use crate::runtime::node::{Directory, Job, Node};
-use crate::runtime::renewal::{Cell, Counters, Lanes, Renewal, RenewalStats};
+use crate::runtime::renewal::{self, Cell, Counters, Lanes, Renewal, RenewalStats};
 use crate::runtime::waiters::{OnTracked, Registry, Route, Tracker};
 
 use cluster::{Cluster, NO_OWNER};
@@ -138,7 +138,9 @@ impl Topology {
         threads: Option<(Sender<()>, Sender<()>)>,
     ) -> Arc<Topology> {
         let counters: Arc<Counters> = Arc::default();
-        let registry = Arc::new(Registry::new(describe.clone()).observed_by(s.observer.clone()));
+        let registry = Arc::new(
+            Registry::new(describe.clone(), s.clock.clone()).observed_by(s.observer.clone()),
+        );
         let (poke, stop) = match threads {
             Some((poke, stop)) => (Some(poke), Some(stop)),
             None => (None, None),
@@ -148,7 +150,7 @@ impl Topology {
             Topology {
                 shape: shape(this, &counters, &registry),
                 registry: registry.clone(),
-                renewal: Renewal::new(s.clock.clone(), lanes),
+                renewal: renewal::renewal(s.clock.clone(), lanes),
                 counters: counters.clone(),
                 clock: s.clock.clone(),
                 pool_size: s.pool_size,
@@ -601,7 +603,7 @@ impl Route for Topology {
             // new primary): give its subscriber a moment to connect, so the
             // attempt arms tracking instead of polling once (at most half
             // the attempt's time).
-            let now = Instant::now();
+            let now = self.clock.now();
             tracker.await_settled(now + deadline.saturating_duration_since(now) / 2);
             f(Some(&tracker), conn, deadline)
         })

@@ -3,11 +3,12 @@
 //! it and every refresh interval asks every sentinel for the primary.
 
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::RwLock;
 
+use crate::clock::Clock;
 use crate::conn::cluster::NodeAddr;
 use crate::conn::sentinel::{parse_master_addr, parse_switch};
 use crate::conn::{Conn, ConnConfig, RoleCheck};
@@ -126,9 +127,19 @@ impl Topology {
         }
         let weak = Arc::downgrade(&topo);
         let interval = s.refresh;
+        let thread_clock = s.clock.clone();
         std::thread::Builder::new()
             .name("respire-topology".into())
-            .spawn(move || sentinel_thread(&weak, &events_rx, &poke_rx, &stop_rx, interval))
+            .spawn(move || {
+                sentinel_thread(
+                    &weak,
+                    &events_rx,
+                    &poke_rx,
+                    &stop_rx,
+                    interval,
+                    &*thread_clock,
+                )
+            })
             .map_err(|source| Error::Thread {
                 name: "respire-topology",
                 source,
@@ -262,7 +273,7 @@ fn ask_master(
     match c.query::<redis::Value>(
         &cmd,
         "SENTINEL GET-MASTER-ADDR-BY-NAME",
-        Instant::now() + budget,
+        cfg.clock.now() + budget,
     ) {
         Ok(redis::Value::Nil) => Ok(None),
         Ok(v) => parse_master_addr(&v)
@@ -310,6 +321,7 @@ fn sentinel_thread(
     poke: &Receiver<()>,
     stop: &Receiver<()>,
     interval: Duration,
+    clock: &dyn Clock,
 ) {
     let count = match topo.upgrade().map(|t| match &t.shape {
         Shape::Sentinel(s) => s.sentinels.len(),
@@ -319,7 +331,7 @@ fn sentinel_thread(
         None => return,
     };
     let mut conns: Vec<Option<Conn>> = (0..count).map(|_| None).collect();
-    let mut last = Instant::now();
+    let mut last = clock.now();
     loop {
         let next = last + interval;
         let mut switch = None;
@@ -330,7 +342,7 @@ fn sentinel_thread(
                 Err(_) => return,
             },
             recv(poke) -> _ => {
-                let since = last.elapsed();
+                let since = clock.now().saturating_duration_since(last);
                 if since < MIN_REFRESH {
                     std::thread::sleep(MIN_REFRESH - since);
                 }
@@ -346,7 +358,7 @@ fn sentinel_thread(
             None => topo.check_sentinels(&mut conns),
         }
         drop(topo);
-        last = Instant::now();
+        last = clock.now();
         while poke.try_recv().is_ok() {}
     }
 }
