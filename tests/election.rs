@@ -6,6 +6,8 @@
 //! `PEXPIRETIME` with `TIME`, and the term counter.
 
 mod support;
+use support::Rng;
+use support::coordinator;
 
 use std::io::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -24,18 +26,10 @@ const CHILD_ENV: &str = "RESPIRE_ELECTION_CHILD";
 const NODE_TIMEOUT: Duration = Duration::from_millis(200);
 const TTL: Duration = Duration::from_secs(2);
 
-fn coordinator(url: &str, prefix: &str) -> Coordinator {
-    Coordinator::builder(url)
-        .key_prefix(prefix)
-        .node_timeout(NODE_TIMEOUT)
-        .build()
-        .expect("connect")
-}
-
 #[test]
 fn two_contenders_never_lead_at_once_and_terms_rise() {
     let prefix = unique_prefix("two");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let election = coord.election("{two}").unwrap();
     let leading = AtomicBool::new(false);
     let wins = AtomicUsize::new(0);
@@ -76,7 +70,7 @@ fn two_contenders_never_lead_at_once_and_terms_rise() {
 fn resigning_hands_over_to_a_waiting_contender() {
     // A server of its own: its tracking table shows when the contender waits.
     let server = TestServer::start();
-    let coord = coordinator(&server.url(), "");
+    let coord = coordinator(&server.url(), "", NODE_TIMEOUT);
     let election = coord.election("{h}").unwrap();
     let long = Duration::from_secs(60);
     let a = election.try_campaign("a", long).unwrap().expect("free");
@@ -121,7 +115,7 @@ fn a_stopped_leader_is_lost_before_the_servers_expiry_and_the_next_term_is_highe
         "a_stopped_leader_is_lost_before_the_servers_expiry_and_the_next_term_is_higher";
     if std::env::var(CHILD_ENV).as_deref() == Ok("leader") {
         let url = env("RESPIRE_ELECTION_URL");
-        let coord = coordinator(&url, "");
+        let coord = coordinator(&url, "", NODE_TIMEOUT);
         let election = coord.election("{stop}").unwrap();
         let l = election.try_campaign("stopped", TTL).unwrap().unwrap();
         let _alive = l.keep_alive().unwrap();
@@ -170,7 +164,7 @@ fn a_stopped_leader_is_lost_before_the_servers_expiry_and_the_next_term_is_highe
     let (bound_us, renewals): (i64, u64) = (bound_us.parse().unwrap(), renewals.parse().unwrap());
     assert!(renewals >= 1);
     kill_process(Pid::from_raw(pid).unwrap(), Signal::STOP).unwrap();
-    let coord = coordinator(&server.url(), "");
+    let coord = coordinator(&server.url(), "", NODE_TIMEOUT);
     let election = coord.election("{stop}").unwrap();
     let mut c = server.client();
     // After the stop the leader can renew no more; a renewal the server
@@ -213,7 +207,7 @@ fn a_stopped_leader_is_lost_before_the_servers_expiry_and_the_next_term_is_highe
 #[test]
 fn proclaiming_after_loss_is_refused_and_changes_nothing() {
     let prefix = unique_prefix("proclaim");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let election = coord.election("{p}").unwrap();
     let mut c = shared_server().client();
 
@@ -263,7 +257,7 @@ fn fired(signal: &crossbeam_channel::Receiver<()>) -> bool {
 fn lost_signal_fires_when_the_lease_is_deleted_or_taken_on_the_server_and_not_while_held() {
     // A coordinator of its own: its renewal counters count these leases only.
     let prefix = unique_prefix("signal");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let election = coord.election("{sig}").unwrap();
     let mut c = shared_server().client();
     let short = Duration::from_secs(1);
@@ -315,7 +309,7 @@ fn lost_signal_fires_when_the_lease_is_deleted_or_taken_on_the_server_and_not_wh
         coord.renewal_stats().renewals > renewed
     });
     assert!(!fired(&signal), "the signal fired while the lease was held");
-    let other = coordinator(&shared_server().url(), &prefix);
+    let other = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let other = other.election("{sig}").unwrap();
     let _: () = c.del(election.lease_key()).unwrap();
     let taker = other
@@ -343,7 +337,7 @@ fn lost_signal_fires_when_the_lease_is_deleted_or_taken_on_the_server_and_not_wh
 #[test]
 fn bad_input_is_refused_and_changes_nothing() {
     let prefix = unique_prefix("bad");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     for name in ["", "no-tag", "{}"] {
         match coord.election(name) {
             Err(Error::InvalidArgument(msg)) => assert!(msg.contains("election name"), "{msg}"),
@@ -385,7 +379,7 @@ fn bad_input_is_refused_and_changes_nothing() {
 #[test]
 fn an_expired_lease_reads_as_no_leader() {
     let prefix = unique_prefix("expired");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let election = coord.election("{x}").unwrap();
     assert_eq!(election.leader().unwrap(), None);
     let l = election
@@ -438,7 +432,7 @@ fn next(
 #[test]
 fn observe_reports_each_change_in_order_and_never_a_lower_term() {
     let prefix = unique_prefix("observe");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let election = coord.election("{o}").unwrap();
     let cancel = CancelToken::new();
     let (rx, handle) = spawn_observer(election.clone(), cancel.clone());
@@ -473,7 +467,7 @@ fn observe_reports_each_change_in_order_and_never_a_lower_term() {
     // leader.
     let mut c = shared_server().client();
     let _: () = c.set(election.term_key(), 0).unwrap();
-    let elsewhere = coordinator(&shared_server().url(), &prefix);
+    let elsewhere = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let low = elsewhere
         .election("{o}")
         .unwrap()
@@ -519,7 +513,7 @@ fn observe_reports_each_change_in_order_and_never_a_lower_term() {
 #[test]
 fn observing_a_server_that_went_away_reports_an_error_not_the_last_leader() {
     let server = TestServer::start();
-    let coord = coordinator(&server.url(), "");
+    let coord = coordinator(&server.url(), "", NODE_TIMEOUT);
     let election = coord.election("{down}").unwrap();
     let l = election.try_campaign("up", TTL).unwrap().unwrap();
     let cancel = CancelToken::new();
@@ -553,22 +547,6 @@ fn observing_a_server_that_went_away_reports_an_error_not_the_last_leader() {
 fn mono_ns() -> u64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
     t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
-}
-
-/// A small seeded generator (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
 }
 
 /// One leadership as its process recorded it: every instant at which it
@@ -665,7 +643,7 @@ fn five_processes_under_kills_and_stops_never_lead_at_once() {
             .unwrap();
         let election = coord.election("{chaos}").unwrap();
         let pid = std::process::id();
-        let mut rng = Rng(u64::from(pid) << 32 | mono_ns() & 0xffff_ffff | 1);
+        let mut rng = Rng::new(u64::from(pid) << 32 | mono_ns() & 0xffff_ffff);
         let never = CancelToken::new();
         let mut out = std::io::stdout();
         // The negative control: a leader that never looks whether it lost.
@@ -728,15 +706,11 @@ fn five_processes_under_kills_and_stops_never_lead_at_once() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(20);
-    let seed: u64 = std::env::var("RESPIRE_ELECTION_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| mono_ns() | 1);
-    println!("seed {seed} (RESPIRE_ELECTION_SEED), {seconds} s (RESPIRE_ELECTION_SECS)");
+    println!("{seconds} s (RESPIRE_ELECTION_SECS)");
     // RESPIRE_ELECTION_HEEDLESS=1 (passed on to the contenders) runs the
     // negative control: leaders that act without checking for loss, which
     // this test must catch.
-    let mut rng = Rng(seed);
+    let (mut rng, seed) = Rng::seeded("election campaign");
     let server = TestServer::start();
     let url = server.url();
 
@@ -768,7 +742,7 @@ fn five_processes_under_kills_and_stops_never_lead_at_once() {
     let mut children = Contenders((0..5).map(|_| spawn(&lines_tx)).collect());
 
     // The observer, in this process: what it reported and when.
-    let coord = coordinator(&url, "");
+    let coord = coordinator(&url, "", NODE_TIMEOUT);
     let election = coord.election("{chaos}").unwrap();
     let stop = CancelToken::new();
     let observed = {
@@ -882,12 +856,12 @@ fn five_processes_under_kills_and_stops_never_lead_at_once() {
             "observer's delay for {} terms {how}, median / p90: from the winning call {} / {} \
              µs, from its return {} / {} µs (the grant lies between; the calls took {} / {} µs)",
             from_sent.len(),
-            percentile(from_sent, 50),
-            percentile(from_sent, 90),
-            percentile(from_returned, 50),
-            percentile(from_returned, 90),
-            percentile(calls, 50),
-            percentile(calls, 90),
+            percentile_us(from_sent, 50),
+            percentile_us(from_sent, 90),
+            percentile_us(from_returned, 50),
+            percentile_us(from_returned, 90),
+            percentile_us(calls, 50),
+            percentile_us(calls, 90),
         );
     }
     assert!(seen >= 1, "the observer reported no leader");
@@ -909,13 +883,12 @@ fn five_processes_under_kills_and_stops_never_lead_at_once() {
 const LONG_REIGN: Duration = Duration::from_secs(1);
 
 /// The `p`th percentile (nearest rank) of `values`, in µs (0 for none).
-fn percentile(values: &mut [i64], p: usize) -> i64 {
+fn percentile_us(values: &mut [i64], p: usize) -> i64 {
     if values.is_empty() {
         return 0;
     }
     values.sort_unstable();
-    let rank = (values.len() * p).div_ceil(100).max(1);
-    values[rank - 1] / 1000
+    support::percentile(values, p as f64 / 100.0) / 1000
 }
 
 /// Compares the reigns the processes recorded with the terms the observer
@@ -1030,13 +1003,13 @@ fn observe_polls_where_tracking_is_denied_and_still_sees_every_change() {
     let server = TestServer::builder()
         .acl_user("user u on >pw ~* &* +@all -client|tracking")
         .start();
-    let coord = coordinator(&server.url_for_user("u", "pw"), "");
+    let coord = coordinator(&server.url_for_user("u", "pw"), "", NODE_TIMEOUT);
     let election = coord.election("{poll}").unwrap();
     let cancel = CancelToken::new();
     let (rx, handle) = spawn_observer(election.clone(), cancel.clone());
     assert_eq!(next(&rx).unwrap(), None);
     // Changes made elsewhere (no tracking here, no invalidation to wake it).
-    let other = coordinator(&server.url(), "");
+    let other = coordinator(&server.url(), "", NODE_TIMEOUT);
     let elsewhere = other.election("{poll}").unwrap();
     let a = elsewhere
         .try_campaign("a", Duration::from_secs(60))
@@ -1066,7 +1039,7 @@ fn observe_polls_where_tracking_is_denied_and_still_sees_every_change() {
 fn a_resign_that_could_not_be_sent_is_sent_again_once_the_server_answers() {
     let server = TestServer::builder().append_only().start();
     let prefix = unique_prefix("resign_later");
-    let coord = coordinator(&server.url(), &prefix);
+    let coord = coordinator(&server.url(), &prefix, NODE_TIMEOUT);
     let election = coord.election("{later}").unwrap();
     let ttl = Duration::from_secs(30);
     let leadership = election
@@ -1082,7 +1055,7 @@ fn a_resign_that_could_not_be_sent_is_sent_again_once_the_server_answers() {
     // lease's TTL.
     server.restart();
     let started = Instant::now();
-    let watcher = coordinator(&server.url(), &prefix);
+    let watcher = coordinator(&server.url(), &prefix, NODE_TIMEOUT);
     let watched = watcher.election("{later}").unwrap();
     wait_until(
         Duration::from_secs(10),

@@ -1,6 +1,7 @@
 //! The fenced lock: tokens, the counter's durability, and every refusal.
 
 mod support;
+use support::coordinator;
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -9,18 +10,10 @@ use redis::Commands;
 use respire_coordination::{Coordinator, Error, ReleaseOutcome, Replication};
 use support::{Mode, TestServer, proxied_replica, shared_server, unique_prefix};
 
-fn coordinator(url: &str, prefix: &str) -> Coordinator {
-    Coordinator::builder(url)
-        .key_prefix(prefix)
-        .node_timeout(Duration::from_millis(300))
-        .build()
-        .expect("connect")
-}
-
 #[test]
 fn tokens_strictly_increase_across_eight_threads() {
     let prefix = unique_prefix("tokens");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, Duration::from_millis(300));
     let lock = coord.fenced_lock("{job}:lease", "{job}:fence").unwrap();
     // Pushed while holding the lease, so the order is the order of grants.
     let grants = Mutex::new(Vec::with_capacity(4000));
@@ -64,7 +57,7 @@ fn tokens_strictly_increase_across_eight_threads() {
 #[test]
 fn the_counter_survives_kill_and_restart_with_appendfsync_always() {
     let server = TestServer::builder().append_only().start();
-    let coord = coordinator(&server.url(), "");
+    let coord = coordinator(&server.url(), "", Duration::from_millis(300));
     let lock = coord.fenced_lock("{j}:lease", "{j}:fence").unwrap();
     let mut last = 0;
     for _ in 0..5 {
@@ -75,7 +68,7 @@ fn the_counter_survives_kill_and_restart_with_appendfsync_always() {
     assert_eq!(last, 5);
     server.kill();
     server.restart();
-    let coord = coordinator(&server.url(), "");
+    let coord = coordinator(&server.url(), "", Duration::from_millis(300));
     let lock = coord.fenced_lock("{j}:lease", "{j}:fence").unwrap();
     let g = lock.try_acquire(Duration::from_secs(5)).unwrap().unwrap();
     assert_eq!(g.fencing_token().get(), 6);
@@ -84,7 +77,7 @@ fn the_counter_survives_kill_and_restart_with_appendfsync_always() {
 #[test]
 fn a_counter_that_went_back_is_reported_and_its_lease_released() {
     let prefix = unique_prefix("regress");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, Duration::from_millis(300));
     let lock = coord.fenced_lock("{j}:lease", "{j}:fence").unwrap();
     for _ in 0..3 {
         drop(lock.try_acquire(Duration::from_secs(5)).unwrap().unwrap());
@@ -107,7 +100,7 @@ fn a_counter_that_went_back_is_reported_and_its_lease_released() {
     let lease = format!("{prefix}{{j}}:lease");
     assert!(!shared_server().client().exists::<_, bool>(&lease).unwrap());
     // Another coordinator has no history to compare with.
-    let fresh = coordinator(&shared_server().url(), &prefix);
+    let fresh = coordinator(&shared_server().url(), &prefix, Duration::from_millis(300));
     let g = fresh
         .fenced_lock("{j}:lease", "{j}:fence")
         .unwrap()
@@ -133,7 +126,7 @@ fn snapshot(key: &str) -> (String, Option<String>, i64) {
 #[test]
 fn every_refusal_changes_nothing() {
     let prefix = unique_prefix("refusals");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, Duration::from_millis(300));
     let mut admin = shared_server().client();
 
     // Keys in different cluster slots.
@@ -255,7 +248,7 @@ fn keep_alive_without_client_kill_rights_is_a_permission_error() {
 #[test]
 fn the_fencing_token_is_copy_ord_and_display() {
     let prefix = unique_prefix("token");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, Duration::from_millis(300));
     let lock = coord.fenced_lock("{t}:lease", "{t}:fence").unwrap();
     let a = lock.try_acquire(Duration::from_secs(5)).unwrap().unwrap();
     let ta = a.fencing_token();

@@ -3,6 +3,7 @@
 //! what it reports is judged by the servers' own view of the keys.
 
 mod support;
+use support::ms;
 
 use std::time::Duration;
 
@@ -10,10 +11,6 @@ use respire_coordination::{
     Coordinator, Fencing, Guard, RedlockGroup, RedlockOptions, ReleaseOutcome, Verifiable,
 };
 use support::{TestServer, wait_until};
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 /// The key's remaining TTL on `server`, in ms (−2: gone).
 fn pttl(server: &TestServer, key: &str) -> i64 {

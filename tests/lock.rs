@@ -1,6 +1,7 @@
 //! The plain `Lock` and the connection layer against real redis-server processes.
 
 mod support;
+use support::coordinator;
 
 use std::sync::Barrier;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -10,14 +11,6 @@ use redis::Commands;
 use respire_coordination::{Coordinator, Error, MAX_TTL, ReleaseOutcome};
 use support::{FaultProxy, Mode, TestServer, shared_server, unique_prefix, wait_until};
 
-fn coordinator(prefix: &str) -> Coordinator {
-    Coordinator::builder(&shared_server().url())
-        .key_prefix(prefix)
-        .node_timeout(Duration::from_millis(300))
-        .build()
-        .expect("connect to the shared server")
-}
-
 /// Every key under `prefix` on `server`.
 fn keys_under(server: &TestServer, prefix: &str) -> Vec<String> {
     server.client().keys(format!("{prefix}*")).expect("KEYS")
@@ -26,7 +19,7 @@ fn keys_under(server: &TestServer, prefix: &str) -> Vec<String> {
 #[test]
 fn eight_threads_never_hold_the_lock_together() {
     let prefix = unique_prefix("mutex");
-    let coord = coordinator(&prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, Duration::from_millis(300));
     let lock = coord.lock("job").unwrap();
     let inside = AtomicUsize::new(0);
     let granted = AtomicUsize::new(0);
@@ -62,7 +55,11 @@ fn eight_threads_never_hold_the_lock_together() {
 
 #[test]
 fn contention_is_none_not_an_error() {
-    let coord = coordinator(&unique_prefix("contention"));
+    let coord = coordinator(
+        &shared_server().url(),
+        &unique_prefix("contention"),
+        Duration::from_millis(300),
+    );
     let lock = coord.lock("job").unwrap();
     let held = lock.try_acquire(Duration::from_secs(10)).unwrap().unwrap();
     assert!(lock.try_acquire(Duration::from_secs(10)).unwrap().is_none());
@@ -78,7 +75,7 @@ fn contention_is_none_not_an_error() {
 #[test]
 fn release_after_expiry_and_takeover_never_touches_the_new_holder() {
     let prefix = unique_prefix("takeover");
-    let coord = coordinator(&prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, Duration::from_millis(300));
     let key = format!("{prefix}job");
     let lock = coord.lock("job").unwrap();
     let mut admin = shared_server().client();
@@ -116,7 +113,7 @@ fn release_after_expiry_and_takeover_never_touches_the_new_holder() {
 #[test]
 fn verify_reset_and_remaining_estimate() {
     let prefix = unique_prefix("verify");
-    let coord = coordinator(&prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, Duration::from_millis(300));
     let lock = coord.lock("job").unwrap();
     let before = Instant::now();
     let guard = lock.try_acquire(Duration::from_secs(10)).unwrap().unwrap();
@@ -145,7 +142,7 @@ fn verify_reset_and_remaining_estimate() {
 #[test]
 fn dropping_a_guard_releases_and_fires_its_signal() {
     let prefix = unique_prefix("drop");
-    let coord = coordinator(&prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, Duration::from_millis(300));
     let lock = coord.lock("job").unwrap();
     let guard = lock.try_acquire(Duration::from_secs(10)).unwrap().unwrap();
     let signal = guard.lost_signal().clone();
@@ -206,7 +203,7 @@ fn a_lock_found_free_is_taken_with_one_command_and_a_held_one_reported_busy() {
 #[test]
 fn bad_input_is_refused_and_touches_nothing() {
     let prefix = unique_prefix("badinput");
-    let coord = coordinator(&prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, Duration::from_millis(300));
     assert!(matches!(coord.lock(""), Err(Error::InvalidArgument(_))));
     let lock = coord.lock("job").unwrap();
     for ttl in [
@@ -831,7 +828,7 @@ fn a_verify_that_finds_less_time_left_bounds_the_guard_and_its_loss_signal() {
     // moves the guard's bound to what the server has, and the loss signal
     // closes before the server lets the key go.
     let prefix = unique_prefix("verify_bounds");
-    let coord = coordinator(&prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, Duration::from_millis(300));
     let lock = coord.lock("job").unwrap();
     let guard = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
     let signal = guard.lost_signal().clone();

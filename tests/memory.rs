@@ -3,15 +3,12 @@
 //! (beside other tests in one process, their allocations land in its window).
 
 mod support;
+use support::ms;
 
 use std::time::Duration;
 
 use respire_coordination::ReleaseOutcome;
 use support::{coordinator, shared_server, unique_prefix};
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 /// Resident set size of this process.
 fn rss() -> u64 {

@@ -11,6 +11,8 @@
 //! -R` it).
 
 mod support;
+use support::Rng;
+use support::ms;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write as _;
@@ -27,10 +29,6 @@ use support::{
 };
 
 const CHILD_ENV: &str = "RESPIRE_MULTI_CHILD";
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 fn cluster_coordinator(prefix: &str) -> Coordinator {
     cluster_coordinator_with(prefix, ms(500))
@@ -953,22 +951,6 @@ fn mono_ns() -> u64 {
     t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
 }
 
-/// A small seeded generator (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// One hold of one key as a thread recorded it: taken after the grant
 /// returned, ended before the thread checked the set was not lost.
 #[derive(Clone, Debug, PartialEq)]
@@ -1098,7 +1080,7 @@ fn run_child(coord: &Coordinator, seconds: u64) {
         for t in 0..THREADS_PER_PROCESS {
             let out = &out;
             s.spawn(move || {
-                let mut rng = Rng(mono_ns() ^ (t as u64 + 1) << 40 | 1);
+                let mut rng = Rng::new(mono_ns() ^ (t as u64 + 1) << 40);
                 let (mut grants, mut missed, mut longest) = (0u64, 0u64, 0u64);
                 while Instant::now() < end {
                     let mut keys: Vec<usize> = (0..KEYS).collect();

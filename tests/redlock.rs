@@ -3,6 +3,8 @@
 //! and a safety campaign with a nemesis that kills and restarts nodes.
 
 mod support;
+use support::Rng;
+use support::coordinator;
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -49,7 +51,7 @@ impl Nodes {
     fn coordinators(&self, prefix: &str) -> Vec<Coordinator> {
         self.proxies
             .iter()
-            .map(|p| coordinator(&p.url(), prefix))
+            .map(|p| coordinator(&p.url(), prefix, Duration::from_millis(500)))
             .collect()
     }
 
@@ -142,14 +144,6 @@ fn acquire_median(group: &RedlockGroup, key: &str, rounds: usize, wait: Duration
     median(times)
 }
 
-fn coordinator(url: &str, prefix: &str) -> Coordinator {
-    Coordinator::builder(url)
-        .key_prefix(prefix)
-        .node_timeout(Duration::from_millis(500))
-        .build()
-        .expect("connect")
-}
-
 fn options(node_timeout_ms: u64) -> RedlockOptions {
     RedlockOptions {
         node_timeout: Duration::from_millis(node_timeout_ms),
@@ -182,12 +176,16 @@ fn not_independent(result: Result<RedlockGroup, Error>) -> String {
 fn refuses_fewer_than_three_or_an_even_number_of_nodes() {
     let url = shared_server().url();
     for n in [0, 1, 2] {
-        let nodes = (0..n).map(|_| coordinator(&url, "")).collect();
+        let nodes = (0..n)
+            .map(|_| coordinator(&url, "", Duration::from_millis(500)))
+            .collect();
         let e = invalid(RedlockGroup::new(nodes, RedlockOptions::default()));
         assert!(e.contains("at least 3 nodes"), "{e}");
     }
     for n in [4, 6] {
-        let nodes = (0..n).map(|_| coordinator(&url, "")).collect();
+        let nodes = (0..n)
+            .map(|_| coordinator(&url, "", Duration::from_millis(500)))
+            .collect();
         let e = invalid(RedlockGroup::new(nodes, RedlockOptions::default()));
         assert!(e.contains("odd number of nodes"), "{e}");
     }
@@ -197,7 +195,9 @@ fn refuses_fewer_than_three_or_an_even_number_of_nodes() {
 fn refuses_bad_drift_factors_and_a_zero_node_timeout() {
     let url = shared_server().url();
     for drift in [-0.01, f64::NAN, 1.0, 1.5] {
-        let nodes = (0..3).map(|_| coordinator(&url, "")).collect();
+        let nodes = (0..3)
+            .map(|_| coordinator(&url, "", Duration::from_millis(500)))
+            .collect();
         let options = RedlockOptions {
             drift_factor: drift,
             ..RedlockOptions::default()
@@ -205,7 +205,9 @@ fn refuses_bad_drift_factors_and_a_zero_node_timeout() {
         let e = invalid(RedlockGroup::new(nodes, options));
         assert!(e.contains("drift factor"), "{e}");
     }
-    let nodes = (0..3).map(|_| coordinator(&url, "")).collect();
+    let nodes = (0..3)
+        .map(|_| coordinator(&url, "", Duration::from_millis(500)))
+        .collect();
     let e = invalid(RedlockGroup::new(nodes, options(0)));
     assert!(e.contains("node timeout is zero"), "{e}");
 }
@@ -215,9 +217,9 @@ fn refuses_the_same_server_twice() {
     let nodes = Nodes::start(2);
     // The same server, once directly and once through its proxy.
     let coords = vec![
-        coordinator(&nodes.proxies[0].url(), ""),
-        coordinator(&nodes.servers[0].url(), ""),
-        coordinator(&nodes.proxies[1].url(), ""),
+        coordinator(&nodes.proxies[0].url(), "", Duration::from_millis(500)),
+        coordinator(&nodes.servers[0].url(), "", Duration::from_millis(500)),
+        coordinator(&nodes.proxies[1].url(), "", Duration::from_millis(500)),
     ];
     let e = not_independent(RedlockGroup::new(coords, RedlockOptions::default()));
     assert!(e.contains("are the same server (run id"), "{e}");
@@ -238,9 +240,9 @@ fn refuses_a_primary_and_its_replica() {
         info.contains("master_link_status:up")
     });
     let coords = vec![
-        coordinator(&primary.url(), ""),
-        coordinator(&other.url(), ""),
-        coordinator(&replica.url(), ""),
+        coordinator(&primary.url(), "", Duration::from_millis(500)),
+        coordinator(&other.url(), "", Duration::from_millis(500)),
+        coordinator(&replica.url(), "", Duration::from_millis(500)),
     ];
     let e = not_independent(RedlockGroup::new(coords, RedlockOptions::default()));
     assert!(e.contains("share replication id"), "{e}");
@@ -254,9 +256,9 @@ fn refuses_cluster_nodes() {
         .args(["--cluster-enabled", "yes"])
         .start();
     let coords = vec![
-        coordinator(&a.url(), ""),
-        coordinator(&clustered.url(), ""),
-        coordinator(&b.url(), ""),
+        coordinator(&a.url(), "", Duration::from_millis(500)),
+        coordinator(&clustered.url(), "", Duration::from_millis(500)),
+        coordinator(&b.url(), "", Duration::from_millis(500)),
     ];
     let e = not_independent(RedlockGroup::new(coords, RedlockOptions::default()));
     assert!(e.contains("Redis Cluster mode"), "{e}");
@@ -739,7 +741,7 @@ fn fan_out_is_parallel_behind_2ms_delays() {
     }
     let prefix = unique_prefix("delay");
     let group = nodes.group(&prefix, options(200));
-    let single = coordinator(&nodes.proxies[0].url(), &prefix)
+    let single = coordinator(&nodes.proxies[0].url(), &prefix, Duration::from_millis(500))
         .lock("single")
         .unwrap();
     let ttl = Duration::from_secs(10);
@@ -1891,26 +1893,6 @@ struct Campaign {
     restarts: u64,
 }
 
-/// A small xorshift generator: the nemesis needs variety, not secrecy.
-struct Rng(u64);
-
-impl Rng {
-    fn new() -> Rng {
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64;
-        Rng(seed | 1)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-}
-
 /// Four threads, each with its own group (as four processes would have),
 /// contend for one lock on five nodes while a nemesis kills and restarts
 /// random nodes. Every holder records its validity window on the local
@@ -1958,7 +1940,7 @@ fn campaign(append_only: bool, run_for: Duration) -> Campaign {
         }
         let (nodes, stop, restarts) = (&nodes, &stop, &restarts);
         s.spawn(move || {
-            let mut rng = Rng::new();
+            let (mut rng, _) = Rng::seeded("redlock nemesis");
             let started = Instant::now();
             while started.elapsed() < run_for {
                 let i = rng.below(5) as usize;
@@ -2135,7 +2117,7 @@ fn a_program_that_ends_after_dropping_its_group_leaves_no_key_behind() {
         let urls = support::env("RESPIRE_REDLOCK_URLS");
         let coordinators = urls
             .split(',')
-            .map(|url| coordinator(url, "ends:"))
+            .map(|url| coordinator(url, "ends:", Duration::from_millis(500)))
             .collect();
         let options = options(1000).with_observer(std::sync::Arc::new(StallRenewals(Mutex::new(
             Some(stalled),

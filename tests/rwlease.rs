@@ -4,6 +4,9 @@
 //! per-reader expiry while others renew, and every refusal.
 
 mod support;
+use support::coordinator;
+use support::ms;
+use support::percentile;
 
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -26,22 +29,10 @@ const CHILD_ENV: &str = "RESPIRE_RW_CHILD";
 
 const NODE_TIMEOUT: Duration = Duration::from_millis(200);
 
-fn coordinator(url: &str, prefix: &str) -> Coordinator {
-    Coordinator::builder(url)
-        .key_prefix(prefix)
-        .node_timeout(NODE_TIMEOUT)
-        .build()
-        .expect("connect")
-}
-
 /// The tests that measure time take turns, so they do not measure each other.
 fn timed() -> MutexGuard<'static, ()> {
     static TIMED: Mutex<()> = Mutex::new(());
     TIMED.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
 }
 
 fn preference(name: &str) -> Preference {
@@ -69,8 +60,8 @@ fn sixteen_threads_of_readers_and_writers_never_overlap_a_writer() {
     let _timed = timed();
     let prefix = unique_prefix("mixed");
     let coords = [
-        coordinator(&shared_server().url(), &prefix),
-        coordinator(&shared_server().url(), &prefix),
+        coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT),
+        coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT),
     ];
     let rws: Vec<ReadWriteLease> = coords
         .iter()
@@ -197,7 +188,11 @@ fn run_readers(
 
 /// The child's half of the readers: runs until its stdin closes.
 fn readers_child() {
-    let coord = coordinator(&env("RESPIRE_RW_URL"), &env("RESPIRE_RW_PREFIX"));
+    let coord = coordinator(
+        &env("RESPIRE_RW_URL"),
+        &env("RESPIRE_RW_PREFIX"),
+        NODE_TIMEOUT,
+    );
     let rw = coord
         .read_write_lease_with("{starve}", preference(&env("RESPIRE_RW_PREF")))
         .unwrap();
@@ -226,7 +221,7 @@ fn with_readers_in_two_processes<T>(
     body: impl FnOnce(&ReadWriteLease, &dyn Fn()) -> T,
 ) -> T {
     let prefix = unique_prefix(test);
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let rw = coord
         .read_write_lease_with("{starve}", preference(pref))
         .unwrap();
@@ -281,11 +276,6 @@ fn with_readers_in_two_processes<T>(
         assert!(reads > 0);
         result
     })
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i]
 }
 
 #[test]
@@ -498,9 +488,9 @@ fn a_writer_that_times_out_lets_the_readers_it_held_back_in_at_once() {
     let prefix = unique_prefix("withdraw");
     let url = shared_server().url();
     let (ca, cb, cc) = (
-        coordinator(&url, &prefix),
-        coordinator(&url, &prefix),
-        coordinator(&url, &prefix),
+        coordinator(&url, &prefix, NODE_TIMEOUT),
+        coordinator(&url, &prefix, NODE_TIMEOUT),
+        coordinator(&url, &prefix, NODE_TIMEOUT),
     );
     let base = "{wd}";
     let r1 = ca
@@ -559,7 +549,7 @@ fn a_writer_that_times_out_lets_the_readers_it_held_back_in_at_once() {
 #[test]
 fn a_cancelled_writer_withdraws_its_intent() {
     let prefix = unique_prefix("cancel");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let rw = coord.read_write_lease("{c}").unwrap();
     let _reader = rw
         .read()
@@ -676,7 +666,11 @@ const KILL_TTL: Duration = Duration::from_secs(1);
 fn a_killed_readers_lease_ends_at_its_own_expiry_while_another_renews() {
     const TEST: &str = "a_killed_readers_lease_ends_at_its_own_expiry_while_another_renews";
     if std::env::var(CHILD_ENV).as_deref() == Ok("hold-read") {
-        let coord = coordinator(&env("RESPIRE_RW_URL"), &env("RESPIRE_RW_PREFIX"));
+        let coord = coordinator(
+            &env("RESPIRE_RW_URL"),
+            &env("RESPIRE_RW_PREFIX"),
+            NODE_TIMEOUT,
+        );
         let rw = coord.read_write_lease("{kill}").unwrap();
         let g = rw.read().try_acquire(KILL_TTL).unwrap().unwrap();
         let _alive = g.keep_alive().unwrap();
@@ -687,10 +681,10 @@ fn a_killed_readers_lease_ends_at_its_own_expiry_while_another_renews() {
     }
     let _timed = timed();
     let prefix = unique_prefix("killread");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let rw = coord.read_write_lease("{kill}").unwrap();
     let mut c = shared_server().client();
-    let writer_coord = coordinator(&shared_server().url(), &prefix);
+    let writer_coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let write = writer_coord.read_write_lease("{kill}").unwrap().write();
     thread::scope(|s| {
         let live = rw.read().try_acquire(KILL_TTL).unwrap().unwrap();
@@ -757,7 +751,11 @@ fn a_killed_readers_lease_ends_at_its_own_expiry_while_another_renews() {
 fn a_killed_waiting_writers_intent_holds_readers_back_until_it_expires() {
     const TEST: &str = "a_killed_waiting_writers_intent_holds_readers_back_until_it_expires";
     if std::env::var(CHILD_ENV).as_deref() == Ok("wait-write") {
-        let coord = coordinator(&env("RESPIRE_RW_URL"), &env("RESPIRE_RW_PREFIX"));
+        let coord = coordinator(
+            &env("RESPIRE_RW_URL"),
+            &env("RESPIRE_RW_PREFIX"),
+            NODE_TIMEOUT,
+        );
         let rw = coord.read_write_lease("{kill}").unwrap();
         println!("@@waiting");
         std::io::stdout().flush().unwrap();
@@ -768,7 +766,7 @@ fn a_killed_waiting_writers_intent_holds_readers_back_until_it_expires() {
     }
     let _timed = timed();
     let prefix = unique_prefix("killintent");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let rw = coord.read_write_lease("{kill}").unwrap();
     let mut c = shared_server().client();
     let live = rw.read().try_acquire(KILL_TTL).unwrap().unwrap();
@@ -791,7 +789,7 @@ fn a_killed_waiting_writers_intent_holds_readers_back_until_it_expires() {
     wait_until(Duration::from_secs(3), "a refreshed intent", || {
         members(&mut c, rw.intents_key())[0].1 > first
     });
-    let reader_coord = coordinator(&shared_server().url(), &prefix);
+    let reader_coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let read = reader_coord.read_write_lease("{kill}").unwrap().read();
     assert!(read.try_acquire(KILL_TTL).unwrap().is_none(), "held back");
     thread::scope(|s| {
@@ -829,7 +827,7 @@ fn a_killed_waiting_writers_intent_holds_readers_back_until_it_expires() {
 #[test]
 fn grants_carry_tokens_and_epochs_and_guards_do_everything_a_guard_does() {
     let prefix = unique_prefix("guards");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let rw = coord.read_write_lease("{g}:doc").unwrap();
     assert_eq!(rw.preference(), Preference::Writer);
     assert_eq!(rw.writer_key(), format!("{prefix}{{g}}:doc:w"));
@@ -926,7 +924,7 @@ fn an_expired_reader_never_comes_back_and_the_others_keep_theirs() {
 #[test]
 fn reader_preference_lets_readers_past_a_waiting_writer() {
     let prefix = unique_prefix("readerpref");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let writer_side = coord.read_write_lease("{p}").unwrap();
     let reader_side = coord
         .read_write_lease_with("{p}", Preference::Reader)
@@ -989,7 +987,7 @@ fn reader_preference_lets_readers_past_a_waiting_writer() {
 #[test]
 fn every_refusal_is_clear_and_changes_nothing() {
     let prefix = unique_prefix("refuse");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     for base in ["", "doc", "{}doc", "doc{", "}doc{x"] {
         let e = coord.read_write_lease(base).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{base:?}: {e}");
@@ -1233,8 +1231,8 @@ fn what_an_unanswered_acquire_may_have_set_is_deleted_afterwards() {
 fn a_waiting_writers_intent_is_refreshed_while_readers_hold_longer_than_it_lives() {
     let server = shared_server();
     let prefix = unique_prefix("intent_refresh");
-    let coord = coordinator(&server.url(), &prefix);
-    let other = coordinator(&server.url(), &prefix);
+    let coord = coordinator(&server.url(), &prefix, NODE_TIMEOUT);
+    let other = coordinator(&server.url(), &prefix, NODE_TIMEOUT);
     let lease = coord.read_write_lease("{i}base").unwrap();
     // A reader whose TTL (6 s) is far longer than a waiting writer's intent
     // (1 s with this node timeout).

@@ -4,6 +4,8 @@
 //! expiry while others renew, 2,000 kept-alive permits, and every refusal.
 
 mod support;
+use support::coordinator;
+use support::ms;
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -23,22 +25,10 @@ const CHILD_ENV: &str = "RESPIRE_SEM_CHILD";
 
 const NODE_TIMEOUT: Duration = Duration::from_millis(200);
 
-fn coordinator(url: &str, prefix: &str) -> Coordinator {
-    Coordinator::builder(url)
-        .key_prefix(prefix)
-        .node_timeout(NODE_TIMEOUT)
-        .build()
-        .expect("connect")
-}
-
 /// The tests that measure time take turns, so they do not measure each other.
 fn timed() -> MutexGuard<'static, ()> {
     static TIMED: Mutex<()> = Mutex::new(());
     TIMED.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
 }
 
 /// An independent view of the protected resource: how many hold a permit now,
@@ -78,8 +68,8 @@ fn capacity_three_never_admits_a_fourth_and_every_slot_is_fenced() {
     let _timed = timed();
     let prefix = unique_prefix("three");
     let coords = [
-        coordinator(&shared_server().url(), &prefix),
-        coordinator(&shared_server().url(), &prefix),
+        coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT),
+        coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT),
     ];
     let sems: Vec<Semaphore> = coords
         .iter()
@@ -129,7 +119,7 @@ fn capacity_three_never_admits_a_fourth_and_every_slot_is_fenced() {
 #[test]
 fn the_capacity_is_stored_and_a_disagreeing_participant_changes_nothing() {
     let prefix = unique_prefix("agree");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let three = coord.semaphore("{a}", 3).unwrap();
     assert_eq!(three.capacity(), 3);
     assert_eq!(three.available().unwrap(), 3, "nothing stored yet");
@@ -200,7 +190,7 @@ fn lowering_the_capacity_drains_and_raising_it_wakes_a_waiter() {
     let _timed = timed();
     // A server of its own, so that its tracked connections are the waiter's.
     let server = support::TestServer::start();
-    let coord = coordinator(&server.url(), "");
+    let coord = coordinator(&server.url(), "", NODE_TIMEOUT);
     let sem = coord.semaphore("{r}", 2).unwrap();
     let ttl = Duration::from_secs(10);
     let a = sem.try_acquire(ttl).unwrap().unwrap();
@@ -240,7 +230,7 @@ fn lowering_the_capacity_drains_and_raising_it_wakes_a_waiter() {
 #[test]
 fn available_and_holders_are_pruned_not_stale() {
     let prefix = unique_prefix("observe");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let sem = coord.semaphore("{o}", 4).unwrap();
     let p = sem.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
     let mut c = shared_server().client();
@@ -307,7 +297,11 @@ fn a_killed_holders_permit_is_freed_at_its_own_expiry_while_another_renews() {
     const TEST: &str = "a_killed_holders_permit_is_freed_at_its_own_expiry_while_another_renews";
     const TTL: Duration = Duration::from_secs(1);
     if std::env::var(CHILD_ENV).as_deref() == Ok("hold") {
-        let coord = coordinator(&env("RESPIRE_SEM_URL"), &env("RESPIRE_SEM_PREFIX"));
+        let coord = coordinator(
+            &env("RESPIRE_SEM_URL"),
+            &env("RESPIRE_SEM_PREFIX"),
+            NODE_TIMEOUT,
+        );
         let sem = coord.semaphore("{kill}", 2).unwrap();
         let p = sem.try_acquire(TTL).unwrap().unwrap();
         let _alive = p.keep_alive().unwrap();
@@ -318,9 +312,9 @@ fn a_killed_holders_permit_is_freed_at_its_own_expiry_while_another_renews() {
     }
     let _timed = timed();
     let prefix = unique_prefix("kill");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let sem = coord.semaphore("{kill}", 2).unwrap();
-    let waiter_coord = coordinator(&shared_server().url(), &prefix);
+    let waiter_coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     let waiting = waiter_coord.semaphore("{kill}", 2).unwrap();
     let mut c = shared_server().client();
     let live = sem.try_acquire(TTL).unwrap().unwrap();
@@ -435,7 +429,7 @@ fn one_thread_keeps_two_thousand_permits_alive_for_twenty_seconds() {
 #[test]
 fn every_refusal_is_clear_and_changes_nothing() {
     let prefix = unique_prefix("refuse");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, NODE_TIMEOUT);
     for cap in [0, Semaphore::MAX_CAPACITY + 1, u32::MAX] {
         let e = coord.semaphore("{s}", cap).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{cap}: {e}");

@@ -14,6 +14,7 @@
 //! the test's own before each look at the guard.
 
 mod support;
+use support::ms;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -26,10 +27,6 @@ const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
 const NODE_TIMEOUT: Duration = Duration::from_millis(100);
 /// The step: more than the long lease has left on the server, less than its TTL.
 const STEP_SECS: u64 = 10;
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 /// A Valkey server whose wall clock is `rc`'s offset ("+0", "+10", …), read
 /// by libfaketime at every clock call.

@@ -5,16 +5,13 @@
 //! restart, and the lease key, which the refused grant must not leave behind.
 
 mod support;
+use support::{coordinator, ms};
 
 use std::thread;
 use std::time::Duration;
 
 use respire_coordination::{Coordinator, Error, FencingToken};
 use support::{TestServer, unique_prefix};
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 const TTL: Duration = Duration::from_millis(3_000);
 
@@ -66,14 +63,6 @@ fn permit(
     Ok(token)
 }
 
-fn coordinator(server: &TestServer, name: &str) -> Coordinator {
-    Coordinator::builder(&server.url())
-        .key_prefix(&unique_prefix(name))
-        .node_timeout(ms(100))
-        .build()
-        .unwrap()
-}
-
 fn keys(server: &TestServer) -> Vec<String> {
     redis::cmd("KEYS")
         .arg("*")
@@ -85,7 +74,7 @@ fn keys(server: &TestServer) -> Vec<String> {
 /// attempt: refused, and nothing of it left on the server.
 fn refused_after_a_restart(acquire: Acquire, name: &str) {
     let server = TestServer::start();
-    let coord = coordinator(&server, name);
+    let coord = coordinator(&server.url(), &unique_prefix(name), ms(100));
     for expected in [1, 2] {
         let token = acquire(&coord, Duration::ZERO, Duration::ZERO, &|| {}).unwrap();
         assert_eq!(token.map(FencingToken::get), Some(expected), "{name}");
@@ -132,7 +121,7 @@ fn a_permit_refuses_a_token_that_went_back() {
 /// with token 1.
 fn refused_after_a_wait_across_a_restart(acquire: Acquire, name: &str) {
     let server = TestServer::start();
-    let coord = coordinator(&server, name);
+    let coord = coordinator(&server.url(), &unique_prefix(name), ms(100));
     for _ in 0..5 {
         acquire(&coord, Duration::ZERO, Duration::ZERO, &|| {})
             .unwrap()

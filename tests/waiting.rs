@@ -6,6 +6,8 @@
 //! test prints the figures it measured.
 
 mod support;
+use support::Rng;
+use support::coordinator;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -21,14 +23,6 @@ use support::{
 };
 
 const LONG_TTL: Duration = Duration::from_secs(60);
-
-fn coordinator(url: &str, prefix: &str) -> Coordinator {
-    Coordinator::builder(url)
-        .key_prefix(prefix)
-        .node_timeout(Duration::from_millis(500))
-        .build()
-        .expect("connect")
-}
 
 // ---------------------------------------------------------------------------
 // Observing the server and the log
@@ -143,29 +137,6 @@ fn logged(parts: &[&str]) -> Vec<String> {
 // Small helpers
 // ---------------------------------------------------------------------------
 
-/// A xorshift generator: random delays and choices, reproducible from the
-/// printed seed.
-struct Rng(u64);
-
-impl Rng {
-    fn seeded() -> Rng {
-        let mut b = [0u8; 8];
-        getrandom::fill(&mut b).expect("random seed");
-        Rng(u64::from_le_bytes(b) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// A short random pause: nothing, a yield, a spin or a sleep of up to `max_us`.
 fn jitter(rng: &mut Rng, max_us: u64) {
     match rng.below(4) {
@@ -207,7 +178,7 @@ fn a_crashed_holder_is_followed_at_its_expiry_despite_20000_other_ttl_keys() {
     let mut admin = server.client();
     // 20,000 other keys with TTLs between 1 and 600 seconds: the server's
     // expiry notifications for our key come late behind them.
-    let mut rng = Rng::seeded();
+    let (mut rng, _) = Rng::seeded("20000 other keys");
     for chunk in 0..20 {
         let mut pipe = redis::pipe();
         for i in 0..1000 {
@@ -226,7 +197,7 @@ fn a_crashed_holder_is_followed_at_its_expiry_despite_20000_other_ttl_keys() {
         .unwrap();
     assert!(expires.contains("expires=20000"), "{expires}");
 
-    let coord = coordinator(&server.url(), "crash:");
+    let coord = coordinator(&server.url(), "crash:", Duration::from_millis(500));
     let lock = coord.lock("job").unwrap();
     let fenced = coord.fenced_lock("{f}:lease", "{f}:fence").unwrap();
     let ttl = Duration::from_millis(1200);
@@ -483,9 +454,8 @@ fn ten_thousand_release_wait_races_lose_no_wake_up() {
     const PAIRS: usize = 4;
     const RACES: usize = 10_000;
     let prefix = unique_prefix("races");
-    let coord = coordinator(&shared_server().url(), &prefix);
-    let seed = Rng::seeded().0;
-    println!("races seed {seed:#x}");
+    let coord = coordinator(&shared_server().url(), &prefix, Duration::from_millis(500));
+    let (_, seed) = Rng::seeded("races");
     let latencies = Mutex::new(Vec::with_capacity(RACES));
     let started = Instant::now();
     thread::scope(|s| {
@@ -506,7 +476,7 @@ fn ten_thousand_release_wait_races_lose_no_wake_up() {
                     // The holder: takes the lock, lets the waiter start, releases
                     // after a random pause.
                     s.spawn(move || {
-                        let mut rng = Rng(seed ^ ((pair as u64 + 1) * 0x9e37_79b9));
+                        let mut rng = Rng::new(seed ^ ((pair as u64 + 1) * 0x9e37_79b9));
                         for race in 0..RACES / PAIRS {
                             let use_fenced = race % 2 == 1;
                             let lg = (!use_fenced)
@@ -533,7 +503,7 @@ fn ten_thousand_release_wait_races_lose_no_wake_up() {
                     // The waiter: starts waiting after a random pause, with one of
                     // the three waiting verbs, and must get the lock once it is free.
                     s.spawn(move || {
-                        let mut rng = Rng(seed ^ ((pair as u64 + 1) * 0x85eb_ca6b));
+                        let mut rng = Rng::new(seed ^ ((pair as u64 + 1) * 0x85eb_ca6b));
                         let cancel = CancelToken::new();
                         let wait = Duration::from_secs(5);
                         for race in 0..RACES / PAIRS {
@@ -594,7 +564,7 @@ fn cancellation_during_a_wait_returns_promptly() {
     const THREADS: usize = 10;
     const ROUNDS: usize = 20;
     let prefix = unique_prefix("cancel");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, Duration::from_millis(500));
     let latencies = Mutex::new(Vec::new());
     thread::scope(|s| {
         for t in 0..THREADS {
@@ -602,7 +572,7 @@ fn cancellation_during_a_wait_returns_promptly() {
             let latencies = &latencies;
             s.spawn(move || {
                 let _held = lock.try_acquire(LONG_TTL).unwrap().unwrap();
-                let mut rng = Rng::seeded();
+                let (mut rng, _) = Rng::seeded("cancel while waiting");
                 for _ in 0..ROUNDS {
                     let cancel = CancelToken::new();
                     let cancelled_at = Mutex::new(None);
@@ -640,7 +610,7 @@ fn acquire_timeout_returns_promptly_after_its_wait() {
     const THREADS: usize = 10;
     const ROUNDS: usize = 20;
     let prefix = unique_prefix("deadline");
-    let coord = coordinator(&shared_server().url(), &prefix);
+    let coord = coordinator(&shared_server().url(), &prefix, Duration::from_millis(500));
     let overruns = Mutex::new(Vec::new());
     thread::scope(|s| {
         for t in 0..THREADS {
@@ -648,7 +618,7 @@ fn acquire_timeout_returns_promptly_after_its_wait() {
             let overruns = &overruns;
             s.spawn(move || {
                 let _held = lock.try_acquire(LONG_TTL).unwrap().unwrap();
-                let mut rng = Rng::seeded();
+                let (mut rng, _) = Rng::seeded("wait overruns");
                 for round in 0..ROUNDS {
                     let wait = Duration::from_millis(1 + rng.below(60));
                     let started = Instant::now();
@@ -678,7 +648,7 @@ fn acquire_timeout_returns_promptly_after_its_wait() {
 fn a_zero_wait_is_exactly_one_attempt_and_starts_no_subscriber() {
     let server = TestServer::start();
     let mut admin = server.client();
-    let coord = coordinator(&server.url(), "zero:");
+    let coord = coordinator(&server.url(), "zero:", Duration::from_millis(500));
     let lock = coord.lock("job").unwrap();
     let fenced = coord.fenced_lock("{f}:lease", "{f}:fence").unwrap();
     let _held = lock.try_acquire(LONG_TTL).unwrap().unwrap();
@@ -879,7 +849,7 @@ fn a_release_between_the_first_attempt_and_tracking_wakes_the_waiter() {
     let server = TestServer::start();
     let proxy = FaultProxy::start(server.addr());
     let mut admin = server.client();
-    let coord = coordinator(&proxy.url(), "window:");
+    let coord = coordinator(&proxy.url(), "window:", Duration::from_millis(500));
     let lock = coord.lock("job").unwrap();
     let fenced = coord.fenced_lock("{f}:lease", "{f}:fence").unwrap();
     // The subscriber is up (a wait that ran out started it), so a lost
@@ -938,7 +908,7 @@ fn a_release_between_the_first_attempt_and_tracking_wakes_the_waiter() {
 fn a_token_cancelled_before_the_call_sends_nothing() {
     let server = TestServer::start();
     let mut admin = server.client();
-    let coord = coordinator(&server.url(), "early:");
+    let coord = coordinator(&server.url(), "early:", Duration::from_millis(500));
     let lock = coord.lock("job").unwrap();
     let fenced = coord.fenced_lock("{f}:lease", "{f}:fence").unwrap();
     let cancel = CancelToken::new();
@@ -966,7 +936,7 @@ fn a_token_cancelled_before_the_call_sends_nothing() {
 fn a_killed_server_ends_a_bounded_wait_with_its_error_and_an_unbounded_wait_rides_it_out() {
     let server = TestServer::start();
     let mut admin = server.client();
-    let coord = coordinator(&server.url(), "killed:");
+    let coord = coordinator(&server.url(), "killed:", Duration::from_millis(500));
     let lock = coord.lock("job").unwrap();
     let fenced = coord.fenced_lock("{f}:lease", "{f}:fence").unwrap();
     let () = admin.set_ex("killed:job", "holder", 600).unwrap();
@@ -1131,7 +1101,7 @@ fn an_attempt_whose_reply_was_lost_is_recovered_or_cleaned_up() {
 fn waiters_are_woken_after_the_subscriber_connection_is_killed() {
     let server = TestServer::start();
     let mut admin = server.client();
-    let coord = coordinator(&server.url(), "kill:");
+    let coord = coordinator(&server.url(), "kill:", Duration::from_millis(500));
     let lock = coord.lock("job").unwrap();
     let () = admin.set_ex("kill:job", "holder", 600).unwrap();
     thread::scope(|s| {
@@ -1399,7 +1369,7 @@ fn waits_work_with_resp3_command_connections_across_a_subscriber_drop() {
 fn flushall_wakes_every_waiter() {
     let server = TestServer::start();
     let mut admin = server.client();
-    let coord = coordinator(&server.url(), "flush:");
+    let coord = coordinator(&server.url(), "flush:", Duration::from_millis(500));
     let () = admin.set_ex("flush:a", "holder", 600).unwrap();
     let () = admin.set_ex("flush:b", "holder", 600).unwrap();
     let baseline = script_calls(&mut admin);
@@ -1441,7 +1411,7 @@ fn check_polling_fallback(server: &TestServer, url: &str, why: &str) {
     capture_logs();
     let mut admin = server.client();
     let prefix = unique_prefix("fallback");
-    let coord = coordinator(url, &prefix);
+    let coord = coordinator(url, &prefix, Duration::from_millis(500));
     let lock = coord.lock("job").unwrap();
     let fenced = coord.fenced_lock("{f}:lease", "{f}:fence").unwrap();
     let key = format!("{prefix}job");
@@ -1521,7 +1491,11 @@ fn waits_track_every_read_when_the_acl_denies_client_caching() {
         .start();
     let mut admin = server.client();
     let prefix = unique_prefix("nocaching");
-    let coord = coordinator(&server.url_for_user("u", "pw"), &prefix);
+    let coord = coordinator(
+        &server.url_for_user("u", "pw"),
+        &prefix,
+        Duration::from_millis(500),
+    );
     let lock = coord.lock("job").unwrap();
     let fenced = coord.fenced_lock("{f}:lease", "{f}:fence").unwrap();
     let key = format!("{prefix}job");
@@ -1591,7 +1565,7 @@ fn waiters_in_one_process_acquire_in_arrival_order() {
     const WAITERS: usize = 12;
     let server = TestServer::start();
     let mut admin = server.client();
-    let coord = coordinator(&server.url(), "fifo:");
+    let coord = coordinator(&server.url(), "fifo:", Duration::from_millis(500));
     let lock = coord.lock("job").unwrap();
     let holder = lock.try_acquire(LONG_TTL).unwrap().unwrap();
     let order = Mutex::new(Vec::new());
@@ -1656,7 +1630,7 @@ fn fenced_lock_waiters_are_woken_by_release_and_get_higher_tokens() {
     // A server of its own: its command counts are this test's.
     let server = TestServer::start();
     let mut admin = server.client();
-    let coord = coordinator(&server.url(), "fencedwait:");
+    let coord = coordinator(&server.url(), "fencedwait:", Duration::from_millis(500));
     let lock = coord.fenced_lock("{j}:lease", "{j}:fence").unwrap();
     let first = lock.try_acquire(LONG_TTL).unwrap().unwrap();
     let tokens = Mutex::new(vec![first.fencing_token().get()]);
@@ -1719,7 +1693,7 @@ fn fenced_lock_waiters_are_woken_by_release_and_get_higher_tokens() {
 fn a_coordinator_that_waited_stops_its_subscriber_quietly_when_dropped() {
     capture_logs();
     let server = TestServer::start();
-    let coord = coordinator(&server.url(), "quiet:");
+    let coord = coordinator(&server.url(), "quiet:", Duration::from_millis(500));
     let lock = coord.lock("job").unwrap();
     let held = lock.try_acquire(LONG_TTL).unwrap().unwrap();
     thread::scope(|s| {

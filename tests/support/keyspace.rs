@@ -41,3 +41,8 @@ pub(crate) fn snapshot(c: &mut redis::Connection, prefix: &str) -> Vec<(String, 
         })
         .collect()
 }
+
+/// The key's remaining TTL on the server, in ms (−2: gone, −1: no expiry).
+pub(crate) fn pttl(c: &mut redis::Connection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query(c).expect("PTTL")
+}

@@ -6,6 +6,9 @@
 //! runs a primary and a replica under three sentinels, [`FaultProxy`] sits
 //! between a client and a server to delay, drop or cut traffic, and
 //! [`wait_until`] waits for a condition with a deadline instead of sleeping.
+//! [`Rng`] is the tests' one seeded generator (its seed printed, replayed
+//! with `RESPIRE_TEST_SEED`), beside [`ms`], [`percentile`] and
+//! [`coordinator`].
 //! `RESPIRE_TEST_SERVER=valkey` runs every one of those processes on
 //! `valkey-server` (and `valkey-cli`) instead ([`ServerKind`]).
 //!
@@ -20,6 +23,7 @@ mod cluster;
 mod keyspace;
 mod kind;
 mod proxy;
+mod rng;
 mod sentinel;
 mod server;
 mod tls;
@@ -38,11 +42,13 @@ pub(crate) use cluster::{
     ClusterView, NodeEntry, SLOTS, SlotMigration, TestCluster, TestClusterBuilder,
 };
 #[allow(unused_imports)]
-pub(crate) use keyspace::{local_instant, members, server_now, snapshot};
+pub(crate) use keyspace::{local_instant, members, pttl, server_now, snapshot};
 #[allow(unused_imports)]
 pub(crate) use kind::{SERVER_VARIABLE, ServerKind};
 #[allow(unused_imports)]
 pub(crate) use proxy::{FaultProxy, Mode};
+#[allow(unused_imports)]
+pub(crate) use rng::{Rng, SEED_VARIABLE, ms, percentile};
 #[allow(unused_imports)]
 pub(crate) use sentinel::{SwitchEvent, SwitchWatcher, TestSentinel, TestSentinelBuilder};
 #[allow(unused_imports)]

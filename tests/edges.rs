@@ -1,185 +1,26 @@
-//! Regressions for defects a line-by-line review found (each test opens with
-//! the letter of the defect it covers): commands whose reply never came,
-//! interleaved with other commands on the same lease; bounds that did not
-//! hold; leaks; misreports. Real servers, faults caused on purpose.
+//! Bounds and rights at the edges: loss signals that close on time while a
+//! socket or a node hangs, a whole renewal batch bounded by one node timeout,
+//! every bound on a freshly restarted server, fence counters shared by leases,
+//! waits spelled `Duration::MAX`, tokens past 10^14, and what the ACL denies
+//! (keep-alive without `SCRIPT`, a script's commands). Real servers, faults
+//! caused on purpose; commands left without a reply are in tests/unanswered.rs.
 
 mod support;
+use support::ms;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use redis::Commands;
-use respire_coordination::{CancelToken, Coordinator, Error, ReleaseOutcome};
+use respire_coordination::{Coordinator, Error, ReleaseOutcome};
 use support::{
-    FaultProxy, Mode, TestServer, coordinator, script_calls, shared_server, unique_prefix,
+    FaultProxy, Mode, TestServer, coordinator, pttl, script_calls, shared_server, unique_prefix,
     wait_until,
 };
 
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
-
-/// The key's remaining TTL on the server (−2: gone).
-fn pttl(admin: &mut redis::Connection, key: &str) -> i64 {
-    redis::cmd("PTTL").arg(key).query(admin).unwrap()
-}
-
-/// Polls `lost` and the server every millisecond until the server no longer
-/// has the key; returns (when `lost` first held, when the key was gone).
-fn race_loss_against_expiry(
-    admin: &mut redis::Connection,
-    key: &str,
-    lost: impl Fn() -> bool,
-    within: Duration,
-) -> (Option<Instant>, Instant) {
-    let started = Instant::now();
-    let mut lost_at = None;
-    loop {
-        if lost_at.is_none() && lost() {
-            lost_at = Some(Instant::now());
-        }
-        if pttl(admin, key) < 0 {
-            return (lost_at, Instant::now());
-        }
-        assert!(started.elapsed() < within, "the key never expired");
-        thread::sleep(ms(1));
-    }
-}
-
-// --- a ---------------------------------------------------------------------
-
 #[test]
-fn a_shortening_reset_expiry_without_reply_bounds_the_guard_at_once() {
-    let server = TestServer::start();
-    let mut admin = server.client();
-    let proxy = FaultProxy::start(server.addr());
-    let coord = coordinator(&proxy.url(), "a:", ms(200));
-    let lock = coord.fenced_lock("{a}:lease", "{a}:fence").unwrap();
-    let guard = lock.try_acquire(Duration::from_secs(60)).unwrap().unwrap();
-    // The extension script is on the server (else the server refuses it with
-    // NOSCRIPT, and nothing is shortened).
-    assert!(guard.reset_expiry(Duration::from_secs(60)).unwrap());
-    // The shortening reaches the server; its reply never comes back.
-    proxy.set_mode(Mode::DropServerToClient);
-    let sent = Instant::now();
-    let err = guard.reset_expiry(ms(1_500)).unwrap_err();
-    assert!(err.is_uncertain(), "{err}");
-    proxy.set_mode(Mode::Pass);
-    let on_server = pttl(&mut admin, "a:{a}:lease");
-    assert!(
-        on_server > 0 && on_server <= 1_500,
-        "the server shortened it: {on_server}"
-    );
-    // The guard counts on the shorter expiry from the send, not on 60 s.
-    assert!(
-        guard.remaining_estimate() <= ms(1_500).saturating_sub(sent.elapsed()),
-        "{:?}",
-        guard.remaining_estimate()
-    );
-    let signal = guard.lost_signal().clone();
-    let (lost, gone) = race_loss_against_expiry(
-        &mut admin,
-        "a:{a}:lease",
-        || guard.is_lost(),
-        Duration::from_secs(10),
-    );
-    let lost = lost.expect("is_lost() before the server dropped the key");
-    println!("a: flagged lost {:?} before the key expired", gone - lost);
-    assert!(lost < gone);
-    assert!(signal.try_recv().unwrap_err().is_disconnected());
-}
-
-/// Without the right to `CLIENT ID`, an extension that got no reply cannot be
-/// fenced off: its connection cannot be killed, and it may land at any time.
-/// The lease is not pinned until its deadline for that: later extensions are
-/// confirmed, and each counts for no longer than the unanswered one's TTL,
-/// which is all the server can be trusted to keep once it lands.
-#[test]
-fn an_extension_whose_connection_cannot_be_killed_caps_the_later_ones() {
-    let server = TestServer::builder()
-        .acl_user("app on >pw ~* &* +@all -client|id")
-        .start();
-    let mut admin = server.client();
-    let proxy = FaultProxy::start(server.addr());
-    let url = format!("redis://app:pw@127.0.0.1:{}", proxy.port());
-    let coord = coordinator(&url, "a3:", ms(300));
-    let guard = coord
-        .lock("job")
-        .unwrap()
-        .try_acquire(Duration::from_secs(60))
-        .unwrap()
-        .unwrap();
-    // The extension script is on the server (else the late one is refused
-    // with NOSCRIPT and changes nothing).
-    assert!(guard.reset_expiry(Duration::from_secs(60)).unwrap());
-    // A shortening to 5 s that reaches the server 2 s late, after its reply
-    // was given up for lost.
-    proxy.set_mode(Mode::Delay(ms(2_000)));
-    let err = guard.reset_expiry(Duration::from_secs(5)).unwrap_err();
-    assert!(err.is_uncertain(), "{err}");
-    proxy.set_mode(Mode::Pass);
-    // The claim is free: a 60 s extension is confirmed at once, on a new
-    // connection, before the late one lands.
-    assert!(guard.reset_expiry(Duration::from_secs(60)).unwrap());
-    assert!(pttl(&mut admin, "a3:job") > 55_000);
-    wait_until(
-        Duration::from_secs(10),
-        "the late shortening landed",
-        || pttl(&mut admin, "a3:job") <= 5_000,
-    );
-    // The server keeps it under 5 s now; the guard never counted on more.
-    let on_server = ms(pttl(&mut admin, "a3:job") as u64);
-    let estimate = guard.remaining_estimate();
-    assert!(
-        estimate <= on_server,
-        "the guard counts on {estimate:?}, the server keeps {on_server:?}"
-    );
-    assert!(!guard.is_lost());
-    let (lost, gone) = race_loss_against_expiry(
-        &mut admin,
-        "a3:job",
-        || guard.is_lost(),
-        Duration::from_secs(10),
-    );
-    let lost = lost.expect("is_lost() before the server dropped the key");
-    println!("a3: flagged lost {:?} before the key expired", gone - lost);
-    assert!(lost < gone);
-}
-
-#[test]
-fn a_renewal_without_reply_keeps_its_claim_until_its_connection_is_fenced() {
-    let server = TestServer::start();
-    let proxy = FaultProxy::start(server.addr());
-    let coord = coordinator(&proxy.url(), "a2:", ms(200));
-    let lock = coord.lock("job").unwrap();
-    let guard = lock.try_acquire(Duration::from_secs(2)).unwrap().unwrap();
-    let _renewal = guard.keep_alive().unwrap();
-    wait_until(Duration::from_secs(5), "a confirmed renewal", || {
-        coord.renewal_stats().renewals > 0
-    });
-    // Replies vanish: the next renewal goes unanswered, and so does the kill
-    // that would fence it off (it travels the same way).
-    proxy.set_mode(Mode::DropServerToClient);
-    let failures = coord.renewal_stats().failures;
-    wait_until(Duration::from_secs(5), "an unanswered renewal", || {
-        coord.renewal_stats().failures > failures
-    });
-    // The claim is still held: a longer reset cannot be confirmed while the
-    // late renewal may still land after it.
-    let err = guard.reset_expiry(Duration::from_secs(60)).unwrap_err();
-    assert!(err.is_timeout(), "{err}");
-    // Never fenced, never renewed: lost at its deadline.
-    let signal = guard.lost_signal().clone();
-    assert!(signal.recv_timeout(Duration::from_secs(5)).is_err());
-    assert!(guard.is_lost());
-    proxy.set_mode(Mode::Pass);
-}
-
-// --- c ---------------------------------------------------------------------
-
-#[test]
-fn c_loss_signals_close_on_time_while_the_executor_is_blocked_on_a_socket() {
+fn loss_signals_close_on_time_while_the_executor_is_blocked_on_a_socket() {
     let server = TestServer::start();
     let mut admin = server.client();
     let proxy = FaultProxy::start(server.addr());
@@ -251,129 +92,8 @@ fn c_loss_signals_close_on_time_while_the_executor_is_blocked_on_a_socket() {
     proxy.set_mode(Mode::Pass);
 }
 
-// --- d ---------------------------------------------------------------------
-
 #[test]
-fn d_a_wait_that_ends_after_an_unanswered_attempt_cleans_up_its_grant() {
-    // A trial needs the waiter to have heard its tracked attempt's reply
-    // before replies are dropped; on a busy machine that reply can be dropped
-    // too, and the waiter then never sends the grant (its new connections'
-    // set-up is never answered). Such a trial still must leave nothing, and
-    // counts as not run.
-    support::until_a_trial_runs(
-        8,
-        "the waiter's tracked attempt went unanswered, so it made no grant",
-        unanswered_grant_trial,
-    );
-}
-
-/// One trial: a waiter whose grant is never heard of, cancelled; the grant
-/// is deleted. Whether the waiter made the grant.
-fn unanswered_grant_trial() -> bool {
-    let server = TestServer::start();
-    let mut admin = server.client();
-    let proxy = FaultProxy::start(server.addr());
-    let coord = coordinator(&proxy.url(), "d:", ms(200));
-    let lock = coord.fenced_lock("{d}:lease", "{d}:fence").unwrap();
-    let () = admin.pset_ex("d:{d}:lease", "crashed-holder", 800).unwrap();
-    let cancel = CancelToken::new();
-    let granted = thread::scope(|s| {
-        let _stop = support::CancelOnDrop(&cancel);
-        let waiter = s.spawn(|| lock.acquire(Duration::from_secs(60), &cancel));
-        // Once the waiter waits (it has heard that the lease is held and made
-        // its tracked attempt), every reply is dropped: the grant it makes
-        // when the holder expires is never heard of.
-        wait_until(Duration::from_secs(5), "the waiter to wait", || {
-            script_calls(&mut admin) >= 2
-        });
-        proxy.set_mode(Mode::DropServerToClient);
-        let granted = support::true_within(Duration::from_secs(5), || {
-            let v: Option<String> = admin.get("d:{d}:lease").unwrap();
-            v.is_some_and(|v| v != "crashed-holder")
-        });
-        // The wait ends with another error: cancellation.
-        cancel.cancel();
-        let err = waiter.join().unwrap().unwrap_err();
-        assert!(matches!(err, Error::Cancelled), "{err}");
-        granted
-    });
-    proxy.set_mode(Mode::Pass);
-    // The grant nobody heard of is deleted (after its connections are
-    // killed), not left for its 60 s; without one, nothing is left either.
-    wait_until(
-        Duration::from_secs(5),
-        "the unheard grant to be cleaned up",
-        || !admin.exists::<_, bool>("d:{d}:lease").unwrap(),
-    );
-    granted
-}
-
-#[test]
-fn a_wait_granted_after_an_unanswered_attempt_stops_that_attempt_from_granting_again() {
-    let server = TestServer::start();
-    let mut admin = server.client();
-    let proxy = FaultProxy::start(server.addr());
-    let coord = coordinator(&proxy.url(), "ghost:", ms(200));
-    let lock = coord.fenced_lock("{g}:lease", "{g}:fence").unwrap();
-    // A waiting acquire first, so that the subscriber and a tracked pooled
-    // connection are in place.
-    let first = lock
-        .acquire_timeout(Duration::from_secs(30), Duration::from_secs(5))
-        .unwrap()
-        .unwrap();
-    let before = first.fencing_token().get();
-    first.release().unwrap();
-    // The bytes of the wait's first attempt reach the server 1.5 s late: it
-    // times out (node timeout 200 ms) and is still on its way.
-    let delay = ms(1_500);
-    let sent = proxy.client_chunks();
-    proxy.set_mode(Mode::Delay(delay));
-    let started = Instant::now();
-    let (guard, in_proxy) = thread::scope(|s| {
-        let waiter =
-            s.spawn(|| lock.acquire_timeout(Duration::from_secs(30), Duration::from_secs(10)));
-        // Once the first attempt is held in the proxy, the next go through.
-        wait_until(
-            Duration::from_secs(5),
-            "the first attempt in the proxy",
-            || proxy.client_chunks() > sent,
-        );
-        proxy.set_mode(Mode::Pass);
-        let guard = waiter.join().unwrap().unwrap().expect("granted");
-        // What clients sent that the proxy still holds as the grant returns.
-        (guard, proxy.client_chunks() - proxy.client_chunks_done())
-    });
-    println!(
-        "ghost: granted {:?} after the wait began",
-        started.elapsed()
-    );
-    assert!(
-        in_proxy > 0,
-        "granted only after the delayed attempt left the proxy"
-    );
-    let token = guard.fencing_token().get();
-    assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
-    // The delayed attempt leaves the proxy once its delay is out (to the
-    // server, or to a connection the server closed, if it was fenced off):
-    // it must not grant the released owner again.
-    wait_until(
-        delay + Duration::from_secs(10),
-        "the delayed attempt to leave the proxy",
-        || proxy.client_chunks_done() == proxy.client_chunks(),
-    );
-    let held: bool = admin.exists("ghost:{g}:lease").unwrap();
-    assert!(!held, "a late attempt granted a lease nobody holds");
-    let fence: u64 = admin.get("ghost:{g}:fence").unwrap();
-    assert_eq!(
-        fence, token,
-        "a late attempt drew a token (last seen {before})"
-    );
-}
-
-// --- f ---------------------------------------------------------------------
-
-#[test]
-fn f_leases_sharing_one_fence_counter_never_see_a_false_regression() {
+fn leases_sharing_one_fence_counter_never_see_a_false_regression() {
     let prefix = unique_prefix("f");
     let coord = coordinator(&shared_server().url(), &prefix, ms(500));
     let one = coord.fenced_lock("{r}:one", "{r}:fence").unwrap();
@@ -402,8 +122,6 @@ fn f_leases_sharing_one_fence_counter_never_see_a_false_regression() {
     assert!(grants > 300);
 }
 
-// --- g ---------------------------------------------------------------------
-
 /// A 30 s lock held by an ACL user who may run everything but `denied`, on a
 /// server of its own (with the coordinator that holds it).
 fn held_by_user_denied(denied: &str) -> (TestServer, Coordinator, respire_coordination::LockGuard) {
@@ -423,7 +141,7 @@ fn held_by_user_denied(denied: &str) -> (TestServer, Coordinator, respire_coordi
 }
 
 #[test]
-fn g_keep_alive_works_without_the_script_command() {
+fn keep_alive_works_without_the_script_command() {
     let server = TestServer::builder()
         .acl_user("app on >pw ~* &* +@all -script")
         .start();
@@ -451,16 +169,14 @@ fn g_keep_alive_works_without_the_script_command() {
 }
 
 #[test]
-fn g_keep_alive_refuses_up_front_what_the_renewals_would_be_denied() {
+fn keep_alive_refuses_up_front_what_the_renewals_would_be_denied() {
     let (_server, _coord, guard) = held_by_user_denied("-client|kill");
     let err = guard.keep_alive().unwrap_err();
     assert!(matches!(err, Error::Permission(_)), "{err}");
 }
 
-// --- h ---------------------------------------------------------------------
-
 #[test]
-fn h_waiting_forever_spelled_duration_max_works() {
+fn waiting_forever_spelled_duration_max_works() {
     let server = TestServer::start();
     let mut admin = server.client();
     let coord = coordinator(&server.url(), "h:", ms(500));
@@ -489,10 +205,8 @@ fn h_waiting_forever_spelled_duration_max_works() {
     );
 }
 
-// --- i ---------------------------------------------------------------------
-
 #[test]
-fn i_every_bound_holds_on_a_freshly_restarted_server() {
+fn every_bound_holds_on_a_freshly_restarted_server() {
     // Persistence keeps the lease and the counter across the restarts; the
     // script cache and the pooled connections are lost every time.
     let server = TestServer::builder().append_only().start();
@@ -555,10 +269,8 @@ fn i_every_bound_holds_on_a_freshly_restarted_server() {
     proxy.set_mode(Mode::Pass);
 }
 
-// --- j ---------------------------------------------------------------------
-
 #[test]
-fn j_tokens_past_10_to_the_14_work_end_to_end() {
+fn tokens_past_10_to_the_14_work_end_to_end() {
     let prefix = unique_prefix("j");
     let coord = coordinator(&shared_server().url(), &prefix, ms(200));
     let mut admin = shared_server().client();
@@ -605,39 +317,6 @@ fn j_tokens_past_10_to_the_14_work_end_to_end() {
     );
 }
 
-// --- k ---------------------------------------------------------------------
-
-#[test]
-fn k_a_release_that_sent_nothing_is_an_error_and_one_without_reply_is_uncertain() {
-    let server = TestServer::start();
-    let proxy = FaultProxy::start(server.addr());
-    let coord = Coordinator::builder(&proxy.url())
-        .key_prefix("k:")
-        .node_timeout(ms(200))
-        .pool_size(1)
-        .build()
-        .unwrap();
-    let lock = coord.lock("job").unwrap();
-    // Sent, no reply: uncertain (the release script cached first, so that the
-    // release is applied, and only its reply lost).
-    let g = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
-    assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
-    let g = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
-    proxy.set_mode(Mode::DropServerToClient);
-    assert_eq!(g.release().unwrap(), ReleaseOutcome::Uncertain);
-    proxy.set_mode(Mode::Pass);
-    // Nothing could be sent (the server is gone): an error.
-    let g = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
-    drop(proxy);
-    let err = g.release().unwrap_err();
-    assert!(
-        matches!(err, Error::Connect { .. } | Error::PoolTimeout(_)),
-        "{err}"
-    );
-}
-
-// --- the pipeline bound ----------------------------------------------------
-
 #[test]
 fn a_stalled_server_fails_a_whole_renewal_batch_within_one_node_timeout() {
     let server = TestServer::start();
@@ -673,7 +352,7 @@ fn a_stalled_server_fails_a_whole_renewal_batch_within_one_node_timeout() {
 }
 
 #[test]
-fn c_redlock_loss_signals_close_on_time_while_an_extension_hangs_on_the_nodes() {
+fn redlock_loss_signals_close_on_time_while_an_extension_hangs_on_the_nodes() {
     use respire_coordination::{RedlockGroup, RedlockOptions};
     let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
     let proxies: Vec<FaultProxy> = servers
@@ -776,7 +455,7 @@ fn c_redlock_loss_signals_close_on_time_while_an_extension_hangs_on_the_nodes() 
 }
 
 #[test]
-fn k_a_command_a_script_may_not_run_is_a_permission_error() {
+fn a_command_a_script_may_not_run_is_a_permission_error() {
     let (_server, _coord, guard) = held_by_user_denied("-pexpire");
     // The extension script calls PEXPIRE, which this user may not run.
     let err = guard.reset_expiry(Duration::from_secs(30)).unwrap_err();
