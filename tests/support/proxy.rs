@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -97,11 +97,22 @@ struct Shared {
     /// New connections held without being forwarded because none was left to
     /// admit.
     turned_away: std::sync::atomic::AtomicU64,
+    /// Connections from this address are treated as in [`Mode::Blackhole`]
+    /// whatever the mode (see [`FaultProxy::blackhole_from`]).
+    blackholed_peer: Mutex<Option<IpAddr>>,
 }
 
 impl Shared {
     fn mode(&self) -> Mode {
         *lock(&self.mode)
+    }
+
+    /// The mode that applies to a connection from `peer`.
+    fn mode_for(&self, peer: Option<IpAddr>) -> Mode {
+        match (*lock(&self.blackholed_peer), peer) {
+            (Some(cut), Some(peer)) if cut == peer => Mode::Blackhole,
+            _ => self.mode(),
+        }
     }
 }
 
@@ -112,6 +123,8 @@ struct Entry {
     reset: Arc<AtomicBool>,
     /// Chunks from the server that the mode discarded.
     server_chunks_dropped: Arc<AtomicU64>,
+    /// The client's address.
+    peer: Option<IpAddr>,
 }
 
 /// Held by each thread of a connection; the last one to finish unregisters it,
@@ -121,11 +134,18 @@ struct Connection {
     shared: Arc<Shared>,
     reset: Arc<AtomicBool>,
     server_chunks_dropped: Arc<AtomicU64>,
+    /// The client's address.
+    peer: Option<IpAddr>,
 }
 
 impl Connection {
     fn stopping(&self) -> bool {
         self.reset.load(Ordering::SeqCst) || self.shared.shutdown.load(Ordering::SeqCst)
+    }
+
+    /// The mode that applies to this connection now.
+    fn mode(&self) -> Mode {
+        self.shared.mode_for(self.peer)
     }
 }
 
@@ -170,6 +190,7 @@ impl FaultProxy {
             client_chunks_done: std::sync::atomic::AtomicU64::new(0),
             admit: Mutex::new(None),
             turned_away: std::sync::atomic::AtomicU64::new(0),
+            blackholed_peer: Mutex::new(None),
         });
         let acceptor = thread::Builder::new()
             .name(format!("proxy-{}-accept", addr.port()))
@@ -240,6 +261,23 @@ impl FaultProxy {
     /// out its own timeout. Connections already open are not affected.
     pub(crate) fn admit_only(&self, n: usize) {
         *lock(&self.shared.admit) = Some(n);
+    }
+
+    /// From now on treats every connection whose client connects from `peer`
+    /// (its source address, such as a server's `bind-source-addr`) as in
+    /// [`Mode::Blackhole`], open ones included, whatever the mode; `None`
+    /// ends that. Connections from other addresses follow the mode. Defaults
+    /// to `None`.
+    pub(crate) fn blackhole_from(&self, peer: Option<IpAddr>) {
+        *lock(&self.shared.blackholed_peer) = peer;
+    }
+
+    /// How many open connections came from `peer` (their client's address).
+    pub(crate) fn connections_from(&self, peer: IpAddr) -> usize {
+        lock(&self.shared.connections)
+            .values()
+            .filter(|entry| entry.peer == Some(peer))
+            .count()
     }
 
     /// How many new connections were held because none was left to admit.
@@ -329,10 +367,10 @@ fn accept_loop(listener: &TcpListener, upstream: SocketAddr, shared: &Arc<Shared
             return;
         }
         match accepted {
-            Ok((client, _)) => {
+            Ok((client, peer)) => {
                 let id = next_id;
                 next_id += 1;
-                if let Err(e) = serve(client, id, upstream, shared) {
+                if let Err(e) = serve(client, id, peer.ip(), upstream, shared) {
                     eprintln!("fault proxy: cannot serve connection {id}: {e}");
                 }
             }
@@ -343,7 +381,13 @@ fn accept_loop(listener: &TcpListener, upstream: SocketAddr, shared: &Arc<Shared
 }
 
 /// Connects to `upstream` and starts the connection's threads.
-fn serve(client: TcpStream, id: u64, upstream: SocketAddr, shared: &Arc<Shared>) -> io::Result<()> {
+fn serve(
+    client: TcpStream,
+    id: u64,
+    peer: IpAddr,
+    upstream: SocketAddr,
+    shared: &Arc<Shared>,
+) -> io::Result<()> {
     client.set_nodelay(true)?;
     if let Some(left) = lock(&shared.admit).as_mut() {
         if *left == 0 {
@@ -354,7 +398,9 @@ fn serve(client: TcpStream, id: u64, upstream: SocketAddr, shared: &Arc<Shared>)
     }
     let server = match TcpStream::connect_timeout(&upstream, UPSTREAM_CONNECT_TIMEOUT) {
         Ok(server) => server,
-        Err(_) if shared.mode() == Mode::Blackhole => return hold(client, id, shared),
+        Err(_) if shared.mode_for(Some(peer)) == Mode::Blackhole => {
+            return hold(client, id, shared);
+        }
         // Closing the client mirrors the refused connection.
         Err(_) => return Ok(()),
     };
@@ -368,6 +414,7 @@ fn serve(client: TcpStream, id: u64, upstream: SocketAddr, shared: &Arc<Shared>)
             upstream: Some(server.try_clone()?),
             reset: Arc::clone(&reset),
             server_chunks_dropped: Arc::clone(&dropped),
+            peer: Some(peer),
         },
     );
     let connection = Arc::new(Connection {
@@ -375,6 +422,7 @@ fn serve(client: TcpStream, id: u64, upstream: SocketAddr, shared: &Arc<Shared>)
         shared: Arc::clone(shared),
         reset,
         server_chunks_dropped: dropped,
+        peer: Some(peer),
     });
     let directions = [
         (Direction::ClientToServer, &client, &server),
@@ -424,6 +472,7 @@ fn hold(client: TcpStream, id: u64, shared: &Arc<Shared>) -> io::Result<()> {
             upstream: None,
             reset: Arc::clone(&reset),
             server_chunks_dropped: Arc::clone(&dropped),
+            peer: client.peer_addr().ok().map(|a| a.ip()),
         },
     );
     let connection = Connection {
@@ -431,6 +480,7 @@ fn hold(client: TcpStream, id: u64, shared: &Arc<Shared>) -> io::Result<()> {
         shared: Arc::clone(shared),
         reset,
         server_chunks_dropped: dropped,
+        peer: None,
     };
     let thread = thread::Builder::new()
         .name(format!("proxy-{id}-hold"))
@@ -467,7 +517,7 @@ fn read_side(
             return;
         }
         let read = from.read(&mut buf);
-        let mode = connection.shared.mode();
+        let mode = connection.mode();
         if direction == Direction::ClientToServer && matches!(read, Ok(n) if n > 0) {
             connection
                 .shared
@@ -529,7 +579,7 @@ fn write_side(
             }
             thread::sleep((chunk.due - now).min(POLL));
         }
-        if connection.shared.mode().drops(direction) {
+        if connection.mode().drops(direction) {
             if chunk.data.is_some() {
                 chunk_dropped(direction, connection);
             }
