@@ -7,6 +7,12 @@
 //! The oracle is the replica itself: its `PTTL` for the key (a replica
 //! answers for a key that expired by its clock as for a missing one), read on
 //! a connection of the test's own.
+//!
+//! Also here, the other faults of the network a client does not see through:
+//! an acquire attempt whose request a proxy holds until after the lease a
+//! later attempt won was released (the late duplicate sets it again, for
+//! nobody: the release's clean-up must delete it), judged by the server's
+//! keys.
 
 mod support;
 
@@ -503,4 +509,162 @@ fn on_sentinel_a_partition_that_hides_the_switch_leaves_two_holders_without_the_
     assert!(s.promoted, "the sentinels promoted the replica: {s:?}");
     assert!(s.other_granted, "the other side was granted the key: {s:?}");
     assert!(s.let_go_while_held, "{s:?}");
+}
+
+// ----- a late duplicate of an unanswered acquire attempt ------------------------
+
+/// A coordinator on a server behind a proxy, with one pooled connection and
+/// its executor's connection open (a kept-alive leadership renewed once, and
+/// the scripts of the election and the lock's release loaded), so that the
+/// test can hold what one of them sends.
+struct LateRig {
+    server: TestServer,
+    proxy: support::FaultProxy,
+    coord: Coordinator,
+}
+
+/// Long enough that a kill the executor sent into a blackholed connection
+/// is still awaited when the test has released and delivered the held
+/// attempt; the lease's TTL is far longer than what the test waits for.
+const LATE_NODE_TIMEOUT: Duration = Duration::from_millis(500);
+const LATE_TTL: Duration = Duration::from_secs(30);
+
+impl LateRig {
+    fn start(prefix: &str) -> LateRig {
+        let server = TestServer::start();
+        let proxy = support::FaultProxy::start(server.addr());
+        let coord = Coordinator::builder(&proxy.url())
+            .key_prefix(prefix)
+            .node_timeout(LATE_NODE_TIMEOUT)
+            .pool_size(1)
+            .build()
+            .expect("connect through the proxy");
+        let warm = coord.election("{warm}").unwrap();
+        let leadership = warm
+            .try_campaign("warm", ms(2_500))
+            .unwrap()
+            .expect("nobody leads");
+        let keep = leadership.keep_alive().unwrap();
+        wait_until(ms(10_000), "a renewal on the executor's connection", || {
+            coord.renewal_stats().renewals >= 1
+        });
+        drop(keep);
+        assert_eq!(
+            leadership.resign().unwrap(),
+            respire_coordination::ReleaseOutcome::Released
+        );
+        let lock = coord.lock("warm").unwrap();
+        let guard = lock.try_acquire(ms(2_500)).unwrap().expect("free");
+        guard.release().unwrap();
+        LateRig {
+            server,
+            proxy,
+            coord,
+        }
+    }
+
+    /// The port of the one connection named `name` (its `CLIENT LIST`
+    /// address): `respire` is the pooled one, `respire-renewal` the
+    /// executor's.
+    fn port_of(&self, name: &str) -> u16 {
+        let list = support::client_list(&mut self.server.client());
+        let ports: Vec<u16> = list
+            .iter()
+            .filter(|c| c.get("name").map(String::as_str) == Some(name))
+            .filter_map(|c| c.get("addr")?.rsplit(':').next()?.parse().ok())
+            .collect();
+        assert_eq!(ports.len(), 1, "one connection named {name}: {list:?}");
+        ports[0]
+    }
+
+    fn exists(&self, key: &str) -> bool {
+        redis::cmd("EXISTS")
+            .arg(key)
+            .query::<i64>(&mut self.server.client())
+            .unwrap()
+            == 1
+    }
+
+    /// Runs `acquire` while what the pooled connection sends is held (its
+    /// first attempt gets no reply, a later one on a new connection is
+    /// granted) and the executor's connection is blackholed (the kill of the
+    /// unanswered attempt's connection waits for its reply), releases the
+    /// lease at once with `release`, then delivers the held attempt: the late
+    /// duplicate sets the lease again, for nobody. Checks the server's keys:
+    /// none after the release, the late one once delivered, and none again
+    /// once the clean-up of the release had its time.
+    fn quick_release_after_a_late_attempt<G>(
+        &self,
+        acquire: impl FnOnce(&Coordinator) -> (G, String),
+        release: impl FnOnce(G) -> respire_coordination::ReleaseOutcome,
+    ) {
+        let pooled = self.port_of("respire");
+        let executor = self.port_of("respire-renewal");
+        assert!(
+            self.proxy
+                .set_connection_mode(pooled, Some(Mode::HoldClientToServer))
+        );
+        assert!(
+            self.proxy
+                .set_connection_mode(executor, Some(Mode::Blackhole))
+        );
+        let (guard, key) = acquire(&self.coord);
+        assert!(
+            self.proxy.client_chunks_done() < self.proxy.client_chunks(),
+            "the first attempt is held in the proxy"
+        );
+        assert_eq!(
+            release(guard),
+            respire_coordination::ReleaseOutcome::Released
+        );
+        assert!(!self.exists(&key), "the release deleted the lease");
+        // The late duplicate arrives.
+        assert!(self.proxy.set_connection_mode(pooled, None));
+        wait_until(
+            ms(2_000),
+            "the held attempt to set the lease again after the release",
+            || self.exists(&key),
+        );
+        // Far within the TTL: gone because it was deleted.
+        wait_until(
+            ms(5_000),
+            "the lease the late attempt set to be deleted",
+            || !self.exists(&key),
+        );
+        assert!(!self.exists(&key));
+    }
+}
+
+#[test]
+fn a_quick_release_after_an_unanswered_attempt_leaves_no_lease_behind() {
+    let rig = LateRig::start(&unique_prefix("late_release"));
+    rig.quick_release_after_a_late_attempt(
+        |coord| {
+            let lock = coord.lock("job").unwrap();
+            let guard = lock
+                .acquire_timeout(LATE_TTL, ms(10_000))
+                .unwrap()
+                .expect("granted to a later attempt");
+            let key = guard.key().to_owned();
+            (guard, key)
+        },
+        |guard| guard.release().unwrap(),
+    );
+}
+
+#[test]
+fn a_quick_resign_after_an_unanswered_campaign_attempt_leaves_no_leader_behind() {
+    let rig = LateRig::start(&unique_prefix("late_resign"));
+    rig.quick_release_after_a_late_attempt(
+        |coord| {
+            let election = coord.election("{office}").unwrap();
+            let key = election.lease_key().to_owned();
+            let leadership = election
+                .campaign_timeout("me", LATE_TTL, ms(10_000))
+                .unwrap()
+                .expect("elected by a later attempt");
+            (leadership, key)
+        },
+        |leadership| leadership.resign().unwrap(),
+    );
 }

@@ -16,6 +16,9 @@ use std::time::{Duration, Instant};
 
 /// How often blocked proxy threads look at the shutdown and reset flags.
 const POLL: Duration = Duration::from_millis(50);
+/// How often a writer holding bytes ([`Mode::HoldClientToServer`]) looks
+/// whether it may send them.
+const HOLD_POLL: Duration = Duration::from_millis(2);
 /// How long the proxy waits to connect to the upstream server.
 const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const CHUNK_SIZE: usize = 16 * 1024;
@@ -42,16 +45,29 @@ pub(crate) enum Mode {
     /// Forward what the client sends as it arrives, and what the server sends
     /// this long after it arrived: replies come late, commands do not.
     DelayServerToClient(Duration),
+    /// Keep what the client sends, in order, for as long as this mode lasts
+    /// (a close included), and forward it once another mode that forwards it
+    /// applies; forward what the server sends. Meant for one connection (see
+    /// [`FaultProxy::set_connection_mode`]): a command held so is delivered
+    /// late, when the test says.
+    HoldClientToServer,
 }
 
 impl Mode {
     fn drops(self, direction: Direction) -> bool {
         match self {
-            Mode::Pass | Mode::Delay(_) | Mode::DelayServerToClient(_) => false,
+            Mode::Pass
+            | Mode::Delay(_)
+            | Mode::DelayServerToClient(_)
+            | Mode::HoldClientToServer => false,
             Mode::Blackhole => true,
             Mode::DropClientToServer => direction == Direction::ClientToServer,
             Mode::DropServerToClient => direction == Direction::ServerToClient,
         }
+    }
+
+    fn holds(self, direction: Direction) -> bool {
+        self == Mode::HoldClientToServer && direction == Direction::ClientToServer
     }
 
     fn delay(self, direction: Direction) -> Duration {
@@ -125,6 +141,9 @@ struct Entry {
     server_chunks_dropped: Arc<AtomicU64>,
     /// The client's address.
     peer: Option<IpAddr>,
+    /// This connection's own mode, if set (see
+    /// [`FaultProxy::set_connection_mode`]).
+    own_mode: Arc<Mutex<Option<Mode>>>,
 }
 
 /// Held by each thread of a connection; the last one to finish unregisters it,
@@ -136,6 +155,7 @@ struct Connection {
     server_chunks_dropped: Arc<AtomicU64>,
     /// The client's address.
     peer: Option<IpAddr>,
+    own_mode: Arc<Mutex<Option<Mode>>>,
 }
 
 impl Connection {
@@ -145,7 +165,10 @@ impl Connection {
 
     /// The mode that applies to this connection now.
     fn mode(&self) -> Mode {
-        self.shared.mode_for(self.peer)
+        match *lock(&self.own_mode) {
+            Some(mode) => mode,
+            None => self.shared.mode_for(self.peer),
+        }
     }
 }
 
@@ -270,6 +293,28 @@ impl FaultProxy {
     /// to `None`.
     pub(crate) fn blackhole_from(&self, peer: Option<IpAddr>) {
         *lock(&self.shared.blackholed_peer) = peer;
+    }
+
+    /// Gives the open connection the server lists at `127.0.0.1:port` (its
+    /// `CLIENT LIST` address) a mode of its own, which applies to it instead
+    /// of the proxy's from now on (`None`: the proxy's again). Returns false
+    /// if no open connection is at that address.
+    pub(crate) fn set_connection_mode(&self, port: u16, mode: Option<Mode>) -> bool {
+        let connections = lock(&self.shared.connections);
+        let entry = connections.values().find(|entry| {
+            entry
+                .upstream
+                .as_ref()
+                .and_then(|u| u.local_addr().ok())
+                .is_some_and(|a| a.port() == port)
+        });
+        match entry {
+            Some(entry) => {
+                *lock(&entry.own_mode) = mode;
+                true
+            }
+            None => false,
+        }
     }
 
     /// How many open connections came from `peer` (their client's address).
@@ -407,6 +452,7 @@ fn serve(
     server.set_nodelay(true)?;
     let reset = Arc::new(AtomicBool::new(false));
     let dropped = Arc::new(AtomicU64::new(0));
+    let own_mode = Arc::new(Mutex::new(None));
     lock(&shared.connections).insert(
         id,
         Entry {
@@ -415,6 +461,7 @@ fn serve(
             reset: Arc::clone(&reset),
             server_chunks_dropped: Arc::clone(&dropped),
             peer: Some(peer),
+            own_mode: Arc::clone(&own_mode),
         },
     );
     let connection = Arc::new(Connection {
@@ -423,6 +470,7 @@ fn serve(
         reset,
         server_chunks_dropped: dropped,
         peer: Some(peer),
+        own_mode,
     });
     let directions = [
         (Direction::ClientToServer, &client, &server),
@@ -473,6 +521,7 @@ fn hold(client: TcpStream, id: u64, shared: &Arc<Shared>) -> io::Result<()> {
             reset: Arc::clone(&reset),
             server_chunks_dropped: Arc::clone(&dropped),
             peer: client.peer_addr().ok().map(|a| a.ip()),
+            own_mode: Arc::new(Mutex::new(None)),
         },
     );
     let connection = Connection {
@@ -481,6 +530,7 @@ fn hold(client: TcpStream, id: u64, shared: &Arc<Shared>) -> io::Result<()> {
         reset,
         server_chunks_dropped: dropped,
         peer: None,
+        own_mode: Arc::new(Mutex::new(None)),
     };
     let thread = thread::Builder::new()
         .name(format!("proxy-{id}-hold"))
@@ -574,10 +624,15 @@ fn write_side(
                 return;
             }
             let now = Instant::now();
-            if now >= chunk.due {
+            if now >= chunk.due && !connection.mode().holds(direction) {
                 break;
             }
-            thread::sleep((chunk.due - now).min(POLL));
+            let wait = chunk.due.saturating_duration_since(now);
+            thread::sleep(if wait.is_zero() {
+                HOLD_POLL
+            } else {
+                wait.min(POLL)
+            });
         }
         if connection.mode().drops(direction) {
             if chunk.data.is_some() {
