@@ -668,3 +668,215 @@ fn a_quick_resign_after_an_unanswered_campaign_attempt_leaves_no_leader_behind()
         |leadership| leadership.resign().unwrap(),
     );
 }
+
+// ----- a clean-up after the primary was replaced --------------------------------
+
+/// A primary and its replica behind proxies, watched by three sentinels that
+/// reach each of them through its proxy: the sentinels name the proxies'
+/// addresses, so every client connection to a data server runs through a
+/// proxy where one connection can be given a mode of its own.
+struct ProxiedSentinel {
+    primary: TestServer,
+    replica: TestServer,
+    to_primary: support::FaultProxy,
+    to_replica: support::FaultProxy,
+    sentinels: Vec<TestServer>,
+}
+
+const PROXIED_SERVICE: &str = "proxied";
+
+impl ProxiedSentinel {
+    fn start() -> ProxiedSentinel {
+        let no_sync_delay = ["--repl-diskless-sync-delay", "0"];
+        let primary = TestServer::builder().args(no_sync_delay).start();
+        let replica = TestServer::builder().args(no_sync_delay).start();
+        let to_primary = support::FaultProxy::start(primary.addr());
+        let to_replica = support::FaultProxy::start(replica.addr());
+        // Each announces its proxy as its address as a replica.
+        for (server, proxy) in [(&primary, &to_primary), (&replica, &to_replica)] {
+            let mut conn = server.client();
+            for (name, value) in [
+                ("replica-announce-ip", "127.0.0.1".to_owned()),
+                ("replica-announce-port", proxy.port().to_string()),
+            ] {
+                let () = redis::cmd("CONFIG")
+                    .arg("SET")
+                    .arg(name)
+                    .arg(value)
+                    .query(&mut conn)
+                    .unwrap();
+            }
+        }
+        // Through the primary's proxy, as the sentinels name it.
+        let () = redis::cmd("REPLICAOF")
+            .arg("127.0.0.1")
+            .arg(to_primary.port())
+            .query(&mut replica.client())
+            .unwrap();
+        let listed = format!("port={}", to_replica.port());
+        wait_until(ms(10_000), "the replica to be online", || {
+            let info: String = redis::cmd("INFO")
+                .arg("replication")
+                .query(&mut primary.client())
+                .unwrap();
+            info.contains(&listed) && info.contains("state=online")
+        });
+        let config = format!(
+            "sentinel monitor {PROXIED_SERVICE} 127.0.0.1 {} 2\n\
+             sentinel down-after-milliseconds {PROXIED_SERVICE} 1000\n\
+             sentinel failover-timeout {PROXIED_SERVICE} 2000\n",
+            to_primary.port()
+        );
+        let sentinels: Vec<TestServer> = (0..3)
+            .map(|_| TestServer::builder().sentinel(config.clone()).start())
+            .collect();
+        for s in &sentinels {
+            wait_until(
+                ms(15_000),
+                "each sentinel to know the others and the replica",
+                || {
+                    let fields: Vec<String> = redis::cmd("SENTINEL")
+                        .arg("MASTER")
+                        .arg(PROXIED_SERVICE)
+                        .query(&mut s.client())
+                        .unwrap_or_default();
+                    let field = |name: &str| {
+                        fields
+                            .iter()
+                            .position(|f| f == name)
+                            .and_then(|i| fields.get(i + 1))
+                            .and_then(|v| v.parse::<u32>().ok())
+                    };
+                    field("num-slaves") == Some(1) && field("num-other-sentinels") == Some(2)
+                },
+            );
+        }
+        ProxiedSentinel {
+            primary,
+            replica,
+            to_primary,
+            to_replica,
+            sentinels,
+        }
+    }
+
+    fn urls(&self) -> Vec<String> {
+        self.sentinels.iter().map(TestServer::url).collect()
+    }
+
+    /// The port every sentinel names as the primary's, once they agree.
+    fn named_primary(&self) -> Option<u16> {
+        let ports: Vec<Option<u16>> = self
+            .sentinels
+            .iter()
+            .map(|s| {
+                redis::cmd("SENTINEL")
+                    .arg("GET-MASTER-ADDR-BY-NAME")
+                    .arg(PROXIED_SERVICE)
+                    .query::<(String, u16)>(&mut s.client())
+                    .ok()
+                    .map(|(_, port)| port)
+            })
+            .collect();
+        ports[0].filter(|_| ports.iter().all(|p| *p == ports[0]))
+    }
+}
+
+/// The port of the one connection to `server` named `name` (its `CLIENT
+/// LIST` address).
+fn port_named(server: &TestServer, name: &str) -> u16 {
+    let list = support::client_list(&mut server.client());
+    let ports: Vec<u16> = list
+        .iter()
+        .filter(|c| c.get("name").map(String::as_str) == Some(name))
+        .filter_map(|c| c.get("addr")?.rsplit(':').next()?.parse().ok())
+        .collect();
+    assert_eq!(ports.len(), 1, "one connection named {name}: {list:?}");
+    ports[0]
+}
+
+#[test]
+fn the_clean_up_of_an_attempt_the_replaced_primary_left_unanswered_reaches_the_new_primary() {
+    // An acquire attempt that the primary ran and replicated but whose reply
+    // was lost is still awaited when the sentinels replace the primary and
+    // the client switches: it ends unanswered after the switch, and its
+    // clean-up (delete by owner) must reach the new primary, which holds
+    // what the attempt set.
+    let d = ProxiedSentinel::start();
+    let prefix = unique_prefix("retired_clean_up");
+    let urls = d.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    // Long enough for the failover and the switch to fit inside the wait
+    // for the reply.
+    let node_timeout = ms(6_000);
+    let coord = Coordinator::sentinel_builder(&urls, PROXIED_SERVICE)
+        .key_prefix(&prefix)
+        .node_timeout(node_timeout)
+        .pool_size(1)
+        .build()
+        .unwrap();
+    let lock = coord.lock("job").unwrap();
+    // The pooled connection, opened by a first grant and its release.
+    lock.try_acquire(LATE_TTL)
+        .unwrap()
+        .expect("free")
+        .release()
+        .unwrap();
+    let key = format!("{prefix}job");
+    let pooled = port_named(&d.primary, "respire");
+    assert!(
+        d.to_primary
+            .set_connection_mode(pooled, Some(Mode::DropServerToClient))
+    );
+    let mut on_replica = d.replica.client();
+    let new_primary = format!("redis://127.0.0.1:{}", d.to_replica.port());
+    std::thread::scope(|s| {
+        let attempt = s.spawn(|| {
+            let r = lock.try_acquire(LATE_TTL);
+            (r.map(|g| g.is_some()), Instant::now())
+        });
+        wait_until(ms(5_000), "the attempt to reach the replica", || {
+            redis::cmd("EXISTS")
+                .arg(&key)
+                .query::<i64>(&mut on_replica)
+                .unwrap()
+                == 1
+        });
+        let () = redis::cmd("SENTINEL")
+            .arg("FAILOVER")
+            .arg(PROXIED_SERVICE)
+            .query(&mut d.sentinels[0].client())
+            .unwrap();
+        let seen = support::true_within(ms(10_000), || coord.primaries() == [new_primary.clone()]);
+        assert!(
+            seen,
+            "the client did not switch to {new_primary}: it names {:?}, the sentinels {:?}\n{}",
+            coord.primaries(),
+            d.named_primary(),
+            d.sentinels[0].log()
+        );
+        let switched = Instant::now();
+        assert_eq!(d.named_primary(), Some(d.to_replica.port()));
+        let (result, ended) = attempt.join().unwrap();
+        let err = result.expect_err("an attempt without a reply is an error");
+        assert!(err.is_timeout(), "{err}");
+        assert!(
+            ended > switched,
+            "the attempt ended before the switch: the test proves nothing"
+        );
+    });
+    // What the attempt set is on the new primary until the clean-up deletes
+    // it; far within its TTL, gone because it was deleted.
+    let mut on_new = d.replica.client();
+    wait_until(
+        ms(5_000),
+        "the clean-up to delete the attempt's lease on the new primary",
+        || {
+            redis::cmd("EXISTS")
+                .arg(&key)
+                .query::<i64>(&mut on_new)
+                .unwrap_or(1)
+                == 0
+        },
+    );
+}
