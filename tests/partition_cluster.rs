@@ -15,11 +15,12 @@
 //! time between the last extension R1 has and the last one P1 confirmed:
 //! less than half the TTL (the renewal period) plus one and a half node
 //! timeouts. Measured here with a node timeout of 2 s and a TTL of 3.4 s
-//! (four runs): P1 refused commands 2.2–2.8 s after the cut, every node of
+//! (six runs): P1 refused commands 2.2–2.8 s after the cut, every node of
 //! the other side named R1 the slot's primary 3.0–4.1 s after it, D was
-//! granted the key 3.4–4.2 s after it, and C's `Off` guard said held until
-//! 5.0 s — 0.8–1.6 s after D's grant — while the `Require` guard was
-//! flagged lost at 3.3 s, with R1 holding the key for 130 ms more.
+//! granted the key 3.4–4.2 s after it, and C's `Off` guard was flagged lost
+//! only 4.9–5.0 s after it — 0.8–1.6 s after D's grant, 1.6 s after R1 let
+//! the key go — while the `Require` guard was flagged lost 3.2–3.3 s after
+//! it, 136 ms before R1 let the key go.
 //!
 //! How the partition is made on loopback: every bus link to a node runs
 //! through a proxy in front of its bus port (the nodes announce the proxies'
@@ -30,9 +31,10 @@
 //! and D are ACL users too, switched off on the other side and on P1
 //! respectively, so C reaches P1 alone and D never P1.
 //!
-//! The oracle is R1 itself (its `GET` and `PTTL` for the key, read on a
-//! `READONLY` connection of the test's own, before the guard is looked at)
-//! and the shared monotonic clock (when D's acquire returned the key).
+//! The oracle is R1 itself (its `GET` and `PEXPIRETIME` for the key, read on
+//! a `READONLY` connection of the test's own, `GET` before the guard is
+//! looked at) and the machine's clocks: when each guard's loss signal fired
+//! and when D's acquire returned the key.
 
 mod support;
 
@@ -63,19 +65,19 @@ const NEAR: (&str, &str) = ("near", "near-pw");
 const FAR: (&str, &str) = ("far", "far-pw");
 const REPLICATOR: (&str, &str) = ("replicator", "replicator-pw");
 
-/// What one of C's guards and R1 did once the partition was made.
+/// What one of C's guards, R1 and D did once the partition was made.
 #[derive(Debug, Default, Clone)]
 struct Watched {
-    /// When the guard was first seen lost, after the cut.
+    /// When the guard's loss signal fired, after the cut.
     lost_after: Option<Duration>,
-    /// What R1 had left of C's lease then (−2: not C's any more).
+    /// How long R1 still held C's lease then: its `PEXPIRETIME` for the key
+    /// (read after the cut, and the same whenever read later) minus the wall
+    /// clock at the loss, in ms.
     replica_left_at_loss: Option<i64>,
-    /// R1 no longer had C's lease while the guard said held.
+    /// R1 no longer had C's lease (its `GET`) while the guard said held.
     let_go_while_held: bool,
     /// When D's acquire of the key returned it, after the cut.
     other_granted_after: Option<Duration>,
-    /// The guard was seen held after D's acquire had returned the key.
-    held_after_other_granted: bool,
     /// D's acquire, if it ended without the key.
     other_failed: Option<String>,
 }
@@ -144,7 +146,11 @@ fn readonly(node: &support::TestServer) -> redis::Connection {
     conn
 }
 
-type Acquire = JoinHandle<respire_coordination::Result<Option<respire_coordination::LockGuard>>>;
+/// D's acquire, and when it returned after the cut.
+type Acquire = JoinHandle<(
+    respire_coordination::Result<Option<respire_coordination::LockGuard>>,
+    Duration,
+)>;
 
 fn split() -> Outcome {
     let cluster = TestCluster::builder()
@@ -291,132 +297,147 @@ fn split() -> Outcome {
         }
     }
     let cut = Instant::now();
+    // R1 hears nothing from P1 from now on: its expiry for each key is final.
+    let r1_expiry: Vec<i64> = keys
+        .iter()
+        .map(|k| expire_time(&mut on_replica, k))
+        .collect();
 
     let mut outcome = Outcome::default();
-    let mut far_locks: Option<[Acquire; 2]> = None;
-    let mut far_coord = None;
     let other_side: Vec<usize> = (0..cluster.nodes().len()).filter(|&i| i != P1).collect();
     let far_seeds: Vec<String> = other_side.iter().map(|&i| cluster.node(i).url()).collect();
+    let mut views: Vec<redis::Connection> = other_side
+        .iter()
+        .map(|&i| cluster.node(i).client())
+        .collect();
     let r1_id = cluster.node_id(r1).to_owned();
     let slot = key_slot(tag.as_bytes());
-    while cut.elapsed() < ms(20_000) {
-        // R1 is read first: a guard seen held after that read was held when
-        // R1 answered.
-        let read =
-            |conn: &mut redis::Connection| -> redis::RedisResult<Vec<(Option<String>, i64)>> {
-                let mut pipe = redis::pipe();
-                for k in &keys {
-                    pipe.cmd("GET").arg(k).cmd("PTTL").arg(k);
-                }
-                let flat: Vec<redis::Value> = pipe.query(conn)?;
-                Ok(flat
-                    .chunks(2)
-                    .map(|c| {
-                        (
-                            redis::from_redis_value_ref(&c[0]).unwrap(),
-                            redis::from_redis_value_ref(&c[1]).unwrap(),
-                        )
-                    })
-                    .collect())
-            };
-        let on_r1_now = match read(&mut on_replica) {
-            Ok(r) => r,
-            Err(_) => {
-                on_replica = readonly(cluster.node(r1));
-                read(&mut on_replica).unwrap()
-            }
-        };
-        let now = cut.elapsed();
-        let granted_before: Vec<bool> = match &far_locks {
-            Some(handles) => handles.iter().map(JoinHandle::is_finished).collect(),
-            None => vec![false, false],
-        };
-        for (i, w) in [&mut outcome.require, &mut outcome.off]
-            .into_iter()
-            .enumerate()
-        {
-            let (held_there, left) = &on_r1_now[i];
-            let lost = guards[i].is_lost();
-            let still_cs = held_there.as_deref() == Some(owners[i].as_str());
-            if lost && w.lost_after.is_none() {
-                w.lost_after = Some(now);
-                w.replica_left_at_loss = Some(if still_cs { *left } else { -2 });
-            }
-            if !still_cs && !lost {
-                w.let_go_while_held = true;
-            }
-            if granted_before[i] && w.other_granted_after.is_some() && !lost {
-                w.held_after_other_granted = true;
-            }
-        }
-        if outcome.p1_down_after.is_none() {
-            let refused = redis::cmd("GET")
-                .arg(&keys[0])
-                .query::<Option<String>>(&mut on_p1)
-                .is_err_and(|e| e.code() == Some("CLUSTERDOWN"));
-            if refused {
-                outcome.p1_down_after = Some(now);
-            }
-        }
-        if outcome.promoted_after.is_none()
-            && other_side.iter().all(|&i| {
-                cluster
-                    .view(i)
-                    .owner_of(slot)
-                    .is_some_and(|owner| owner.id == r1_id)
+    let mut far_coord = None;
+    std::thread::scope(|s| {
+        // When each guard's loss signal fires, on the monotonic and the wall
+        // clock.
+        let losses: Vec<_> = guards
+            .iter()
+            .map(|g| {
+                s.spawn(move || {
+                    let fired = g.lost_signal().recv_timeout(ms(25_000)).is_err();
+                    fired.then(|| (cut.elapsed(), unix_ms()))
+                })
             })
-        {
-            outcome.promoted_after = Some(now);
-            let urls: Vec<&str> = far_seeds.iter().map(String::as_str).collect();
-            let far = Coordinator::cluster_builder(&urls)
-                .username(FAR.0)
-                .password(FAR.1)
-                .key_prefix(&prefix)
-                .node_timeout(NODE_TIMEOUT)
-                .build()
-                .expect("connect on the other side");
-            far_locks = Some(names.clone().map(|name| {
-                let lock = far.lock(&name).unwrap();
-                std::thread::spawn(move || lock.acquire_timeout(TTL, ms(12_000)))
-            }));
-            far_coord = Some(far);
-        }
-        if let Some(handles) = &far_locks {
+            .collect();
+        let mut far_locks: Option<[Acquire; 2]> = None;
+        while cut.elapsed() < ms(20_000) {
+            // R1 is read first: a guard seen held after that read was held
+            // when R1 answered.
+            let held_there: Vec<Option<String>> = keys
+                .iter()
+                .map(|k| redis::cmd("GET").arg(k).query(&mut on_replica))
+                .collect::<redis::RedisResult<_>>()
+                .unwrap_or_else(|_| {
+                    on_replica = readonly(cluster.node(r1));
+                    keys.iter()
+                        .map(|k| redis::cmd("GET").arg(k).query(&mut on_replica).unwrap())
+                        .collect()
+                });
             for (i, w) in [&mut outcome.require, &mut outcome.off]
                 .into_iter()
                 .enumerate()
             {
-                if handles[i].is_finished() && w.other_granted_after.is_none() {
-                    w.other_granted_after = Some(cut.elapsed());
+                let lost = guards[i].is_lost();
+                if held_there[i].as_deref() != Some(owners[i].as_str()) && !lost {
+                    w.let_go_while_held = true;
                 }
             }
+            let now = cut.elapsed();
+            if outcome.p1_down_after.is_none() {
+                let refused = redis::cmd("GET")
+                    .arg(&keys[0])
+                    .query::<Option<String>>(&mut on_p1)
+                    .is_err_and(|e| e.code() == Some("CLUSTERDOWN"));
+                if refused {
+                    outcome.p1_down_after = Some(now);
+                }
+            }
+            if outcome.promoted_after.is_none()
+                && views.iter_mut().all(|conn| {
+                    redis::cmd("CLUSTER")
+                        .arg("NODES")
+                        .query::<String>(conn)
+                        .is_ok_and(|text| {
+                            support::ClusterView::parse(&text)
+                                .owner_of(slot)
+                                .is_some_and(|owner| owner.id == r1_id)
+                        })
+                })
+            {
+                outcome.promoted_after = Some(now);
+                let urls: Vec<&str> = far_seeds.iter().map(String::as_str).collect();
+                let far = Coordinator::cluster_builder(&urls)
+                    .username(FAR.0)
+                    .password(FAR.1)
+                    .key_prefix(&prefix)
+                    .node_timeout(NODE_TIMEOUT)
+                    .build()
+                    .expect("connect on the other side");
+                far_locks = Some(names.clone().map(|name| {
+                    let lock = far.lock(&name).unwrap();
+                    std::thread::spawn(move || {
+                        let r = lock.acquire_timeout(TTL, ms(12_000));
+                        (r, cut.elapsed())
+                    })
+                }));
+                far_coord = Some(far);
+            }
+            let done = far_locks
+                .as_ref()
+                .is_some_and(|h| h.iter().all(JoinHandle::is_finished))
+                && guards.iter().all(|g| g.is_lost());
+            if done {
+                break;
+            }
+            std::thread::sleep(ms(5));
         }
-        let done = far_locks
-            .as_ref()
-            .is_some_and(|h| h.iter().all(JoinHandle::is_finished))
-            && guards.iter().all(|g| g.is_lost());
-        if done {
-            break;
-        }
-        std::thread::sleep(ms(5));
-    }
-    if let Some(handles) = far_locks {
-        for (handle, w) in handles
+        for (i, (loss, w)) in losses
             .into_iter()
             .zip([&mut outcome.require, &mut outcome.off])
+            .enumerate()
         {
-            match handle.join().unwrap() {
-                Ok(Some(_)) => {}
-                other => {
-                    w.other_failed = Some(format!("{other:?}"));
-                    w.other_granted_after = None;
+            if let Some((after, wall)) = loss.join().unwrap() {
+                w.lost_after = Some(after);
+                w.replica_left_at_loss = Some(r1_expiry[i] - wall);
+            }
+        }
+        if let Some(handles) = far_locks {
+            for (handle, w) in handles
+                .into_iter()
+                .zip([&mut outcome.require, &mut outcome.off])
+            {
+                match handle.join().unwrap() {
+                    (Ok(Some(_)), at) => w.other_granted_after = Some(at),
+                    (other, _) => w.other_failed = Some(format!("{other:?}")),
                 }
             }
         }
+    });
+    // What R1 held for C did not change after the cut.
+    for (k, &expiry) in keys.iter().zip(&r1_expiry) {
+        let now: i64 = expire_time(&mut readonly(cluster.node(r1)), k);
+        assert!(
+            now == expiry || now < 0,
+            "R1's expiry for {k} moved after the cut: {expiry} then {now}"
+        );
     }
     drop(far_coord);
     eprintln!("{outcome:#?}");
     outcome
+}
+
+/// The wall clock in unix milliseconds, as `PEXPIRETIME` counts.
+fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as i64
 }
 
 /// The one partition both tests judge (it takes a cluster of its own).
@@ -435,6 +456,7 @@ fn on_cluster_a_partition_that_hides_the_failover_ends_the_guard_before_the_prom
     assert!(!w.let_go_while_held, "{o:#?}");
     let lost = w.lost_after.expect("flagged lost");
     assert!(lost < granted, "{o:#?}");
+    // Flagged with at least the node timeout to spare on R1.
     let left = w.replica_left_at_loss.expect("flagged lost");
     assert!(left >= NODE_TIMEOUT.as_millis() as i64, "{o:#?}");
 }
@@ -446,10 +468,13 @@ fn on_cluster_a_partition_that_hides_the_failover_leaves_two_holders_without_the
     let o = outcome();
     assert!(o.promoted_after.is_some(), "R1 was promoted: {o:#?}");
     let w = &o.off;
-    assert!(
-        w.other_granted_after.is_some(),
-        "D was granted the key: {o:#?}"
-    );
-    assert!(w.held_after_other_granted, "{o:#?}");
+    let granted = w.other_granted_after.expect("D was granted the key");
+    let lost = w.lost_after.expect("flagged lost at last");
+    assert!(lost > granted, "C's guard held until D was granted: {o:#?}");
     assert!(w.let_go_while_held, "{o:#?}");
+    let left = w.replica_left_at_loss.expect("flagged lost at last");
+    assert!(
+        left < 0,
+        "R1 let the key go before the guard was lost: {o:#?}"
+    );
 }
