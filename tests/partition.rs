@@ -4,9 +4,10 @@
 //! promoted now would hold, whether or not the client ever hears of the
 //! promotion. Under `Off` the window is real, and shown as a negative control.
 //!
-//! The oracle is the replica itself: its `PTTL` for the key (a replica
-//! answers for a key that expired by its clock as for a missing one), read on
-//! a connection of the test's own.
+//! The oracle is the replica itself: its `PTTL`, `GET` and `PEXPIRETIME` for
+//! the key (a replica answers for a key that expired by its clock as for a
+//! missing one), read on a connection of the test's own, against the moment
+//! the guard's loss signal fired.
 //!
 //! Also here, the other faults of the network a client does not see through:
 //! an acquire attempt whose request a proxy holds until after the lease a
@@ -76,8 +77,9 @@ fn expire_time(conn: &mut redis::Connection, key: &str) -> i64 {
 }
 
 /// What a kept-alive guard and the replica said once the replication link was
-/// cut: when the guard was first seen lost and what the replica had left
-/// then, and whether the replica's copy was seen gone while the guard was
+/// cut: when the guard's loss signal fired and what the replica had left then
+/// (its expiry for the key, final since the cut, minus the wall clock at the
+/// signal), and whether the replica's copy was seen gone while the guard was
 /// still held.
 #[derive(Debug)]
 struct Watched {
@@ -103,28 +105,58 @@ fn watch(coord: &Coordinator, replica: &TestServer, cut: impl FnOnce()) -> Watch
     assert!(pttl(&mut on_replica, &key) > 0, "the replica has the lease");
     cut();
     let start = Instant::now();
+    // The replica hears nothing more: its expiry for the key is final.
+    let expiry = expire_time(&mut on_replica, &key);
     let mut watched = Watched {
         lost_after: None,
         replica_left_at_loss: None,
         replica_gone_while_held: false,
     };
-    while start.elapsed() < ms(10_000) {
-        // The replica is read first: a guard seen held after that read was
-        // held when the replica answered.
-        let left = pttl(&mut on_replica, &key);
-        let lost = guard.is_lost();
-        if lost && watched.lost_after.is_none() {
-            watched.lost_after = Some(start.elapsed());
-            watched.replica_left_at_loss = Some(left);
+    let (_stop, stopped) = crossbeam_channel::bounded::<()>(0);
+    std::thread::scope(|s| {
+        let loss = s.spawn(|| loss_signal(&guard, start, &stopped));
+        while start.elapsed() < ms(10_000) {
+            // The replica is read first: a guard seen held after that read was
+            // held when the replica answered.
+            let left = pttl(&mut on_replica, &key);
+            let lost = guard.is_lost();
+            if left <= 0 {
+                watched.replica_gone_while_held = !lost;
+                break;
+            }
+            std::thread::sleep(ms(2));
         }
-        if left <= 0 {
-            watched.replica_gone_while_held = !lost;
-            break;
+        if let Some((after, wall)) = loss.join().unwrap() {
+            watched.lost_after = Some(after);
+            watched.replica_left_at_loss = Some(expiry - wall);
         }
-        std::thread::sleep(ms(2));
-    }
+    });
     drop(keep);
     watched
+}
+
+/// Waits for `guard`'s loss signal, until `stop` disconnects or 15 s have
+/// passed; then returns how long after `start` it fired, and the wall clock
+/// then in unix milliseconds (as `PEXPIRETIME` counts). Timed by a thread of
+/// its own, so that a loaded machine's slow look at the servers does not
+/// make the loss look later than it was.
+fn loss_signal(
+    guard: &respire_coordination::LockGuard,
+    start: Instant,
+    stop: &crossbeam_channel::Receiver<()>,
+) -> Option<(Duration, i64)> {
+    crossbeam_channel::select! {
+        recv(guard.lost_signal()) -> _ => Some((start.elapsed(), unix_ms())),
+        recv(stop) -> _ => None,
+        default(ms(15_000)) => None,
+    }
+}
+
+fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as i64
 }
 
 #[test]
@@ -365,7 +397,8 @@ impl Deployment {
 /// old primary's side: whether the new primary let the key go (or gave it to
 /// another) while the guard was still held, whether a client on the other
 /// side was granted the key, and what the promoted replica had left when the
-/// guard was flagged lost.
+/// guard's loss signal fired (its expiry for the key, final since the cut,
+/// minus the wall clock then).
 #[derive(Debug)]
 struct Split {
     promoted: bool,
@@ -423,6 +456,9 @@ fn split(replication: Replication) -> Split {
     }
     d.cut_primary_off();
     let cut = Instant::now();
+    // The replica hears nothing more from the primary: its expiry for the
+    // key is final.
+    let expiry = expire_time(&mut on_replica, &key);
     // The other side asks once the sentinels have promoted the replica.
     let far_lock = far.lock("job").unwrap();
     let mut far_lock = Some(far_lock);
@@ -434,50 +470,46 @@ fn split(replication: Replication) -> Split {
         let_go_while_held: false,
         replica_left_at_loss: None,
     };
-    while cut.elapsed() < ms(20_000) {
-        // The promoted replica is read first: a guard seen held after that
-        // read was held when it answered.
-        // The promotion closes the replica's client connections: read again
-        // on a new one.
-        let read = |conn: &mut redis::Connection| -> redis::RedisResult<(Option<String>, i64)> {
-            redis::pipe()
-                .cmd("GET")
-                .arg(&key)
-                .cmd("PTTL")
-                .arg(&key)
-                .query(conn)
-        };
-        let (held_there, left) = match read(&mut on_replica) {
-            Ok(r) => r,
-            Err(_) => {
-                on_replica = app(&d.replica);
-                read(&mut on_replica).unwrap()
+    let (stop, stopped) = crossbeam_channel::bounded::<()>(0);
+    std::thread::scope(|s| {
+        let loss = s.spawn(|| loss_signal(&guard, cut, &stopped));
+        while cut.elapsed() < ms(20_000) {
+            // The promoted replica is read first: a guard seen held after that
+            // read was held when it answered.
+            // The promotion closes the replica's client connections: read again
+            // on a new one.
+            let read = |conn: &mut redis::Connection| -> redis::RedisResult<Option<String>> {
+                redis::cmd("GET").arg(&key).query(conn)
+            };
+            let held_there = match read(&mut on_replica) {
+                Ok(r) => r,
+                Err(_) => {
+                    on_replica = app(&d.replica);
+                    read(&mut on_replica).unwrap()
+                }
+            };
+            let lost = guard.is_lost();
+            if held_there.as_deref() != Some(owner.as_str()) && !lost {
+                result.let_go_while_held = true;
             }
-        };
-        let lost = guard.is_lost();
-        if lost && result.replica_left_at_loss.is_none() {
-            result.replica_left_at_loss = Some(if held_there.as_deref() == Some(owner.as_str()) {
-                left
-            } else {
-                -2
-            });
+            result.promoted |= d.named_primary() == Some(d.replica.port());
+            if result.promoted
+                && let Some(lock) = far_lock.take()
+            {
+                other = Some(std::thread::spawn(move || {
+                    lock.acquire_timeout(TTL, ms(12_000))
+                }));
+            }
+            if other.as_ref().is_some_and(|o| o.is_finished()) {
+                break;
+            }
+            std::thread::sleep(ms(5));
         }
-        if held_there.as_deref() != Some(owner.as_str()) && !lost {
-            result.let_go_while_held = true;
+        drop(stop);
+        if let Some((_, wall)) = loss.join().unwrap() {
+            result.replica_left_at_loss = Some(expiry - wall);
         }
-        result.promoted |= d.named_primary() == Some(d.replica.port());
-        if result.promoted
-            && let Some(lock) = far_lock.take()
-        {
-            other = Some(std::thread::spawn(move || {
-                lock.acquire_timeout(TTL, ms(12_000))
-            }));
-        }
-        if other.as_ref().is_some_and(|o| o.is_finished()) {
-            break;
-        }
-        std::thread::sleep(ms(5));
-    }
+    });
     let outcome = other.map(|o| o.join().unwrap());
     result.other_granted = matches!(outcome, Some(Ok(Some(_))));
     if !result.promoted || !result.other_granted {
