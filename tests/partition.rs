@@ -13,7 +13,9 @@
 //! an acquire attempt whose request a proxy holds until after the lease a
 //! later attempt won was released (the late duplicate sets it again, for
 //! nobody: the release's clean-up must delete it), judged by the server's
-//! keys.
+//! keys; and calls a Sentinel primary left unanswered when it was replaced,
+//! whose clean-up must reach the new primary (judged by its keys) and whose
+//! fence must not go to the old one (judged by its connections).
 
 mod support;
 
@@ -814,55 +816,93 @@ impl ProxiedSentinel {
     }
 }
 
-/// The port of the one connection to `server` named `name` (its `CLIENT
-/// LIST` address).
-fn port_named(server: &TestServer, name: &str) -> u16 {
-    let list = support::client_list(&mut server.client());
-    let ports: Vec<u16> = list
+/// The ports of the connections to `server` named `name` (their `CLIENT
+/// LIST` addresses).
+fn ports_named(server: &TestServer, name: &str) -> Vec<u16> {
+    support::client_list(&mut server.client())
         .iter()
         .filter(|c| c.get("name").map(String::as_str) == Some(name))
         .filter_map(|c| c.get("addr")?.rsplit(':').next()?.parse().ok())
-        .collect();
-    assert_eq!(ports.len(), 1, "one connection named {name}: {list:?}");
+        .collect()
+}
+
+/// The port of the one connection to `server` named `name`.
+fn port_named(server: &TestServer, name: &str) -> u16 {
+    let ports = ports_named(server, name);
+    assert_eq!(ports.len(), 1, "one connection named {name}: {ports:?}");
     ports[0]
 }
 
 #[test]
-fn the_clean_up_of_an_attempt_the_replaced_primary_left_unanswered_reaches_the_new_primary() {
-    // An acquire attempt that the primary ran and replicated but whose reply
-    // was lost is still awaited when the sentinels replace the primary and
-    // the client switches: it ends unanswered after the switch, and its
-    // clean-up (delete by owner) must reach the new primary, which holds
-    // what the attempt set.
+fn the_fence_and_the_clean_up_of_calls_the_replaced_primary_left_unanswered_go_to_the_new_primary()
+{
+    // An extension and then an acquire attempt that the primary ran and
+    // replicated but whose replies were lost are still awaited when the
+    // sentinels replace the primary and the client switches: both end
+    // unanswered after the switch. The attempt's clean-up (delete by owner)
+    // must reach the new primary, which holds what the attempt set; the
+    // extension's fence is moot once the old primary is retired (the switch
+    // gave its claim up, its worst case stays in the bound), so nothing is
+    // sent to the old primary for it.
     let d = ProxiedSentinel::start();
     let prefix = unique_prefix("retired_clean_up");
     let urls = d.urls();
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
     // Long enough for the failover and the switch to fit inside the wait
-    // for the reply.
+    // for the replies.
     let node_timeout = ms(6_000);
     let coord = Coordinator::sentinel_builder(&urls, PROXIED_SERVICE)
         .key_prefix(&prefix)
         .node_timeout(node_timeout)
-        .pool_size(1)
+        .pool_size(2)
         .build()
         .unwrap();
+    let held = coord.lock("held").unwrap();
+    let guard = held.try_acquire(LATE_TTL).unwrap().expect("free");
+    // Loads the extension script: a `NOSCRIPT` reply would be dropped too.
+    assert!(guard.reset_expiry(LATE_TTL).unwrap());
     let lock = coord.lock("job").unwrap();
-    // The pooled connection, opened by a first grant and its release.
-    lock.try_acquire(LATE_TTL)
-        .unwrap()
-        .expect("free")
-        .release()
-        .unwrap();
-    let key = format!("{prefix}job");
-    let pooled = port_named(&d.primary, "respire");
+    // A second pooled connection: opened by a grant and its release while
+    // the first one's extension is held in the proxy.
+    let first = port_named(&d.primary, "respire");
     assert!(
         d.to_primary
-            .set_connection_mode(pooled, Some(Mode::DropServerToClient))
+            .set_connection_mode(first, Some(Mode::HoldClientToServer))
     );
+    std::thread::scope(|s| {
+        let extension = s.spawn(|| guard.reset_expiry(LATE_TTL));
+        wait_until(ms(5_000), "the extension to be held", || {
+            d.to_primary.client_chunks_done() < d.to_primary.client_chunks()
+        });
+        lock.try_acquire(LATE_TTL)
+            .unwrap()
+            .expect("free")
+            .release()
+            .unwrap();
+        assert!(d.to_primary.set_connection_mode(first, None));
+        assert!(extension.join().unwrap().unwrap());
+    });
+    let pooled = ports_named(&d.primary, "respire");
+    assert_eq!(pooled.len(), 2, "two pooled connections");
+    for &port in &pooled {
+        assert!(
+            d.to_primary
+                .set_connection_mode(port, Some(Mode::DropServerToClient))
+        );
+    }
+    let key = format!("{prefix}job");
+    let held_key = guard.key().to_owned();
     let mut on_replica = d.replica.client();
     let new_primary = format!("redis://127.0.0.1:{}", d.to_replica.port());
     std::thread::scope(|s| {
+        let before = expire_time(&mut on_replica, &held_key);
+        let extension = s.spawn(|| {
+            let r = guard.reset_expiry(LATE_TTL * 2);
+            (r, Instant::now())
+        });
+        wait_until(ms(5_000), "the extension to reach the replica", || {
+            expire_time(&mut on_replica, &held_key) > before
+        });
         let attempt = s.spawn(|| {
             let r = lock.try_acquire(LATE_TTL);
             (r.map(|g| g.is_some()), Instant::now())
@@ -889,13 +929,19 @@ fn the_clean_up_of_an_attempt_the_replaced_primary_left_unanswered_reaches_the_n
         );
         let switched = Instant::now();
         assert_eq!(d.named_primary(), Some(d.to_replica.port()));
-        let (result, ended) = attempt.join().unwrap();
-        let err = result.expect_err("an attempt without a reply is an error");
-        assert!(err.is_timeout(), "{err}");
-        assert!(
-            ended > switched,
-            "the attempt ended before the switch: the test proves nothing"
-        );
+        let (extended, extension_ended) = extension.join().unwrap();
+        let (attempted, attempt_ended) = attempt.join().unwrap();
+        for (call, result, ended) in [
+            ("extension", extended.map(|_| ()), extension_ended),
+            ("attempt", attempted.map(|_| ()), attempt_ended),
+        ] {
+            let err = result.expect_err("a call without a reply is an error");
+            assert!(err.is_timeout(), "{call}: {err}");
+            assert!(
+                ended > switched,
+                "the {call} ended before the switch: the test proves nothing"
+            );
+        }
     });
     // What the attempt set is on the new primary until the clean-up deletes
     // it; far within its TTL, gone because it was deleted.
@@ -910,5 +956,13 @@ fn the_clean_up_of_an_attempt_the_replaced_primary_left_unanswered_reaches_the_n
                 .unwrap_or(1)
                 == 0
         },
+    );
+    // The retired primary's jobs were handled in the order they came, the
+    // fence first: by now a kill sent to the old primary would have opened
+    // the executor's connection there.
+    assert_eq!(
+        ports_named(&d.primary, "respire-renewal"),
+        Vec::<u16>::new(),
+        "a job for the retired primary was sent to it"
     );
 }
