@@ -472,6 +472,12 @@ fn on_cluster_a_partition_that_hides_the_failover_leaves_two_holders_without_the
     let granted = w.other_granted_after.expect("D was granted the key");
     let lost = w.lost_after.expect("flagged lost at last");
     assert!(lost > granted, "C's guard held until D was granted: {o:#?}");
+    // The window stated above: less than the renewal period plus one and a
+    // half node timeouts.
+    assert!(
+        lost - granted < TTL / 2 + CLUSTER_NODE_TIMEOUT * 3 / 2,
+        "{o:#?}"
+    );
     assert!(w.let_go_while_held, "{o:#?}");
     let left = w.replica_left_at_loss.expect("flagged lost at last");
     assert!(
