@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use respire_coordination::key_slot;
 
-use super::{ServerKind, TestServer, TestServerBuilder};
+use super::{FaultProxy, ServerKind, TestServer, TestServerBuilder};
 
 /// The number of hash slots.
 pub(crate) const SLOTS: u16 = 16384;
@@ -47,6 +47,9 @@ pub(crate) struct TestClusterBuilder {
     node_timeout: Duration,
     extra_args: Vec<String>,
     replicas: usize,
+    /// Extra arguments of one node: (node index, arguments).
+    node_args: Vec<(usize, Vec<String>)>,
+    bus_proxies: bool,
 }
 
 impl TestClusterBuilder {
@@ -76,6 +79,34 @@ impl TestClusterBuilder {
         self
     }
 
+    /// Appends raw `redis-server` arguments to node `index`'s command line
+    /// only (such as `["--bind-source-addr", "127.0.0.2"]`), after those of
+    /// [`TestClusterBuilder::args`]. Node 0 becomes the primary of the
+    /// lowest slots. Defaults to none.
+    pub(crate) fn node_args<I, S>(mut self, index: usize, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.node_args
+            .push((index, args.into_iter().map(Into::into).collect()));
+        self
+    }
+
+    /// Puts a [`FaultProxy`] in front of every node's cluster bus port, and
+    /// has each node announce the proxy's port as its bus port (and
+    /// 127.0.0.1 as its address) before the cluster is formed: every bus
+    /// link *to* node `i` then runs through [`TestCluster::bus_proxy`]`(i)`,
+    /// so blackholing that proxy cuts what the others send node `i`; what
+    /// node `i` sends the others runs through their proxies, where
+    /// [`FaultProxy::blackhole_from`] its `bind-source-addr` (see
+    /// [`TestClusterBuilder::node_args`]) cuts it. Clients reach the nodes
+    /// directly. Defaults to off.
+    pub(crate) fn bus_proxies(mut self) -> Self {
+        self.bus_proxies = true;
+        self
+    }
+
     /// Starts the nodes (six by default), forms the cluster and waits until every node has
     /// `cluster_state:ok`, all agree on the slot map and roles, and every
     /// replica is in sync with its primary.
@@ -88,12 +119,18 @@ impl TestClusterBuilder {
         let started = Instant::now();
         let nodes: Vec<TestServer> = thread::scope(|scope| {
             let starting: Vec<_> = (0..PRIMARIES * (1 + self.replicas))
-                .map(|_| {
+                .map(|index| {
+                    let own = self
+                        .node_args
+                        .iter()
+                        .filter(|(i, _)| *i == index)
+                        .flat_map(|(_, args)| args.iter().cloned());
                     let builder = TestServerBuilder::default()
                         .cluster_node(self.node_timeout)
                         // A new replica syncs at once instead of waiting for others.
                         .args(["--repl-diskless-sync-delay", "0"])
-                        .args(self.extra_args.iter().cloned());
+                        .args(self.extra_args.iter().cloned())
+                        .args(own);
                     scope.spawn(move || builder.start())
                 })
                 .collect();
@@ -102,6 +139,11 @@ impl TestClusterBuilder {
                 .map(|node| node.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
                 .collect()
         });
+        let bus_proxies = if self.bus_proxies {
+            nodes.iter().map(announce_bus_proxy).collect()
+        } else {
+            Vec::new()
+        };
         create(&nodes, self.replicas);
         let ids = nodes
             .iter()
@@ -114,6 +156,7 @@ impl TestClusterBuilder {
             .collect();
         let mut cluster = TestCluster {
             nodes,
+            bus_proxies,
             ids,
             node_timeout: self.node_timeout,
             startup: Duration::ZERO,
@@ -122,6 +165,26 @@ impl TestClusterBuilder {
         cluster.startup = started.elapsed();
         cluster
     }
+}
+
+/// Starts a proxy in front of `node`'s cluster bus port and has the node
+/// announce it (see [`TestClusterBuilder::bus_proxies`]).
+fn announce_bus_proxy(node: &TestServer) -> FaultProxy {
+    let bus = node.cluster_bus_port().expect("a cluster node");
+    let proxy = FaultProxy::start(std::net::SocketAddr::from(([127, 0, 0, 1], bus)));
+    let mut con = node.client();
+    for (name, value) in [
+        ("cluster-announce-ip", "127.0.0.1".to_owned()),
+        ("cluster-announce-bus-port", proxy.port().to_string()),
+    ] {
+        let () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(&value)
+            .query(&mut con)
+            .unwrap_or_else(|e| panic!("CONFIG SET {name} {value} on port {}: {e}", node.port()));
+    }
+    proxy
 }
 
 /// Runs `redis-cli --cluster create` (`valkey-cli` for Valkey) over `nodes`:
@@ -177,6 +240,8 @@ fn create(nodes: &[TestServer], replicas: usize) {
 /// also waits until it has rejoined.
 pub(crate) struct TestCluster {
     nodes: Vec<TestServer>,
+    /// One per node with [`TestClusterBuilder::bus_proxies`], else none.
+    bus_proxies: Vec<FaultProxy>,
     ids: Vec<String>,
     node_timeout: Duration,
     startup: Duration,
@@ -198,6 +263,8 @@ impl TestCluster {
             node_timeout: DEFAULT_NODE_TIMEOUT,
             extra_args: Vec::new(),
             replicas: 1,
+            node_args: Vec::new(),
+            bus_proxies: false,
         }
     }
 
@@ -224,6 +291,26 @@ impl TestCluster {
     /// Panics if there is no such node.
     pub(crate) fn node(&self, index: usize) -> &TestServer {
         &self.nodes[index]
+    }
+
+    /// The proxy every bus link to node `index` runs through.
+    ///
+    /// # Panics
+    ///
+    /// Panics unless the cluster was started with
+    /// [`TestClusterBuilder::bus_proxies`].
+    pub(crate) fn bus_proxy(&self, index: usize) -> &FaultProxy {
+        assert!(
+            !self.bus_proxies.is_empty(),
+            "the cluster was started without bus proxies"
+        );
+        &self.bus_proxies[index]
+    }
+
+    /// Every node's bus proxy, in node order (none without
+    /// [`TestClusterBuilder::bus_proxies`]).
+    pub(crate) fn bus_proxies(&self) -> &[FaultProxy] {
+        &self.bus_proxies
     }
 
     /// The cluster node id (`CLUSTER MYID`) of node `index`.

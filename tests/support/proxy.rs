@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -16,6 +16,9 @@ use std::time::{Duration, Instant};
 
 /// How often blocked proxy threads look at the shutdown and reset flags.
 const POLL: Duration = Duration::from_millis(50);
+/// How often a writer holding bytes ([`Mode::HoldClientToServer`]) looks
+/// whether it may send them.
+const HOLD_POLL: Duration = Duration::from_millis(2);
 /// How long the proxy waits to connect to the upstream server.
 const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const CHUNK_SIZE: usize = 16 * 1024;
@@ -42,16 +45,29 @@ pub(crate) enum Mode {
     /// Forward what the client sends as it arrives, and what the server sends
     /// this long after it arrived: replies come late, commands do not.
     DelayServerToClient(Duration),
+    /// Keep what the client sends, in order, for as long as this mode lasts
+    /// (a close included), and forward it once another mode that forwards it
+    /// applies; forward what the server sends. Meant for one connection (see
+    /// [`FaultProxy::set_connection_mode`]): a command held so is delivered
+    /// late, when the test says.
+    HoldClientToServer,
 }
 
 impl Mode {
     fn drops(self, direction: Direction) -> bool {
         match self {
-            Mode::Pass | Mode::Delay(_) | Mode::DelayServerToClient(_) => false,
+            Mode::Pass
+            | Mode::Delay(_)
+            | Mode::DelayServerToClient(_)
+            | Mode::HoldClientToServer => false,
             Mode::Blackhole => true,
             Mode::DropClientToServer => direction == Direction::ClientToServer,
             Mode::DropServerToClient => direction == Direction::ServerToClient,
         }
+    }
+
+    fn holds(self, direction: Direction) -> bool {
+        self == Mode::HoldClientToServer && direction == Direction::ClientToServer
     }
 
     fn delay(self, direction: Direction) -> Duration {
@@ -97,11 +113,22 @@ struct Shared {
     /// New connections held without being forwarded because none was left to
     /// admit.
     turned_away: std::sync::atomic::AtomicU64,
+    /// Connections from this address are treated as in [`Mode::Blackhole`]
+    /// whatever the mode (see [`FaultProxy::blackhole_from`]).
+    blackholed_peer: Mutex<Option<IpAddr>>,
 }
 
 impl Shared {
     fn mode(&self) -> Mode {
         *lock(&self.mode)
+    }
+
+    /// The mode that applies to a connection from `peer`.
+    fn mode_for(&self, peer: Option<IpAddr>) -> Mode {
+        match (*lock(&self.blackholed_peer), peer) {
+            (Some(cut), Some(peer)) if cut == peer => Mode::Blackhole,
+            _ => self.mode(),
+        }
     }
 }
 
@@ -112,6 +139,11 @@ struct Entry {
     reset: Arc<AtomicBool>,
     /// Chunks from the server that the mode discarded.
     server_chunks_dropped: Arc<AtomicU64>,
+    /// The client's address.
+    peer: Option<IpAddr>,
+    /// This connection's own mode, if set (see
+    /// [`FaultProxy::set_connection_mode`]).
+    own_mode: Arc<Mutex<Option<Mode>>>,
 }
 
 /// Held by each thread of a connection; the last one to finish unregisters it,
@@ -121,11 +153,22 @@ struct Connection {
     shared: Arc<Shared>,
     reset: Arc<AtomicBool>,
     server_chunks_dropped: Arc<AtomicU64>,
+    /// The client's address.
+    peer: Option<IpAddr>,
+    own_mode: Arc<Mutex<Option<Mode>>>,
 }
 
 impl Connection {
     fn stopping(&self) -> bool {
         self.reset.load(Ordering::SeqCst) || self.shared.shutdown.load(Ordering::SeqCst)
+    }
+
+    /// The mode that applies to this connection now.
+    fn mode(&self) -> Mode {
+        match *lock(&self.own_mode) {
+            Some(mode) => mode,
+            None => self.shared.mode_for(self.peer),
+        }
     }
 }
 
@@ -170,6 +213,7 @@ impl FaultProxy {
             client_chunks_done: std::sync::atomic::AtomicU64::new(0),
             admit: Mutex::new(None),
             turned_away: std::sync::atomic::AtomicU64::new(0),
+            blackholed_peer: Mutex::new(None),
         });
         let acceptor = thread::Builder::new()
             .name(format!("proxy-{}-accept", addr.port()))
@@ -240,6 +284,45 @@ impl FaultProxy {
     /// out its own timeout. Connections already open are not affected.
     pub(crate) fn admit_only(&self, n: usize) {
         *lock(&self.shared.admit) = Some(n);
+    }
+
+    /// From now on treats every connection whose client connects from `peer`
+    /// (its source address, such as a server's `bind-source-addr`) as in
+    /// [`Mode::Blackhole`], open ones included, whatever the mode; `None`
+    /// ends that. Connections from other addresses follow the mode. Defaults
+    /// to `None`.
+    pub(crate) fn blackhole_from(&self, peer: Option<IpAddr>) {
+        *lock(&self.shared.blackholed_peer) = peer;
+    }
+
+    /// Gives the open connection the server lists at `127.0.0.1:port` (its
+    /// `CLIENT LIST` address) a mode of its own, which applies to it instead
+    /// of the proxy's from now on (`None`: the proxy's again). Returns false
+    /// if no open connection is at that address.
+    pub(crate) fn set_connection_mode(&self, port: u16, mode: Option<Mode>) -> bool {
+        let connections = lock(&self.shared.connections);
+        let entry = connections.values().find(|entry| {
+            entry
+                .upstream
+                .as_ref()
+                .and_then(|u| u.local_addr().ok())
+                .is_some_and(|a| a.port() == port)
+        });
+        match entry {
+            Some(entry) => {
+                *lock(&entry.own_mode) = mode;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// How many open connections came from `peer` (their client's address).
+    pub(crate) fn connections_from(&self, peer: IpAddr) -> usize {
+        lock(&self.shared.connections)
+            .values()
+            .filter(|entry| entry.peer == Some(peer))
+            .count()
     }
 
     /// How many new connections were held because none was left to admit.
@@ -329,10 +412,10 @@ fn accept_loop(listener: &TcpListener, upstream: SocketAddr, shared: &Arc<Shared
             return;
         }
         match accepted {
-            Ok((client, _)) => {
+            Ok((client, peer)) => {
                 let id = next_id;
                 next_id += 1;
-                if let Err(e) = serve(client, id, upstream, shared) {
+                if let Err(e) = serve(client, id, peer.ip(), upstream, shared) {
                     eprintln!("fault proxy: cannot serve connection {id}: {e}");
                 }
             }
@@ -343,7 +426,13 @@ fn accept_loop(listener: &TcpListener, upstream: SocketAddr, shared: &Arc<Shared
 }
 
 /// Connects to `upstream` and starts the connection's threads.
-fn serve(client: TcpStream, id: u64, upstream: SocketAddr, shared: &Arc<Shared>) -> io::Result<()> {
+fn serve(
+    client: TcpStream,
+    id: u64,
+    peer: IpAddr,
+    upstream: SocketAddr,
+    shared: &Arc<Shared>,
+) -> io::Result<()> {
     client.set_nodelay(true)?;
     if let Some(left) = lock(&shared.admit).as_mut() {
         if *left == 0 {
@@ -354,13 +443,16 @@ fn serve(client: TcpStream, id: u64, upstream: SocketAddr, shared: &Arc<Shared>)
     }
     let server = match TcpStream::connect_timeout(&upstream, UPSTREAM_CONNECT_TIMEOUT) {
         Ok(server) => server,
-        Err(_) if shared.mode() == Mode::Blackhole => return hold(client, id, shared),
+        Err(_) if shared.mode_for(Some(peer)) == Mode::Blackhole => {
+            return hold(client, id, shared);
+        }
         // Closing the client mirrors the refused connection.
         Err(_) => return Ok(()),
     };
     server.set_nodelay(true)?;
     let reset = Arc::new(AtomicBool::new(false));
     let dropped = Arc::new(AtomicU64::new(0));
+    let own_mode = Arc::new(Mutex::new(None));
     lock(&shared.connections).insert(
         id,
         Entry {
@@ -368,6 +460,8 @@ fn serve(client: TcpStream, id: u64, upstream: SocketAddr, shared: &Arc<Shared>)
             upstream: Some(server.try_clone()?),
             reset: Arc::clone(&reset),
             server_chunks_dropped: Arc::clone(&dropped),
+            peer: Some(peer),
+            own_mode: Arc::clone(&own_mode),
         },
     );
     let connection = Arc::new(Connection {
@@ -375,6 +469,8 @@ fn serve(client: TcpStream, id: u64, upstream: SocketAddr, shared: &Arc<Shared>)
         shared: Arc::clone(shared),
         reset,
         server_chunks_dropped: dropped,
+        peer: Some(peer),
+        own_mode,
     });
     let directions = [
         (Direction::ClientToServer, &client, &server),
@@ -424,6 +520,8 @@ fn hold(client: TcpStream, id: u64, shared: &Arc<Shared>) -> io::Result<()> {
             upstream: None,
             reset: Arc::clone(&reset),
             server_chunks_dropped: Arc::clone(&dropped),
+            peer: client.peer_addr().ok().map(|a| a.ip()),
+            own_mode: Arc::new(Mutex::new(None)),
         },
     );
     let connection = Connection {
@@ -431,6 +529,8 @@ fn hold(client: TcpStream, id: u64, shared: &Arc<Shared>) -> io::Result<()> {
         shared: Arc::clone(shared),
         reset,
         server_chunks_dropped: dropped,
+        peer: None,
+        own_mode: Arc::new(Mutex::new(None)),
     };
     let thread = thread::Builder::new()
         .name(format!("proxy-{id}-hold"))
@@ -467,7 +567,7 @@ fn read_side(
             return;
         }
         let read = from.read(&mut buf);
-        let mode = connection.shared.mode();
+        let mode = connection.mode();
         if direction == Direction::ClientToServer && matches!(read, Ok(n) if n > 0) {
             connection
                 .shared
@@ -524,12 +624,17 @@ fn write_side(
                 return;
             }
             let now = Instant::now();
-            if now >= chunk.due {
+            if now >= chunk.due && !connection.mode().holds(direction) {
                 break;
             }
-            thread::sleep((chunk.due - now).min(POLL));
+            let wait = chunk.due.saturating_duration_since(now);
+            thread::sleep(if wait.is_zero() {
+                HOLD_POLL
+            } else {
+                wait.min(POLL)
+            });
         }
-        if connection.shared.mode().drops(direction) {
+        if connection.mode().drops(direction) {
             if chunk.data.is_some() {
                 chunk_dropped(direction, connection);
             }
