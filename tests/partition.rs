@@ -22,11 +22,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use respire_coordination::{Coordinator, Error, Replication};
-use support::{Mode, TestServer, proxied_replica, unique_prefix, wait_until};
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
+use support::{Mode, TestServer, ms, proxied_replica, unique_prefix, wait_until};
 
 const NODE_TIMEOUT: Duration = Duration::from_millis(100);
 const TTL: Duration = Duration::from_millis(1_500);

@@ -45,11 +45,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use respire_coordination::{Coordinator, Replication, key_slot};
-use support::{Mode, TestCluster, unique_prefix, wait_until};
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
+use support::{Mode, TestCluster, ms, unique_prefix, wait_until};
 
 /// `cluster-node-timeout`.
 const CLUSTER_NODE_TIMEOUT: Duration = Duration::from_millis(2_000);
