@@ -530,7 +530,7 @@ mod token;
 pub use cancel::CancelToken;
 pub use conn::Protocol;
 pub use conn::url::{DeploymentUrl, UrlKind};
-pub use coordinator::inspect::{ExclusiveHolder, HeldAs, Inspection};
+pub use coordinator::inspect::{ExclusiveHolder, HeldAs, Inspection, ReaderHolder};
 pub use coordinator::{Coordinator, CoordinatorBuilder};
 pub use error::{Error, Result};
 pub use guard::{Fencing, Guard, ReleaseOutcome, Verifiable};
@@ -565,7 +565,7 @@ pub use redlock::{
 pub use replication::Replication;
 pub use report::{NodeOutcome, NodeReport};
 pub use runtime::renewal::RenewalStats;
-pub use token::FencingToken;
+pub use token::{FencingToken, MAX_HOLDER_LEN, check_holder};
 
 /// The README's examples, compiled as doc tests.
 #[cfg(doctest)]

@@ -31,6 +31,7 @@ use crate::conn::ConnConfig;
 use crate::coordinator::Coordinator;
 use crate::error::{Error, Result};
 use crate::observe::{Acquiring, Observer, Primitive};
+use crate::token::HolderTag;
 use worker::{Hello, NodeSettings, NodeWatcher, NodeWorker, OnNodeEvent, ROUND_TRIPS_PER_TIMEOUT};
 
 pub use attempt::RedlockAttempt;
@@ -254,6 +255,8 @@ pub(crate) use worker::{
 /// noticed only by the next command sent to the node).
 pub struct RedlockGroup {
     inner: Arc<Group>,
+    /// Who the locks it takes say holds them.
+    holder: Option<HolderTag>,
 }
 
 impl Clone for RedlockGroup {
@@ -261,6 +264,7 @@ impl Clone for RedlockGroup {
         self.inner.users.join();
         RedlockGroup {
             inner: self.inner.clone(),
+            holder: self.holder.clone(),
         }
     }
 }
@@ -449,7 +453,30 @@ impl RedlockGroup {
     /// well below it (node timeout + drift must be under half the TTL).
     /// Contention and node failures are in the returned attempt.
     pub fn attempt(&self, key: &str, ttl: Duration) -> Result<RedlockAttempt> {
-        Group::attempt(&self.inner, key, ttl, Evidence::Both)
+        Group::attempt(&self.inner, key, ttl, Evidence::Both, self.holder.as_ref())
+    }
+
+    /// This group (a clone sharing its nodes and threads), whose locks record
+    /// `holder` as who holds them on every node: a name for people and tools
+    /// to read, such as `"host-a pid 4242"`. Stored in the lock's value after
+    /// its random owner id, as [`Lease::with_holder`](crate::Lease::with_holder)
+    /// stores it, and read on each node by
+    /// [`Coordinator::inspect_lease`](crate::Coordinator::inspect_lease). No
+    /// command is added; put no secret in it. Nothing is sent.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty holder, one longer than
+    /// [`MAX_HOLDER_LEN`](crate::MAX_HOLDER_LEN) bytes or one with a control
+    /// character; the group is consumed and nothing else changes.
+    pub fn with_holder(mut self, holder: &str) -> Result<RedlockGroup> {
+        self.holder = Some(HolderTag::new(holder)?);
+        Ok(self)
+    }
+
+    /// The holder the locks this group takes record, if any; see
+    /// [`with_holder`](RedlockGroup::with_holder).
+    pub fn holder(&self) -> Option<&str> {
+        self.holder.as_ref().map(HolderTag::as_str)
     }
 
     /// One attempt. Blocks as [`attempt`](RedlockGroup::attempt) does: at most
@@ -487,7 +514,7 @@ impl RedlockGroup {
         ttl: Duration,
         seen: &mut Option<Acquiring<'_>>,
     ) -> Result<Option<RedlockGuard>> {
-        let result = Group::attempt(&self.inner, key, ttl, Evidence::Guard)
+        let result = Group::attempt(&self.inner, key, ttl, Evidence::Guard, self.holder.as_ref())
             .and_then(RedlockAttempt::into_result);
         if matches!(result, Ok(None)) {
             Acquiring::busy(seen, None);
@@ -702,6 +729,7 @@ impl Group {
         let quorum = workers.len() / 2 + 1;
         let n = workers.len();
         Ok(RedlockGroup {
+            holder: None,
             inner: Arc::new_cyclic(|this: &Weak<Group>| Group {
                 prefixes,
                 workers,
