@@ -1823,6 +1823,106 @@ fn no_output_ever_holds_a_password() {
     assert_eq!(checked, forms.len() * 7);
 }
 
+/// A lease lost between its grant and the start of the command ends the run
+/// as any loss does (76, a `lost` event saying the command was not started),
+/// and the command never runs. The tool is held up there on purpose: its
+/// events go to a pipe this test filled, so its first event, `acquired`
+/// (written after the grant, before the command starts), blocks until the
+/// test reads the pipe.
+#[test]
+fn a_lease_lost_before_the_command_starts_ends_with_76_and_runs_nothing() {
+    use std::io::{Read as _, Write as _};
+    let server = shared_server();
+    let url = server.url();
+    let prefix = unique_prefix("cli-lost-before-start");
+    let marker = std::env::temp_dir().join(format!(
+        "respire-lock-ran-{}-{}",
+        std::process::id(),
+        prefix.replace(':', "-")
+    ));
+    let (mut reader, mut writer) = std::io::pipe().unwrap();
+    rustix::io::ioctl_fionbio(&writer, true).unwrap();
+    let chunk = [b'#'; 4096];
+    let mut filled = 0;
+    loop {
+        match writer.write(&chunk) {
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => panic!("filling the pipe: {e}"),
+        }
+    }
+    rustix::io::ioctl_fionbio(&writer, false).unwrap();
+    let ttl = Duration::from_secs(3);
+    let child = respire_lock(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &prefix,
+        "--ttl",
+        "3s",
+        "--events-fd",
+        "1",
+        "job",
+        "--",
+        "touch",
+        marker.to_str().unwrap(),
+    ])
+    .stdout(writer)
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    // Granted: the server holds the writer's key.
+    let key = format!("{prefix}{{job}}:w");
+    wait_until(Duration::from_secs(10), "the grant", || {
+        server.client().exists::<_, bool>(&key).unwrap()
+    });
+    // Lost: with the key deleted, no renewal is confirmed from now on, so
+    // the loss deadline the tool holds (counted from a grant or renewal
+    // sent before this moment, less drift and a node timeout) is less than
+    // one TTL away. Waiting for that bound on the monotonic clock, rather
+    // than for a sign from the tool, which cannot give one while blocked.
+    let deleted = Instant::now();
+    let _: () = server.client().del(&key).unwrap();
+    wait_until(Duration::from_secs(10), "one TTL after the delete", || {
+        deleted.elapsed() > ttl
+    });
+    let drain = std::thread::spawn(move || {
+        let mut all = Vec::new();
+        reader.read_to_end(&mut all).unwrap();
+        all
+    });
+    let out = child.wait_with_output().unwrap();
+    let stdout = drain.join().unwrap();
+    let events = json_lines(&stdout[filled..]);
+    assert_eq!(out.status.code(), Some(76), "{}", text(&out.stderr));
+    assert!(
+        !marker.exists(),
+        "the command ran after its lease was lost: {}",
+        text(&out.stderr)
+    );
+    let names: Vec<&str> = events
+        .iter()
+        .map(|e| e["event"].as_str().unwrap())
+        .collect();
+    assert_eq!(names[0], "acquired", "{names:?}");
+    assert!(!names.contains(&"started"), "{names:?}");
+    // The key was deleted: the renewal found it gone (or, had no renewal
+    // been sent in time, the deadline passed).
+    let lost = event(&events, "lost");
+    assert!(
+        ["gone", "expired", "renewal_unconfirmed"].contains(&lost["cause"].as_str().unwrap()),
+        "{lost}"
+    );
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("the command was not started"), "{stderr}");
+    assert!(
+        stderr.contains("lost before the command could start"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
 /// The holder `run` records by default: this host's name, the tool's pid
 /// and the command's program name.
 fn default_holder(tool_pid: u32, program: &str) -> String {
