@@ -560,7 +560,8 @@ pub use observe::{
     TopologyEvent, WaitEnd, WaitEndEvent,
 };
 pub use redlock::{
-    RedlockAttempt, RedlockGroup, RedlockGuard, RedlockKeepAlive, RedlockNode, RedlockOptions,
+    NodeInspection, RedlockAttempt, RedlockGroup, RedlockGuard, RedlockInspection,
+    RedlockKeepAlive, RedlockNode, RedlockOptions,
 };
 pub use replication::Replication;
 pub use report::{NodeOutcome, NodeReport};

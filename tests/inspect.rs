@@ -442,7 +442,7 @@ fn a_redlock_lock_shows_its_holder_on_every_node() {
     assert!(matches!(bad, Error::InvalidArgument(_)), "{bad}");
     let named = group.with_holder("redlock host pid 7").unwrap();
     assert_eq!(named.holder(), Some("redlock host pid 7"));
-    let mut guard = named.try_acquire("invoices", TTL).unwrap().unwrap();
+    let guard = named.try_acquire("invoices", TTL).unwrap().unwrap();
     let mut owners = Vec::new();
     for s in &servers {
         let node = Coordinator::connect(&s.url()).unwrap();
@@ -459,5 +459,50 @@ fn a_redlock_lock_shows_its_holder_on_every_node() {
     }
     owners.dedup();
     assert_eq!(owners.len(), 1, "one owner on every node: {owners:?}");
-    assert!(guard.release().unwrap());
+    // The group's own reading: every node, and the owner of a quorum.
+    let seen = named.inspect("invoices").unwrap();
+    assert_eq!(seen.quorum, 2);
+    assert_eq!(seen.nodes.len(), 3);
+    let x = seen.holder().unwrap();
+    assert_eq!(x.owner, owners[0]);
+    assert_eq!(x.holder.as_deref(), Some("redlock host pid 7"));
+    assert_eq!(seen.held_on(&x.owner), 3);
+    for (node, s) in seen.nodes.iter().zip(&servers) {
+        assert!(
+            node.addr.ends_with(&format!("127.0.0.1:{}", s.port())),
+            "{}",
+            node.addr
+        );
+        let pttl: i64 = s.client().pttl("invoices").unwrap();
+        close_to(
+            node.holder
+                .as_ref()
+                .unwrap()
+                .as_ref()
+                .unwrap()
+                .remaining
+                .unwrap(),
+            pttl,
+        );
+    }
+    // One node gone: its error in its place, the lock still held on two.
+    servers[2].kill();
+    let seen = named.inspect("invoices").unwrap();
+    assert!(seen.nodes[2].holder.is_err(), "{seen:?}");
+    assert_eq!(seen.holder().map(|h| &h.owner), Some(&owners[0]));
+    assert_eq!(seen.held_on(&owners[0]), 2);
+    // Another owner on one of the two: no owner holds a quorum.
+    let _: () = servers[1]
+        .client()
+        .set_options(
+            "invoices",
+            "someone-else",
+            redis::SetOptions::default().with_expiration(redis::SetExpiry::PX(20_000)),
+        )
+        .unwrap();
+    let seen = named.inspect("invoices").unwrap();
+    assert_eq!(seen.holder(), None, "{seen:?}");
+    assert_eq!(seen.held_on("someone-else"), 1);
+    assert!(matches!(named.inspect(""), Err(Error::InvalidArgument(_))));
+    drop(guard);
 }

@@ -297,10 +297,9 @@ impl Coordinator {
     /// lease key with the prefix, and the other fields are empty.
     ///
     /// A [`RedlockGroup`](crate::RedlockGroup)'s lock is one such key on each
-    /// node: read it with this call on a coordinator of each node (with that
-    /// node's key prefix). It is held when more than half of all the nodes
-    /// hold it with one [`owner`](ExclusiveHolder::owner); the nodes do not
-    /// answer at one instant, so the times left differ by the reads' spread.
+    /// node: [`RedlockGroup::inspect`](crate::RedlockGroup::inspect) reads
+    /// every node of a group and names the owner a quorum holds; this call
+    /// reads one node.
     ///
     /// Blocks for one pipelined round trip, as [`inspect`](Coordinator::inspect).
     ///
@@ -367,7 +366,11 @@ impl Coordinator {
 
 /// The holder of an exclusive key from its `GET` and `PTTL` replies: a
 /// fencing token when the value is `owner:token`.
-fn holder(value: &redis::Value, pttl: &redis::Value, key: &str) -> Result<Option<ExclusiveHolder>> {
+pub(crate) fn holder(
+    value: &redis::Value,
+    pttl: &redis::Value,
+    key: &str,
+) -> Result<Option<ExclusiveHolder>> {
     let bad = |problem: &str| Error::BadKey {
         key: key.to_owned(),
         problem: problem.to_owned(),

@@ -8,7 +8,7 @@
 //! arithmetic is `core::quorum`, and each guard's bounds are a `core::lease`
 //! like every other lease's. Here: the group (`mod.rs`), its settings
 //! (`options.rs`), the fan-out and its evidence (`fanout.rs`), one attempt
-//! (`attempt.rs`), the guard and its renewal (`guard.rs`), the independence
+//! (`attempt.rs`), the reading of what the nodes hold (`inspect.rs`), the guard and its renewal (`guard.rs`), the independence
 //! checks (`independence.rs`) and the judgement of locks when a node goes away
 //! or restarts (`restarts.rs`).
 
@@ -17,6 +17,7 @@ mod family;
 mod fanout;
 mod guard;
 mod independence;
+mod inspect;
 mod options;
 mod restarts;
 mod worker;
@@ -36,6 +37,7 @@ use worker::{Hello, NodeSettings, NodeWatcher, NodeWorker, OnNodeEvent, ROUND_TR
 
 pub use attempt::RedlockAttempt;
 pub use guard::{RedlockGuard, RedlockKeepAlive};
+pub use inspect::{NodeInspection, RedlockInspection};
 pub use options::RedlockOptions;
 
 use attempt::Evidence;
@@ -306,6 +308,9 @@ impl Users {
 pub(crate) struct Group {
     /// Each node's key prefix.
     prefixes: Vec<String>,
+    /// Each node's connection settings, for inspections (which open
+    /// connections of their own).
+    configs: Vec<Arc<ConnConfig>>,
     workers: Vec<NodeWorker>,
     options: RedlockOptions,
     quorum: usize,
@@ -460,8 +465,8 @@ impl RedlockGroup {
     /// `holder` as who holds them on every node: a name for people and tools
     /// to read, such as `"host-a pid 4242"`. Stored in the lock's value after
     /// its random owner id, as [`Lease::with_holder`](crate::Lease::with_holder)
-    /// stores it, and read on each node by
-    /// [`Coordinator::inspect_lease`](crate::Coordinator::inspect_lease). No
+    /// stores it, and read by [`inspect`](RedlockGroup::inspect) (and on one
+    /// node by [`Coordinator::inspect_lease`](crate::Coordinator::inspect_lease)). No
     /// command is added; put no secret in it. Nothing is sent.
     ///
     /// # Errors
@@ -732,6 +737,7 @@ impl Group {
             holder: None,
             inner: Arc::new_cyclic(|this: &Weak<Group>| Group {
                 prefixes,
+                configs: cfgs.clone(),
                 workers,
                 options,
                 quorum,
