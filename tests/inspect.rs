@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use redis::Commands;
 use respire_coordination::{
-    Coordinator, Error, FencingToken, HeldAs, MAX_HOLDER_LEN, Protocol, RedlockGroup,
+    Coordinator, Error, Fairness, FencingToken, HeldAs, MAX_HOLDER_LEN, Protocol, RedlockGroup,
     RedlockOptions,
 };
 use support::{TestServer, shared_server, unique_prefix};
@@ -383,6 +383,24 @@ fn every_kind_of_lease_shows_who_holds_it() {
         (permit.slot, &permit.owner, &permit.holder)
     );
     drop(p);
+
+    // A first-in-first-out lock keeps the holder it was given.
+    let fifo = coord
+        .lock("{fifo}")
+        .unwrap()
+        .with_holder("queued one")
+        .unwrap()
+        .with_fairness(Fairness::fifo())
+        .unwrap();
+    assert_eq!(fifo.holder(), Some("queued one"));
+    let guard = fifo.try_acquire(TTL).unwrap().unwrap();
+    let x = coord
+        .inspect_lease("{fifo}", None)
+        .unwrap()
+        .exclusive
+        .unwrap();
+    assert_eq!(x.holder.as_deref(), Some("queued one"));
+    drop(guard);
 
     // Without a holder: none recorded, and the owner value is the bare id.
     let guard = coord
