@@ -2028,28 +2028,13 @@ fn run_records_who_holds_the_lease_and_never_a_secret() {
         let out = run(&[
             "run", "--url", &url, "--prefix", &fresh, "--holder", bad, "job", "true",
         ]);
-        assert_eq!(
-            out.status.code(),
-            Some(64),
-            "{bad:?}: {}",
-            text(&out.stderr)
-        );
-        assert!(
-            text(&out.stderr).contains("holder"),
-            "{}",
-            text(&out.stderr)
-        );
+        assert_usage_error(&out, &["--holder"], "run");
         let out = respire_lock(&["run", "--prefix", &fresh, "job", "true"])
             .env("REDIS_URL", &url)
             .env("RESPIRE_LOCK_HOLDER", bad)
             .output()
             .unwrap();
-        assert_eq!(
-            out.status.code(),
-            Some(64),
-            "{bad:?}: {}",
-            text(&out.stderr)
-        );
+        assert_usage_error(&out, &["RESPIRE_LOCK_HOLDER"], "run");
     }
     let fence: bool = server
         .client()
@@ -2058,7 +2043,7 @@ fn run_records_who_holds_the_lease_and_never_a_secret() {
     assert!(!fence, "a run with a bad holder sent its acquire");
     // elect advertises --value, and refuses --holder.
     let out = run(&["elect", "--url", &url, "--holder", "x", "job", "true"]);
-    assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
+    assert_usage_error(&out, &["--holder", "--value"], "elect");
     let _: () = redis::cmd("ACL")
         .arg("DELUSER")
         .arg(&user)

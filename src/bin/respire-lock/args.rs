@@ -587,6 +587,32 @@ pub(crate) fn settle_run(
             dropped.extend(from_env.iter().map(|o| o.0));
         }
     }
+    // The holder is checked here rather than by clap, whose message would
+    // repeat the value with its control characters as they are, and named
+    // by where it came from. Only `run` records one: a leader advertises
+    // --value, and --holder on elect's command line is refused.
+    if let Some(holder) = &args.holder {
+        let from_env = matches.value_source("holder") == Some(ValueSource::EnvVariable);
+        if subcommand != "run" {
+            if !from_env {
+                return Err(Usage::new(
+                    "--holder is for run: a leader advertises --value",
+                    Some(subcommand),
+                ));
+            }
+        } else if let Err(e) = respire_coordination::check_holder(holder) {
+            let why = match e {
+                respire_coordination::Error::InvalidArgument(why) => why,
+                other => other.to_string(),
+            };
+            let name = if from_env {
+                "RESPIRE_LOCK_HOLDER"
+            } else {
+                "--holder"
+            };
+            return Err(Usage::new(format!("{name}: {why}"), Some(subcommand)));
+        }
+    }
     for id in dropped {
         match id {
             "nonblock" => args.nonblock = false,
@@ -619,18 +645,6 @@ pub(crate) fn check_run(args: &RunArgs, subcommand: &str) -> Result<(), Usage> {
             ),
             Some(subcommand),
         ));
-    }
-    // Checked here rather than by clap, whose message would repeat the
-    // value with its control characters as they are. Only `run` uses it.
-    if subcommand == "run"
-        && let Some(holder) = &args.holder
-        && let Err(e) = respire_coordination::check_holder(holder)
-    {
-        let why = match e {
-            respire_coordination::Error::InvalidArgument(why) => why,
-            other => other.to_string(),
-        };
-        return Err(Usage::new(format!("--holder: {why}"), Some(subcommand)));
     }
     check_tls(&args.tls, subcommand)
 }

@@ -101,15 +101,6 @@ pub(crate) fn elect_main(mut args: ElectArgs, matches: &ArgMatches) -> ExitCode 
             return ExitCode::from(EXIT_USAGE);
         }
     };
-    if args.run.holder.is_some() && matches.value_source("holder") == Some(ValueSource::CommandLine)
-    {
-        Usage::new(
-            "--holder is for run: a leader advertises --value",
-            Some("elect"),
-        )
-        .print();
-        return ExitCode::from(EXIT_USAGE);
-    }
     let value = args.value.clone().unwrap_or_else(default_value);
     drive(&args.run, matches, "elect", |run, target| match target {
         Target::Url(url) => run.elect(&url, &value, args.recampaign),
