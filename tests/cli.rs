@@ -2212,6 +2212,7 @@ fn status_shows_what_run_holds_on_every_deployment() {
         let holder = default_holder(child.id(), "sleep");
         assert_eq!(status["holder"], holder, "{url}: {status}");
         assert_eq!(status["holders"][0]["holder"], holder, "{url}: {status}");
+        assert_eq!(status["holders"][0]["mode"], mode, "{url}: {status}");
         assert!(status["ttl_ms"].as_u64().unwrap() > 0, "{status}");
         if flag == "--redlock" {
             assert_eq!(status["held_on"], 3, "{status}");

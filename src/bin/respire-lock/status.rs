@@ -314,7 +314,7 @@ impl<'a> View<'a> {
             Object::new()
                 .str(
                     "mode",
-                    if self.redlock.is_some() {
+                    if self.mode == "redlock" {
                         "redlock"
                     } else {
                         "exclusive"
