@@ -2,7 +2,8 @@
 //! raw round trip of `PING` measured in the same run: `try_acquire` + `release`
 //! of a `Lock` and a `FencedLock` (two round trips each), `verify_still_held`
 //! (one), and an uncontended `acquire_timeout` + `release` (two, plus the
-//! waiter registry). Then, on a primary with one replica, the fenced
+//! waiter registry); the first three again with the longest holder identity a
+//! lease records (`with_holder`), which goes out with every command. Then, on a primary with one replica, the fenced
 //! `try_acquire` + `release` with the replication guard `Off` and in `Report`
 //! mode (`WAIT` for the replica pipelined after every grant).
 //!
@@ -84,6 +85,35 @@ fn main() {
         black_box(guard.release().unwrap());
     });
 
+    // The longest holder a lease records, in every command's owner value.
+    let holder = "h".repeat(respire_coordination::MAX_HOLDER_LEN);
+    let named = coord.lock("named").unwrap().with_holder(&holder).unwrap();
+    bench(&mut c, "Lock try_acquire + release, holder", || {
+        let guard = named.try_acquire(TTL).unwrap().expect("uncontended");
+        black_box(guard.release().unwrap());
+    });
+    let named_fenced = coord
+        .fenced_lock("{n}:lease", "{n}:fence")
+        .unwrap()
+        .with_holder(&holder)
+        .unwrap();
+    bench(&mut c, "FencedLock try_acquire + release, holder", || {
+        let guard = named_fenced.try_acquire(TTL).unwrap().expect("uncontended");
+        black_box(guard.release().unwrap());
+    });
+    let named_held = coord
+        .lock("named-held")
+        .unwrap()
+        .with_holder(&holder)
+        .unwrap()
+        .try_acquire(TTL)
+        .unwrap()
+        .unwrap();
+    bench(&mut c, "verify_still_held, holder", || {
+        black_box(named_held.verify_still_held().unwrap().expect("still held"));
+    });
+    drop(named_held);
+
     let held = coord
         .lock("held")
         .unwrap()
@@ -148,8 +178,11 @@ fn main() {
     for name in [
         "raw PING round trip",
         "Lock try_acquire + release",
+        "Lock try_acquire + release, holder",
         "FencedLock try_acquire + release",
+        "FencedLock try_acquire + release, holder",
         "verify_still_held",
+        "verify_still_held, holder",
         "uncontended acquire_timeout + release",
         "replicated: FencedLock, Off",
         "replicated: FencedLock, Report",

@@ -454,6 +454,36 @@
 //!   restarts without its data can hand out a held lock again; it gives no
 //!   fencing token.
 //!
+//! # Who holds it
+//!
+//! [`Coordinator::inspect`] (a base key's read/write lease, fenced lock and
+//! semaphore keys), [`Coordinator::inspect_lease`] (a lease on keys of your
+//! choosing) and [`RedlockGroup::inspect`] read, without changing anything,
+//! who holds a lease: each holder's owner id, fencing token, slot and time
+//! left on the server's clock. A handle given a holder identity with
+//! [`Lease::with_holder`] or [`RedlockGroup::with_holder`] records it in
+//! every lease it takes, where these calls (and `respire-lock status`) show
+//! it; it rides in the owner value the lease stores anyway, so it adds no
+//! command. Inspections are for reports and checks: what they read may
+//! change as soon as they return.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use respire_coordination::Coordinator;
+//!
+//! # fn main() -> Result<(), respire_coordination::Error> {
+//! let coord = Coordinator::connect("redis://127.0.0.1:6379")?;
+//! let lock = coord.fenced_lock("{reports:daily}:lease", "{reports:daily}:fence")?
+//!     .with_holder("host-a pid 4242")?;
+//! let guard = lock.try_acquire(Duration::from_secs(30))?;
+//! let seen = coord.inspect_lease("{reports:daily}:lease", Some("{reports:daily}:fence"))?;
+//! if let Some(x) = seen.exclusive {
+//!     println!("held by {:?}, token {:?}, {:?} left", x.holder, x.fencing_token, x.remaining);
+//! }
+//! # drop(guard);
+//! # Ok(()) }
+//! ```
+//!
 //! # Logging
 //!
 //! Through the `log` crate: `warn!` for lost leases, failed renewals and the
@@ -530,7 +560,7 @@ mod token;
 pub use cancel::CancelToken;
 pub use conn::Protocol;
 pub use conn::url::{DeploymentUrl, UrlKind};
-pub use coordinator::inspect::{ExclusiveHolder, HeldAs, Inspection};
+pub use coordinator::inspect::{ExclusiveHolder, HeldAs, Inspection, ReaderHolder};
 pub use coordinator::{Coordinator, CoordinatorBuilder};
 pub use error::{Error, Result};
 pub use guard::{Fencing, Guard, ReleaseOutcome, Verifiable};
@@ -560,12 +590,13 @@ pub use observe::{
     TopologyEvent, WaitEnd, WaitEndEvent,
 };
 pub use redlock::{
-    RedlockAttempt, RedlockGroup, RedlockGuard, RedlockKeepAlive, RedlockNode, RedlockOptions,
+    NodeInspection, RedlockAttempt, RedlockGroup, RedlockGuard, RedlockInspection,
+    RedlockKeepAlive, RedlockNode, RedlockOptions,
 };
 pub use replication::Replication;
 pub use report::{NodeOutcome, NodeReport};
 pub use runtime::renewal::RenewalStats;
-pub use token::FencingToken;
+pub use token::{FencingToken, MAX_HOLDER_LEN, check_holder};
 
 /// The README's examples, compiled as doc tests.
 #[cfg(doctest)]

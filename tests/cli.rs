@@ -42,7 +42,7 @@ fn assert_waiting_after_an_attempt(url: &str, before: u64, waiting: &mut std::pr
 const BIN: &str = env!("CARGO_BIN_EXE_respire-lock");
 
 /// Every environment variable `run` reads.
-const ENV_VARS: [&str; 27] = [
+const ENV_VARS: [&str; 28] = [
     "REDIS_URL",
     "RESPIRE_LOCK_REDLOCK",
     "RESPIRE_LOCK_THROWAWAY",
@@ -63,6 +63,7 @@ const ENV_VARS: [&str; 27] = [
     "RESPIRE_LOCK_VERBOSE",
     "RESPIRE_LOCK_EVENTS_FD",
     "RESPIRE_LOCK_EVENTS_FILE",
+    "RESPIRE_LOCK_HOLDER",
     // Read by the other subcommands only.
     "RESPIRE_LOCK_JSON",
     "RESPIRE_LOCK_DOCTOR_KEY",
@@ -796,7 +797,7 @@ fn status_reports_holder_token_and_ttl() {
     let line = status(false);
     assert!(
         line.starts_with(&format!(
-            "job: held exclusive by fencing token {token}, expires in "
+            "job: held exclusive by fencing token {token}, no holder recorded, expires in "
         )),
         "{line}"
     );
@@ -1822,6 +1823,234 @@ fn no_output_ever_holds_a_password() {
     assert_eq!(checked, forms.len() * 7);
 }
 
+/// A lease lost between its grant and the start of the command ends the run
+/// as any loss does (76, a `lost` event saying the command was not started),
+/// and the command never runs. The tool is held up there on purpose: its
+/// events go to a pipe this test filled, so its first event, `acquired`
+/// (written after the grant, before the command starts), blocks until the
+/// test reads the pipe.
+#[test]
+fn a_lease_lost_before_the_command_starts_ends_with_76_and_runs_nothing() {
+    use std::io::{Read as _, Write as _};
+    let server = shared_server();
+    let url = server.url();
+    let prefix = unique_prefix("cli-lost-before-start");
+    let marker = std::env::temp_dir().join(format!(
+        "respire-lock-ran-{}-{}",
+        std::process::id(),
+        prefix.replace(':', "-")
+    ));
+    let (mut reader, mut writer) = std::io::pipe().unwrap();
+    rustix::io::ioctl_fionbio(&writer, true).unwrap();
+    let chunk = [b'#'; 4096];
+    let mut filled = 0;
+    loop {
+        match writer.write(&chunk) {
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => panic!("filling the pipe: {e}"),
+        }
+    }
+    rustix::io::ioctl_fionbio(&writer, false).unwrap();
+    let ttl = Duration::from_secs(3);
+    let child = respire_lock(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &prefix,
+        "--ttl",
+        "3s",
+        "--events-fd",
+        "1",
+        "job",
+        "--",
+        "touch",
+        marker.to_str().unwrap(),
+    ])
+    .stdout(writer)
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    // Granted: the server holds the writer's key.
+    let key = format!("{prefix}{{job}}:w");
+    wait_until(Duration::from_secs(10), "the grant", || {
+        server.client().exists::<_, bool>(&key).unwrap()
+    });
+    // Lost: with the key deleted, no renewal is confirmed from now on, so
+    // the loss deadline the tool holds (counted from a grant or renewal
+    // sent before this moment, less drift and a node timeout) is less than
+    // one TTL away. Waiting for that bound on the monotonic clock, rather
+    // than for a sign from the tool, which cannot give one while blocked.
+    let deleted = Instant::now();
+    let _: () = server.client().del(&key).unwrap();
+    wait_until(Duration::from_secs(10), "one TTL after the delete", || {
+        deleted.elapsed() > ttl
+    });
+    let drain = std::thread::spawn(move || {
+        let mut all = Vec::new();
+        reader.read_to_end(&mut all).unwrap();
+        all
+    });
+    let out = child.wait_with_output().unwrap();
+    let stdout = drain.join().unwrap();
+    let events = json_lines(&stdout[filled..]);
+    assert_eq!(out.status.code(), Some(76), "{}", text(&out.stderr));
+    assert!(
+        !marker.exists(),
+        "the command ran after its lease was lost: {}",
+        text(&out.stderr)
+    );
+    let names: Vec<&str> = events
+        .iter()
+        .map(|e| e["event"].as_str().unwrap())
+        .collect();
+    assert_eq!(names[0], "acquired", "{names:?}");
+    assert!(!names.contains(&"started"), "{names:?}");
+    // The key was deleted: the renewal found it gone (or, had no renewal
+    // been sent in time, the deadline passed).
+    let lost = event(&events, "lost");
+    assert!(
+        ["gone", "expired", "renewal_unconfirmed"].contains(&lost["cause"].as_str().unwrap()),
+        "{lost}"
+    );
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("the command was not started"), "{stderr}");
+    assert!(
+        stderr.contains("lost before the command could start"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+/// The holder `run` records by default: this host's name, the tool's pid
+/// and the command's program name.
+fn default_holder(tool_pid: u32, program: &str) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    format!("{} pid {tool_pid}: {program}", host.trim())
+}
+
+#[test]
+fn run_records_who_holds_the_lease_and_never_a_secret() {
+    const SECRET: &str = "hunter2Holder";
+    let server = shared_server();
+    let user = unique_prefix("holder-user").replace(':', "");
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg(&user)
+        .arg("on")
+        .arg(format!(">{SECRET}"))
+        .arg("~*")
+        .arg("&*")
+        .arg("+@all")
+        .query(&mut server.client())
+        .unwrap();
+    let url = format!("redis://{user}:{SECRET}@127.0.0.1:{}", server.port());
+    let prefix = unique_prefix("cli-holder");
+    let events = events_path("holder");
+    let file = events.to_str().unwrap();
+    // The default: host, the tool's pid and the program, not its arguments.
+    let script = format!("sleep 30 # {SECRET}");
+    let mut child = respire_lock(&[
+        "run",
+        "--url",
+        &url,
+        "--prefix",
+        &prefix,
+        "--events-file",
+        file,
+        "job",
+        "--",
+        "/bin/sh",
+        "-c",
+        &script,
+    ])
+    .spawn()
+    .unwrap();
+    started_pid(&events);
+    let holder = default_holder(child.id(), "sh");
+    let raw: String = server.client().get(format!("{prefix}{{job}}:w")).unwrap();
+    assert!(!raw.contains(SECRET), "{raw}");
+    assert!(
+        raw.ends_with(&format!("@{}:1", holder.replace(':', "%3A"))),
+        "{raw}"
+    );
+    let status = |extra: &[&str]| {
+        let mut args = vec!["status", "--url", &url, "--prefix", &prefix];
+        args.extend_from_slice(extra);
+        args.push("job");
+        let out = run(&args);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    let line = status(&[]);
+    assert!(line.contains(&format!("holder {holder:?}")), "{line}");
+    assert!(!line.contains(SECRET), "{line}");
+    let json: serde_json::Value = serde_json::from_str(&status(&["--json"])).unwrap();
+    assert_eq!(json["holder"], holder, "{json}");
+    let owner = json["holders"][0]["owner"].as_str().unwrap();
+    assert!(owner.len() == 32 && owner.bytes().all(|b| b.is_ascii_hexdigit()));
+    signal(&child, rustix::process::Signal::TERM);
+    child.wait().unwrap();
+    std::fs::remove_file(&events).unwrap();
+
+    // --holder, and RESPIRE_LOCK_HOLDER, as given; the line beats the
+    // environment.
+    let given = "deploy #7: blue, 100%";
+    let probe = format!("{BIN} status --json --prefix {prefix} job");
+    for (flag, env) in [
+        (Some(given), None),
+        (None, Some(given)),
+        (Some(given), Some("env")),
+    ] {
+        let mut args = vec!["run", "--url", &url, "--prefix", &prefix, "--shared"];
+        if let Some(h) = flag {
+            args.extend_from_slice(&["--holder", h]);
+        }
+        args.extend_from_slice(&["job", "--", "sh", "-c", &probe]);
+        let mut cmd = respire_lock(&args);
+        cmd.env("REDIS_URL", &url);
+        if let Some(h) = env {
+            cmd.env("RESPIRE_LOCK_HOLDER", h);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(json["mode"], "shared", "{json}");
+        assert_eq!(json["holders"][0]["holder"], given, "{json}");
+    }
+
+    // A holder the library would refuse stops the run before anything is
+    // sent: no fence counter is made.
+    let fresh = unique_prefix("cli-holder-bad");
+    let long = "h".repeat(respire_coordination::MAX_HOLDER_LEN + 1);
+    for bad in ["line\nbreak", "", long.as_str()] {
+        let out = run(&[
+            "run", "--url", &url, "--prefix", &fresh, "--holder", bad, "job", "true",
+        ]);
+        assert_usage_error(&out, &["--holder"], "run");
+        let out = respire_lock(&["run", "--prefix", &fresh, "job", "true"])
+            .env("REDIS_URL", &url)
+            .env("RESPIRE_LOCK_HOLDER", bad)
+            .output()
+            .unwrap();
+        assert_usage_error(&out, &["RESPIRE_LOCK_HOLDER"], "run");
+    }
+    let fence: bool = server
+        .client()
+        .exists(format!("{fresh}{{job}}:fence"))
+        .unwrap();
+    assert!(!fence, "a run with a bad holder sent its acquire");
+    // elect advertises --value, and refuses --holder.
+    let out = run(&["elect", "--url", &url, "--holder", "x", "job", "true"]);
+    assert_usage_error(&out, &["--holder", "--value"], "elect");
+    let _: () = redis::cmd("ACL")
+        .arg("DELUSER")
+        .arg(&user)
+        .query(&mut server.client())
+        .unwrap();
+}
+
 /// `sh -c` text that records entering and leaving in `log`, one line each.
 fn recording(log: &std::path::Path, mode: &str) -> String {
     let log = log.display();
@@ -1979,12 +2208,21 @@ fn status_shows_what_run_holds_on_every_deployment() {
         assert_eq!(status["held"], true, "{url}: {status}");
         assert_eq!(status["mode"], mode, "{url}: {status}");
         assert_eq!(status["token"], token, "{url}: {status}");
+        // Who holds it: this host, the tool's pid, the command's program.
+        let holder = default_holder(child.id(), "sleep");
+        assert_eq!(status["holder"], holder, "{url}: {status}");
+        assert_eq!(status["holders"][0]["holder"], holder, "{url}: {status}");
+        assert_eq!(status["holders"][0]["mode"], mode, "{url}: {status}");
         assert!(status["ttl_ms"].as_u64().unwrap() > 0, "{status}");
         if flag == "--redlock" {
             assert_eq!(status["held_on"], 3, "{status}");
         }
         let line = text(&run(&["status", flag, url, "--prefix", &prefix, "job"]).stdout);
         assert!(line.starts_with("job: held "), "{url}: {line}");
+        assert!(
+            line.contains(&format!("holder {holder:?}")),
+            "{url}: {line}"
+        );
         signal(&child, rustix::process::Signal::TERM);
         assert_eq!(child.wait().unwrap().code(), Some(128 + 15));
         let out = run(&["status", flag, url, "--prefix", &prefix, "--json", "job"]);
@@ -2013,6 +2251,10 @@ fn status_shows_what_run_holds_on_every_deployment() {
         ]);
         let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(status["mode"], mode, "{status}");
+        let holders = status["holders"].as_array().unwrap();
+        assert_eq!(holders.len(), 1, "{status}");
+        assert_eq!(holders[0]["mode"], mode, "{status}");
+        assert_eq!(holders[0]["holder"], default_holder(child.id(), "sleep"));
         if mode == "shared" {
             assert_eq!(status["readers"], 1, "{status}");
         } else {

@@ -8,6 +8,12 @@
 //! keys of the caller's choosing (a [`Lock`](crate::Lock), a
 //! [`FencedLock`](crate::FencedLock) on any lease and fence keys, a Redlock
 //! lock on one node) is read by [`Coordinator::inspect_lease`].
+//!
+//! Every holder found comes with the owner id its acquire drew and, when the
+//! handle that took it was given one
+//! ([`Lease::with_holder`](crate::Lease::with_holder),
+//! [`RedlockGroup::with_holder`](crate::RedlockGroup::with_holder)), the
+//! holder's identity, read from the owner value the lease already stores.
 
 use std::time::{Duration, Instant};
 
@@ -15,8 +21,8 @@ use crate::conn::Connect;
 use crate::coordinator::Coordinator;
 use crate::error::{Error, Result};
 use crate::keys;
-use crate::lease::semaphore::PermitHolder;
-use crate::token::FencingToken;
+use crate::lease::semaphore::{PermitHolder, parse_member};
+use crate::token::{FencingToken, split_owner};
 
 /// How the keys under one base are held right now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,20 +43,50 @@ pub enum HeldAs {
     Mixed,
 }
 
-/// The exclusive holder of `B:w`.
+/// The exclusive holder of a lease key (`B:w`, or the key given to
+/// [`Coordinator::inspect_lease`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ExclusiveHolder {
     /// Its fencing token: `None` when the value is not `owner:token` (a plain
     /// lock or a Redlock lock on the key).
     pub fencing_token: Option<FencingToken>,
-    /// How long until it expires on the server's clock, unless renewed;
-    /// `None` for a key without expiry.
+    /// How long until it expires on the server's clock (its `PTTL`), unless
+    /// renewed; `None` for a key without expiry.
     pub remaining: Option<Duration>,
+    /// The owner id its acquire drew (random, one per acquire call), or the
+    /// whole value when it is not one this crate writes.
+    pub owner: String,
+    /// Who holds it, as the handle that took it was told
+    /// ([`Lease::with_holder`](crate::Lease::with_holder),
+    /// [`RedlockGroup::with_holder`](crate::RedlockGroup::with_holder));
+    /// `None` when it was not.
+    pub holder: Option<String>,
+}
+
+/// One reader of a read/write lease (a member of `B:r`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReaderHolder {
+    /// How long until it expires on the server's clock, unless renewed.
+    pub remaining: Duration,
+    /// The owner id its acquire drew.
+    pub owner: String,
+    /// Who holds it, as the handle that took it was told
+    /// ([`Lease::with_holder`](crate::Lease::with_holder)); `None` when it
+    /// was not.
+    pub holder: Option<String>,
 }
 
 /// What a deployment holds under one base key, as read by
-/// [`Coordinator::inspect`].
+/// [`Coordinator::inspect`], or at one lease key, as read by
+/// [`Coordinator::inspect_lease`].
+///
+/// The kind of lease that holds it: [`held_as`](Inspection::held_as) says
+/// exclusive, shared or counted; an exclusive holder with a
+/// [`fencing_token`](ExclusiveHolder::fencing_token) is a fenced lock or a
+/// writer, one without is a plain [`Lock`](crate::Lock) or a Redlock lock on
+/// this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Inspection {
@@ -58,8 +94,8 @@ pub struct Inspection {
     pub base: String,
     /// The holder of the exclusive key `B:w`, if any.
     pub exclusive: Option<ExclusiveHolder>,
-    /// The time left of each unexpired reader of `B:r`, soonest first.
-    pub readers: Vec<Duration>,
+    /// The unexpired readers of `B:r`, soonest to expire first.
+    pub readers: Vec<ReaderHolder>,
     /// How many writers wait with an unexpired intent in `B:q` (they hold
     /// new readers back).
     pub waiting_writers: u32,
@@ -100,7 +136,8 @@ impl Coordinator {
     /// [`semaphore`](Coordinator::semaphore); the prefix is applied): the
     /// exclusive holder of `B:w` with its token and time left, the unexpired
     /// readers and waiting writers, the last write token, the unexpired
-    /// permits, the stored capacity and the last permit token.
+    /// permits, the stored capacity and the last permit token; each holder
+    /// with its owner id and, where it records one, its holder's identity.
     ///
     /// Blocks for one pipelined round trip on the server that holds the base's
     /// slot, bounded by the node timeout (plus the connect timeout when a
@@ -198,23 +235,23 @@ impl Coordinator {
         let exclusive = holder(&values[1], &values[2], &w)?;
         let readers = unexpired(&values[3], &r)?
             .into_iter()
-            .map(|(_, left)| left)
+            .map(|(member, remaining)| {
+                let (owner, holder) = split_owner(&member);
+                ReaderHolder {
+                    remaining,
+                    owner: owner.to_owned(),
+                    holder,
+                }
+            })
             .collect();
         let waiting_writers = u32::try_from(unexpired(&values[4], &q)?.len()).unwrap_or(u32::MAX);
         let last_write_token = counter(&values[5], &fence)?;
         let mut holders = Vec::new();
         for (member, remaining) in unexpired(&values[6], &permits)? {
-            let mut parts = member.rsplitn(3, ':');
-            let token = parts.next().and_then(|t| t.parse().ok());
-            let slot = parts.next().and_then(|s| s.parse().ok());
-            let (Some(token), Some(slot)) = (token, slot) else {
+            let Some(permit) = parse_member(&member, remaining) else {
                 return Err(bad(&permits, "a member that is not owner:slot:token"));
             };
-            holders.push(PermitHolder {
-                slot,
-                fencing_token: FencingToken(token),
-                remaining,
-            });
+            holders.push(permit);
         }
         let meta_fields: Vec<Option<String>> =
             from(&values[7]).ok_or_else(|| bad(&meta, "not a semaphore hash"))?;
@@ -253,9 +290,16 @@ impl Coordinator {
     /// Redlock lock on this one node; with `fence_key`, also the last token
     /// the fenced lock's counter issued. The holder, if any, is in
     /// [`exclusive`](Inspection::exclusive) (a fencing token only for a
-    /// fenced lock's `owner:token` value), the last token in
+    /// fenced lock's `owner:token` value; its owner id, its holder's
+    /// identity when it records one, and its time left from the server's
+    /// `PTTL`), the last token in
     /// [`last_write_token`](Inspection::last_write_token); `base` is the
     /// lease key with the prefix, and the other fields are empty.
+    ///
+    /// A [`RedlockGroup`](crate::RedlockGroup)'s lock is one such key on each
+    /// node: [`RedlockGroup::inspect`](crate::RedlockGroup::inspect) reads
+    /// every node of a group and names the owner a quorum holds; this call
+    /// reads one node.
     ///
     /// Blocks for one pipelined round trip, as [`inspect`](Coordinator::inspect).
     ///
@@ -322,7 +366,11 @@ impl Coordinator {
 
 /// The holder of an exclusive key from its `GET` and `PTTL` replies: a
 /// fencing token when the value is `owner:token`.
-fn holder(value: &redis::Value, pttl: &redis::Value, key: &str) -> Result<Option<ExclusiveHolder>> {
+pub(crate) fn holder(
+    value: &redis::Value,
+    pttl: &redis::Value,
+    key: &str,
+) -> Result<Option<ExclusiveHolder>> {
     let bad = |problem: &str| Error::BadKey {
         key: key.to_owned(),
         problem: problem.to_owned(),
@@ -331,13 +379,23 @@ fn holder(value: &redis::Value, pttl: &redis::Value, key: &str) -> Result<Option
     let pttl: i64 = from(pttl).ok_or_else(|| bad("unexpected PTTL reply"))?;
     Ok(match (value, pttl) {
         (None, _) | (Some(_), -2) => None,
-        (Some(value), pttl) => Some(ExclusiveHolder {
-            fencing_token: value
-                .rsplit_once(':')
-                .and_then(|(_, t)| t.parse().ok())
-                .map(FencingToken),
-            remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
-        }),
+        (Some(value), pttl) => {
+            // `owner:token` for a fenced lease; an owner never holds a `:`.
+            let (owner, token) = match value.rsplit_once(':') {
+                Some((owner, t)) => match t.parse() {
+                    Ok(t) => (owner, Some(FencingToken(t))),
+                    Err(_) => (value.as_str(), None),
+                },
+                None => (value.as_str(), None),
+            };
+            let (owner, holder) = split_owner(owner);
+            Some(ExclusiveHolder {
+                fencing_token: token,
+                remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
+                owner: owner.to_owned(),
+                holder,
+            })
+        }
     })
 }
 

@@ -98,10 +98,10 @@ impl Lease<Plain> {
     pub fn with_fairness(self, fairness: Fairness) -> Result<Self> {
         let key = self.physical_keys()[0].clone();
         match fairness {
-            Fairness::Barging => Ok(Lease::new(
+            Fairness::Barging => Ok(self.keeping_holder(Lease::new(
                 self.deployment().clone(),
                 Arc::new(crate::lease::lock::PlainSpec::new(key)),
-            )),
+            ))),
             Fairness::Fifo { entry_ttl } => {
                 let dep = self.deployment();
                 if hash_tag(key.as_bytes()).len() == key.len() {
@@ -119,7 +119,7 @@ impl Lease<Plain> {
                     )));
                 }
                 let entry_ms = u64::try_from(entry_ttl.as_millis().max(1)).unwrap_or(u64::MAX);
-                Ok(Lease::new(
+                Ok(self.keeping_holder(Lease::new(
                     dep.clone(),
                     Arc::new(FifoSpec {
                         keys: [
@@ -129,7 +129,7 @@ impl Lease<Plain> {
                         ],
                         entry_ms,
                     }),
-                ))
+                )))
             }
         }
     }

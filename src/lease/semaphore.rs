@@ -31,7 +31,7 @@ use crate::lease::{busy, parse_token, unexpected_acquire};
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
 use crate::scripts::{self, Script};
-use crate::token::{FencingToken, OwnerToken};
+use crate::token::{FencingToken, OwnerToken, split_owner};
 
 /// The largest capacity a [`Semaphore`] accepts.
 const MAX_CAPACITY: u32 = 10_000;
@@ -93,8 +93,9 @@ pub type Semaphore = Lease<Slot>;
 /// never panics).
 pub type Permit = LeaseGuard<Slot>;
 
-/// One unexpired permit, as [`Semaphore::holders`](Lease::holders) reports it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// One unexpired permit, as [`Semaphore::holders`](Lease::holders) and
+/// [`Coordinator::inspect`](crate::Coordinator::inspect) report it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub struct PermitHolder {
     /// Its slot.
@@ -103,6 +104,11 @@ pub struct PermitHolder {
     pub fencing_token: FencingToken,
     /// How long until it expires, on the server's clock, unless renewed.
     pub remaining: Duration,
+    /// The owner id its acquire drew (random, one per acquire call).
+    pub owner: String,
+    /// Who holds it, as the handle that took it was told
+    /// ([`with_holder`](Lease::with_holder)); `None` when it was not.
+    pub holder: Option<String>,
 }
 
 impl Lease<Slot> {
@@ -385,14 +391,19 @@ fn capacity_mismatch(e: Error, keys: &[String; 3]) -> Error {
     bad_key_in(e, &[&keys[0], &keys[1], &keys[2]])
 }
 
-/// `owner:slot:token` → (slot, token).
-fn parse_member(member: &[u8]) -> Option<(u32, FencingToken)> {
-    let member = std::str::from_utf8(member).ok()?;
+/// `owner:slot:token` → the permit it names, with `remaining` to go.
+pub(crate) fn parse_member(member: &str, remaining: Duration) -> Option<PermitHolder> {
     let mut parts = member.rsplitn(3, ':');
     let token = parts.next()?.parse().ok()?;
     let slot = parts.next()?.parse().ok()?;
-    parts.next()?;
-    Some((slot, FencingToken(token)))
+    let (owner, holder) = split_owner(parts.next()?);
+    Some(PermitHolder {
+        slot,
+        fencing_token: FencingToken(token),
+        remaining,
+        owner: owner.to_owned(),
+        holder,
+    })
 }
 
 /// Reads `{capacity or -1, count, member, remaining_ms, …}`.
@@ -415,14 +426,10 @@ fn parse_status(reply: &[redis::Value]) -> Result<(Option<u32>, Vec<PermitHolder
     let holders = rest
         .chunks(2)
         .map(|pair| match pair {
-            [redis::Value::BulkString(m), redis::Value::Int(left)] => {
-                let (slot, fencing_token) = parse_member(m)?;
-                Some(PermitHolder {
-                    slot,
-                    fencing_token,
-                    remaining: Duration::from_millis(u64::try_from(*left).unwrap_or(0)),
-                })
-            }
+            [redis::Value::BulkString(m), redis::Value::Int(left)] => parse_member(
+                std::str::from_utf8(m).ok()?,
+                Duration::from_millis(u64::try_from(*left).unwrap_or(0)),
+            ),
             _ => None,
         })
         .collect::<Option<Vec<_>>>()
@@ -536,12 +543,20 @@ mod tests {
 
     #[test]
     fn members_and_status_replies_parse() {
+        let left = Duration::from_secs(1);
+        let permit = parse_member("0123abcd:7:100000000000000", left).unwrap();
         assert_eq!(
-            parse_member(b"0123abcd:7:100000000000000"),
-            Some((7, FencingToken(100_000_000_000_000)))
+            (permit.slot, permit.fencing_token, permit.owner.as_str()),
+            (7, FencingToken(100_000_000_000_000), "0123abcd")
         );
-        assert_eq!(parse_member(b"7:1"), None);
-        assert_eq!(parse_member(b"o:x:1"), None);
+        assert_eq!(permit.holder, None);
+        let named = parse_member("0123456789abcdef0123456789abcdef@host%3A1:2:3", left).unwrap();
+        assert_eq!(
+            (named.owner.as_str(), named.holder.as_deref()),
+            ("0123456789abcdef0123456789abcdef", Some("host:1"))
+        );
+        assert_eq!(parse_member("7:1", left), None);
+        assert_eq!(parse_member("o:x:1", left), None);
         use redis::Value::{BulkString, Int};
         let reply = [
             Int(3),

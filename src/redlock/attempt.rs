@@ -10,7 +10,7 @@ use crate::core::quorum::AcquireVerdict;
 use crate::core::redlock::{NodeLease, Op, acquired, validity};
 use crate::error::{Error, Result};
 use crate::report::{NodeOutcome, NodeReport};
-use crate::token::OwnerToken;
+use crate::token::{HolderTag, OwnerToken};
 
 /// Who reads the nodes' answers of an attempt that got the lock.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -27,6 +27,7 @@ impl Group {
         key: &str,
         ttl: Duration,
         evidence: Evidence,
+        holder: Option<&HolderTag>,
     ) -> Result<RedlockAttempt> {
         let ttl_ms = this.check_ttl(ttl)?;
         if key.is_empty() {
@@ -42,7 +43,7 @@ impl Group {
                 physical
             })
             .collect();
-        let owner = OwnerToken::new();
+        let owner = OwnerToken::held_by(holder);
         let lease = Arc::new(NodeLease::new(keys, owner.as_str().to_owned()));
         let targets = this.all();
         let sent = this.now();

@@ -8,7 +8,7 @@
 //! arithmetic is `core::quorum`, and each guard's bounds are a `core::lease`
 //! like every other lease's. Here: the group (`mod.rs`), its settings
 //! (`options.rs`), the fan-out and its evidence (`fanout.rs`), one attempt
-//! (`attempt.rs`), the guard and its renewal (`guard.rs`), the independence
+//! (`attempt.rs`), the reading of what the nodes hold (`inspect.rs`), the guard and its renewal (`guard.rs`), the independence
 //! checks (`independence.rs`) and the judgement of locks when a node goes away
 //! or restarts (`restarts.rs`).
 
@@ -17,6 +17,7 @@ mod family;
 mod fanout;
 mod guard;
 mod independence;
+mod inspect;
 mod options;
 mod restarts;
 mod worker;
@@ -31,10 +32,12 @@ use crate::conn::ConnConfig;
 use crate::coordinator::Coordinator;
 use crate::error::{Error, Result};
 use crate::observe::{Acquiring, Observer, Primitive};
+use crate::token::HolderTag;
 use worker::{Hello, NodeSettings, NodeWatcher, NodeWorker, OnNodeEvent, ROUND_TRIPS_PER_TIMEOUT};
 
 pub use attempt::RedlockAttempt;
 pub use guard::{RedlockGuard, RedlockKeepAlive};
+pub use inspect::{NodeInspection, RedlockInspection};
 pub use options::RedlockOptions;
 
 use attempt::Evidence;
@@ -254,6 +257,8 @@ pub(crate) use worker::{
 /// noticed only by the next command sent to the node).
 pub struct RedlockGroup {
     inner: Arc<Group>,
+    /// Who the locks it takes say holds them.
+    holder: Option<HolderTag>,
 }
 
 impl Clone for RedlockGroup {
@@ -261,6 +266,7 @@ impl Clone for RedlockGroup {
         self.inner.users.join();
         RedlockGroup {
             inner: self.inner.clone(),
+            holder: self.holder.clone(),
         }
     }
 }
@@ -302,6 +308,9 @@ impl Users {
 pub(crate) struct Group {
     /// Each node's key prefix.
     prefixes: Vec<String>,
+    /// Each node's connection settings, for inspections (which open
+    /// connections of their own).
+    configs: Vec<Arc<ConnConfig>>,
     workers: Vec<NodeWorker>,
     options: RedlockOptions,
     quorum: usize,
@@ -449,7 +458,30 @@ impl RedlockGroup {
     /// well below it (node timeout + drift must be under half the TTL).
     /// Contention and node failures are in the returned attempt.
     pub fn attempt(&self, key: &str, ttl: Duration) -> Result<RedlockAttempt> {
-        Group::attempt(&self.inner, key, ttl, Evidence::Both)
+        Group::attempt(&self.inner, key, ttl, Evidence::Both, self.holder.as_ref())
+    }
+
+    /// This group (a clone sharing its nodes and threads), whose locks record
+    /// `holder` as who holds them on every node: a name for people and tools
+    /// to read, such as `"host-a pid 4242"`. Stored in the lock's value after
+    /// its random owner id, as [`Lease::with_holder`](crate::Lease::with_holder)
+    /// stores it, and read by [`inspect`](RedlockGroup::inspect) (and on one
+    /// node by [`Coordinator::inspect_lease`](crate::Coordinator::inspect_lease)). No
+    /// command is added; put no secret in it. Nothing is sent.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty holder, one longer than
+    /// [`MAX_HOLDER_LEN`](crate::MAX_HOLDER_LEN) bytes or one with a control
+    /// character; the group is consumed and nothing else changes.
+    pub fn with_holder(mut self, holder: &str) -> Result<RedlockGroup> {
+        self.holder = Some(HolderTag::new(holder)?);
+        Ok(self)
+    }
+
+    /// The holder the locks this group takes record, if any; see
+    /// [`with_holder`](RedlockGroup::with_holder).
+    pub fn holder(&self) -> Option<&str> {
+        self.holder.as_ref().map(HolderTag::as_str)
     }
 
     /// One attempt. Blocks as [`attempt`](RedlockGroup::attempt) does: at most
@@ -493,7 +525,7 @@ impl RedlockGroup {
         ttl: Duration,
         seen: &mut Option<Acquiring<'_>>,
     ) -> Result<Option<RedlockGuard>> {
-        let result = Group::attempt(&self.inner, key, ttl, Evidence::Guard)
+        let result = Group::attempt(&self.inner, key, ttl, Evidence::Guard, self.holder.as_ref())
             .and_then(RedlockAttempt::into_result);
         if matches!(result, Ok(None)) {
             Acquiring::busy(seen, None);
@@ -718,8 +750,10 @@ impl Group {
         let quorum = workers.len() / 2 + 1;
         let n = workers.len();
         Ok(RedlockGroup {
+            holder: None,
             inner: Arc::new_cyclic(|this: &Weak<Group>| Group {
                 prefixes,
+                configs: cfgs.clone(),
                 workers,
                 options,
                 quorum,

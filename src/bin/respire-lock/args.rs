@@ -104,9 +104,17 @@ With --json, stdout always gets one object. On an error: key, error (the message
 and exit_code. Otherwise: key, base, held (bool), mode (\"free\" |
 \"exclusive\" | \"shared\" | \"counted\" | \"mixed\" | \"redlock\"), token (the exclusive
 holder's fencing token, or null), ttl_ms (the exclusive holder's remaining time, or
-null), readers, waiting_writers, permits (a list of {slot, token, ttl_ms}),
+null), holder (the exclusive holder's identity, or null), readers, waiting_writers,
+permits (a list of {slot, token, ttl_ms, owner, holder}), holders (every holder in
+every mode: {mode, owner, holder, ttl_ms, and token and slot where it has them}),
 capacity, last_token (the last exclusive token issued), last_permit_token; with
---redlock also nodes (how many answered) and held_on (how many hold it).";
+--redlock also nodes (how many answered) and held_on (how many hold it with one
+owner).
+
+Holder: who holds each lease, as it recorded itself: `run` records \"host pid N:
+program\" (this host's name, respire-lock's process id and CMD's program name) or
+its --holder; a program, what it gave Lease::with_holder. null when none was
+recorded.";
 
 const DOCTOR_AFTER_HELP: &str = "\
 Exits 0 when nothing failed, 1 when a check failed, 69 when Redis cannot be reached.
@@ -351,6 +359,14 @@ pub(crate) struct RunArgs {
     #[arg(long, env = "RESPIRE_LOCK_EVENTS_FILE", value_name = "PATH")]
     pub(crate) events_file: Option<std::path::PathBuf>,
 
+    /// Who holds the lease, as `status` shows it: at most 128 bytes, no control
+    /// characters, readable by anyone who can read the key (put no secret in
+    /// it). Defaults to this host's name, respire-lock's process id and CMD's
+    /// program name (not its arguments, which may carry secrets). Not for
+    /// `elect`, whose leader advertises --value.
+    #[arg(long, env = "RESPIRE_LOCK_HOLDER", value_name = "TEXT")]
+    pub(crate) holder: Option<String>,
+
     /// The name of the lease, shared by every process that takes it.
     #[arg(value_parser = parse_key)]
     pub(crate) key: String,
@@ -569,6 +585,32 @@ pub(crate) fn settle_run(
         }
         if !on_line.is_empty() {
             dropped.extend(from_env.iter().map(|o| o.0));
+        }
+    }
+    // The holder is checked here rather than by clap, whose message would
+    // repeat the value with its control characters as they are, and named
+    // by where it came from. Only `run` records one: a leader advertises
+    // --value, and --holder on elect's command line is refused.
+    if let Some(holder) = &args.holder {
+        let from_env = matches.value_source("holder") == Some(ValueSource::EnvVariable);
+        if subcommand != "run" {
+            if !from_env {
+                return Err(Usage::new(
+                    "--holder is for run: a leader advertises --value",
+                    Some(subcommand),
+                ));
+            }
+        } else if let Err(e) = respire_coordination::check_holder(holder) {
+            let why = match e {
+                respire_coordination::Error::InvalidArgument(why) => why,
+                other => other.to_string(),
+            };
+            let name = if from_env {
+                "RESPIRE_LOCK_HOLDER"
+            } else {
+                "--holder"
+            };
+            return Err(Usage::new(format!("{name}: {why}"), Some(subcommand)));
         }
     }
     for id in dropped {

@@ -113,12 +113,43 @@ pub(crate) fn elect_main(mut args: ElectArgs, matches: &ArgMatches) -> ExitCode 
 /// This host's name and this process's id, `host:pid`: what a leader
 /// advertises unless told otherwise.
 fn default_value() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+    format!("{}:{}", hostname(), std::process::id())
+}
+
+/// This host's name (`localhost` when it has none).
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_owned())
         .ok()
         .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "localhost".into());
-    format!("{host}:{}", std::process::id())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// Who holds a run's lease: `--holder`, or this host's name, this process's
+/// id and the command's program name, `host pid N: program`. Never the
+/// command's arguments (they may carry passwords or tokens, and anyone who
+/// can read the key reads this) nor anything of the URL. Control characters
+/// are replaced and the text cut to what a lease records.
+fn holder(args: &RunArgs) -> String {
+    if let Some(h) = &args.holder {
+        return h.clone();
+    }
+    let program = std::path::Path::new(&args.command[0])
+        .file_name()
+        .map_or_else(
+            || args.command[0].to_string_lossy(),
+            |n| n.to_string_lossy(),
+        )
+        .into_owned();
+    let text = format!("{} pid {}: {program}", hostname(), std::process::id());
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars().map(|c| if c.is_control() { '?' } else { c }) {
+        if out.len() + c.len_utf8() > respire_coordination::MAX_HOLDER_LEN {
+            break;
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// Checks everything before anything is sent, then runs `body` on the
@@ -255,6 +286,8 @@ impl Run<'_> {
             (false, Some(n)) => Mode::Counted(n),
             (false, None) => Mode::Exclusive,
         };
+        // Every lease of the run records who holds it.
+        let who = holder(args);
         let code = match mode {
             Mode::Exclusive | Mode::Shared => {
                 let rw = match coord.read_write_lease(&base) {
@@ -262,14 +295,22 @@ impl Run<'_> {
                     Err(e) => return self.report.error(EXIT_USAGE, &e.to_string()),
                 };
                 if mode == Mode::Exclusive {
-                    self.hold(&coord, mode, &rw.write(), |g| Grant {
+                    let lease = match rw.write().with_holder(&who) {
+                        Ok(l) => l,
+                        Err(e) => return self.report.error(EXIT_USAGE, &e.to_string()),
+                    };
+                    self.hold(&coord, mode, &lease, |g| Grant {
                         lease_key: g.key().to_owned(),
                         token: Some(g.fencing_token().get()),
                         write_epoch: None,
                         slot: None,
                     })
                 } else {
-                    self.hold(&coord, mode, &rw.read(), |g| Grant {
+                    let lease = match rw.read().with_holder(&who) {
+                        Ok(l) => l,
+                        Err(e) => return self.report.error(EXIT_USAGE, &e.to_string()),
+                    };
+                    self.hold(&coord, mode, &lease, |g| Grant {
                         lease_key: g.key().to_owned(),
                         token: None,
                         write_epoch: Some(g.write_epoch().get()),
@@ -278,7 +319,7 @@ impl Run<'_> {
                 }
             }
             Mode::Counted(n) => {
-                let sem = match coord.semaphore(&base, n) {
+                let sem = match coord.semaphore(&base, n).and_then(|s| s.with_holder(&who)) {
                     Ok(s) => s,
                     Err(e) => return self.report.error(EXIT_USAGE, &e.to_string()),
                 };
@@ -439,7 +480,9 @@ impl Run<'_> {
                 Err(e) => return self.report.error(EXIT_UNAVAILABLE, &e.to_string()),
             }
         }
-        let group = match RedlockGroup::new(nodes.clone(), options) {
+        let group = match RedlockGroup::new(nodes.clone(), options)
+            .and_then(|g| g.with_holder(&holder(args)))
+        {
             Ok(g) => g,
             Err(e) if endpoint::is_usage(&e) => {
                 return self.report.error(EXIT_USAGE, &e.to_string());

@@ -130,6 +130,14 @@ pub(crate) fn main(args: StatusArgs, matches: &clap::ArgMatches) -> ExitCode {
     ExitCode::from(if view.held() { HELD } else { FREE })
 }
 
+/// A holder's name as a sentence shows it.
+fn who(holder: Option<&str>) -> String {
+    match holder {
+        Some(h) => format!("holder {}", json::string(h)),
+        None => "no holder recorded".into(),
+    }
+}
+
 /// What `status` reads.
 enum Read {
     /// KEY's keys in the layout `run` uses.
@@ -166,11 +174,25 @@ impl<'a> View<'a> {
     }
 
     /// A Redlock group: held when a majority of all nodes hold the exclusive
-    /// key; the first holding node's view is shown.
+    /// key with one owner's value; a holding node of that owner's is shown.
     fn redlock(answers: &'a [Inspection], nodes: usize) -> View<'a> {
-        let holding: Vec<&Inspection> = answers.iter().filter(|i| i.exclusive.is_some()).collect();
-        let held = holding.len() * 2 > nodes;
-        let shown = if held { holding[0] } else { &answers[0] };
+        fn owner<'i>(i: &&'i Inspection) -> Option<&'i str> {
+            i.exclusive.as_ref().map(|x| x.owner.as_str())
+        }
+        let holding: Vec<&Inspection> = answers.iter().filter(|i| owner(i).is_some()).collect();
+        // The owner found on the most nodes.
+        let top = holding
+            .iter()
+            .max_by_key(|a| holding.iter().filter(|b| owner(b) == owner(a)).count())
+            .copied();
+        let same = top.map_or(0, |t| {
+            holding.iter().filter(|b| owner(b) == owner(&t)).count()
+        });
+        let held = same * 2 > nodes;
+        let shown = match top {
+            Some(t) if held => t,
+            _ => &answers[0],
+        };
         View {
             ins: shown,
             mode: if held {
@@ -178,7 +200,7 @@ impl<'a> View<'a> {
             } else {
                 View::single(shown).mode
             },
-            redlock: Some((answers.len(), holding.len(), nodes)),
+            redlock: Some((answers.len(), same, nodes)),
             counter_read: true,
         }
     }
@@ -205,7 +227,8 @@ impl<'a> View<'a> {
             "redlock" => {
                 let (answered, holding, nodes) = self.redlock.unwrap_or_default();
                 format!(
-                    "held by a Redlock run on {holding} of {nodes} nodes ({answered} answered), {}",
+                    "held by a Redlock run on {holding} of {nodes} nodes ({answered} answered), {}, {}",
+                    who(ins.exclusive.as_ref().and_then(|x| x.holder.as_deref())),
                     ttl(ins.exclusive.as_ref().and_then(|x| x.remaining))
                 )
             }
@@ -217,18 +240,24 @@ impl<'a> View<'a> {
                         .into(),
                 };
                 format!(
-                    "held exclusive by {holder}, {}",
+                    "held exclusive by {holder}, {}, {}",
+                    who(x.and_then(|x| x.holder.as_deref())),
                     ttl(x.and_then(|x| x.remaining))
                 )
             }
             "shared" => format!(
-                "held shared by {} holder(s), the last expires in {}{}",
+                "held shared by {} holder(s) ({}), the last expires in {}{}",
                 ins.readers.len(),
+                ins.readers
+                    .iter()
+                    .map(|r| who(r.holder.as_deref()))
+                    .collect::<Vec<_>>()
+                    .join("; "),
                 humantime::format_duration(Duration::from_millis(
                     ins.readers
                         .iter()
+                        .map(|r| r.remaining)
                         .max()
-                        .copied()
                         .unwrap_or_default()
                         .as_millis() as u64
                 )),
@@ -242,13 +271,20 @@ impl<'a> View<'a> {
                 let permits: Vec<String> = ins
                     .permits
                     .iter()
-                    .map(|p| format!("slot {} token {}", p.slot, p.fencing_token))
+                    .map(|p| {
+                        format!(
+                            "slot {} token {}, {}",
+                            p.slot,
+                            p.fencing_token,
+                            who(p.holder.as_deref())
+                        )
+                    })
                     .collect();
                 format!(
                     "held counted: {} of {} permit(s) ({})",
                     ins.permits.len(),
                     ins.capacity.map_or("?".into(), |c| c.to_string()),
-                    permits.join(", ")
+                    permits.join("; ")
                 )
             }
             _ => "held in several modes at once (keys written outside one layout)".into(),
@@ -269,8 +305,46 @@ impl<'a> View<'a> {
                 .num("slot", p.slot)
                 .num("token", p.fencing_token.get())
                 .num("ttl_ms", ms(p.remaining))
+                .str("owner", &p.owner)
+                .opt_str("holder", p.holder.as_deref())
                 .finish()
         });
+        // Every holder, whatever its mode, in one list.
+        let exclusive = x.map(|x| {
+            Object::new()
+                .str(
+                    "mode",
+                    if self.mode == "redlock" {
+                        "redlock"
+                    } else {
+                        "exclusive"
+                    },
+                )
+                .str("owner", &x.owner)
+                .opt_str("holder", x.holder.as_deref())
+                .opt_num("ttl_ms", x.remaining.map(ms))
+                .opt_num("token", x.fencing_token.map(|t| t.get()))
+                .finish()
+        });
+        let readers = ins.readers.iter().map(|r| {
+            Object::new()
+                .str("mode", "shared")
+                .str("owner", &r.owner)
+                .opt_str("holder", r.holder.as_deref())
+                .num("ttl_ms", ms(r.remaining))
+                .finish()
+        });
+        let counted = ins.permits.iter().map(|p| {
+            Object::new()
+                .str("mode", "counted")
+                .str("owner", &p.owner)
+                .opt_str("holder", p.holder.as_deref())
+                .num("ttl_ms", ms(p.remaining))
+                .num("token", p.fencing_token.get())
+                .num("slot", p.slot)
+                .finish()
+        });
+        let holders = json::array(exclusive.into_iter().chain(readers).chain(counted));
         let mut obj = Object::new()
             .str("key", key)
             .str("base", &ins.base)
@@ -278,9 +352,11 @@ impl<'a> View<'a> {
             .str("mode", self.mode)
             .opt_num("token", x.and_then(|x| x.fencing_token).map(|t| t.get()))
             .opt_num("ttl_ms", x.and_then(|x| x.remaining).map(ms))
+            .opt_str("holder", x.and_then(|x| x.holder.as_deref()))
             .num("readers", ins.readers.len() as u64)
             .num("waiting_writers", ins.waiting_writers)
             .raw("permits", &json::array(permits))
+            .raw("holders", &holders)
             .opt_num("capacity", ins.capacity)
             .opt_num("last_token", ins.last_write_token.map(|t| t.get()))
             .opt_num("last_permit_token", ins.last_permit_token.map(|t| t.get()));
