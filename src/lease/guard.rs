@@ -216,6 +216,12 @@ impl<K: Kind> LeaseGuard<K> {
     /// Sets the lease's expiry to `ttl` from now, if it is still held. Never
     /// re-creates a missing key.
     ///
+    /// A lease held as one string key (a lock's, a fenced lock's, a leader's,
+    /// a writer's) is extended without a script on a server that has `SET …
+    /// IFEQ … GET` (Valkey 8.1 and later, recognized when the connection is
+    /// made), and by the extension script elsewhere; both answer alike, and
+    /// keep-alive renewals take the same path.
+    ///
     /// Blocks for one round trip, after waiting (at most a node timeout) for an
     /// extension of this lease already in flight, such as a keep-alive renewal:
     /// extensions of one lease never overlap. When the deployment switched to
