@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use crate::plan::{Case, Figures, Sizes};
 use crate::stats::quantile;
-use crate::{handoff, idle, quorum_cases, single};
+use crate::{handoff, idle, quorum_cases, server_cpu, single};
 
 pub(crate) type Res<T> = Result<T, Box<dyn Error + Send + Sync>>;
 
@@ -42,10 +42,15 @@ pub(crate) fn main(args: &[String]) -> Res<()> {
     let [case, imp, rest @ ..] = args else {
         return Err("usage: respire-compare child CASE IMPL name=value...".into());
     };
-    let case = Case::parse(case).ok_or_else(|| format!("unknown case {case:?}"))?;
-    if case.find(imp).is_none() {
-        return Err(format!("case {} has no implementation {imp:?}", case.name()).into());
-    }
+    // `None`: an implementation of the server CPU case (`server_cpu`).
+    let case = match Case::parse(case) {
+        Some(case) if case.find(imp).is_none() => {
+            return Err(format!("case {} has no implementation {imp:?}", case.name()).into());
+        }
+        Some(case) => Some(case),
+        None if case == server_cpu::CASE => None,
+        None => return Err(format!("unknown case {case:?}").into()),
+    };
     let mut ctx = Ctx {
         urls: Vec::new(),
         slow_urls: Vec::new(),
@@ -67,11 +72,12 @@ pub(crate) fn main(args: &[String]) -> Res<()> {
         return Err("a child needs urls=5 URLs, slow-urls=5 URLs and a prefix".into());
     }
     let figures = match case {
-        Case::Single => single::run(imp, &ctx)?,
-        Case::Redlock => quorum_cases::run_local(imp, &ctx)?,
-        Case::Handoff => handoff::run(imp, &ctx)?,
-        Case::Slow => quorum_cases::run_slow(imp, &ctx)?,
-        Case::Idle => idle::run(imp, &ctx)?,
+        Some(Case::Single) => single::run(imp, &ctx)?,
+        Some(Case::Redlock) => quorum_cases::run_local(imp, &ctx)?,
+        Some(Case::Handoff) => handoff::run(imp, &ctx)?,
+        Some(Case::Slow) => quorum_cases::run_slow(imp, &ctx)?,
+        Some(Case::Idle) => idle::run(imp, &ctx)?,
+        None => server_cpu::child(imp, &ctx)?,
     };
     let line: Vec<String> = figures.iter().map(|(k, v)| format!("{k}={v}")).collect();
     println!("RESULT {}", line.join(" "));

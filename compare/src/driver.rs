@@ -31,11 +31,13 @@ pub(crate) struct Options {
     pub(crate) sizes: Sizes,
     pub(crate) quick: bool,
     pub(crate) cases: Vec<Case>,
+    /// Run case 6, the server's CPU per operation (`server_cpu`).
+    pub(crate) server_cpu: bool,
     markdown: Option<PathBuf>,
 }
 
 /// Pins every thread of process `pid` to the CPUs in `list`.
-fn pin(pid: u32, list: &str) -> Res<()> {
+pub(crate) fn pin(pid: u32, list: &str) -> Res<()> {
     let status = Command::new("taskset")
         .arg("-a")
         .arg("-pc")
@@ -52,9 +54,9 @@ fn pin(pid: u32, list: &str) -> Res<()> {
 }
 
 /// Starts children pinned to some CPUs.
-struct Launcher {
-    exe: PathBuf,
-    cpus: String,
+pub(crate) struct Launcher {
+    pub(crate) exe: PathBuf,
+    pub(crate) cpus: String,
 }
 
 impl Launcher {
@@ -71,6 +73,7 @@ fn parse(args: &[String]) -> Result<Options, String> {
         sizes: if quick { Sizes::quick() } else { Sizes::full() },
         quick,
         cases: Case::ALL.to_vec(),
+        server_cpu: true,
         markdown: None,
     };
     let mut it = args.iter();
@@ -90,8 +93,10 @@ fn parse(args: &[String]) -> Result<Options, String> {
         match name {
             "markdown" => options.markdown = Some(PathBuf::from(value)),
             "cases" => {
+                options.server_cpu = value.split(',').any(|c| c == crate::server_cpu::CASE);
                 options.cases = value
                     .split(',')
+                    .filter(|c| *c != crate::server_cpu::CASE)
                     .map(|c| Case::parse(c).ok_or_else(|| format!("unknown case {c:?}")))
                     .collect::<Result<_, _>>()?;
                 options.cases.sort();
@@ -153,8 +158,32 @@ pub(crate) struct RunInfo {
 
 pub(crate) fn main(args: &[String]) -> Res<()> {
     let options = parse(args)?;
-    let started = Instant::now();
     let cpus = thread::available_parallelism().map_or(1, |n| n.get());
+    let mut markdown = if options.cases.is_empty() {
+        String::new()
+    } else {
+        cases(&options, cpus)?
+    };
+    if options.server_cpu {
+        if !markdown.is_empty() {
+            markdown.push('\n');
+        }
+        markdown.push_str(&crate::server_cpu::run(
+            &options,
+            &std::env::current_exe()?,
+            cpus,
+        )?);
+    }
+    match &options.markdown {
+        Some(path) => std::fs::write(path, markdown)?,
+        None => print!("{markdown}"),
+    }
+    Ok(())
+}
+
+/// Runs cases 1 to 5 and renders their report.
+fn cases(options: &Options, cpus: usize) -> Res<String> {
+    let started = Instant::now();
     let servers: Vec<TestServer> = (0..5).map(|_| TestServer::start()).collect();
     let proxies: Vec<FaultProxy> = servers
         .iter()
@@ -269,13 +298,9 @@ pub(crate) fn main(args: &[String]) -> Res<()> {
         redis_version,
         cpus,
     };
-    let markdown = report::render(&options, &results, &info);
-    match &options.markdown {
-        Some(path) => std::fs::write(path, markdown)?,
-        None => print!("{markdown}"),
-    }
+    let markdown = report::render(options, &results, &info);
     eprintln!("done in {:.0} s", info.wall.as_secs_f64());
-    Ok(())
+    Ok(markdown)
 }
 
 /// The headline figures of a run, for the progress line.
@@ -330,7 +355,7 @@ fn lockstep_pair(
 }
 
 /// A running child: its stdin, its stdout lines as they come, its stderr.
-struct Stepper {
+pub(crate) struct Stepper {
     child: Option<Child>,
     stdin: Option<ChildStdin>,
     lines: Receiver<String>,
@@ -340,7 +365,7 @@ struct Stepper {
 }
 
 impl Stepper {
-    fn spawn(exe: &Launcher, args: &[String]) -> Stepper {
+    pub(crate) fn spawn(exe: &Launcher, args: &[String]) -> Stepper {
         let started = Instant::now();
         let (tx, lines) = crossbeam_channel::unbounded();
         let mut stepper = Stepper {
@@ -411,7 +436,7 @@ impl Stepper {
     }
 
     /// Writes `word` to the child's stdin; whether it could.
-    fn send(&mut self, word: &str) -> bool {
+    pub(crate) fn send(&mut self, word: &str) -> bool {
         if !self.alive() {
             return false;
         }
@@ -428,7 +453,7 @@ impl Stepper {
 
     /// Reads lines until `word`; marks the child failed if it ends first or
     /// `deadline` passes.
-    fn expect(&mut self, word: &str, deadline: Instant) {
+    pub(crate) fn expect(&mut self, word: &str, deadline: Instant) {
         while self.alive() {
             match self.lines.recv_deadline(deadline) {
                 Ok(line) if line == word => return,
@@ -441,7 +466,7 @@ impl Stepper {
 
     /// Waits for the child to end (killing it at the deadline) and returns
     /// what it gave.
-    fn finish(mut self) -> Run {
+    pub(crate) fn finish(mut self) -> Run {
         let deadline = self.started + CHILD_DEADLINE;
         drop(self.stdin.take());
         if let Some(mut child) = self.child.take() {
@@ -497,6 +522,11 @@ mod tests {
         assert_eq!(o.sizes.rounds, 3);
         assert_eq!(o.sizes.pairs, Sizes::quick().pairs);
         assert_eq!(o.cases, vec![Case::Single, Case::Idle]);
+        assert!(!o.server_cpu);
+        let o = parse(&args("--cases server-cpu")).unwrap();
+        assert!(o.cases.is_empty());
+        assert!(o.server_cpu);
+        assert!(parse(&args("")).unwrap().server_cpu);
     }
 
     #[test]

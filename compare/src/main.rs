@@ -4,7 +4,7 @@
 //! markdown: every figure as a ratio to its raw baseline from the same round.
 //!
 //! ```text
-//! respire-compare [--quick] [--rounds N] [--cases single,redlock,handoff,slow,idle]
+//! respire-compare [--quick] [--rounds N] [--cases single,redlock,handoff,slow,idle,server-cpu]
 //!                 [--pairs N] [--redlock-pairs N] [--redlock-node-timeout-ms N]
 //!                 [--contenders N] [--handoff-ms N] [--hold-ms N]
 //!                 [--slow-attempts N] [--waiters N] [--idle-ms N]
@@ -31,6 +31,7 @@ mod plan;
 mod quorum;
 mod quorum_cases;
 mod report;
+mod server_cpu;
 mod single;
 mod stats;
 mod tracking;

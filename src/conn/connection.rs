@@ -23,7 +23,8 @@ impl ConnConfig {
     /// (`CLIENT SETNAME`, best effort, so `CLIENT LIST` shows what it is for)
     /// and learns what the server knows of it (`CLIENT ID`, and `CLIENT INFO`
     /// for its address from Redis 6.2 on: see [`Identity`]), so that a command
-    /// left without a reply can be fenced off by killing it. Scripts are not loaded here (`SCRIPT
+    /// left without a reply can be fenced off by killing it, and which server
+    /// it is (`HELLO`: see [`Conn::has_set_ifeq`]). Scripts are not loaded here (`SCRIPT
     /// LOAD` waits out a `CLIENT PAUSE WRITE`, as during a failover): the first
     /// use of one on a server that lacks it sends it within the same deadline.
     pub(crate) fn connect(&self, budget: Duration, name: &str) -> Result<Conn> {
@@ -76,6 +77,7 @@ impl ConnConfig {
             track: false,
             replicas: None,
             fresh: true,
+            set_ifeq: false,
             uncached: Vec::new(),
             attachment: None,
             clock: self.clock.clone(),
@@ -90,6 +92,9 @@ impl ConnConfig {
         // Beside `CLIENT ID` rather than in its place: a server older than
         // 6.2 (or an ACL that allows only `CLIENT ID`) still gives the id.
         pipe.cmd("CLIENT").arg("INFO");
+        // Without a protocol version it switches nothing; refused (an ACL, a
+        // server that is not Redis), the connection uses the scripts alone.
+        pipe.cmd("HELLO");
         let ask_role = self.role != RoleCheck::None;
         if ask_role {
             pipe.cmd("ROLE");
@@ -136,6 +141,7 @@ impl ConnConfig {
         };
         let info = values.next();
         conn.identity = id.map(|id| Identity::of(id, info.as_ref()));
+        conn.set_ifeq = has_set_ifeq(values.next().as_ref());
         if ask_role {
             match values.next().map(|v| sentinel::parse_role(&v)) {
                 Some(sentinel::Role::Primary { replicas }) => conn.replicas = Some(replicas),
@@ -230,6 +236,8 @@ pub(crate) struct Conn {
     replicas: Option<u32>,
     /// Not yet returned to a pool: just opened.
     pub(super) fresh: bool,
+    /// The server has `SET … IFEQ … GET` (see [`Conn::has_set_ifeq`]).
+    set_ifeq: bool,
     /// SHA1s of scripts the server is known to lack: sent with EVAL at once.
     uncached: Vec<String>,
     /// State a higher layer keeps with this connection and drops with it (the
@@ -268,6 +276,15 @@ impl Conn {
     /// Whether a transport failure made this connection unusable.
     pub(crate) fn is_broken(&self) -> bool {
         self.broken || !self.inner.is_open()
+    }
+
+    /// Whether the server has `SET key value IFEQ old … GET` — Valkey 8.1
+    /// and later, which `HELLO` named when the connection was made —, the
+    /// compare-and-set that extends a lease held as a string value without a
+    /// script. Redis 8.4 has the option too, but no server of it has run this
+    /// crate's tests, so it gets the scripts.
+    pub(crate) fn has_set_ifeq(&self) -> bool {
+        self.set_ifeq
     }
 
     /// The server's id for this connection, if known.
@@ -611,6 +628,37 @@ impl Conn {
         unreachable!("the second pass sends EVAL and returns")
     }
 
+    /// Runs one command as [`Conn::script`] runs a script (after `ASKING` or
+    /// `CLIENT CACHING yes`, before `WAIT`, when asked for), finishing by
+    /// `deadline`, and reads its reply with `read`. An error reply that `read`
+    /// does not take is an error, as a script's is; any other reply it does
+    /// not take is [`Error::UnexpectedReply`].
+    pub(crate) fn command<T>(
+        &mut self,
+        cmd: &redis::Cmd,
+        op: &'static str,
+        deadline: Instant,
+        read: impl FnOnce(&redis::Value) -> Option<T>,
+    ) -> Result<T> {
+        let mut pipe = redis::pipe();
+        pipe.add_command(cmd.clone());
+        let timeout = self.left(deadline);
+        let reply = self
+            .pipeline(&pipe, op, deadline)?
+            .pop()
+            .unwrap_or(redis::Value::Nil);
+        if let Some(value) = read(&reply) {
+            return Ok(value);
+        }
+        match reply {
+            redis::Value::ServerError(e) => Err(self.fail(redis::RedisError::from(e), op, timeout)),
+            other => Err(Error::UnexpectedReply {
+                op,
+                reply: format!("{other:?}"),
+            }),
+        }
+    }
+
     /// Gives the raw connection for pub/sub use.
     pub(crate) fn raw(&mut self) -> &mut redis::Connection {
         &mut self.inner
@@ -707,6 +755,41 @@ impl Subscriber<'_> {
     }
 }
 
+/// Whether a `HELLO` reply names a server with `SET … IFEQ … GET`: Valkey
+/// 8.1 or later. (Valkey reports `redis_version` 7.2.4 in `INFO` for clients
+/// that look for features by it; `HELLO` gives its own name and version.)
+fn has_set_ifeq(hello: Option<&redis::Value>) -> bool {
+    let text = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        redis::Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    };
+    let field = |name: &str| -> Option<String> {
+        match hello? {
+            redis::Value::Map(pairs) => pairs
+                .iter()
+                .find(|(k, _)| text(k).as_deref() == Some(name))
+                .and_then(|(_, v)| text(v)),
+            redis::Value::Array(items) => items
+                .chunks_exact(2)
+                .find(|pair| text(&pair[0]).as_deref() == Some(name))
+                .and_then(|pair| text(&pair[1])),
+            _ => None,
+        }
+    };
+    if field("server").as_deref() != Some("valkey") {
+        return false;
+    }
+    let Some(version) = field("version") else {
+        return false;
+    };
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().ok());
+    match (parts.next().flatten(), parts.next().flatten()) {
+        (Some(major), Some(minor)) => (major, minor) >= (8, 1),
+        _ => false,
+    }
+}
+
 /// A `WAIT` to pipeline after the next script.
 #[derive(Clone, Copy, Debug)]
 struct WaitAfter {
@@ -779,6 +862,41 @@ mod tests {
             text: line.into(),
         };
         assert_eq!(words(&Identity::of(7, Some(&resp3)).kill_cmd()), by_addr);
+    }
+
+    #[test]
+    fn set_ifeq_is_valkey_8_1_or_later_by_the_name_and_version_hello_gives() {
+        let resp2 = |server: &str, version: &str| {
+            let words = ["server", server, "version", version, "proto", "2"];
+            redis::Value::Array(
+                words
+                    .iter()
+                    .map(|w| redis::Value::BulkString(w.as_bytes().to_vec()))
+                    .collect(),
+            )
+        };
+        let resp3 = |server: &str, version: &str| {
+            let pair = |k: &str, v: &str| {
+                (
+                    redis::Value::BulkString(k.as_bytes().to_vec()),
+                    redis::Value::BulkString(v.as_bytes().to_vec()),
+                )
+            };
+            redis::Value::Map(vec![pair("server", server), pair("version", version)])
+        };
+        for reply in [resp2, resp3] {
+            assert!(has_set_ifeq(Some(&reply("valkey", "8.1.8"))));
+            assert!(has_set_ifeq(Some(&reply("valkey", "8.10.0"))));
+            assert!(has_set_ifeq(Some(&reply("valkey", "9.0.0"))));
+            assert!(!has_set_ifeq(Some(&reply("valkey", "8.0.4"))));
+            assert!(!has_set_ifeq(Some(&reply("valkey", "7.2.9"))));
+            assert!(!has_set_ifeq(Some(&reply("valkey", "nine"))));
+            assert!(!has_set_ifeq(Some(&reply("redis", "8.4.0"))));
+            assert!(!has_set_ifeq(Some(&reply("redis", "7.0.15"))));
+        }
+        let refused = redis::parse_redis_value(b"-NOPERM no permissions\r\n").unwrap();
+        assert!(!has_set_ifeq(Some(&refused)));
+        assert!(!has_set_ifeq(None));
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crossbeam_channel::Receiver;
 
-use crate::conn::Connect;
+use crate::conn::{Conn, Connect};
 use crate::core::executor::ExtendReply;
 use crate::core::extend::{ResetDone, ResetExpiry, ResetStep};
 use crate::core::lease::{Loss, Verdict};
@@ -212,6 +212,12 @@ impl<K: Kind> LeaseGuard<K> {
     /// Sets the lease's expiry to `ttl` from now, if it is still held. Never
     /// re-creates a missing key.
     ///
+    /// A lease held as one string key (a lock's, a fenced lock's, a leader's,
+    /// a writer's) is extended without a script on a server that has `SET …
+    /// IFEQ … GET` (Valkey 8.1 and later, recognized when the connection is
+    /// made), and by the extension script elsewhere; both answer alike, and
+    /// keep-alive renewals take the same path.
+    ///
     /// Blocks for one round trip, after waiting (at most a node timeout) for an
     /// extension of this lease already in flight, such as a keep-alive renewal:
     /// extensions of one lease never overlap. When the deployment switched to
@@ -249,6 +255,7 @@ impl<K: Kind> LeaseGuard<K> {
         let ops = self.cell.extra();
         let (keys, args) = ops.extend_args(reset.ttl().as_millis() as u64);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let ifeq_cmd = ops.set_ifeq_cmd(reset.ttl().as_millis() as u64);
         let mut step = reset.claim(&self.cell, now);
         // The last reply, for an unreadable one's report.
         let mut code = 0;
@@ -311,16 +318,36 @@ impl<K: Kind> LeaseGuard<K> {
                         if answered || !self.cell.dispatched(ticket, conn.server_id()) {
                             return Ok(None);
                         }
-                        if let Some((replicas, timeout)) = acks {
-                            conn.wait_after_next(replicas, timeout, false);
-                        }
-                        let reply = conn.script(
-                            ops.extend_script(),
-                            &keys,
-                            &args,
-                            "reset expiry",
-                            deadline,
-                        );
+                        let asking = conn.is_asking();
+                        let arm = |conn: &mut Conn| {
+                            if asking {
+                                conn.ask_next();
+                            }
+                            if let Some((replicas, timeout)) = acks {
+                                conn.wait_after_next(replicas, timeout, false);
+                            }
+                        };
+                        // Without the script where the server can (see
+                        // `Ops::set_ifeq_cmd`); refused for want of memory,
+                        // as the script.
+                        let by_set = ifeq_cmd.as_ref().filter(|_| conn.has_set_ifeq());
+                        let set = by_set.map(|cmd| {
+                            arm(conn);
+                            conn.command(cmd, "reset expiry", deadline, |v| ops.set_ifeq_code(v))
+                        });
+                        let reply = match set {
+                            Some(reply) if !reply.as_ref().is_err_and(is_oom) => reply,
+                            _ => {
+                                arm(conn);
+                                conn.script(
+                                    ops.extend_script(),
+                                    &keys,
+                                    &args,
+                                    "reset expiry",
+                                    deadline,
+                                )
+                            }
+                        };
                         answered = reply.is_ok();
                         acked = conn.take_waited();
                         reply.map(Some)
@@ -601,6 +628,11 @@ impl fmt::Debug for KeepAlive<'_> {
             .field("lost", &self.is_lost())
             .finish()
     }
+}
+
+/// A refusal for want of memory (`maxmemory` reached under `noeviction`).
+fn is_oom(e: &Error) -> bool {
+    matches!(e, Error::Server { source, .. } if source.code() == Some("OOM"))
 }
 
 #[cfg(test)]

@@ -649,14 +649,18 @@ impl Executor {
             return;
         }
         // The server's `TIME` first: the renewals after it run on the clock
-        // it reads (see `read_clock`).
+        // it reads (see `read_clock`). A server with `SET … IFEQ` extends a
+        // lease held as a string value without the script (`by_set`).
+        let ifeq = self.conn.as_ref().is_some_and(Conn::has_set_ifeq);
+        let mut by_set = Vec::with_capacity(renewal.items.len());
         let cmds: Vec<redis::Cmd> = std::iter::once(redis::cmd("TIME"))
-            .chain(
-                renewal
-                    .items
-                    .iter()
-                    .map(|(lease, _, ttl)| lease.extra().extend_cmd(ttl_ms(*ttl))),
-            )
+            .chain(renewal.items.iter().map(|(lease, _, ttl)| {
+                let set = ifeq
+                    .then(|| lease.extra().set_ifeq_cmd(ttl_ms(*ttl)))
+                    .flatten();
+                by_set.push(set.is_some());
+                set.unwrap_or_else(|| lease.extra().extend_cmd(ttl_ms(*ttl)))
+            }))
             .collect();
         let conn_id = self.conn.as_ref().and_then(Conn::identity).cloned();
         // How many replicas acknowledged each renewal's write (`None`: no
@@ -673,12 +677,13 @@ impl Executor {
         let first = self.take_acked(acks);
         acked.iter_mut().for_each(|a| *a = first);
         // A server that lost the script (restarted, SCRIPT FLUSH) gets it with
-        // EVAL for those leases, in the time left.
+        // EVAL for those leases, in the time left; so does one that refused
+        // `SET` for want of memory (the script's `PEXPIRE` is allowed then).
         if let Ok(values) = &mut reply {
             let missing: Vec<usize> = values
                 .iter()
                 .enumerate()
-                .filter(|(_, v)| is_code(v, "NOSCRIPT"))
+                .filter(|(i, v)| is_code(v, "NOSCRIPT") || (by_set[*i] && is_code(v, "OOM")))
                 .map(|(i, _)| i)
                 .collect();
             if !missing.is_empty() {
@@ -697,9 +702,23 @@ impl Executor {
                         for (i, v) in missing.into_iter().zip(evals) {
                             values[i] = v;
                             acked[i] = second;
+                            by_set[i] = false;
                         }
                     }
                     Err(e) => reply = Err(e),
+                }
+            }
+        }
+        // What `SET … IFEQ … GET` answered, read as the script's reply.
+        if let Ok(values) = &mut reply {
+            for ((value, (lease, _, _)), _) in values
+                .iter_mut()
+                .zip(&renewal.items)
+                .zip(&by_set)
+                .filter(|(_, set)| **set)
+            {
+                if let Some(code) = lease.extra().set_ifeq_code(value) {
+                    *value = redis::Value::Int(code);
                 }
             }
         }

@@ -136,6 +136,50 @@ impl Ops {
         self.extend_script().evalsha(&keys, &args)
     }
 
+    /// The extension without a script, for a server that has `SET … IFEQ`
+    /// ([`Conn::has_set_ifeq`](crate::conn::Conn::has_set_ifeq)): `SET key
+    /// value IFEQ value PX ttl GET` sets the value the key holds, and the
+    /// expiry, only if the key holds this lease's value, and never creates
+    /// it; `GET` returns what the key held, which tells apart the outcomes
+    /// the script's reply names ([`Ops::set_ifeq_code`]). Only a lease held as
+    /// a string value has one (`None` for another shape).
+    ///
+    /// One difference from the script: `SET` is refused with `OOM` on a
+    /// server at its `maxmemory` under `noeviction`, where the script's
+    /// `PEXPIRE` is not; a refused one goes again as the script.
+    pub(crate) fn set_ifeq_cmd(&self, ttl_ms: u64) -> Option<redis::Cmd> {
+        match self.shape {
+            Shape::StringValue => {
+                let mut cmd = redis::cmd("SET");
+                cmd.arg(&self.keys[0])
+                    .arg(&self.member)
+                    .arg("IFEQ")
+                    .arg(&self.member)
+                    .arg("PX")
+                    .arg(ttl_ms)
+                    .arg("GET");
+                Some(cmd)
+            }
+            Shape::Member { .. } => None,
+        }
+    }
+
+    /// The reply to [`Ops::set_ifeq_cmd`] as the extension script's code: 1
+    /// extended (the key held this lease's value), 0 gone (it held nothing),
+    /// −1 someone else's (another value, or a key of another type:
+    /// `WRONGTYPE`), and 2, unreadable, for any other reply that is not an
+    /// error. `None` for any other error reply: it did not run.
+    pub(crate) fn set_ifeq_code(&self, reply: &redis::Value) -> Option<i64> {
+        match reply {
+            redis::Value::Nil => Some(0),
+            redis::Value::BulkString(held) if *held == self.member.as_bytes() => Some(1),
+            redis::Value::BulkString(_) => Some(-1),
+            redis::Value::ServerError(e) if e.code() == "WRONGTYPE" => Some(-1),
+            redis::Value::ServerError(_) => None,
+            _ => Some(2),
+        }
+    }
+
     /// The same extension as `EVAL`, for a server that lost the script.
     pub(crate) fn extend_eval(&self, ttl_ms: u64) -> redis::Cmd {
         let (keys, args) = self.extend_args(ttl_ms);
@@ -274,5 +318,47 @@ impl Renewal {
         if !done.is_empty() {
             self.reply(Completed(done));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_set_ifeq_reply_reads_as_the_extension_scripts() {
+        let ops = Ops::string_value("k", "owner:1".into());
+        let bulk = |s: &str| redis::Value::BulkString(s.as_bytes().to_vec());
+        let error = |line: &[u8]| redis::parse_redis_value(line).unwrap();
+        assert_eq!(ops.set_ifeq_code(&bulk("owner:1")), Some(1));
+        assert_eq!(ops.set_ifeq_code(&redis::Value::Nil), Some(0));
+        assert_eq!(ops.set_ifeq_code(&bulk("owner:2")), Some(-1));
+        assert_eq!(ops.set_ifeq_code(&bulk("owner:1x")), Some(-1));
+        let wrong_type = error(b"-WRONGTYPE Operation against a key holding the wrong kind\r\n");
+        assert_eq!(ops.set_ifeq_code(&wrong_type), Some(-1));
+        assert_eq!(ops.set_ifeq_code(&redis::Value::Okay), Some(2));
+        assert_eq!(ops.set_ifeq_code(&redis::Value::Int(1)), Some(2));
+        for refused in [
+            &b"-OOM command not allowed\r\n"[..],
+            b"-MOVED 3999 127.0.0.1:7001\r\n",
+            b"-READONLY You can't write against a read only replica.\r\n",
+        ] {
+            assert_eq!(ops.set_ifeq_code(&error(refused)), None);
+        }
+        let words: Vec<String> = ops
+            .set_ifeq_cmd(1_500)
+            .unwrap()
+            .args_iter()
+            .map(|a| match a {
+                redis::Arg::Simple(b) => String::from_utf8_lossy(b).into_owned(),
+                _ => String::new(),
+            })
+            .collect();
+        assert_eq!(
+            words,
+            [
+                "SET", "k", "owner:1", "IFEQ", "owner:1", "PX", "1500", "GET"
+            ]
+        );
     }
 }
