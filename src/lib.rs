@@ -523,9 +523,14 @@ mod replication;
 mod report;
 mod runtime;
 mod scripts;
-#[cfg(test)]
+// The model server behind `fake`; the simulation around it is test-only.
+#[cfg(any(test, feature = "test-util"))]
 mod sim;
 mod token;
+
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub mod fake;
 
 pub use cancel::CancelToken;
 pub use conn::Protocol;

@@ -1,0 +1,175 @@
+//! The fake deployment (`test-util`), used as a user's test would, from the
+//! public API: a lease cut short by the fake's clock, a failover to a replica
+//! that missed an extension, a grant whose reply never came. Each runs in
+//! well under a second; each prints its wall time.
+//!
+//! The oracle is the fake's own data, read on a raw `redis` connection of the
+//! test's (`PTTL`, `GET`), never the guard's estimate.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use respire_coordination::fake::FakeDeployment;
+use respire_coordination::{Coordinator, Observer, RenewalEvent};
+use support::wait_until;
+
+const NODE_TIMEOUT: Duration = Duration::from_millis(50);
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn raw(url: &str) -> redis::Connection {
+    redis::Client::open(url)
+        .and_then(|c| c.get_connection())
+        .expect("a raw connection to the fake")
+}
+
+fn pttl(conn: &mut redis::Connection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query(conn).expect("PTTL")
+}
+
+/// Confirmed renewals, counted.
+#[derive(Default)]
+struct Renewals(AtomicUsize);
+
+impl Observer for Renewals {
+    fn renewed(&self, _: &RenewalEvent<'_>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Looks at the fake's `PTTL` of `key`, then at `lost`, until `lost` says
+/// so: the fake must not have let the key go (`PTTL` 0 is its last
+/// millisecond, -2 gone) before the guard was flagged. Returns the `PTTL`
+/// read just before the flag was seen.
+fn flagged_before_the_fake_lets_go(
+    conn: &mut redis::Connection,
+    key: &str,
+    lost: impl Fn() -> bool,
+    what: &str,
+) -> i64 {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let left = pttl(conn, key);
+        let flagged = lost();
+        assert!(
+            left > 0 || flagged,
+            "{what}: the fake let the lease go (PTTL {left}) while the guard held it"
+        );
+        if flagged {
+            return left;
+        }
+        assert!(Instant::now() < deadline, "{what}: never flagged lost");
+    }
+}
+
+#[test]
+fn a_lease_cut_short_by_the_fakes_clock_is_flagged_before_the_fake_lets_it_go() {
+    let started = Instant::now();
+    let fake = FakeDeployment::start().unwrap();
+    let renewals = Arc::new(Renewals::default());
+    let coord = Coordinator::builder(fake.url())
+        .node_timeout(NODE_TIMEOUT)
+        .observer(renewals.clone())
+        .build()
+        .unwrap();
+    // One lease nobody renews, and a short kept-alive one whose renewals
+    // read the fake's TIME.
+    let held_lock = coord.lock("held").unwrap();
+    let held = held_lock.try_acquire(ms(2_000)).unwrap().expect("free");
+    let short_lock = coord.lock("short").unwrap();
+    let short = short_lock.try_acquire(ms(300)).unwrap().expect("free");
+    let _renewal = short.keep_alive().unwrap();
+    wait_until(ms(2_000), "two renewals", || {
+        renewals.0.load(Ordering::SeqCst) >= 2
+    });
+    let mut conn = raw(&fake.primary_url());
+    let before = pttl(&mut conn, held.key());
+    fake.advance_clock(ms(1_500));
+    let after = pttl(&mut conn, held.key());
+    assert!(
+        after > 0 && after <= before - 1_500,
+        "the step left {after} ms of {before}"
+    );
+    assert!(!held.is_lost(), "flagged before any renewal read the clock");
+    let left =
+        flagged_before_the_fake_lets_go(&mut conn, held.key(), || held.is_lost(), "clock step");
+    println!(
+        "clock step: flagged with {left} ms left on the fake; wall time {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_failover_to_a_replica_that_missed_an_extension_is_flagged() {
+    let started = Instant::now();
+    let fake = FakeDeployment::start_sentinel("jobs").unwrap();
+    let coord = Coordinator::builder(fake.url())
+        .node_timeout(NODE_TIMEOUT)
+        .topology_refresh(ms(100))
+        .build()
+        .unwrap();
+    let lock = coord.fenced_lock("{f}:lease", "{f}:fence").unwrap();
+    let guard = lock.try_acquire(ms(700)).unwrap().expect("free");
+    // The replica stops applying writes: the extension reaches the primary
+    // alone.
+    fake.hold_replication();
+    assert!(guard.reset_expiry(ms(10_000)).unwrap());
+    assert!(fake.replication_lag() > 0, "the extension is not held back");
+    assert!(guard.remaining_estimate() > ms(9_000));
+    fake.fail_over();
+    let mut conn = raw(&fake.primary_url());
+    let left = pttl(&mut conn, guard.key());
+    assert!(
+        left > 0 && left <= 700,
+        "the new primary has {left} ms of the lease: it did not miss the extension"
+    );
+    let left =
+        flagged_before_the_fake_lets_go(&mut conn, guard.key(), || guard.is_lost(), "failover");
+    println!(
+        "failover: flagged with {left} ms left on the new primary; wall time {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_grant_whose_reply_was_dropped_leaves_no_lease_behind() {
+    let started = Instant::now();
+    let fake = FakeDeployment::start().unwrap();
+    let coord = Coordinator::builder(fake.url())
+        .node_timeout(NODE_TIMEOUT)
+        .build()
+        .unwrap();
+    let lock = coord.fenced_lock("{d}:lease", "{d}:fence").unwrap();
+    let mut conn = raw(&fake.primary_url());
+    let key = format!("{}{{d}}:lease", coord.key_prefix());
+    let fence = format!("{}{{d}}:fence", coord.key_prefix());
+    // A first grant and release: the fake has the scripts, so the attempt
+    // below runs its grant rather than being told NOSCRIPT.
+    let first = lock.try_acquire(ms(1_000)).unwrap().expect("free");
+    first.release().unwrap();
+    fake.drop_replies(1);
+    let attempt = lock.try_acquire(ms(30_000));
+    assert!(
+        !matches!(attempt, Ok(Some(_))),
+        "granted without a reply: {attempt:?}"
+    );
+    // The script ran: the counter moved; the lease it granted is deleted by
+    // the clean-up, long before its 30 s would end it.
+    let token: Option<u64> = redis::cmd("GET").arg(&fence).query(&mut conn).unwrap();
+    assert_eq!(token, Some(2), "the grant never ran on the fake");
+    wait_until(ms(2_000), "the unanswered grant cleaned up", || {
+        pttl(&mut conn, &key) == -2
+    });
+    // And the key is free to the next holder.
+    let next = lock.try_acquire(ms(1_000)).unwrap().expect("free again");
+    assert!(next.fencing_token().get() > 2);
+    println!(
+        "dropped reply: {attempt:?}, cleaned up; wall time {:?}",
+        started.elapsed()
+    );
+}
