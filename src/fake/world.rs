@@ -73,6 +73,8 @@ struct Conn {
     /// `CLIENT CACHING yes` was the last command (`OPTIN` tracking).
     caching: bool,
     subscribed: BTreeSet<Vec<u8>>,
+    /// The commands queued since `MULTI`.
+    multi: Option<Vec<Vec<Vec<u8>>>>,
     /// A reply it was sent was dropped: it hears nothing more, and its
     /// commands are not run (a connection cut the client has not noticed).
     mute: bool,
@@ -153,6 +155,8 @@ fn touches_keys(name: &str) -> bool {
             | "asking"
             | "readonly"
             | "readwrite"
+            | "multi"
+            | "discard"
     )
 }
 
@@ -380,6 +384,7 @@ impl World {
                 tracking: None,
                 caching: false,
                 subscribed: BTreeSet::new(),
+                multi: None,
                 mute: false,
                 outbox: VecDeque::new(),
             },
@@ -551,7 +556,27 @@ impl World {
                  QUIT / RESET are allowed in this context"
             )));
         }
+        if let Some(queued) = c.multi.as_mut() {
+            match name {
+                "exec" => return self.exec(conn, out),
+                "discard" => {
+                    c.multi = None;
+                    return Some(ok());
+                }
+                "multi" => return Some(error("ERR MULTI calls can not be nested")),
+                _ => {
+                    queued.push(argv.to_vec());
+                    return Some(Reply::Status("QUEUED".to_owned()));
+                }
+            }
+        }
         match name {
+            "multi" => {
+                c.multi = Some(Vec::new());
+                return Some(ok());
+            }
+            "exec" => return Some(error("ERR EXEC without MULTI")),
+            "discard" => return Some(error("ERR DISCARD without MULTI")),
             "hello" => return self.hello(conn, argv, out),
             "client" => return Some(self.client(conn, argv)),
             "select" => {
@@ -609,6 +634,27 @@ impl World {
             }
         }
         Some(reply)
+    }
+
+    /// `EXEC`: the queued commands one after another, nothing between them
+    /// (the thread runs nothing else meanwhile), their replies in one array.
+    fn exec(&mut self, conn: u64, out: &mut Vec<u8>) -> Option<Reply> {
+        let queued = self.conns.get_mut(&conn)?.multi.take()?;
+        let mut replies = Vec::new();
+        for argv in &queued {
+            let name = lower(&argv[0]);
+            let mut written = Vec::new();
+            if let Some(reply) = self.dispatch(conn, &name, argv, &mut written) {
+                let resp3 = self.conns.get(&conn).is_some_and(|c| c.resp3);
+                resp::encode(&mut written, &reply, resp3);
+            }
+            replies.push(written);
+        }
+        resp::aggregate(out, b'*', replies.len());
+        for reply in replies {
+            out.extend_from_slice(&reply);
+        }
+        None
     }
 
     fn hello(&mut self, conn: u64, argv: &[Vec<u8>], out: &mut Vec<u8>) -> Option<Reply> {

@@ -1,0 +1,419 @@
+//! One contract, three deployments: every case here runs against the fake
+//! deployment (`test-util`, `on_the_fake::*`) and against a real server
+//! (`on_the_server::*`: `redis-server` 7.0, or `valkey-server` 8.1 with
+//! `RESPIRE_TEST_SERVER=valkey`), so that the fake cannot drift from what
+//! servers do without a case failing on one side.
+//!
+//! The cases are behaviour a user's test relies on, seen through the public
+//! API and checked on the deployment's own data (`PTTL`, `PEXPIRETIME`,
+//! `TIME`, `EXISTS` on a raw connection of the test's): expiries to the
+//! millisecond, contention, fencing tokens, semaphore slots, readers and
+//! writers, sets of locks, waiters woken by a release, keep-alive, a lost
+//! lease found by a check. Time passes for real on both sides (the fake's
+//! clock runs with the machine's); each case takes a fraction of a second.
+//! `tests/differential.rs` holds the model to `redis-server` command by
+//! command; this suite holds the fake to every server by what a user sees.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use respire_coordination::fake::FakeDeployment;
+use respire_coordination::{ContentionEvent, Coordinator, Observer, RenewalEvent};
+use support::{shared_server, unique_prefix, wait_until};
+
+const NODE_TIMEOUT: Duration = Duration::from_millis(50);
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// A deployment under contract: its URL, a key prefix of the case's own,
+/// and the fake behind it when it is one.
+struct Target {
+    url: String,
+    prefix: String,
+    _fake: Option<FakeDeployment>,
+}
+
+impl Target {
+    fn fake(case: &str) -> Target {
+        let fake = FakeDeployment::start().expect("a fake deployment");
+        Target {
+            url: fake.url().to_owned(),
+            prefix: unique_prefix(case),
+            _fake: Some(fake),
+        }
+    }
+
+    fn server(case: &str) -> Target {
+        Target {
+            url: shared_server().url(),
+            prefix: unique_prefix(case),
+            _fake: None,
+        }
+    }
+
+    fn coord_with(&self, observer: Option<Arc<dyn Observer>>) -> Coordinator {
+        let mut builder = Coordinator::builder(&self.url)
+            .key_prefix(&self.prefix)
+            .node_timeout(NODE_TIMEOUT);
+        if let Some(observer) = observer {
+            builder = builder.observer(observer);
+        }
+        builder.build().expect("a coordinator")
+    }
+
+    fn coord(&self) -> Coordinator {
+        self.coord_with(None)
+    }
+
+    /// A raw connection: the oracle's.
+    fn raw(&self) -> redis::Connection {
+        redis::Client::open(self.url.as_str())
+            .and_then(|c| c.get_connection())
+            .expect("a raw connection")
+    }
+
+    /// A key under the case's prefix, as the coordinator names it.
+    fn key(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+}
+
+fn pttl(conn: &mut redis::Connection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query(conn).expect("PTTL")
+}
+
+/// Asserts that `key` has at most `ttl` and more than `ttl - slack` left:
+/// never more than it was given (an expiry rounded up shows), and not much
+/// less (the slack covers the time since it was set).
+fn assert_left(conn: &mut redis::Connection, key: &str, ttl: Duration, what: &str) {
+    let slack = 250;
+    let ttl = ttl.as_millis() as i64;
+    let left = pttl(conn, key);
+    assert!(
+        left <= ttl && left > ttl - slack,
+        "{what}: {key} has {left} ms left; it was given {ttl} ms"
+    );
+}
+
+/// Counts contended attempts and confirmed renewals.
+#[derive(Default)]
+struct Counts {
+    contended: AtomicUsize,
+    renewed: AtomicUsize,
+}
+
+impl Observer for Counts {
+    fn contended(&self, _: &ContentionEvent<'_>) {
+        self.contended.fetch_add(1, Ordering::SeqCst);
+    }
+    fn renewed(&self, _: &RenewalEvent<'_>) {
+        self.renewed.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+// ----- the cases -----
+
+fn grants_expire_to_the_millisecond_of_their_ttl(t: &Target) {
+    let coord = t.coord();
+    let mut conn = t.raw();
+    let plain = coord.lock("plain").unwrap();
+    let g = plain.try_acquire(ms(1_730)).unwrap().expect("free");
+    assert_left(&mut conn, g.key(), ms(1_730), "plain grant");
+    let fenced = coord.fenced_lock("{f}:lease", "{f}:fence").unwrap();
+    let f = fenced.try_acquire(ms(1_270)).unwrap().expect("free");
+    assert_left(&mut conn, f.key(), ms(1_270), "fenced grant");
+    let rw = coord.read_write_lease("{rw}").unwrap();
+    let w = rw.write().try_acquire(ms(2_310)).unwrap().expect("free");
+    assert_left(&mut conn, w.key(), ms(2_310), "write grant");
+}
+
+fn extensions_set_the_time_left_to_the_millisecond(t: &Target) {
+    let coord = t.coord();
+    let mut conn = t.raw();
+    let plain = coord.lock("plain").unwrap();
+    let g = plain.try_acquire(ms(1_000)).unwrap().expect("free");
+    assert!(g.reset_expiry(ms(2_750)).unwrap());
+    assert_left(&mut conn, g.key(), ms(2_750), "plain extension");
+    assert!(g.reset_expiry(ms(1_350)).unwrap());
+    assert_left(&mut conn, g.key(), ms(1_350), "plain extension shortened");
+    let fenced = coord.fenced_lock("{f}:lease", "{f}:fence").unwrap();
+    let f = fenced.try_acquire(ms(1_000)).unwrap().expect("free");
+    assert!(f.reset_expiry(ms(3_210)).unwrap());
+    assert_left(&mut conn, f.key(), ms(3_210), "fenced extension");
+}
+
+fn a_lease_left_to_expire_is_lost_and_free_again(t: &Target) {
+    let coord = t.coord();
+    let mut conn = t.raw();
+    let lock = coord.lock("short").unwrap();
+    let g = lock.try_acquire(ms(150)).unwrap().expect("free");
+    let key = g.key().to_owned();
+    wait_until(ms(3_000), "the lease's expiry on the server", || {
+        pttl(&mut conn, &key) == -2
+    });
+    assert!(
+        g.is_lost(),
+        "the server let the lease go, the guard holds it"
+    );
+    let again = lock.try_acquire(ms(1_000)).unwrap();
+    assert!(again.is_some(), "the expired lease still blocks");
+}
+
+fn a_held_lock_is_contended_until_released(t: &Target) {
+    let coord = t.coord();
+    let other = t.coord();
+    let mut conn = t.raw();
+    let mine = coord.lock("held").unwrap();
+    let theirs = other.lock("held").unwrap();
+    let g = mine.try_acquire(ms(5_000)).unwrap().expect("free");
+    assert!(theirs.try_acquire(ms(5_000)).unwrap().is_none());
+    let key = g.key().to_owned();
+    g.release().unwrap();
+    let exists: i64 = redis::cmd("EXISTS").arg(&key).query(&mut conn).unwrap();
+    assert_eq!(exists, 0, "released, the key stays");
+    assert!(theirs.try_acquire(ms(5_000)).unwrap().is_some());
+}
+
+fn fencing_tokens_rise_with_every_grant(t: &Target) {
+    let coord = t.coord();
+    let lock = coord.fenced_lock("{t}:lease", "{t}:fence").unwrap();
+    let mut last = 0;
+    for _ in 0..4 {
+        let g = lock.try_acquire(ms(1_000)).unwrap().expect("free");
+        let token = g.fencing_token().get();
+        assert!(token > last, "token {token} after {last}");
+        last = token;
+        g.release().unwrap();
+    }
+    let mut conn = t.raw();
+    let counter: u64 = redis::cmd("GET")
+        .arg(t.key("{t}:fence"))
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(counter, last, "the counter holds the last token");
+}
+
+fn a_semaphore_admits_its_capacity_in_distinct_slots(t: &Target) {
+    let coord = t.coord();
+    let sem = coord.semaphore("{sem}", 2).unwrap();
+    let a = sem.try_acquire(ms(2_000)).unwrap().expect("a first permit");
+    let b = sem
+        .try_acquire(ms(2_000))
+        .unwrap()
+        .expect("a second permit");
+    assert_ne!(a.slot(), b.slot());
+    assert!(a.slot() < 2 && b.slot() < 2);
+    assert!(sem.try_acquire(ms(2_000)).unwrap().is_none(), "a third");
+    let freed = a.slot();
+    a.release().unwrap();
+    let c = sem
+        .try_acquire(ms(2_000))
+        .unwrap()
+        .expect("the freed permit");
+    assert_eq!(c.slot(), freed);
+    assert!(c.fencing_token().get() > b.fencing_token().get());
+}
+
+fn readers_share_and_exclude_a_writer(t: &Target) {
+    let coord = t.coord();
+    let rw = coord.read_write_lease("{doc}").unwrap();
+    let r1 = rw.read().try_acquire(ms(2_000)).unwrap().expect("a reader");
+    let r2 = rw
+        .read()
+        .try_acquire(ms(2_000))
+        .unwrap()
+        .expect("a second reader");
+    assert!(rw.write().try_acquire(ms(2_000)).unwrap().is_none());
+    r1.release().unwrap();
+    r2.release().unwrap();
+    let w = rw
+        .write()
+        .try_acquire(ms(2_000))
+        .unwrap()
+        .expect("the writer");
+    assert!(rw.read().try_acquire(ms(2_000)).unwrap().is_none());
+    let epoch = w.fencing_token().get();
+    w.release().unwrap();
+    let r3 = rw
+        .read()
+        .try_acquire(ms(2_000))
+        .unwrap()
+        .expect("a reader again");
+    assert_eq!(
+        r3.write_epoch().get(),
+        epoch,
+        "the reader learns the last write"
+    );
+}
+
+fn a_set_of_locks_is_taken_all_or_nothing(t: &Target) {
+    let coord = t.coord();
+    let mut conn = t.raw();
+    let one = coord.lock("{set}:b").unwrap();
+    let held = one.try_acquire(ms(5_000)).unwrap().expect("free");
+    let all = coord.lock_all(&["{set}:a", "{set}:b"]).unwrap();
+    assert!(all.try_acquire(ms(5_000)).unwrap().is_none());
+    let exists: i64 = redis::cmd("EXISTS")
+        .arg(t.key("{set}:a"))
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(exists, 0, "a refused set leaves none of its keys held");
+    held.release().unwrap();
+    let both = all.try_acquire(ms(5_000)).unwrap().expect("both free");
+    drop(both);
+}
+
+fn a_waiter_is_woken_by_the_release(t: &Target) {
+    let counts = Arc::new(Counts::default());
+    let holder = t.coord();
+    let waiter = t.coord_with(Some(counts.clone()));
+    let held = holder
+        .lock("wake")
+        .unwrap()
+        .try_acquire(ms(20_000))
+        .unwrap()
+        .expect("free");
+    let lock = waiter.lock("wake").unwrap();
+    std::thread::scope(|s| {
+        let waiting = s.spawn(|| {
+            let got = lock.acquire_timeout(ms(5_000), ms(10_000)).unwrap();
+            (got.is_some(), Instant::now())
+        });
+        wait_until(ms(5_000), "the waiter finds the lock held", || {
+            counts.contended.load(Ordering::SeqCst) >= 1
+        });
+        let released = Instant::now();
+        held.release().unwrap();
+        let (got, at) = waiting.join().unwrap();
+        assert!(got, "the waiter never got the lock");
+        let after = at.duration_since(released);
+        assert!(
+            after < ms(5_000),
+            "the waiter got the lock {after:?} after the release"
+        );
+    });
+}
+
+fn keep_alive_holds_a_lease_past_its_ttl(t: &Target) {
+    let counts = Arc::new(Counts::default());
+    let coord = t.coord_with(Some(counts.clone()));
+    let mut conn = t.raw();
+    let lock = coord.lock("kept").unwrap();
+    let g = lock.try_acquire(ms(300)).unwrap().expect("free");
+    let _renewal = g.keep_alive().unwrap();
+    let started = Instant::now();
+    wait_until(ms(5_000), "three renewals", || {
+        let left = pttl(&mut conn, g.key());
+        assert!(left > 0, "a kept-alive lease ran out on the server");
+        counts.renewed.load(Ordering::SeqCst) >= 3
+    });
+    assert!(
+        started.elapsed() > ms(300),
+        "renewed faster than half the TTL"
+    );
+    assert!(!g.is_lost());
+    assert_left(&mut conn, g.key(), ms(300), "after renewals");
+}
+
+fn a_check_finds_a_deleted_lease_lost(t: &Target) {
+    let coord = t.coord();
+    let mut conn = t.raw();
+    let lock = coord.fenced_lock("{v}:lease", "{v}:fence").unwrap();
+    let g = lock.try_acquire(ms(4_000)).unwrap().expect("free");
+    let left = g.verify_still_held().unwrap().expect("held");
+    assert!(left <= ms(4_000) && left > ms(3_500), "{left:?}");
+    let _: i64 = redis::cmd("DEL").arg(g.key()).query(&mut conn).unwrap();
+    assert_eq!(g.verify_still_held().unwrap(), None);
+    assert!(g.is_lost());
+}
+
+fn expiry_commands_agree_with_the_servers_time(t: &Target) {
+    let mut conn = t.raw();
+    let key = t.key("raw");
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg("v")
+        .arg("PX")
+        .arg(1_234)
+        .query(&mut conn)
+        .unwrap();
+    let (at, (secs, micros)): (i64, (i64, i64)) = redis::pipe()
+        .atomic()
+        .cmd("PEXPIRETIME")
+        .arg(&key)
+        .cmd("TIME")
+        .query(&mut conn)
+        .unwrap();
+    let left = at - (secs * 1_000 + micros / 1_000);
+    assert!(left <= 1_234 && left > 1_000, "PEXPIRETIME - TIME = {left}");
+    let set: i64 = redis::cmd("PEXPIRE")
+        .arg(&key)
+        .arg(2_345)
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(set, 1);
+    assert_left(&mut conn, &key, ms(2_345), "PEXPIRE");
+    let not_greater: i64 = redis::cmd("PEXPIRE")
+        .arg(&key)
+        .arg(500)
+        .arg("GT")
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(not_greater, 0);
+    assert_left(&mut conn, &key, ms(2_345), "PEXPIRE GT refused");
+    let gone: i64 = redis::cmd("PEXPIRE")
+        .arg(&key)
+        .arg(0)
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(gone, 1);
+    assert_eq!(pttl(&mut conn, &key), -2, "PEXPIRE 0 deletes");
+    let missing: i64 = redis::cmd("PEXPIRE")
+        .arg(&key)
+        .arg(1_000)
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(missing, 0);
+}
+
+/// Each case once on the fake and once on the real server.
+macro_rules! contract {
+    ($($case:ident),* $(,)?) => {
+        mod on_the_fake {
+            $(
+                #[test]
+                fn $case() {
+                    super::$case(&super::Target::fake(stringify!($case)));
+                }
+            )*
+        }
+        mod on_the_server {
+            $(
+                #[test]
+                fn $case() {
+                    super::$case(&super::Target::server(stringify!($case)));
+                }
+            )*
+        }
+    };
+}
+
+contract!(
+    grants_expire_to_the_millisecond_of_their_ttl,
+    extensions_set_the_time_left_to_the_millisecond,
+    a_lease_left_to_expire_is_lost_and_free_again,
+    a_held_lock_is_contended_until_released,
+    fencing_tokens_rise_with_every_grant,
+    a_semaphore_admits_its_capacity_in_distinct_slots,
+    readers_share_and_exclude_a_writer,
+    a_set_of_locks_is_taken_all_or_nothing,
+    a_waiter_is_woken_by_the_release,
+    keep_alive_holds_a_lease_past_its_ttl,
+    a_check_finds_a_deleted_lease_lost,
+    expiry_commands_agree_with_the_servers_time,
+);
