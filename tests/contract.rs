@@ -21,7 +21,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use respire_coordination::fake::FakeDeployment;
-use respire_coordination::{ContentionEvent, Coordinator, Observer, RenewalEvent};
+use respire_coordination::{
+    ContentionEvent, Coordinator, HeldAs, Observer, Protocol, RenewalEvent,
+};
 use support::{shared_server, unique_prefix, wait_until};
 
 const NODE_TIMEOUT: Duration = Duration::from_millis(50);
@@ -57,8 +59,13 @@ impl Target {
     }
 
     fn coord_with(&self, observer: Option<Arc<dyn Observer>>) -> Coordinator {
+        self.coord_over(Protocol::Resp2, observer)
+    }
+
+    fn coord_over(&self, protocol: Protocol, observer: Option<Arc<dyn Observer>>) -> Coordinator {
         let mut builder = Coordinator::builder(&self.url)
             .key_prefix(&self.prefix)
+            .protocol(protocol)
             .node_timeout(NODE_TIMEOUT);
         if let Some(observer) = observer {
             builder = builder.observer(observer);
@@ -381,6 +388,104 @@ fn expiry_commands_agree_with_the_servers_time(t: &Target) {
     assert_eq!(missing, 0);
 }
 
+fn inspections_read_every_holder_in_either_protocol(t: &Target) {
+    for protocol in [Protocol::Resp2, Protocol::Resp3] {
+        let coord = t.coord_over(protocol, None);
+        let base = format!("{{i{protocol:?}}}");
+        let sem = coord.semaphore(&base, 3).unwrap();
+        let a = sem.try_acquire(ms(2_000)).unwrap().expect("a permit");
+        let b = sem.try_acquire(ms(3_000)).unwrap().expect("a permit");
+        let seen = coord.inspect(&base).unwrap();
+        assert_eq!(seen.held_as(), HeldAs::Counted, "{protocol:?}");
+        assert_eq!(seen.permits.len(), 2, "{protocol:?}");
+        assert_eq!(seen.capacity, Some(3), "{protocol:?}");
+        assert_eq!(
+            seen.last_permit_token.map(|t| t.get()),
+            Some(b.fencing_token().get()),
+            "{protocol:?}"
+        );
+        a.release().unwrap();
+        b.release().unwrap();
+        let rw_base = format!("{{rw{protocol:?}}}");
+        let rw = coord.read_write_lease(&rw_base).unwrap();
+        let r = rw.read().try_acquire(ms(2_000)).unwrap().expect("a reader");
+        let seen = coord.inspect(&rw_base).unwrap();
+        assert_eq!(seen.held_as(), HeldAs::Shared, "{protocol:?}");
+        assert_eq!(seen.readers.len(), 1, "{protocol:?}");
+        assert!(seen.readers[0] <= ms(2_000), "{protocol:?}");
+        let left = r.verify_still_held().unwrap().expect("held");
+        assert!(
+            left <= ms(2_000) && left > ms(1_500),
+            "{protocol:?}: {left:?}"
+        );
+    }
+}
+
+fn raw_replies_take_the_shapes_of_the_protocol(t: &Target) {
+    use redis::Value;
+    let z = t.key("{shape}:z");
+    let h = t.key("{shape}:h");
+    for resp3 in [false, true] {
+        let url = if resp3 {
+            format!("{}?protocol=resp3", t.url)
+        } else {
+            t.url.clone()
+        };
+        let mut conn = redis::Client::open(url.as_str())
+            .and_then(|c| c.get_connection())
+            .expect("a raw connection");
+        let _: () = redis::pipe()
+            .cmd("ZADD")
+            .arg(&z)
+            .arg(1.5)
+            .arg("m")
+            .ignore()
+            .cmd("HSET")
+            .arg(&h)
+            .arg("f")
+            .arg("v")
+            .ignore()
+            .query(&mut conn)
+            .unwrap();
+        let range: Value = redis::cmd("ZRANGE")
+            .arg(&z)
+            .arg(0)
+            .arg(-1)
+            .arg("WITHSCORES")
+            .query(&mut conn)
+            .unwrap();
+        let score: Value = redis::cmd("ZSCORE")
+            .arg(&z)
+            .arg("m")
+            .query(&mut conn)
+            .unwrap();
+        let hash: Value = redis::cmd("HGETALL").arg(&h).query(&mut conn).unwrap();
+        let missing: Value = redis::cmd("GET")
+            .arg(t.key("none"))
+            .query(&mut conn)
+            .unwrap();
+        let m = || Value::BulkString(b"m".to_vec());
+        let (f, v) = (
+            Value::BulkString(b"f".to_vec()),
+            Value::BulkString(b"v".to_vec()),
+        );
+        if resp3 {
+            assert_eq!(
+                range,
+                Value::Array(vec![Value::Array(vec![m(), Value::Double(1.5)])])
+            );
+            assert_eq!(score, Value::Double(1.5));
+            assert_eq!(hash, Value::Map(vec![(f, v)]));
+        } else {
+            let text = Value::BulkString(b"1.5".to_vec());
+            assert_eq!(range, Value::Array(vec![m(), text.clone()]));
+            assert_eq!(score, text);
+            assert_eq!(hash, Value::Array(vec![f, v]));
+        }
+        assert_eq!(missing, Value::Nil, "resp3: {resp3}");
+    }
+}
+
 /// Each case once on the fake and once on the real server.
 macro_rules! contract {
     ($($case:ident),* $(,)?) => {
@@ -416,4 +521,6 @@ contract!(
     keep_alive_holds_a_lease_past_its_ttl,
     a_check_finds_a_deleted_lease_lost,
     expiry_commands_agree_with_the_servers_time,
+    inspections_read_every_holder_in_either_protocol,
+    raw_replies_take_the_shapes_of_the_protocol,
 );

@@ -75,8 +75,9 @@
 //!   every data command with `READONLY` (it serves no reads).
 //! - The commands the crate sends and the data commands its scripts call
 //!   (strings, hashes, sorted sets, bitmaps, expiries); anything else is an
-//!   unknown command. RESP3 replies have RESP2's shapes but for nil (no maps
-//!   or doubles for `HGETALL` or `ZSCORE`).
+//!   unknown command. In RESP3, nil is `_`, `HGETALL` a map, `ZSCORE` a
+//!   double and a `WITHSCORES` range pairs of member and double; no other
+//!   reply takes a RESP3-only shape.
 //! - Tracking invalidates every key a command named (a script's `KEYS`),
 //!   not only those it read: a waiter may wake for nothing, never sleep
 //!   through a change.

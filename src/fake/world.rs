@@ -508,7 +508,7 @@ impl World {
         let mut out = Vec::new();
         if let Some(reply) = self.dispatch(conn, &name, &argv, &mut out) {
             let resp3 = self.conns.get(&conn).is_some_and(|c| c.resp3);
-            resp::encode(&mut out, &reply, resp3);
+            encode_reply(&mut out, &name, &argv, &reply, resp3);
         }
         self.after_change();
         let mut due = Instant::now();
@@ -646,7 +646,7 @@ impl World {
             let mut written = Vec::new();
             if let Some(reply) = self.dispatch(conn, &name, argv, &mut written) {
                 let resp3 = self.conns.get(&conn).is_some_and(|c| c.resp3);
-                resp::encode(&mut written, &reply, resp3);
+                encode_reply(&mut written, &name, argv, &reply, resp3);
             }
             replies.push(written);
         }
@@ -918,6 +918,41 @@ impl World {
                 String::from_utf8_lossy(&argv[0])
             )),
         }
+    }
+}
+
+/// A reply to `argv` in the connection's protocol. RESP3 gives some
+/// commands shapes of their own: `HGETALL` a map, `ZSCORE` a double, a
+/// `WITHSCORES` range pairs of member and double.
+fn encode_reply(out: &mut Vec<u8>, name: &str, argv: &[Vec<u8>], reply: &Reply, resp3: bool) {
+    let double = |out: &mut Vec<u8>, score: &Reply| match score {
+        Reply::Bulk(text) => {
+            out.push(b',');
+            out.extend_from_slice(text);
+            out.extend_from_slice(b"\r\n");
+        }
+        other => resp::encode(out, other, true),
+    };
+    let with_scores = argv.iter().any(|a| a.eq_ignore_ascii_case(b"withscores"));
+    match (resp3, name, reply) {
+        (true, "hgetall", Reply::Array(items)) => {
+            resp::aggregate(out, b'%', items.len() / 2);
+            for item in items {
+                resp::encode(out, item, true);
+            }
+        }
+        (true, "zscore", score @ Reply::Bulk(_)) => double(out, score),
+        (true, "zrange" | "zrangebyscore", Reply::Array(items)) if with_scores => {
+            resp::aggregate(out, b'*', items.len() / 2);
+            for pair in items.chunks(2) {
+                resp::aggregate(out, b'*', 2);
+                resp::encode(out, &pair[0], true);
+                if let Some(score) = pair.get(1) {
+                    double(out, score);
+                }
+            }
+        }
+        _ => resp::encode(out, reply, resp3),
     }
 }
 
