@@ -1,10 +1,12 @@
 //! The fake deployment (`test-util`), used as a user's test would, from the
 //! public API: a lease cut short by the fake's clock, a failover to a replica
-//! that missed an extension, a grant whose reply never came. Each runs in
-//! well under a second; each prints its wall time.
+//! that missed an extension, a grant whose reply never came, a paused fake,
+//! replies delayed past the node timeout, a restart without persistence.
+//! Each runs in well under a second; each prints its wall time.
 //!
 //! The oracle is the fake's own data, read on a raw `redis` connection of the
-//! test's (`PTTL`, `GET`), never the guard's estimate.
+//! test's (`PTTL`, `GET`, `PEXPIRETIME` with `TIME`), never the guard's
+//! estimate.
 
 mod support;
 
@@ -13,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use respire_coordination::fake::FakeDeployment;
-use respire_coordination::{Coordinator, Observer, RenewalEvent};
+use respire_coordination::{Coordinator, Error, LockGuard, Observer, RenewalEvent};
 use support::wait_until;
 
 const NODE_TIMEOUT: Duration = Duration::from_millis(50);
@@ -172,4 +174,137 @@ fn a_grant_whose_reply_was_dropped_leaves_no_lease_behind() {
         "dropped reply: {attempt:?}, cleaned up; wall time {:?}",
         started.elapsed()
     );
+}
+
+/// The lease's expiry on the fake as a local instant, from its
+/// `PEXPIRETIME` and `TIME` read together; a millisecond early, as the fake's
+/// `TIME` is whole milliseconds.
+fn expiry_instant(conn: &mut redis::Connection, key: &str) -> Instant {
+    let before = Instant::now();
+    let (at, (secs, micros)): (i64, (i64, i64)) = redis::pipe()
+        .atomic()
+        .cmd("PEXPIRETIME")
+        .arg(key)
+        .cmd("TIME")
+        .query(conn)
+        .unwrap();
+    assert!(at > 0, "{key} has no expiry ({at})");
+    let left = at - (secs * 1_000 + micros / 1_000) - 1;
+    before + ms(left.max(0) as u64)
+}
+
+/// A kept-alive lease of 300 ms on `fake`, after its first confirmed
+/// renewal, with the fake's expiry of it.
+fn kept_alive_lease(fake: &FakeDeployment, test: impl FnOnce(&LockGuard, &mut redis::Connection)) {
+    let renewals = Arc::new(Renewals::default());
+    let coord = Coordinator::builder(fake.url())
+        .node_timeout(NODE_TIMEOUT)
+        .observer(renewals.clone())
+        .build()
+        .unwrap();
+    let lock = coord.lock("kept").unwrap();
+    let guard = lock.try_acquire(ms(300)).unwrap().expect("free");
+    let _renewal = guard.keep_alive().unwrap();
+    wait_until(ms(2_000), "a renewal", || {
+        renewals.0.load(Ordering::SeqCst) >= 1
+    });
+    let mut conn = raw(&fake.primary_url());
+    test(&guard, &mut conn);
+}
+
+/// Waits for `guard`'s loss signal and checks that it came before `expiry`.
+fn flagged_before(guard: &LockGuard, expiry: Instant, what: &str) -> Duration {
+    let closed = guard
+        .lost_signal()
+        .recv_deadline(expiry + Duration::from_secs(2))
+        .is_err_and(|e| e.is_disconnected());
+    let flagged = Instant::now();
+    assert!(closed, "{what}: the loss signal never closed");
+    assert!(guard.is_lost());
+    assert!(
+        flagged < expiry,
+        "{what}: flagged {:?} after the fake's expiry",
+        flagged - expiry
+    );
+    expiry - flagged
+}
+
+#[test]
+fn a_paused_fake_flags_a_kept_alive_lease_before_its_expiry() {
+    let started = Instant::now();
+    let fake = FakeDeployment::start().unwrap();
+    kept_alive_lease(&fake, |guard, conn| {
+        // Read before the pause: a renewal confirmed in between can only move
+        // the real expiry later, which makes the check stricter.
+        let expiry = expiry_instant(conn, guard.key());
+        fake.pause();
+        let margin = flagged_before(guard, expiry, "pause");
+        fake.resume();
+        wait_until(ms(2_000), "the fake lets the lease go", || {
+            pttl(conn, guard.key()) == -2
+        });
+        println!(
+            "pause: flagged {margin:?} before the fake's expiry; wall time {:?}",
+            started.elapsed()
+        );
+    });
+}
+
+#[test]
+fn replies_delayed_past_the_node_timeout_flag_the_lease_before_its_expiry() {
+    let started = Instant::now();
+    let fake = FakeDeployment::start().unwrap();
+    kept_alive_lease(&fake, |guard, conn| {
+        fake.delay_replies(usize::MAX, NODE_TIMEOUT * 3);
+        // Read after the delay is in place: a renewal the fake runs later is
+        // one whose reply comes too late to count.
+        let expiry = expiry_instant(conn, guard.key());
+        let margin = flagged_before(guard, expiry, "delayed replies");
+        fake.delay_replies(0, Duration::ZERO);
+        println!(
+            "delayed replies: flagged {margin:?} before the fake's expiry; wall time {:?}",
+            started.elapsed()
+        );
+    });
+}
+
+#[test]
+fn a_restart_without_persistence_loses_the_lease_and_its_tokens() {
+    let started = Instant::now();
+    let fake = FakeDeployment::start().unwrap();
+    let coord = Coordinator::builder(fake.url())
+        .node_timeout(NODE_TIMEOUT)
+        .build()
+        .unwrap();
+    let lock = coord.fenced_lock("{r}:lease", "{r}:fence").unwrap();
+    for _ in 0..3 {
+        lock.try_acquire(ms(1_000))
+            .unwrap()
+            .expect("free")
+            .release()
+            .unwrap();
+    }
+    let guard = lock.try_acquire(ms(300)).unwrap().expect("free");
+    let _renewal = guard.keep_alive().unwrap();
+    let run_id = fake.run_id();
+    fake.restart();
+    assert_ne!(fake.run_id(), run_id, "a restart changes the run_id");
+    let mut conn = raw(&fake.primary_url());
+    assert_eq!(pttl(&mut conn, guard.key()), -2, "the data survived");
+    let closed = guard
+        .lost_signal()
+        .recv_timeout(ms(2_000))
+        .is_err_and(|e| e.is_disconnected());
+    assert!(
+        closed && guard.is_lost(),
+        "the renewal found the key, or none ran"
+    );
+    // The counter went back to nothing: the next grant's token (1) is not
+    // above the 4 this coordinator saw, and is refused.
+    let again = lock.try_acquire(ms(1_000));
+    assert!(
+        matches!(again, Err(Error::FencingRegression { .. })),
+        "a token that went back was handed out: {again:?}"
+    );
+    println!("restart: wall time {:?}", started.elapsed());
 }
