@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use respire_coordination::fake::FakeDeployment;
 use respire_coordination::{
-    ContentionEvent, Coordinator, HeldAs, Observer, Protocol, RenewalEvent,
+    ContentionEvent, Coordinator, HeldAs, Observer, PollingEvent, Protocol, RenewalEvent,
 };
 use support::{shared_server, unique_prefix, wait_until};
 
@@ -107,11 +107,12 @@ fn assert_left(conn: &mut redis::Connection, key: &str, ttl: Duration, what: &st
     );
 }
 
-/// Counts contended attempts and confirmed renewals.
+/// Counts contended attempts, confirmed renewals and falls back to polling.
 #[derive(Default)]
 struct Counts {
     contended: AtomicUsize,
     renewed: AtomicUsize,
+    polling: AtomicUsize,
 }
 
 impl Observer for Counts {
@@ -120,6 +121,9 @@ impl Observer for Counts {
     }
     fn renewed(&self, _: &RenewalEvent<'_>) {
         self.renewed.fetch_add(1, Ordering::SeqCst);
+    }
+    fn polling(&self, _: &PollingEvent<'_>) {
+        self.polling.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -304,6 +308,48 @@ fn a_waiter_is_woken_by_the_release(t: &Target) {
             "the waiter got the lock {after:?} after the release"
         );
     });
+    assert_eq!(
+        counts.polling.load(Ordering::SeqCst),
+        0,
+        "the waiter polled: invalidations did not work"
+    );
+}
+
+fn tracking_sends_an_invalidation_for_a_key_read_after_caching_yes(t: &Target) {
+    let key = t.key("tracked");
+    let mut listener = t.raw();
+    let id: u64 = redis::cmd("CLIENT").arg("ID").query(&mut listener).unwrap();
+    let mut reader = t.raw();
+    let (): () = redis::cmd("CLIENT")
+        .arg("TRACKING")
+        .arg("ON")
+        .arg("REDIRECT")
+        .arg(id)
+        .arg("OPTIN")
+        .query(&mut reader)
+        .unwrap();
+    let (_, value): ((), Option<String>) = redis::pipe()
+        .cmd("CLIENT")
+        .arg("CACHING")
+        .arg("yes")
+        .cmd("GET")
+        .arg(&key)
+        .query(&mut reader)
+        .unwrap();
+    assert_eq!(value, None);
+    let mut pubsub = listener.as_pubsub();
+    pubsub.subscribe("__redis__:invalidate").unwrap();
+    pubsub.set_read_timeout(Some(ms(2_000))).unwrap();
+    let mut writer = t.raw();
+    let (): () = redis::cmd("SET")
+        .arg(&key)
+        .arg("v")
+        .query(&mut writer)
+        .unwrap();
+    let msg = pubsub.get_message().expect("an invalidation");
+    assert_eq!(msg.get_channel_name(), "__redis__:invalidate");
+    let keys: Vec<String> = msg.get_payload().unwrap();
+    assert_eq!(keys, vec![key]);
 }
 
 fn keep_alive_holds_a_lease_past_its_ttl(t: &Target) {
@@ -523,4 +569,5 @@ contract!(
     expiry_commands_agree_with_the_servers_time,
     inspections_read_every_holder_in_either_protocol,
     raw_replies_take_the_shapes_of_the_protocol,
+    tracking_sends_an_invalidation_for_a_key_read_after_caching_yes,
 );
