@@ -310,3 +310,36 @@ fn a_restart_without_persistence_loses_the_lease_and_its_tokens() {
     );
     println!("restart: wall time {:?}", started.elapsed());
 }
+
+#[test]
+fn a_standalone_failover_to_a_replica_without_the_grant_is_flagged_at_the_next_renewal() {
+    let started = Instant::now();
+    let fake = FakeDeployment::start().unwrap();
+    let coord = Coordinator::builder(fake.url())
+        .node_timeout(NODE_TIMEOUT)
+        .build()
+        .unwrap();
+    let lock = coord.lock("unreplicated").unwrap();
+    // The grant reaches the primary alone.
+    fake.hold_replication();
+    let guard = lock.try_acquire(ms(300)).unwrap().expect("free");
+    let _renewal = guard.keep_alive().unwrap();
+    assert!(fake.replication_lag() > 0, "the grant is not held back");
+    let run_id = fake.run_id();
+    fake.fail_over();
+    assert_ne!(fake.run_id(), run_id, "the replica took over");
+    let mut conn = raw(&fake.primary_url());
+    assert_eq!(
+        pttl(&mut conn, guard.key()),
+        -2,
+        "the replica had the grant"
+    );
+    let closed = guard
+        .lost_signal()
+        .recv_timeout(ms(2_000))
+        .is_err_and(|e| e.is_disconnected());
+    assert!(closed && guard.is_lost(), "the lease outlived its key");
+    // The key is free on the new primary.
+    assert!(lock.try_acquire(ms(300)).unwrap().is_some());
+    println!("standalone failover: wall time {:?}", started.elapsed());
+}
