@@ -26,7 +26,8 @@ use respire_coordination::{
 };
 use support::{shared_server, unique_prefix, wait_until};
 
-const NODE_TIMEOUT: Duration = Duration::from_millis(50);
+/// Long enough for a loaded CI machine running many test binaries at once.
+const NODE_TIMEOUT: Duration = Duration::from_millis(200);
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -162,7 +163,7 @@ fn a_lease_left_to_expire_is_lost_and_free_again(t: &Target) {
     let coord = t.coord();
     let mut conn = t.raw();
     let lock = coord.lock("short").unwrap();
-    let g = lock.try_acquire(ms(150)).unwrap().expect("free");
+    let g = lock.try_acquire(ms(400)).unwrap().expect("free");
     let key = g.key().to_owned();
     wait_until(ms(3_000), "the lease's expiry on the server", || {
         pttl(&mut conn, &key) == -2
@@ -357,20 +358,22 @@ fn keep_alive_holds_a_lease_past_its_ttl(t: &Target) {
     let coord = t.coord_with(Some(counts.clone()));
     let mut conn = t.raw();
     let lock = coord.lock("kept").unwrap();
-    let g = lock.try_acquire(ms(300)).unwrap().expect("free");
+    // About the shortest TTL keep-alive takes with this node timeout.
+    let ttl = ms(900);
+    let g = lock.try_acquire(ttl).unwrap().expect("free");
     let _renewal = g.keep_alive().unwrap();
     let started = Instant::now();
-    wait_until(ms(5_000), "three renewals", || {
+    wait_until(ms(5_000), "two renewals", || {
         let left = pttl(&mut conn, g.key());
         assert!(left > 0, "a kept-alive lease ran out on the server");
-        counts.renewed.load(Ordering::SeqCst) >= 3
+        counts.renewed.load(Ordering::SeqCst) >= 2
     });
     assert!(
-        started.elapsed() > ms(300),
+        started.elapsed() > ttl / 2,
         "renewed faster than half the TTL"
     );
     assert!(!g.is_lost());
-    assert_left(&mut conn, g.key(), ms(300), "after renewals");
+    assert_left(&mut conn, g.key(), ttl, "after renewals");
 }
 
 fn a_check_finds_a_deleted_lease_lost(t: &Target) {

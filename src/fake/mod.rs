@@ -48,10 +48,10 @@
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let fake = FakeDeployment::start()?;
 //! let coord = Coordinator::builder(&fake.url())
-//!     .node_timeout(Duration::from_millis(50))
+//!     .node_timeout(Duration::from_millis(100))
 //!     .build()?;
 //! let lock = coord.lock("reports")?;
-//! let guard = lock.try_acquire(Duration::from_millis(300))?.expect("a free lock");
+//! let guard = lock.try_acquire(Duration::from_millis(500))?.expect("a free lock");
 //! let _renewal = guard.keep_alive()?;
 //!
 //! // Someone deletes the lease while the worker writes: its next renewal
