@@ -8,9 +8,12 @@
 //! API and checked on the deployment's own data (`PTTL`, `PEXPIRETIME`,
 //! `TIME`, `EXISTS` on a raw connection of the test's): expiries to the
 //! millisecond, contention, fencing tokens, semaphore slots, readers and
-//! writers, sets of locks, waiters woken by a release, keep-alive, a lost
-//! lease found by a check. Time passes for real on both sides (the fake's
-//! clock runs with the machine's); each case takes a fraction of a second.
+//! writers, sets of locks, waiters woken by a release (by tracking, and in
+//! FIFO order), keep-alive, a lost lease found by a check, an election,
+//! a Redlock quorum over three deployments, inspections and raw replies in
+//! RESP2 and RESP3, what `INFO` and `ROLE` say. Time passes for real on both
+//! sides (the fake's clock runs with the machine's); each case takes a
+//! fraction of a second.
 //! `tests/differential.rs` holds the model to `redis-server` command by
 //! command; this suite holds the fake to every server by what a user sees.
 
@@ -24,7 +27,8 @@ use respire_coordination::fake::FakeDeployment;
 use respire_coordination::{
     ContentionEvent, Coordinator, HeldAs, Observer, PollingEvent, Protocol, RenewalEvent,
 };
-use support::{shared_server, unique_prefix, wait_until};
+use respire_coordination::{Fairness, RedlockGroup, RedlockOptions};
+use support::{TestServer, shared_server, unique_prefix, wait_until};
 
 /// Long enough for a loaded CI machine running many test binaries at once.
 const NODE_TIMEOUT: Duration = Duration::from_millis(200);
@@ -83,6 +87,25 @@ impl Target {
         redis::Client::open(self.url.as_str())
             .and_then(|c| c.get_connection())
             .expect("a raw connection")
+    }
+
+    /// `n` more deployments of the same kind, independent of this one (for
+    /// Redlock): their URLs, and what keeps them running.
+    fn others(&self, n: usize) -> (Vec<String>, Vec<Box<dyn std::any::Any>>) {
+        let mut urls = Vec::new();
+        let mut keep: Vec<Box<dyn std::any::Any>> = Vec::new();
+        for _ in 0..n {
+            if self._fake.is_some() {
+                let fake = FakeDeployment::start().expect("a fake deployment");
+                urls.push(fake.url().to_owned());
+                keep.push(Box::new(fake));
+            } else {
+                let server = TestServer::start();
+                urls.push(server.url());
+                keep.push(Box::new(server));
+            }
+        }
+        (urls, keep)
     }
 
     /// A key under the case's prefix, as the coordinator names it.
@@ -535,6 +558,142 @@ fn raw_replies_take_the_shapes_of_the_protocol(t: &Target) {
     }
 }
 
+fn the_server_says_its_version_role_and_uptime(t: &Target) {
+    let mut conn = t.raw();
+    let info: String = redis::cmd("INFO").arg("server").query(&mut conn).unwrap();
+    let field = |text: &str, name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(str::to_owned)
+    };
+    let version = field(&info, "redis_version").expect("redis_version");
+    let major: u32 = version.split('.').next().unwrap().parse().unwrap();
+    assert!(major >= 7, "redis_version {version}");
+    let uptime: u64 = field(&info, "uptime_in_seconds")
+        .expect("uptime_in_seconds")
+        .parse()
+        .unwrap();
+    assert!(uptime < 86_400, "uptime {uptime}");
+    let replication: String = redis::cmd("INFO")
+        .arg("replication")
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(field(&replication, "role").as_deref(), Some("master"));
+    let role: redis::Value = redis::cmd("ROLE").query(&mut conn).unwrap();
+    let redis::Value::Array(role) = role else {
+        panic!("ROLE answered {role:?}");
+    };
+    assert_eq!(role[0], redis::Value::BulkString(b"master".to_vec()));
+}
+
+fn an_election_has_one_leader_and_its_terms_rise(t: &Target) {
+    let one = t.coord();
+    let two = t.coord();
+    let first = one.election("{vote}").unwrap();
+    let second = two.election("{vote}").unwrap();
+    let leader = first
+        .try_campaign("one", ms(3_000))
+        .unwrap()
+        .expect("no leader yet");
+    assert!(second.try_campaign("two", ms(3_000)).unwrap().is_none());
+    let seen = second.leader().unwrap().expect("a leader");
+    assert_eq!(seen.value.as_deref(), Some("one"));
+    assert_eq!(seen.term.get(), leader.term().get());
+    assert!(leader.proclaim("one, again").unwrap());
+    let seen = second.leader().unwrap().expect("a leader");
+    assert_eq!(seen.value.as_deref(), Some("one, again"));
+    let term = leader.term().get();
+    leader.resign().unwrap();
+    assert!(
+        second.leader().unwrap().is_none(),
+        "a leader after resigning"
+    );
+    let next = second
+        .try_campaign("two", ms(3_000))
+        .unwrap()
+        .expect("free after the resignation");
+    assert!(next.term().get() > term);
+}
+
+fn fifo_waiters_get_the_lock_in_the_order_they_came(t: &Target) {
+    let counts = Arc::new(Counts::default());
+    let holder = t.coord();
+    let fair = |c: &Coordinator| {
+        c.lock("{fifo}")
+            .unwrap()
+            .with_fairness(Fairness::Fifo {
+                entry_ttl: ms(2_000),
+            })
+            .unwrap()
+    };
+    let held = fair(&holder)
+        .try_acquire(ms(10_000))
+        .unwrap()
+        .expect("free");
+    let (tx, rx) = crossbeam_channel::unbounded();
+    std::thread::scope(|s| {
+        let mut coords = Vec::new();
+        for _ in 0..2 {
+            coords.push(t.coord_with(Some(counts.clone())));
+        }
+        for (i, coord) in coords.iter().enumerate() {
+            let tx = tx.clone();
+            let lock = fair(coord);
+            s.spawn(move || {
+                let g = lock
+                    .acquire_timeout(ms(5_000), ms(10_000))
+                    .unwrap()
+                    .expect("granted in turn");
+                tx.send(i).unwrap();
+                g.release().unwrap();
+            });
+            // The next waiter comes after this one queued.
+            wait_until(ms(5_000), "the waiter queues", || {
+                counts.contended.load(Ordering::SeqCst) > i
+            });
+        }
+        held.release().unwrap();
+    });
+    let order: Vec<usize> = rx.try_iter().collect();
+    assert_eq!(order, vec![0, 1], "served out of order");
+}
+
+fn a_redlock_quorum_grants_and_releases_on_every_node(t: &Target) {
+    let (mut urls, _keep) = t.others(2);
+    urls.insert(0, t.url.clone());
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    // A group checks every node's round trip against its node timeout when
+    // it is made: room for a loaded machine.
+    let options = || RedlockOptions {
+        node_timeout: ms(500),
+        ..RedlockOptions::default()
+    };
+    let group = RedlockGroup::connect(&urls, options()).unwrap();
+    let other = RedlockGroup::connect(&urls, options()).unwrap();
+    let key = t.key("redlock");
+    let ttl = ms(3_000);
+    let mut guard = group.try_acquire(&key, ttl).unwrap().expect("free");
+    let mut conns: Vec<redis::Connection> = urls
+        .iter()
+        .map(|u| redis::Client::open(*u).unwrap().get_connection().unwrap())
+        .collect();
+    for conn in &mut conns {
+        assert_left(conn, &key, ttl, "a node's grant");
+    }
+    assert!(other.try_acquire(&key, ttl).unwrap().is_none());
+    assert!(guard.extend(ms(4_500)).unwrap());
+    for conn in &mut conns {
+        assert_left(conn, &key, ms(4_500), "a node's extension");
+    }
+    assert!(guard.release().unwrap(), "a quorum still held it");
+    // The release returns once a quorum answered; the last node's answer
+    // may still be on its way.
+    wait_until(ms(2_000), "the key gone from every node", || {
+        conns.iter_mut().all(|conn| pttl(conn, &key) == -2)
+    });
+    assert!(other.try_acquire(&key, ttl).unwrap().is_some());
+}
+
 /// Each case once on the fake and once on the real server.
 macro_rules! contract {
     ($($case:ident),* $(,)?) => {
@@ -573,4 +732,8 @@ contract!(
     inspections_read_every_holder_in_either_protocol,
     raw_replies_take_the_shapes_of_the_protocol,
     tracking_sends_an_invalidation_for_a_key_read_after_caching_yes,
+    the_server_says_its_version_role_and_uptime,
+    an_election_has_one_leader_and_its_terms_rise,
+    fifo_waiters_get_the_lock_in_the_order_they_came,
+    a_redlock_quorum_grants_and_releases_on_every_node,
 );

@@ -106,6 +106,8 @@ pub(super) struct World {
     next_side_id: u64,
     started: Instant,
     base_ms: i64,
+    /// The server clock when the primary's process last started.
+    up_since_ms: i64,
     offset_ms: i64,
     paused: bool,
     pending: VecDeque<(u64, Vec<Vec<u8>>)>,
@@ -196,6 +198,7 @@ impl World {
             next_side_id: 1,
             started: Instant::now(),
             base_ms,
+            up_since_ms: base_ms,
             offset_ms: 0,
             paused: false,
             pending: VecDeque::new(),
@@ -274,6 +277,7 @@ impl World {
         self.sync_clock();
         let old = self.model.promote();
         drop(old);
+        self.up_since_ms = self.now_ms();
         self.model.add_replica();
         let from = self.primary;
         if self.ports.contains_key(&Port::DataB) {
@@ -298,6 +302,7 @@ impl World {
     pub(super) fn restart(&mut self) {
         self.sync_clock();
         self.model.restart(Persistence::None);
+        self.up_since_ms = self.now_ms();
         let primary = self.primary;
         self.cut(|p| p == primary);
     }
@@ -628,12 +633,38 @@ impl World {
         let id = c.id;
         let track = c.tracking.is_some_and(|t| !t.optin || caching);
         let reply = self.model.command_from(id, argv)?;
+        let reply = match (name, reply) {
+            ("info", Reply::Bulk(text)) => Reply::Bulk(self.server_info(&text)),
+            (_, reply) => reply,
+        };
         if track {
             for key in read_keys(name, argv) {
                 self.tracked.entry(key).or_default().insert(conn);
             }
         }
         Some(reply)
+    }
+
+    /// The model's `INFO` with what a real server also says of its process
+    /// in `# Server`: mode, port, uptime (since the last restart or
+    /// failover, on the server's clock).
+    fn server_info(&self, text: &[u8]) -> Vec<u8> {
+        let header = b"# Server\r\n";
+        let Some(at) = text.windows(header.len()).position(|w| w == header) else {
+            return text.to_vec();
+        };
+        let uptime = (self.now_ms() - self.up_since_ms).max(0) / 1000;
+        let fields = format!(
+            "redis_mode:standalone\r\nprocess_id:{}\r\ntcp_port:{}\r\n\
+             uptime_in_seconds:{uptime}\r\nuptime_in_days:{}\r\n",
+            std::process::id(),
+            self.primary_port(),
+            uptime / 86_400
+        );
+        let mut out = text[..at + header.len()].to_vec();
+        out.extend_from_slice(fields.as_bytes());
+        out.extend_from_slice(&text[at + header.len()..]);
+        out
     }
 
     /// `EXEC`: the queued commands one after another, nothing between them
