@@ -376,6 +376,9 @@ impl World {
             .map(|a| a.to_string())
             .unwrap_or_default();
         let _ = stream.set_nodelay(true);
+        // A client that stops reading is disconnected, as by a server's
+        // output buffer limit, rather than stalling every other connection.
+        let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
         self.conns.insert(
             conn,
             Conn {
@@ -404,9 +407,10 @@ impl World {
                 self.model.kill_client(c.id);
             }
         }
-        for readers in self.tracked.values_mut() {
+        self.tracked.retain(|_, readers| {
             readers.remove(&conn);
-        }
+            !readers.is_empty()
+        });
     }
 
     /// Cuts every connection to a port `which` selects.
@@ -420,7 +424,6 @@ impl World {
         for conn in doomed {
             self.forget(conn);
         }
-        self.tracked.retain(|_, readers| !readers.is_empty());
     }
 
     fn sync_clock(&mut self) {
