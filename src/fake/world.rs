@@ -217,8 +217,11 @@ impl World {
 
     pub(super) fn advance_clock(&mut self, by: Duration) {
         self.offset_ms += by.as_millis() as i64;
-        self.sync_clock();
-        self.after_change();
+        // A paused server sees its clock when it runs again.
+        if !self.paused {
+            self.sync_clock();
+            self.after_change();
+        }
     }
 
     pub(super) fn pause(&mut self) {
