@@ -166,9 +166,10 @@ impl FakeDeployment {
     }
 
     /// Steps the server's clock forward by `by` (whole milliseconds), as an
-    /// NTP step would: keys whose expiry it passes are gone at once, and the
-    /// `TIME` that renewals read shows the jump. Waiters tracking those keys
-    /// are sent their invalidation.
+    /// NTP step would: keys whose expiry it passes are gone at once (when a
+    /// [`pause`](Self::pause) ends, if paused), and the `TIME` that renewals
+    /// read shows the jump. Waiters tracking those keys are sent their
+    /// invalidation.
     pub fn advance_clock(&self, by: Duration) {
         self.call(move |w| w.advance_clock(by));
     }
