@@ -36,6 +36,15 @@ fn pttl(conn: &mut redis::Connection, key: &str) -> i64 {
     redis::cmd("PTTL").arg(key).query(conn).expect("PTTL")
 }
 
+/// A coordinator on `fake`, told of its events when `observer` is given.
+fn coordinator(fake: &FakeDeployment, observer: Option<Arc<Renewals>>) -> Coordinator {
+    let mut builder = Coordinator::builder(fake.url()).node_timeout(NODE_TIMEOUT);
+    if let Some(observer) = observer {
+        builder = builder.observer(observer);
+    }
+    builder.build().unwrap()
+}
+
 /// Confirmed renewals, counted.
 #[derive(Default)]
 struct Renewals(AtomicUsize);
@@ -76,11 +85,7 @@ fn a_lease_cut_short_by_the_fakes_clock_is_flagged_before_the_fake_lets_it_go() 
     let started = Instant::now();
     let fake = FakeDeployment::start().unwrap();
     let renewals = Arc::new(Renewals::default());
-    let coord = Coordinator::builder(fake.url())
-        .node_timeout(NODE_TIMEOUT)
-        .observer(renewals.clone())
-        .build()
-        .unwrap();
+    let coord = coordinator(&fake, Some(renewals.clone()));
     // One lease nobody renews, and a short kept-alive one whose renewals
     // read the fake's TIME.
     let held_lock = coord.lock("held").unwrap();
@@ -146,10 +151,7 @@ fn a_failover_to_a_replica_that_missed_an_extension_is_flagged() {
 fn a_grant_whose_reply_was_dropped_leaves_no_lease_behind() {
     let started = Instant::now();
     let fake = FakeDeployment::start().unwrap();
-    let coord = Coordinator::builder(fake.url())
-        .node_timeout(NODE_TIMEOUT)
-        .build()
-        .unwrap();
+    let coord = coordinator(&fake, None);
     let lock = coord.fenced_lock("{d}:lease", "{d}:fence").unwrap();
     let mut conn = raw(&fake.primary_url());
     let key = format!("{}{{d}}:lease", coord.key_prefix());
@@ -201,11 +203,7 @@ fn expiry_instant(conn: &mut redis::Connection, key: &str) -> Instant {
 /// renewal, with the fake's expiry of it.
 fn kept_alive_lease(fake: &FakeDeployment, test: impl FnOnce(&LockGuard, &mut redis::Connection)) {
     let renewals = Arc::new(Renewals::default());
-    let coord = Coordinator::builder(fake.url())
-        .node_timeout(NODE_TIMEOUT)
-        .observer(renewals.clone())
-        .build()
-        .unwrap();
+    let coord = coordinator(fake, Some(renewals.clone()));
     let lock = coord.lock("kept").unwrap();
     let guard = lock.try_acquire(KEPT_TTL).unwrap().expect("free");
     let _renewal = guard.keep_alive().unwrap();
@@ -276,10 +274,7 @@ fn replies_delayed_past_the_node_timeout_flag_the_lease_before_its_expiry() {
 fn a_restart_without_persistence_loses_the_lease_and_its_tokens() {
     let started = Instant::now();
     let fake = FakeDeployment::start().unwrap();
-    let coord = Coordinator::builder(fake.url())
-        .node_timeout(NODE_TIMEOUT)
-        .build()
-        .unwrap();
+    let coord = coordinator(&fake, None);
     let lock = coord.fenced_lock("{r}:lease", "{r}:fence").unwrap();
     for _ in 0..3 {
         lock.try_acquire(ms(1_000))
@@ -317,10 +312,7 @@ fn a_restart_without_persistence_loses_the_lease_and_its_tokens() {
 fn a_standalone_failover_to_a_replica_without_the_grant_is_flagged_at_the_next_renewal() {
     let started = Instant::now();
     let fake = FakeDeployment::start().unwrap();
-    let coord = Coordinator::builder(fake.url())
-        .node_timeout(NODE_TIMEOUT)
-        .build()
-        .unwrap();
+    let coord = coordinator(&fake, None);
     let lock = coord.lock("unreplicated").unwrap();
     // The grant reaches the primary alone.
     fake.hold_replication();
