@@ -628,4 +628,6 @@ fn _ensure_send_sync() {
     check::<CancelToken>();
     check::<Replication>();
     check::<Error>();
+    #[cfg(feature = "test-util")]
+    check::<fake::FakeDeployment>();
 }

@@ -283,9 +283,3 @@ impl Drop for FakeDeployment {
         }
     }
 }
-
-#[allow(dead_code, reason = "compile-time check only")]
-fn _ensure_send_sync() {
-    fn check<T: Send + Sync>() {}
-    check::<FakeDeployment>();
-}
