@@ -11,7 +11,8 @@
 //! writers, sets of locks, waiters woken by a release (by tracking, and in
 //! FIFO order), keep-alive, a lost lease found by a check, an election,
 //! a Redlock quorum over three deployments, inspections and raw replies in
-//! RESP2 and RESP3, what `INFO` and `ROLE` say. Time passes for real on both
+//! RESP2 and RESP3, what `INFO` and `ROLE` say, `CLIENT LIST` and a kill by
+//! id and address. Time passes for real on both
 //! sides (the fake's clock runs with the machine's); each case takes a
 //! fraction of a second.
 //! `tests/differential.rs` holds the model to `redis-server` command by
@@ -28,7 +29,7 @@ use respire_coordination::{
     ContentionEvent, Coordinator, HeldAs, Observer, PollingEvent, Protocol, RenewalEvent,
 };
 use respire_coordination::{Fairness, RedlockGroup, RedlockOptions};
-use support::{TestServer, shared_server, unique_prefix, wait_until};
+use support::{TestServer, client_list, shared_server, unique_prefix, wait_until};
 
 /// Long enough for a loaded CI machine running many test binaries at once.
 const NODE_TIMEOUT: Duration = Duration::from_millis(200);
@@ -694,6 +695,47 @@ fn a_redlock_quorum_grants_and_releases_on_every_node(t: &Target) {
     assert!(other.try_acquire(&key, ttl).unwrap().is_some());
 }
 
+fn a_connection_is_killed_by_its_id_and_address_only(t: &Target) {
+    let mut victim = t.raw();
+    let name = format!("victim-{}", t.prefix.replace(':', "-"));
+    let (): () = redis::cmd("CLIENT")
+        .arg("SETNAME")
+        .arg(&name)
+        .query(&mut victim)
+        .unwrap();
+    let id: u64 = redis::cmd("CLIENT").arg("ID").query(&mut victim).unwrap();
+    let mut killer = t.raw();
+    let listed = client_list(&mut killer);
+    let entry = listed
+        .iter()
+        .find(|c| c.get("id").map(String::as_str) == Some(id.to_string().as_str()))
+        .expect("the connection is listed by its id");
+    assert_eq!(entry.get("name"), Some(&name));
+    let addr = entry.get("addr").expect("an address").clone();
+    let kill = |conn: &mut redis::Connection, addr: &str| -> i64 {
+        redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("ID")
+            .arg(id)
+            .arg("ADDR")
+            .arg(addr)
+            .arg("SKIPME")
+            .arg("yes")
+            .query(conn)
+            .unwrap()
+    };
+    assert_eq!(
+        kill(&mut killer, "127.0.0.1:1"),
+        0,
+        "killed at another address"
+    );
+    let alive: String = redis::cmd("PING").query(&mut victim).unwrap();
+    assert_eq!(alive, "PONG");
+    assert_eq!(kill(&mut killer, &addr), 1);
+    let after: redis::RedisResult<String> = redis::cmd("PING").query(&mut victim);
+    assert!(after.is_err(), "a killed connection answered {after:?}");
+}
+
 /// Each case once on the fake and once on the real server.
 macro_rules! contract {
     ($($case:ident),* $(,)?) => {
@@ -736,4 +778,5 @@ contract!(
     an_election_has_one_leader_and_its_terms_rise,
     fifo_waiters_get_the_lock_in_the_order_they_came,
     a_redlock_quorum_grants_and_releases_on_every_node,
+    a_connection_is_killed_by_its_id_and_address_only,
 );

@@ -776,19 +776,20 @@ impl World {
             }
             ("getname", 2) => c.name.clone().map_or(Reply::Nil, Reply::Bulk),
             ("setinfo", 4) => ok(),
-            ("info", 2) => Reply::Bulk(
-                format!(
-                    "id={} addr={} laddr={} fd=8 name={} db=0 sub={} psub=0 flags={} resp={}\n",
-                    c.id,
-                    c.peer,
-                    c.local,
-                    String::from_utf8_lossy(c.name.as_deref().unwrap_or_default()),
-                    c.subscribed.len(),
-                    if c.tracking.is_some() { "t" } else { "N" },
-                    if c.resp3 { 3 } else { 2 }
+            ("info", 2) => Reply::Bulk(client_line(c).into_bytes()),
+            ("list", 2) => {
+                let port = c.port;
+                let mut conns: Vec<&Conn> =
+                    self.conns.values().filter(|o| o.port == port).collect();
+                conns.sort_by_key(|o| o.id);
+                Reply::Bulk(
+                    conns
+                        .into_iter()
+                        .map(client_line)
+                        .collect::<String>()
+                        .into_bytes(),
                 )
-                .into_bytes(),
-            ),
+            }
             ("caching", 3) => match (c.tracking, lower(&argv[2]).as_str()) {
                 (Some(t), "yes") if t.optin => {
                     c.caching = true;
@@ -956,6 +957,21 @@ impl World {
             )),
         }
     }
+}
+
+/// What `CLIENT INFO` and `CLIENT LIST` say of a connection: the fields a
+/// client reads (`id`, `addr`, `name`), in a server's format.
+fn client_line(c: &Conn) -> String {
+    format!(
+        "id={} addr={} laddr={} fd=8 name={} db=0 sub={} psub=0 flags={} resp={}\n",
+        c.id,
+        c.peer,
+        c.local,
+        String::from_utf8_lossy(c.name.as_deref().unwrap_or_default()),
+        c.subscribed.len(),
+        if c.tracking.is_some() { "t" } else { "N" },
+        if c.resp3 { 3 } else { 2 }
+    )
 }
 
 /// A reply to `argv` in the connection's protocol. RESP3 gives some
