@@ -162,10 +162,10 @@ fn touches_keys(name: &str) -> bool {
     )
 }
 
-/// The keys a command reads, for tracking: a script's `KEYS`, else every
-/// argument of `DEL`/`EXISTS`/`HMGET`-like commands that name keys is
-/// over-approximated by the first argument (a spurious invalidation wakes a
-/// waiter for nothing; a missed one would leave it asleep).
+/// The keys a command names, tracked as read: a script's `KEYS` (all of
+/// them, read or not), every argument of `EXISTS` and `DEL`, the first
+/// argument of every other data command (each names one key). Too many keys
+/// cost a waiter a spurious wake-up; a key missing would leave it asleep.
 fn read_keys(name: &str, argv: &[Vec<u8>]) -> Vec<Vec<u8>> {
     match name {
         "eval" | "evalsha" | "eval_ro" | "evalsha_ro" => {
