@@ -231,6 +231,18 @@
 //! again in the background until the server answers or the lease would have
 //! expired.
 //!
+//! # Testing your code against lost leases
+//!
+//! The `test-util` feature (for `[dev-dependencies]`) adds
+//! `fake::FakeDeployment`: a Redis server, or a Sentinel deployment, that
+//! runs in your test process on loopback ports, with the same Lua scripts a
+//! server runs and controls a server cannot offer in milliseconds: advance
+//! its clock, pause it, drop or delay replies, lose a key, fail over to a
+//! replica that missed the last writes, restart without persistence. A
+//! [`Coordinator`] connects to it with its URL, so your test exercises your
+//! code's handling of [lease loss](#lease-loss) with the library's real
+//! connection code.
+//!
 //! # Topologies: standalone, Sentinel, Cluster
 //!
 //! A [`Coordinator`] speaks to one deployment of one of three shapes, and every
@@ -398,7 +410,10 @@
 //! connection is created per guard or per waiter. These threads never wait on
 //! a lock held across network I/O, and stop when the last handle
 //! (coordinator, group or guard) that needs them is dropped. A failure in a
-//! background thread flags leases lost and logs; it never panics.
+//! background thread flags leases lost and logs; it never panics. A
+//! `fake::FakeDeployment` (`test-util`) runs threads of its own
+//! (`respire-fake`, one `respire-fake-accept` per port, one
+//! `respire-fake-conn` per connection to it) until it is dropped.
 //!
 //! # Signals
 //!
@@ -553,9 +568,14 @@ mod replication;
 mod report;
 mod runtime;
 mod scripts;
-#[cfg(test)]
+// The model server behind `fake`; the simulation around it is test-only.
+#[cfg(any(test, feature = "test-util"))]
 mod sim;
 mod token;
+
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub mod fake;
 
 pub use cancel::CancelToken;
 pub use conn::Protocol;
@@ -639,4 +659,6 @@ fn _ensure_send_sync() {
     check::<CancelToken>();
     check::<Replication>();
     check::<Error>();
+    #[cfg(feature = "test-util")]
+    check::<fake::FakeDeployment>();
 }

@@ -45,6 +45,7 @@
 //! to the mismatch.
 
 mod support;
+use support::Rng;
 
 #[path = "../src/sim/model/mod.rs"]
 mod model;
@@ -176,31 +177,6 @@ const DEFAULT_CASES: u64 = 200;
 const PLANTED_BUDGET: u64 = 3_000;
 
 // ----- a seeded generator -----
-
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-
-    fn pick<'a>(&mut self, items: &[&'a str]) -> &'a str {
-        items[self.below(items.len())]
-    }
-}
 
 // ----- a plain RESP2 connection, so error texts arrive as they are -----
 
@@ -401,7 +377,7 @@ const ALL_KEYS: [&str; 12] = [
 impl Generator {
     fn new(seed: u64) -> Self {
         Generator {
-            rng: Rng(seed),
+            rng: Rng::new(seed),
             tag: format!("{{diff{seed}}}"),
             leases: Vec::new(),
             permits: Vec::new(),
@@ -414,7 +390,7 @@ impl Generator {
     }
 
     fn focused(mut self) -> Self {
-        self.focus = self.rng.below(6);
+        self.focus = self.rng.index(6);
         self.capacity = self.rng.pick(&["1", "2", "3"]);
         self
     }
@@ -473,9 +449,9 @@ impl Generator {
 
     fn lease_value(&mut self) -> String {
         if !self.leases.is_empty() && self.rng.chance(80) {
-            return self.leases[self.rng.below(self.leases.len())].clone();
+            return self.leases[self.rng.index(self.leases.len())].clone();
         }
-        format!("{}:{}", self.owner(), self.rng.below(3) + 1)
+        format!("{}:{}", self.owner(), self.rng.index(3) + 1)
     }
 
     /// A value a leader advertises.
@@ -485,13 +461,13 @@ impl Generator {
 
     fn permit(&mut self) -> String {
         if !self.permits.is_empty() && self.rng.chance(80) {
-            return self.permits[self.rng.below(self.permits.len())].clone();
+            return self.permits[self.rng.index(self.permits.len())].clone();
         }
         format!(
             "{}:{}:{}",
             self.owner(),
-            self.rng.below(3),
-            self.rng.below(5) + 1
+            self.rng.index(3),
+            self.rng.index(5) + 1
         )
     }
 
@@ -508,7 +484,7 @@ impl Generator {
             return op;
         }
         if self.rng.chance(4) {
-            return Op::Pause(1 + self.rng.below(10) as u64);
+            return Op::Pause(1 + self.rng.index(10) as u64);
         }
         let op = self.draw();
         if self.rng.chance(25) {
@@ -519,8 +495,8 @@ impl Generator {
             };
             let edge = Op::ToEdge {
                 keys,
-                n: self.rng.below(3),
-                offset: self.rng.below(3) as i64 - 1,
+                n: self.rng.index(3),
+                offset: self.rng.index(3) as i64 - 1,
             };
             self.pending = Some(op);
             return edge;
@@ -539,12 +515,12 @@ impl Generator {
         // fenced lease's), 19..21 those of a set of leases, 21..23 those of a
         // lock's queue of waiters.
         let script = match self.focus {
-            0 if self.rng.chance(70) => self.rng.below(4),
-            1 if self.rng.chance(70) => 4 + self.rng.below(7),
-            2 if self.rng.chance(70) => 11 + self.rng.below(6),
-            3 if self.rng.chance(70) => [0, 1, 3, 17, 18][self.rng.below(5)],
-            4 if self.rng.chance(70) => 21 + self.rng.below(2),
-            _ => self.rng.below(23),
+            0 if self.rng.chance(70) => self.rng.index(4),
+            1 if self.rng.chance(70) => 4 + self.rng.index(7),
+            2 if self.rng.chance(70) => 11 + self.rng.index(6),
+            3 if self.rng.chance(70) => [0, 1, 3, 17, 18][self.rng.index(5)],
+            4 if self.rng.chance(70) => 21 + self.rng.index(2),
+            _ => self.rng.index(23),
         };
         match script {
             0 if self.rng.chance(40) => {
@@ -628,7 +604,7 @@ impl Generator {
             }
             6 => {
                 let mut args = vec![self.owner()];
-                match self.rng.below(3) {
+                match self.rng.index(3) {
                     0 => {}
                     1 => args.push("exact".to_owned()),
                     _ => args.push(self.rng.pick(&["exact", "prefix"]).to_owned()),
@@ -690,13 +666,13 @@ impl Generator {
     fn plain(&mut self) -> Op {
         let any = self.pick_key(&ALL_KEYS);
         let s = |items: &[&str]| Op::Command(items.iter().map(|s| (*s).to_owned()).collect());
-        match self.rng.below(16) {
+        match self.rng.index(16) {
             0 => {
                 let (owner, ttl) = (self.owner(), self.ttl());
                 let key = self.key(LEASE);
                 // A lock's attempt: alone with `GET` (Redis 7.0 on), or
                 // pipelined with a `GET` of its own.
-                if self.rng.below(2) == 0 {
+                if self.rng.index(2) == 0 {
                     s(&["SET", &key, &owner, "NX", "PX", &ttl, "GET"])
                 } else {
                     s(&["SET", &key, &owner, "NX", "PX", &ttl])
@@ -725,7 +701,7 @@ impl Generator {
                 s(&["SET", &self.pick_key(&[FENCE, WRITE_FENCE]), value])
             }
             6 => {
-                let (field, value) = match self.rng.below(4) {
+                let (field, value) = match self.rng.index(4) {
                     0 => ("capacity", self.capacity()),
                     1 => (
                         "fence",
@@ -742,7 +718,7 @@ impl Generator {
                 s(&["ZADD", &any, score, member])
             }
             8 => {
-                let bit = self.rng.below(4).to_string();
+                let bit = self.rng.index(4).to_string();
                 s(&["SETBIT", &self.key(SLOTS), &bit, self.rng.pick(&["0", "1"])])
             }
             9 => s(&["SET", &any, "v"]),
@@ -752,9 +728,9 @@ impl Generator {
             }
             11 => {
                 // An absolute time near the server's last reading, or far.
-                let at = match self.rng.below(3) {
+                let at = match self.rng.index(3) {
                     0 => self.rng.pick(&["1", "99999999999999"]).to_owned(),
-                    _ => (self.now + self.rng.below(8) as i64 - 2).to_string(),
+                    _ => (self.now + self.rng.index(8) as i64 - 2).to_string(),
                 };
                 let verb = if self.rng.chance(50) {
                     "PEXPIREAT"
@@ -1148,7 +1124,7 @@ fn seeds(salt: u64, cases: u64) -> Vec<u64> {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
         ^ salt;
-    let mut rng = Rng(base);
+    let mut rng = Rng::new(base);
     (0..cases).map(|_| rng.next() >> 16).collect()
 }
 

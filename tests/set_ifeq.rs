@@ -7,6 +7,7 @@
 //! each refusal causes the loss the script's reply would have caused.
 
 mod support;
+use support::ms;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,10 +17,6 @@ use support::{FaultProxy, Mode, ServerKind, TestServer, unique_prefix, wait_unti
 
 const NODE_TIMEOUT: Duration = Duration::from_millis(100);
 const KINDS: [ServerKind; 2] = [ServerKind::Redis, ServerKind::Valkey];
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 fn start(kind: ServerKind) -> TestServer {
     TestServer::builder().kind(kind).start()

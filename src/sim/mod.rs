@@ -82,19 +82,30 @@
 //! `RESPIRE_SIM_BASE=b` starts the seeds elsewhere (for long runs in chunks),
 //! and `RESPIRE_SIM_TRACE=1` prints its events. A failure prints its seed.
 
+// Built for the fake deployment too; everything else here is the test-only
+// simulation around it.
+pub(crate) mod model;
+
+#[cfg(test)]
 mod contracts;
+#[cfg(test)]
 mod group;
-mod model;
+#[cfg(test)]
 mod single;
 
+#[cfg(test)]
 use std::cmp::Reverse;
+#[cfg(test)]
 use std::collections::BinaryHeap;
+#[cfg(test)]
 use std::time::{Duration, Instant};
 
+#[cfg(test)]
 /// splitmix64: small, fast, and the same everywhere.
 #[derive(Clone, Debug)]
 pub(crate) struct Rng(u64);
 
+#[cfg(test)]
 impl Rng {
     pub(crate) fn new(seed: u64) -> Self {
         Rng(seed ^ 0x9e37_79b9_7f4a_7c15)
@@ -127,6 +138,7 @@ impl Rng {
     }
 }
 
+#[cfg(test)]
 /// Events in time order; ties in the order they were pushed.
 pub(crate) struct Queue<E> {
     heap: BinaryHeap<Reverse<(Duration, u64)>>,
@@ -134,6 +146,7 @@ pub(crate) struct Queue<E> {
     seq: u64,
 }
 
+#[cfg(test)]
 impl<E> Queue<E> {
     pub(crate) fn new() -> Self {
         Queue {
@@ -162,6 +175,7 @@ impl<E> Queue<E> {
     }
 }
 
+#[cfg(test)]
 /// A model network's behaviour for one case.
 #[derive(Clone, Debug)]
 pub(crate) struct Net {
@@ -174,6 +188,7 @@ pub(crate) struct Net {
     pub(crate) p_lose_reply: f64,
 }
 
+#[cfg(test)]
 impl Net {
     pub(crate) fn random(rng: &mut Rng, node_timeout: Duration) -> Net {
         let calm = rng.chance(0.3);
@@ -205,6 +220,7 @@ impl Net {
     }
 }
 
+#[cfg(test)]
 /// How many schedules a test runs, and which seeds.
 pub(crate) fn seeds(default_cases: u64, salt: u64) -> Vec<u64> {
     if let Ok(seed) = std::env::var("RESPIRE_SIM_SEED") {
@@ -227,6 +243,7 @@ pub(crate) fn seeds(default_cases: u64, salt: u64) -> Vec<u64> {
         .collect()
 }
 
+#[cfg(test)]
 /// Runs `case` for every seed on all cores; panics with the first failing seed.
 pub(crate) fn run(name: &str, seeds: Vec<u64>, case: fn(u64) -> Result<Stats, String>) -> Stats {
     let threads = std::thread::available_parallelism()
@@ -270,6 +287,7 @@ pub(crate) fn run(name: &str, seeds: Vec<u64>, case: fn(u64) -> Result<Stats, St
     total
 }
 
+#[cfg(test)]
 /// What the schedules did, so a test can show they reached the interesting states.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Stats {
@@ -310,6 +328,7 @@ pub(crate) struct Stats {
     pub(crate) clock_cuts: u64,
 }
 
+#[cfg(test)]
 impl Stats {
     fn add(&mut self, o: &Stats) {
         self.events += o.events;
@@ -334,18 +353,23 @@ impl Stats {
     }
 }
 
+#[cfg(test)]
 /// The instant `at` after the simulation's start.
 pub(crate) fn instant(origin: Instant, at: Duration) -> Instant {
     origin + at
 }
 
+#[cfg(test)]
 /// The default number of schedules of each test in `cargo test`: 119,000 in
 /// all, within the test suite's time budget (every command of each runs the
 /// shipped Lua on a model server; a Redlock schedule, on three to five).
 const SINGLE_CASES: u64 = 60_000;
+#[cfg(test)]
 const REDLOCK_CASES: u64 = 40_000;
+#[cfg(test)]
 /// Schedules of sets of leases taken all or nothing.
 const SETS_CASES: u64 = 3_000;
+#[cfg(test)]
 /// Schedules each with a failover or a server clock step, or both.
 const FAULTS_CASES: u64 = 16_000;
 

@@ -64,8 +64,8 @@ impl Rng {
     }
 
     /// One of `items` (not empty).
-    pub(crate) fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.index(items.len())]
+    pub(crate) fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.index(items.len())]
     }
 
     /// A generator of its own for another thread or process, drawn from this one.

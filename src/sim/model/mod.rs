@@ -49,6 +49,7 @@ mod server;
 // What drivers name; each build uses part of it.
 #[allow(unused_imports)]
 pub(crate) use keyspace::{Entry, Fields, Value, ZSet, format_g17};
+#[allow(unused_imports)]
 pub(crate) use lua::sha1_hex;
 #[allow(unused_imports)]
 pub(crate) use server::{ClientId, Injected, ModelServer, Persistence, Role};
