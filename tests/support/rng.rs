@@ -29,11 +29,13 @@ impl Rng {
                 .trim()
                 .parse()
                 .unwrap_or_else(|_| panic!("{SEED_VARIABLE}={value:?} is not a number")),
-            Err(_) => {
-                let mut b = [0u8; 8];
-                getrandom::fill(&mut b).expect("random seed");
-                u64::from_le_bytes(b)
-            }
+            // The standard library's hasher keys come from the operating
+            // system's generator: no dependency for the crates that include
+            // this support (the campaign, the benches).
+            Err(_) => std::hash::BuildHasher::hash_one(
+                &std::collections::hash_map::RandomState::new(),
+                std::process::id(),
+            ),
         };
         eprintln!("{name}: seed {seed} (replay with {SEED_VARIABLE}={seed})");
         (Rng::new(seed), seed)
