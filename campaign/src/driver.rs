@@ -65,6 +65,11 @@ campaign run --topology T --workload W [options]
                     of resigning (default 5; 20 for controls)
   --think-ms N      most time between a grant's fenced read and its write
                     (default 8; 60 for the plain-pause control)
+  --liveness-ttls N  after a fault ends (no other under way, none starting
+                    for the window), every key must be granted again within
+                    N TTLs; the run's last N TTLs (at most half of it) are
+                    left without faults for it (default 5; 0, and every
+                    negative control: not judged, no quiet end)
   --out DIR         histories and summary (default: a temporary directory)
   --json            print only the summary line";
 
@@ -93,6 +98,8 @@ pub(crate) struct RunConfig {
     pub(crate) think_ms: u64,
     pub(crate) keep_alive_pct: u64,
     pub(crate) expire_pct: u64,
+    /// `liveness`'s window in TTLs; 0: not judged.
+    pub(crate) liveness_ttls: u64,
     pub(crate) out: Option<PathBuf>,
     pub(crate) json_only: bool,
     pub(crate) args: Vec<String>,
@@ -321,6 +328,11 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             },
         )?,
         expire_pct: num("expire-pct", if control.is_some() { 20 } else { 5 })?,
+        liveness_ttls: if control.is_some() {
+            0
+        } else {
+            num("liveness-ttls", 5)?
+        },
         out: get("out").map(PathBuf::from),
         json_only,
         args: args.to_vec(),
@@ -462,11 +474,15 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
     let mut faults: Vec<FaultRecord> = Vec::new();
     // Warm up: let every worker connect before the first fault.
     thread::sleep(Duration::from_millis(500));
+    // The quiet end `liveness` judges the last fault by.
+    let quiet_end =
+        (Duration::from_millis(cfg.ttl_ms) * cfg.liveness_ttls as u32).min(cfg.duration / 2);
+    let faults_until = cfg.duration - quiet_end;
     while started.elapsed() < cfg.duration {
         let gap = nemesis.gap(cfg.gap.0, cfg.gap.1);
         let left = cfg.duration.saturating_sub(started.elapsed());
         thread::sleep(gap.min(left));
-        if nemesis.kinds.is_empty() || started.elapsed() >= cfg.duration {
+        if nemesis.kinds.is_empty() || started.elapsed() >= faults_until {
             continue;
         }
         let rec = nemesis.strike(&dep, &pids);
@@ -481,6 +497,15 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
             );
         }
         faults.push(rec);
+    }
+    // The last fault may have ended inside the quiet end: stretch it to the
+    // whole window.
+    if let Some(last) = faults.iter().map(|r| r.t1).max() {
+        let until = last + quiet_end.as_nanos() as u64;
+        let now = now_ns();
+        if cfg.liveness_ttls > 0 && until > now {
+            thread::sleep(Duration::from_nanos(until - now) + Duration::from_millis(50));
+        }
     }
     nemesis::heal(&dep);
     let t_end = now_ns();
@@ -523,6 +548,9 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         faults: &faults,
         tallies: &tallies,
         restart_delay_ns: cfg.restart_delay_ms.map(|ms| ms * 1_000_000),
+        ttl_ns: cfg.ttl_ms * 1_000_000,
+        liveness_ns: (cfg.liveness_ttls > 0).then_some(cfg.liveness_ttls * cfg.ttl_ms * 1_000_000),
+        end_ns: Some(t_end),
     });
     let summary = summarize(
         &cfg,
@@ -531,7 +559,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         &findings,
         &tallies,
         samples.len(),
-        t_end - t_start,
+        (t_start, t_end),
     );
     fs::write(out.join("summary.json"), format!("{summary}\n")).map_err(|e| e.to_string())?;
     let mut fault_lines = String::new();
@@ -547,7 +575,9 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
     fs::write(out.join("faults.jsonl"), fault_lines).map_err(|e| e.to_string())?;
     let mut sample_lines = String::new();
     for s in &samples {
-        sample_lines.push_str(&json!({"t_b": s.t_b, "t_a": s.t_a, "nodes": s.nodes}).to_string());
+        sample_lines.push_str(
+            &json!({"t_b": s.t_b, "t_a": s.t_a, "nodes": s.nodes, "ttl": s.ttl}).to_string(),
+        );
         sample_lines.push('\n');
     }
     fs::write(out.join("samples.jsonl"), sample_lines).map_err(|e| e.to_string())?;
@@ -576,6 +606,8 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
             "resource-lost-updates",
             "late-writes",
             "vouched-after-expiry",
+            "vouched-past-ttl",
+            "release-outcome",
             "partial-set",
         ] {
             out.push((c, why));
@@ -682,8 +714,9 @@ fn summarize(
     f: &Findings,
     tallies: &[(String, resource::Tally)],
     samples: usize,
-    elapsed_ns: u64,
+    (t_start, t_end): (u64, u64),
 ) -> serde_json::Value {
+    let elapsed_ns = t_end - t_start;
     let mut by_fault: BTreeMap<&str, u64> = BTreeMap::new();
     let mut not_applied = 0;
     for r in faults {
@@ -719,6 +752,7 @@ fn summarize(
             ],
             Control::IgnoreLoss => &[
                 "vouched-after-expiry",
+                "vouched-past-ttl",
                 "overlap",
                 "server-oracle",
                 "partial-set",
@@ -815,6 +849,15 @@ fn summarize(
         summary["sentinel_debug"] = json!(cfg.sentinel_debug);
     }
     summary["expiry_checks"] = json!(f.expiry_checks);
+    summary["owner_checks"] = json!(f.owner_checks);
+    summary["release_checks"] = json!(f.release_checks);
+    summary["ttl_checks"] = json!(f.ttl_checks);
+    summary["ttl_checks_near_faults"] = json!(f.ttl_checks_near_faults);
+    summary["min_ttl_margin_ms"] = json!(f.min_ttl_margin_ms);
+    summary["liveness_ms"] = json!(cfg.liveness_ttls * cfg.ttl_ms);
+    summary["liveness_checks"] = json!(f.liveness_checks);
+    summary["max_regrant_ms"] = json!(f.max_regrant_ms);
+    summary["t_end_ns"] = json!(t_end);
     summary
 }
 

@@ -165,6 +165,7 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
             t_b: v["t_b"].as_u64().unwrap_or(0),
             t_a: v["t_a"].as_u64().unwrap_or(0),
             nodes: serde_json::from_value(v["nodes"].clone()).unwrap_or_default(),
+            ttl: serde_json::from_value(v["ttl"].clone()).unwrap_or_default(),
         })
         .collect();
     let faults: Vec<FaultRecord> = lines("faults.jsonl")
@@ -226,21 +227,58 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
         restart_delay_ns: summary["restart_delay_ms"]
             .as_u64()
             .map(|ms| ms * 1_000_000),
+        ttl_ns: summary["ttl_ms"].as_u64().unwrap_or(600) * 1_000_000,
+        liveness_ns: summary["liveness_ms"]
+            .as_u64()
+            .filter(|&ms| ms > 0)
+            .map(|ms| ms * 1_000_000),
+        end_ns: summary["t_end_ns"].as_u64(),
     });
     println!(
-        "{} grants, {} samples, {} faults, {} oracle checks",
+        "{} grants, {} samples, {} faults, {} oracle checks, {} owner checks, {} release checks, {} ttl checks ({} near faults, min margin {:?} ms), {} liveness checks (longest wait {:?} ms)",
         hist.grants.len(),
         samples.len(),
         faults.len(),
-        f.oracle_checks
+        f.oracle_checks,
+        f.owner_checks,
+        f.release_checks,
+        f.ttl_checks,
+        f.ttl_checks_near_faults,
+        f.min_ttl_margin_ms,
+        f.liveness_checks,
+        f.max_regrant_ms
     );
+    // The checkers the run's model left free to fire, as its summary
+    // recorded them.
+    let allowed: Vec<&str> = summary["allowed"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|a| a[0].as_str())
+        .collect();
+    let mut violations = 0;
     for (name, n) in &f.counts {
-        println!("{name:<24} {n}");
+        let free = allowed.contains(name);
+        if !free {
+            violations += n;
+        }
+        println!(
+            "{name:<40} {n}{}",
+            if free { " (allowed by the model)" } else { "" }
+        );
         for ex in f.examples.get(name).into_iter().flatten() {
             println!("    {ex}");
         }
     }
-    Ok(())
+    println!("violations of the promised model: {violations}");
+    match summary["control"].as_str() {
+        Some(control) => {
+            println!("negative control {control}: violations are what it shows");
+            Ok(())
+        }
+        None if violations > 0 => Err(format!("{violations} violations")),
+        None => Ok(()),
+    }
 }
 
 /// `campaign gaps DIR`: where a finished run's time went around its faults.
