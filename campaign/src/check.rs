@@ -59,6 +59,9 @@ pub(crate) struct Findings {
     pub(crate) owner_checks: u64,
     /// Release outcomes judged against the samples (`release-outcome`).
     pub(crate) release_checks: u64,
+    /// `verify_still_held`, `proclaim` and `reset_expiry` answers judged
+    /// against the samples (`held-answers`).
+    pub(crate) answer_checks: u64,
     /// Claims judged by `vouched-past-ttl`, and of those the ones whose
     /// claim touched a fault (from its start to two TTLs after its end).
     pub(crate) ttl_checks: u64,
@@ -155,6 +158,7 @@ pub(crate) fn check(inp: &Inputs<'_>) -> Findings {
             owned = owners(inp, &claims, &mut f);
         }
         releases(inp, &owned, &mut f);
+        answers(inp, &owned, &mut f);
         past_ttl(inp, &claims, &owned, &mut f);
     }
     if inp.liveness_ns.is_some() {
@@ -777,6 +781,76 @@ fn releases(inp: &Inputs<'_>, owned: &HashMap<(u64, u64), String>, f: &mut Findi
     }
 }
 
+/// `held-answers`: what `verify_still_held`, `proclaim` and `reset_expiry`
+/// answered, against the samples. A lease's value never comes back once
+/// gone, so:
+///
+/// - an answer that the lease is held (any of the three) means the server
+///   held it at some instant of the call: no sample read after the grant
+///   and before the call shows the key without it;
+/// - `verify_still_held` answering that it is not held means the server did
+///   not hold it at some instant of the call: no sample read after the call
+///   returned shows it. (A `false` from `reset_expiry` or `proclaim` may be
+///   the guard's own loss deadline, with the lease still on the server.)
+fn answers(inp: &Inputs<'_>, owned: &HashMap<(u64, u64), String>, f: &mut Findings) {
+    f.zero("held-answers");
+    let grant_of: HashMap<(u64, u64), &Grant> =
+        inp.hist.grants.iter().map(|g| ((g.w, g.n), g)).collect();
+    for a in &inp.hist.answers {
+        let (Some(held), Some(g)) = (a.held, grant_of.get(&(a.w, a.n))) else {
+            continue;
+        };
+        let Some(k) = inp.keys.iter().position(|k| *k == g.key) else {
+            continue;
+        };
+        let start = inp.samples.partition_point(|s| s.t_b < g.g);
+        let mut judged = false;
+        for s in &inp.samples[start..] {
+            let Some(v) = s.nodes[0][k].as_deref() else {
+                continue;
+            };
+            let Some(mine) = ours(inp, owned, g, v) else {
+                break;
+            };
+            if held && s.t_a < a.s {
+                judged = true;
+                if !mine {
+                    f.hit("held-answers", || {
+                        format!(
+                            "{} {} answered held over [{:.3}, {:.3}] ms, yet the server held {v:?} without it at {:.3} ms",
+                            who(g),
+                            a.call,
+                            ms(a.s),
+                            ms(a.r),
+                            ms(s.t_b)
+                        )
+                    });
+                    break;
+                }
+            } else if !held && a.call == "verify" && s.t_b > a.r {
+                judged = true;
+                if mine {
+                    f.hit("held-answers", || {
+                        format!(
+                            "{} verify answered not held over [{:.3}, {:.3}] ms, yet the server held it at {:.3} ms",
+                            who(g),
+                            ms(a.s),
+                            ms(a.r),
+                            ms(s.t_b)
+                        )
+                    });
+                }
+                break;
+            } else if s.t_b > a.r {
+                break;
+            }
+        }
+        if judged {
+            f.answer_checks += 1;
+        }
+    }
+}
+
 /// What is left (ms) of grant `g`'s lease in one column of a sample, when
 /// the column shows it (`i64::MAX`: no expiry); readers: of the latest
 /// live reader's, since readers are not named.
@@ -911,7 +985,9 @@ fn past_ttl(
 
 /// `liveness`: after a fault ends, with no other fault under way and none
 /// starting for the window, every key is granted again within the window
-/// (`liveness_ns`, a stated number of TTLs), unless the run stopped first.
+/// (`liveness_ns`, a stated number of TTLs) — or vouched for by one holder
+/// from the fault's end through the whole window —, unless the run stopped
+/// first.
 fn liveness(inp: &Inputs<'_>, f: &mut Findings) {
     f.zero("liveness");
     let (Some(window), Some(end)) = (inp.liveness_ns, inp.end_ns) else {
@@ -921,6 +997,13 @@ fn liveness(inp: &Inputs<'_>, f: &mut Findings) {
     for g in &inp.hist.grants {
         by_key.entry(g.key.as_str()).or_default().push(g.g);
     }
+    // A holder that vouched through the whole window kept the key in use.
+    let held_through = |key: &str, from: u64, to: u64| {
+        inp.hist
+            .grants
+            .iter()
+            .any(|g| g.key == key && g.g <= from && g.v.is_some_and(|v| v >= to))
+    };
     for times in by_key.values_mut() {
         times.sort_unstable();
     }
@@ -949,6 +1032,7 @@ fn liveness(inp: &Inputs<'_>, f: &mut Findings) {
                     let wait = ms(g - heal);
                     f.max_regrant_ms = Some(f.max_regrant_ms.map_or(wait, |m: f64| m.max(wait)));
                 }
+                _ if held_through(key, heal, heal + window) => {}
                 _ => f.hit("liveness", || {
                     format!(
                         "key {key}: no grant within {:.0} ms after {} on {} ended at {:.3} ms (next: {})",
@@ -1348,6 +1432,46 @@ mod tests {
         c.end_ms = Some(900);
         assert_eq!(c.count("liveness"), 0);
         assert_eq!(c.run().liveness_checks, 0);
+    }
+
+    #[test]
+    fn liveness_accepts_a_key_held_through_the_window() {
+        let through = grant(0, 1, "k0", 1, (0, 1, 1500));
+        let mut c = case(Workload::Fenced, vec![through], vec![]);
+        c.faults = vec![fault(20, 100)];
+        c.liveness_ms = Some(1000);
+        c.end_ms = Some(5000);
+        assert_eq!(c.count("liveness"), 0);
+        c.hist.grants[0].v = Some(1000 * MS);
+        assert_eq!(c.count("liveness"), 1);
+    }
+
+    #[test]
+    fn held_answers_reject_answers_the_samples_contradict() {
+        use crate::history::Answer;
+        let g = grant(0, 1, "k0", 7, (0, 1, 100));
+        let answer = |call: &str, s, held| Answer {
+            w: 0,
+            n: 1,
+            call: call.into(),
+            s: s * MS,
+            r: (s + 2) * MS,
+            held: Some(held),
+        };
+        let samples = vec![one(10, "x:7", "500"), one(50, "", "-2"), one(90, "", "-2")];
+        let mut c = case(Workload::Fenced, vec![g], samples);
+        c.hist.answers = vec![answer("verify", 20, true), answer("verify", 60, false)];
+        assert_eq!(c.count("held-answers"), 0);
+        assert_eq!(c.run().answer_checks, 2);
+        // Held, after a sample showed the lease gone.
+        c.hist.answers = vec![answer("reset", 60, true)];
+        assert_eq!(c.count("held-answers"), 1);
+        // Not held, before a sample showed it there.
+        c.hist.answers = vec![answer("verify", 5, false)];
+        assert_eq!(c.count("held-answers"), 1);
+        // A `false` from reset may be the guard's own deadline.
+        c.hist.answers = vec![answer("reset", 5, false)];
+        assert_eq!(c.count("held-answers"), 0);
     }
 
     #[test]

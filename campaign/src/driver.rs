@@ -63,6 +63,14 @@ campaign run --topology T --workload W [options]
                     redlock-restart)
   --expire-pct N    elections: leaderships that let the lease expire instead
                     of resigning (default 5; 20 for controls)
+  --long-hold-pct N  grants held with a keep-alive for 3-5 TTLs (6-10
+                    renewals; default 2; 0 for controls)
+  --verify-pct N    grants that call verify_still_held (a leader: proclaim)
+                    once while held (default 10; 0 for controls)
+  --reset-pct N     grants that call reset_expiry (Redlock: extend) once
+                    while held, with a TTL of 0.5-2 TTLs (default 10; 0 for
+                    controls)
+  --fairness F      the lock workload's Fairness: barging (default) or fifo
   --think-ms N      most time between a grant's fenced read and its write
                     (default 8; 60 for the plain-pause control)
   --liveness-ttls N  after a fault ends (no other under way, none starting
@@ -97,6 +105,10 @@ pub(crate) struct RunConfig {
     pub(crate) gap: (u64, u64),
     pub(crate) think_ms: u64,
     pub(crate) keep_alive_pct: u64,
+    pub(crate) long_hold_pct: u64,
+    pub(crate) verify_pct: u64,
+    pub(crate) reset_pct: u64,
+    pub(crate) fifo: bool,
     pub(crate) expire_pct: u64,
     /// `liveness`'s window in TTLs; 0: not judged.
     pub(crate) liveness_ttls: u64,
@@ -328,6 +340,15 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             },
         )?,
         expire_pct: num("expire-pct", if control.is_some() { 20 } else { 5 })?,
+        long_hold_pct: num("long-hold-pct", if control.is_some() { 0 } else { 2 })?,
+        verify_pct: num("verify-pct", if control.is_some() { 0 } else { 10 })?,
+        reset_pct: num("reset-pct", if control.is_some() { 0 } else { 10 })?,
+        fifo: match get("fairness").as_deref() {
+            None | Some("barging") => false,
+            Some("fifo") if workload == Workload::Lock => true,
+            Some("fifo") => return Err("--fairness fifo is for the lock workload".into()),
+            Some(other) => return Err(format!("--fairness {other:?}: barging or fifo")),
+        },
         liveness_ttls: if control.is_some() {
             0
         } else {
@@ -435,6 +456,10 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
             restart_delay_ms: cfg.restart_delay_ms,
             capacity: cfg.capacity,
             keep_alive_pct: cfg.keep_alive_pct,
+            long_hold_pct: cfg.long_hold_pct,
+            verify_pct: cfg.verify_pct,
+            reset_pct: cfg.reset_pct,
+            fifo: cfg.fifo,
             expire_pct: cfg.expire_pct,
             ignore_loss: cfg.control == Some(Control::IgnoreLoss),
             poll_follower: cfg.control == Some(Control::PollFollower),
@@ -851,6 +876,17 @@ fn summarize(
     summary["expiry_checks"] = json!(f.expiry_checks);
     summary["owner_checks"] = json!(f.owner_checks);
     summary["release_checks"] = json!(f.release_checks);
+    summary["answer_checks"] = json!(f.answer_checks);
+    let mut calls: BTreeMap<String, u64> = BTreeMap::new();
+    for a in &hist.answers {
+        let label = match a.held {
+            Some(true) => "held",
+            Some(false) => "not held",
+            None => "error",
+        };
+        *calls.entry(format!("{} {label}", a.call)).or_default() += 1;
+    }
+    summary["answers"] = json!(calls);
     summary["ttl_checks"] = json!(f.ttl_checks);
     summary["ttl_checks_near_faults"] = json!(f.ttl_checks_near_faults);
     summary["min_ttl_margin_ms"] = json!(f.min_ttl_margin_ms);

@@ -91,6 +91,21 @@ pub(crate) struct Observed {
     pub(crate) term: Option<u64>,
 }
 
+/// What a call that asks the server about a held lease answered.
+#[derive(Debug, Clone)]
+pub(crate) struct Answer {
+    pub(crate) w: u64,
+    pub(crate) n: u64,
+    /// `verify` (`verify_still_held`), `proclaim` or `reset`
+    /// (`reset_expiry`, Redlock's `extend`).
+    pub(crate) call: String,
+    /// When it was called and when it returned.
+    pub(crate) s: u64,
+    pub(crate) r: u64,
+    /// `None`: it returned an error.
+    pub(crate) held: Option<bool>,
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct Histories {
     pub(crate) grants: Vec<Grant>,
@@ -108,6 +123,8 @@ pub(crate) struct Histories {
     pub(crate) observed: Vec<Observed>,
     /// Errors the followers' iterators returned, by message.
     pub(crate) observe_errors: HashMap<String, u64>,
+    /// What `verify`, `proclaim` and `reset` calls answered.
+    pub(crate) answers: Vec<Answer>,
 }
 
 /// The words of `Error::ReplicationHistoryLost`'s message.
@@ -196,6 +213,14 @@ pub(crate) fn load(files: &[impl AsRef<Path>]) -> Histories {
                     key: e["key"].as_str().unwrap_or_default().to_string(),
                     t: u("t"),
                     term: e["term"].as_u64(),
+                }),
+                Some("answer") => h.answers.push(Answer {
+                    w: u("w"),
+                    n: u("n"),
+                    call: e["call"].as_str().unwrap_or_default().to_string(),
+                    s: u("s"),
+                    r: u("r"),
+                    held: e["held"].as_bool(),
                 }),
                 Some("obs-err") => {
                     *h.observe_errors

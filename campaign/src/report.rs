@@ -235,13 +235,14 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
         end_ns: summary["t_end_ns"].as_u64(),
     });
     println!(
-        "{} grants, {} samples, {} faults, {} oracle checks, {} owner checks, {} release checks, {} ttl checks ({} near faults, min margin {:?} ms), {} liveness checks (longest wait {:?} ms)",
+        "{} grants, {} samples, {} faults, {} oracle checks, {} owner checks, {} release checks, {} answer checks, {} ttl checks ({} near faults, min margin {:?} ms), {} liveness checks (longest wait {:?} ms)",
         hist.grants.len(),
         samples.len(),
         faults.len(),
         f.oracle_checks,
         f.owner_checks,
         f.release_checks,
+        f.answer_checks,
         f.ttl_checks,
         f.ttl_checks_near_faults,
         f.min_ttl_margin_ms,
