@@ -35,6 +35,9 @@ campaign run --topology T --workload W [options]
                     restart-partitioned stop pause-worker delay
                     blackhole drop-requests drop-replies client-kill oom
                     failover kill-primary takeover migrate unreplicated-failover
+                    cut-client-sentinel cut-sentinel-primary (Sentinel)
+                    cut-primary-replica cut-client-primary (Sentinel, Cluster)
+                    split (Sentinel) pair (two of the row's mix at once)
   --control C       a negative control: plain-pause | redlock-restart |
                     sentinel-unreplicated | ignore-loss | restart-no-aof |
                     poll-follower | partial-guard (sets the options and
@@ -360,6 +363,12 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
     })
 }
 
+/// A data server's URL as the campaign's own user, which no fault switches
+/// off.
+fn oracle_url(server: &TestServer) -> String {
+    server.url_for_user(crate::topo::ORACLE_USER.0, crate::topo::ORACLE_USER.1)
+}
+
 struct Worker {
     child: Child,
     out: PathBuf,
@@ -413,7 +422,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         Topology::Sentinel => {
             let s = dep.sentinel.as_ref().expect("a sentinel deployment");
             Source::Sentinel {
-                servers: s.servers().iter().map(TestServer::url).collect(),
+                servers: s.servers().iter().map(oracle_url).collect(),
                 sentinels: s.sentinel_urls(),
                 service: s.service().to_string(),
             }
@@ -424,7 +433,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
                 .expect("a cluster")
                 .nodes()
                 .iter()
-                .map(TestServer::url)
+                .map(oracle_url)
                 .collect(),
         ),
     };

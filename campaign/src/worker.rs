@@ -51,6 +51,7 @@ use crate::clock::now_ns;
 use crate::resource::{Reply, Resource};
 use crate::rng::Rng;
 use crate::spec::{Connect, WorkerSpec, Workload};
+use crate::topo::APP_USER;
 
 /// The primitive handles for one logical key.
 enum Handle {
@@ -670,11 +671,19 @@ fn connect(spec: &WorkerSpec) -> Result<(Vec<Handle>, Option<RedlockGroup>), Str
         Connect::Standalone(url) => build(Coordinator::builder(url))?,
         Connect::Sentinel { sentinels, service } => {
             let urls: Vec<&str> = sentinels.iter().map(String::as_str).collect();
-            build(Coordinator::sentinel_builder(&urls, service))?
+            build(
+                Coordinator::sentinel_builder(&urls, service)
+                    .username(APP_USER.0)
+                    .password(APP_USER.1),
+            )?
         }
         Connect::Cluster(seeds) => {
             let urls: Vec<&str> = seeds.iter().map(String::as_str).collect();
-            build(Coordinator::cluster_builder(&urls))?
+            build(
+                Coordinator::cluster_builder(&urls)
+                    .username(APP_USER.0)
+                    .password(APP_USER.1),
+            )?
         }
         Connect::Redlock(_) => unreachable!("handled above"),
     };
