@@ -952,9 +952,24 @@ fn past_ttl(
         };
         let v = g.v.unwrap_or(g.g);
         let start = inp.samples.partition_point(|s| s.t_b < g.g);
+        // The nemesis's own reads before a stop count too: a renewal between
+        // the oracle's last sample and the stop shows there only.
+        let before_stops = inp
+            .faults
+            .iter()
+            .flat_map(|r| r.pttl.iter().chain(&r.reads))
+            .filter(|p| {
+                p.key == k
+                    && p.t_b >= g.g
+                    && p.pttl_ms > 0
+                    && inp.workload != Workload::Redlock
+                    && ours(inp, owned, g, &p.value) == Some(true)
+            })
+            .map(|p| p.t_a + p.pttl_ms as u64 * 1_000_000);
         let Some(bound) = inp.samples[start..]
             .iter()
             .filter_map(|s| sample_bound(inp, owned, g, s, k, quorum))
+            .chain(before_stops)
             .max()
         else {
             continue;
@@ -1117,6 +1132,7 @@ mod tests {
             note: String::new(),
             pttl: Vec::new(),
             restarted: Vec::new(),
+            reads: Vec::new(),
         }
     }
 
@@ -1367,6 +1383,22 @@ mod tests {
         // A later renewal seen by a later sample moves the bound.
         let renewed = vec![one(5, "x:7", "100"), one(90, "x:7", "600")];
         let c = case(Workload::Fenced, vec![lost(150)], renewed);
+        assert_eq!(c.count("vouched-past-ttl"), 0);
+        // So does one the nemesis read just before it stopped the server.
+        let mut c = case(
+            Workload::Fenced,
+            vec![lost(150)],
+            vec![one(5, "x:7", "100")],
+        );
+        let mut stop = fault(60, 400);
+        stop.pttl = vec![PttlSample {
+            key: 0,
+            value: "x:7".into(),
+            pttl_ms: 590,
+            t_b: 59 * MS,
+            t_a: 60 * MS,
+        }];
+        c.faults = vec![stop];
         assert_eq!(c.count("vouched-past-ttl"), 0);
     }
 

@@ -38,9 +38,10 @@ campaign run --topology T --workload W [options]
                     cut-client-sentinel cut-sentinel-primary (Sentinel)
                     cut-primary-replica cut-client-primary (Sentinel, Cluster)
                     split (Sentinel) pair (two of the row's mix at once)
+                    clock-step (--server-clock faketime)
   --control C       a negative control: plain-pause | redlock-restart |
                     sentinel-unreplicated | ignore-loss | restart-no-aof |
-                    poll-follower | partial-guard (sets the options and
+                    poll-follower | partial-guard | clock-jump (sets the options and
                     the nemesis, and the workload unless given; the checkers
                     must find a violation)
   --workers N       worker processes (default 12; 4 for controls)
@@ -74,6 +75,11 @@ campaign run --topology T --workload W [options]
                     while held, with a TTL of 0.5-2 TTLs (default 10; 0 for
                     controls)
   --fairness F      the lock workload's Fairness: barging (default) or fifo
+  --server-clock C  real (default) or faketime: standalone and Redlock
+                    servers run Valkey 8.1 under libfaketime, whose wall
+                    clock clock-step moves
+  --clock-step-ms LO-HI  clock-step's steps (default 0.05-0.25 TTLs; 1-2
+                    TTLs for the clock-jump control)
   --think-ms N      most time between a grant's fenced read and its write
                     (default 8; 60 for the plain-pause control)
   --liveness-ttls N  after a fault ends (no other under way, none starting
@@ -112,6 +118,10 @@ pub(crate) struct RunConfig {
     pub(crate) verify_pct: u64,
     pub(crate) reset_pct: u64,
     pub(crate) fifo: bool,
+    /// Standalone and Redlock servers run Valkey under libfaketime.
+    pub(crate) faketime: bool,
+    /// `clock-step`'s range of steps, in milliseconds.
+    pub(crate) clock_step_ms: (u64, u64),
     pub(crate) expire_pct: u64,
     /// `liveness`'s window in TTLs; 0: not judged.
     pub(crate) liveness_ttls: u64,
@@ -161,6 +171,7 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
     let mut nemesis_arg = get("nemesis").unwrap_or_else(|| "mix".into());
     let mut require = None;
     let mut restart_delay_default = true;
+    let mut server_clock = get("server-clock");
     match control {
         Some(Control::PlainPause) => {
             topology.get_or_insert(Topology::Standalone { aof: true });
@@ -193,6 +204,12 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             topology = Some(Topology::Standalone { aof: false });
             workload = Some(Workload::Election);
             nemesis_arg = "kill".into();
+        }
+        Some(Control::ClockJump) => {
+            topology.get_or_insert(Topology::Standalone { aof: true });
+            workload.get_or_insert(Workload::Fenced);
+            nemesis_arg = "clock-step".into();
+            server_clock = Some("faketime".to_string());
         }
         Some(Control::PartialGuard) => {
             topology.get_or_insert(Topology::Standalone { aof: true });
@@ -346,6 +363,32 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
         long_hold_pct: num("long-hold-pct", if control.is_some() { 0 } else { 2 })?,
         verify_pct: num("verify-pct", if control.is_some() { 0 } else { 10 })?,
         reset_pct: num("reset-pct", if control.is_some() { 0 } else { 10 })?,
+        clock_step_ms: match get("clock-step-ms") {
+            None if control == Some(Control::ClockJump) => (ttl_ms, ttl_ms * 2),
+            None => (ttl_ms / 20, ttl_ms / 4),
+            Some(g) => {
+                let (lo, hi) = g.split_once('-').ok_or("--clock-step-ms LO-HI")?;
+                (
+                    lo.parse().map_err(|_| "--clock-step-ms")?,
+                    hi.parse().map_err(|_| "--clock-step-ms")?,
+                )
+            }
+        },
+        faketime: match server_clock.as_deref() {
+            None | Some("real") => false,
+            Some("faketime")
+                if matches!(
+                    topology,
+                    Topology::Standalone { .. } | Topology::Redlock { .. }
+                ) =>
+            {
+                true
+            }
+            Some("faketime") => {
+                return Err("--server-clock faketime is for standalone and Redlock servers".into());
+            }
+            Some(other) => return Err(format!("--server-clock {other:?}: real or faketime")),
+        },
         fifo: match get("fairness").as_deref() {
             None | Some("barging") => false,
             Some("fifo") if workload == Workload::Lock => true,
@@ -402,7 +445,12 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         out.display()
     ));
     let resource_server = TestServer::start();
-    let dep = Deployment::start(cfg.topology, cfg.replicas, &cfg.sentinel_debug);
+    let dep = Deployment::start(
+        cfg.topology,
+        cfg.replicas,
+        &cfg.sentinel_debug,
+        cfg.faketime.then_some(out.as_path()),
+    );
     let prefix = "camp:".to_string();
     let keys: Vec<String> = (0..cfg.keys).map(|i| format!("k{i}")).collect();
     let physical: Vec<String> = keys
@@ -502,6 +550,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         },
         slot_keys: keys.iter().map(|k| format!("{{{k}}}")).collect(),
         histories: workers.iter().map(|w| w.out.clone()).collect(),
+        clock_step_ms: cfg.clock_step_ms,
     };
     let started = Instant::now();
     let t_start = now_ns();
@@ -601,7 +650,8 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         fault_lines.push_str(
             &json!({"fault": r.fault.name(), "target": r.target, "t0": r.t0, "t1": r.t1,
                 "applied": r.applied, "note": r.note, "restarted": r.restarted,
-                "pttl": r.pttl.iter().map(|p| json!({"key": p.key, "value": p.value, "pttl_ms": p.pttl_ms, "t_b": p.t_b, "t_a": p.t_a})).collect::<Vec<_>>()})
+                "pttl": r.pttl.iter().map(|p| json!({"key": p.key, "value": p.value, "pttl_ms": p.pttl_ms, "t_b": p.t_b, "t_a": p.t_a})).collect::<Vec<_>>(),
+                "reads": r.reads.iter().map(|p| json!({"key": p.key, "value": p.value, "pttl_ms": p.pttl_ms, "t_b": p.t_b, "t_a": p.t_a})).collect::<Vec<_>>()})
             .to_string(),
         );
         fault_lines.push('\n');
@@ -666,6 +716,13 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
     if cfg.control == Some(Control::IgnoreLoss) {
         state_lost(
             "a planted client bug: workers that ignore is_lost() vouch past their loss",
+            &mut out,
+        );
+        return out;
+    }
+    if cfg.control == Some(Control::ClockJump) {
+        state_lost(
+            "a server clock stepped forward by more than a lease has left ends it on the server before any renewal can see the step",
             &mut out,
         );
         return out;
@@ -800,6 +857,12 @@ fn summarize(
             ],
             Control::PollFollower => &["observe-regression"],
             Control::PartialGuard => &["partial-guard"],
+            Control::ClockJump => &[
+                "vouched-past-ttl",
+                "overlap",
+                "server-oracle",
+                "vouched-after-expiry",
+            ],
         };
         expected
             .iter()

@@ -88,6 +88,10 @@ pub(crate) enum Fault {
     /// Two faults of the row's mix at once, the second starting 0-300 ms
     /// after the first.
     Pair,
+    /// A server's wall clock stepped forward (libfaketime, `--server-clock
+    /// faketime`) by `clock_step_ms` (default 0.05-0.25 TTLs): every key
+    /// there expires that much earlier.
+    ClockStep,
 }
 
 impl Fault {
@@ -116,10 +120,11 @@ impl Fault {
             Fault::CutClientPrimary => "cut-client-primary",
             Fault::Split => "split",
             Fault::Pair => "pair",
+            Fault::ClockStep => "clock-step",
         }
     }
 
-    const ALL: [Fault; 23] = [
+    const ALL: [Fault; 24] = [
         Fault::Kill,
         Fault::KillMajority,
         Fault::RestartPausedWorker,
@@ -143,6 +148,7 @@ impl Fault {
         Fault::CutClientPrimary,
         Fault::Split,
         Fault::Pair,
+        Fault::ClockStep,
     ];
 
     /// The default mix of a topology: every fault it supports.
@@ -230,6 +236,9 @@ pub(crate) struct FaultRecord {
     pub(crate) pttl: Vec<PttlSample>,
     /// The indices of the servers killed and restarted, if any.
     pub(crate) restarted: Vec<usize>,
+    /// Reads like `pttl` made for a fault that ended later than the stop
+    /// (a stop in a `pair`): what the server held, without the stop's end.
+    pub(crate) reads: Vec<PttlSample>,
 }
 
 /// A key's value and PTTL read on the server just before a fault.
@@ -253,6 +262,8 @@ pub(crate) struct Nemesis {
     pub(crate) slot_keys: Vec<String>,
     /// The workers' history files, to find one that holds a lease.
     pub(crate) histories: Vec<std::path::PathBuf>,
+    /// `clock-step`'s range of steps, in milliseconds.
+    pub(crate) clock_step_ms: (u64, u64),
 }
 
 /// Whether a worker's history ends inside a grant (its last event is the
@@ -307,6 +318,7 @@ impl Nemesis {
             note: String::new(),
             pttl: Vec::new(),
             restarted: Vec::new(),
+            reads: Vec::new(),
         };
         let outcome = catch_unwind(AssertUnwindSafe(|| {
             self.cause(fault, dep, workers, &mut record);
@@ -610,6 +622,7 @@ impl Nemesis {
                     pttl_keys: self.pttl_keys.clone(),
                     slot_keys: self.slot_keys.clone(),
                     histories: self.histories.clone(),
+                    clock_step_ms: self.clock_step_ms,
                 };
                 let mut rec_a = rec.clone();
                 let mut rec_b = rec.clone();
@@ -630,8 +643,28 @@ impl Nemesis {
                     rec_b.target
                 );
                 rec.note = format!("{} / {} ms later: {}", rec_a.note, lag, rec_b.note);
-                rec.pttl = rec_a.pttl.into_iter().chain(rec_b.pttl).collect();
+                // The pair ends after the stop's resume: the stop's reads
+                // are kept, but not as a stop's.
+                rec.reads = [rec_a.pttl, rec_a.reads, rec_b.pttl, rec_b.reads].concat();
                 rec.restarted = rec_a.restarted.into_iter().chain(rec_b.restarted).collect();
+            }
+            Fault::ClockStep => {
+                assert!(
+                    !dep.clock_files.is_empty(),
+                    "clock-step needs --server-clock faketime"
+                );
+                let i = self.rng.range(0, dep.clock_files.len() as u64 - 1) as usize;
+                let file = &dep.clock_files[i];
+                let step = self.rng.range(self.clock_step_ms.0, self.clock_step_ms.1);
+                let was: f64 = std::fs::read_to_string(file)
+                    .ok()
+                    .and_then(|t| t.trim().trim_start_matches('+').parse().ok())
+                    .unwrap_or(0.0);
+                let now = was + step as f64 / 1000.0;
+                rec.target = format!("server {i}");
+                rec.note = format!("+{step} ms (+{now:.3} s in all)");
+                rec.t0 = now_ns();
+                std::fs::write(file, format!("+{now:.3}")).expect("write the faketime offset");
             }
             Fault::UnreplicatedFailover => {
                 let s = dep.sentinel.as_ref().expect("sentinel");

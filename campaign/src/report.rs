@@ -136,6 +136,21 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
 /// `campaign check DIR`: the checkers again over a finished run's saved
 /// histories, faults, server samples and summary; prints the counts and
 /// examples.
+/// A fault's recorded reads of the keys.
+fn reads(v: &Value) -> Vec<PttlSample> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| PttlSample {
+            key: p["key"].as_u64().unwrap_or(0) as usize,
+            value: p["value"].as_str().unwrap_or_default().to_string(),
+            pttl_ms: p["pttl_ms"].as_i64().unwrap_or(0),
+            t_b: p["t_b"].as_u64().unwrap_or(0),
+            t_a: p["t_a"].as_u64().unwrap_or(0),
+        })
+        .collect()
+}
+
 pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
     let dir = Path::new(args.first().ok_or("campaign check DIR")?);
     let read = |name: &str| fs::read_to_string(dir.join(name)).unwrap_or_default();
@@ -181,18 +196,8 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
             t1: v["t1"].as_u64().unwrap_or(0),
             applied: v["applied"].as_bool().unwrap_or(false),
             note: String::new(),
-            pttl: v["pttl"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|p| PttlSample {
-                    key: p["key"].as_u64().unwrap_or(0) as usize,
-                    value: p["value"].as_str().unwrap_or_default().to_string(),
-                    pttl_ms: p["pttl_ms"].as_i64().unwrap_or(0),
-                    t_b: p["t_b"].as_u64().unwrap_or(0),
-                    t_a: p["t_a"].as_u64().unwrap_or(0),
-                })
-                .collect(),
+            pttl: reads(&v["pttl"]),
+            reads: reads(&v["reads"]),
             restarted: serde_json::from_value(v["restarted"].clone()).unwrap_or_default(),
         })
         .collect();

@@ -134,6 +134,10 @@ pub(crate) enum Control {
     /// bug: workers that leave the last key of each set out of the request
     /// but record the set whole, as if the guard held it.
     PartialGuard,
+    /// A standalone server's wall clock (Valkey under libfaketime) stepped
+    /// forward by 1-2 TTLs: its keys expire at once, before any renewal
+    /// pipeline can read the step.
+    ClockJump,
 }
 
 impl FromStr for Control {
@@ -147,9 +151,10 @@ impl FromStr for Control {
             "restart-no-aof" => Control::RestartNoAof,
             "poll-follower" => Control::PollFollower,
             "partial-guard" => Control::PartialGuard,
+            "clock-jump" => Control::ClockJump,
             _ => {
                 return Err(format!(
-                    "unknown control {s:?} (plain-pause, redlock-restart, sentinel-unreplicated, ignore-loss, restart-no-aof, poll-follower, partial-guard)"
+                    "unknown control {s:?} (plain-pause, redlock-restart, sentinel-unreplicated, ignore-loss, restart-no-aof, poll-follower, partial-guard, clock-jump)"
                 ));
             }
         })
@@ -166,6 +171,7 @@ impl fmt::Display for Control {
             Control::RestartNoAof => "restart-no-aof",
             Control::PollFollower => "poll-follower",
             Control::PartialGuard => "partial-guard",
+            Control::ClockJump => "clock-jump",
         })
     }
 }

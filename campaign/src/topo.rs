@@ -14,7 +14,13 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use crate::spec::{Connect, Topology};
-use crate::support::{FaultProxy, TestCluster, TestSentinel, TestServer};
+use crate::support::{
+    FaultProxy, ServerKind, TestCluster, TestSentinel, TestServer, TestServerBuilder,
+};
+
+/// Debian's libfaketime, which steps a server's wall clock (Valkey only:
+/// Debian's `redis-server` cannot start under it).
+const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
 
 /// A running deployment and the proxies in front of its servers.
 pub(crate) struct Deployment {
@@ -28,6 +34,9 @@ pub(crate) struct Deployment {
     /// Sentinel: one proxy per sentinel; workers reach the sentinels
     /// through them.
     pub(crate) sentinel_proxies: Vec<FaultProxy>,
+    /// With `--server-clock faketime`: each of `servers`' libfaketime offset
+    /// file (`+S`, seconds ahead of the machine's clock).
+    pub(crate) clock_files: Vec<std::path::PathBuf>,
 }
 
 /// The workers' user on Sentinel and Cluster data servers.
@@ -186,22 +195,45 @@ fn users_everywhere(dep: &Deployment) {
 impl Deployment {
     /// `replicas` and `sentinel_debug` (`SENTINEL DEBUG` parameters): of the
     /// Sentinel deployment, ignored by other topologies.
+    /// `clocks`: a directory for libfaketime offset files, one per
+    /// standalone or Redlock server, which then run Valkey under
+    /// libfaketime.
     pub(crate) fn start(
         topology: Topology,
         replicas: usize,
         sentinel_debug: &[(&str, u64)],
+        clocks: Option<&std::path::Path>,
     ) -> Deployment {
         let mut servers = Vec::new();
         let mut sentinel = None;
         let mut cluster = None;
+        let mut clock_files = Vec::new();
+        let mut builder = || -> TestServerBuilder {
+            let b = TestServer::builder();
+            let Some(dir) = clocks else { return b };
+            assert!(
+                std::path::Path::new(LIBFAKETIME).exists(),
+                "{LIBFAKETIME} is missing: install Debian's faketime"
+            );
+            let rc = dir.join(format!("faketime-{}", clock_files.len()));
+            std::fs::write(&rc, "+0").expect("write a faketime offset file");
+            let b = b
+                .kind(ServerKind::Valkey)
+                .env("LD_PRELOAD", LIBFAKETIME)
+                .env("FAKETIME_TIMESTAMP_FILE", rc.display().to_string())
+                .env("FAKETIME_NO_CACHE", "1")
+                .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+            clock_files.push(rc);
+            b
+        };
         match topology {
             Topology::Standalone { aof } => {
-                let b = TestServer::builder();
+                let b = builder();
                 servers.push(if aof { b.append_only() } else { b }.start());
             }
             Topology::Redlock { nodes } => {
                 for _ in 0..nodes {
-                    servers.push(TestServer::start());
+                    servers.push(builder().start());
                 }
             }
             Topology::Sentinel => {
@@ -243,6 +275,7 @@ impl Deployment {
             sentinel,
             cluster,
             sentinel_proxies,
+            clock_files,
         };
         if dep.sentinel.is_some() || dep.cluster.is_some() {
             users_everywhere(&dep);
