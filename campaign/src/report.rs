@@ -152,7 +152,11 @@ fn reads(v: &Value) -> Vec<PttlSample> {
 }
 
 pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
-    let dir = Path::new(args.first().ok_or("campaign check DIR")?);
+    let dir = Path::new(
+        args.iter()
+            .find(|a| !a.starts_with("--"))
+            .ok_or("campaign check DIR [--summary]")?,
+    );
     let read = |name: &str| fs::read_to_string(dir.join(name)).unwrap_or_default();
     let summary: Value = serde_json::from_str(read("summary.json").trim())
         .map_err(|e| format!("summary.json: {e}"))?;
@@ -277,6 +281,33 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
         }
     }
     println!("violations of the promised model: {violations}");
+    if args.iter().any(|a| a == "--summary") {
+        // The row's summary line again, with these checkers' findings, for
+        // `campaign table`.
+        let mut s = summary.clone();
+        let allowed_hits: u64 = f
+            .counts
+            .iter()
+            .filter(|(name, _)| allowed.contains(name))
+            .map(|(_, n)| n)
+            .sum();
+        s["checks"] = serde_json::json!(f.counts);
+        s["examples"] = serde_json::json!(f.examples);
+        s["violations"] = serde_json::json!(violations);
+        s["allowed_by_model"] = serde_json::json!(allowed_hits);
+        s["oracle_checks"] = serde_json::json!(f.oracle_checks);
+        s["owner_checks"] = serde_json::json!(f.owner_checks);
+        s["release_checks"] = serde_json::json!(f.release_checks);
+        s["answer_checks"] = serde_json::json!(f.answer_checks);
+        s["ttl_checks"] = serde_json::json!(f.ttl_checks);
+        s["ttl_checks_near_faults"] = serde_json::json!(f.ttl_checks_near_faults);
+        s["min_ttl_margin_ms"] = serde_json::json!(f.min_ttl_margin_ms);
+        s["liveness_checks"] = serde_json::json!(f.liveness_checks);
+        s["max_regrant_ms"] = serde_json::json!(f.max_regrant_ms);
+        s["expiry_checks"] = serde_json::json!(f.expiry_checks);
+        s["min_expiry_margin_ms"] = serde_json::json!(f.min_expiry_margin_ms);
+        eprintln!("{s}");
+    }
     match summary["control"].as_str() {
         Some(control) => {
             println!("negative control {control}: violations are what it shows");
