@@ -84,9 +84,10 @@ campaign run --topology T --workload W [options]
                     (default 8; 60 for the plain-pause control)
   --liveness-ttls N  after a fault ends (no other under way, none starting
                     for the window), every key must be granted again within
-                    N TTLs; the run's last N TTLs (at most half of it) are
-                    left without faults for it (default 5; 0, and every
-                    negative control: not judged, no quiet end)
+                    N TTLs; the run's last N TTLs (at most a third of it)
+                    strike no fault, and it runs on until N TTLs after the
+                    last fault ended (default 5; 0, and every negative
+                    control: not judged, no quiet end)
   --out DIR         histories and summary (default: a temporary directory)
   --json            print only the summary line";
 
@@ -558,8 +559,8 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
     // Warm up: let every worker connect before the first fault.
     thread::sleep(Duration::from_millis(500));
     // The quiet end `liveness` judges the last fault by.
-    let quiet_end =
-        (Duration::from_millis(cfg.ttl_ms) * cfg.liveness_ttls as u32).min(cfg.duration / 2);
+    let window = Duration::from_millis(cfg.ttl_ms) * cfg.liveness_ttls as u32;
+    let quiet_end = window.min(cfg.duration / 3);
     let faults_until = cfg.duration - quiet_end;
     while started.elapsed() < cfg.duration {
         let gap = nemesis.gap(cfg.gap.0, cfg.gap.1);
@@ -582,9 +583,9 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         faults.push(rec);
     }
     // The last fault may have ended inside the quiet end: stretch it to the
-    // whole window.
+    // whole window (a short row's quiet end is shorter than the window).
     if let Some(last) = faults.iter().map(|r| r.t1).max() {
-        let until = last + quiet_end.as_nanos() as u64;
+        let until = last + window.as_nanos() as u64;
         let now = now_ns();
         if cfg.liveness_ttls > 0 && until > now {
             thread::sleep(Duration::from_nanos(until - now) + Duration::from_millis(50));

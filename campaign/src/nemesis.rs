@@ -670,11 +670,21 @@ impl Nemesis {
                 let s = dep.sentinel.as_ref().expect("sentinel");
                 rec.target = format!("primary {}", s.primary_index());
                 rec.t0 = now_ns();
+                // The sentinels reach the replica as `sentinel`: a hello
+                // `PUBLISH` held back by the pause would queue the promotion
+                // behind it, so it is refused as the harness refuses the
+                // default user's.
+                let paused = s.replica();
+                assert!(
+                    topo::acl(paused, &["sentinel", "-publish"]),
+                    "ACL SETUSER sentinel -publish"
+                );
                 let replica = s.pause_replica_writes(Duration::from_secs(10));
                 // Grants made now reach the primary alone.
                 sleep_ms(self.rng.range(300, 800));
                 let took = s.failover();
                 s.unpause_replica(replica);
+                topo::acl(s.server(replica), &["sentinel", "+publish"]);
                 rec.note = format!("switched in {} ms", took.as_millis());
                 s.wait_replicas_of_primary(Duration::from_secs(30));
             }

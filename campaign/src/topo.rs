@@ -120,6 +120,15 @@ pub(crate) fn set_user(server: &TestServer, user: &str, on: bool) -> bool {
     set.is_ok()
 }
 
+/// `ACL SETUSER` with `rules` on `server`; whether it answered OK.
+pub(crate) fn acl(server: &TestServer, rules: &[&str]) -> bool {
+    let Ok(mut con) = admin(server) else {
+        return false;
+    };
+    let set: redis::RedisResult<()> = redis::cmd("ACL").arg("SETUSER").arg(rules).query(&mut con);
+    set.is_ok()
+}
+
 /// Closes every connection of `kind` (`normal`, `pubsub`, `replica`) on
 /// `server` but the caller's.
 fn kill_type(server: &TestServer, kind: &str) {
