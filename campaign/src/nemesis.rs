@@ -499,6 +499,7 @@ impl Nemesis {
                     // The demoted primary must be reconfigured before the
                     // next failover can find a good replica.
                     s.wait_replicas_of_primary(Duration::from_secs(30));
+                    replicas_online(s);
                 } else if let Some(c) = &dep.cluster {
                     let key = self.rng.pick(&self.slot_keys).clone();
                     let replica = c.replica_of(c.primary_for_key(&key));
@@ -540,6 +541,7 @@ impl Nemesis {
                 // A restarted server has lost the users and `masteruser`.
                 topo::add_users(s.server(old));
                 s.wait_replicas_of_primary(Duration::from_secs(30));
+                replicas_online(s);
                 rec.note = format!("server {new} promoted in {} ms", took.as_millis());
             }
             Fault::CutClientSentinel => {
@@ -687,6 +689,7 @@ impl Nemesis {
                 topo::acl(s.server(replica), &["sentinel", "+publish"]);
                 rec.note = format!("switched in {} ms", took.as_millis());
                 s.wait_replicas_of_primary(Duration::from_secs(30));
+                replicas_online(s);
             }
         }
     }
@@ -737,12 +740,21 @@ fn cut_sentinels(server: &TestServer, cut: bool) {
     }
 }
 
+/// Waits up to 30 s until every replica's link to its primary is up again
+/// (a demoted primary resynchronising as a replica acknowledges nothing
+/// until then): a switch ends when the deployment can acknowledge grants.
+fn replicas_online(s: &crate::support::TestSentinel) {
+    let servers: Vec<&TestServer> = s.servers().iter().collect();
+    topo::wait_links(&servers, Duration::from_secs(30));
+}
+
 /// After a cut of the sentinels' links to primary `old`: waits for the
 /// deployment to settle (the old primary a replica again if it was
 /// replaced), and says what happened.
 fn settle_sentinel(s: &crate::support::TestSentinel, old: usize) -> String {
     let now = s.primary_index();
     s.wait_replicas_of_primary(Duration::from_secs(30));
+    replicas_online(s);
     if now == old {
         "no switch".into()
     } else {
