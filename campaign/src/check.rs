@@ -1039,7 +1039,8 @@ fn past_ttl(
 /// starting for the window, every key is granted again within the window
 /// (`liveness_ns`, a stated number of TTLs) — or vouched for by one holder
 /// from the fault's end through the whole window —, unless the run stopped
-/// first.
+/// first or an acquire had reported the replication history lost by the
+/// window's end (the coordinator that saw it grants nothing more).
 fn liveness(inp: &Inputs<'_>, f: &mut Findings) {
     f.zero("liveness");
     let (Some(window), Some(end)) = (inp.liveness_ns, inp.end_ns) else {
@@ -1070,7 +1071,14 @@ fn liveness(inp: &Inputs<'_>, f: &mut Findings) {
             .min()
             .unwrap_or(end)
             .min(end);
-        if busy || quiet_until < heal.saturating_add(window) {
+        // An acquire that reported the replication history lost ends its
+        // coordinator's grants for good (`Replication`'s rustdoc): nothing
+        // is promised after it.
+        let history_lost = inp
+            .hist
+            .first_history_lost()
+            .is_some_and(|t| t <= heal.saturating_add(window));
+        if busy || history_lost || quiet_until < heal.saturating_add(window) {
             continue;
         }
         for key in inp.keys {
@@ -1511,6 +1519,10 @@ mod tests {
         let late = grant(0, 2, "k0", 2, (150, 1200, 1210));
         c.hist.grants = vec![before, late];
         assert_eq!(c.count("liveness"), 1);
+        // An acquire reported the replication history lost: not judged.
+        c.hist.history_lost = vec![500 * MS];
+        assert_eq!(c.count("liveness"), 0);
+        c.hist.history_lost = Vec::new();
         // The run stopped before the window closed: not judged.
         c.end_ms = Some(900);
         assert_eq!(c.count("liveness"), 0);
