@@ -990,7 +990,8 @@ fn past_ttl(
         let v = g.v.unwrap_or(g.g);
         let start = inp.samples.partition_point(|s| s.t_b < g.g);
         // The nemesis's own reads before a stop count too: a renewal between
-        // the oracle's last sample and the stop shows there only.
+        // the oracle's last sample and the stop shows there only. Each bound
+        // comes with the instant of its read.
         let before_stops = inp
             .faults
             .iter()
@@ -1002,18 +1003,20 @@ fn past_ttl(
                     && inp.workload != Workload::Redlock
                     && ours(inp, owned, g, &p.value) == Some(true)
             })
-            .map(|p| p.t_a + p.pttl_ms as u64 * 1_000_000);
-        let Some(bound) = inp.samples[start..]
+            .map(|p| (p.t_a + p.pttl_ms as u64 * 1_000_000, p.t_b));
+        let Some((bound, read_at)) = inp.samples[start..]
             .iter()
-            .filter_map(|s| sample_bound(inp, owned, g, s, k, quorum))
+            .filter_map(|s| sample_bound(inp, owned, g, s, k, quorum).map(|b| (b, s.t_b)))
             .chain(before_stops)
             .max()
         else {
             continue;
         };
         f.ttl_checks += 1;
-        // PTTL is whole milliseconds.
-        if v > bound.saturating_add(1_000_000) {
+        // PTTL is whole milliseconds. A renewal after the bound's read that
+        // no later sample saw (the key's server unknown to the oracle, not
+        // stopped) may have moved the expiry: then nothing is judged.
+        if v > bound.saturating_add(1_000_000) && seen_through(inp, k, read_at, bound, v) {
             f.hit("vouched-past-ttl", || {
                 format!(
                     "{} vouched {:.3} ms past the server's expiry at {:.3} ms",
@@ -1033,6 +1036,40 @@ fn past_ttl(
             f.min_ttl_margin_ms = Some(f.min_ttl_margin_ms.map_or(margin, |m: f64| m.min(margin)));
         }
     }
+}
+
+/// Whether the oracle saw key `k` from a bound's read (`read_at`) to a vouch
+/// at `v` well enough that no renewal can have moved the bound unseen: every
+/// sample read between them knew the key or fell while a server was
+/// stopped (no renewal lands on a stopped server), and a sample read after
+/// the bound knew the key or `v` fell inside a stop. A renewal lands only
+/// while the lease is alive (before the bound), so a known sample after it
+/// would show the later expiry.
+fn seen_through(inp: &Inputs<'_>, k: usize, read_at: u64, bound: u64, v: u64) -> bool {
+    if inp.workload == Workload::Redlock {
+        return true; // an unknown node already counts as holding forever
+    }
+    let stopped = |t: u64| {
+        inp.faults.iter().any(|f| {
+            (f.fault == Fault::Stop || (f.fault == Fault::Pair && f.target.contains("stop")))
+                && f.t0 <= t
+                && t <= f.t1
+        })
+    };
+    let between = inp.samples.iter().filter(|s| s.t_b > read_at && s.t_b <= v);
+    let mut after_bound = stopped(v);
+    for s in between {
+        let known = s
+            .nodes
+            .first()
+            .and_then(|n| n.get(k))
+            .is_some_and(Option::is_some);
+        if !known && !stopped(s.t_b) {
+            return false;
+        }
+        after_bound |= known && s.t_b >= bound;
+    }
+    after_bound
 }
 
 /// `liveness`: after a fault ends, with no other fault under way and none
@@ -1433,12 +1470,21 @@ mod tests {
                 g.outcome = "Expired".into();
             })
         };
-        let samples = vec![one(5, "x:7", "100"), one(200, "", "-2")];
+        let samples = vec![one(5, "x:7", "100"), one(120, "", "-2"), one(200, "", "-2")];
         let c = case(Workload::Fenced, vec![lost(100)], samples.clone());
         assert_eq!(c.count("vouched-past-ttl"), 0);
         assert_eq!(c.run().ttl_checks, 1);
         let c = case(Workload::Fenced, vec![lost(150)], samples);
         assert_eq!(c.count("vouched-past-ttl"), 1);
+        // The oracle blind after the read (the key's server unknown, not
+        // stopped): a renewal may have gone unseen, nothing is judged.
+        let blind = vec![
+            sample(5, &[&[(Some("x:7"), Some("100"))]]),
+            sample(60, &[&[(None, None)]]),
+            one(120, "", "-2"),
+        ];
+        let c = case(Workload::Fenced, vec![lost(150)], blind);
+        assert_eq!(c.count("vouched-past-ttl"), 0);
         // A later renewal seen by a later sample moves the bound.
         let renewed = vec![one(5, "x:7", "100"), one(90, "x:7", "600")];
         let c = case(Workload::Fenced, vec![lost(150)], renewed);
@@ -1468,7 +1514,7 @@ mod tests {
             g.slot = Some(1);
             g.outcome = "Expired".into();
         });
-        let held = vec![one(5, "a:0:6,b:1:7", "900,100")];
+        let held = vec![one(5, "a:0:6,b:1:7", "900,100"), one(120, "a:0:6", "785")];
         let c = case(Workload::Semaphore, vec![permit.clone()], held);
         assert_eq!(c.count("vouched-past-ttl"), 1);
         let longer = vec![one(5, "a:0:6,b:1:7", "100,900")];
@@ -1480,7 +1526,7 @@ mod tests {
             g.mode = 'r';
             g.outcome = "Expired".into();
         });
-        let live = vec![one(5, "|2", "-2|100")];
+        let live = vec![one(5, "|2", "-2|100"), one(120, "|0", "-2|-2")];
         assert_eq!(
             case(Workload::Rw, vec![reader], live).count("vouched-past-ttl"),
             1
