@@ -628,6 +628,9 @@ impl Nemesis {
                 };
                 let mut rec_a = rec.clone();
                 let mut rec_b = rec.clone();
+                // Named before they run: a step that fails leaves the pair
+                // recorded as not applied, with its kinds.
+                rec.target = format!("{} + {}", a.name(), b.name());
                 rec.t0 = now_ns();
                 thread::scope(|scope| {
                     let first = scope.spawn(|| other.cause(a, dep, workers, &mut rec_a));
