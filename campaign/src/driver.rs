@@ -35,9 +35,13 @@ campaign run --topology T --workload W [options]
                     restart-partitioned stop pause-worker delay
                     blackhole drop-requests drop-replies client-kill oom
                     failover kill-primary takeover migrate unreplicated-failover
+                    cut-client-sentinel cut-sentinel-primary (Sentinel)
+                    cut-primary-replica cut-client-primary (Sentinel, Cluster)
+                    split (Sentinel) pair (two of the row's mix at once)
+                    clock-step (--server-clock faketime)
   --control C       a negative control: plain-pause | redlock-restart |
                     sentinel-unreplicated | ignore-loss | restart-no-aof |
-                    poll-follower | partial-guard (sets the options and
+                    poll-follower | partial-guard | clock-jump (sets the options and
                     the nemesis, and the workload unless given; the checkers
                     must find a violation)
   --workers N       worker processes (default 12; 4 for controls)
@@ -63,8 +67,27 @@ campaign run --topology T --workload W [options]
                     redlock-restart)
   --expire-pct N    elections: leaderships that let the lease expire instead
                     of resigning (default 5; 20 for controls)
+  --long-hold-pct N  grants held with a keep-alive for 3-5 TTLs (6-10
+                    renewals; default 2; 0 for controls)
+  --verify-pct N    grants that call verify_still_held (a leader: proclaim)
+                    once while held (default 10; 0 for controls)
+  --reset-pct N     grants that call reset_expiry (Redlock: extend) once
+                    while held, with a TTL of 0.5-2 TTLs (default 10; 0 for
+                    controls)
+  --fairness F      the lock workload's Fairness: barging (default) or fifo
+  --server-clock C  real (default) or faketime: standalone and Redlock
+                    servers run Valkey 8.1 under libfaketime, whose wall
+                    clock clock-step moves
+  --clock-step-ms LO-HI  clock-step's steps (default 0.05-0.25 TTLs; 1-2
+                    TTLs for the clock-jump control)
   --think-ms N      most time between a grant's fenced read and its write
                     (default 8; 60 for the plain-pause control)
+  --liveness-ttls N  after a fault ends (no other under way, none starting
+                    for the window), every key must be granted again within
+                    N TTLs; the run's last N TTLs (at most a third of it)
+                    strike no fault, and it runs on until N TTLs after the
+                    last fault ended (default 5; 0, and every negative
+                    control: not judged, no quiet end)
   --out DIR         histories and summary (default: a temporary directory)
   --json            print only the summary line";
 
@@ -92,7 +115,17 @@ pub(crate) struct RunConfig {
     pub(crate) gap: (u64, u64),
     pub(crate) think_ms: u64,
     pub(crate) keep_alive_pct: u64,
+    pub(crate) long_hold_pct: u64,
+    pub(crate) verify_pct: u64,
+    pub(crate) reset_pct: u64,
+    pub(crate) fifo: bool,
+    /// Standalone and Redlock servers run Valkey under libfaketime.
+    pub(crate) faketime: bool,
+    /// `clock-step`'s range of steps, in milliseconds.
+    pub(crate) clock_step_ms: (u64, u64),
     pub(crate) expire_pct: u64,
+    /// `liveness`'s window in TTLs; 0: not judged.
+    pub(crate) liveness_ttls: u64,
     pub(crate) out: Option<PathBuf>,
     pub(crate) json_only: bool,
     pub(crate) args: Vec<String>,
@@ -139,6 +172,7 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
     let mut nemesis_arg = get("nemesis").unwrap_or_else(|| "mix".into());
     let mut require = None;
     let mut restart_delay_default = true;
+    let mut server_clock = get("server-clock");
     match control {
         Some(Control::PlainPause) => {
             topology.get_or_insert(Topology::Standalone { aof: true });
@@ -171,6 +205,12 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             topology = Some(Topology::Standalone { aof: false });
             workload = Some(Workload::Election);
             nemesis_arg = "kill".into();
+        }
+        Some(Control::ClockJump) => {
+            topology.get_or_insert(Topology::Standalone { aof: true });
+            workload.get_or_insert(Workload::Fenced);
+            nemesis_arg = "clock-step".into();
+            server_clock = Some("faketime".to_string());
         }
         Some(Control::PartialGuard) => {
             topology.get_or_insert(Topology::Standalone { aof: true });
@@ -321,10 +361,56 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             },
         )?,
         expire_pct: num("expire-pct", if control.is_some() { 20 } else { 5 })?,
+        long_hold_pct: num("long-hold-pct", if control.is_some() { 0 } else { 2 })?,
+        verify_pct: num("verify-pct", if control.is_some() { 0 } else { 10 })?,
+        reset_pct: num("reset-pct", if control.is_some() { 0 } else { 10 })?,
+        clock_step_ms: match get("clock-step-ms") {
+            None if control == Some(Control::ClockJump) => (ttl_ms, ttl_ms * 2),
+            None => (ttl_ms / 20, ttl_ms / 4),
+            Some(g) => {
+                let (lo, hi) = g.split_once('-').ok_or("--clock-step-ms LO-HI")?;
+                (
+                    lo.parse().map_err(|_| "--clock-step-ms")?,
+                    hi.parse().map_err(|_| "--clock-step-ms")?,
+                )
+            }
+        },
+        faketime: match server_clock.as_deref() {
+            None | Some("real") => false,
+            Some("faketime")
+                if matches!(
+                    topology,
+                    Topology::Standalone { .. } | Topology::Redlock { .. }
+                ) =>
+            {
+                true
+            }
+            Some("faketime") => {
+                return Err("--server-clock faketime is for standalone and Redlock servers".into());
+            }
+            Some(other) => return Err(format!("--server-clock {other:?}: real or faketime")),
+        },
+        fifo: match get("fairness").as_deref() {
+            None | Some("barging") => false,
+            Some("fifo") if workload == Workload::Lock => true,
+            Some("fifo") => return Err("--fairness fifo is for the lock workload".into()),
+            Some(other) => return Err(format!("--fairness {other:?}: barging or fifo")),
+        },
+        liveness_ttls: if control.is_some() {
+            0
+        } else {
+            num("liveness-ttls", 5)?
+        },
         out: get("out").map(PathBuf::from),
         json_only,
         args: args.to_vec(),
     })
+}
+
+/// A data server's URL as the campaign's own user, which no fault switches
+/// off.
+fn oracle_url(server: &TestServer) -> String {
+    server.url_for_user(crate::topo::ORACLE_USER.0, crate::topo::ORACLE_USER.1)
 }
 
 struct Worker {
@@ -360,7 +446,12 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         out.display()
     ));
     let resource_server = TestServer::start();
-    let dep = Deployment::start(cfg.topology, cfg.replicas, &cfg.sentinel_debug);
+    let dep = Deployment::start(
+        cfg.topology,
+        cfg.replicas,
+        &cfg.sentinel_debug,
+        cfg.faketime.then_some(out.as_path()),
+    );
     let prefix = "camp:".to_string();
     let keys: Vec<String> = (0..cfg.keys).map(|i| format!("k{i}")).collect();
     let physical: Vec<String> = keys
@@ -380,7 +471,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         Topology::Sentinel => {
             let s = dep.sentinel.as_ref().expect("a sentinel deployment");
             Source::Sentinel {
-                servers: s.servers().iter().map(TestServer::url).collect(),
+                servers: s.servers().iter().map(oracle_url).collect(),
                 sentinels: s.sentinel_urls(),
                 service: s.service().to_string(),
             }
@@ -391,7 +482,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
                 .expect("a cluster")
                 .nodes()
                 .iter()
-                .map(TestServer::url)
+                .map(oracle_url)
                 .collect(),
         ),
     };
@@ -423,6 +514,10 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
             restart_delay_ms: cfg.restart_delay_ms,
             capacity: cfg.capacity,
             keep_alive_pct: cfg.keep_alive_pct,
+            long_hold_pct: cfg.long_hold_pct,
+            verify_pct: cfg.verify_pct,
+            reset_pct: cfg.reset_pct,
+            fifo: cfg.fifo,
             expire_pct: cfg.expire_pct,
             ignore_loss: cfg.control == Some(Control::IgnoreLoss),
             poll_follower: cfg.control == Some(Control::PollFollower),
@@ -456,17 +551,22 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         },
         slot_keys: keys.iter().map(|k| format!("{{{k}}}")).collect(),
         histories: workers.iter().map(|w| w.out.clone()).collect(),
+        clock_step_ms: cfg.clock_step_ms,
     };
     let started = Instant::now();
     let t_start = now_ns();
     let mut faults: Vec<FaultRecord> = Vec::new();
     // Warm up: let every worker connect before the first fault.
     thread::sleep(Duration::from_millis(500));
+    // The quiet end `liveness` judges the last fault by.
+    let window = Duration::from_millis(cfg.ttl_ms) * cfg.liveness_ttls as u32;
+    let quiet_end = window.min(cfg.duration / 3);
+    let faults_until = cfg.duration - quiet_end;
     while started.elapsed() < cfg.duration {
         let gap = nemesis.gap(cfg.gap.0, cfg.gap.1);
         let left = cfg.duration.saturating_sub(started.elapsed());
         thread::sleep(gap.min(left));
-        if nemesis.kinds.is_empty() || started.elapsed() >= cfg.duration {
+        if nemesis.kinds.is_empty() || started.elapsed() >= faults_until {
             continue;
         }
         let rec = nemesis.strike(&dep, &pids);
@@ -481,6 +581,15 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
             );
         }
         faults.push(rec);
+    }
+    // The last fault may have ended inside the quiet end: stretch it to the
+    // whole window (a short row's quiet end is shorter than the window).
+    if let Some(last) = faults.iter().map(|r| r.t1).max() {
+        let until = last + window.as_nanos() as u64;
+        let now = now_ns();
+        if cfg.liveness_ttls > 0 && until > now {
+            thread::sleep(Duration::from_nanos(until - now) + Duration::from_millis(50));
+        }
     }
     nemesis::heal(&dep);
     let t_end = now_ns();
@@ -523,6 +632,9 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         faults: &faults,
         tallies: &tallies,
         restart_delay_ns: cfg.restart_delay_ms.map(|ms| ms * 1_000_000),
+        ttl_ns: cfg.ttl_ms * 1_000_000,
+        liveness_ns: (cfg.liveness_ttls > 0).then_some(cfg.liveness_ttls * cfg.ttl_ms * 1_000_000),
+        end_ns: Some(t_end),
     });
     let summary = summarize(
         &cfg,
@@ -531,7 +643,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         &findings,
         &tallies,
         samples.len(),
-        t_end - t_start,
+        (t_start, t_end),
     );
     fs::write(out.join("summary.json"), format!("{summary}\n")).map_err(|e| e.to_string())?;
     let mut fault_lines = String::new();
@@ -539,7 +651,8 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         fault_lines.push_str(
             &json!({"fault": r.fault.name(), "target": r.target, "t0": r.t0, "t1": r.t1,
                 "applied": r.applied, "note": r.note, "restarted": r.restarted,
-                "pttl": r.pttl.iter().map(|p| json!({"key": p.key, "value": p.value, "pttl_ms": p.pttl_ms, "t_b": p.t_b, "t_a": p.t_a})).collect::<Vec<_>>()})
+                "pttl": r.pttl.iter().map(|p| json!({"key": p.key, "value": p.value, "pttl_ms": p.pttl_ms, "t_b": p.t_b, "t_a": p.t_a})).collect::<Vec<_>>(),
+                "reads": r.reads.iter().map(|p| json!({"key": p.key, "value": p.value, "pttl_ms": p.pttl_ms, "t_b": p.t_b, "t_a": p.t_a})).collect::<Vec<_>>()})
             .to_string(),
         );
         fault_lines.push('\n');
@@ -547,7 +660,9 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
     fs::write(out.join("faults.jsonl"), fault_lines).map_err(|e| e.to_string())?;
     let mut sample_lines = String::new();
     for s in &samples {
-        sample_lines.push_str(&json!({"t_b": s.t_b, "t_a": s.t_a, "nodes": s.nodes}).to_string());
+        sample_lines.push_str(
+            &json!({"t_b": s.t_b, "t_a": s.t_a, "nodes": s.nodes, "ttl": s.ttl}).to_string(),
+        );
         sample_lines.push('\n');
     }
     fs::write(out.join("samples.jsonl"), sample_lines).map_err(|e| e.to_string())?;
@@ -576,6 +691,8 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
             "resource-lost-updates",
             "late-writes",
             "vouched-after-expiry",
+            "vouched-past-ttl",
+            "release-outcome",
             "partial-set",
         ] {
             out.push((c, why));
@@ -600,6 +717,13 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
     if cfg.control == Some(Control::IgnoreLoss) {
         state_lost(
             "a planted client bug: workers that ignore is_lost() vouch past their loss",
+            &mut out,
+        );
+        return out;
+    }
+    if cfg.control == Some(Control::ClockJump) {
+        state_lost(
+            "a server clock stepped forward by more than a lease has left ends it on the server before any renewal can see the step",
             &mut out,
         );
         return out;
@@ -682,8 +806,9 @@ fn summarize(
     f: &Findings,
     tallies: &[(String, resource::Tally)],
     samples: usize,
-    elapsed_ns: u64,
+    (t_start, t_end): (u64, u64),
 ) -> serde_json::Value {
+    let elapsed_ns = t_end - t_start;
     let mut by_fault: BTreeMap<&str, u64> = BTreeMap::new();
     let mut not_applied = 0;
     for r in faults {
@@ -719,6 +844,7 @@ fn summarize(
             ],
             Control::IgnoreLoss => &[
                 "vouched-after-expiry",
+                "vouched-past-ttl",
                 "overlap",
                 "server-oracle",
                 "partial-set",
@@ -732,6 +858,12 @@ fn summarize(
             ],
             Control::PollFollower => &["observe-regression"],
             Control::PartialGuard => &["partial-guard"],
+            Control::ClockJump => &[
+                "vouched-past-ttl",
+                "overlap",
+                "server-oracle",
+                "vouched-after-expiry",
+            ],
         };
         expected
             .iter()
@@ -815,6 +947,26 @@ fn summarize(
         summary["sentinel_debug"] = json!(cfg.sentinel_debug);
     }
     summary["expiry_checks"] = json!(f.expiry_checks);
+    summary["owner_checks"] = json!(f.owner_checks);
+    summary["release_checks"] = json!(f.release_checks);
+    summary["answer_checks"] = json!(f.answer_checks);
+    let mut calls: BTreeMap<String, u64> = BTreeMap::new();
+    for a in &hist.answers {
+        let label = match a.held {
+            Some(true) => "held",
+            Some(false) => "not held",
+            None => "error",
+        };
+        *calls.entry(format!("{} {label}", a.call)).or_default() += 1;
+    }
+    summary["answers"] = json!(calls);
+    summary["ttl_checks"] = json!(f.ttl_checks);
+    summary["ttl_checks_near_faults"] = json!(f.ttl_checks_near_faults);
+    summary["min_ttl_margin_ms"] = json!(f.min_ttl_margin_ms);
+    summary["liveness_ms"] = json!(cfg.liveness_ttls * cfg.ttl_ms);
+    summary["liveness_checks"] = json!(f.liveness_checks);
+    summary["max_regrant_ms"] = json!(f.max_regrant_ms);
+    summary["t_end_ns"] = json!(t_end);
     summary
 }
 

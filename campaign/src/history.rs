@@ -31,6 +31,9 @@ pub(crate) struct Grant {
     pub(crate) set: Option<(u64, u64)>,
     /// A key of the set the returned guard had no lease on.
     pub(crate) missing: bool,
+    /// When the release (or resignation) was called and when it returned;
+    /// `None` if the worker did not get to record it.
+    pub(crate) rel: Option<(u64, u64)>,
 }
 
 impl Grant {
@@ -88,6 +91,21 @@ pub(crate) struct Observed {
     pub(crate) term: Option<u64>,
 }
 
+/// What a call that asks the server about a held lease answered.
+#[derive(Debug, Clone)]
+pub(crate) struct Answer {
+    pub(crate) w: u64,
+    pub(crate) n: u64,
+    /// `verify` (`verify_still_held`), `proclaim` or `reset`
+    /// (`reset_expiry`, Redlock's `extend`).
+    pub(crate) call: String,
+    /// When it was called and when it returned.
+    pub(crate) s: u64,
+    pub(crate) r: u64,
+    /// `None`: it returned an error.
+    pub(crate) held: Option<bool>,
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct Histories {
     pub(crate) grants: Vec<Grant>,
@@ -105,6 +123,8 @@ pub(crate) struct Histories {
     pub(crate) observed: Vec<Observed>,
     /// Errors the followers' iterators returned, by message.
     pub(crate) observe_errors: HashMap<String, u64>,
+    /// What `verify`, `proclaim` and `reset` calls answered.
+    pub(crate) answers: Vec<Answer>,
 }
 
 /// The words of `Error::ReplicationHistoryLost`'s message.
@@ -166,6 +186,7 @@ pub(crate) fn load(files: &[impl AsRef<Path>]) -> Histories {
                     outcome: String::new(),
                     set: e["set"].as_u64().map(|s| (s, u("size"))),
                     missing: e["missing"].as_bool().unwrap_or(false),
+                    rel: None,
                 }),
                 Some("end") => {
                     ends.insert((u("w"), u("n")), e.clone());
@@ -193,6 +214,14 @@ pub(crate) fn load(files: &[impl AsRef<Path>]) -> Histories {
                     t: u("t"),
                     term: e["term"].as_u64(),
                 }),
+                Some("answer") => h.answers.push(Answer {
+                    w: u("w"),
+                    n: u("n"),
+                    call: e["call"].as_str().unwrap_or_default().to_string(),
+                    s: u("s"),
+                    r: u("r"),
+                    held: e["held"].as_bool(),
+                }),
                 Some("obs-err") => {
                     *h.observe_errors
                         .entry(shape(e["what"].as_str().unwrap_or_default()))
@@ -212,6 +241,7 @@ pub(crate) fn load(files: &[impl AsRef<Path>]) -> Histories {
             g.v = e["v"].as_u64();
             g.lost = e["lost"].as_bool().unwrap_or(false);
             g.outcome = e["out"].as_str().unwrap_or_default().to_string();
+            g.rel = e["rel"].as_u64().zip(e["t"].as_u64());
         }
     }
     h.grants = grants;

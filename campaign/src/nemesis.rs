@@ -14,7 +14,7 @@ use crate::clock::now_ns;
 use crate::rng::Rng;
 use crate::spec::Topology;
 use crate::support::{Mode, TestServer};
-use crate::topo::Deployment;
+use crate::topo::{self, Deployment};
 
 /// One kind of fault.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -66,6 +66,32 @@ pub(crate) enum Fault {
     /// grants made on the primary alone, then `SENTINEL FAILOVER`: the new
     /// primary never saw them.
     UnreplicatedFailover,
+    /// Client ↔ sentinel: every sentinel proxy forwards nothing for 0.5-3 s,
+    /// then resets its connections.
+    CutClientSentinel,
+    /// Sentinel ↔ primary: the `sentinel` user switched off on the primary
+    /// (its connections closed) for 0.5-4 s; past the down-after time (1 s)
+    /// the sentinels promote the replica while the clients still reach the
+    /// old primary.
+    CutSentinelPrimary,
+    /// Primary ↔ replica: the `replicator` user switched off on the
+    /// Sentinel primary or a key's cluster primary for 0.2-2 TTLs.
+    CutPrimaryReplica,
+    /// Client ↔ primary: the workers' `app` user switched off on the
+    /// Sentinel primary or a key's cluster primary (their connections
+    /// closed, new ones refused) for 0.2-2 TTLs.
+    CutClientPrimary,
+    /// The split that hides a switch: client ↔ sentinel and sentinel ↔
+    /// primary cut together for 2.5-4 s; the sentinels promote the replica
+    /// while the clients, blind to the sentinels, stay on the old primary.
+    Split,
+    /// Two faults of the row's mix at once, the second starting 0-300 ms
+    /// after the first.
+    Pair,
+    /// A server's wall clock stepped forward (libfaketime, `--server-clock
+    /// faketime`) by `clock_step_ms` (default 0.05-0.25 TTLs): every key
+    /// there expires that much earlier.
+    ClockStep,
 }
 
 impl Fault {
@@ -88,10 +114,17 @@ impl Fault {
             Fault::Takeover => "takeover",
             Fault::Migrate => "migrate",
             Fault::UnreplicatedFailover => "unreplicated-failover",
+            Fault::CutClientSentinel => "cut-client-sentinel",
+            Fault::CutSentinelPrimary => "cut-sentinel-primary",
+            Fault::CutPrimaryReplica => "cut-primary-replica",
+            Fault::CutClientPrimary => "cut-client-primary",
+            Fault::Split => "split",
+            Fault::Pair => "pair",
+            Fault::ClockStep => "clock-step",
         }
     }
 
-    const ALL: [Fault; 17] = [
+    const ALL: [Fault; 24] = [
         Fault::Kill,
         Fault::KillMajority,
         Fault::RestartPausedWorker,
@@ -109,6 +142,13 @@ impl Fault {
         Fault::Takeover,
         Fault::Migrate,
         Fault::UnreplicatedFailover,
+        Fault::CutClientSentinel,
+        Fault::CutSentinelPrimary,
+        Fault::CutPrimaryReplica,
+        Fault::CutClientPrimary,
+        Fault::Split,
+        Fault::Pair,
+        Fault::ClockStep,
     ];
 
     /// The default mix of a topology: every fault it supports.
@@ -125,6 +165,7 @@ impl Fault {
                 DropReplies,
                 ClientKill,
                 Oom,
+                Pair,
             ],
             Topology::Redlock { .. } => vec![
                 Kill,
@@ -137,8 +178,22 @@ impl Fault {
                 DropReplies,
                 ClientKill,
                 Oom,
+                Pair,
             ],
-            Topology::Sentinel => vec![Failover, KillPrimary, Stop, PauseWorker, ClientKill, Oom],
+            Topology::Sentinel => vec![
+                Failover,
+                KillPrimary,
+                Stop,
+                PauseWorker,
+                ClientKill,
+                Oom,
+                CutClientSentinel,
+                CutSentinelPrimary,
+                CutPrimaryReplica,
+                CutClientPrimary,
+                Split,
+                Pair,
+            ],
             Topology::Cluster => vec![
                 Failover,
                 Takeover,
@@ -147,6 +202,9 @@ impl Fault {
                 PauseWorker,
                 ClientKill,
                 Oom,
+                CutPrimaryReplica,
+                CutClientPrimary,
+                Pair,
             ],
         }
     }
@@ -178,6 +236,9 @@ pub(crate) struct FaultRecord {
     pub(crate) pttl: Vec<PttlSample>,
     /// The indices of the servers killed and restarted, if any.
     pub(crate) restarted: Vec<usize>,
+    /// Reads like `pttl` made for a fault that ended later than the stop
+    /// (a stop in a `pair`): what the server held, without the stop's end.
+    pub(crate) reads: Vec<PttlSample>,
 }
 
 /// A key's value and PTTL read on the server just before a fault.
@@ -201,6 +262,8 @@ pub(crate) struct Nemesis {
     pub(crate) slot_keys: Vec<String>,
     /// The workers' history files, to find one that holds a lease.
     pub(crate) histories: Vec<std::path::PathBuf>,
+    /// `clock-step`'s range of steps, in milliseconds.
+    pub(crate) clock_step_ms: (u64, u64),
 }
 
 /// Whether a worker's history ends inside a grant (its last event is the
@@ -255,6 +318,7 @@ impl Nemesis {
             note: String::new(),
             pttl: Vec::new(),
             restarted: Vec::new(),
+            reads: Vec::new(),
         };
         let outcome = catch_unwind(AssertUnwindSafe(|| {
             self.cause(fault, dep, workers, &mut record);
@@ -435,6 +499,7 @@ impl Nemesis {
                     // The demoted primary must be reconfigured before the
                     // next failover can find a good replica.
                     s.wait_replicas_of_primary(Duration::from_secs(30));
+                    replicas_online(s);
                 } else if let Some(c) = &dep.cluster {
                     let key = self.rng.pick(&self.slot_keys).clone();
                     let replica = c.replica_of(c.primary_for_key(&key));
@@ -473,20 +538,161 @@ impl Nemesis {
                 s.server(old).kill();
                 let (new, took) = s.wait_primary_other_than(old, Duration::from_secs(30));
                 s.server(old).restart();
+                // A restarted server has lost the users and `masteruser`.
+                topo::add_users(s.server(old));
                 s.wait_replicas_of_primary(Duration::from_secs(30));
+                replicas_online(s);
                 rec.note = format!("server {new} promoted in {} ms", took.as_millis());
+            }
+            Fault::CutClientSentinel => {
+                assert!(!dep.sentinel_proxies.is_empty(), "no sentinel proxies");
+                let d = self.rng.range(500, 3000);
+                rec.target = "every sentinel proxy".into();
+                rec.note = format!("{d} ms");
+                rec.t0 = now_ns();
+                for p in &dep.sentinel_proxies {
+                    p.set_mode(Mode::Blackhole);
+                }
+                sleep_ms(d);
+                for p in &dep.sentinel_proxies {
+                    p.set_mode(Mode::Pass);
+                    p.reset_all();
+                }
+            }
+            Fault::CutSentinelPrimary => {
+                let s = dep.sentinel.as_ref().expect("sentinel");
+                let old = s.primary_index();
+                let d = self.rng.range(500, 4000);
+                rec.target = format!("sentinels | primary {old}");
+                rec.t0 = now_ns();
+                cut_sentinels(s.server(old), true);
+                sleep_ms(d);
+                cut_sentinels(s.server(old), false);
+                rec.note = format!("{d} ms; {}", settle_sentinel(s, old));
+            }
+            Fault::CutPrimaryReplica | Fault::CutClientPrimary => {
+                let (i, server) = self.pick_server(dep);
+                let user = if fault == Fault::CutPrimaryReplica {
+                    "replicator"
+                } else {
+                    "app"
+                };
+                let d = self.rng.range(ttl / 5, ttl * 2);
+                rec.target = format!("{user} | primary {i}");
+                rec.t0 = now_ns();
+                assert!(topo::set_user(server, user, false), "ACL SETUSER");
+                sleep_ms(d);
+                topo::set_user(server, user, true);
+                if user == "replicator" {
+                    topo::wait_links(&dep.data_servers(), Duration::from_secs(20));
+                }
+                rec.note = format!("{d} ms");
+            }
+            Fault::Split => {
+                let s = dep.sentinel.as_ref().expect("sentinel");
+                let old = s.primary_index();
+                let d = self.rng.range(2500, 4000);
+                rec.target = format!("clients | sentinels | primary {old}");
+                rec.t0 = now_ns();
+                for p in &dep.sentinel_proxies {
+                    p.set_mode(Mode::Blackhole);
+                }
+                cut_sentinels(s.server(old), true);
+                sleep_ms(d);
+                cut_sentinels(s.server(old), false);
+                for p in &dep.sentinel_proxies {
+                    p.set_mode(Mode::Pass);
+                    p.reset_all();
+                }
+                rec.note = format!("{d} ms; {}", settle_sentinel(s, old));
+            }
+            Fault::Pair => {
+                let singles: Vec<Fault> = self
+                    .kinds
+                    .iter()
+                    .copied()
+                    .filter(|f| *f != Fault::Pair)
+                    .collect();
+                assert!(singles.len() >= 2, "a pair needs two faults in the mix");
+                let a = *self.rng.pick(&singles);
+                let b = *self.rng.pick(&singles);
+                let lag = self.rng.range(0, 300);
+                let mut other = Nemesis {
+                    kinds: self.kinds.clone(),
+                    rng: Rng::derive(self.rng.next_u64(), 2),
+                    ttl_ms: self.ttl_ms,
+                    pttl_keys: self.pttl_keys.clone(),
+                    slot_keys: self.slot_keys.clone(),
+                    histories: self.histories.clone(),
+                    clock_step_ms: self.clock_step_ms,
+                };
+                let mut rec_a = rec.clone();
+                let mut rec_b = rec.clone();
+                // Named before they run: a step that fails leaves the pair
+                // recorded as not applied, with its kinds.
+                rec.target = format!("{} + {}", a.name(), b.name());
+                rec.t0 = now_ns();
+                thread::scope(|scope| {
+                    let first = scope.spawn(|| other.cause(a, dep, workers, &mut rec_a));
+                    sleep_ms(lag);
+                    self.cause(b, dep, workers, &mut rec_b);
+                    if let Err(panic) = first.join() {
+                        std::panic::resume_unwind(panic);
+                    }
+                });
+                rec.target = format!(
+                    "{} {} + {} {}",
+                    a.name(),
+                    rec_a.target,
+                    b.name(),
+                    rec_b.target
+                );
+                rec.note = format!("{} / {} ms later: {}", rec_a.note, lag, rec_b.note);
+                // The pair ends after the stop's resume: the stop's reads
+                // are kept, but not as a stop's.
+                rec.reads = [rec_a.pttl, rec_a.reads, rec_b.pttl, rec_b.reads].concat();
+                rec.restarted = rec_a.restarted.into_iter().chain(rec_b.restarted).collect();
+            }
+            Fault::ClockStep => {
+                assert!(
+                    !dep.clock_files.is_empty(),
+                    "clock-step needs --server-clock faketime"
+                );
+                let i = self.rng.range(0, dep.clock_files.len() as u64 - 1) as usize;
+                let file = &dep.clock_files[i];
+                let step = self.rng.range(self.clock_step_ms.0, self.clock_step_ms.1);
+                let was: f64 = std::fs::read_to_string(file)
+                    .ok()
+                    .and_then(|t| t.trim().trim_start_matches('+').parse().ok())
+                    .unwrap_or(0.0);
+                let now = was + step as f64 / 1000.0;
+                rec.target = format!("server {i}");
+                rec.note = format!("+{step} ms (+{now:.3} s in all)");
+                rec.t0 = now_ns();
+                std::fs::write(file, format!("+{now:.3}")).expect("write the faketime offset");
             }
             Fault::UnreplicatedFailover => {
                 let s = dep.sentinel.as_ref().expect("sentinel");
                 rec.target = format!("primary {}", s.primary_index());
                 rec.t0 = now_ns();
+                // The sentinels reach the replica as `sentinel`: a hello
+                // `PUBLISH` held back by the pause would queue the promotion
+                // behind it, so it is refused as the harness refuses the
+                // default user's.
+                let paused = s.replica();
+                assert!(
+                    topo::acl(paused, &["sentinel", "-publish"]),
+                    "ACL SETUSER sentinel -publish"
+                );
                 let replica = s.pause_replica_writes(Duration::from_secs(10));
                 // Grants made now reach the primary alone.
                 sleep_ms(self.rng.range(300, 800));
                 let took = s.failover();
                 s.unpause_replica(replica);
+                topo::acl(s.server(replica), &["sentinel", "+publish"]);
                 rec.note = format!("switched in {} ms", took.as_millis());
                 s.wait_replicas_of_primary(Duration::from_secs(30));
+                replicas_online(s);
             }
         }
     }
@@ -529,9 +735,49 @@ impl Nemesis {
     }
 }
 
+/// Cuts (or mends) the sentinels' links to `server`: their user and the
+/// default user, which they fall back to, switched off.
+fn cut_sentinels(server: &TestServer, cut: bool) {
+    for user in ["sentinel", "default"] {
+        assert!(topo::set_user(server, user, !cut), "ACL SETUSER {user}");
+    }
+}
+
+/// Waits up to 30 s until every replica's link to its primary is up again
+/// (a demoted primary resynchronising as a replica acknowledges nothing
+/// until then): a switch ends when the deployment can acknowledge grants.
+fn replicas_online(s: &crate::support::TestSentinel) {
+    let servers: Vec<&TestServer> = s.servers().iter().collect();
+    topo::wait_links(&servers, Duration::from_secs(30));
+}
+
+/// After a cut of the sentinels' links to primary `old`: waits for the
+/// deployment to settle (the old primary a replica again if it was
+/// replaced), and says what happened.
+fn settle_sentinel(s: &crate::support::TestSentinel, old: usize) -> String {
+    let now = s.primary_index();
+    s.wait_replicas_of_primary(Duration::from_secs(30));
+    replicas_online(s);
+    if now == old {
+        "no switch".into()
+    } else {
+        format!("server {now} promoted")
+    }
+}
+
 /// Undoes whatever a failed step may have left: resumes every server,
-/// resets the proxies, lifts `maxmemory`.
+/// resets the proxies, switches the users back on, lifts `maxmemory`.
 pub(crate) fn heal(dep: &Deployment) {
+    for proxy in &dep.sentinel_proxies {
+        proxy.set_mode(Mode::Pass);
+    }
+    if dep.sentinel.is_some() || dep.cluster.is_some() {
+        for server in dep.data_servers() {
+            for user in ["default", "app", "sentinel", "replicator"] {
+                topo::set_user(server, user, true);
+            }
+        }
+    }
     for server in dep.data_servers() {
         signal(server.pid(), Signal::CONT);
     }
@@ -544,11 +790,7 @@ pub(crate) fn heal(dep: &Deployment) {
 }
 
 fn quick_client(server: &TestServer) -> redis::RedisResult<redis::Connection> {
-    let client = redis::Client::open(server.url())?;
-    let con = client.get_connection_with_timeout(Duration::from_millis(500))?;
-    con.set_read_timeout(Some(Duration::from_millis(500)))?;
-    con.set_write_timeout(Some(Duration::from_millis(500)))?;
-    Ok(con)
+    topo::admin(server)
 }
 
 fn config_set(server: &TestServer, name: &str, value: &str) {

@@ -136,8 +136,27 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
 /// `campaign check DIR`: the checkers again over a finished run's saved
 /// histories, faults, server samples and summary; prints the counts and
 /// examples.
+/// A fault's recorded reads of the keys.
+fn reads(v: &Value) -> Vec<PttlSample> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| PttlSample {
+            key: p["key"].as_u64().unwrap_or(0) as usize,
+            value: p["value"].as_str().unwrap_or_default().to_string(),
+            pttl_ms: p["pttl_ms"].as_i64().unwrap_or(0),
+            t_b: p["t_b"].as_u64().unwrap_or(0),
+            t_a: p["t_a"].as_u64().unwrap_or(0),
+        })
+        .collect()
+}
+
 pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
-    let dir = Path::new(args.first().ok_or("campaign check DIR")?);
+    let dir = Path::new(
+        args.iter()
+            .find(|a| !a.starts_with("--"))
+            .ok_or("campaign check DIR [--summary]")?,
+    );
     let read = |name: &str| fs::read_to_string(dir.join(name)).unwrap_or_default();
     let summary: Value = serde_json::from_str(read("summary.json").trim())
         .map_err(|e| format!("summary.json: {e}"))?;
@@ -165,6 +184,7 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
             t_b: v["t_b"].as_u64().unwrap_or(0),
             t_a: v["t_a"].as_u64().unwrap_or(0),
             nodes: serde_json::from_value(v["nodes"].clone()).unwrap_or_default(),
+            ttl: serde_json::from_value(v["ttl"].clone()).unwrap_or_default(),
         })
         .collect();
     let faults: Vec<FaultRecord> = lines("faults.jsonl")
@@ -180,18 +200,8 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
             t1: v["t1"].as_u64().unwrap_or(0),
             applied: v["applied"].as_bool().unwrap_or(false),
             note: String::new(),
-            pttl: v["pttl"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|p| PttlSample {
-                    key: p["key"].as_u64().unwrap_or(0) as usize,
-                    value: p["value"].as_str().unwrap_or_default().to_string(),
-                    pttl_ms: p["pttl_ms"].as_i64().unwrap_or(0),
-                    t_b: p["t_b"].as_u64().unwrap_or(0),
-                    t_a: p["t_a"].as_u64().unwrap_or(0),
-                })
-                .collect(),
+            pttl: reads(&v["pttl"]),
+            reads: reads(&v["reads"]),
             restarted: serde_json::from_value(v["restarted"].clone()).unwrap_or_default(),
         })
         .collect();
@@ -226,21 +236,86 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
         restart_delay_ns: summary["restart_delay_ms"]
             .as_u64()
             .map(|ms| ms * 1_000_000),
+        ttl_ns: summary["ttl_ms"].as_u64().unwrap_or(600) * 1_000_000,
+        liveness_ns: summary["liveness_ms"]
+            .as_u64()
+            .filter(|&ms| ms > 0)
+            .map(|ms| ms * 1_000_000),
+        end_ns: summary["t_end_ns"].as_u64(),
     });
     println!(
-        "{} grants, {} samples, {} faults, {} oracle checks",
+        "{} grants, {} samples, {} faults, {} oracle checks, {} owner checks, {} release checks, {} answer checks, {} ttl checks ({} near faults, min margin {:?} ms), {} liveness checks (longest wait {:?} ms)",
         hist.grants.len(),
         samples.len(),
         faults.len(),
-        f.oracle_checks
+        f.oracle_checks,
+        f.owner_checks,
+        f.release_checks,
+        f.answer_checks,
+        f.ttl_checks,
+        f.ttl_checks_near_faults,
+        f.min_ttl_margin_ms,
+        f.liveness_checks,
+        f.max_regrant_ms
     );
+    // The checkers the run's model left free to fire, as its summary
+    // recorded them.
+    let allowed: Vec<&str> = summary["allowed"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|a| a[0].as_str())
+        .collect();
+    let mut violations = 0;
     for (name, n) in &f.counts {
-        println!("{name:<24} {n}");
+        let free = allowed.contains(name);
+        if !free {
+            violations += n;
+        }
+        println!(
+            "{name:<40} {n}{}",
+            if free { " (allowed by the model)" } else { "" }
+        );
         for ex in f.examples.get(name).into_iter().flatten() {
             println!("    {ex}");
         }
     }
-    Ok(())
+    println!("violations of the promised model: {violations}");
+    if args.iter().any(|a| a == "--summary") {
+        // The row's summary line again, with these checkers' findings, for
+        // `campaign table`.
+        let mut s = summary.clone();
+        let allowed_hits: u64 = f
+            .counts
+            .iter()
+            .filter(|(name, _)| allowed.contains(name))
+            .map(|(_, n)| n)
+            .sum();
+        s["checks"] = serde_json::json!(f.counts);
+        s["examples"] = serde_json::json!(f.examples);
+        s["violations"] = serde_json::json!(violations);
+        s["allowed_by_model"] = serde_json::json!(allowed_hits);
+        s["oracle_checks"] = serde_json::json!(f.oracle_checks);
+        s["owner_checks"] = serde_json::json!(f.owner_checks);
+        s["release_checks"] = serde_json::json!(f.release_checks);
+        s["answer_checks"] = serde_json::json!(f.answer_checks);
+        s["ttl_checks"] = serde_json::json!(f.ttl_checks);
+        s["ttl_checks_near_faults"] = serde_json::json!(f.ttl_checks_near_faults);
+        s["min_ttl_margin_ms"] = serde_json::json!(f.min_ttl_margin_ms);
+        s["liveness_checks"] = serde_json::json!(f.liveness_checks);
+        s["max_regrant_ms"] = serde_json::json!(f.max_regrant_ms);
+        s["expiry_checks"] = serde_json::json!(f.expiry_checks);
+        s["min_expiry_margin_ms"] = serde_json::json!(f.min_expiry_margin_ms);
+        eprintln!("{s}");
+    }
+    match summary["control"].as_str() {
+        Some(control) => {
+            println!("negative control {control}: violations are what it shows");
+            Ok(())
+        }
+        None if violations > 0 => Err(format!("{violations} violations")),
+        None => Ok(()),
+    }
 }
 
 /// `campaign gaps DIR`: where a finished run's time went around its faults.

@@ -32,9 +32,12 @@ use std::time::Duration;
 
 use crate::clock::now_ns;
 
-/// Reads each key as one string: `str` keys their value (empty if absent),
-/// `rw` bases `writer|live readers`, `zset` keys their members with a score
-/// not below the server's `TIME` in milliseconds, comma separated. The keys
+/// Reads each key as two strings, its value and what is left of it on the
+/// server's clock: `str` keys their value (empty if absent) and `PTTL`; `rw`
+/// bases `writer|live readers` and `writer PTTL|the latest reader's
+/// milliseconds left` (-2: none); `zset` keys their members with a score not
+/// below the server's `TIME` in milliseconds, comma separated, and each
+/// member's milliseconds left, in the same order. The keys
 /// are `KEYS`, or when there are none `ARGV[2..]` (read only where they are
 /// local: a key of a slot this node does not serve reads as `false`, nil in
 /// the reply, rather than failing the script).
@@ -53,16 +56,32 @@ local function call(...)
 end
 local out = {}
 for i, k in ipairs(keys) do
-  local ok, v = pcall(function()
+  local ok, v, ttl = pcall(function()
     if ARGV[1] == 'str' then
-      return call('GET', k) or ''
+      return call('GET', k) or '', tostring(call('PTTL', k))
     elseif ARGV[1] == 'rw' then
-      return (call('GET', k .. ':w') or '') .. '|' .. call('ZCOUNT', k .. ':r', now, '+inf')
+      local last = call('ZREVRANGEBYSCORE', k .. ':r', '+inf', now, 'WITHSCORES', 'LIMIT', 0, 1)
+      local readers = -2
+      if #last == 2 then readers = tonumber(last[2]) - now end
+      return (call('GET', k .. ':w') or '') .. '|' .. call('ZCOUNT', k .. ':r', now, '+inf'),
+        tostring(call('PTTL', k .. ':w')) .. '|' .. tostring(readers)
     else
-      return table.concat(call('ZRANGEBYSCORE', k, now, '+inf'), ',')
+      local m = call('ZRANGEBYSCORE', k, now, '+inf', 'WITHSCORES')
+      local names, left = {}, {}
+      for j = 1, #m, 2 do
+        names[#names + 1] = m[j]
+        left[#left + 1] = tostring(tonumber(m[j + 1]) - now)
+      end
+      return table.concat(names, ','), table.concat(left, ',')
     end
   end)
-  if ok then out[i] = v else out[i] = false end
+  if ok then
+    out[2 * i - 1] = v
+    out[2 * i] = ttl
+  else
+    out[2 * i - 1] = false
+    out[2 * i] = false
+  end
 end
 return out
 ";
@@ -94,7 +113,27 @@ pub(crate) struct Sample {
     /// key; `None` for a key whose truth is not known that round (the server
     /// did not answer, no primary could be told).
     pub(crate) nodes: Vec<Vec<Option<String>>>,
+    /// What was left of each value of `nodes` on the server's clock, in
+    /// milliseconds, as the sampler script writes it (see `SCRIPT`); `None`
+    /// where the value is unknown. Empty in histories recorded before it
+    /// was read.
+    pub(crate) ttl: Vec<Vec<Option<String>>>,
 }
+
+/// The values and the times left of a script reply, split apart.
+fn split(reply: Vec<Option<String>>) -> (Vec<Option<String>>, Vec<Option<String>>) {
+    let mut values = Vec::with_capacity(reply.len() / 2);
+    let mut ttls = Vec::with_capacity(reply.len() / 2);
+    let mut it = reply.into_iter();
+    while let (Some(v), Some(t)) = (it.next(), it.next()) {
+        values.push(v);
+        ttls.push(t);
+    }
+    (values, ttls)
+}
+
+/// One column: values and times left.
+type Column = (Vec<Option<String>>, Vec<Option<String>>);
 
 pub(crate) struct Sampler {
     stop: Arc<AtomicBool>,
@@ -167,13 +206,13 @@ fn read_keys(
     url: &str,
     keys: &[String],
     kind: &str,
-) -> Option<Vec<Option<String>>> {
+) -> Option<Column> {
     pool.with(url, |con| {
         let mut inv = script.prepare_invoke();
         for k in keys {
             inv.key(k);
         }
-        inv.arg(kind).invoke(con)
+        inv.arg(kind).invoke(con).map(split)
     })
 }
 
@@ -185,7 +224,7 @@ fn read_role_and_keys(
     url: &str,
     keys: &[String],
     kind: &str,
-) -> Option<(String, Vec<Option<String>>)> {
+) -> Option<(String, Column)> {
     pool.with(url, |con| {
         let mut pipe = redis::pipe();
         pipe.atomic()
@@ -201,7 +240,7 @@ fn read_role_and_keys(
             .map(redis::from_redis_value_ref)
             .transpose()?
             .unwrap_or_default();
-        Ok((role, values))
+        Ok((role, split(values)))
     })
 }
 
@@ -228,8 +267,8 @@ fn round(
     script: &redis::Script,
     keys: &[String],
     kind: &str,
-) -> Vec<Vec<Option<String>>> {
-    let unknown = || vec![None; keys.len()];
+) -> Vec<Column> {
+    let unknown = || (vec![None; keys.len()], vec![None; keys.len()]);
     match source {
         Source::Servers(urls) => urls
             .iter()
@@ -240,7 +279,7 @@ fn round(
             sentinels,
             service,
         } => {
-            let masters: Vec<(&String, Vec<Option<String>>)> = servers
+            let masters: Vec<(&String, Column)> = servers
                 .iter()
                 .filter_map(|url| match read_role_and_keys(pool, url, keys, kind) {
                     Some((role, values)) if role == "master" => Some((url, values)),
@@ -261,26 +300,28 @@ fn round(
         }
         Source::Cluster(nodes) => {
             // Per key, what each serving primary read.
-            let mut found: Vec<Vec<String>> = vec![Vec::new(); keys.len()];
+            let mut found: Vec<Vec<(String, Option<String>)>> = vec![Vec::new(); keys.len()];
             for url in nodes {
-                if let Some((role, values)) = read_role_and_keys(pool, url, keys, kind)
+                if let Some((role, (values, ttls))) = read_role_and_keys(pool, url, keys, kind)
                     && role == "master"
                 {
-                    for (k, v) in values.into_iter().enumerate() {
+                    for (k, (v, t)) in values.into_iter().zip(ttls).enumerate() {
                         if let Some(v) = v {
-                            found[k].push(v);
+                            found[k].push((v, t));
                         }
                     }
                 }
             }
-            let column = found
+            let column: Vec<(Option<String>, Option<String>)> = found
                 .into_iter()
                 .map(|reads| match reads.as_slice() {
-                    [first, rest @ ..] if rest.iter().all(|v| v == first) => Some(first.clone()),
-                    _ => None,
+                    [first, rest @ ..] if rest.iter().all(|(v, _)| *v == first.0) => {
+                        (Some(first.0.clone()), first.1.clone())
+                    }
+                    _ => (None, None),
                 })
                 .collect();
-            vec![column]
+            vec![column.into_iter().unzip()]
         }
     }
 }
@@ -291,9 +332,16 @@ fn run(source: &Source, keys: &[String], kind: &str, stop: &AtomicBool) -> Vec<S
     let mut samples = Vec::new();
     while !stop.load(Ordering::SeqCst) {
         let t_b = now_ns();
-        let nodes = round(source, &mut pool, &script, keys, kind);
+        let (nodes, ttl) = round(source, &mut pool, &script, keys, kind)
+            .into_iter()
+            .unzip();
         let t_a = now_ns();
-        samples.push(Sample { t_b, t_a, nodes });
+        samples.push(Sample {
+            t_b,
+            t_a,
+            nodes,
+            ttl,
+        });
         thread::sleep(Duration::from_millis(10));
     }
     samples

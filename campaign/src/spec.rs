@@ -134,6 +134,10 @@ pub(crate) enum Control {
     /// bug: workers that leave the last key of each set out of the request
     /// but record the set whole, as if the guard held it.
     PartialGuard,
+    /// A standalone server's wall clock (Valkey under libfaketime) stepped
+    /// forward by 1-2 TTLs: its keys expire at once, before any renewal
+    /// pipeline can read the step.
+    ClockJump,
 }
 
 impl FromStr for Control {
@@ -147,9 +151,10 @@ impl FromStr for Control {
             "restart-no-aof" => Control::RestartNoAof,
             "poll-follower" => Control::PollFollower,
             "partial-guard" => Control::PartialGuard,
+            "clock-jump" => Control::ClockJump,
             _ => {
                 return Err(format!(
-                    "unknown control {s:?} (plain-pause, redlock-restart, sentinel-unreplicated, ignore-loss, restart-no-aof, poll-follower, partial-guard)"
+                    "unknown control {s:?} (plain-pause, redlock-restart, sentinel-unreplicated, ignore-loss, restart-no-aof, poll-follower, partial-guard, clock-jump)"
                 ));
             }
         })
@@ -166,6 +171,7 @@ impl fmt::Display for Control {
             Control::RestartNoAof => "restart-no-aof",
             Control::PollFollower => "poll-follower",
             Control::PartialGuard => "partial-guard",
+            Control::ClockJump => "clock-jump",
         })
     }
 }
@@ -199,6 +205,16 @@ pub(crate) struct WorkerSpec {
     pub(crate) restart_delay_ms: Option<u64>,
     pub(crate) capacity: u32,
     pub(crate) keep_alive_pct: u64,
+    /// Percentage of grants held with a keep-alive for 3-5 TTLs.
+    pub(crate) long_hold_pct: u64,
+    /// Percentage of grants that call `verify_still_held` (a leader:
+    /// `proclaim`) once while held.
+    pub(crate) verify_pct: u64,
+    /// Percentage of grants that call `reset_expiry` (Redlock: `extend`)
+    /// once while held, with a TTL of 0.5-2 times the lease's.
+    pub(crate) reset_pct: u64,
+    /// `Lock` handles with `Fairness::Fifo`.
+    pub(crate) fifo: bool,
     /// Milliseconds between the fenced read and the write, at most.
     pub(crate) think_ms: u64,
     /// Percentage of leaderships that let the lease expire instead of
@@ -229,7 +245,9 @@ impl WorkerSpec {
             "keys": self.keys, "prefix": self.prefix, "ttl_ms": self.ttl_ms,
             "node_timeout_ms": self.node_timeout_ms, "require_replicas": self.require_replicas,
             "restart_delay_ms": self.restart_delay_ms, "capacity": self.capacity,
-            "keep_alive_pct": self.keep_alive_pct, "think_ms": self.think_ms, "out": self.out,
+            "keep_alive_pct": self.keep_alive_pct, "long_hold_pct": self.long_hold_pct,
+            "verify_pct": self.verify_pct, "reset_pct": self.reset_pct, "fifo": self.fifo,
+            "think_ms": self.think_ms, "out": self.out,
             "expire_pct": self.expire_pct,
             "ignore_loss": self.ignore_loss, "poll_follower": self.poll_follower,
             "plant_partial": self.plant_partial,
@@ -275,6 +293,10 @@ impl WorkerSpec {
             restart_delay_ms: v["restart_delay_ms"].as_u64(),
             capacity: n("capacity") as u32,
             keep_alive_pct: n("keep_alive_pct"),
+            long_hold_pct: n("long_hold_pct"),
+            verify_pct: n("verify_pct"),
+            reset_pct: n("reset_pct"),
+            fifo: v["fifo"].as_bool().unwrap_or(false),
             think_ms: n("think_ms"),
             expire_pct: n("expire_pct"),
             ignore_loss: v["ignore_loss"].as_bool().unwrap_or(false),

@@ -41,7 +41,7 @@ use std::thread;
 use std::time::Duration;
 
 use respire_coordination::{
-    CancelToken, Coordinator, Election, FencedLock, FencedMultiGuard, Leadership, Lock,
+    CancelToken, Coordinator, Election, Fairness, FencedLock, FencedMultiGuard, Leadership, Lock,
     MultiLockGuard, ReadLease, RedlockGroup, RedlockGuard, RedlockOptions, ReleaseOutcome,
     Replication, Semaphore, WriteLease,
 };
@@ -51,6 +51,7 @@ use crate::clock::now_ns;
 use crate::resource::{Reply, Resource};
 use crate::rng::Rng;
 use crate::spec::{Connect, WorkerSpec, Workload};
+use crate::topo::APP_USER;
 
 /// The primitive handles for one logical key.
 enum Handle {
@@ -136,6 +137,49 @@ impl Held {
             Held::Read(_) => "r",
             Held::Permit(_) => "s",
             _ => "x",
+        }
+    }
+
+    /// `verify_still_held()`: whether the server held the lease (an
+    /// error's message when it failed); `None` for Redlock, which has none.
+    fn verify(&self) -> Option<Result<bool, String>> {
+        let held = match self {
+            Held::Lock(g) => g.verify_still_held(),
+            Held::Fenced(g) => g.verify_still_held(),
+            Held::Read(g) => g.verify_still_held(),
+            Held::Write(g) => g.verify_still_held(),
+            Held::Permit(g) => g.verify_still_held(),
+            Held::Leader(g) => g.verify_still_held(),
+            Held::Multi(g) => g.verify_still_held(),
+            Held::MultiPlain(g) => g.verify_still_held(),
+            Held::Redlock(_) => return None,
+        };
+        Some(held.map(|h| h.is_some()).map_err(|e| e.to_string()))
+    }
+
+    /// `reset_expiry(ttl)` (Redlock: `extend(ttl)`): whether the server
+    /// confirmed the new expiry.
+    fn reset(&self, ttl: Duration) -> Result<bool, String> {
+        match self {
+            Held::Lock(g) => g.reset_expiry(ttl),
+            Held::Fenced(g) => g.reset_expiry(ttl),
+            Held::Read(g) => g.reset_expiry(ttl),
+            Held::Write(g) => g.reset_expiry(ttl),
+            Held::Permit(g) => g.reset_expiry(ttl),
+            Held::Leader(g) => g.reset_expiry(ttl),
+            Held::Multi(g) => g.reset_expiry(ttl),
+            Held::MultiPlain(g) => g.reset_expiry(ttl),
+            Held::Redlock(g) => g.extend(ttl),
+        }
+        .map_err(|e| e.to_string())
+    }
+
+    /// `proclaim(value)` of a leadership: whether the server set it; `None`
+    /// for other kinds.
+    fn proclaim(&self, value: &str) -> Option<Result<bool, String>> {
+        match self {
+            Held::Leader(g) => Some(g.proclaim(value).map_err(|e| e.to_string())),
+            _ => None,
         }
     }
 
@@ -392,12 +436,21 @@ pub(crate) fn main() -> Result<(), String> {
             history.emit(line);
         }
 
-        let keep = rng.chance(spec.keep_alive_pct);
-        let steps = if keep {
+        // A long hold: kept alive for 3-5 TTLs, renewed 6-10 times.
+        let long = rng.chance(spec.long_hold_pct);
+        let keep = long || rng.chance(spec.keep_alive_pct);
+        let steps = if long {
+            rng.range(9, 15)
+        } else if keep {
             rng.range(3, 4)
         } else {
             rng.range(1, 2)
         };
+        // Which step asks the server (`verify_still_held`, a leader's
+        // `proclaim`) and which resets the expiry, if any.
+        let verify_at = rng.chance(spec.verify_pct).then(|| rng.range(0, steps - 1));
+        let reset_at = rng.chance(spec.reset_pct).then(|| rng.range(0, steps - 1));
+        let reset_ttl = Duration::from_millis(rng.range(spec.ttl_ms / 2, spec.ttl_ms * 2));
         let think = if keep {
             Duration::from_millis(spec.ttl_ms / 3)
         } else {
@@ -406,7 +459,24 @@ pub(crate) fn main() -> Result<(), String> {
         let mut v: Option<u64> = None;
         let mut lost = false;
         let ((), kept) = held.with_keep_alive(keep, || {
-            for _ in 0..steps {
+            for step in 0..steps {
+                if verify_at == Some(step) {
+                    let s = now_ns();
+                    let answer = held
+                        .proclaim(&format!("w{}:{first}", spec.id))
+                        .map(|a| ("proclaim", a))
+                        .or_else(|| held.verify().map(|a| ("verify", a)));
+                    let r = now_ns();
+                    if let Some((what, answer)) = answer {
+                        emit_answer(&mut history, spec.id, &members, what, (s, r), answer);
+                    }
+                }
+                if reset_at == Some(step) {
+                    let s = now_ns();
+                    let answer = held.reset(reset_ttl);
+                    let r = now_ns();
+                    emit_answer(&mut history, spec.id, &members, "reset", (s, r), answer);
+                }
                 let t = now_ns();
                 if held.is_lost() && !spec.ignore_loss {
                     lost = true;
@@ -489,6 +559,27 @@ pub(crate) fn main() -> Result<(), String> {
     }
     drop(group);
     Ok(())
+}
+
+/// One `answer` line per key of the grant: what a call that asks the server
+/// about the lease (`verify`, `proclaim`, `reset`) answered, sent at `s`
+/// and returned at `r`; `held` is `null` for an error.
+fn emit_answer(
+    history: &mut History,
+    w: u64,
+    members: &[(u64, &str, u64, String)],
+    what: &str,
+    (s, r): (u64, u64),
+    answer: Result<bool, String>,
+) {
+    for (m, ..) in members {
+        let mut line = json!({"ev": "answer", "w": w, "n": m, "call": what, "s": s, "r": r});
+        match &answer {
+            Ok(held) => line["held"] = json!(held),
+            Err(e) => line["what"] = json!(e),
+        }
+        history.emit(line);
+    }
 }
 
 /// Where an election worker's `observe()` followers write.
@@ -580,17 +671,29 @@ fn connect(spec: &WorkerSpec) -> Result<(Vec<Handle>, Option<RedlockGroup>), Str
         Connect::Standalone(url) => build(Coordinator::builder(url))?,
         Connect::Sentinel { sentinels, service } => {
             let urls: Vec<&str> = sentinels.iter().map(String::as_str).collect();
-            build(Coordinator::sentinel_builder(&urls, service))?
+            build(
+                Coordinator::sentinel_builder(&urls, service)
+                    .username(APP_USER.0)
+                    .password(APP_USER.1),
+            )?
         }
         Connect::Cluster(seeds) => {
             let urls: Vec<&str> = seeds.iter().map(String::as_str).collect();
-            build(Coordinator::cluster_builder(&urls))?
+            build(
+                Coordinator::cluster_builder(&urls)
+                    .username(APP_USER.0)
+                    .password(APP_USER.1),
+            )?
         }
         Connect::Redlock(_) => unreachable!("handled above"),
     };
     let mut handles = Vec::new();
     for k in &spec.keys {
         let h = match spec.workload {
+            Workload::Lock | Workload::Redlock if spec.fifo => coord
+                .lock(&format!("{{{k}}}lock"))
+                .and_then(|l| l.with_fairness(Fairness::fifo()))
+                .map(Handle::Lock),
             Workload::Lock | Workload::Redlock => {
                 coord.lock(&format!("{{{k}}}lock")).map(Handle::Lock)
             }
