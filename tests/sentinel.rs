@@ -1061,3 +1061,50 @@ fn a_shortening_the_old_primary_confirms_after_a_renewal_on_the_new_one_never_ou
     );
     assert!(!g.is_lost());
 }
+
+/// A coordinator idle through two switches: it made a grant the replica
+/// acknowledged on server 0, then made no call while server 1 was promoted
+/// and server 0 promoted back. Every promotion kept the grant (server 0 holds
+/// its counter throughout), so the next grant must be made — the history is
+/// not lost, though server 0 now names only its own new replication id and
+/// server 1's, never the one the grant was acknowledged under. (Before the
+/// coordinator read each new primary's history at the switch, it refused
+/// every grant from then on.)
+#[test]
+fn an_idle_coordinator_keeps_its_history_through_two_switches() {
+    let deployment = TestSentinel::builder()
+        .down_after(Duration::from_secs(60))
+        .start();
+    let require = Replication::Require {
+        replicas: 1,
+        timeout: Duration::from_secs(2),
+    };
+    let idle = builder(&deployment).replication(require).build().unwrap();
+    let tag = format!("{{{}}}", unique_prefix("two-switches"));
+    let (lease, fence) = (format!("{tag}:lease"), format!("{tag}:fence"));
+    let lock = idle.fenced_lock(&lease, &fence).unwrap();
+    let ttl = Duration::from_secs(30);
+    let wait = Duration::from_secs(15);
+    let first = {
+        let guard = lock.acquire_timeout(ttl, wait).unwrap().expect("granted");
+        assert_eq!(guard.replicas_acknowledged(), Some(1));
+        let token = guard.fencing_token().get();
+        guard.release().unwrap();
+        token
+    };
+
+    deployment.wait_selectable(1, "slave", Duration::from_secs(30));
+    deployment.failover();
+    deployment.wait_replica_of(0, Duration::from_secs(30));
+    deployment.wait_selectable(0, "slave", Duration::from_secs(30));
+    deployment.failover();
+    deployment.wait_replica_of(1, Duration::from_secs(30));
+    assert_eq!(deployment.primary_index(), 0);
+    assert_eq!(counter_on(deployment.server(0), &fence), Some(first));
+
+    let guard = lock
+        .acquire_timeout(ttl, wait)
+        .unwrap_or_else(|e| panic!("the grant after two unwatched switches: {e}"))
+        .expect("granted");
+    assert!(guard.fencing_token().get() > first);
+}

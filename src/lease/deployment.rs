@@ -34,7 +34,7 @@ pub(crate) struct Deployment {
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) replication: Replication,
     /// The replication history the replication guard vouched for.
-    pub(crate) history: History,
+    pub(crate) history: Arc<History>,
     /// The connect timeout (the bound on opening a connection).
     pub(crate) connect_timeout: Duration,
     fences: Mutex<FenceBook>,
@@ -87,13 +87,14 @@ impl Deployment {
         replication: Replication,
         clock: Arc<dyn Clock>,
     ) -> Self {
+        let history = topology.history.clone();
         Deployment {
             topology,
             prefix,
             timing,
             clock,
             replication,
-            history: History::default(),
+            history,
             connect_timeout,
             fences: Mutex::new(FenceBook::new(
                 fences::horizon(timing.node_timeout, replication.timeout()),

@@ -48,6 +48,7 @@ use crate::conn::{Conn, ConnConfig, Connect, Identity, RoleCheck};
 use crate::error::{Error, Result};
 use crate::keys::key_slot;
 use crate::observe::{self, Observer};
+use crate::replication::History;
 use crate::runtime::node::{Directory, Job, Node};
 use crate::runtime::renewal::{self, Cell, Counters, Lanes, Renewal, RenewalStats};
 use crate::runtime::waiters::{OnTracked, Registry, Route, Tracker};
@@ -128,6 +129,9 @@ pub(crate) struct Topology {
     _stop: Option<Sender<()>>,
     this: Weak<Topology>,
     describe: String,
+    /// The replication history the replication guard vouches for; a
+    /// Sentinel switch reads the new primary's into it.
+    pub(crate) history: Arc<History>,
 }
 
 impl Topology {
@@ -162,6 +166,7 @@ impl Topology {
                 _stop: stop,
                 this: this.clone(),
                 describe,
+                history: Arc::default(),
             }
         })
     }

@@ -14,6 +14,7 @@ use crate::conn::sentinel::{parse_master_addr, parse_switch};
 use crate::conn::{Conn, ConnConfig, RoleCheck};
 use crate::error::{Error, Result};
 use crate::observe;
+use crate::replication::ReplicationPoint;
 use crate::runtime::node::Node;
 
 use super::{MIN_REFRESH, Settings, Shape, Topology};
@@ -163,8 +164,19 @@ impl Topology {
                 return false;
             }
         };
-        let conn = match cfg.connect(cfg.node_timeout.min(cfg.connect_timeout), "respire") {
-            Ok(conn) => conn,
+        // `INFO replication` in the setup round trip: the new primary's
+        // history is judged now, so that a coordinator idle through several
+        // switches still knows each history the acknowledged grants went
+        // through (a server names only its own and its predecessor's).
+        let info = redis::cmd("INFO").arg("replication").clone();
+        let budget = cfg.node_timeout.min(cfg.connect_timeout);
+        let conn = match cfg.connect_with(budget, "respire", &[info]) {
+            Ok(opened) => {
+                if let Some(point) = opened.replies.first().and_then(replication_point) {
+                    self.history.observe(&cfg.addr, &point, false);
+                }
+                opened.conn
+            }
             Err(e) => {
                 log::warn!(
                     "sentinels name {addr} as the primary of {}, but: {e}",
@@ -229,6 +241,16 @@ impl Topology {
         if current != *old || !self.switch_to(new) {
             self.check_sentinels(conns);
         }
+    }
+}
+
+/// The replication history an `INFO replication` reply names, if it is a
+/// primary's.
+fn replication_point(reply: &redis::Value) -> Option<ReplicationPoint> {
+    match reply {
+        redis::Value::BulkString(text) => ReplicationPoint::parse(&String::from_utf8_lossy(text)),
+        redis::Value::VerbatimString { text, .. } => ReplicationPoint::parse(text),
+        _ => None,
     }
 }
 
