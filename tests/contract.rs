@@ -680,6 +680,10 @@ fn a_redlock_quorum_grants_and_releases_on_every_node(t: &Target) {
     }
     assert!(other.try_acquire(&key, ttl).unwrap().is_none());
     assert!(guard.extend(ms(4_500)).unwrap());
+    // The extension returns once a quorum answered, as the release does.
+    wait_until(ms(2_000), "the extension on every node", || {
+        conns.iter_mut().all(|conn| pttl(conn, &key) > 3_000)
+    });
     for conn in &mut conns {
         assert_left(conn, &key, ms(4_500), "a node's extension");
     }
