@@ -329,30 +329,7 @@ impl Deployment {
              sentinel auth-pass {SERVICE} sentinel-pw\n",
             primary.port()
         );
-        let sentinels: Vec<TestServer> = (0..3)
-            .map(|_| TestServer::builder().sentinel(config.clone()).start())
-            .collect();
-        for s in &sentinels {
-            wait_until(
-                ms(15_000),
-                "each sentinel to know the others and the replica",
-                || {
-                    let fields: Vec<String> = redis::cmd("SENTINEL")
-                        .arg("MASTER")
-                        .arg(SERVICE)
-                        .query(&mut s.client())
-                        .unwrap_or_default();
-                    let field = |name: &str| {
-                        fields
-                            .iter()
-                            .position(|f| f == name)
-                            .and_then(|i| fields.get(i + 1))
-                            .and_then(|v| v.parse::<u32>().ok())
-                    };
-                    field("num-slaves") == Some(1) && field("num-other-sentinels") == Some(2)
-                },
-            );
-        }
+        let sentinels = start_sentinels(&config, SERVICE);
         Deployment {
             primary,
             replica,
@@ -757,30 +734,7 @@ impl ProxiedSentinel {
              sentinel failover-timeout {PROXIED_SERVICE} 2000\n",
             to_primary.port()
         );
-        let sentinels: Vec<TestServer> = (0..3)
-            .map(|_| TestServer::builder().sentinel(config.clone()).start())
-            .collect();
-        for s in &sentinels {
-            wait_until(
-                ms(15_000),
-                "each sentinel to know the others and the replica",
-                || {
-                    let fields: Vec<String> = redis::cmd("SENTINEL")
-                        .arg("MASTER")
-                        .arg(PROXIED_SERVICE)
-                        .query(&mut s.client())
-                        .unwrap_or_default();
-                    let field = |name: &str| {
-                        fields
-                            .iter()
-                            .position(|f| f == name)
-                            .and_then(|i| fields.get(i + 1))
-                            .and_then(|v| v.parse::<u32>().ok())
-                    };
-                    field("num-slaves") == Some(1) && field("num-other-sentinels") == Some(2)
-                },
-            );
-        }
+        let sentinels = start_sentinels(&config, PROXIED_SERVICE);
         ProxiedSentinel {
             primary,
             replica,
@@ -961,4 +915,34 @@ fn the_fence_and_the_clean_up_of_calls_the_replaced_primary_left_unanswered_go_t
         Vec::<u16>::new(),
         "a job for the retired primary was sent to it"
     );
+}
+
+/// Three sentinels started with `config`, once each knows the other two and
+/// the replica of `service`.
+fn start_sentinels(config: &str, service: &str) -> Vec<TestServer> {
+    let sentinels: Vec<TestServer> = (0..3)
+        .map(|_| TestServer::builder().sentinel(config.to_owned()).start())
+        .collect();
+    for s in &sentinels {
+        wait_until(
+            ms(15_000),
+            "each sentinel to know the others and the replica",
+            || {
+                let fields: Vec<String> = redis::cmd("SENTINEL")
+                    .arg("MASTER")
+                    .arg(service)
+                    .query(&mut s.client())
+                    .unwrap_or_default();
+                let field = |name: &str| {
+                    fields
+                        .iter()
+                        .position(|f| f == name)
+                        .and_then(|i| fields.get(i + 1))
+                        .and_then(|v| v.parse::<u32>().ok())
+                };
+                field("num-slaves") == Some(1) && field("num-other-sentinels") == Some(2)
+            },
+        );
+    }
+    sentinels
 }
