@@ -541,14 +541,9 @@ fn without_test_items(code: &str) -> String {
 /// Every read of the operating system's monotonic clock that bypasses the
 /// deployment's clock: `Instant::now` or `.elapsed()` in shipped code of any
 /// module but `clock`, as `(module, line)`. Test items are left aside, and so
-/// are the simulation and the fake deployment: they model servers, which
-/// keep clocks of their own.
+/// is the simulation, whose model servers run on simulated time.
 fn direct_clock_reads(mods: &BTreeMap<String, String>) -> Vec<(String, usize)> {
-    let outside = |m: &str| {
-        ["sim", "fake"]
-            .iter()
-            .any(|s| m == *s || m.starts_with(&format!("{s}::")))
-    };
+    let outside = |m: &str| m == "sim" || m.starts_with("sim::");
     let mut found = Vec::new();
     for (m, text) in mods {
         if m == "clock" || outside(m) {

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
 use super::resp;
+use crate::clock::Clock;
 use crate::sim::model::{ModelServer, Persistence, Reply};
 
 /// How often the thread looks at the clock when nothing happens: keys
@@ -105,6 +106,9 @@ pub(super) struct World {
     /// sentinel's.
     next_side_id: u64,
     started: Instant,
+    /// The monotonic clock the fake's own clock runs with, and reply delays
+    /// are timed by.
+    clock: Arc<dyn Clock>,
     base_ms: i64,
     /// The server clock when the primary's process last started.
     up_since_ms: i64,
@@ -188,6 +192,7 @@ impl World {
             .map_or(0, |d| d.as_millis() as i64);
         let mut model = ModelServer::new(seed, base_ms);
         model.add_replica();
+        let clock = crate::clock::system();
         World {
             model,
             primary: Port::DataA,
@@ -196,7 +201,8 @@ impl World {
             conns: HashMap::new(),
             tracked: HashMap::new(),
             next_side_id: 1,
-            started: Instant::now(),
+            started: clock.now(),
+            clock,
             base_ms,
             up_since_ms: base_ms,
             offset_ms: 0,
@@ -212,7 +218,13 @@ impl World {
 
     /// The server clock in milliseconds now.
     pub(super) fn now_ms(&self) -> i64 {
-        self.base_ms + self.started.elapsed().as_millis() as i64 + self.offset_ms
+        self.base_ms
+            + self
+                .clock
+                .now()
+                .saturating_duration_since(self.started)
+                .as_millis() as i64
+            + self.offset_ms
     }
 
     pub(super) fn advance_clock(&mut self, by: Duration) {
@@ -325,7 +337,7 @@ impl World {
                 .values()
                 .filter_map(|c| c.outbox.front().map(|(due, _)| *due))
                 .min()
-                .map_or(TICK, |due| due.saturating_duration_since(Instant::now()))
+                .map_or(TICK, |due| due.saturating_duration_since(self.clock.now()))
                 .min(TICK);
             match events.recv_timeout(wait) {
                 Ok(event) => {
@@ -467,7 +479,7 @@ impl World {
                     resp::aggregate(&mut out, b'*', 1);
                     resp::bulk(&mut out, &key);
                     if !c.mute {
-                        c.outbox.push_back((Instant::now(), out));
+                        c.outbox.push_back((self.clock.now(), out));
                     }
                 }
             }
@@ -482,14 +494,14 @@ impl World {
                 resp::bulk(&mut out, b"message");
                 resp::bulk(&mut out, channel);
                 resp::bulk(&mut out, payload);
-                c.outbox.push_back((Instant::now(), out));
+                c.outbox.push_back((self.clock.now(), out));
             }
         }
     }
 
     /// Writes every reply that is due, in order per connection.
     fn flush(&mut self) {
-        let now = Instant::now();
+        let now = self.clock.now();
         let mut broken = Vec::new();
         for (key, c) in &mut self.conns {
             while c.outbox.front().is_some_and(|(due, _)| *due <= now) {
@@ -522,7 +534,7 @@ impl World {
             encode_reply(&mut out, &name, &argv, &reply, resp3);
         }
         self.after_change();
-        let mut due = Instant::now();
+        let mut due = self.clock.now();
         let mut dropped = false;
         if touches_keys(&name) {
             if self.faults.drop > 0 {
