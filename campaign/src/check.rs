@@ -17,6 +17,8 @@
 //!   `tokens-after-history-lost`, which the model allows;
 //! - `server-oracle`: at every server sample inside a claim the server holds
 //!   that grant (its token, its slot, a quorum of nodes for Redlock);
+//! - `loss-margin`: every vouch lies at least one node timeout before the
+//!   server's expiry (the guard's loss deadline keeps that margin);
 //! - `vouched-after-expiry`: a guard whose server was stopped past the lease's
 //!   expiry (PTTL read at the stop) stopped vouching before that expiry (one
 //!   deployment only: a Redlock lease outlives one node's key);
@@ -69,6 +71,10 @@ pub(crate) struct Findings {
     /// Smallest margin (ms) between the server's expiry bound and the last
     /// vouch, over the claims judged near a fault.
     pub(crate) min_ttl_margin_ms: Option<f64>,
+    /// Claims judged by `loss-margin`, and the least room (ms) left between
+    /// a vouch plus the node timeout and the server's expiry over them.
+    pub(crate) margin_checks: u64,
+    pub(crate) min_loss_margin_ms: Option<f64>,
     /// (fault, key) pairs judged by `liveness`.
     pub(crate) liveness_checks: u64,
     /// Longest wait (ms) from a fault's end to a key's next grant, over the
@@ -126,6 +132,21 @@ pub(crate) struct Inputs<'a> {
     pub(crate) liveness_ns: Option<u64>,
     /// When the run stopped its workers (no grant is expected after it).
     pub(crate) end_ns: Option<u64>,
+    /// The library's node timeout, for `loss-margin`; `None`: not judged
+    /// (histories recorded before the summary carried it).
+    pub(crate) node_timeout_ns: Option<u64>,
+    /// How fast the servers' clocks run against the shared monotonic clock
+    /// (set by the harness: libfaketime's rate; 1.0 for real clocks). What a
+    /// server says is left (`PTTL`) is divided by it.
+    pub(crate) server_clock_rate: f64,
+}
+
+impl Inputs<'_> {
+    /// `left` milliseconds on the servers' clock, in nanoseconds on the
+    /// shared clock.
+    fn server_ms(&self, left: u64) -> u64 {
+        (left as f64 * 1e6 / self.server_clock_rate.max(1e-6)) as u64
+    }
 }
 
 pub(crate) fn check(inp: &Inputs<'_>) -> Findings {
@@ -450,7 +471,7 @@ fn expiry(inp: &Inputs<'_>, claims: &[&Grant], f: &mut Findings) {
     f.zero("vouched-after-expiry");
     for fault in inp.faults.iter().filter(|r| !r.pttl.is_empty()) {
         for p in &fault.pttl {
-            let expiry = p.t_a + p.pttl_ms as u64 * 1_000_000;
+            let expiry = p.t_a + inp.server_ms(p.pttl_ms as u64);
             if fault.t1 <= expiry {
                 continue; // resumed before the lease could expire there
             }
@@ -946,7 +967,7 @@ fn sample_bound(
         if left == i64::MAX {
             u64::MAX
         } else {
-            s.t_a.saturating_add(left as u64 * 1_000_000)
+            s.t_a.saturating_add(inp.server_ms(left as u64))
         }
     };
     if inp.workload != Workload::Redlock {
@@ -979,6 +1000,9 @@ fn past_ttl(
     f: &mut Findings,
 ) {
     f.zero("vouched-past-ttl");
+    if inp.node_timeout_ns.is_some() {
+        f.zero("loss-margin");
+    }
     let quorum = inp.samples.first().map_or(1, |s| s.nodes.len() / 2 + 1);
     for g in claims {
         if outcome(g) == Some("Released") {
@@ -1003,7 +1027,7 @@ fn past_ttl(
                     && inp.workload != Workload::Redlock
                     && ours(inp, owned, g, &p.value) == Some(true)
             })
-            .map(|p| (p.t_a + p.pttl_ms as u64 * 1_000_000, p.t_b));
+            .map(|p| (p.t_a + inp.server_ms(p.pttl_ms as u64), p.t_b));
         let Some((bound, read_at)) = inp.samples[start..]
             .iter()
             .filter_map(|s| sample_bound(inp, owned, g, s, k, quorum).map(|b| (b, s.t_b)))
@@ -1026,6 +1050,7 @@ fn past_ttl(
                 )
             });
         }
+        loss_margin(inp, g, k, (bound, read_at), f);
         let near = inp
             .faults
             .iter()
@@ -1036,6 +1061,68 @@ fn past_ttl(
             f.min_ttl_margin_ms = Some(f.min_ttl_margin_ms.map_or(margin, |m: f64| m.min(margin)));
         }
     }
+}
+
+/// `loss-margin`: a guard is told it lost its lease one node timeout before
+/// the lease's validity ends (the send of its last confirmed command plus
+/// the TTL less the drift allowance), so that a command started at its last
+/// vouch can finish while the server still holds the lease. Whenever the
+/// server's clock runs no faster than the drift allowance covers, the
+/// server's expiry is at least a node timeout after every vouch: a vouch
+/// later than the server's expiry bound less the node timeout is a bound
+/// overstated (by a mutant that adds even a few tens of milliseconds to it,
+/// which `vouched-past-ttl` cannot see inside the margin). Judged where the
+/// oracle saw the key from the bound's read until a sample after the bound,
+/// so that no renewal moved the expiry unseen; not for claims across a
+/// `clock-step` (a server clock stepped forward ends a lease early, which
+/// only kept-alive leases can notice), nor without a node timeout on record.
+fn loss_margin(
+    inp: &Inputs<'_>,
+    g: &Grant,
+    k: usize,
+    (bound, read_at): (u64, u64),
+    f: &mut Findings,
+) {
+    let Some(node_timeout) = inp.node_timeout_ns else {
+        return;
+    };
+    let v = g.v.unwrap_or(g.g);
+    if bound == u64::MAX || stepped(inp, g.a, v) {
+        return;
+    }
+    let Some(after) = inp.samples.iter().find(|s| s.t_b > bound).map(|s| s.t_b) else {
+        return;
+    };
+    if !seen_through(inp, k, read_at, bound, after.max(v)) {
+        return;
+    }
+    f.margin_checks += 1;
+    // PTTL is whole milliseconds: the expiry may be up to 1 ms past the bound.
+    let room = bound.saturating_add(1_000_000) as f64 - (v + node_timeout) as f64;
+    f.min_loss_margin_ms = Some(
+        f.min_loss_margin_ms
+            .map_or(room / 1e6, |m: f64| m.min(room / 1e6)),
+    );
+    if room < 0.0 {
+        f.hit("loss-margin", || {
+            format!(
+                "{} vouched {:.3} ms before the server's expiry at {:.3} ms, less than the node timeout of {:.3} ms",
+                who(g),
+                ms(bound.saturating_sub(v)),
+                ms(bound),
+                ms(node_timeout)
+            )
+        });
+    }
+}
+
+/// Whether a server clock was stepped between `from` and `to`.
+fn stepped(inp: &Inputs<'_>, from: u64, to: u64) -> bool {
+    inp.faults.iter().any(|r| {
+        (r.fault == Fault::ClockStep || (r.fault == Fault::Pair && r.target.contains("clock-step")))
+            && r.t0 <= to
+            && from <= r.t1
+    })
 }
 
 /// Whether the oracle saw key `k` from a bound's read (`read_at`) to a vouch
@@ -1233,6 +1320,8 @@ mod tests {
         tallies: Vec<(String, Tally)>,
         liveness_ms: Option<u64>,
         end_ms: Option<u64>,
+        node_timeout_ms: Option<u64>,
+        server_clock_rate: f64,
     }
 
     fn case(workload: Workload, grants: Vec<Grant>, samples: Vec<Sample>) -> Case {
@@ -1249,6 +1338,8 @@ mod tests {
             tallies: Vec::new(),
             liveness_ms: None,
             end_ms: None,
+            node_timeout_ms: None,
+            server_clock_rate: 1.0,
         }
     }
 
@@ -1266,6 +1357,8 @@ mod tests {
                 ttl_ns: 600 * MS,
                 liveness_ns: self.liveness_ms.map(|ms| ms * MS),
                 end_ns: self.end_ms.map(|ms| ms * MS),
+                node_timeout_ns: self.node_timeout_ms.map(|ms| ms * MS),
+                server_clock_rate: self.server_clock_rate,
             })
         }
 
@@ -1505,6 +1598,60 @@ mod tests {
         }];
         c.faults = vec![stop];
         assert_eq!(c.count("vouched-past-ttl"), 0);
+    }
+
+    #[test]
+    fn loss_margin_rejects_a_vouch_within_a_node_timeout_of_the_servers_expiry() {
+        // Lost, not released: its lease ran out by 5 + 1 + 100 = 106 ms on
+        // the server; with a node timeout of 30 ms the guard must stop
+        // vouching by 76 ms (77 with the PTTL's rounding).
+        let lost = |v| {
+            with(grant(0, 1, "k0", 7, (0, 1, v)), |g| {
+                g.outcome = "Expired".into();
+            })
+        };
+        let samples = vec![one(5, "x:7", "100"), one(120, "", "-2"), one(200, "", "-2")];
+        let judged = |v, samples: Vec<Sample>| {
+            let mut c = case(Workload::Fenced, vec![lost(v)], samples);
+            c.node_timeout_ms = Some(30);
+            c
+        };
+        let c = judged(75, samples.clone());
+        assert_eq!(c.count("loss-margin"), 0);
+        assert_eq!(c.run().margin_checks, 1);
+        // 80 ms: inside the margin, not past the expiry.
+        let c = judged(80, samples.clone());
+        assert_eq!(c.count("loss-margin"), 1);
+        assert_eq!(c.count("vouched-past-ttl"), 0);
+        // A server clock running 10 % fast: its 100 ms left are 91 ms here.
+        let mut c = judged(70, samples.clone());
+        assert_eq!(c.count("loss-margin"), 0);
+        c.server_clock_rate = 1.1;
+        assert_eq!(c.count("loss-margin"), 1);
+        // No node timeout on record (an old history): not judged.
+        let mut c = judged(80, samples.clone());
+        c.node_timeout_ms = None;
+        assert!(!c.run().counts.contains_key("loss-margin"));
+        // A clock step during the claim: not judged.
+        let mut c = judged(80, samples.clone());
+        c.faults = vec![with_kind(fault(50, 51), Fault::ClockStep)];
+        assert_eq!(c.count("loss-margin"), 0);
+        // A renewal seen by a later sample moves the bound.
+        let renewed = vec![
+            one(5, "x:7", "100"),
+            one(60, "x:7", "600"),
+            one(700, "", "-2"),
+        ];
+        assert_eq!(judged(80, renewed).count("loss-margin"), 0);
+        // The oracle blind between the read and the expiry: not judged.
+        let blind = vec![
+            one(5, "x:7", "100"),
+            sample(60, &[&[(None, None)]]),
+            one(120, "", "-2"),
+        ];
+        let c = judged(80, blind);
+        assert_eq!(c.count("loss-margin"), 0);
+        assert_eq!(c.run().margin_checks, 0);
     }
 
     #[test]

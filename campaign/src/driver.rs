@@ -65,8 +65,10 @@ campaign run --topology T --workload W [options]
   --keep-alive-pct N  grants held past the TTL with keep_alive (default 1; 3
                     for controls, 50 for ignore-loss, restart-no-aof and
                     redlock-restart)
-  --expire-pct N    elections: leaderships that let the lease expire instead
-                    of resigning (default 5; 20 for controls)
+  --expire-pct N    grants (elections: leaderships) that let the lease
+                    expire instead of releasing it: the holder vouches every
+                    5 ms until is_lost() (default 5; for controls 20 on the
+                    election, 0 otherwise)
   --long-hold-pct N  grants held with a keep-alive for 3-5 TTLs (6-10
                     renewals; default 2; 0 for controls)
   --verify-pct N    grants that call verify_still_held (a leader: proclaim)
@@ -78,6 +80,9 @@ campaign run --topology T --workload W [options]
   --server-clock C  real (default) or faketime: standalone and Redlock
                     servers run Valkey 8.1 under libfaketime, whose wall
                     clock clock-step moves
+  --server-clock-rate R  with faketime: the servers' clocks run R times as
+                    fast as real time from their start (default 1; the
+                    library's drift allowance covers up to 1.01)
   --clock-step-ms LO-HI  clock-step's steps (default 0.05-0.25 TTLs; 1-2
                     TTLs for the clock-jump control)
   --think-ms N      most time between a grant's fenced read and its write
@@ -123,6 +128,8 @@ pub(crate) struct RunConfig {
     pub(crate) faketime: bool,
     /// `clock-step`'s range of steps, in milliseconds.
     pub(crate) clock_step_ms: (u64, u64),
+    /// With `faketime`: how fast the servers' clocks run (1.0: real time).
+    pub(crate) server_clock_rate: f64,
     pub(crate) expire_pct: u64,
     /// `liveness`'s window in TTLs; 0: not judged.
     pub(crate) liveness_ttls: u64,
@@ -360,7 +367,14 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
                 Some(_) => 3,
             },
         )?,
-        expire_pct: num("expire-pct", if control.is_some() { 20 } else { 5 })?,
+        expire_pct: num(
+            "expire-pct",
+            match control {
+                None => 5,
+                Some(_) if workload == Workload::Election => 20,
+                Some(_) => 0,
+            },
+        )?,
         long_hold_pct: num("long-hold-pct", if control.is_some() { 0 } else { 2 })?,
         verify_pct: num("verify-pct", if control.is_some() { 0 } else { 10 })?,
         reset_pct: num("reset-pct", if control.is_some() { 0 } else { 10 })?,
@@ -374,6 +388,16 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
                     hi.parse().map_err(|_| "--clock-step-ms")?,
                 )
             }
+        },
+        server_clock_rate: match get("server-clock-rate") {
+            None => 1.0,
+            Some(_) if server_clock.as_deref() != Some("faketime") => {
+                return Err("--server-clock-rate needs --server-clock faketime".into());
+            }
+            Some(r) => match r.parse::<f64>() {
+                Ok(r) if (0.5..=2.0).contains(&r) => r,
+                _ => return Err(format!("--server-clock-rate {r:?}: a rate from 0.5 to 2")),
+            },
         },
         faketime: match server_clock.as_deref() {
             None | Some("real") => false,
@@ -450,7 +474,8 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         cfg.topology,
         cfg.replicas,
         &cfg.sentinel_debug,
-        cfg.faketime.then_some(out.as_path()),
+        cfg.faketime
+            .then_some((out.as_path(), cfg.server_clock_rate)),
     );
     let prefix = "camp:".to_string();
     let keys: Vec<String> = (0..cfg.keys).map(|i| format!("k{i}")).collect();
@@ -635,6 +660,8 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         ttl_ns: cfg.ttl_ms * 1_000_000,
         liveness_ns: (cfg.liveness_ttls > 0).then_some(cfg.liveness_ttls * cfg.ttl_ms * 1_000_000),
         end_ns: Some(t_end),
+        node_timeout_ns: Some(cfg.node_timeout_ms * 1_000_000),
+        server_clock_rate: cfg.server_clock_rate,
     });
     let summary = summarize(
         &cfg,
@@ -692,6 +719,7 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
             "late-writes",
             "vouched-after-expiry",
             "vouched-past-ttl",
+            "loss-margin",
             "release-outcome",
             "partial-set",
         ] {
@@ -963,6 +991,10 @@ fn summarize(
     summary["ttl_checks"] = json!(f.ttl_checks);
     summary["ttl_checks_near_faults"] = json!(f.ttl_checks_near_faults);
     summary["min_ttl_margin_ms"] = json!(f.min_ttl_margin_ms);
+    summary["node_timeout_ms"] = json!(cfg.node_timeout_ms);
+    summary["server_clock_rate"] = json!(cfg.server_clock_rate);
+    summary["margin_checks"] = json!(f.margin_checks);
+    summary["min_loss_margin_ms"] = json!(f.min_loss_margin_ms);
     summary["liveness_ms"] = json!(cfg.liveness_ttls * cfg.ttl_ms);
     summary["liveness_checks"] = json!(f.liveness_checks);
     summary["max_regrant_ms"] = json!(f.max_regrant_ms);

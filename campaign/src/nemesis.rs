@@ -661,15 +661,21 @@ impl Nemesis {
                 let i = self.rng.range(0, dep.clock_files.len() as u64 - 1) as usize;
                 let file = &dep.clock_files[i];
                 let step = self.rng.range(self.clock_step_ms.0, self.clock_step_ms.1);
-                let was: f64 = std::fs::read_to_string(file)
-                    .ok()
-                    .and_then(|t| t.trim().trim_start_matches('+').parse().ok())
+                // The offset, then the rate the clock runs at, which must
+                // stay: libfaketime applies it from the server's start.
+                let text = std::fs::read_to_string(file).unwrap_or_default();
+                let mut parts = text.split_whitespace();
+                let was: f64 = parts
+                    .next()
+                    .and_then(|t| t.trim_start_matches('+').parse().ok())
                     .unwrap_or(0.0);
+                let rate: String = parts.map(|p| format!(" {p}")).collect();
                 let now = was + step as f64 / 1000.0;
                 rec.target = format!("server {i}");
                 rec.note = format!("+{step} ms (+{now:.3} s in all)");
                 rec.t0 = now_ns();
-                std::fs::write(file, format!("+{now:.3}")).expect("write the faketime offset");
+                std::fs::write(file, format!("+{now:.3}{rate}"))
+                    .expect("write the faketime offset");
             }
             Fault::UnreplicatedFailover => {
                 let s = dep.sentinel.as_ref().expect("sentinel");

@@ -242,6 +242,8 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
             .filter(|&ms| ms > 0)
             .map(|ms| ms * 1_000_000),
         end_ns: summary["t_end_ns"].as_u64(),
+        node_timeout_ns: summary["node_timeout_ms"].as_u64().map(|ms| ms * 1_000_000),
+        server_clock_rate: summary["server_clock_rate"].as_f64().unwrap_or(1.0),
     });
     println!(
         "{} grants, {} samples, {} faults, {} oracle checks, {} owner checks, {} release checks, {} answer checks, {} ttl checks ({} near faults, min margin {:?} ms), {} liveness checks (longest wait {:?} ms)",

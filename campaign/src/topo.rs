@@ -206,12 +206,13 @@ impl Deployment {
     /// Sentinel deployment, ignored by other topologies.
     /// `clocks`: a directory for libfaketime offset files, one per
     /// standalone or Redlock server, which then run Valkey under
-    /// libfaketime.
+    /// libfaketime, and the rate their clocks run at from their start
+    /// (1.0: real time; written after the offset, as libfaketime reads it).
     pub(crate) fn start(
         topology: Topology,
         replicas: usize,
         sentinel_debug: &[(&str, u64)],
-        clocks: Option<&std::path::Path>,
+        clocks: Option<(&std::path::Path, f64)>,
     ) -> Deployment {
         let mut servers = Vec::new();
         let mut sentinel = None;
@@ -219,13 +220,18 @@ impl Deployment {
         let mut clock_files = Vec::new();
         let mut builder = || -> TestServerBuilder {
             let b = TestServer::builder();
-            let Some(dir) = clocks else { return b };
+            let Some((dir, rate)) = clocks else { return b };
             assert!(
                 std::path::Path::new(LIBFAKETIME).exists(),
                 "{LIBFAKETIME} is missing: install Debian's faketime"
             );
             let rc = dir.join(format!("faketime-{}", clock_files.len()));
-            std::fs::write(&rc, "+0").expect("write a faketime offset file");
+            let rate = if rate == 1.0 {
+                String::new()
+            } else {
+                format!(" x{rate}")
+            };
+            std::fs::write(&rc, format!("+0{rate}")).expect("write a faketime offset file");
             let b = b
                 .kind(ServerKind::Valkey)
                 .env("LD_PRELOAD", LIBFAKETIME)

@@ -13,10 +13,11 @@
 //! - `op`: each resource operation with its send and reply times;
 //! - `err`: every acquire error; `stats` at the end.
 //!
-//! The election workload campaigns instead of acquiring, and some of its
-//! leaders (`expire_pct`) let the lease expire instead of resigning: they
-//! hold on without renewing, vouching until `is_lost()` says the lease is
-//! gone, then resign.
+//! Some holders (`expire_pct`) let the lease expire instead of releasing it:
+//! they hold on without renewing, vouching every 5 ms until `is_lost()` says
+//! the lease is gone, then release (a leader: resign), so that the last
+//! vouch of such a claim lies within 5 ms of the guard's loss deadline.
+//! The election workload campaigns instead of acquiring.
 //! Each election worker also runs one `observe()` follower thread per key,
 //! which writes `obs` (each leader reported: its term, or none) and
 //! `obs-err` lines to `worker-N-observe.jsonl`.
@@ -522,9 +523,9 @@ pub(crate) fn main() -> Result<(), String> {
                 v = Some(t);
             }
         }
-        // A leader that lets its lease expire: it keeps vouching until the
-        // guard says the lease is gone (at most two TTLs), then resigns.
-        if !lost && matches!(held, Held::Leader(_)) && rng.chance(spec.expire_pct) {
+        // A holder that lets its lease expire: it keeps vouching until the
+        // guard says the lease is gone (at most two TTLs), then releases.
+        if !lost && rng.chance(spec.expire_pct) {
             let until = now_ns() + 2 * spec.ttl_ms * 1_000_000;
             loop {
                 let t = now_ns();
