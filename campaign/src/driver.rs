@@ -794,6 +794,12 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
             "a planted client bug: followers poll leader() without observe()'s guard",
         ));
     }
+    if cfg.control == Some(Control::Hoarder) {
+        out.push((
+            "liveness",
+            "a planted client bug: a worker leaks every guard it is granted with its keep-alive running",
+        ));
+    }
     if cfg.control == Some(Control::IgnoreLoss) {
         state_lost(
             "a planted client bug: workers that ignore is_lost() vouch past their loss",
