@@ -223,17 +223,13 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
         }
         Some(Control::Hoarder) => {
             topology.get_or_insert(Topology::Standalone { aof: true });
+            // Exclusive leases only: a hoarded reader or permit leaves the
+            // key to other readers or permits.
             if !matches!(
                 workload.get_or_insert(Workload::Fenced),
-                Workload::Lock
-                    | Workload::Fenced
-                    | Workload::Rw
-                    | Workload::Semaphore
-                    | Workload::Election
+                Workload::Lock | Workload::Fenced | Workload::Election
             ) {
-                return Err(
-                    "the hoarder control runs lock, fenced, rw, semaphore or election".into(),
-                );
+                return Err("the hoarder control runs lock, fenced or election".into());
             }
             nemesis_arg = "client-kill".into();
         }
@@ -1119,7 +1115,9 @@ mod tests {
         let cfg = parse(&args("--control hoarder")).expect("a valid row");
         assert_eq!(cfg.liveness_ttls, 5);
         assert_eq!(cfg.workload, Workload::Fenced);
-        assert!(parse(&args("--control hoarder --workload multi")).is_err());
+        for other in ["multi", "semaphore", "rw"] {
+            assert!(parse(&args(&format!("--control hoarder --workload {other}"))).is_err());
+        }
         let other = parse(&args("--control plain-pause")).expect("a valid row");
         assert_eq!(other.liveness_ttls, 0);
     }
