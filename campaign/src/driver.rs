@@ -37,13 +37,14 @@ campaign run --topology T --workload W [options]
                     failover kill-primary takeover migrate unreplicated-failover
                     cut-client-sentinel cut-sentinel-primary (Sentinel)
                     cut-primary-replica cut-client-primary (Sentinel, Cluster)
+                    cut-bus (Cluster; its bus then runs through proxies)
                     split (Sentinel) pair (two of the row's mix at once)
                     clock-step (--server-clock faketime)
   --control C       a negative control: plain-pause | redlock-restart |
                     sentinel-unreplicated | ignore-loss | restart-no-aof |
-                    poll-follower | partial-guard | clock-jump (sets the options and
-                    the nemesis, and the workload unless given; the checkers
-                    must find a violation)
+                    poll-follower | partial-guard | clock-jump | hoarder (sets the
+                    options and the nemesis, and the workload unless given;
+                    the checkers must find a violation)
   --workers N       worker processes (default 12; 4 for controls)
   --keys N          keys the workers share (default 6; for controls 2, 3 for
                     partial-guard, and 1 for ignore-loss, restart-no-aof and
@@ -51,6 +52,12 @@ campaign run --topology T --workload W [options]
   --ttl-ms N        lease TTL (default 600; 2000 for redlock-restart)
   --node-timeout-ms N  (default 100)
   --capacity N      semaphore capacity (default 2)
+  --set-capacity LO-HI  semaphores: worker 0 calls set_capacity with a
+                    capacity drawn from LO-HI (which holds --capacity) on one
+                    key in --set-capacity-pct of its rounds; a worker refused
+                    with CapacityMismatch takes the stored capacity. The
+                    capacity checker judges against HI. Default: off
+  --set-capacity-pct N  (default 5)
   --require-replicas N  Replication::Require on Sentinel (default 1 there; 0 = Off)
   --replicas N      Sentinel: replicas of the primary (default 1; with more
                     replicas than --require-replicas the model lets a failover
@@ -92,7 +99,7 @@ campaign run --topology T --workload W [options]
                     N TTLs; the run's last N TTLs (at most a third of it)
                     strike no fault, and it runs on until N TTLs after the
                     last fault ended (default 5; 0, and every negative
-                    control: not judged, no quiet end)
+                    control but hoarder: not judged, no quiet end)
   --out DIR         histories and summary (default: a temporary directory)
   --json            print only the summary line";
 
@@ -133,6 +140,8 @@ pub(crate) struct RunConfig {
     pub(crate) expire_pct: u64,
     /// `liveness`'s window in TTLs; 0: not judged.
     pub(crate) liveness_ttls: u64,
+    /// `--set-capacity LO-HI` and `--set-capacity-pct`.
+    pub(crate) set_capacity: Option<(u32, u32, u64)>,
     pub(crate) out: Option<PathBuf>,
     pub(crate) json_only: bool,
     pub(crate) args: Vec<String>,
@@ -218,6 +227,18 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             workload.get_or_insert(Workload::Fenced);
             nemesis_arg = "clock-step".into();
             server_clock = Some("faketime".to_string());
+        }
+        Some(Control::Hoarder) => {
+            topology.get_or_insert(Topology::Standalone { aof: true });
+            // Exclusive leases only: a hoarded reader or permit leaves the
+            // key to other readers or permits.
+            if !matches!(
+                workload.get_or_insert(Workload::Fenced),
+                Workload::Lock | Workload::Fenced | Workload::Election
+            ) {
+                return Err("the hoarder control runs lock, fenced or election".into());
+            }
+            nemesis_arg = "client-kill".into();
         }
         Some(Control::PartialGuard) => {
             topology.get_or_insert(Topology::Standalone { aof: true });
@@ -313,6 +334,28 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             sentinel_debug.push((param, ms));
         }
     }
+    let capacity = num("capacity", 2)? as u32;
+    let set_capacity = match get("set-capacity") {
+        None => None,
+        Some(_) if workload != Workload::Semaphore => {
+            return Err("--set-capacity is for the semaphore workload".into());
+        }
+        Some(range) => {
+            let parsed = range
+                .split_once('-')
+                .and_then(|(lo, hi)| Some((lo.parse::<u32>().ok()?, hi.parse::<u32>().ok()?)));
+            match parsed {
+                Some((lo, hi)) if 1 <= lo && lo <= capacity && capacity <= hi && hi <= 10_000 => {
+                    Some((lo, hi, num("set-capacity-pct", 5)?))
+                }
+                _ => {
+                    return Err(format!(
+                        "--set-capacity LO-HI: 1 <= LO <= --capacity ({capacity}) <= HI <= 10000"
+                    ));
+                }
+            }
+        }
+    };
     let gap = match get("gap-ms") {
         None if control.is_some() => (200, 600),
         None => (300, 1500),
@@ -347,7 +390,7 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
         sentinel_debug,
         ttl_ms,
         node_timeout_ms: num("node-timeout-ms", 100)?,
-        capacity: num("capacity", 2)? as u32,
+        capacity,
         require_replicas,
         restart_delay_ms,
         gap,
@@ -420,11 +463,11 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             Some("fifo") => return Err("--fairness fifo is for the lock workload".into()),
             Some(other) => return Err(format!("--fairness {other:?}: barging or fifo")),
         },
-        liveness_ttls: if control.is_some() {
-            0
-        } else {
-            num("liveness-ttls", 5)?
+        liveness_ttls: match control {
+            None | Some(Control::Hoarder) => num("liveness-ttls", 5)?,
+            Some(_) => 0,
         },
+        set_capacity,
         out: get("out").map(PathBuf::from),
         json_only,
         args: args.to_vec(),
@@ -476,6 +519,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         &cfg.sentinel_debug,
         cfg.faketime
             .then_some((out.as_path(), cfg.server_clock_rate)),
+        cfg.nemesis.contains(&Fault::CutBus),
     );
     let prefix = "camp:".to_string();
     let keys: Vec<String> = (0..cfg.keys).map(|i| format!("k{i}")).collect();
@@ -547,6 +591,8 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
             ignore_loss: cfg.control == Some(Control::IgnoreLoss),
             poll_follower: cfg.control == Some(Control::PollFollower),
             plant_partial: cfg.control == Some(Control::PartialGuard),
+            hoard: cfg.control == Some(Control::Hoarder) && id == 0,
+            set_capacity: cfg.set_capacity.filter(|_| id == 0),
             think_ms: cfg.think_ms,
             out: file.display().to_string(),
         };
@@ -650,7 +696,8 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
     let tallies = resource::tally(&mut resource_server.client()).map_err(|e| e.to_string())?;
     let findings = check::check(&check::Inputs {
         workload: cfg.workload,
-        capacity: cfg.capacity,
+        // With set_capacity, the largest capacity that can be in force.
+        capacity: cfg.set_capacity.map_or(cfg.capacity, |(_, hi, _)| hi),
         hist: &hist,
         samples: &samples,
         keys: &keys,
@@ -663,7 +710,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         node_timeout_ns: Some(cfg.node_timeout_ms * 1_000_000),
         server_clock_rate: cfg.server_clock_rate,
     });
-    let summary = summarize(
+    let mut summary = summarize(
         &cfg,
         &hist,
         &faults,
@@ -672,6 +719,9 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
         samples.len(),
         (t_start, t_end),
     );
+    if cfg.set_capacity.is_some() {
+        summary["capacity_changes"] = json!(capacity_changes(&files));
+    }
     fs::write(out.join("summary.json"), format!("{summary}\n")).map_err(|e| e.to_string())?;
     let mut fault_lines = String::new();
     for r in &faults {
@@ -700,6 +750,32 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
     let _ = std::io::stdout().flush();
     drop(dep);
     Ok(())
+}
+
+/// The workers' `set_capacity` calls (their `cap` lines), by outcome and
+/// capacity asked for: `{"ok": {"1": n, ...}, "failed": {...}}`.
+fn capacity_changes(files: &[PathBuf]) -> serde_json::Value {
+    let mut ok: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut failed: BTreeMap<u64, u64> = BTreeMap::new();
+    for file in files {
+        let text = fs::read_to_string(file).unwrap_or_default();
+        for line in text.lines() {
+            let Ok(e) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            if e["ev"].as_str() != Some("cap") {
+                continue;
+            }
+            let cap = e["cap"].as_u64().unwrap_or(0);
+            let into = if e["ok"].as_bool() == Some(true) {
+                &mut ok
+            } else {
+                &mut failed
+            };
+            *into.entry(cap).or_default() += 1;
+        }
+    }
+    json!({"ok": ok, "failed": failed})
 }
 
 /// Which checkers the documented model leaves free to fire in this run, and
@@ -740,6 +816,12 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
         out.push((
             "observe-regression",
             "a planted client bug: followers poll leader() without observe()'s guard",
+        ));
+    }
+    if cfg.control == Some(Control::Hoarder) {
+        out.push((
+            "liveness",
+            "a planted client bug: a worker leaks every guard it is granted with its keep-alive running",
         ));
     }
     if cfg.control == Some(Control::IgnoreLoss) {
@@ -886,6 +968,7 @@ fn summarize(
             ],
             Control::PollFollower => &["observe-regression"],
             Control::PartialGuard => &["partial-guard"],
+            Control::Hoarder => &["liveness"],
             Control::ClockJump => &[
                 "vouched-past-ttl",
                 "overlap",
@@ -970,6 +1053,9 @@ fn summarize(
         "reproduce": reproduce,
     });
     summary["sets"] = json!(sets);
+    if let Some((lo, hi, pct)) = cfg.set_capacity {
+        summary["set_capacity"] = json!([lo, hi, pct]);
+    }
     if cfg.topology == Topology::Sentinel {
         summary["replicas"] = json!(cfg.replicas);
         summary["sentinel_debug"] = json!(cfg.sentinel_debug);
@@ -1025,4 +1111,56 @@ fn report_text(s: &serde_json::Value, f: &Findings) {
         "campaign: violations of the promised model: {}; allowed by the model: {}",
         s["violations"], s["allowed_by_model"]
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(line: &str) -> Vec<String> {
+        line.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn set_capacity_needs_a_semaphore_and_a_range_that_holds_the_capacity() {
+        let cfg = parse(&args(
+            "--topology standalone --workload semaphore --set-capacity 1-3",
+        ))
+        .expect("a valid row");
+        assert_eq!(cfg.set_capacity, Some((1, 3, 5)));
+        assert_eq!(
+            parse(&args("--topology standalone --workload semaphore")).map(|c| c.set_capacity),
+            Ok(None)
+        );
+        for bad in [
+            "--topology standalone --workload fenced --set-capacity 1-3",
+            "--topology standalone --workload semaphore --set-capacity 3-4",
+            "--topology standalone --workload semaphore --set-capacity 0-2",
+            "--topology standalone --workload semaphore --set-capacity 2",
+        ] {
+            assert!(parse(&args(bad)).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_hoarder_control_is_judged_by_liveness() {
+        let cfg = parse(&args("--control hoarder")).expect("a valid row");
+        assert_eq!(cfg.liveness_ttls, 5);
+        assert_eq!(cfg.workload, Workload::Fenced);
+        for other in ["multi", "semaphore", "rw"] {
+            assert!(parse(&args(&format!("--control hoarder --workload {other}"))).is_err());
+        }
+        let other = parse(&args("--control plain-pause")).expect("a valid row");
+        assert_eq!(other.liveness_ttls, 0);
+    }
+
+    #[test]
+    fn cut_bus_is_a_nemesis_of_its_own() {
+        let cfg = parse(&args(
+            "--topology cluster --workload fenced --nemesis cut-bus,pair",
+        ))
+        .expect("a valid row");
+        assert_eq!(cfg.nemesis, vec![Fault::CutBus, Fault::Pair]);
+        assert!(!Fault::mix(Topology::Cluster).contains(&Fault::CutBus));
+    }
 }

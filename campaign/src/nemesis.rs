@@ -85,6 +85,16 @@ pub(crate) enum Fault {
     /// primary cut together for 2.5-4 s; the sentinels promote the replica
     /// while the clients, blind to the sentinels, stay on the old primary.
     Split,
+    /// Cluster bus ↔ a key's primary: the primary's inbound bus proxy
+    /// blackholed and what it sends from its own address dropped by the
+    /// other nodes' bus proxies, for 1.5-6 s (the cluster's node timeout is
+    /// 2 s): past the node timeout the others fail it over to its replica
+    /// while it still serves the clients that reach it, until it sees it
+    /// lost the majority. Healed by resetting every bus connection; the
+    /// fault ends once the cluster is healthy again (the old primary a
+    /// replica if it was replaced). Needs the bus proxies, which a cluster
+    /// row with this fault in its mix starts with.
+    CutBus,
     /// Two faults of the row's mix at once, the second starting 0-300 ms
     /// after the first.
     Pair,
@@ -121,10 +131,11 @@ impl Fault {
             Fault::Split => "split",
             Fault::Pair => "pair",
             Fault::ClockStep => "clock-step",
+            Fault::CutBus => "cut-bus",
         }
     }
 
-    const ALL: [Fault; 24] = [
+    const ALL: [Fault; 25] = [
         Fault::Kill,
         Fault::KillMajority,
         Fault::RestartPausedWorker,
@@ -149,6 +160,7 @@ impl Fault {
         Fault::Split,
         Fault::Pair,
         Fault::ClockStep,
+        Fault::CutBus,
     ];
 
     /// The default mix of a topology: every fault it supports.
@@ -615,7 +627,16 @@ impl Nemesis {
                     .collect();
                 assert!(singles.len() >= 2, "a pair needs two faults in the mix");
                 let a = *self.rng.pick(&singles);
-                let b = *self.rng.pick(&singles);
+                let mut b = *self.rng.pick(&singles);
+                // One bus cut at a time: the proxies drop one address.
+                if a == Fault::CutBus && b == Fault::CutBus {
+                    let rest: Vec<Fault> = singles
+                        .iter()
+                        .copied()
+                        .filter(|f| *f != Fault::CutBus)
+                        .collect();
+                    b = *self.rng.pick(&rest);
+                }
                 let lag = self.rng.range(0, 300);
                 let mut other = Nemesis {
                     kinds: self.kinds.clone(),
@@ -676,6 +697,36 @@ impl Nemesis {
                 rec.t0 = now_ns();
                 std::fs::write(file, format!("+{now:.3}{rate}"))
                     .expect("write the faketime offset");
+            }
+            Fault::CutBus => {
+                let c = dep.cluster.as_ref().expect("cluster");
+                assert!(
+                    !c.bus_proxies().is_empty(),
+                    "cut-bus needs the cluster's bus proxies"
+                );
+                let key = self.rng.pick(&self.slot_keys).clone();
+                let i = c.primary_for_key(&key);
+                let replica = c.replica_of(i);
+                let d = self.rng.range(1500, 6000);
+                rec.target = format!("bus | primary {i} (key {key})");
+                rec.t0 = now_ns();
+                c.bus_proxy(i).set_mode(Mode::Blackhole);
+                for (j, p) in c.bus_proxies().iter().enumerate() {
+                    if j != i {
+                        p.blackhole_from(Some(topo::bus_source(i)));
+                    }
+                }
+                sleep_ms(d);
+                mend_bus(dep);
+                c.wait_healthy();
+                let now = c.primary_for_key(&key);
+                rec.note = if now == i {
+                    format!("{d} ms; no switch")
+                } else if now == replica {
+                    format!("{d} ms; replica {now} promoted")
+                } else {
+                    format!("{d} ms; node {now} serves the key")
+                };
             }
             Fault::UnreplicatedFailover => {
                 let s = dep.sentinel.as_ref().expect("sentinel");
@@ -771,9 +822,27 @@ fn settle_sentinel(s: &crate::support::TestSentinel, old: usize) -> String {
     }
 }
 
+/// Ends a bus cut: every bus proxy forwards again, from every address, and
+/// resets its connections (their byte streams have gaps).
+fn mend_bus(dep: &Deployment) {
+    let Some(c) = &dep.cluster else { return };
+    for p in c.bus_proxies() {
+        p.blackhole_from(None);
+        p.set_mode(Mode::Pass);
+        p.reset_all();
+    }
+}
+
 /// Undoes whatever a failed step may have left: resumes every server,
 /// resets the proxies, switches the users back on, lifts `maxmemory`.
 pub(crate) fn heal(dep: &Deployment) {
+    if dep
+        .cluster
+        .as_ref()
+        .is_some_and(|c| !c.bus_proxies().is_empty())
+    {
+        mend_bus(dep);
+    }
     for proxy in &dep.sentinel_proxies {
         proxy.set_mode(Mode::Pass);
     }

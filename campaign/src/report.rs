@@ -227,7 +227,11 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
         .collect();
     let f = check::check(&check::Inputs {
         workload,
-        capacity: summary["capacity"].as_u64().unwrap_or(2) as u32,
+        // With set_capacity, the largest capacity that can be in force.
+        capacity: summary["set_capacity"][1]
+            .as_u64()
+            .or(summary["capacity"].as_u64())
+            .unwrap_or(2) as u32,
         hist: &hist,
         samples: &samples,
         keys: &keys,

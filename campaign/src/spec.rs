@@ -138,6 +138,10 @@ pub(crate) enum Control {
     /// forward by 1-2 TTLs: its keys expire at once, before any renewal
     /// pipeline can read the step.
     ClockJump,
+    /// A planted client bug: one worker leaks every guard it is granted
+    /// with its keep-alive running (never released, never vouched for in
+    /// the history), so each key it takes is never granted again.
+    Hoarder,
 }
 
 impl FromStr for Control {
@@ -152,9 +156,10 @@ impl FromStr for Control {
             "poll-follower" => Control::PollFollower,
             "partial-guard" => Control::PartialGuard,
             "clock-jump" => Control::ClockJump,
+            "hoarder" => Control::Hoarder,
             _ => {
                 return Err(format!(
-                    "unknown control {s:?} (plain-pause, redlock-restart, sentinel-unreplicated, ignore-loss, restart-no-aof, poll-follower, partial-guard, clock-jump)"
+                    "unknown control {s:?} (plain-pause, redlock-restart, sentinel-unreplicated, ignore-loss, restart-no-aof, poll-follower, partial-guard, clock-jump, hoarder)"
                 ));
             }
         })
@@ -172,6 +177,7 @@ impl fmt::Display for Control {
             Control::PollFollower => "poll-follower",
             Control::PartialGuard => "partial-guard",
             Control::ClockJump => "clock-jump",
+            Control::Hoarder => "hoarder",
         })
     }
 }
@@ -226,6 +232,12 @@ pub(crate) struct WorkerSpec {
     pub(crate) poll_follower: bool,
     /// The planted bug of [`Control::PartialGuard`].
     pub(crate) plant_partial: bool,
+    /// The planted bug of [`Control::Hoarder`] (one worker only).
+    pub(crate) hoard: bool,
+    /// Semaphores: the capacities `set_capacity` draws from (inclusive),
+    /// and the percentage of this worker's rounds that call it once per
+    /// key before acquiring; `None`: never.
+    pub(crate) set_capacity: Option<(u32, u32, u64)>,
     pub(crate) out: String,
 }
 
@@ -250,7 +262,8 @@ impl WorkerSpec {
             "think_ms": self.think_ms, "out": self.out,
             "expire_pct": self.expire_pct,
             "ignore_loss": self.ignore_loss, "poll_follower": self.poll_follower,
-            "plant_partial": self.plant_partial,
+            "plant_partial": self.plant_partial, "hoard": self.hoard,
+            "set_capacity": self.set_capacity.map(|(lo, hi, pct)| [u64::from(lo), u64::from(hi), pct]),
         })
         .to_string()
     }
@@ -302,6 +315,15 @@ impl WorkerSpec {
             ignore_loss: v["ignore_loss"].as_bool().unwrap_or(false),
             poll_follower: v["poll_follower"].as_bool().unwrap_or(false),
             plant_partial: v["plant_partial"].as_bool().unwrap_or(false),
+            hoard: v["hoard"].as_bool().unwrap_or(false),
+            set_capacity: v["set_capacity"]
+                .as_array()
+                .and_then(|a| match a.as_slice() {
+                    [lo, hi, pct] => {
+                        Some((lo.as_u64()? as u32, hi.as_u64()? as u32, pct.as_u64()?))
+                    }
+                    _ => None,
+                }),
             out: s("out"),
         })
     }

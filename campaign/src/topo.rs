@@ -9,7 +9,15 @@
 //! connections (the server oracle, the nemesis). The workers reach the
 //! sentinels through a proxy each, which cuts the clients' links to the
 //! sentinels.
+//!
+//! A cluster started for the `cut-bus` fault runs its bus through proxies
+//! (`TestClusterBuilder::bus_proxies`): every node announces a proxy in
+//! front of its bus port, so every bus link *to* node `i` runs through bus
+//! proxy `i`, and node `i` sends its own bus traffic from an address of its
+//! own, 127.0.0.`2+i` (`bind-source-addr`), so that the other proxies can
+//! drop what it sends. Clients reach the nodes directly.
 
+use std::net::{IpAddr, Ipv4Addr};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -143,6 +151,35 @@ fn kill_type(server: &TestServer, kind: &str) {
     }
 }
 
+/// The nodes of the campaign's cluster: three primaries with a replica each.
+const CLUSTER_NODES: usize = 6;
+
+/// Waits up to 10 s until every node's bus links to the others come from
+/// its own address, through the others' proxies: a cut of its address
+/// reaches them all.
+///
+/// # Panics
+///
+/// Panics if they do not within 10 s.
+fn wait_bus_links(c: &TestCluster) {
+    let linked = || {
+        (0..c.nodes().len()).all(|i| {
+            c.bus_proxies()
+                .iter()
+                .enumerate()
+                .all(|(j, p)| i == j || p.connections_from(bus_source(i)) >= 1)
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !linked() {
+        assert!(
+            Instant::now() < deadline,
+            "the cluster's bus links do not come from the nodes' own addresses"
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Whether every replica among `servers` has its link to its primary up.
 fn links_up(servers: &[&TestServer]) -> bool {
     servers.iter().all(|s| {
@@ -201,9 +238,17 @@ fn users_everywhere(dep: &Deployment) {
     );
 }
 
+/// The address cluster node `index` sends its bus traffic from when the
+/// bus runs through proxies.
+pub(crate) fn bus_source(index: usize) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2 + index as u8))
+}
+
 impl Deployment {
     /// `replicas` and `sentinel_debug` (`SENTINEL DEBUG` parameters): of the
-    /// Sentinel deployment, ignored by other topologies.
+    /// Sentinel deployment, ignored by other topologies. `bus_proxies`: a
+    /// cluster's bus through proxies (the `cut-bus` fault), ignored by
+    /// other topologies.
     /// `clocks`: a directory for libfaketime offset files, one per
     /// standalone or Redlock server, which then run Valkey under
     /// libfaketime, and the rate their clocks run at from their start
@@ -213,6 +258,7 @@ impl Deployment {
         replicas: usize,
         sentinel_debug: &[(&str, u64)],
         clocks: Option<(&std::path::Path, f64)>,
+        bus_proxies: bool,
     ) -> Deployment {
         let mut servers = Vec::new();
         let mut sentinel = None;
@@ -262,12 +308,25 @@ impl Deployment {
                 sentinel = Some(builder.start());
             }
             Topology::Cluster => {
-                cluster = Some(
-                    TestCluster::builder()
-                        .node_timeout(Duration::from_millis(2000))
-                        .replicas(1)
-                        .start(),
-                );
+                let mut builder = TestCluster::builder()
+                    .node_timeout(Duration::from_millis(2000))
+                    .replicas(1);
+                if bus_proxies {
+                    // Links from 127.0.0.2 and up are not "local" to
+                    // protected mode, which would refuse the replicas'.
+                    builder = builder.bus_proxies().args(["--protected-mode", "no"]);
+                    for i in 0..CLUSTER_NODES {
+                        builder = builder.node_args(
+                            i,
+                            ["--bind-source-addr".to_string(), bus_source(i).to_string()],
+                        );
+                    }
+                }
+                let c = builder.start();
+                if bus_proxies {
+                    wait_bus_links(&c);
+                }
+                cluster = Some(c);
             }
         }
         let proxies = servers

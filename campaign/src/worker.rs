@@ -11,7 +11,13 @@
 //!   the last `is_lost()` that answered `false` (the last instant the guard
 //!   vouched for the lease), `lost` and the release outcome;
 //! - `op`: each resource operation with its send and reply times;
-//! - `err`: every acquire error; `stats` at the end.
+//! - `err`: every acquire error; `stats` at the end;
+//! - `cap` (semaphores with `set_capacity` on): each `set_capacity` call,
+//!   its key, the capacity asked for (`cap`), when it was sent (`s`) and
+//!   returned (`r`), and `ok` with the capacity stored before (`prev`,
+//!   `null` if none) or `ok: false` with the error (the change may or may
+//!   not have been stored). A worker whose acquire then fails with
+//!   `CapacityMismatch` takes the stored capacity for its next acquires.
 //!
 //! Some holders (`expire_pct`) let the lease expire instead of releasing it:
 //! they hold on without renewing, vouching every 5 ms until `is_lost()` says
@@ -29,6 +35,10 @@
 //! own token. The `lock-all` workload does the same with `lock_all`,
 //! without tokens (the resource gets 0, as for `Lock`).
 //!
+//! The planted bug of the `hoarder` control: one worker leaks every guard
+//! it is granted, its keep-alive running until the process exits; the
+//! history has the grant and nothing after it (no vouch, no release).
+//!
 //! The planted bug of the `partial-guard` control: a worker that takes sets
 //! of at least two keys, leaves the last key out of its request, and records
 //! the set whole; what the guard says of that key (no token, not among its
@@ -42,8 +52,8 @@ use std::thread;
 use std::time::Duration;
 
 use respire_coordination::{
-    CancelToken, Coordinator, Election, Fairness, FencedLock, FencedMultiGuard, Leadership, Lock,
-    MultiLockGuard, ReadLease, RedlockGroup, RedlockGuard, RedlockOptions, ReleaseOutcome,
+    CancelToken, Coordinator, Election, Error, Fairness, FencedLock, FencedMultiGuard, Leadership,
+    Lock, MultiLockGuard, ReadLease, RedlockGroup, RedlockGuard, RedlockOptions, ReleaseOutcome,
     Replication, Semaphore, WriteLease,
 };
 use serde_json::json;
@@ -209,6 +219,27 @@ impl Held {
         }
     }
 
+    /// The planted bug of the `hoarder` control: leaks the guard with its
+    /// keep-alive running, so the lease is renewed until the worker ends and
+    /// never released. Returns the keep-alive (kept by the caller), or
+    /// `None` for kinds without one here (sets, Redlock) or when it could
+    /// not start: the leaked lease then expires at its TTL.
+    fn hoard(self) -> Option<Box<dyn std::any::Any>> {
+        let held: &'static Held = Box::leak(Box::new(self));
+        fn boxed<K: 'static>(k: respire_coordination::Result<K>) -> Option<Box<dyn std::any::Any>> {
+            k.ok().map(|k| Box::new(k) as Box<dyn std::any::Any>)
+        }
+        match held {
+            Held::Lock(g) => boxed(g.keep_alive()),
+            Held::Fenced(g) => boxed(g.keep_alive()),
+            Held::Read(g) => boxed(g.keep_alive()),
+            Held::Write(g) => boxed(g.keep_alive()),
+            Held::Permit(g) => boxed(g.keep_alive()),
+            Held::Leader(g) => boxed(g.keep_alive()),
+            _ => None,
+        }
+    }
+
     fn release(self) -> String {
         let outcome = match self {
             Held::Lock(g) => g.release(),
@@ -291,7 +322,7 @@ pub(crate) fn main() -> Result<(), String> {
 
     let mut rng = Rng::derive(spec.seed, 1000 + spec.id);
     let value = format!("w{}", spec.id);
-    let (handles, group) = loop {
+    let (mut handles, group, coord) = loop {
         match connect(&spec) {
             Ok(h) => break h,
             Err(e) => {
@@ -329,9 +360,43 @@ pub(crate) fn main() -> Result<(), String> {
     let ttl = Duration::from_millis(spec.ttl_ms);
     let wait = ttl * 2;
     let (mut attempts, mut busy, mut errors, mut n) = (0u64, 0u64, 0u64, 0u64);
+    // The hoarder's leaked guards' keep-alives, and the keys it holds so.
+    let mut hoard: Vec<Box<dyn std::any::Any>> = Vec::new();
+    let mut hoarded: Vec<usize> = Vec::new();
 
     while !stop.load(Ordering::SeqCst) {
+        if let Some((lo, hi, pct)) = spec.set_capacity
+            && rng.chance(pct)
+        {
+            let kc = rng.range(0, handles.len() as u64 - 1) as usize;
+            let cap = rng.range(u64::from(lo), u64::from(hi)) as u32;
+            if let Handle::Semaphore(sem) = &handles[kc] {
+                let s = now_ns();
+                let answer = sem.set_capacity(cap);
+                let r = now_ns();
+                let mut line = json!({"ev": "cap", "w": spec.id, "key": spec.keys[kc],
+                    "s": s, "r": r, "cap": cap});
+                match answer {
+                    Ok(prev) => {
+                        line["ok"] = json!(true);
+                        line["prev"] = json!(prev);
+                    }
+                    Err(e) => {
+                        line["ok"] = json!(false);
+                        line["what"] = json!(e.to_string());
+                    }
+                }
+                history.emit(line);
+            }
+        }
+        if spec.hoard && hoarded.len() == handles.len() {
+            thread::sleep(Duration::from_millis(50));
+            continue;
+        }
         let ki = rng.range(0, handles.len() as u64 - 1) as usize;
+        if hoarded.contains(&ki) {
+            continue;
+        }
         let write_mode = rng.chance(30);
         // The keys of the grant: one, or for sets a random non-empty subset.
         let set: Vec<usize> = match &handles[ki] {
@@ -357,7 +422,7 @@ pub(crate) fn main() -> Result<(), String> {
         };
         attempts += 1;
         let a = now_ns();
-        let got: Result<Option<Held>, String> = match &handles[ki] {
+        let got: respire_coordination::Result<Option<Held>> = match &handles[ki] {
             Handle::Lock(l) => l.acquire_timeout(ttl, wait).map(|g| g.map(Held::Lock)),
             Handle::Fenced(l) => l.acquire_timeout(ttl, wait).map(|g| g.map(Held::Fenced)),
             Handle::Rw(r, w) => {
@@ -393,8 +458,16 @@ pub(crate) fn main() -> Result<(), String> {
                     .and_then(|m| m.acquire_timeout(ttl, wait))
                     .map(|g| g.map(Held::Multi))
             }
+        };
+        // A semaphore whose capacity another worker changed: this worker
+        // takes the stored capacity, as a participant told of the change.
+        if let (Err(Error::CapacityMismatch { stored, .. }), Some(coord)) = (&got, &coord) {
+            let name = format!("{{{}}}sem", spec.keys[ki]);
+            if let Ok(sem) = coord.semaphore(&name, *stored) {
+                handles[ki] = Handle::Semaphore(sem);
+            }
         }
-        .map_err(|e| e.to_string());
+        let got = got.map_err(|e| e.to_string());
         let held = match got {
             Ok(Some(h)) => h,
             Ok(None) => {
@@ -435,6 +508,13 @@ pub(crate) fn main() -> Result<(), String> {
                 line["missing"] = json!(granted.is_none());
             }
             history.emit(line);
+        }
+        if spec.hoard {
+            if let Some(keep) = held.hoard() {
+                hoard.push(keep);
+                hoarded.push(ki);
+            }
+            continue;
         }
 
         // A long hold: kept alive for 3-5 TTLs, renewed 6-10 times.
@@ -554,6 +634,7 @@ pub(crate) fn main() -> Result<(), String> {
         json!({"ev": "stats", "w": spec.id, "attempts": attempts, "busy": busy,
         "errors": errors, "grants": n}),
     );
+    drop(hoard);
     cancel.cancel();
     for f in followers {
         let _ = f.join();
@@ -633,7 +714,11 @@ fn follow(
     }
 }
 
-fn connect(spec: &WorkerSpec) -> Result<(Vec<Handle>, Option<RedlockGroup>), String> {
+/// The handles for the run's keys, the Redlock group, and the coordinator
+/// (every topology but Redlock).
+type Connected = (Vec<Handle>, Option<RedlockGroup>, Option<Coordinator>);
+
+fn connect(spec: &WorkerSpec) -> Result<Connected, String> {
     let node_timeout = Duration::from_millis(spec.node_timeout_ms);
     let replication = match spec.require_replicas {
         None => Replication::Off,
@@ -666,7 +751,7 @@ fn connect(spec: &WorkerSpec) -> Result<(Vec<Handle>, Option<RedlockGroup>), Str
             .iter()
             .map(|k| Handle::Redlock(format!("{{{k}}}lock")))
             .collect();
-        return Ok((handles, Some(group)));
+        return Ok((handles, Some(group), None));
     }
     let coord = match &spec.connect {
         Connect::Standalone(url) => build(Coordinator::builder(url))?,
@@ -715,5 +800,5 @@ fn connect(spec: &WorkerSpec) -> Result<(Vec<Handle>, Option<RedlockGroup>), Str
         .map_err(|e| e.to_string())?;
         handles.push(h);
     }
-    Ok((handles, None))
+    Ok((handles, None, Some(coord)))
 }
