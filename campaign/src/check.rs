@@ -157,7 +157,7 @@ pub(crate) fn check(inp: &Inputs<'_>) -> Findings {
         writer_beside_reader(&claims, &mut f);
     }
     if inp.workload == Workload::Semaphore {
-        capacity(&claims, inp.capacity, &mut f);
+        capacity(inp, &claims, &mut f);
     }
     if matches!(
         inp.workload,
@@ -312,8 +312,48 @@ fn writer_beside_reader(claims: &[&Grant], f: &mut Findings) {
     }
 }
 
-fn capacity(claims: &[&Grant], cap: u32, f: &mut Findings) {
+/// The largest capacity that can be in force on `key` at some instant of
+/// `[a, b]`: the run's capacity before the first `set_capacity` of the key;
+/// while a change is under way, the old capacities and the new one; after a
+/// change that answered, its capacity only; after one that failed, the old
+/// ones and its own (it may or may not have been stored).
+fn capacity_within(inp: &Inputs<'_>, key: &str, (a, b): (u64, u64)) -> u32 {
+    let mut possible = inp.capacity;
+    let mut largest = 0;
+    let mut from = 0;
+    for c in inp.hist.caps.iter().filter(|c| c.key == key) {
+        // [from, c.s): `possible`; [c.s, c.r]: with c's too.
+        if from <= b && a < c.s {
+            largest = largest.max(possible);
+        }
+        let during = possible.max(c.cap);
+        if c.s <= b && a <= c.r {
+            largest = largest.max(during);
+        }
+        possible = if c.ok { c.cap } else { during };
+        from = c.r;
+    }
+    if from <= b {
+        largest = largest.max(possible);
+    }
+    largest
+}
+
+/// `capacity`: never more permit claims at once than a capacity that can be
+/// in force. Two rules, each sound under `set_capacity`'s model (a lowered
+/// capacity revokes no permit, and a grant is decided by the capacity stored
+/// when its acquire runs on the server):
+/// - at every claim's start, the claims held then are at most the largest
+///   capacity any of them was granted under (the last of them to be granted
+///   on the server saw every other);
+/// - a grant, with every claim granted before its acquire began and still
+///   vouched for after it returned (so on the server while its acquire ran),
+///   is at most the capacity that can be in force during its acquire — which
+///   sees a lowered capacity ignored while permits granted before the change
+///   are still held.
+fn capacity(inp: &Inputs<'_>, claims: &[&Grant], f: &mut Findings) {
     f.zero("capacity");
+    let allowed = |g: &Grant| capacity_within(inp, &g.key, (g.a, g.g));
     let mut by_key: HashMap<&str, Vec<(u64, i32, &Grant)>> = HashMap::new();
     for g in claims {
         let (a, b) = g.claim().unwrap_or_default();
@@ -324,12 +364,41 @@ fn capacity(claims: &[&Grant], cap: u32, f: &mut Findings) {
     for events in by_key.values_mut() {
         // Ends before starts at the same instant: touching is not holding.
         events.sort_by_key(|&(t, d, _)| (t, d));
-        let mut held = 0i32;
+        let mut held: Vec<&Grant> = Vec::new();
         for &(_, d, g) in events.iter() {
-            held += d;
-            if d > 0 && held > cap as i32 {
-                f.hit("capacity", || format!("{} made {held} of {cap}", who(g)));
+            if d < 0 {
+                if let Some(i) = held.iter().position(|h| std::ptr::eq(*h, g)) {
+                    held.swap_remove(i);
+                }
+                continue;
             }
+            held.push(g);
+            let cap = held.iter().map(|h| allowed(h)).max().unwrap_or(0);
+            if held.len() > cap as usize {
+                f.hit("capacity", || {
+                    format!("{} made {} of {cap}", who(g), held.len())
+                });
+            }
+        }
+    }
+    for g in claims {
+        let before = claims
+            .iter()
+            .filter(|x| {
+                x.key == g.key
+                    && !std::ptr::eq(**x, *g)
+                    && x.g < g.a
+                    && x.claim().is_some_and(|(_, v)| v > g.g)
+            })
+            .count();
+        let cap = allowed(g);
+        if before + 1 > cap as usize {
+            f.hit("capacity", || {
+                format!(
+                    "{} granted beside {before} permits held since before its acquire, capacity at most {cap}",
+                    who(g)
+                )
+            });
         }
     }
 }
@@ -1040,7 +1109,11 @@ fn past_ttl(
         // PTTL is whole milliseconds. A renewal after the bound's read that
         // no later sample saw (the key's server unknown to the oracle, not
         // stopped) may have moved the expiry: then nothing is judged.
-        if v > bound.saturating_add(1_000_000) && seen_through(inp, k, read_at, bound, v) {
+        let past = v > bound.saturating_add(1_000_000);
+        // A vouch past the bound is judged (and its margin counted) only
+        // where no renewal can have moved the bound unseen.
+        let judged = !past || seen_through(inp, k, read_at, bound, v);
+        if past && judged {
             f.hit("vouched-past-ttl", || {
                 format!(
                     "{} vouched {:.3} ms past the server's expiry at {:.3} ms",
@@ -1055,7 +1128,7 @@ fn past_ttl(
             .faults
             .iter()
             .any(|r| r.t0 <= v.saturating_add(2 * inp.ttl_ns) && g.g <= r.t1);
-        if near && bound != u64::MAX {
+        if near && judged && bound != u64::MAX {
             f.ttl_checks_near_faults += 1;
             let margin = (bound as f64 - v as f64) / 1e6;
             f.min_ttl_margin_ms = Some(f.min_ttl_margin_ms.map_or(margin, |m: f64| m.min(margin)));
@@ -1128,19 +1201,25 @@ fn stepped(inp: &Inputs<'_>, from: u64, to: u64) -> bool {
 /// Whether the oracle saw key `k` from a bound's read (`read_at`) to a vouch
 /// at `v` well enough that no renewal can have moved the bound unseen: every
 /// sample read between them knew the key or fell while a server was
-/// stopped (no renewal lands on a stopped server), and a sample read after
-/// the bound knew the key or `v` fell inside a stop. A renewal lands only
+/// stopped after the nemesis read the key there (no renewal lands on a
+/// stopped server), and a sample read after the bound knew the key or `v`
+/// fell inside such a stop. A renewal lands only
 /// while the lease is alive (before the bound), so a known sample after it
 /// would show the later expiry.
 fn seen_through(inp: &Inputs<'_>, k: usize, read_at: u64, bound: u64, v: u64) -> bool {
     if inp.workload == Workload::Redlock {
         return true; // an unknown node already counts as holding forever
     }
+    // A stopped server takes no renewal — from the moment it stopped, which
+    // is after the fault's recorded start: a renewal may land between the
+    // last sample and the stop, unseen unless the nemesis read the key just
+    // before it (it reads no semaphore's key).
     let stopped = |t: u64| {
         inp.faults.iter().any(|f| {
             (f.fault == Fault::Stop || (f.fault == Fault::Pair && f.target.contains("stop")))
                 && f.t0 <= t
                 && t <= f.t1
+                && f.pttl.iter().chain(&f.reads).any(|p| p.key == k)
         })
     };
     let between = inp.samples.iter().filter(|s| s.t_b > read_at && s.t_b <= v);
@@ -1237,7 +1316,7 @@ fn liveness(inp: &Inputs<'_>, f: &mut Findings) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::history::{Histories, Observed, Op};
+    use crate::history::{CapChange, Histories, Observed, Op};
     use crate::nemesis::PttlSample;
 
     const MS: u64 = 1_000_000;
@@ -1598,6 +1677,32 @@ mod tests {
         }];
         c.faults = vec![stop];
         assert_eq!(c.count("vouched-past-ttl"), 0);
+        // A stop from 100 ms with the oracle blind inside it: judged when
+        // the nemesis read the key just before the stop, not otherwise (a
+        // renewal may have landed between the last sample and the stop).
+        let inside = vec![
+            one(5, "x:7", "100"),
+            sample(110, &[&[(None, None)]]),
+            sample(140, &[&[(None, None)]]),
+        ];
+        let stop_at_100 = |read: bool| {
+            let mut stop = fault(100, 400);
+            if read {
+                stop.pttl = vec![PttlSample {
+                    key: 0,
+                    value: "x:7".into(),
+                    pttl_ms: 5,
+                    t_b: 99 * MS,
+                    t_a: 100 * MS,
+                }];
+            }
+            stop
+        };
+        let mut c = case(Workload::Fenced, vec![lost(150)], inside);
+        c.faults = vec![stop_at_100(true)];
+        assert_eq!(c.count("vouched-past-ttl"), 1);
+        c.faults = vec![stop_at_100(false)];
+        assert_eq!(c.count("vouched-past-ttl"), 0);
     }
 
     #[test]
@@ -1652,6 +1757,50 @@ mod tests {
         let c = judged(80, blind);
         assert_eq!(c.count("loss-margin"), 0);
         assert_eq!(c.run().margin_checks, 0);
+    }
+
+    #[test]
+    fn capacity_rejects_a_grant_past_a_lowered_capacity_and_allows_a_raised_one() {
+        let permit = |n, slot, (a, g, v)| {
+            with(grant(0, n, "k0", n, (a, g, v)), |g| {
+                g.mode = 's';
+                g.slot = Some(slot);
+            })
+        };
+        let change = |s, cap, ok| CapChange {
+            key: "k0".into(),
+            s: s * MS,
+            r: (s + 1) * MS,
+            cap,
+            ok,
+        };
+        // Capacity 3: two permits held through 100 ms, a third granted at 31.
+        let grants = vec![
+            permit(1, 0, (5, 10, 100)),
+            permit(2, 1, (6, 12, 100)),
+            permit(3, 2, (30, 31, 40)),
+        ];
+        let mut c = case(Workload::Semaphore, grants.clone(), Vec::new());
+        c.capacity = 3;
+        assert_eq!(c.count("capacity"), 0);
+        // Lowered to 2 at 20 ms: the two held keep their permits, the
+        // third must not be granted.
+        c.hist.caps = vec![change(20, 2, true)];
+        assert_eq!(c.count("capacity"), 1);
+        // A change that failed may not have been stored.
+        c.hist.caps = vec![change(20, 2, false)];
+        assert_eq!(c.count("capacity"), 0);
+        // Lowered while the third acquire ran: the old capacity may apply.
+        c.hist.caps = vec![change(30, 2, true)];
+        assert_eq!(c.count("capacity"), 0);
+        // Capacity 2 raised to 3 before the third acquire: allowed; not
+        // raised: the third is one too many.
+        let mut c = case(Workload::Semaphore, grants, Vec::new());
+        c.capacity = 2;
+        c.hist.caps = vec![change(20, 3, true)];
+        assert_eq!(c.count("capacity"), 0);
+        c.hist.caps.clear();
+        assert!(c.count("capacity") >= 1);
     }
 
     #[test]

@@ -696,8 +696,8 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
     let tallies = resource::tally(&mut resource_server.client()).map_err(|e| e.to_string())?;
     let findings = check::check(&check::Inputs {
         workload: cfg.workload,
-        // With set_capacity, the largest capacity that can be in force.
-        capacity: cfg.set_capacity.map_or(cfg.capacity, |(_, hi, _)| hi),
+        // Before any set_capacity (the history has the changes).
+        capacity: cfg.capacity,
         hist: &hist,
         samples: &samples,
         keys: &keys,

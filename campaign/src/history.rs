@@ -125,6 +125,19 @@ pub(crate) struct Histories {
     pub(crate) observe_errors: HashMap<String, u64>,
     /// What `verify`, `proclaim` and `reset` calls answered.
     pub(crate) answers: Vec<Answer>,
+    /// `set_capacity` calls, in the order they were made.
+    pub(crate) caps: Vec<CapChange>,
+}
+
+/// A `set_capacity(cap)` call on a semaphore's key, sent at `s`, returned at
+/// `r`; `ok: false` for an error (the change may have been stored or not).
+#[derive(Debug, Clone)]
+pub(crate) struct CapChange {
+    pub(crate) key: String,
+    pub(crate) s: u64,
+    pub(crate) r: u64,
+    pub(crate) cap: u32,
+    pub(crate) ok: bool,
 }
 
 /// The words of `Error::ReplicationHistoryLost`'s message.
@@ -222,6 +235,13 @@ pub(crate) fn load(files: &[impl AsRef<Path>]) -> Histories {
                     r: u("r"),
                     held: e["held"].as_bool(),
                 }),
+                Some("cap") => h.caps.push(CapChange {
+                    key: e["key"].as_str().unwrap_or_default().to_string(),
+                    s: u("s"),
+                    r: u("r"),
+                    cap: u("cap") as u32,
+                    ok: e["ok"].as_bool().unwrap_or(false),
+                }),
                 Some("obs-err") => {
                     *h.observe_errors
                         .entry(shape(e["what"].as_str().unwrap_or_default()))
@@ -246,5 +266,6 @@ pub(crate) fn load(files: &[impl AsRef<Path>]) -> Histories {
     }
     h.grants = grants;
     h.history_lost.sort_unstable();
+    h.caps.sort_by_key(|c| c.s);
     h
 }

@@ -227,11 +227,8 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
         .collect();
     let f = check::check(&check::Inputs {
         workload,
-        // With set_capacity, the largest capacity that can be in force.
-        capacity: summary["set_capacity"][1]
-            .as_u64()
-            .or(summary["capacity"].as_u64())
-            .unwrap_or(2) as u32,
+        // Before any set_capacity (the history has the changes).
+        capacity: summary["capacity"].as_u64().unwrap_or(2) as u32,
         hist: &hist,
         samples: &samples,
         keys: &keys,
