@@ -1074,9 +1074,6 @@ fn past_ttl(
     }
     let quorum = inp.samples.first().map_or(1, |s| s.nodes.len() / 2 + 1);
     for g in claims {
-        if outcome(g) == Some("Released") {
-            continue;
-        }
         let Some(k) = inp.keys.iter().position(|k| *k == g.key) else {
             continue;
         };
@@ -1105,6 +1102,13 @@ fn past_ttl(
         else {
             continue;
         };
+        // Every claim keeps the margin, released ones too: a holder that
+        // let its lease run to the loss deadline finds it still there and
+        // releases it, which ends it early, not late.
+        loss_margin(inp, g, k, (bound, read_at), f);
+        if outcome(g) == Some("Released") {
+            continue;
+        }
         f.ttl_checks += 1;
         // PTTL is whole milliseconds. A renewal after the bound's read that
         // no later sample saw (the key's server unknown to the oracle, not
@@ -1123,7 +1127,6 @@ fn past_ttl(
                 )
             });
         }
-        loss_margin(inp, g, k, (bound, read_at), f);
         let near = inp
             .faults
             .iter()
@@ -1146,7 +1149,8 @@ fn past_ttl(
 /// overstated (by a mutant that adds even a few tens of milliseconds to it,
 /// which `vouched-past-ttl` cannot see inside the margin). Judged where the
 /// oracle saw the key from the bound's read until a sample after the bound,
-/// so that no renewal moved the expiry unseen; not for claims across a
+/// so that no renewal moved the expiry unseen; released claims too (a
+/// release ends the lease early, never late); not for claims across a
 /// `clock-step` (a server clock stepped forward ends a lease early, which
 /// only kept-alive leases can notice), nor without a node timeout on record.
 fn loss_margin(
@@ -1733,6 +1737,13 @@ mod tests {
         assert_eq!(c.count("loss-margin"), 0);
         c.server_clock_rate = 1.1;
         assert_eq!(c.count("loss-margin"), 1);
+        // A holder that ran to its loss deadline and then released the
+        // lease, still there: judged the same.
+        let released = with(lost(80), |g| g.outcome = "Released".into());
+        let mut c = case(Workload::Fenced, vec![released], samples.clone());
+        c.node_timeout_ms = Some(30);
+        assert_eq!(c.count("loss-margin"), 1);
+        assert_eq!(c.count("vouched-past-ttl"), 0);
         // No node timeout on record (an old history): not judged.
         let mut c = judged(80, samples.clone());
         c.node_timeout_ms = None;

@@ -247,7 +247,7 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
         server_clock_rate: summary["server_clock_rate"].as_f64().unwrap_or(1.0),
     });
     println!(
-        "{} grants, {} samples, {} faults, {} oracle checks, {} owner checks, {} release checks, {} answer checks, {} ttl checks ({} near faults, min margin {:?} ms), {} liveness checks (longest wait {:?} ms)",
+        "{} grants, {} samples, {} faults, {} oracle checks, {} owner checks, {} release checks, {} answer checks, {} ttl checks ({} near faults, min margin {:?} ms), {} loss-margin checks (least room {:?} ms), {} liveness checks (longest wait {:?} ms)",
         hist.grants.len(),
         samples.len(),
         faults.len(),
@@ -258,6 +258,8 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
         f.ttl_checks,
         f.ttl_checks_near_faults,
         f.min_ttl_margin_ms,
+        f.margin_checks,
+        f.min_loss_margin_ms,
         f.liveness_checks,
         f.max_regrant_ms
     );
@@ -305,6 +307,8 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
         s["ttl_checks"] = serde_json::json!(f.ttl_checks);
         s["ttl_checks_near_faults"] = serde_json::json!(f.ttl_checks_near_faults);
         s["min_ttl_margin_ms"] = serde_json::json!(f.min_ttl_margin_ms);
+        s["margin_checks"] = serde_json::json!(f.margin_checks);
+        s["min_loss_margin_ms"] = serde_json::json!(f.min_loss_margin_ms);
         s["liveness_checks"] = serde_json::json!(f.liveness_checks);
         s["max_regrant_ms"] = serde_json::json!(f.max_regrant_ms);
         s["expiry_checks"] = serde_json::json!(f.expiry_checks);
