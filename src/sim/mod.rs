@@ -52,6 +52,20 @@
 //! reads them (see `single::errors_case`), and every fault heals at a random
 //! instant after the last one.
 
+//! What runs only as scripts (`contracts`), not as the shipped code around
+//! them: a FIFO lock (`Fairness::Fifo`), an election and a set of leases
+//! taken in order (`MultiLease`'s `in_order`). The FIFO attempt
+//! (`FifoSpec::attempt`) sends its script and reads its reply in one call on
+//! a live connection, with no request and reading of its own to run here,
+//! and its wait is the runtime's (`Order::Server`); the election's campaign
+//! and observation, and `in_order`, are loops over a deployment's
+//! connections and guards. Running them here would mean a second copy of
+//! that code, so their scripts are checked against their contracts instead
+//! (`fifo_acquire` and `fifo_withdraw`: nobody who queued is passed over, no
+//! two holders; the election's: each term one above the last, so terms never
+//! go back), and the leases of an in-order set are each a single lease's
+//! acquire, which the single-deployment schedules run.
+
 //! Invariants, checked after every instant:
 //! - the bound of every guard not yet lost (`valid_until`, not only
 //!   `is_lost()`, which comes a node timeout earlier) is at or before the
