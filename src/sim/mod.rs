@@ -50,7 +50,8 @@
 //! deployment sends instead of running a command (`MOVED`, `ASK`,
 //! `TRYAGAIN`, `READONLY`, `NOSCRIPT`, `LOADING`), read as the shipped code
 //! reads them (see `single::errors_case`), and every fault heals at a random
-//! instant after the last one.
+//! instant after the last one; in those of `redlock_error_replies`, the
+//! nodes do so too (all but `NOSCRIPT`, see `group::errors_case`).
 
 //! What runs only as scripts (`contracts`), not as the shipped code around
 //! them: a FIFO lock (`Fairness::Fifo`), an election and a set of leases
@@ -102,7 +103,8 @@
 //! `RESPIRE_SIM_CASES=n` sets the number of schedules per test (default
 //! 60,000 single-deployment, 16,000 single-deployment ones each with a
 //! failover or a clock jump or both, 3,000 single-deployment ones with
-//! injected error replies, 40,000 Redlock and 3,000 lease-set ones,
+//! injected error replies, 40,000 Redlock, 1,000 Redlock ones with injected
+//! error replies and 3,000 lease-set ones,
 //! every command a script or command run on a model server); `RESPIRE_SIM_SEED=s` replays one,
 //! `RESPIRE_SIM_BASE=b` starts the seeds elsewhere (for long runs in chunks),
 //! and `RESPIRE_SIM_TRACE=1` prints its events. A failure prints its seed.
@@ -418,6 +420,9 @@ const FAULTS_CASES: u64 = 16_000;
 /// Single-deployment schedules whose server answers with injected error
 /// replies, half of them with a failover or a clock step too.
 const ERRORS_CASES: u64 = 3_000;
+#[cfg(test)]
+/// Redlock schedules whose nodes answer with injected error replies.
+const REDLOCK_ERRORS_CASES: u64 = 1_000;
 
 #[test]
 fn redlock_leases() {
@@ -507,5 +512,26 @@ fn single_deployment_error_replies() {
         // Both keys of every schedule were granted again after its faults
         // healed (a schedule that did not fails on its own).
         assert_eq!(stats.regranted, 2 * stats.cases, "{stats:?}");
+    }
+}
+
+#[test]
+fn redlock_error_replies() {
+    let stats = run(
+        "redlock_error_replies",
+        seeds(REDLOCK_ERRORS_CASES, 6),
+        group::errors_case,
+    );
+    if stats.cases >= 1_000 {
+        // Every kind but `NOSCRIPT` (see `group::errors_case`) was injected,
+        // and leases were still granted, lost and taken over around them.
+        for (kind, n) in INJECTED_KINDS.iter().zip(stats.injected) {
+            assert!(
+                n > 0 || *kind == "NOSCRIPT",
+                "no {kind} injected: {stats:?}"
+            );
+        }
+        assert!(stats.grants > stats.cases && stats.losses > 0, "{stats:?}");
+        assert!(stats.takeovers > 0 && stats.restarts > 0, "{stats:?}");
     }
 }
