@@ -18,6 +18,12 @@
 //!   recorded term and value; a proclamation changes it only for the recorded
 //!   holder; a read names the recorded holder's term, and its value only when
 //!   the value key belongs to that term.
+//! - FIFO lock (`fifo_acquire`, `fifo_withdraw`, `lease_release`): every
+//!   reply is the one the contract gives for the recorded holder and queue;
+//!   a grant goes only to the head of the recorded queue of live entries, or
+//!   to anyone while no entry lives (no waiter that queued is passed over),
+//!   and only while no holder is recorded; the lock holds the recorded
+//!   holder after every attempt.
 //! - Semaphore (the `sem_*` scripts): unexpired recorded permits never
 //!   exceed the capacity and hold distinct slots below it; tokens rise; an
 //!   attempt with fewer permits than the capacity is granted; status, verify
@@ -808,6 +814,154 @@ fn sem_case(seed: u64) -> Result<Stats, String> {
     Ok(stats)
 }
 
+// ----- the FIFO lock -----
+
+/// A waiter in the record of a FIFO lock's queue (kept in arrival order):
+/// owner, and the server time from which its entry is dead.
+#[derive(Clone, Debug)]
+struct Queued {
+    owner: &'static str,
+    until: i64,
+}
+
+/// `fifo_acquire.lua` and `fifo_withdraw.lua`, with `lease_release.lua` by
+/// the holder, against a record of the holder and of the queue: every reply
+/// is the one the contract gives for the record; a grant goes only to a
+/// caller that heads the record's queue of live entries, or to any caller
+/// when no live entry is queued (FIFO order among the waiters that queued),
+/// and only while no holder is recorded (no two holders).
+fn fifo_case(seed: u64) -> Result<Stats, String> {
+    const FIFO_OWNERS: [&str; 4] = ["o0", "o1", "o2", "o3"];
+    let mut rng = Rng::new(seed);
+    let mut s = server(seed);
+    for script in [&*scripts::FIFO_ACQUIRE, &*scripts::FIFO_WITHDRAW] {
+        s.command(&["SCRIPT", "LOAD", script.code]);
+    }
+    let keys = ["{f}lock", "{f}q", "{f}qe"];
+    let entry_ms = [5, 20, 60][rng.below(3) as usize];
+    // The holder and the last millisecond it holds the lock.
+    let mut holder: Option<(&'static str, i64)> = None;
+    let mut queue: Vec<Queued> = Vec::new();
+    let mut stats = Stats::default();
+    for step in 0..STEPS {
+        let mut edges: Vec<i64> = holder.iter().map(|h| h.1).collect();
+        edges.extend(queue.iter().map(|q| q.until));
+        tick(&mut s, &mut rng, &edges);
+        let now = s.now_ms();
+        if holder.is_some_and(|(_, until)| now > until) {
+            holder = None;
+        }
+        let who = FIFO_OWNERS[rng.below(FIFO_OWNERS.len() as u64) as usize];
+        let record = format!("holder {holder:?}, queue {queue:?}");
+        let ctx = |what: &str, got: &Reply, want: &Reply| {
+            format!(
+                "step {step} at {now}: {what}: got {got}, the contract says {want} (the \
+                 record before: {record})"
+            )
+        };
+        match rng.below(6) {
+            0..=3 => {
+                let ttl = ttl(&mut rng);
+                let entry = if rng.chance(0.8) { entry_ms } else { 0 };
+                let got = call(
+                    &mut s,
+                    &scripts::FIFO_ACQUIRE,
+                    &keys,
+                    &[who, &ttl.to_string(), &entry.to_string()],
+                );
+                // Entries whose expiry is at or before now are gone.
+                queue.retain(|q| q.until > now);
+                let place = queue.iter().position(|q| q.owner == who);
+                let want = match holder {
+                    Some((h, _)) if h == who => Reply::Array(vec![Reply::Int(1)]),
+                    // Only the head of the live queue, or anyone when it is
+                    // empty: nobody who queued is passed over.
+                    None if place == Some(0) || place.is_none() && queue.is_empty() => {
+                        if place.is_some() {
+                            queue.remove(0);
+                            stats.repeated += u64::from(!queue.is_empty());
+                        }
+                        holder = Some((who, now + ttl));
+                        stats.grants += 1;
+                        Reply::Array(vec![Reply::Int(1)])
+                    }
+                    _ => {
+                        stats.takeovers += 1;
+                        let mut place = place;
+                        if entry > 0 {
+                            match place {
+                                Some(p) => queue[p].until = now + entry,
+                                None => {
+                                    queue.push(Queued {
+                                        owner: who,
+                                        until: now + entry,
+                                    });
+                                    place = Some(queue.len() - 1);
+                                }
+                            }
+                        }
+                        let mut wait = holder.map_or(-1, |(_, until)| until - now);
+                        if let Some(head) = queue.first()
+                            && head.owner != who
+                        {
+                            let left = (head.until - now).max(0);
+                            if wait < 0 || left < wait {
+                                wait = left;
+                            }
+                        }
+                        let place = place.map_or(0, |p| p as i64 + 1);
+                        Reply::Array(vec![Reply::Int(0), Reply::Int(wait), Reply::Int(place)])
+                    }
+                };
+                if got != want {
+                    return Err(ctx(
+                        &format!("{who} tries for {ttl} ms, entry {entry} ms"),
+                        &got,
+                        &want,
+                    ));
+                }
+                // No two holders: the server's lock is the recorded holder's.
+                let held = s.command(&["GET", keys[0]]);
+                let want = holder.map_or(Reply::Nil, |(h, _)| bulk(h));
+                if held != want {
+                    return Err(ctx("the lock after the attempt", &held, &want));
+                }
+            }
+            4 => {
+                let got = call(&mut s, &scripts::FIFO_WITHDRAW, &keys[1..], &[who]);
+                // A dead entry is pruned by the next attempt, or goes with
+                // the sets' own expiry once no entry lives: until then it is
+                // taken out, and counted, like a live one.
+                let mine = queue.iter().find(|q| q.owner == who).map(|q| q.until > now);
+                queue.retain(|q| q.owner != who);
+                let want = Reply::Int(i64::from(mine.is_some()));
+                let dead_gone = mine == Some(false) && got == Reply::Int(0);
+                if got != want && !dead_gone {
+                    return Err(ctx(&format!("{who} leaves the queue"), &got, &want));
+                }
+            }
+            _ => {
+                let got = call(&mut s, &scripts::LEASE_RELEASE, &keys[..1], &[who, "exact"]);
+                let want = match holder {
+                    None => Reply::Int(0),
+                    Some((h, _)) if h == who => {
+                        holder = None;
+                        stats.losses += 1;
+                        Reply::Int(1)
+                    }
+                    Some(_) => Reply::Int(-1),
+                };
+                if got != want {
+                    return Err(ctx(&format!("{who} releases"), &got, &want));
+                }
+            }
+        }
+        stats.checks += 1;
+        stats.events += 1;
+    }
+    Ok(stats)
+}
+
 #[test]
 fn shipped_fenced_lease_scripts_keep_their_contract() {
     let stats = run(
@@ -855,6 +1009,19 @@ fn shipped_semaphore_scripts_keep_their_contract() {
     if stats.cases >= 100 {
         assert!(
             stats.grants > stats.cases && stats.takeovers > 0,
+            "{stats:?}"
+        );
+    }
+}
+
+#[test]
+fn shipped_fifo_lock_scripts_keep_their_contract() {
+    let stats = run("shipped_fifo_lock_scripts", seeds(CASES, 15), fifo_case);
+    if stats.cases >= 100 {
+        // Waiters queued, and heads of a queue with others behind them were
+        // granted in turn.
+        assert!(
+            stats.grants > stats.cases && stats.takeovers > 0 && stats.repeated > 0,
             "{stats:?}"
         );
     }

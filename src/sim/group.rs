@@ -36,7 +36,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::model::{ClientId, ModelServer, Persistence, Reply as Wire, Value, argv};
+use super::model::{ClientId, Injected, ModelServer, Persistence, Reply as Wire, Value, argv};
 use super::{Net, Queue, Rng, Stats, instant};
 use crate::conn::Identity;
 use crate::core::lease::{LeaseCore, Loss, Refusal};
@@ -169,7 +169,7 @@ impl Server {
         i: usize,
         op: Op,
         lease: &NodeLease,
-    ) -> Option<Result<NodeReply, String>> {
+    ) -> Option<Result<NodeReply, Error>> {
         let (key, value) = (lease.key(i), lease.value());
         Some(match op {
             Op::Acquire { ttl_ms } => {
@@ -180,27 +180,68 @@ impl Server {
                 if found_set(&reply) {
                     reply.extend(self.run_pipeline(conn, &acquire_reads(key))?);
                 }
-                acquire_reply(&reply, key, value).map_err(|e| e.to_string())
+                acquire_reply(&reply, key, value)
             }
             Op::Extend { ttl_ms } => {
                 let ttl = ttl_ms.to_string();
                 let sha = scripts::LEASE_EXTEND.sha.as_str();
                 let reply = self.run(conn, &["EVALSHA", sha, "1", key, value, &ttl])?;
-                reply
-                    .as_int()
-                    .map(NodeReply::Extend)
-                    .ok_or_else(|| format!("{reply}"))
+                read_int(reply, "extend").map(NodeReply::Extend)
             }
             Op::Release => {
                 let sha = scripts::LEASE_RELEASE.sha.as_str();
                 let reply = self.run(conn, &["EVALSHA", sha, "1", key, value, "exact"])?;
-                reply
-                    .as_int()
-                    .map(NodeReply::Release)
-                    .ok_or_else(|| format!("{reply}"))
+                read_int(reply, "release").map(NodeReply::Release)
             }
         })
     }
+}
+
+/// A script's integer reply as the connection hands it over: an error reply
+/// is the server's error.
+fn read_int(reply: Wire, op: &'static str) -> Result<i64, Error> {
+    if let Some(n) = reply.as_int() {
+        return Ok(n);
+    }
+    match reply.into_value() {
+        redis::Value::ServerError(e) => Err(Error::Server {
+            op,
+            source: redis::RedisError::from(e),
+        }),
+        other => Err(Error::UnexpectedReply {
+            op: "redlock node",
+            reply: format!("{other:?}"),
+        }),
+    }
+}
+
+/// With chance `p`, makes `server` answer the next command on `conn` (run at
+/// once) with an error reply instead of running it: `MOVED`, `ASK`,
+/// `TRYAGAIN`, `READONLY` or `LOADING` (not `NOSCRIPT`: the model's
+/// transport here sends `EVALSHA` without the connection's fallback).
+/// Counted in `stats`; draws nothing when `p` is 0, and injects nothing on a
+/// closed connection.
+fn inject_before(
+    server: &mut ModelServer,
+    conn: ClientId,
+    rng: &mut Rng,
+    p: f64,
+    stats: &mut Stats,
+) {
+    if p == 0.0 || !server.is_connected(conn) || !rng.chance(p) {
+        return;
+    }
+    let kind = [0, 1, 2, 3, 5][rng.below(5) as usize];
+    let slot = rng.below(16_384) as u16;
+    let addr = "10.0.0.9:6379".to_owned();
+    server.inject(match kind {
+        0 => Injected::Moved { slot, addr },
+        1 => Injected::Ask { slot, addr },
+        2 => Injected::TryAgain,
+        3 => Injected::ReadOnly,
+        _ => Injected::Loading,
+    });
+    stats.injected[kind] += 1;
 }
 
 /// One client's transport of one server's node machine.
@@ -306,7 +347,7 @@ enum Ev {
         req: u64,
         c: usize,
         i: usize,
-        reply: Result<NodeReply, String>,
+        reply: Result<NodeReply, Error>,
     },
     Timeout {
         req: u64,
@@ -409,9 +450,26 @@ struct World {
     stats: Stats,
     steps_left: u32,
     trace: bool,
+    /// The chance that a node answers a command with an error reply instead
+    /// of running it, and the draws for it, apart from the schedule's own.
+    inject: f64,
+    inject_rng: Rng,
 }
 
 pub(crate) fn case(seed: u64) -> Result<Stats, String> {
+    run_case(seed, false)
+}
+
+/// A schedule whose nodes answer acquires, extensions and releases at
+/// random points with error replies (`MOVED`, `ASK`, `TRYAGAIN`,
+/// `READONLY`, `LOADING`), handed to the node machine as the connection
+/// hands them over: the acquire's replies to the shipped reader, a script's
+/// error as the server's error.
+pub(crate) fn errors_case(seed: u64) -> Result<Stats, String> {
+    run_case(seed, true)
+}
+
+fn run_case(seed: u64, inject: bool) -> Result<Stats, String> {
     let mut rng = Rng::new(seed);
     let n = if rng.chance(0.5) { 3 } else { 5 };
     let node_timeout = Duration::from_millis(10 + rng.below(90));
@@ -529,7 +587,12 @@ pub(crate) fn case(seed: u64) -> Result<Stats, String> {
         steps_left: 30 + rng.below(30) as u32,
         trace: std::env::var_os("RESPIRE_SIM_TRACE").is_some(),
         rng,
+        inject: 0.0,
+        inject_rng: Rng::new(seed ^ 0x1e77_0e55),
     };
+    if inject {
+        w.inject = 0.01 + w.inject_rng.unit() * 0.15;
+    }
     for c in 0..2 {
         let at = w.rng.micros(0, 5_000);
         w.queue.push(at, Ev::UserNext(c));
@@ -611,10 +674,6 @@ impl World {
                     && out == req
                 {
                     link.out = None;
-                    let reply = reply.map_err(|reply| Error::UnexpectedReply {
-                        op: "redlock node",
-                        reply,
-                    });
                     link.node.handle_result(reply, false, self.now - sent);
                     self.dirty.push((c, i));
                 }
@@ -762,6 +821,13 @@ impl World {
         // `holds_until`: in a key's last millisecond the server still has it,
         // and a release then deletes it.
         let held = s.holds_now(value);
+        inject_before(
+            &mut s.model,
+            conn,
+            &mut self.inject_rng,
+            self.inject,
+            &mut self.stats,
+        );
         let Some(reply) = s.apply(conn, i, op, lease) else {
             // A killed connection: the command never runs.
             return;

@@ -44,7 +44,28 @@
 //! `clock_gained`; for Redlock, crashes and restarts with and without the
 //! data) and a model network (delays, lost requests, lost replies, replies
 //! arriving after the client gave up, order kept per connection only, killed
-//! connections).
+//! connections). In the single-deployment schedules of
+//! `single_deployment_error_replies`, the server also answers attempts,
+//! extensions and releases at random points with the error replies a
+//! deployment sends instead of running a command (`MOVED`, `ASK`,
+//! `TRYAGAIN`, `READONLY`, `NOSCRIPT`, `LOADING`), read as the shipped code
+//! reads them (see `single::errors_case`), and every fault heals at a random
+//! instant after the last one; in those of `redlock_error_replies`, the
+//! nodes do so too (all but `NOSCRIPT`, see `group::errors_case`).
+
+//! What runs only as scripts (`contracts`), not as the shipped code around
+//! them: a FIFO lock (`Fairness::Fifo`), an election and a set of leases
+//! taken in order (`MultiLease`'s `in_order`). The FIFO attempt
+//! (`FifoSpec::attempt`) sends its script and reads its reply in one call on
+//! a live connection, with no request and reading of its own to run here,
+//! and its wait is the runtime's (`Order::Server`); the election's campaign
+//! and observation, and `in_order`, are loops over a deployment's
+//! connections and guards. Running them here would mean a second copy of
+//! that code, so their scripts are checked against their contracts instead
+//! (`fifo_acquire` and `fifo_withdraw`: nobody who queued is passed over, no
+//! two holders; the election's: each term one above the last, so terms never
+//! go back), and the leases of an in-order set are each a single lease's
+//! acquire, which the single-deployment schedules run.
 
 //! Invariants, checked after every instant:
 //! - the bound of every guard not yet lost (`valid_until`, not only
@@ -69,6 +90,10 @@
 //!   while no other token is;
 //! - liveness: on a calm schedule (nothing lost, nothing slow, no fault) a
 //!   lease kept alive at a TTL keep-alive accepts is never lost;
+//! - liveness after faults: in the schedules with injected error replies,
+//!   once the last fault healed, every key is granted again within three of
+//!   the schedule's longest TTL while its users ask for it
+//!   (`single::REGRANT_TTLS` says why three);
 //! - for single deployments, what an observer of every lease hears (the
 //!   shipped calls where renewals are confirmed and losses settled): a loss
 //!   reported at most once, never after the release, and by the end of the
@@ -77,7 +102,9 @@
 //!
 //! `RESPIRE_SIM_CASES=n` sets the number of schedules per test (default
 //! 60,000 single-deployment, 16,000 single-deployment ones each with a
-//! failover or a clock jump or both, 40,000 Redlock and 3,000 lease-set ones,
+//! failover or a clock jump or both, 3,000 single-deployment ones with
+//! injected error replies, 40,000 Redlock, 1,000 Redlock ones with injected
+//! error replies and 3,000 lease-set ones,
 //! every command a script or command run on a model server); `RESPIRE_SIM_SEED=s` replays one,
 //! `RESPIRE_SIM_BASE=b` starts the seeds elsewhere (for long runs in chunks),
 //! and `RESPIRE_SIM_TRACE=1` prints its events. A failure prints its seed.
@@ -326,7 +353,20 @@ pub(crate) struct Stats {
     pub(crate) clock_steps: u64,
     /// Readings of a server's clock that found it ran ahead and cut leases.
     pub(crate) clock_cuts: u64,
+    /// Error replies the model servers gave instead of running a command,
+    /// by kind: `MOVED`, `ASK`, `TRYAGAIN`, `READONLY`, `NOSCRIPT`,
+    /// `LOADING` (see [`INJECTED_KINDS`]).
+    pub(crate) injected: [u64; 6],
+    /// Keys granted again after the faults of their schedule healed.
+    pub(crate) regranted: u64,
 }
+
+#[cfg(test)]
+/// The error replies the schedules inject, in the order of
+/// [`Stats::injected`].
+pub(crate) const INJECTED_KINDS: [&str; 6] = [
+    "MOVED", "ASK", "TRYAGAIN", "READONLY", "NOSCRIPT", "LOADING",
+];
 
 #[cfg(test)]
 impl Stats {
@@ -350,6 +390,10 @@ impl Stats {
         self.undispatched += o.undispatched;
         self.clock_steps += o.clock_steps;
         self.clock_cuts += o.clock_cuts;
+        self.regranted += o.regranted;
+        for (n, o) in self.injected.iter_mut().zip(o.injected) {
+            *n += o;
+        }
     }
 }
 
@@ -372,6 +416,13 @@ const SETS_CASES: u64 = 3_000;
 #[cfg(test)]
 /// Schedules each with a failover or a server clock step, or both.
 const FAULTS_CASES: u64 = 16_000;
+#[cfg(test)]
+/// Single-deployment schedules whose server answers with injected error
+/// replies, half of them with a failover or a clock step too.
+const ERRORS_CASES: u64 = 3_000;
+#[cfg(test)]
+/// Redlock schedules whose nodes answer with injected error replies.
+const REDLOCK_ERRORS_CASES: u64 = 1_000;
 
 #[test]
 fn redlock_leases() {
@@ -440,5 +491,47 @@ fn single_deployment_switches_and_clock_steps() {
         assert!(stats.failovers > 0 && stats.interleaved > 0, "{stats:?}");
         assert!(stats.undispatched > 0, "{stats:?}");
         assert!(stats.clock_steps > 0 && stats.clock_cuts > 0, "{stats:?}");
+    }
+}
+
+#[test]
+fn single_deployment_error_replies() {
+    let stats = run(
+        "single_deployment_error_replies",
+        seeds(ERRORS_CASES, 5),
+        single::errors_case,
+    );
+    if stats.cases >= 1_000 {
+        // Every kind of error reply was injected, and the schedules still
+        // granted, renewed and lost leases around them.
+        for (kind, n) in INJECTED_KINDS.iter().zip(stats.injected) {
+            assert!(n > 0, "no {kind} injected: {stats:?}");
+        }
+        assert!(stats.grants > stats.cases && stats.losses > 0, "{stats:?}");
+        assert!(stats.failovers > 0 && stats.clock_steps > 0, "{stats:?}");
+        // Both keys of every schedule were granted again after its faults
+        // healed (a schedule that did not fails on its own).
+        assert_eq!(stats.regranted, 2 * stats.cases, "{stats:?}");
+    }
+}
+
+#[test]
+fn redlock_error_replies() {
+    let stats = run(
+        "redlock_error_replies",
+        seeds(REDLOCK_ERRORS_CASES, 6),
+        group::errors_case,
+    );
+    if stats.cases >= 1_000 {
+        // Every kind but `NOSCRIPT` (see `group::errors_case`) was injected,
+        // and leases were still granted, lost and taken over around them.
+        for (kind, n) in INJECTED_KINDS.iter().zip(stats.injected) {
+            assert!(
+                n > 0 || *kind == "NOSCRIPT",
+                "no {kind} injected: {stats:?}"
+            );
+        }
+        assert!(stats.grants > stats.cases && stats.losses > 0, "{stats:?}");
+        assert!(stats.takeovers > 0 && stats.restarts > 0, "{stats:?}");
     }
 }

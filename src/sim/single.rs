@@ -22,8 +22,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::model::{ClientId, Entry, ModelServer, Reply, Value, argv};
-use super::{Net, Queue, Rng, Stats, instant};
+use super::model::{ClientId, Entry, Injected, ModelServer, Reply, Value, argv};
+use super::{INJECTED_KINDS, Net, Queue, Rng, Stats, instant};
 use crate::core::acquire::{Attempts, CleanUp, dated};
 use crate::core::executor::{Command, Executor as Machine, ExtendReply, Renewal, Settled};
 use crate::core::extend::{ResetDone, ResetExpiry, ResetStep};
@@ -298,6 +298,46 @@ fn run_on(server: &mut ModelServer, client: ClientId, cmd: &redis::Cmd) -> Optio
     }
 }
 
+/// With chance `p`, makes `server` answer the next command, `cmd` (run at
+/// once), with an error reply instead of running it: one of
+/// [`INJECTED_KINDS`], `NOSCRIPT` only for `EVALSHA`. Counted in `stats`.
+/// Draws nothing when `p` is 0.
+fn inject_before(
+    server: &mut ModelServer,
+    rng: &mut Rng,
+    p: f64,
+    cmd: &redis::Cmd,
+    stats: &mut Stats,
+) {
+    if p == 0.0 || !rng.chance(p) {
+        return;
+    }
+    let evalsha = argv(cmd)
+        .first()
+        .is_some_and(|a| a.eq_ignore_ascii_case(b"EVALSHA"));
+    let kind = match evalsha {
+        true => rng.below(6) as usize,
+        false => [0, 1, 2, 3, 5][rng.below(5) as usize],
+    };
+    let slot = rng.below(16_384) as u16;
+    server.inject(match kind {
+        0 => Injected::Moved {
+            slot,
+            addr: "10.0.0.9:6379".to_owned(),
+        },
+        1 => Injected::Ask {
+            slot,
+            addr: "10.0.0.9:6379".to_owned(),
+        },
+        2 => Injected::TryAgain,
+        3 => Injected::ReadOnly,
+        4 => Injected::NoScript,
+        _ => Injected::Loading,
+    });
+    debug_assert_eq!(INJECTED_KINDS.len(), stats.injected.len());
+    stats.injected[kind] += 1;
+}
+
 /// A string key's value, if it holds one.
 fn string_at(server: &ModelServer, key: &str) -> Option<String> {
     match server.entry(key).map(|e| &e.value) {
@@ -401,13 +441,18 @@ enum Resp {
         set_get: bool,
     },
     Ints(Vec<i64>),
+    /// Each extension's reply (`None`: an error reply, the script did not
+    /// run).
+    Extended(Vec<Option<i64>>),
     /// A renewal pipeline's replies: the server's `TIME` (read when the
     /// pipeline ran, at `read_at` true time), then each extension's.
     Renewed {
         time: Vec<String>,
         read_at: Duration,
-        ints: Vec<i64>,
+        ints: Vec<Option<i64>>,
     },
+    /// An error reply instead of running the command.
+    Refused,
     /// A release's reply, and the outcome the server's data called for.
     Released {
         code: i64,
@@ -494,6 +539,10 @@ enum Ev {
     ClockStep(i64),
     /// Someone deletes the key (an operator, an eviction).
     Delete(usize),
+    /// The last fault is over: no message is lost or slow from now on and
+    /// no error reply is injected, and every key must be granted again
+    /// within [`REGRANT_TTLS`] of the schedule's longest TTL.
+    Heal,
 }
 
 impl Ev {
@@ -514,6 +563,7 @@ impl Ev {
             Ev::ResetSend { u, ticket, .. } => format!("reset send {u} {ticket:?}"),
             Ev::ClockStep(ms) => format!("clock step {ms} ms"),
             Ev::Delete(key) => format!("delete {key}"),
+            Ev::Heal => "heal".into(),
         }
     }
 }
@@ -710,23 +760,61 @@ struct World {
     /// When the primary's clock last jumped forward, and that primary's
     /// generation.
     stepped: Option<(Duration, u32)>,
+    /// The chance that a server answers an attempt, an extension or a
+    /// release with an error reply instead of running it (see
+    /// [`World::inject_before`]), and the draws for it, apart from the
+    /// schedule's own so that a schedule without injected errors is the
+    /// same schedule as before they existed.
+    inject: f64,
+    inject_rng: Rng,
+    /// When the faults healed ([`Ev::Heal`]), and for each key, that time
+    /// while the key has not been granted since.
+    healed: Option<Duration>,
+    wanted: [Option<Duration>; 2],
 }
+
+/// After the last fault of a schedule heals (no more lost or slow messages,
+/// injected error replies, failovers, clock jumps, counter or key losses),
+/// every key is granted again within this many of the schedule's longest
+/// TTL, while its users keep asking for it (holders release it and ask
+/// again): a lease set or extended before the heal, by a command whose reply
+/// was lost, has expired by one TTL after its command arrived (a slow message
+/// arrives within three node timeouts), and a waiting attempt that finds the
+/// key held sleeps for the time left it had (the shipped wait's hint). Two
+/// TTLs of slack on top of that one cover a switch that completes after the
+/// heal and a server clock that runs slow within the drift factor.
+const REGRANT_TTLS: u32 = 3;
 
 /// Lease keys 0 and 1 share one fence counter. Users 0 (process 0) and 2
 /// (process 1) contend for key 0; user 1 (process 0) holds key 1.
 const USERS: [(usize, usize); 3] = [(0, 0), (0, 1), (1, 0)];
 
 pub(crate) fn case(seed: u64) -> Result<Stats, String> {
-    run_case(seed, false)
+    run_case(seed, false, false)
 }
 
 /// A schedule with a failover (its switch in separate steps that other
 /// events interleave with) or a forward jump of the primary's clock, or both.
 pub(crate) fn faults_case(seed: u64) -> Result<Stats, String> {
-    run_case(seed, true)
+    run_case(seed, true, false)
 }
 
-fn run_case(seed: u64, faulty: bool) -> Result<Stats, String> {
+/// A schedule, with a failover or a clock jump in every other one, whose
+/// server answers attempts, extensions and releases at random points with
+/// the error replies a deployment sends instead of running a command
+/// (`MOVED`, `ASK`, `TRYAGAIN`, `READONLY`, `NOSCRIPT`, `LOADING`). Each is
+/// read as the shipped code reads it: `NOSCRIPT` is followed by `EVAL` (the
+/// connection's fallback); any other error reply to an attempt is a failed
+/// attempt that changed nothing (the shipped `Error::is_retryable` must call
+/// it retryable; the wait tries again), to a renewal's extension the
+/// executor machine's `NotRun`, to the guard's extension the cell's
+/// `not_sent`, and a release answered so is left to expire (the runtime
+/// sends it again in the background, which is not modelled).
+pub(crate) fn errors_case(seed: u64) -> Result<Stats, String> {
+    run_case(seed, seed & 1 == 1, true)
+}
+
+fn run_case(seed: u64, faulty: bool, inject: bool) -> Result<Stats, String> {
     let mut rng = Rng::new(seed);
     let node_timeout = Duration::from_millis(10 + rng.below(190));
     let drift_factor = [0.0, 0.01, 0.05][rng.below(3) as usize];
@@ -812,7 +900,13 @@ fn run_case(seed: u64, faulty: bool) -> Result<Stats, String> {
         trace: std::env::var_os("RESPIRE_SIM_TRACE").is_some(),
         stepped: None,
         rng,
+        inject: 0.0,
+        inject_rng: Rng::new(seed ^ 0x1e77_0e55),
+        healed: None,
+        wanted: [None; 2],
     };
+    // When the last fault is due (each push below keeps it).
+    let mut last_fault = Duration::ZERO;
     let mut faults = false;
     w.server.set_rate(rate);
     if w.rng.chance(0.5) {
@@ -855,6 +949,7 @@ fn run_case(seed: u64, faulty: bool) -> Result<Stats, String> {
         w.server.add_replica();
         let at = w.rng.micros(1_000, within);
         w.queue.push(at, Ev::Promote);
+        last_fault = last_fault.max(at);
         faults = true;
     }
     if step {
@@ -864,6 +959,7 @@ fn run_case(seed: u64, faulty: bool) -> Result<Stats, String> {
         let at = w.rng.micros(1_000, within);
         w.queue
             .push(at, Ev::ClockStep(by.as_millis().max(1) as i64));
+        last_fault = last_fault.max(at);
         faults = true;
     }
     for _ in 0..2 {
@@ -900,13 +996,24 @@ fn run_case(seed: u64, faulty: bool) -> Result<Stats, String> {
     if w.rng.chance(0.1) {
         let at = w.rng.micros(1_000, 3_000_000);
         w.queue.push(at, Ev::CounterBack);
+        last_fault = last_fault.max(at);
         faults = true;
     }
     if w.rng.chance(0.2) {
         let at = w.rng.micros(1_000, 3_000_000);
         let key = w.rng.below(2) as usize;
         w.queue.push(at, Ev::Delete(key));
+        last_fault = last_fault.max(at);
         faults = true;
+    }
+    if inject {
+        // From a few error replies in a schedule to one command in six,
+        // until every fault heals.
+        w.inject = 0.01 + w.inject_rng.unit() * 0.15;
+        faults = true;
+        let at = last_fault.max(w.inject_rng.micros(1_000, 3_000_000));
+        let heal = at + w.inject_rng.micros(0, 200_000);
+        w.queue.push(heal, Ev::Heal);
     }
     w.calm = w.net.is_calm() && !faults;
     while let Some(t) = w.queue.peek_time() {
@@ -924,7 +1031,11 @@ fn run_case(seed: u64, faulty: bool) -> Result<Stats, String> {
             w.handle(ev)?;
         }
         w.check()?;
-        if w.steps_left == 0 && w.users.iter().all(|u| !u.busy) {
+        if w.steps_left == 0
+            && w.users.iter().all(|u| !u.busy)
+            && w.wanted.iter().all(Option::is_none)
+            && (!inject || w.healed.is_some())
+        {
             break;
         }
         if w.now > Duration::from_secs(600) || w.stats.events > 1_000_000 {
@@ -933,6 +1044,13 @@ fn run_case(seed: u64, faulty: bool) -> Result<Stats, String> {
                 w.now, w.stats.events
             ));
         }
+    }
+    if let (Some(healed), Some(key)) = (w.healed, w.wanted.iter().position(Option::is_some)) {
+        return Err(format!(
+            "the schedule ended at {:?} without granting key {key} after the faults healed \
+             at {healed:?}",
+            w.now
+        ));
     }
     Ok(w.stats)
 }
@@ -1063,7 +1181,12 @@ impl World {
                 };
                 let mine = holds(server);
                 let mut reply = Vec::new();
-                for cmd in self.specs[*key].request(owner, *ttl_ms, *waiting, *set_get) {
+                let cmds = self.specs[*key].request(owner, *ttl_ms, *waiting, *set_get);
+                if let Some(first) = cmds.first() {
+                    let rng = &mut self.inject_rng;
+                    inject_before(server, rng, self.inject, first, &mut self.stats);
+                }
+                for cmd in cmds {
                     reply.push(run_on(server, client, &cmd).ok_or("closed")?.into_value());
                 }
                 let holds = holds(server);
@@ -1103,7 +1226,13 @@ impl World {
                 let mut out = Vec::with_capacity(items.len());
                 for (key, value, ttl_ms) in items {
                     let cmd = ops(kinds[*key], *key, value).extend_cmd(*ttl_ms);
-                    out.push(int(run_on(server, client, &cmd).ok_or("closed")?)?);
+                    let rng = &mut self.inject_rng;
+                    inject_before(server, rng, self.inject, &cmd, &mut self.stats);
+                    out.push(match run_on(server, client, &cmd).ok_or("closed")? {
+                        // An error reply: the script did not run.
+                        Reply::Error(_) => None,
+                        other => Some(int(other)?),
+                    });
                 }
                 match clock {
                     Some(time) => Resp::Renewed {
@@ -1111,7 +1240,7 @@ impl World {
                         read_at: self.now,
                         ints: out,
                     },
-                    None => Resp::Ints(out),
+                    None => Resp::Extended(out),
                 }
             }
             Req::Verify { key, value } => {
@@ -1152,7 +1281,17 @@ impl World {
                     },
                 };
                 let had = server.exists(key_name(*key));
-                let code = int(run_on(server, client, &cmd).ok_or("closed")?)?;
+                let rng = &mut self.inject_rng;
+                inject_before(server, rng, self.inject, &cmd, &mut self.stats);
+                let code = match run_on(server, client, &cmd).ok_or("closed")? {
+                    Reply::Error(e) => {
+                        if had != server.exists(key_name(*key)) {
+                            return Err(format!("a release answered {e:?} changed the lease"));
+                        }
+                        return Ok(Some(Resp::Refused));
+                    }
+                    other => int(other)?,
+                };
                 if had && !server.exists(key_name(*key)) {
                     self.ended[*key] = true;
                 }
@@ -1230,7 +1369,7 @@ impl World {
                     // more, and the guard's second run sends nothing and hands
                     // the answer to its machine as from a replaced server.
                     if !current
-                        && let (Who::User(u), Purpose::Reset { ticket, reset }, Resp::Ints(_)) =
+                        && let (Who::User(u), Purpose::Reset { ticket, reset }, Resp::Extended(_)) =
                             (p.who, &p.purpose, &resp)
                         && let Some(g) = &self.users[u].guard
                     {
@@ -1308,6 +1447,18 @@ impl World {
                     if let Some(g) = &mut u.guard {
                         g.stepped = true;
                     }
+                }
+            }
+            Ev::Heal => {
+                self.net.p_slow = 0.0;
+                self.net.p_lose_request = 0.0;
+                self.net.p_lose_reply = 0.0;
+                self.inject = 0.0;
+                self.healed = Some(self.now);
+                self.wanted = [Some(self.now); 2];
+                // Users that had stopped ask again.
+                for u in 0..self.users.len() {
+                    self.queue.push(self.now, Ev::UserNext(u));
                 }
             }
             Ev::Delete(key) => {
@@ -1545,16 +1696,22 @@ impl World {
             };
             return self.reset_step(u, reset, step);
         }
+        // After the heal, until its key is granted again.
+        let wants = self.wanted[self.users[u].key].is_some();
         if let Some(g) = &self.users[u].guard {
             if g.cell.is_lost(now) {
                 self.stats.losses += 1;
                 return self.release(u);
             }
+            if wants {
+                // Held since before the heal: let go, to ask again.
+                return self.release(u);
+            }
         } else {
-            if self.steps_left == 0 {
+            if self.steps_left == 0 && !wants {
                 return Ok(());
             }
-            self.steps_left -= 1;
+            self.steps_left = self.steps_left.saturating_sub(1);
             let a = self.users[u].acquiring.get_or_insert_with(|| Acquiring {
                 owner: String::new(),
                 ttl: Duration::ZERO,
@@ -1768,9 +1925,25 @@ impl World {
                         let cell = self.users[u].guard.as_ref().map(|g| g.cell.clone());
                         if let Some(cell) = cell {
                             match resp {
-                                Some(Resp::Ints(v)) => {
+                                // The connection's error for an error reply:
+                                // not uncertain, so the claim is given back
+                                // as not sent.
+                                Some(Resp::Extended(v)) if v[0].is_none() => {
+                                    // The checker peeks at `is_lost()`: once
+                                    // it saw the claim's worst case past, a
+                                    // user's call then would have recorded
+                                    // the loss, which giving the claim back
+                                    // does not undo. That call is made now,
+                                    // while the claim is still held.
+                                    if self.users[u].guard.as_ref().is_some_and(|g| g.seen_lost) {
+                                        cell.is_lost(now);
+                                    }
+                                    cell.not_sent(ticket, now);
+                                }
+                                Some(Resp::Extended(v)) => {
+                                    let code = v[0].expect("matched above");
                                     let step =
-                                        reset.replied(&cell, ticket, ExtendReply::of(v[0]), now);
+                                        reset.replied(&cell, ticket, ExtendReply::of(code), now);
                                     if step == ResetStep::Done(ResetDone::Held) {
                                         self.extended_after_step(&cell, p.sent);
                                     }
@@ -1857,9 +2030,35 @@ impl World {
                 let a = self.users[u].acquiring.as_ref().expect("acquiring");
                 let since = a.attempts.since();
                 let ttl_ms = a.ttl.as_millis() as u64;
-                let Some(read) = self.specs[key]
-                    .read(&reply, &a.owner, ttl_ms, a.waiting, set_get, p.sent, since)?
-                else {
+                // An error reply the shipped classification calls retryable
+                // (a redirection, a server loading, read-only or busy): the
+                // connection hands the attempt the server's error and the
+                // wait rides it out. The attempt was answered and ran
+                // nothing: no clean-up is owed. Any other error reply is the
+                // shipped reader's to read.
+                let refused = reply.iter().find_map(|v| match v {
+                    redis::Value::ServerError(e) => Some(crate::error::Error::Server {
+                        op: "acquire",
+                        source: redis::RedisError::from(e.clone()),
+                    }),
+                    _ => None,
+                });
+                let refused = refused.filter(crate::error::Error::is_retryable);
+                if let Some(err) = &refused
+                    && holds != existed
+                {
+                    return Err(format!(
+                        "user {u}: an attempt answered {err} changed the lease"
+                    ));
+                }
+                let refused = refused.is_some();
+                let read = if refused {
+                    Some(Attempt::Busy(None))
+                } else {
+                    self.specs[key]
+                        .read(&reply, &a.owner, ttl_ms, a.waiting, set_get, p.sent, since)?
+                };
+                let Some(read) = read else {
                     // Refused before it ran (a server before Redis 7.0): the
                     // shipped attempt sends the older form at once.
                     if holds != existed {
@@ -1885,6 +2084,8 @@ impl World {
                         self.stats.repeated += u64::from(existed);
                     }
                     Attempt::Busy(_) if !holds => {}
+                    // Ran nothing (checked above).
+                    Attempt::Busy(_) if refused => {}
                     _ => {
                         return Err(format!(
                             "user {u}: the reply {reply:?} was read as {:?}, where the server's \
@@ -1909,6 +2110,9 @@ impl World {
         match read {
             Some(Attempt::Acquired((token, value, from))) => {
                 self.stats.grants += 1;
+                if self.healed.is_some() && self.wanted[key].take().is_some() {
+                    self.stats.regranted += 1;
+                }
                 // Granted by a primary that was replaced meanwhile.
                 let exposed = self.conn_gen.get(&p.conn) != Some(&self.generation);
                 let mut a = self.users[u].acquiring.take().expect("acquiring");
@@ -1991,6 +2195,7 @@ impl World {
                 self.hold(u, key, value, from, a.ttl, exposed);
             }
             Some(Attempt::Busy(_)) | None => {
+                let wants = self.wanted[key].is_some();
                 let a = self.users[u].acquiring.as_mut().expect("acquiring");
                 // The next attempts are a wait's.
                 a.waiting = true;
@@ -2011,7 +2216,12 @@ impl World {
                     self.clean_up_after(proc, key, Some(a.owner), &a.lost, left, a.ttl)?;
                     self.think(u);
                 } else {
-                    let pause = self.rng.micros(0, 20_000);
+                    let mut pause = self.rng.micros(0, 20_000);
+                    // After the heal, a wait that was told how long the key
+                    // is held sleeps until then, as the shipped wait does.
+                    if let (true, Some(Attempt::Busy(Some(left)))) = (wants, &read) {
+                        pause = pause.max(*left + Duration::from_millis(1));
+                    }
                     self.queue.push(self.now + pause, Ev::UserNext(u));
                 }
             }
@@ -2263,13 +2473,19 @@ impl World {
                     read_at,
                     ints,
                 }) => {
-                    let replies = ints.into_iter().map(ExtendReply::of);
+                    // As the executor reads them: an error reply was not run.
+                    let replies = ints
+                        .into_iter()
+                        .map(|r| r.map_or(ExtendReply::NotRun, ExtendReply::of));
                     let settled = exec.machine.renewed(renewal, replies, now);
                     let spared = crate::core::executor::extended_in(&settled);
                     let drift = settled.first().map(|(l, _, _)| l.drift_factor());
                     for (lease, outcome, retry) in settled {
                         self.procs[p].sched.completed(lease.id(), now, retry);
-                        self.learned(&lease, pend.sent);
+                        // An error reply read nothing of the key.
+                        if outcome != Settled::NotRun {
+                            self.learned(&lease, pend.sent);
+                        }
                         if outcome == Settled::Held {
                             self.extended_after_step(&lease, pend.sent);
                         }
@@ -2414,6 +2630,23 @@ impl World {
         self.check_heard()?;
         let now = self.at();
         let t = self.now;
+        // Liveness after the faults healed (see `REGRANT_TTLS`).
+        let longest = self.ttls.iter().copied().max().unwrap_or_default();
+        for (key, since) in self.wanted.iter().enumerate() {
+            if let Some(since) = since
+                && t > *since + longest * REGRANT_TTLS
+            {
+                return Err(format!(
+                    "key {key} not granted again within {REGRANT_TTLS} × {longest:?} of the \
+                     faults healing at {since:?}; the server has {:?}",
+                    self.server
+                        .entries()
+                        .into_iter()
+                        .map(|(k, e)| (String::from_utf8_lossy(&k).into_owned(), e.expire_at))
+                        .collect::<Vec<_>>()
+                ));
+            }
+        }
         // A semaphore's unexpired permits never exceed its capacity, and hold
         // distinct slots (the record is the model server's data, read here
         // and nowhere by the code under test).
