@@ -84,6 +84,17 @@ fn respire_lock(args: &[&str]) -> Command {
     cmd
 }
 
+/// [`respire_lock`] started with SIGTERM ignored, through coreutils'
+/// `env --ignore-signal=TERM`.
+fn respire_lock_ignoring_term(args: &[&str]) -> Command {
+    let mut cmd = Command::new("env");
+    cmd.arg("--ignore-signal=TERM").arg(BIN).args(args);
+    for var in ENV_VARS {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
 /// A path for a run's `--events-file`, unique in this process.
 fn events_path(name: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!(
@@ -1853,7 +1864,15 @@ fn a_lease_lost_before_the_command_starts_ends_with_76_and_runs_nothing() {
     }
     rustix::io::ioctl_fionbio(&writer, false).unwrap();
     let ttl = Duration::from_secs(3);
-    let child = respire_lock(&[
+    // Started with SIGTERM ignored (as under `nohup`): the tool leaves it
+    // ignored, and the kernel keeps it ignored in every process the tool
+    // starts, across fork and exec. The SIGTERM the guardian and the tool
+    // send the group of a lost lease is then discarded, and only the SIGKILL
+    // a long --kill-after later could stop a command started in spite of the
+    // deadline before it leaves its marker. Without this, that SIGTERM often
+    // ends the exec step before it could start the command at all, and a
+    // tool that starts commands after the loss deadline would go unseen.
+    let child = respire_lock_ignoring_term(&[
         "run",
         "--url",
         &url,
@@ -1861,6 +1880,8 @@ fn a_lease_lost_before_the_command_starts_ends_with_76_and_runs_nothing() {
         &prefix,
         "--ttl",
         "3s",
+        "--kill-after",
+        "60s",
         "--events-fd",
         "1",
         "job",
