@@ -84,6 +84,17 @@ fn respire_lock(args: &[&str]) -> Command {
     cmd
 }
 
+/// [`respire_lock`] started with SIGTERM ignored, through coreutils'
+/// `env --ignore-signal=TERM`.
+fn respire_lock_ignoring_term(args: &[&str]) -> Command {
+    let mut cmd = Command::new("env");
+    cmd.arg("--ignore-signal=TERM").arg(BIN).args(args);
+    for var in ENV_VARS {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
 /// A path for a run's `--events-file`, unique in this process.
 fn events_path(name: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!(
@@ -107,6 +118,106 @@ fn run(args: &[&str]) -> Output {
     respire_lock(args).output().expect("respire-lock runs")
 }
 
+/// A command line of the tool, an option at a time: `Cli::run(&url,
+/// &prefix).ttl("5s").key("job").sh("…").output()` is `respire-lock run --url
+/// URL --prefix PREFIX --ttl 5s job -- sh -c …`. The tests of bad input pass
+/// their exact words to [`run`] or [`respire_lock`] instead.
+struct Cli(Vec<String>);
+
+/// Methods of [`Cli`] for the options that take a value: `ttl("5s")` adds
+/// `--ttl 5s`.
+macro_rules! options {
+    ($($method:ident => $name:literal),* $(,)?) => {
+        $(fn $method(self, value: &str) -> Cli {
+            self.opt($name, value)
+        })*
+    };
+}
+
+impl Cli {
+    /// `respire-lock SUBCOMMAND`.
+    fn new(subcommand: &str) -> Cli {
+        Cli(vec![subcommand.to_owned()])
+    }
+
+    /// `respire-lock run --url URL --prefix PREFIX`.
+    fn run(url: &str, prefix: &str) -> Cli {
+        Cli::new("run").url(url).prefix(prefix)
+    }
+
+    /// Adds `words` as they are.
+    fn args(mut self, words: &[&str]) -> Cli {
+        self.0.extend(words.iter().map(|word| (*word).to_owned()));
+        self
+    }
+
+    /// Adds the option `name` with `value`.
+    fn opt(self, name: &str, value: &str) -> Cli {
+        self.args(&[name, value])
+    }
+
+    options! {
+        url => "--url",
+        redlock => "--redlock",
+        prefix => "--prefix",
+        ttl => "--ttl",
+        wait => "--wait",
+        kill_after => "--kill-after",
+        node_timeout => "--node-timeout",
+        events_fd => "--events-fd",
+    }
+
+    /// `--ttl 1s --node-timeout 100ms`: a lease lost within a second once
+    /// it is no longer renewed.
+    fn short_lease(self) -> Cli {
+        self.ttl("1s").node_timeout("100ms")
+    }
+
+    fn events_file(self, path: &std::path::Path) -> Cli {
+        self.opt("--events-file", path.to_str().unwrap())
+    }
+
+    /// Adds the option `name`, which takes no value.
+    fn flag(self, name: &str) -> Cli {
+        self.args(&[name])
+    }
+
+    /// Adds KEY.
+    fn key(self, key: &str) -> Cli {
+        self.args(&[key])
+    }
+
+    /// Adds `-- CMD ARGS…`, the command to run under the lease.
+    fn cmd(self, cmd: &[&str]) -> Cli {
+        self.args(&["--"]).args(cmd)
+    }
+
+    /// Adds `-- sh -c SCRIPT`.
+    fn sh(self, script: &str) -> Cli {
+        self.cmd(&["sh", "-c", script])
+    }
+
+    fn words(&self) -> Vec<&str> {
+        self.0.iter().map(String::as_str).collect()
+    }
+
+    /// The tool with these arguments, as [`respire_lock`] starts it.
+    fn command(&self) -> Command {
+        respire_lock(&self.words())
+    }
+
+    /// The tool with these arguments, as [`respire_lock_ignoring_term`]
+    /// starts it.
+    fn command_ignoring_term(&self) -> Command {
+        respire_lock_ignoring_term(&self.words())
+    }
+
+    /// The tool run with these arguments to its end, as by [`run`].
+    fn output(&self) -> Output {
+        run(&self.words())
+    }
+}
+
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
@@ -115,39 +226,21 @@ fn text(bytes: &[u8]) -> String {
 fn runs_the_command_with_its_token_and_returns_its_status() {
     let url = shared_server().url();
     let prefix = unique_prefix("cli-run");
-    let out = run(&[
-        "run",
-        "--url",
-        &url,
-        "--prefix",
-        &prefix,
-        "--ttl",
-        "5s",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        "echo token=$RESPIRE_FENCING_TOKEN key=$RESPIRE_LOCK_KEY; exit 7",
-    ]);
+    let out = Cli::run(&url, &prefix)
+        .ttl("5s")
+        .key("job")
+        .sh("echo token=$RESPIRE_FENCING_TOKEN key=$RESPIRE_LOCK_KEY; exit 7")
+        .output();
     assert_eq!(out.status.code(), Some(7), "{}", text(&out.stderr));
     assert_eq!(
         text(&out.stdout).trim(),
         format!("token=1 key={prefix}{{job}}:w")
     );
-    let out = run(&[
-        "run",
-        "--url",
-        &url,
-        "--prefix",
-        &prefix,
-        "--ttl",
-        "5s",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        "echo $RESPIRE_FENCING_TOKEN",
-    ]);
+    let out = Cli::run(&url, &prefix)
+        .ttl("5s")
+        .key("job")
+        .sh("echo $RESPIRE_FENCING_TOKEN")
+        .output();
     assert!(out.status.success());
     assert_eq!(text(&out.stdout).trim(), "2");
     // Released after the command: nothing left but the counter.
@@ -168,38 +261,33 @@ fn a_held_lease_means_not_acquired() {
     let lock = exclusive_holder(&coord);
     let held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
 
-    let out = run(&[
-        "run", "--url", &url, "--prefix", &prefix, "--wait", "0", "job", "--", "true",
-    ]);
+    let out = Cli::run(&url, &prefix)
+        .wait("0")
+        .key("job")
+        .cmd(&["true"])
+        .output();
     assert_eq!(out.status.code(), Some(75), "{}", text(&out.stderr));
     assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
 
     let started = Instant::now();
-    let out = run(&[
-        "run", "--url", &url, "--prefix", &prefix, "--wait", "300ms", "job", "--", "true",
-    ]);
+    let out = Cli::run(&url, &prefix)
+        .wait("300ms")
+        .key("job")
+        .cmd(&["true"])
+        .output();
     assert_eq!(out.status.code(), Some(75));
     assert!(started.elapsed() >= Duration::from_millis(300));
 
     // A waiting run starts as soon as the holder releases.
     let before = script_calls(&url);
-    let mut waiting = respire_lock(&[
-        "run",
-        "--url",
-        &url,
-        "--prefix",
-        &prefix,
-        "--wait",
-        "20s",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        "echo $RESPIRE_FENCING_TOKEN",
-    ])
-    .stdout(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let mut waiting = Cli::run(&url, &prefix)
+        .wait("20s")
+        .key("job")
+        .sh("echo $RESPIRE_FENCING_TOKEN")
+        .command()
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
     assert_waiting_after_an_attempt(&url, before, &mut waiting);
     drop(held);
     let out = waiting.wait_with_output().unwrap();
@@ -211,24 +299,16 @@ fn a_held_lease_means_not_acquired() {
 fn a_lost_lease_stops_the_command() {
     let server = TestServer::start();
     let started = Instant::now();
-    let child = respire_lock(&[
-        "run",
-        "--url",
-        &server.url(),
-        "--ttl",
-        "1s",
-        "--node-timeout",
-        "100ms",
-        "--kill-after",
-        "5s",
-        "job",
-        "--",
-        "sleep",
-        "30",
-    ])
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let child = Cli::new("run")
+        .url(&server.url())
+        .short_lease()
+        .kill_after("5s")
+        .key("job")
+        .cmd(&["sleep", "30"])
+        .command()
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let mut admin = server.client();
     wait_until(Duration::from_secs(10), "the lease to be taken", || {
         admin.exists::<_, bool>("respire-lock:{job}:w").unwrap()
@@ -280,12 +360,14 @@ fn signals_arriving_while_replies_are_awaited_fail_nothing() {
     )));
     let url = slow.url();
     for mode in [&[][..], &["--shared"], &["--max", "2"]] {
-        let mut args = vec!["run", "--url", &url];
-        args.extend_from_slice(mode);
         // The command says which signals it has blocked: none. (Run as the
         // command itself: a shell may clear its mask when it starts.)
-        args.extend_from_slice(&["job", "--", "grep", "^SigBlk:", "/proc/self/status"]);
-        let mut child = respire_lock(&args)
+        let mut child = Cli::new("run")
+            .url(&url)
+            .args(mode)
+            .key("job")
+            .cmd(&["grep", "^SigBlk:", "/proc/self/status"])
+            .command()
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -353,25 +435,16 @@ fn errors_have_their_own_exit_codes() {
         .local_addr()
         .unwrap()
         .port();
-    let out = run(&[
-        "run",
-        "--url",
-        &format!("redis://127.0.0.1:{port}"),
-        "job",
-        "--",
-        "true",
-    ]);
+    let out = Cli::new("run")
+        .url(&format!("redis://127.0.0.1:{port}"))
+        .key("job")
+        .cmd(&["true"])
+        .output();
     assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
-    let out = run(&[
-        "run",
-        "--url",
-        &shared_server().url(),
-        "--prefix",
-        &unique_prefix("cli-norun"),
-        "job",
-        "--",
-        "/nonexistent/cmd",
-    ]);
+    let out = Cli::run(&shared_server().url(), &unique_prefix("cli-norun"))
+        .key("job")
+        .cmd(&["/nonexistent/cmd"])
+        .output();
     assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
 }
 
@@ -388,9 +461,7 @@ fn a_command_that_cannot_start_exits_with_69() {
         "/nonexistent/cmd",
         plain.to_str().unwrap(),
     ] {
-        let out = run(&[
-            "run", "--url", &url, "--prefix", &prefix, "job", "--", command,
-        ]);
+        let out = Cli::run(&url, &prefix).key("job").cmd(&[command]).output();
         assert_eq!(
             out.status.code(),
             Some(69),
@@ -483,21 +554,15 @@ fn redlock_mode_takes_a_quorum_and_releases_it() {
     let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
     let urls: Vec<String> = servers.iter().map(TestServer::url).collect();
     let joined = urls.join(",");
-    let child = respire_lock(&[
-        "run",
-        "--redlock",
-        &joined,
-        "--ttl",
-        "5s",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        "echo key=$RESPIRE_LOCK_KEY token=${RESPIRE_FENCING_TOKEN:-none}; sleep 1",
-    ])
-    .stdout(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let child = Cli::new("run")
+        .redlock(&joined)
+        .ttl("5s")
+        .key("job")
+        .sh("echo key=$RESPIRE_LOCK_KEY token=${RESPIRE_FENCING_TOKEN:-none}; sleep 1")
+        .command()
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
     let mut admins: Vec<redis::Connection> = servers.iter().map(TestServer::client).collect();
     wait_until(Duration::from_secs(10), "the lock on every node", || {
         admins
@@ -516,7 +581,11 @@ fn redlock_mode_takes_a_quorum_and_releases_it() {
 
     // An even group is refused as a usage error.
     let two = urls[..2].join(",");
-    let out = run(&["run", "--redlock", &two, "job", "--", "true"]);
+    let out = Cli::new("run")
+        .redlock(&two)
+        .key("job")
+        .cmd(&["true"])
+        .output();
     assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
 
     // A group is made only when every node answers (their independence is
@@ -661,16 +730,12 @@ fn usage_errors_are_one_line_and_a_hint() {
         hint,
     );
     assert_usage_error(
-        &run(&[
-            "run",
-            "--url",
-            "redis://a",
-            "--redlock",
-            "redis://b,redis://c,redis://d",
-            "job",
-            "--",
-            "true",
-        ]),
+        &Cli::new("run")
+            .url("redis://a")
+            .opt("--redlock", "redis://b,redis://c,redis://d")
+            .key("job")
+            .cmd(&["true"])
+            .output(),
         &["--url", "--redlock"],
         hint,
     );
@@ -711,18 +776,11 @@ fn a_wait_too_long_for_the_clock_waits_forever() {
     let url = server.url();
     let prefix = unique_prefix("cli-huge-wait");
     // On a free key: acquired at once.
-    let out = run(&[
-        "run",
-        "--url",
-        &url,
-        "--prefix",
-        &prefix,
-        "--wait",
-        "10000000000000000000s",
-        "job",
-        "--",
-        "true",
-    ]);
+    let out = Cli::run(&url, &prefix)
+        .wait("10000000000000000000s")
+        .key("job")
+        .cmd(&["true"])
+        .output();
     assert!(out.status.success(), "{}", text(&out.stderr));
 
     // On a held key: waits (no panic, no deadline) until the holder releases.
@@ -733,24 +791,15 @@ fn a_wait_too_long_for_the_clock_waits_forever() {
     let lock = exclusive_holder(&coord);
     let held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
     let before = script_calls(&url);
-    let mut waiting = respire_lock(&[
-        "run",
-        "--url",
-        &url,
-        "--prefix",
-        &prefix,
-        "--wait",
-        "10000000000000000000s",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        "echo $RESPIRE_FENCING_TOKEN",
-    ])
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let mut waiting = Cli::run(&url, &prefix)
+        .wait("10000000000000000000s")
+        .key("job")
+        .sh("echo $RESPIRE_FENCING_TOKEN")
+        .command()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     assert_waiting_after_an_attempt(&url, before, &mut waiting);
     drop(held);
     let out = waiting.wait_with_output().unwrap();
@@ -763,12 +812,12 @@ fn status_reports_holder_token_and_ttl() {
     let url = shared_server().url();
     let prefix = unique_prefix("cli-status");
     let status = |json: bool| {
-        let mut args = vec!["status", "--url", &url, "--prefix", &prefix];
-        if json {
-            args.push("--json");
-        }
-        args.push("job");
-        let out = run(&args);
+        let out = Cli::new("status")
+            .url(&url)
+            .prefix(&prefix)
+            .args(if json { &["--json"] } else { &[] })
+            .key("job")
+            .output();
         // 0 when held, 1 when free.
         let free =
             text(&out.stdout).contains(": free") || text(&out.stdout).contains("\"held\":false");
@@ -828,12 +877,10 @@ fn status_reports_holder_token_and_ttl() {
         .local_addr()
         .unwrap()
         .port();
-    let out = run(&[
-        "status",
-        "--url",
-        &format!("redis://127.0.0.1:{port}"),
-        "job",
-    ]);
+    let out = Cli::new("status")
+        .url(&format!("redis://127.0.0.1:{port}"))
+        .key("job")
+        .output();
     assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
 }
 
@@ -843,22 +890,12 @@ fn json_events_of_a_run() {
     let prefix = unique_prefix("cli-json");
     let events = events_path("run");
     let file = events.to_str().unwrap();
-    let out = run(&[
-        "run",
-        "--url",
-        &url,
-        "--prefix",
-        &prefix,
-        "--ttl",
-        "5s",
-        "--events-file",
-        file,
-        "job",
-        "--",
-        "sh",
-        "-c",
-        "exit 3",
-    ]);
+    let out = Cli::run(&url, &prefix)
+        .ttl("5s")
+        .events_file(&events)
+        .key("job")
+        .sh("exit 3")
+        .output();
     assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
     // stderr stays for people: nothing there without -v.
     assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
@@ -896,35 +933,20 @@ fn json_events_of_a_run() {
         .unwrap();
     let lock = exclusive_holder(&coord);
     let _held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
-    let out = run(&[
-        "run",
-        "--url",
-        &url,
-        "--prefix",
-        &prefix,
-        "--wait",
-        "0",
-        "--events-file",
-        file,
-        "job",
-        "--",
-        "true",
-    ]);
+    let out = Cli::run(&url, &prefix)
+        .wait("0")
+        .events_file(&events)
+        .key("job")
+        .cmd(&["true"])
+        .output();
     assert_eq!(out.status.code(), Some(75));
     assert_eq!(event(&events_in(&events), "not_acquired")["exit_code"], 75);
     std::fs::remove_file(&events).unwrap();
-    let out = run(&[
-        "run",
-        "--url",
-        &url,
-        "--prefix",
-        &prefix,
-        "--events-file",
-        file,
-        "other",
-        "--",
-        "/nonexistent/cmd",
-    ]);
+    let out = Cli::run(&url, &prefix)
+        .events_file(&events)
+        .key("other")
+        .cmd(&["/nonexistent/cmd"])
+        .output();
     assert_eq!(out.status.code(), Some(69));
     let all = events_in(&events);
     let error = event(&all, "error");
@@ -950,16 +972,12 @@ fn json_events_of_a_run() {
     std::fs::remove_file(&events).unwrap();
     // A descriptor that is not open is a usage error, before anything is sent.
     assert_usage_error(
-        &run(&[
-            "run",
-            "--url",
-            &url,
-            "--events-fd",
-            "97",
-            "job",
-            "--",
-            "true",
-        ]),
+        &Cli::new("run")
+            .url(&url)
+            .events_fd("97")
+            .key("job")
+            .cmd(&["true"])
+            .output(),
         &["--events-fd"],
         "run --help",
     );
@@ -973,23 +991,14 @@ fn events_on_standard_output_share_it_with_the_command() {
     // they share.
     let path = events_path("stdout");
     let out = std::fs::File::create(&path).unwrap();
-    let status = respire_lock(&[
-        "run",
-        "--url",
-        &url,
-        "--prefix",
-        &prefix,
-        "--events-fd",
-        "1",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        "echo from-the-command",
-    ])
-    .stdout(Stdio::from(out))
-    .status()
-    .expect("respire-lock runs");
+    let status = Cli::run(&url, &prefix)
+        .events_fd("1")
+        .key("job")
+        .sh("echo from-the-command")
+        .command()
+        .stdout(Stdio::from(out))
+        .status()
+        .expect("respire-lock runs");
     assert_eq!(status.code(), Some(0));
     let written = std::fs::read_to_string(&path).unwrap();
     let _ = std::fs::remove_file(&path);
@@ -1017,27 +1026,16 @@ fn json_events_of_a_lost_lease_and_kill_after_from_the_environment() {
     let lease_key = format!("{prefix}{{job}}:w");
     let events = events_path("lost");
     // The command ignores SIGTERM, so only the SIGKILL after RESPIRE_LOCK_KILL_AFTER stops it.
-    let child = respire_lock(&[
-        "run",
-        "--url",
-        &url,
-        "--prefix",
-        &prefix,
-        "--ttl",
-        "1s",
-        "--node-timeout",
-        "100ms",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        "trap '' TERM; exec sleep 30",
-    ])
-    .env("RESPIRE_LOCK_EVENTS_FILE", &events)
-    .env("RESPIRE_LOCK_KILL_AFTER", "300ms")
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let child = Cli::run(&url, &prefix)
+        .short_lease()
+        .key("job")
+        .sh("trap '' TERM; exec sleep 30")
+        .command()
+        .env("RESPIRE_LOCK_EVENTS_FILE", &events)
+        .env("RESPIRE_LOCK_KILL_AFTER", "300ms")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let mut admin = shared_server().client();
     wait_until(Duration::from_secs(10), "the lease to be taken", || {
         admin.exists::<_, bool>(&lease_key).unwrap()
@@ -1129,12 +1127,13 @@ fn every_option_from_the_environment() {
 
     // A flag from the environment: RESPIRE_LOCK_VERBOSE (and "0" turns it off).
     let verbose = |value: &str| {
-        respire_lock(&[
-            "run", "--url", &url, "--prefix", &prefix, "job", "--", "true",
-        ])
-        .env("RESPIRE_LOCK_VERBOSE", value)
-        .output()
-        .unwrap()
+        Cli::run(&url, &prefix)
+            .key("job")
+            .cmd(&["true"])
+            .command()
+            .env("RESPIRE_LOCK_VERBOSE", value)
+            .output()
+            .unwrap()
     };
     let on = verbose("yes");
     assert!(on.status.success());
@@ -1156,11 +1155,12 @@ fn every_option_from_the_environment() {
     let lock = exclusive_holder(&coord);
     let _held = lock.try_acquire(Duration::from_secs(30)).unwrap().unwrap();
     let waited = |args: &[&str]| {
-        let mut all = vec!["run", "--url", &url, "--prefix", &prefix];
-        all.extend_from_slice(args);
-        all.extend_from_slice(&["job", "--", "true"]);
         let started = Instant::now();
-        let out = respire_lock(&all)
+        let out = Cli::run(&url, &prefix)
+            .args(args)
+            .key("job")
+            .cmd(&["true"])
+            .command()
             .env("RESPIRE_LOCK_WAIT", "400ms")
             .output()
             .unwrap();
@@ -1173,7 +1173,11 @@ fn every_option_from_the_environment() {
     assert_eq!(code, Some(75));
 
     // The node timeout from the environment is checked like the option.
-    let out = respire_lock(&["run", "--url", &url, "job", "--", "true"])
+    let out = Cli::new("run")
+        .url(&url)
+        .key("job")
+        .cmd(&["true"])
+        .command()
         .env("RESPIRE_LOCK_NODE_TIMEOUT", "0s")
         .output()
         .unwrap();
@@ -1185,12 +1189,14 @@ fn every_option_from_the_environment() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
-    let out = respire_lock(&[
-        "run", "--url", &url, "--prefix", &prefix, "--wait", "0", "free", "--", "true",
-    ])
-    .env("RESPIRE_LOCK_REDLOCK", format!("{url},{url}"))
-    .output()
-    .unwrap();
+    let out = Cli::run(&url, &prefix)
+        .wait("0")
+        .key("free")
+        .cmd(&["true"])
+        .command()
+        .env("RESPIRE_LOCK_REDLOCK", format!("{url},{url}"))
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
 }
 
@@ -1256,20 +1262,11 @@ fn cluster_url() -> String {
 #[test]
 fn run_takes_a_lease_on_a_cluster() {
     let prefix = unique_prefix("cli-cluster");
-    let out = run(&[
-        "run",
-        "--url",
-        &cluster_url(),
-        "--prefix",
-        &prefix,
-        "--ttl",
-        "5s",
-        "job",
-        "--",
-        "sh",
-        "-c",
-        "echo token=$RESPIRE_FENCING_TOKEN",
-    ]);
+    let out = Cli::run(&cluster_url(), &prefix)
+        .ttl("5s")
+        .key("job")
+        .sh("echo token=$RESPIRE_FENCING_TOKEN")
+        .output();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout).trim(), "token=1");
 }
@@ -1386,11 +1383,14 @@ fn group_members(pgid: i32) -> usize {
 /// stays inside, running `sleep 30`, until it is signalled; returned once its
 /// command has started.
 fn inside_until_signalled(args: &[&str], events: &std::path::Path) -> std::process::Child {
-    let mut all = vec!["run"];
-    all.extend_from_slice(args);
-    all.extend_from_slice(&["--events-file", events.to_str().unwrap()]);
-    all.extend_from_slice(&["job", "sleep", "30"]);
-    let child = respire_lock(&all).spawn().unwrap();
+    let child = Cli::new("run")
+        .args(args)
+        .events_file(events)
+        .key("job")
+        .cmd(&["sleep", "30"])
+        .command()
+        .spawn()
+        .unwrap();
     started_pid(events);
     child
 }
@@ -1413,20 +1413,15 @@ fn signal(child: &std::process::Child, signal: rustix::process::Signal) {
 #[test]
 fn throwaway_server_is_removed_even_after_kill_9_of_the_tool() {
     let events = events_path("throwaway");
-    let mut child = respire_lock(&[
-        "run",
-        "--throwaway",
-        "--events-file",
-        events.to_str().unwrap(),
-        "job",
-        "--",
-        "sh",
-        "-c",
-        "sleep 30 & exec sleep 30",
-    ])
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let mut child = Cli::new("run")
+        .flag("--throwaway")
+        .events_file(&events)
+        .key("job")
+        .sh("sleep 30 & exec sleep 30")
+        .command()
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let pgid = started_pid(&events);
     let all = events_in(&events);
     let throwaway = event(&all, "throwaway");
@@ -1468,28 +1463,18 @@ fn throwaway_server_is_removed_even_after_kill_9_of_the_tool() {
 fn a_lost_lease_stops_the_whole_group() {
     let server = TestServer::start();
     let events = events_path("lost-group");
-    let child = respire_lock(&[
-        "run",
-        "--url",
-        &server.url(),
-        "--ttl",
-        "1s",
-        "--node-timeout",
-        "100ms",
-        "--kill-after",
-        "1s",
-        "--events-file",
-        events.to_str().unwrap(),
-        "job",
-        "--",
-        "sh",
-        "-c",
-        "sleep 30 & sleep 30; echo done",
-    ])
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let child = Cli::new("run")
+        .url(&server.url())
+        .short_lease()
+        .kill_after("1s")
+        .events_file(&events)
+        .key("job")
+        .sh("sleep 30 & sleep 30; echo done")
+        .command()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let pgid = started_pid(&events);
     wait_until(Duration::from_secs(5), "sh and its two sleeps", || {
         group_members(pgid) == 3
@@ -1505,26 +1490,17 @@ fn a_lost_lease_stops_the_whole_group() {
     std::fs::remove_file(&events).unwrap();
 
     // The lease-lost status is an option.
-    let child = respire_lock(&[
-        "run",
-        "--url",
-        &server.url(),
-        "--ttl",
-        "1s",
-        "--node-timeout",
-        "100ms",
-        "--lost-exit-code",
-        "99",
-        "--events-file",
-        events.to_str().unwrap(),
-        "other",
-        "--",
-        "sleep",
-        "30",
-    ])
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let child = Cli::new("run")
+        .url(&server.url())
+        .short_lease()
+        .opt("--lost-exit-code", "99")
+        .events_file(&events)
+        .key("other")
+        .cmd(&["sleep", "30"])
+        .command()
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     started_pid(&events);
     let _: () = admin.set("respire-lock:{other}:w", "intruder").unwrap();
     let out = child.wait_with_output().unwrap();
@@ -1544,23 +1520,16 @@ fn hup_int_quit_and_term_go_to_the_group_and_the_lease_is_released() {
         (Signal::TERM, 15),
     ] {
         let events = events_path("signal");
-        let child = respire_lock(&[
-            "run",
-            "--url",
-            &server.url(),
-            "--events-file",
-            events.to_str().unwrap(),
-            "--kill-after",
-            "1s",
-            "job",
-            "--",
-            "sh",
-            "-c",
-            "sleep 30 & exec sleep 30",
-        ])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        let child = Cli::new("run")
+            .url(&server.url())
+            .events_file(&events)
+            .kill_after("1s")
+            .key("job")
+            .sh("sleep 30 & exec sleep 30")
+            .command()
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
         let pgid = started_pid(&events);
         assert!(admin.exists::<_, bool>("respire-lock:{job}:w").unwrap());
         let started = Instant::now();
@@ -1588,20 +1557,14 @@ fn hup_int_quit_and_term_go_to_the_group_and_the_lease_is_released() {
 fn the_command_dies_with_a_killed_tool() {
     let server = TestServer::start();
     let events = events_path("kill9");
-    let mut child = respire_lock(&[
-        "run",
-        "--url",
-        &server.url(),
-        "--events-file",
-        events.to_str().unwrap(),
-        "job",
-        "--",
-        "sh",
-        "-c",
-        "sleep 30 & exec sleep 30",
-    ])
-    .spawn()
-    .unwrap();
+    let mut child = Cli::new("run")
+        .url(&server.url())
+        .events_file(&events)
+        .key("job")
+        .sh("sleep 30 & exec sleep 30")
+        .command()
+        .spawn()
+        .unwrap();
     let pgid = started_pid(&events);
     wait_until(Duration::from_secs(5), "sh's two sleeps", || {
         group_members(pgid) == 2
@@ -1629,10 +1592,11 @@ fn nonblock_on_a_held_key_exits_with_the_conflict_code_quietly() {
         .unwrap()
         .unwrap();
     let attempt = |extra: &[&str]| {
-        let mut args = vec!["run", "--url", &url, "--prefix", &prefix];
-        args.extend_from_slice(extra);
-        args.extend_from_slice(&["job", "echo", "ran"]);
-        run(&args)
+        Cli::run(&url, &prefix)
+            .args(extra)
+            .key("job")
+            .cmd(&["echo", "ran"])
+            .output()
     };
     let out = attempt(&["-n"]);
     assert_eq!(out.status.code(), Some(75), "{}", text(&out.stderr));
@@ -1647,7 +1611,10 @@ fn nonblock_on_a_held_key_exits_with_the_conflict_code_quietly() {
         "{}",
         text(&out.stderr)
     );
-    let out = respire_lock(&["run", "--url", &url, "--prefix", &prefix, "job", "true"])
+    let out = Cli::run(&url, &prefix)
+        .key("job")
+        .cmd(&["true"])
+        .command()
         .env("RESPIRE_LOCK_NONBLOCK", "1")
         .env("RESPIRE_LOCK_CONFLICT_EXIT_CODE", "3")
         .output()
@@ -1720,17 +1687,11 @@ fn every_rule_is_checked_before_anything_is_sent() {
     assert!(help.contains("2.045s"), "{help}");
     // A TTL just above it is accepted.
     let url = shared_server().url();
-    let out = run(&[
-        "run",
-        "--url",
-        &url,
-        "--prefix",
-        &unique_prefix("cli-minttl"),
-        "--ttl",
-        "2046ms",
-        "job",
-        "true",
-    ]);
+    let out = Cli::run(&url, &unique_prefix("cli-minttl"))
+        .ttl("2046ms")
+        .key("job")
+        .cmd(&["true"])
+        .output();
     assert!(out.status.success(), "{}", text(&out.stderr));
 }
 
@@ -1853,25 +1814,25 @@ fn a_lease_lost_before_the_command_starts_ends_with_76_and_runs_nothing() {
     }
     rustix::io::ioctl_fionbio(&writer, false).unwrap();
     let ttl = Duration::from_secs(3);
-    let child = respire_lock(&[
-        "run",
-        "--url",
-        &url,
-        "--prefix",
-        &prefix,
-        "--ttl",
-        "3s",
-        "--events-fd",
-        "1",
-        "job",
-        "--",
-        "touch",
-        marker.to_str().unwrap(),
-    ])
-    .stdout(writer)
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    // Started with SIGTERM ignored (as under `nohup`): the tool leaves it
+    // ignored, and the kernel keeps it ignored in every process the tool
+    // starts, across fork and exec. The SIGTERM the guardian and the tool
+    // send the group of a lost lease is then discarded, and only the SIGKILL
+    // a long --kill-after later could stop a command started in spite of the
+    // deadline before it leaves its marker. Without this, that SIGTERM often
+    // ends the exec step before it could start the command at all, and a
+    // tool that starts commands after the loss deadline would go unseen.
+    let child = Cli::run(&url, &prefix)
+        .ttl("3s")
+        .kill_after("60s")
+        .events_fd("1")
+        .key("job")
+        .cmd(&["touch", marker.to_str().unwrap()])
+        .command_ignoring_term()
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     // Granted: the server holds the writer's key.
     let key = format!("{prefix}{{job}}:w");
     wait_until(Duration::from_secs(10), "the grant", || {
@@ -1948,25 +1909,15 @@ fn run_records_who_holds_the_lease_and_never_a_secret() {
     let url = format!("redis://{user}:{SECRET}@127.0.0.1:{}", server.port());
     let prefix = unique_prefix("cli-holder");
     let events = events_path("holder");
-    let file = events.to_str().unwrap();
     // The default: host, the tool's pid and the program, not its arguments.
     let script = format!("sleep 30 # {SECRET}");
-    let mut child = respire_lock(&[
-        "run",
-        "--url",
-        &url,
-        "--prefix",
-        &prefix,
-        "--events-file",
-        file,
-        "job",
-        "--",
-        "/bin/sh",
-        "-c",
-        &script,
-    ])
-    .spawn()
-    .unwrap();
+    let mut child = Cli::run(&url, &prefix)
+        .events_file(&events)
+        .key("job")
+        .cmd(&["/bin/sh", "-c", &script])
+        .command()
+        .spawn()
+        .unwrap();
     started_pid(&events);
     let holder = default_holder(child.id(), "sh");
     let raw: String = server.client().get(format!("{prefix}{{job}}:w")).unwrap();
@@ -1976,10 +1927,12 @@ fn run_records_who_holds_the_lease_and_never_a_secret() {
         "{raw}"
     );
     let status = |extra: &[&str]| {
-        let mut args = vec!["status", "--url", &url, "--prefix", &prefix];
-        args.extend_from_slice(extra);
-        args.push("job");
-        let out = run(&args);
+        let out = Cli::new("status")
+            .url(&url)
+            .prefix(&prefix)
+            .args(extra)
+            .key("job")
+            .output();
         assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
         text(&out.stdout)
     };
@@ -2003,12 +1956,11 @@ fn run_records_who_holds_the_lease_and_never_a_secret() {
         (None, Some(given)),
         (Some(given), Some("env")),
     ] {
-        let mut args = vec!["run", "--url", &url, "--prefix", &prefix, "--shared"];
+        let mut cli = Cli::run(&url, &prefix).flag("--shared");
         if let Some(h) = flag {
-            args.extend_from_slice(&["--holder", h]);
+            cli = cli.opt("--holder", h);
         }
-        args.extend_from_slice(&["job", "--", "sh", "-c", &probe]);
-        let mut cmd = respire_lock(&args);
+        let mut cmd = cli.key("job").sh(&probe).command();
         cmd.env("REDIS_URL", &url);
         if let Some(h) = env {
             cmd.env("RESPIRE_LOCK_HOLDER", h);
@@ -2075,16 +2027,14 @@ fn fenced_redlock_shared_and_counted_runs_on_one_key_never_overlap_wrongly() {
             s.spawn(move || {
                 for i in 0..RUNS {
                     let mode = ["fenced", "redlock", "shared", "counted"][(worker + i) % 4];
-                    let mut args = vec!["run", "--wait", "2m", "--ttl", "5s"];
-                    match mode {
-                        "redlock" => args.extend_from_slice(&["--redlock", redlock]),
-                        "shared" => args.extend_from_slice(&["--url", single, "--shared"]),
-                        "counted" => args.extend_from_slice(&["--url", single, "--max", "2"]),
-                        _ => args.extend_from_slice(&["--url", single]),
-                    }
-                    let script = recording(log, mode);
-                    args.extend_from_slice(&["job", "sh", "-c", &script]);
-                    let out = run(&args);
+                    let cli = Cli::new("run").wait("2m").ttl("5s");
+                    let cli = match mode {
+                        "redlock" => cli.redlock(redlock),
+                        "shared" => cli.url(single).flag("--shared"),
+                        "counted" => cli.url(single).opt("--max", "2"),
+                        _ => cli.url(single),
+                    };
+                    let out = cli.key("job").sh(&recording(log, mode)).output();
                     assert!(out.status.success(), "{mode}: {}", text(&out.stderr));
                 }
             });
@@ -2202,7 +2152,12 @@ fn status_shows_what_run_holds_on_every_deployment() {
         let events = events_path("status");
         let mut child = inside_until_signalled(&[flag, url, "--prefix", &prefix], &events);
         let token = event(&events_in(&events), "acquired")["token"].clone();
-        let out = run(&["status", flag, url, "--prefix", &prefix, "--json", "job"]);
+        let json_status = Cli::new("status")
+            .opt(flag, url)
+            .prefix(&prefix)
+            .flag("--json")
+            .key("job");
+        let out = json_status.output();
         assert!(out.status.success(), "{url}: {}", text(&out.stderr));
         let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(status["held"], true, "{url}: {status}");
@@ -2217,7 +2172,8 @@ fn status_shows_what_run_holds_on_every_deployment() {
         if flag == "--redlock" {
             assert_eq!(status["held_on"], 3, "{status}");
         }
-        let line = text(&run(&["status", flag, url, "--prefix", &prefix, "job"]).stdout);
+        let line = Cli::new("status").opt(flag, url).prefix(&prefix).key("job");
+        let line = text(&line.output().stdout);
         assert!(line.starts_with("job: held "), "{url}: {line}");
         assert!(
             line.contains(&format!("holder {holder:?}")),
@@ -2225,7 +2181,7 @@ fn status_shows_what_run_holds_on_every_deployment() {
         );
         signal(&child, rustix::process::Signal::TERM);
         assert_eq!(child.wait().unwrap().code(), Some(128 + 15));
-        let out = run(&["status", flag, url, "--prefix", &prefix, "--json", "job"]);
+        let out = json_status.output();
         let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(status["held"], false, "{url}: {status}");
         std::fs::remove_file(&events).unwrap();
@@ -2234,21 +2190,21 @@ fn status_shows_what_run_holds_on_every_deployment() {
     let prefix = unique_prefix("cli-status-modes");
     for (mode_args, mode) in [(&["--shared"][..], "shared"), (&["--max", "3"], "counted")] {
         let events = events_path("status-mode");
-        let mut args = vec!["run", "--url", &standalone, "--prefix", &prefix];
-        args.extend_from_slice(mode_args);
-        let file = events.to_str().unwrap();
-        args.extend_from_slice(&["--events-file", file, "job", "sleep", "30"]);
-        let mut child = respire_lock(&args).spawn().unwrap();
+        let mut child = Cli::run(&standalone, &prefix)
+            .args(mode_args)
+            .events_file(&events)
+            .key("job")
+            .cmd(&["sleep", "30"])
+            .command()
+            .spawn()
+            .unwrap();
         started_pid(&events);
-        let out = run(&[
-            "status",
-            "--url",
-            &standalone,
-            "--prefix",
-            &prefix,
-            "--json",
-            "job",
-        ]);
+        let out = Cli::new("status")
+            .url(&standalone)
+            .prefix(&prefix)
+            .flag("--json")
+            .key("job")
+            .output();
         let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(status["mode"], mode, "{status}");
         let holders = status["holders"].as_array().unwrap();
@@ -2377,25 +2333,21 @@ fn tls_options_reach_a_server_that_wants_client_certificates() {
     );
     let url = server.url();
     assert!(url.starts_with("rediss://"), "{url}");
-    let out = run(&[
-        "run",
-        "--url",
-        &url,
-        "--tls-ca",
-        &ca,
-        "--tls-cert",
-        &cert,
-        "--tls-key",
-        &key,
-        "job",
-        "sh",
-        "-c",
-        "echo $RESPIRE_FENCING_TOKEN",
-    ]);
+    let out = Cli::new("run")
+        .url(&url)
+        .opt("--tls-ca", &ca)
+        .opt("--tls-cert", &cert)
+        .opt("--tls-key", &key)
+        .key("job")
+        .sh("echo $RESPIRE_FENCING_TOKEN")
+        .output();
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout).trim(), "1");
     // The same from the environment, for status.
-    let out = respire_lock(&["status", "--url", &url, "job"])
+    let out = Cli::new("status")
+        .url(&url)
+        .key("job")
+        .command()
         .env("RESPIRE_LOCK_TLS_CA", &ca)
         .env("RESPIRE_LOCK_TLS_CERT", &cert)
         .env("RESPIRE_LOCK_TLS_KEY", &key)
@@ -2408,7 +2360,12 @@ fn tls_options_reach_a_server_that_wants_client_certificates() {
         "job: free (last fencing token issued: 1)"
     );
     // Without the client certificate the server refuses the run.
-    let out = run(&["run", "--url", &url, "--tls-ca", &ca, "job", "true"]);
+    let out = Cli::new("run")
+        .url(&url)
+        .opt("--tls-ca", &ca)
+        .key("job")
+        .cmd(&["true"])
+        .output();
     assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
     // A file that cannot be read is a usage error.
     assert_usage_error(
@@ -2440,18 +2397,15 @@ fn a_wait_says_when_redis_stops_answering_and_when_it_answers_again() {
         .unwrap();
     let events = events_path("unreachable");
     let before = script_calls(&url);
-    let mut waiting = respire_lock(&[
-        "run",
-        "--url",
-        &url,
-        "--events-file",
-        events.to_str().unwrap(),
-        "job",
-        "true",
-    ])
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let mut waiting = Cli::new("run")
+        .url(&url)
+        .events_file(&events)
+        .key("job")
+        .cmd(&["true"])
+        .command()
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     assert_waiting_after_an_attempt(&url, before, &mut waiting);
     server.kill();
     let has = |name: &str| events_in(&events).iter().any(|e| e["event"] == name);
@@ -2525,27 +2479,19 @@ fn elect_runs_the_command_while_leader_and_leader_reports_it() {
          : > '{}'; exec sleep 30",
         printed.display()
     );
-    let leading = respire_lock(&[
-        "elect",
-        "--url",
-        &url,
-        "--ttl",
-        "3s",
-        "--value",
-        "10.0.0.1:80",
-        "--events-file",
-        events.to_str().unwrap(),
-        "jobs",
-        "--",
-        "sh",
-        "-c",
-        &script,
-    ])
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .map(|c| KillOnDrop(Some(c)))
-    .unwrap();
+    let leading = Cli::new("elect")
+        .url(&url)
+        .ttl("3s")
+        .opt("--value", "10.0.0.1:80")
+        .events_file(&events)
+        .key("jobs")
+        .sh(&script)
+        .command()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map(|c| KillOnDrop(Some(c)))
+        .unwrap();
     let pgid = started_pid(&events);
     let acquired = event(&events_in(&events), "acquired").clone();
     assert_eq!(acquired["mode"], "leader");
@@ -2553,10 +2499,14 @@ fn elect_runs_the_command_while_leader_and_leader_reports_it() {
     assert_eq!(acquired["lease_key"], "respire-lock:{jobs}:leader");
 
     // `leader`, in text and JSON, reads what the server holds.
-    let out = run(&["leader", "--url", &url, "jobs"]);
+    let out = Cli::new("leader").url(&url).key("jobs").output();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "jobs: led by \"10.0.0.1:80\" (term 1)\n");
-    let out = run(&["leader", "--url", &url, "--json", "jobs"]);
+    let out = Cli::new("leader")
+        .url(&url)
+        .flag("--json")
+        .key("jobs")
+        .output();
     let json = json_lines(&out.stdout);
     assert_eq!(
         json,
@@ -2569,7 +2519,12 @@ fn elect_runs_the_command_while_leader_and_leader_reports_it() {
     assert_eq!(value, "1:10.0.0.1:80");
 
     // A second contender that will not wait is not elected.
-    let out = run(&["elect", "--url", &url, "-n", "jobs", "--", "true"]);
+    let out = Cli::new("elect")
+        .url(&url)
+        .flag("-n")
+        .key("jobs")
+        .cmd(&["true"])
+        .output();
     assert_eq!(out.status.code(), Some(75), "{}", text(&out.stderr));
 
     // SIGTERM goes to the command's group; the leadership is resigned after.
@@ -2585,7 +2540,11 @@ fn elect_runs_the_command_while_leader_and_leader_reports_it() {
         event(&events_in(&events), "released")["outcome"],
         "released"
     );
-    let out = run(&["leader", "--url", &url, "--json", "jobs"]);
+    let out = Cli::new("leader")
+        .url(&url)
+        .flag("--json")
+        .key("jobs")
+        .output();
     assert_eq!(
         json_lines(&out.stdout),
         vec![serde_json::json!({"name": "jobs", "leader": false, "term": null, "value": null})]
@@ -2600,33 +2559,23 @@ fn elect_stops_the_command_on_loss_and_recampaigns_with_a_higher_term() {
     let url = server.url();
     let events = events_path("recampaign");
     let terms = events_path("recampaign-terms");
-    let child = respire_lock(&[
-        "elect",
-        "--url",
-        &url,
-        "--ttl",
-        "1s",
-        "--node-timeout",
-        "100ms",
-        "--kill-after",
-        "1s",
-        "--recampaign",
-        "--events-file",
-        events.to_str().unwrap(),
-        "jobs",
-        "--",
-        "sh",
-        "-c",
-        &format!(
+    let child = Cli::new("elect")
+        .url(&url)
+        .short_lease()
+        .kill_after("1s")
+        .flag("--recampaign")
+        .events_file(&events)
+        .key("jobs")
+        .sh(&format!(
             "echo $RESPIRE_LEADER_TERM >> {}; exec sleep 30",
             terms.display()
-        ),
-    ])
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .map(|c| KillOnDrop(Some(c)))
-    .unwrap();
+        ))
+        .command()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map(|c| KillOnDrop(Some(c)))
+        .unwrap();
     let first = started_pid(&events);
     // Another contender takes over on the server: the lease is deleted and
     // it campaigns through the library.
@@ -2694,7 +2643,12 @@ fn elect_stops_the_command_on_loss_and_recampaigns_with_a_higher_term() {
 fn leader_watch_follows_every_change() {
     let server = TestServer::start();
     let url = server.url();
-    let mut watch = respire_lock(&["leader", "--url", &url, "--watch", "--json", "jobs"])
+    let mut watch = Cli::new("leader")
+        .url(&url)
+        .flag("--watch")
+        .flag("--json")
+        .key("jobs")
+        .command()
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -2762,29 +2716,19 @@ fn elect_and_leader_refuse_bad_input_before_sending_anything() {
 fn elect_without_recampaign_ends_with_the_lost_status_when_leadership_is_lost() {
     let server = TestServer::start();
     let events = events_path("elect-lost");
-    let child = respire_lock(&[
-        "elect",
-        "--url",
-        &server.url(),
-        "--ttl",
-        "1s",
-        "--node-timeout",
-        "100ms",
-        "--kill-after",
-        "1s",
-        "--events-file",
-        events.to_str().unwrap(),
-        "jobs",
-        "--",
-        "sh",
-        "-c",
-        "sleep 30 & sleep 30; echo done",
-    ])
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .map(|c| KillOnDrop(Some(c)))
-    .unwrap();
+    let child = Cli::new("elect")
+        .url(&server.url())
+        .short_lease()
+        .kill_after("1s")
+        .events_file(&events)
+        .key("jobs")
+        .sh("sleep 30 & sleep 30; echo done")
+        .command()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map(|c| KillOnDrop(Some(c)))
+        .unwrap();
     let pgid = started_pid(&events);
     wait_until(Duration::from_secs(5), "sh and its two sleeps", || {
         group_members(pgid) == 3
@@ -2824,10 +2768,14 @@ fn redlock_run_beside_a_slow_node(planted: Option<&str>) -> (Option<i32>, String
             .unwrap();
     }
     let nodes = [slow.url(), servers[1].url(), servers[2].url()].join(",");
-    let args = ["run", "-n", "-v", "--node-timeout", "1s", "--ttl", "5s"];
-    let mut args = args.to_vec();
-    args.extend_from_slice(&["--redlock", &nodes, "job", "true"]);
-    let out = run(&args);
+    let out = Cli::new("run")
+        .args(&["-n", "-v"])
+        .node_timeout("1s")
+        .ttl("5s")
+        .redlock(&nodes)
+        .key("job")
+        .cmd(&["true"])
+        .output();
     (out.status.code(), text(&out.stderr))
 }
 
@@ -2948,16 +2896,12 @@ fn stopped_supervisor_round(url: &str, key: &str) -> Result<(), String> {
     const TEST: &str = "a_stopped_tool_cannot_keep_its_command_past_the_lease";
     let first_log = events_path(&format!("{key}-first"));
     let second_log = events_path(&format!("{key}-second"));
-    let mut first = respire_lock(&[
-        "run",
-        "--url",
-        url,
-        "--ttl",
-        "3s",
-        "--kill-after",
-        "1s",
-        key,
-    ]);
+    let mut first = Cli::new("run")
+        .url(url)
+        .ttl("3s")
+        .kill_after("1s")
+        .key(key)
+        .command();
     recorder(&mut first, TEST, &first_log, "loop");
     let first = KillOnDrop(Some(
         first
@@ -2971,7 +2915,7 @@ fn stopped_supervisor_round(url: &str, key: &str) -> Result<(), String> {
         "the first command to record",
         || !readings(&first_log).is_empty(),
     );
-    let mut second = respire_lock(&["run", "--url", url, "--wait", "30s", key]);
+    let mut second = Cli::new("run").url(url).wait("30s").key(key).command();
     recorder(&mut second, TEST, &second_log, "once");
     let second = KillOnDrop(Some(
         second
@@ -3164,10 +3108,11 @@ fn a_conflict_in_any_mode_is_quiet_and_e_0_makes_it_a_success() {
         .build()
         .unwrap();
     let attempt = |key: &str, extra: &[&str]| {
-        let mut args = vec!["run", "--url", &url, "--prefix", &prefix];
-        args.extend_from_slice(extra);
-        args.extend_from_slice(&[key, "echo", "ran"]);
-        run(&args)
+        Cli::run(&url, &prefix)
+            .args(extra)
+            .key(key)
+            .cmd(&["echo", "ran"])
+            .output()
     };
     let ttl = Duration::from_secs(30);
     let _exclusive = coord
@@ -3227,18 +3172,12 @@ fn s_x_and_e_choose_the_mode_as_with_flock() {
     let prefix = unique_prefix("cli-sxe");
     let mode_of = |flag: &str| {
         let events = events_path("sxe");
-        let out = run(&[
-            "run",
-            "--url",
-            &url,
-            "--prefix",
-            &prefix,
-            flag,
-            "--events-file",
-            events.to_str().unwrap(),
-            "job",
-            "true",
-        ]);
+        let out = Cli::run(&url, &prefix)
+            .flag(flag)
+            .events_file(&events)
+            .key("job")
+            .cmd(&["true"])
+            .output();
         assert!(out.status.success(), "{flag}: {out:?}");
         let mode = event(&events_in(&events), "acquired")["mode"].clone();
         std::fs::remove_file(&events).unwrap();
@@ -3278,10 +3217,12 @@ fn the_command_line_wins_over_the_environment_without_a_conflict() {
         .unwrap();
     let with_env = |env: &[(&str, &str)], extra: &[&str], key: &str| {
         let events = events_path("envwins");
-        let mut args = vec!["run", "--url", &url, "--prefix", &prefix];
-        args.extend_from_slice(extra);
-        args.extend_from_slice(&["--events-file", events.to_str().unwrap(), key, "true"]);
-        let mut cmd = respire_lock(&args);
+        let mut cmd = Cli::run(&url, &prefix)
+            .args(extra)
+            .events_file(&events)
+            .key(key)
+            .cmd(&["true"])
+            .command();
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -3328,12 +3269,12 @@ fn status_exit_codes_tell_held_from_free_from_error() {
     let url = shared_server().url();
     let prefix = unique_prefix("cli-status-codes");
     let status = |url: &str, json: bool| {
-        let mut args = vec!["status", "--url", url, "--prefix", &prefix];
-        if json {
-            args.push("--json");
-        }
-        args.push("job");
-        run(&args)
+        Cli::new("status")
+            .url(url)
+            .prefix(&prefix)
+            .args(if json { &["--json"] } else { &[] })
+            .key("job")
+            .output()
     };
     let out = status(&url, false);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
@@ -3399,27 +3340,18 @@ fn a_lost_event_gives_the_librarys_cause() {
     let url = server.url();
     let lost_event = |key: &str, fault: &dyn Fn()| {
         let events = events_path("cause");
-        let child = respire_lock(&[
-            "run",
-            "--url",
-            &url,
-            "--ttl",
-            "1s",
-            "--node-timeout",
-            "100ms",
-            "--kill-after",
-            "100ms",
-            "--events-file",
-            events.to_str().unwrap(),
-            key,
-            "--",
-            "sleep",
-            "30",
-        ])
-        .stderr(Stdio::piped())
-        .spawn()
-        .map(|c| KillOnDrop(Some(c)))
-        .unwrap();
+        let child = Cli::new("run")
+            .url(&url)
+            .short_lease()
+            .kill_after("100ms")
+            .events_file(&events)
+            .key(key)
+            .cmd(&["sleep", "30"])
+            .command()
+            .stderr(Stdio::piped())
+            .spawn()
+            .map(|c| KillOnDrop(Some(c)))
+            .unwrap();
         started_pid(&events);
         fault();
         let out = child.into_inner().wait_with_output().unwrap();
@@ -3548,21 +3480,14 @@ fn the_readme_states_install_msrv_minimum_server_and_every_variable() {
 fn a_run_that_keeps_its_lease_is_never_stopped_by_its_guardian() {
     let server = TestServer::start();
     let events = events_path("healthy");
-    let out = run(&[
-        "run",
-        "--url",
-        &server.url(),
-        "--ttl",
-        "450ms",
-        "--node-timeout",
-        "100ms",
-        "--events-file",
-        events.to_str().unwrap(),
-        "job",
-        "--",
-        "sleep",
-        "3",
-    ]);
+    let out = Cli::new("run")
+        .url(&server.url())
+        .ttl("450ms")
+        .node_timeout("100ms")
+        .events_file(&events)
+        .key("job")
+        .cmd(&["sleep", "3"])
+        .output();
     let all = events_in(&events);
     std::fs::remove_file(&events).unwrap();
     assert_eq!(out.status.code(), Some(0), "{}: {all:?}", text(&out.stderr));
@@ -3640,9 +3565,11 @@ fn status_reads_a_lease_the_library_made_on_any_keys() {
         .unwrap();
     let (lease, fence) = ("{reports:daily}:lease", "{reports:daily}:fence");
     let status = |extra: &[&str]| {
-        let mut args = vec!["status", "--url", &url, "--prefix", &prefix];
-        args.extend_from_slice(extra);
-        run(&args)
+        Cli::new("status")
+            .url(&url)
+            .prefix(&prefix)
+            .args(extra)
+            .output()
     };
     let out = status(&["--lease", lease, "--fence", fence]);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
@@ -3687,7 +3614,11 @@ fn status_reads_a_lease_the_library_made_on_any_keys() {
     let out = status(&["--fence", fence, "job"]);
     assert_eq!(out.status.code(), Some(64), "{out:?}");
     // KEY on the command line beats --lease from the environment.
-    let out = respire_lock(&["status", "--url", &url, "--prefix", &prefix, "job"])
+    let out = Cli::new("status")
+        .url(&url)
+        .prefix(&prefix)
+        .key("job")
+        .command()
         .env("RESPIRE_LOCK_LEASE_KEY", "nightly")
         .output()
         .unwrap();
