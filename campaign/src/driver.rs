@@ -74,8 +74,9 @@ campaign run --topology T --workload W [options]
                     redlock-restart)
   --expire-pct N    grants (elections: leaderships) that let the lease
                     expire instead of releasing it: the holder vouches every
-                    5 ms until is_lost() (default 5; for controls 20 on the
-                    election, 0 otherwise)
+                    5 ms until is_lost() (default 5; 0 with clock-step, whose
+                    steps a lease nobody renews cannot see; for controls 20
+                    on the election, 0 otherwise)
   --long-hold-pct N  grants held with a keep-alive for 3-5 TTLs (6-10
                     renewals; default 2; 0 for controls)
   --verify-pct N    grants that call verify_still_held (a leader: proclaim)
@@ -269,6 +270,7 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
             .map(|s| s.trim().parse())
             .collect::<Result<Vec<_>, _>>()?,
     };
+    let steps = nemesis.contains(&Fault::ClockStep);
     // The restart control's TTL outlasts a majority's restarts on a loaded
     // machine, so that a holder that did not see them still has time left.
     let ttl_ms = num(
@@ -410,9 +412,13 @@ pub(crate) fn parse(args: &[String]) -> Result<RunConfig, String> {
                 Some(_) => 3,
             },
         )?,
+        // A lease nobody renews cannot see its server's clock stepped
+        // forward (the library reads a server's clock with renewals only):
+        // rows with clock steps let no lease expire by default.
         expire_pct: num(
             "expire-pct",
             match control {
+                None if steps => 0,
                 None => 5,
                 Some(_) if workload == Workload::Election => 20,
                 Some(_) => 0,
