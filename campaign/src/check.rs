@@ -1257,6 +1257,22 @@ fn liveness(inp: &Inputs<'_>, f: &mut Findings) {
     for g in &inp.hist.grants {
         by_key.entry(g.key.as_str()).or_default().push(g.g);
     }
+    // A holder granted before the fault ended and still vouching after it
+    // kept the key in use: the window starts when the last such holder let
+    // go (its release returned, or its last vouch if it never released).
+    let free_from = |key: &str, heal: u64| {
+        inp.hist
+            .grants
+            .iter()
+            .filter(|g| g.key == key && g.g <= heal && g.v.is_some_and(|v| v >= heal))
+            .map(|g| {
+                let v = g.v.unwrap_or(g.g);
+                g.rel.map_or(v, |(_, returned)| returned.max(v))
+            })
+            .max()
+            .unwrap_or(heal)
+            .max(heal)
+    };
     // A holder that vouched through the whole window kept the key in use.
     let held_through = |key: &str, from: u64, to: u64| {
         inp.hist
@@ -1290,23 +1306,31 @@ fn liveness(inp: &Inputs<'_>, f: &mut Findings) {
         }
         for key in inp.keys {
             f.liveness_checks += 1;
+            if held_through(key, heal, heal + window) {
+                continue;
+            }
+            let from = free_from(key, heal);
+            if quiet_until < from.saturating_add(window) {
+                f.liveness_checks -= 1;
+                continue; // held into the next fault or the row's end
+            }
             let next = by_key.get(key.as_str()).and_then(|t| {
                 let i = t.partition_point(|&g| g < heal);
                 t.get(i).copied()
             });
             match next {
-                Some(g) if g <= heal + window => {
-                    let wait = ms(g - heal);
+                Some(g) if g <= from + window => {
+                    let wait = ms(g.saturating_sub(from));
                     f.max_regrant_ms = Some(f.max_regrant_ms.map_or(wait, |m: f64| m.max(wait)));
                 }
-                _ if held_through(key, heal, heal + window) => {}
                 _ => f.hit("liveness", || {
                     format!(
-                        "key {key}: no grant within {:.0} ms after {} on {} ended at {:.3} ms (next: {})",
+                        "key {key}: no grant within {:.0} ms after {} on {} ended at {:.3} ms and the key was free from {:.3} ms (next: {})",
                         ms(window),
                         fault.fault.name(),
                         fault.target,
                         ms(heal),
+                        ms(from),
                         next.map_or("none".into(), |g| format!("{:.3} ms", ms(g)))
                     )
                 }),
@@ -1880,6 +1904,25 @@ mod tests {
         c.end_ms = Some(900);
         assert_eq!(c.count("liveness"), 0);
         assert_eq!(c.run().liveness_checks, 0);
+    }
+
+    #[test]
+    fn liveness_counts_from_the_release_of_a_holder_across_the_fault() {
+        // Held across the fault's end until 600 ms (released at 601), then
+        // granted at 1500: within 1000 ms of the key being free.
+        let across = with(grant(0, 1, "k0", 1, (0, 1, 600)), |g| {
+            g.rel = Some((600 * MS, 601 * MS))
+        });
+        let next = grant(0, 2, "k0", 2, (1400, 1500, 1510));
+        let mut c = case(Workload::Fenced, vec![across.clone(), next], vec![]);
+        c.faults = vec![fault(20, 100)];
+        c.liveness_ms = Some(1000);
+        c.end_ms = Some(5000);
+        assert_eq!(c.count("liveness"), 0);
+        // Granted only at 1700: more than 1000 ms after the key was free.
+        let late = grant(0, 2, "k0", 2, (1400, 1700, 1710));
+        c.hist.grants = vec![across, late];
+        assert_eq!(c.count("liveness"), 1);
     }
 
     #[test]
