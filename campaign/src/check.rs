@@ -536,6 +536,21 @@ fn oracle(inp: &Inputs<'_>, claims: &[&Grant], f: &mut Findings) {
     }
 }
 
+/// Whether a command that moves the lease's expiry may have been in flight at
+/// any instant of `g`'s claim: a renewal of a kept-alive guard, or a
+/// `reset_expiry` (Redlock: `extend`). Such a command sent before a read of
+/// the key may run after it, so the read bounds nothing, until a later read
+/// shows the key — which a stopped server gives none of: the nemesis's read
+/// just before a stop, and the stop itself, judge only claims without one.
+fn renewable(inp: &Inputs<'_>, g: &Grant) -> bool {
+    g.kept
+        || inp
+            .hist
+            .answers
+            .iter()
+            .any(|a| a.w == g.w && a.n == g.n && a.call == "reset")
+}
+
 fn expiry(inp: &Inputs<'_>, claims: &[&Grant], f: &mut Findings) {
     f.zero("vouched-after-expiry");
     for fault in inp.faults.iter().filter(|r| !r.pttl.is_empty()) {
@@ -553,6 +568,9 @@ fn expiry(inp: &Inputs<'_>, claims: &[&Grant], f: &mut Findings) {
                     && (g.tok == 0 || p.value.ends_with(&format!(":{}", g.tok)))
             });
             let Some(g) = holder else { continue };
+            if renewable(inp, g) {
+                continue;
+            }
             let v = g.v.unwrap_or(0);
             f.expiry_checks += 1;
             let margin = (expiry as f64 - v as f64) / 1e6;
@@ -1091,6 +1109,7 @@ fn past_ttl(
                     && p.t_b >= g.g
                     && p.pttl_ms > 0
                     && inp.workload != Workload::Redlock
+                    && !renewable(inp, g)
                     && ours(inp, owned, g, &p.value) == Some(true)
             })
             .map(|p| (p.t_a + inp.server_ms(p.pttl_ms as u64), p.t_b));
@@ -1116,7 +1135,7 @@ fn past_ttl(
         let past = v > bound.saturating_add(1_000_000);
         // A vouch past the bound is judged (and its margin counted) only
         // where no renewal can have moved the bound unseen.
-        let judged = !past || seen_through(inp, k, read_at, bound, v);
+        let judged = !past || seen_through(inp, g, k, read_at, bound, v);
         if past && judged {
             f.hit("vouched-past-ttl", || {
                 format!(
@@ -1170,7 +1189,7 @@ fn loss_margin(
     let Some(after) = inp.samples.iter().find(|s| s.t_b > bound).map(|s| s.t_b) else {
         return;
     };
-    if !seen_through(inp, k, read_at, bound, after.max(v)) {
+    if !seen_through(inp, g, k, read_at, bound, after.max(v)) {
         return;
     }
     f.margin_checks += 1;
@@ -1206,11 +1225,12 @@ fn stepped(inp: &Inputs<'_>, from: u64, to: u64) -> bool {
 /// at `v` well enough that no renewal can have moved the bound unseen: every
 /// sample read between them knew the key or fell while a server was
 /// stopped after the nemesis read the key there (no renewal lands on a
-/// stopped server), and a sample read after the bound knew the key or `v`
-/// fell inside such a stop. A renewal lands only
+/// stopped server; for a claim with a renewal possibly in flight, see
+/// [`renewable`], no stop counts), and a sample read after the bound knew
+/// the key or `v` fell inside such a stop. A renewal lands only
 /// while the lease is alive (before the bound), so a known sample after it
 /// would show the later expiry.
-fn seen_through(inp: &Inputs<'_>, k: usize, read_at: u64, bound: u64, v: u64) -> bool {
+fn seen_through(inp: &Inputs<'_>, g: &Grant, k: usize, read_at: u64, bound: u64, v: u64) -> bool {
     if inp.workload == Workload::Redlock {
         return true; // an unknown node already counts as holding forever
     }
@@ -1218,13 +1238,15 @@ fn seen_through(inp: &Inputs<'_>, k: usize, read_at: u64, bound: u64, v: u64) ->
     // is after the fault's recorded start: a renewal may land between the
     // last sample and the stop, unseen unless the nemesis read the key just
     // before it (it reads no semaphore's key).
+    let renewable = renewable(inp, g);
     let stopped = |t: u64| {
-        inp.faults.iter().any(|f| {
-            (f.fault == Fault::Stop || (f.fault == Fault::Pair && f.target.contains("stop")))
-                && f.t0 <= t
-                && t <= f.t1
-                && f.pttl.iter().chain(&f.reads).any(|p| p.key == k)
-        })
+        !renewable
+            && inp.faults.iter().any(|f| {
+                (f.fault == Fault::Stop || (f.fault == Fault::Pair && f.target.contains("stop")))
+                    && f.t0 <= t
+                    && t <= f.t1
+                    && f.pttl.iter().chain(&f.reads).any(|p| p.key == k)
+            })
     };
     let between = inp.samples.iter().filter(|s| s.t_b > read_at && s.t_b <= v);
     let mut after_bound = stopped(v);
@@ -1344,7 +1366,7 @@ fn liveness(inp: &Inputs<'_>, f: &mut Findings) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::history::{CapChange, Histories, Observed, Op};
+    use crate::history::{Answer, CapChange, Histories, Observed, Op};
     use crate::nemesis::PttlSample;
 
     const MS: u64 = 1_000_000;
@@ -1366,6 +1388,7 @@ mod tests {
             outcome: "Released".into(),
             set: None,
             missing: false,
+            kept: false,
             rel: Some(((v + 1) * MS, (v + 2) * MS)),
         }
     }
@@ -1731,6 +1754,11 @@ mod tests {
         assert_eq!(c.count("vouched-past-ttl"), 1);
         c.faults = vec![stop_at_100(false)];
         assert_eq!(c.count("vouched-past-ttl"), 0);
+        // A kept-alive guard: a renewal sent before the read may have run
+        // after it, before the stop landed; the stop judges nothing.
+        c.faults = vec![stop_at_100(true)];
+        c.hist.grants[0].kept = true;
+        assert_eq!(c.count("vouched-past-ttl"), 0);
     }
 
     #[test]
@@ -1878,6 +1906,21 @@ mod tests {
         }];
         c.faults = vec![stop.clone()];
         assert_eq!(c.count("vouched-after-expiry"), 1);
+        // Kept alive, or with a `reset_expiry`: a command sent before the
+        // read may have run after it, before the stop landed.
+        c.hist.grants[0].kept = true;
+        assert_eq!(c.count("vouched-after-expiry"), 0);
+        c.hist.grants[0].kept = false;
+        c.hist.answers = vec![Answer {
+            w: 0,
+            n: 1,
+            call: "reset".into(),
+            s: 90 * MS,
+            r: 95 * MS,
+            held: Some(true),
+        }];
+        assert_eq!(c.count("vouched-after-expiry"), 0);
+        c.hist.answers.clear();
         stop.pttl[0].pttl_ms = 450;
         c.faults = vec![stop];
         assert_eq!(c.count("vouched-after-expiry"), 0);

@@ -915,6 +915,46 @@ pub(crate) fn allowed(cfg: &RunConfig) -> Vec<(&'static str, &'static str)> {
     out
 }
 
+/// The checkers a negative control is meant to trip: it is detected when
+/// one of them finds at least one violation.
+pub(crate) fn control_checkers(c: Control) -> &'static [&'static str] {
+    match c {
+        Control::PlainPause => &["resource-lost-updates", "late-writes"],
+        Control::RedlockRestart => &["overlap", "server-oracle"],
+        Control::SentinelUnreplicated => &[
+            "overlap",
+            "tokens",
+            "capacity",
+            "writer-beside-reader",
+            "resource-repeated-token",
+            "resource-lost-updates",
+        ],
+        Control::IgnoreLoss => &[
+            "vouched-after-expiry",
+            "vouched-past-ttl",
+            "overlap",
+            "server-oracle",
+            "partial-set",
+        ],
+        Control::RestartNoAof => &[
+            "overlap",
+            "tokens",
+            "capacity",
+            "writer-beside-reader",
+            "server-oracle",
+        ],
+        Control::PollFollower => &["observe-regression"],
+        Control::PartialGuard => &["partial-guard"],
+        Control::Hoarder => &["liveness"],
+        Control::ClockJump => &[
+            "vouched-past-ttl",
+            "overlap",
+            "server-oracle",
+            "vouched-after-expiry",
+        ],
+    }
+}
+
 fn summarize(
     cfg: &RunConfig,
     hist: &history::Histories,
@@ -944,45 +984,8 @@ fn summarize(
             violations += n;
         }
     }
-    // A negative control is detected when a checker it is meant to trip
-    // finds at least one violation.
     let control_detected = cfg.control.map(|c| {
-        let expected: &[&str] = match c {
-            Control::PlainPause => &["resource-lost-updates", "late-writes"],
-            Control::RedlockRestart => &["overlap", "server-oracle"],
-            Control::SentinelUnreplicated => &[
-                "overlap",
-                "tokens",
-                "capacity",
-                "writer-beside-reader",
-                "resource-repeated-token",
-                "resource-lost-updates",
-            ],
-            Control::IgnoreLoss => &[
-                "vouched-after-expiry",
-                "vouched-past-ttl",
-                "overlap",
-                "server-oracle",
-                "partial-set",
-            ],
-            Control::RestartNoAof => &[
-                "overlap",
-                "tokens",
-                "capacity",
-                "writer-beside-reader",
-                "server-oracle",
-            ],
-            Control::PollFollower => &["observe-regression"],
-            Control::PartialGuard => &["partial-guard"],
-            Control::Hoarder => &["liveness"],
-            Control::ClockJump => &[
-                "vouched-past-ttl",
-                "overlap",
-                "server-oracle",
-                "vouched-after-expiry",
-            ],
-        };
-        expected
+        control_checkers(c)
             .iter()
             .map(|c| f.counts.get(c).copied().unwrap_or(0))
             .sum::<u64>()

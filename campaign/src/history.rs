@@ -31,6 +31,9 @@ pub(crate) struct Grant {
     pub(crate) set: Option<(u64, u64)>,
     /// A key of the set the returned guard had no lease on.
     pub(crate) missing: bool,
+    /// Whether its guard was kept alive at some point (renewals may have
+    /// been in flight at any instant of the claim).
+    pub(crate) kept: bool,
     /// When the release (or resignation) was called and when it returned;
     /// `None` if the worker did not get to record it.
     pub(crate) rel: Option<(u64, u64)>,
@@ -199,6 +202,7 @@ pub(crate) fn load(files: &[impl AsRef<Path>]) -> Histories {
                     outcome: String::new(),
                     set: e["set"].as_u64().map(|s| (s, u("size"))),
                     missing: e["missing"].as_bool().unwrap_or(false),
+                    kept: false,
                     rel: None,
                 }),
                 Some("end") => {
@@ -262,6 +266,7 @@ pub(crate) fn load(files: &[impl AsRef<Path>]) -> Histories {
             g.lost = e["lost"].as_bool().unwrap_or(false);
             g.outcome = e["out"].as_str().unwrap_or_default().to_string();
             g.rel = e["rel"].as_u64().zip(e["t"].as_u64());
+            g.kept = e["kept"].as_bool().unwrap_or(false);
         }
     }
     h.grants = grants;

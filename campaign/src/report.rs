@@ -300,6 +300,16 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
         s["examples"] = serde_json::json!(f.examples);
         s["violations"] = serde_json::json!(violations);
         s["allowed_by_model"] = serde_json::json!(allowed_hits);
+        if let Some(control) = summary["control"]
+            .as_str()
+            .and_then(|c| c.parse::<crate::spec::Control>().ok())
+        {
+            let detections: u64 = crate::driver::control_checkers(control)
+                .iter()
+                .map(|c| f.counts.get(c).copied().unwrap_or(0))
+                .sum();
+            s["control_detections"] = serde_json::json!(detections);
+        }
         s["oracle_checks"] = serde_json::json!(f.oracle_checks);
         s["owner_checks"] = serde_json::json!(f.owner_checks);
         s["release_checks"] = serde_json::json!(f.release_checks);
