@@ -87,8 +87,15 @@ fn respire_lock(args: &[&str]) -> Command {
 /// [`respire_lock`] started with SIGTERM ignored, through coreutils'
 /// `env --ignore-signal=TERM`.
 fn respire_lock_ignoring_term(args: &[&str]) -> Command {
+    respire_lock_under_env("--ignore-signal=TERM", args)
+}
+
+/// The tool with `args` started through `env` with `flag` (a signal
+/// disposition the kernel keeps through exec), and none of its environment
+/// variables set.
+fn respire_lock_under_env(flag: &str, args: &[&str]) -> Command {
     let mut cmd = Command::new("env");
-    cmd.arg("--ignore-signal=TERM").arg(BIN).args(args);
+    cmd.arg(flag).arg(BIN).args(args);
     for var in ENV_VARS {
         cmd.env_remove(var);
     }
@@ -210,6 +217,13 @@ impl Cli {
     /// starts it.
     fn command_ignoring_term(&self) -> Command {
         respire_lock_ignoring_term(&self.words())
+    }
+
+    /// The tool with these arguments and the default action for the
+    /// signals it forwards, whatever this process was started with: a
+    /// signal ignored at start stays ignored in the tool, as under `nohup`.
+    fn command_with_default_signals(&self) -> Command {
+        respire_lock_under_env("--default-signal=HUP,INT,QUIT,TERM", &self.words())
     }
 
     /// The tool run with these arguments to its end, as by [`run`].
@@ -1526,7 +1540,7 @@ fn hup_int_quit_and_term_go_to_the_group_and_the_lease_is_released() {
             .kill_after("1s")
             .key("job")
             .sh("sleep 30 & exec sleep 30")
-            .command()
+            .command_with_default_signals()
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
