@@ -325,7 +325,7 @@ fn under_require_the_set_counts_once_a_replica_has_it() {
             .node_timeout(NODE_TIMEOUT)
             .replication(Replication::Require {
                 replicas: 1,
-                timeout: ms(500),
+                timeout: ms(2_000),
             })
             .build()
             .expect("connect");
