@@ -540,15 +540,30 @@ fn oracle(inp: &Inputs<'_>, claims: &[&Grant], f: &mut Findings) {
 /// any instant of `g`'s claim: a renewal of a kept-alive guard, or a
 /// `reset_expiry` (Redlock: `extend`). Such a command sent before a read of
 /// the key may run after it, so the read bounds nothing, until a later read
-/// shows the key — which a stopped server gives none of: the nemesis's read
-/// just before a stop, and the stop itself, judge only claims without one.
+/// shows the key — which a stopped server gives none of. Such a command
+/// started before the stop landed, so for these claims a stop bounds the
+/// lease by its landing instant plus the longest TTL the command can set
+/// ([`renew_ttl`]), and a stop whose landing was not recorded (older
+/// histories, stops inside a `pair`) bounds nothing.
 fn renewable(inp: &Inputs<'_>, g: &Grant) -> bool {
-    g.kept
-        || inp
-            .hist
-            .answers
-            .iter()
-            .any(|a| a.w == g.w && a.n == g.n && a.call == "reset")
+    g.kept || resets(inp, g)
+}
+
+fn resets(inp: &Inputs<'_>, g: &Grant) -> bool {
+    inp.hist
+        .answers
+        .iter()
+        .any(|a| a.w == g.w && a.n == g.n && a.call == "reset")
+}
+
+/// The longest TTL a command of `g`'s guard can set: the lease's, or twice
+/// it after a `reset_expiry` (the workers reset to 0.5–2 TTLs).
+fn renew_ttl(inp: &Inputs<'_>, g: &Grant) -> u64 {
+    if resets(inp, g) {
+        2 * inp.ttl_ns
+    } else {
+        inp.ttl_ns
+    }
 }
 
 fn expiry(inp: &Inputs<'_>, claims: &[&Grant], f: &mut Findings) {
@@ -568,8 +583,16 @@ fn expiry(inp: &Inputs<'_>, claims: &[&Grant], f: &mut Findings) {
                     && (g.tok == 0 || p.value.ends_with(&format!(":{}", g.tok)))
             });
             let Some(g) = holder else { continue };
-            if renewable(inp, g) {
-                continue;
+            let expiry = if renewable(inp, g) {
+                match fault.landed {
+                    Some(landed) => expiry.max(landed + renew_ttl(inp, g)),
+                    None => continue,
+                }
+            } else {
+                expiry
+            };
+            if fault.t1 <= expiry {
+                continue; // resumed before the lease could expire there
             }
             let v = g.v.unwrap_or(0);
             f.expiry_checks += 1;
@@ -1103,16 +1126,25 @@ fn past_ttl(
         let before_stops = inp
             .faults
             .iter()
-            .flat_map(|r| r.pttl.iter().chain(&r.reads))
-            .filter(|p| {
+            .flat_map(|r| {
+                let landed = if renewable(inp, g) {
+                    r.landed.map(|l| l + renew_ttl(inp, g))
+                } else {
+                    Some(0)
+                };
+                r.pttl
+                    .iter()
+                    .chain(&r.reads)
+                    .filter_map(move |p| landed.map(|l| (p, l)))
+            })
+            .filter(|(p, _)| {
                 p.key == k
                     && p.t_b >= g.g
                     && p.pttl_ms > 0
                     && inp.workload != Workload::Redlock
-                    && !renewable(inp, g)
                     && ours(inp, owned, g, &p.value) == Some(true)
             })
-            .map(|p| (p.t_a + inp.server_ms(p.pttl_ms as u64), p.t_b));
+            .map(|(p, landed)| ((p.t_a + inp.server_ms(p.pttl_ms as u64)).max(landed), p.t_b));
         let Some((bound, read_at)) = inp.samples[start..]
             .iter()
             .filter_map(|s| sample_bound(inp, owned, g, s, k, quorum).map(|b| (b, s.t_b)))
@@ -1240,13 +1272,13 @@ fn seen_through(inp: &Inputs<'_>, g: &Grant, k: usize, read_at: u64, bound: u64,
     // before it (it reads no semaphore's key).
     let renewable = renewable(inp, g);
     let stopped = |t: u64| {
-        !renewable
-            && inp.faults.iter().any(|f| {
-                (f.fault == Fault::Stop || (f.fault == Fault::Pair && f.target.contains("stop")))
-                    && f.t0 <= t
-                    && t <= f.t1
-                    && f.pttl.iter().chain(&f.reads).any(|p| p.key == k)
-            })
+        inp.faults.iter().any(|f| {
+            (!renewable || f.landed.is_some_and(|l| l <= t))
+                && (f.fault == Fault::Stop || (f.fault == Fault::Pair && f.target.contains("stop")))
+                && f.t0 <= t
+                && t <= f.t1
+                && f.pttl.iter().chain(&f.reads).any(|p| p.key == k)
+        })
     };
     let between = inp.samples.iter().filter(|s| s.t_b > read_at && s.t_b <= v);
     let mut after_bound = stopped(v);
@@ -1432,6 +1464,7 @@ mod tests {
             pttl: Vec::new(),
             restarted: Vec::new(),
             reads: Vec::new(),
+            landed: None,
         }
     }
 
@@ -1759,6 +1792,16 @@ mod tests {
         c.faults = vec![stop_at_100(true)];
         c.hist.grants[0].kept = true;
         assert_eq!(c.count("vouched-past-ttl"), 0);
+        // With the instant the stop landed, such a renewal ran before it:
+        // the lease ends by then plus a TTL (600 ms), and a vouch after that
+        // inside the stop is judged.
+        let mut longer = stop_at_100(true);
+        longer.t1 = 1_000 * MS;
+        longer.landed = Some(101 * MS);
+        c.faults = vec![longer];
+        assert_eq!(c.count("vouched-past-ttl"), 0);
+        c.hist.grants[0].v = Some(900 * MS);
+        assert_eq!(c.count("vouched-past-ttl"), 1);
     }
 
     #[test]
@@ -1910,6 +1953,18 @@ mod tests {
         // read may have run after it, before the stop landed.
         c.hist.grants[0].kept = true;
         assert_eq!(c.count("vouched-after-expiry"), 0);
+        // With the stop's landing instant: bounded by it plus a TTL.
+        let mut landed = stop.clone();
+        landed.landed = Some(100 * MS);
+        landed.t1 = 1_000 * MS;
+        c.faults = vec![landed];
+        c.samples = vec![one(1_100, "", "-2")];
+        assert_eq!(c.count("vouched-after-expiry"), 0);
+        c.hist.grants[0].v = Some(750 * MS);
+        assert_eq!(c.count("vouched-after-expiry"), 1);
+        c.samples = vec![one(700, "", "-2")];
+        c.hist.grants[0].v = Some(500 * MS);
+        c.faults = vec![stop.clone()];
         c.hist.grants[0].kept = false;
         c.hist.answers = vec![Answer {
             w: 0,

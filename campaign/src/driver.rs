@@ -733,7 +733,7 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
     for r in &faults {
         fault_lines.push_str(
             &json!({"fault": r.fault.name(), "target": r.target, "t0": r.t0, "t1": r.t1,
-                "applied": r.applied, "note": r.note, "restarted": r.restarted,
+                "applied": r.applied, "note": r.note, "restarted": r.restarted, "landed": r.landed,
                 "pttl": r.pttl.iter().map(|p| json!({"key": p.key, "value": p.value, "pttl_ms": p.pttl_ms, "t_b": p.t_b, "t_a": p.t_a})).collect::<Vec<_>>(),
                 "reads": r.reads.iter().map(|p| json!({"key": p.key, "value": p.value, "pttl_ms": p.pttl_ms, "t_b": p.t_b, "t_a": p.t_a})).collect::<Vec<_>>()})
             .to_string(),

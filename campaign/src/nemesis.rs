@@ -251,6 +251,10 @@ pub(crate) struct FaultRecord {
     /// Reads like `pttl` made for a fault that ended later than the stop
     /// (a stop in a `pair`): what the server held, without the stop's end.
     pub(crate) reads: Vec<PttlSample>,
+    /// For a server `SIGSTOP`: an instant by which the stop had certainly
+    /// landed (read once the signal was sent), so a command that reached the
+    /// server ran before it.
+    pub(crate) landed: Option<u64>,
 }
 
 /// A key's value and PTTL read on the server just before a fault.
@@ -331,6 +335,7 @@ impl Nemesis {
             pttl: Vec::new(),
             restarted: Vec::new(),
             reads: Vec::new(),
+            landed: None,
         };
         let outcome = catch_unwind(AssertUnwindSafe(|| {
             self.cause(fault, dep, workers, &mut record);
@@ -429,6 +434,7 @@ impl Nemesis {
                 let d = self.rng.range(ttl / 5, ttl * 2);
                 rec.t0 = now_ns();
                 server.pause();
+                rec.landed = Some(now_ns());
                 sleep_ms(d);
                 server.resume();
                 rec.note = format!("{d} ms");

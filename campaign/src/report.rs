@@ -203,6 +203,7 @@ pub(crate) fn recheck(args: &[String]) -> Result<(), String> {
             pttl: reads(&v["pttl"]),
             reads: reads(&v["reads"]),
             restarted: serde_json::from_value(v["restarted"].clone()).unwrap_or_default(),
+            landed: v["landed"].as_u64(),
         })
         .collect();
     let tallies: Vec<(String, Tally)> = summary["tallies"]
