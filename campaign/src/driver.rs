@@ -932,6 +932,7 @@ pub(crate) fn control_checkers(c: Control) -> &'static [&'static str] {
         Control::IgnoreLoss => &[
             "vouched-after-expiry",
             "vouched-past-ttl",
+            "loss-margin",
             "overlap",
             "server-oracle",
             "partial-set",
