@@ -1123,14 +1123,15 @@ fn past_ttl(
         // The nemesis's own reads before a stop count too: a renewal between
         // the oracle's last sample and the stop shows there only. Each bound
         // comes with the instant of its read.
+        // Once per claim: both scan the claim's answers.
+        let renew = renewable(inp, g).then(|| renew_ttl(inp, g));
         let before_stops = inp
             .faults
             .iter()
             .flat_map(|r| {
-                let landed = if renewable(inp, g) {
-                    r.landed.map(|l| l + renew_ttl(inp, g))
-                } else {
-                    Some(0)
+                let landed = match renew {
+                    Some(ttl) => r.landed.map(|l| l + ttl),
+                    None => Some(0),
                 };
                 r.pttl
                     .iter()
@@ -1218,7 +1219,9 @@ fn loss_margin(
     if bound == u64::MAX || stepped(inp, g.a, v) {
         return;
     }
-    let Some(after) = inp.samples.iter().find(|s| s.t_b > bound).map(|s| s.t_b) else {
+    // The samples are in the order they were read.
+    let first_after = inp.samples.partition_point(|s| s.t_b <= bound);
+    let Some(after) = inp.samples.get(first_after).map(|s| s.t_b) else {
         return;
     };
     if !seen_through(inp, g, k, read_at, bound, after.max(v)) {
@@ -1280,7 +1283,10 @@ fn seen_through(inp: &Inputs<'_>, g: &Grant, k: usize, read_at: u64, bound: u64,
                 && f.pttl.iter().chain(&f.reads).any(|p| p.key == k)
         })
     };
-    let between = inp.samples.iter().filter(|s| s.t_b > read_at && s.t_b <= v);
+    // The samples are in the order they were read.
+    let from = inp.samples.partition_point(|s| s.t_b <= read_at);
+    let to = inp.samples.partition_point(|s| s.t_b <= v);
+    let between = inp.samples[from..to.max(from)].iter();
     let mut after_bound = stopped(v);
     for s in between {
         let known = s
