@@ -645,12 +645,30 @@ fn a_kept_alive_lease_rides_out_a_failover_that_left_its_renewal_unanswered() {
     deployment.servers()[old_primary].resume();
 }
 
+/// A deployment whose sentinels never fail over on their own (a minute of
+/// `down-after-milliseconds`): a test asks for each failover, or stops the
+/// primary without one.
+fn failing_over_on_request() -> TestSentinel {
+    TestSentinel::builder()
+        .down_after(Duration::from_secs(60))
+        .start()
+}
+
+/// Every grant acknowledged by the one replica, waiting two seconds: a
+/// replica that has just synchronised acknowledges within its once-a-second
+/// `REPLCONF ACK`, and the tests that use it are about history, not about how
+/// fast a `WAIT` is answered.
+fn require_the_replica() -> Replication {
+    Replication::Require {
+        replicas: 1,
+        timeout: Duration::from_secs(2),
+    }
+}
+
 #[test]
 fn calls_keep_their_bounds_with_a_sentinel_or_the_primary_stopped() {
-    let deployment = TestSentinel::builder()
-        // No failover while the primary is stopped on purpose.
-        .down_after(Duration::from_secs(60))
-        .start();
+    // No failover while the primary is stopped on purpose.
+    let deployment = failing_over_on_request();
     let nt = Duration::from_millis(200);
     let ct = Duration::from_millis(300);
     let slack = Duration::from_millis(300);
@@ -746,16 +764,8 @@ fn counter_on(server: &TestServer, fence: &str) -> Option<u64> {
 /// was deemed down and the restarted server promoted a step early).
 #[test]
 fn a_primary_restarted_from_an_old_sync_file_and_promoted_is_refused_as_a_lost_history() {
-    let deployment = TestSentinel::builder()
-        .down_after(Duration::from_secs(60))
-        .start();
-    // Two seconds: a replica that has just synchronised acknowledges within
-    // its once-a-second REPLCONF ACK, and this test is about history, not
-    // about how fast a WAIT is answered.
-    let require = Replication::Require {
-        replicas: 1,
-        timeout: Duration::from_secs(2),
-    };
+    let deployment = failing_over_on_request();
+    let require = require_the_replica();
     let a = builder(&deployment).replication(require).build().unwrap();
     let b = builder(&deployment).replication(require).build().unwrap();
     let tag = format!("{{{}}}", unique_prefix("old-sync-file"));
@@ -1072,13 +1082,8 @@ fn a_shortening_the_old_primary_confirms_after_a_renewal_on_the_new_one_never_ou
 /// every grant from then on.)
 #[test]
 fn an_idle_coordinator_keeps_its_history_through_two_switches() {
-    let deployment = TestSentinel::builder()
-        .down_after(Duration::from_secs(60))
-        .start();
-    let require = Replication::Require {
-        replicas: 1,
-        timeout: Duration::from_secs(2),
-    };
+    let deployment = failing_over_on_request();
+    let require = require_the_replica();
     let idle = builder(&deployment).replication(require).build().unwrap();
     let tag = format!("{{{}}}", unique_prefix("two-switches"));
     let (lease, fence) = (format!("{tag}:lease"), format!("{tag}:fence"));
