@@ -754,6 +754,9 @@ pub(crate) fn main(args: &[String]) -> Result<(), String> {
     }
     println!("{summary}");
     let _ = std::io::stdout().flush();
+    if let Err(e) = dep.keep_logs(&out.join("servers")) {
+        eprintln!("campaign: the servers' logs were not kept: {e}");
+    }
     drop(dep);
     Ok(())
 }

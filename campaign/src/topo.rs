@@ -245,6 +245,29 @@ pub(crate) fn bus_source(index: usize) -> IpAddr {
 }
 
 impl Deployment {
+    /// Writes every server's log (across its restarts) into `dir`: the
+    /// standalone or Redlock servers as `server-N.log`, Sentinel's data
+    /// servers and sentinels as `data-N.log` and `sentinel-N.log`, the
+    /// cluster's nodes as `node-N.log` — so that a row's archive also tells
+    /// what the servers did.
+    pub(crate) fn keep_logs(&self, dir: &std::path::Path) -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        let mut groups: Vec<(&str, &[TestServer])> = vec![("server", &self.servers)];
+        if let Some(s) = &self.sentinel {
+            groups.push(("data", s.servers()));
+            groups.push(("sentinel", s.sentinels()));
+        }
+        if let Some(c) = &self.cluster {
+            groups.push(("node", c.nodes()));
+        }
+        for (name, servers) in groups {
+            for (i, server) in servers.iter().enumerate() {
+                std::fs::write(dir.join(format!("{name}-{i}.log")), server.log())?;
+            }
+        }
+        Ok(())
+    }
+
     /// `replicas` and `sentinel_debug` (`SENTINEL DEBUG` parameters): of the
     /// Sentinel deployment, ignored by other topologies. `bus_proxies`: a
     /// cluster's bus through proxies (the `cut-bus` fault), ignored by
