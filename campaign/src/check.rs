@@ -1313,10 +1313,26 @@ fn liveness(inp: &Inputs<'_>, f: &mut Findings) {
     let (Some(window), Some(end)) = (inp.liveness_ns, inp.end_ns) else {
         return;
     };
-    let mut by_key: HashMap<&str, Vec<u64>> = HashMap::new();
+    // Each key's grants: when each returned, and when its acquire began.
+    let mut by_key: HashMap<&str, Vec<(u64, u64)>> = HashMap::new();
     for g in &inp.hist.grants {
-        by_key.entry(g.key.as_str()).or_default().push(g.g);
+        by_key.entry(g.key.as_str()).or_default().push((g.g, g.a));
     }
+    // Whether a worker asked for `key` in the window and was not answered
+    // with a lease in it: a wait still under way one TTL after the key was
+    // free that ended without a lease, or an acquire begun in the window
+    // and granted after it. A key nobody asked for is not granted, and
+    // says nothing of liveness. Histories that did not record unmet
+    // acquires count every key as asked for.
+    let asked = |key: &str, from: u64, to: u64, next: Option<(u64, u64)>| {
+        !inp.hist.demand_recorded
+            || next.is_some_and(|(_, a)| a <= to)
+            || inp.hist.unmet.iter().any(|m| {
+                m.a <= to
+                    && m.t >= from.saturating_add(inp.ttl_ns)
+                    && m.keys.iter().any(|k| k == key)
+            })
+    };
     // A holder granted before the fault ended and still vouching after it
     // kept the key in use: the window starts when the last such holder let
     // go (its release returned, or its last vouch if it never released).
@@ -1375,13 +1391,16 @@ fn liveness(inp: &Inputs<'_>, f: &mut Findings) {
                 continue; // held into the next fault or the row's end
             }
             let next = by_key.get(key.as_str()).and_then(|t| {
-                let i = t.partition_point(|&g| g < heal);
+                let i = t.partition_point(|&(g, _)| g < heal);
                 t.get(i).copied()
             });
             match next {
-                Some(g) if g <= from + window => {
+                Some((g, _)) if g <= from + window => {
                     let wait = ms(g.saturating_sub(from));
                     f.max_regrant_ms = Some(f.max_regrant_ms.map_or(wait, |m: f64| m.max(wait)));
+                }
+                _ if !asked(key, from, from + window, next) => {
+                    f.liveness_checks -= 1; // nobody asked for it
                 }
                 _ => f.hit("liveness", || {
                     format!(
@@ -1391,7 +1410,7 @@ fn liveness(inp: &Inputs<'_>, f: &mut Findings) {
                         fault.target,
                         ms(heal),
                         ms(from),
-                        next.map_or("none".into(), |g| format!("{:.3} ms", ms(g)))
+                        next.map_or("none".into(), |(g, _)| format!("{:.3} ms", ms(g)))
                     )
                 }),
             }
@@ -2026,6 +2045,38 @@ mod tests {
         // Granted only at 1700: more than 1000 ms after the key was free.
         let late = grant(0, 2, "k0", 2, (1400, 1700, 1710));
         c.hist.grants = vec![across, late];
+        assert_eq!(c.count("liveness"), 1);
+    }
+
+    #[test]
+    fn liveness_judges_only_keys_asked_for_where_the_demand_is_recorded() {
+        use crate::history::Unmet;
+        let before = grant(0, 1, "k0", 1, (0, 1, 10));
+        let mut c = case(Workload::Fenced, vec![before.clone()], vec![]);
+        c.faults = vec![fault(20, 100)];
+        c.liveness_ms = Some(1000);
+        c.end_ms = Some(5000);
+        // Never granted again: a finding where the demand is unknown...
+        assert_eq!(c.count("liveness"), 1);
+        // ...and none where the workers recorded that nobody asked.
+        c.hist.demand_recorded = true;
+        assert_eq!(c.count("liveness"), 0);
+        assert_eq!(c.run().liveness_checks, 0);
+        // A wait for the key that ran out while it was free: a finding.
+        let wait = |a: u64, t: u64, key: &str| Unmet {
+            keys: vec![key.into()],
+            a: a * MS,
+            t: t * MS,
+        };
+        c.hist.unmet = vec![wait(300, 1500, "k0")];
+        assert_eq!(c.count("liveness"), 1);
+        // One for another key, or one that ended before a TTL of the key
+        // being free had passed, is no demand for this key in the window.
+        c.hist.unmet = vec![wait(300, 1500, "k1"), wait(50, 120, "k0")];
+        assert_eq!(c.count("liveness"), 0);
+        // An acquire begun in the window and granted after it: a finding.
+        c.hist.unmet = Vec::new();
+        c.hist.grants = vec![before, grant(0, 2, "k0", 2, (900, 1300, 1310))];
         assert_eq!(c.count("liveness"), 1);
     }
 

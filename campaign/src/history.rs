@@ -130,6 +130,20 @@ pub(crate) struct Histories {
     pub(crate) answers: Vec<Answer>,
     /// `set_capacity` calls, in the order they were made.
     pub(crate) caps: Vec<CapChange>,
+    /// Acquires that returned without a lease (the wait ran out, or an
+    /// error), with the keys they asked for: the demand no grant met.
+    pub(crate) unmet: Vec<Unmet>,
+    /// Whether the workers recorded `unmet` (histories written before they
+    /// did have none, which says nothing of the demand).
+    pub(crate) demand_recorded: bool,
+}
+
+/// An acquire of `keys` begun at `a` that returned at `t` without a lease.
+#[derive(Debug, Clone)]
+pub(crate) struct Unmet {
+    pub(crate) keys: Vec<String>,
+    pub(crate) a: u64,
+    pub(crate) t: u64,
 }
 
 /// A `set_capacity(cap)` call on a semaphore's key, sent at `s`, returned at
@@ -216,7 +230,11 @@ pub(crate) fn load(files: &[impl AsRef<Path>]) -> Histories {
                     r: u("r"),
                     res: e["res"].as_str().unwrap_or_default().to_string(),
                 }),
+                Some("busy") => h.unmet.push(unmet(&e)),
                 Some("err") => {
+                    if e["keys"].is_array() {
+                        h.unmet.push(unmet(&e));
+                    }
                     let what = e["what"].as_str().unwrap_or_default();
                     if what.contains(HISTORY_LOST) {
                         h.history_lost.push(u("t"));
@@ -255,6 +273,7 @@ pub(crate) fn load(files: &[impl AsRef<Path>]) -> Histories {
                     h.attempts += u("attempts");
                     h.busy += u("busy");
                     h.workers_finished += 1;
+                    h.demand_recorded |= e["demand"].as_bool().unwrap_or(false);
                 }
                 _ => {}
             }
@@ -271,6 +290,23 @@ pub(crate) fn load(files: &[impl AsRef<Path>]) -> Histories {
     }
     h.grants = grants;
     h.history_lost.sort_unstable();
+    h.unmet.sort_by_key(|m| m.a);
     h.caps.sort_by_key(|c| c.s);
     h
+}
+
+/// An unmet acquire from its `busy` or `err` event.
+fn unmet(e: &Value) -> Unmet {
+    Unmet {
+        keys: e["keys"]
+            .as_array()
+            .map(|ks| {
+                ks.iter()
+                    .filter_map(|k| k.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default(),
+        a: e["a"].as_u64().unwrap_or(0),
+        t: e["t"].as_u64().unwrap_or(0),
+    }
 }

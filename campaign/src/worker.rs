@@ -472,11 +472,16 @@ pub(crate) fn main() -> Result<(), String> {
             Ok(Some(h)) => h,
             Ok(None) => {
                 busy += 1;
+                // The demand `liveness` judges: keys asked for and not
+                // granted, with when the wait began and ended.
+                history.emit(
+                    json!({"ev": "busy", "w": spec.id, "keys": names, "a": a, "t": now_ns()}),
+                );
                 continue;
             }
             Err(e) => {
                 errors += 1;
-                history.emit(json!({"ev": "err", "w": spec.id, "a": a, "t": now_ns(), "what": e}));
+                history.emit(json!({"ev": "err", "w": spec.id, "keys": names, "a": a, "t": now_ns(), "what": e}));
                 thread::sleep(Duration::from_millis(rng.range(5, 30)));
                 continue;
             }
@@ -632,7 +637,7 @@ pub(crate) fn main() -> Result<(), String> {
     }
     history.emit(
         json!({"ev": "stats", "w": spec.id, "attempts": attempts, "busy": busy,
-        "errors": errors, "grants": n}),
+        "errors": errors, "grants": n, "demand": true}),
     );
     drop(hoard);
     cancel.cancel();
