@@ -1325,13 +1325,13 @@ fn liveness(inp: &Inputs<'_>, f: &mut Findings) {
     // says nothing of liveness. Histories that did not record unmet
     // acquires count every key as asked for.
     let asked = |key: &str, from: u64, to: u64, next: Option<(u64, u64)>| {
-        !inp.hist.demand_recorded
-            || next.is_some_and(|(_, a)| a <= to)
-            || inp.hist.unmet.iter().any(|m| {
-                m.a <= to
-                    && m.t >= from.saturating_add(inp.ttl_ns)
-                    && m.keys.iter().any(|k| k == key)
-            })
+        !inp.hist.demand_recorded || next.is_some_and(|(_, a)| a <= to) || {
+            // `unmet` is in the order the acquires began.
+            let begun = inp.hist.unmet.partition_point(|m| m.a <= to);
+            inp.hist.unmet[..begun]
+                .iter()
+                .any(|m| m.t >= from.saturating_add(inp.ttl_ns) && m.keys.iter().any(|k| k == key))
+        }
     };
     // A holder granted before the fault ended and still vouching after it
     // kept the key in use: the window starts when the last such holder let
@@ -2072,7 +2072,7 @@ mod tests {
         assert_eq!(c.count("liveness"), 1);
         // One for another key, or one that ended before a TTL of the key
         // being free had passed, is no demand for this key in the window.
-        c.hist.unmet = vec![wait(300, 1500, "k1"), wait(50, 120, "k0")];
+        c.hist.unmet = vec![wait(50, 120, "k0"), wait(300, 1500, "k1")];
         assert_eq!(c.count("liveness"), 0);
         // An acquire begun in the window and granted after it: a finding.
         c.hist.unmet = Vec::new();

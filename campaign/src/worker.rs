@@ -475,13 +475,13 @@ pub(crate) fn main() -> Result<(), String> {
                 // The demand `liveness` judges: keys asked for and not
                 // granted, with when the wait began and ended.
                 history.emit(
-                    json!({"ev": "busy", "w": spec.id, "keys": names, "a": a, "t": now_ns()}),
+                    json!({"ev": "busy", "w": spec.id, "keys": asked, "a": a, "t": now_ns()}),
                 );
                 continue;
             }
             Err(e) => {
                 errors += 1;
-                history.emit(json!({"ev": "err", "w": spec.id, "keys": names, "a": a, "t": now_ns(), "what": e}));
+                history.emit(json!({"ev": "err", "w": spec.id, "keys": asked, "a": a, "t": now_ns(), "what": e}));
                 thread::sleep(Duration::from_millis(rng.range(5, 30)));
                 continue;
             }
