@@ -294,13 +294,13 @@ fn server_stat(server: &TestServer, command: &str, field: &str) -> u64 {
         .map_or(0, |n| n.trim().parse().unwrap())
 }
 
-/// Under `Replication::Require`, `WAIT` follows the `SET` as it follows the
-/// script: the extension counts once the replica has it (its `PTTL` says
-/// so), and not while the replication link is cut.
 /// How long `Replication::Require` waits for the replica's acknowledgement
 /// in the test below: long enough for a loaded machine.
 const REPLICA_WAIT: Duration = Duration::from_secs(2);
 
+/// Under `Replication::Require`, `WAIT` follows the `SET` as it follows the
+/// script: the extension counts once the replica has it (its `PTTL` says
+/// so), and not while the replication link is cut.
 #[test]
 fn under_require_the_set_counts_once_a_replica_has_it() {
     for kind in KINDS {
