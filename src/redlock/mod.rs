@@ -30,6 +30,7 @@ use crate::cancel::CancelToken;
 use crate::clock::Clock;
 use crate::conn::ConnConfig;
 use crate::coordinator::Coordinator;
+use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::observe::{Acquiring, Observer, Primitive};
 use crate::token::HolderTag;
@@ -300,7 +301,7 @@ impl Users {
     /// for the workers to take up every job queued before.
     pub(crate) fn leave(&self, group: &Group) {
         if self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
-            worker::flush(&group.workers, group.now() + group.options.node_timeout);
+            worker::flush(&group.workers, group.now() + group.timing.node_timeout);
         }
     }
 }
@@ -313,6 +314,9 @@ pub(crate) struct Group {
     configs: Vec<Arc<ConnConfig>>,
     workers: Vec<NodeWorker>,
     options: RedlockOptions,
+    /// The drift factor and node timeout of the options, which every part
+    /// of the group reads.
+    timing: Timing,
     quorum: usize,
     renewal: GroupRenewal,
     restarts: Restarts,
@@ -690,8 +694,12 @@ impl Group {
         options: RedlockOptions,
     ) -> Result<RedlockGroup> {
         check_options(nodes.len(), &options)?;
-        let settings = NodeSettings {
+        let timing = Timing {
+            drift_factor: options.drift_factor,
             node_timeout: options.node_timeout,
+        };
+        let settings = NodeSettings {
+            timing,
             restart_delay: options.restart_delay,
         };
         let (hello_tx, hello_rx) = crossbeam_channel::unbounded();
@@ -756,12 +764,13 @@ impl Group {
                 configs: cfgs.clone(),
                 workers,
                 options,
+                timing,
                 quorum,
                 renewal: guard::group_renewal(this.clone(), clock.clone()),
                 restarts: Restarts::new(n),
                 users: Users::new(),
                 clock,
-                _watchers: watchers(cfgs, this),
+                _watchers: watchers(cfgs, timing.node_timeout, this),
             }),
         })
     }
@@ -770,7 +779,11 @@ impl Group {
 /// One watcher per node, reporting to the group while it lives. A watcher that
 /// cannot be started leaves its node's restarts to be noticed by the next
 /// command sent there.
-fn watchers(cfgs: Vec<Arc<ConnConfig>>, group: &Weak<Group>) -> Vec<NodeWatcher> {
+fn watchers(
+    cfgs: Vec<Arc<ConnConfig>>,
+    node_timeout: Duration,
+    group: &Weak<Group>,
+) -> Vec<NodeWatcher> {
     let on: OnNodeEvent = {
         let group = group.clone();
         Arc::new(move |i, event| {
@@ -783,7 +796,7 @@ fn watchers(cfgs: Vec<Arc<ConnConfig>>, group: &Weak<Group>) -> Vec<NodeWatcher>
         .enumerate()
         .filter_map(|(i, cfg)| {
             let addr = cfg.addr.to_string();
-            NodeWatcher::spawn(i, cfg, on.clone())
+            NodeWatcher::spawn(i, cfg, node_timeout, on.clone())
                 .inspect_err(|e| {
                     log::warn!("redlock node {addr}: cannot start its watcher thread: {e}")
                 })
@@ -819,7 +832,7 @@ impl Drop for Group {
     fn drop(&mut self) {
         // Queued releases (of guards dropped just before) still reach their
         // nodes before the program moves on, for at most a node timeout.
-        let deadline = self.now() + self.options.node_timeout;
+        let deadline = self.now() + self.timing.node_timeout;
         worker::stop(std::mem::take(&mut self.workers), deadline);
     }
 }

@@ -41,6 +41,7 @@ impl Tracking {
     /// wake the deployment's waiters in `registry`.
     pub(crate) fn spawn(
         cfg: Arc<ConnConfig>,
+        node_timeout: Duration,
         registry: Arc<Registry>,
     ) -> std::io::Result<Tracking> {
         let tracker = Arc::new(Tracker::new());
@@ -48,7 +49,7 @@ impl Tracking {
         let t = tracker.clone();
         std::thread::Builder::new()
             .name("respire-tracker".into())
-            .spawn(move || run(&cfg, &t, &registry, &stop_rx))?;
+            .spawn(move || run(&cfg, node_timeout, &t, &registry, &stop_rx))?;
         Ok(Tracking {
             tracker,
             _stop: stop_tx,
@@ -60,7 +61,13 @@ fn stopped(stop: &Receiver<()>) -> bool {
     matches!(stop.try_recv(), Err(TryRecvError::Disconnected))
 }
 
-fn run(cfg: &ConnConfig, tracker: &Tracker, registry: &Registry, stop: &Receiver<()>) {
+fn run(
+    cfg: &ConnConfig,
+    node_timeout: Duration,
+    tracker: &Tracker,
+    registry: &Registry,
+    stop: &Receiver<()>,
+) {
     let mut generation = 0;
     let mut backoff = Duration::from_millis(50);
     loop {
@@ -69,7 +76,15 @@ fn run(cfg: &ConnConfig, tracker: &Tracker, registry: &Registry, stop: &Receiver
         }
         generation += 1;
         let mut subscribed = false;
-        let result = session(cfg, tracker, registry, stop, generation, &mut subscribed);
+        let result = session(
+            cfg,
+            node_timeout,
+            tracker,
+            registry,
+            stop,
+            generation,
+            &mut subscribed,
+        );
         tracker.set_status(Status::Down);
         let finished = match &result {
             // The coordinator is gone, or tracking was refused to a waiter's
@@ -146,6 +161,7 @@ fn refused_for_good(err: &Error) -> bool {
 /// is gone (`Ok`).
 fn session(
     cfg: &ConnConfig,
+    node_timeout: Duration,
     tracker: &Tracker,
     registry: &Registry,
     stop: &Receiver<()>,
@@ -158,8 +174,8 @@ fn session(
     })?;
     let raw = conn.raw();
     let io = |op: &'static str| move |e: redis::RedisError| Error::Io { op, source: e };
-    raw.set_read_timeout(Some(cfg.node_timeout.max(READ_TIMEOUT)))
-        .and_then(|()| raw.set_write_timeout(Some(cfg.node_timeout)))
+    raw.set_read_timeout(Some(node_timeout.max(READ_TIMEOUT)))
+        .and_then(|()| raw.set_write_timeout(Some(node_timeout)))
         .map_err(io("setting socket timeouts"))?;
     subscribe(raw)?;
     let mut pubsub = raw.as_pubsub();

@@ -686,8 +686,9 @@ pub(crate) struct WaitFor<'a> {
     /// `None`: no deadline.
     pub(crate) deadline: Option<Instant>,
     pub(crate) cancel: Option<&'a CancelToken>,
-    /// The bound on each attempt's commands.
-    pub(crate) node_timeout: Duration,
+    /// The bound on each attempt's commands: the node timeout, plus the
+    /// replication guard's `WAIT` where one follows the attempt.
+    pub(crate) attempt_timeout: Duration,
     /// How long the subscriber may take to connect before the first attempt.
     pub(crate) settle: Duration,
     /// What a failure that may pass does to the wait.
@@ -871,7 +872,7 @@ fn wait_loop<R: Route, T>(
         let started = registry.now();
         let (outcome, lost) = route.attempt(
             w.keys[0],
-            started + w.node_timeout,
+            started + w.attempt_timeout,
             waiting,
             &mut |tracker, conn, deadline| {
                 let reads = match tracker {

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::node_lease::NodeLease;
 use crate::core::quorum::Vote;
+use crate::core::timing::Timing;
 use crate::error::Error;
 use crate::identity::Identity;
 use crate::report::NodeOutcome;
@@ -42,8 +43,9 @@ pub(crate) enum NodeReply {
 /// How a node's worker runs its jobs.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct NodeSettings {
-    /// The bound on one command; also the fresh budget of a late release.
-    pub(crate) node_timeout: Duration,
+    /// The group's timing: its node timeout bounds one command and is the
+    /// fresh budget of a late release.
+    pub(crate) timing: Timing,
     /// No acquire goes to a server that started less than this long ago.
     pub(crate) restart_delay: Option<Duration>,
 }

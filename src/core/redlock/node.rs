@@ -215,7 +215,7 @@ impl<J> Node<J> {
         }
         self.connecting = false;
         self.adopt(connected);
-        let deadline = now + self.settings.node_timeout;
+        let deadline = now + self.settings.timing.node_timeout;
         while let Some(mut job) = self.deferred.pop_back() {
             job.deadline = deadline;
             self.queue.push_front(job);
@@ -238,7 +238,7 @@ impl<J> Node<J> {
     }
 
     fn adopt(&mut self, c: Connected) {
-        let nt = self.settings.node_timeout;
+        let nt = self.settings.timing.node_timeout;
         if c.round_trip * ROUND_TRIPS_PER_TIMEOUT > nt {
             log::warn!(
                 "redlock node {}: round trip {:?} is more than half the node timeout {nt:?}; \
@@ -267,7 +267,7 @@ impl<J> Node<J> {
             // Behind other jobs past its deadline (or too close to it): a
             // release is still worth sending, so that a late grant does not
             // outlive its clean-up.
-            job.deadline = now + self.settings.node_timeout;
+            job.deadline = now + self.settings.timing.node_timeout;
         }
         if self.live.is_none() && !self.connecting {
             self.connecting = true;
@@ -453,7 +453,7 @@ impl<J> Node<J> {
     /// reconnect).
     fn time_for_one(&self, deadline: Instant, now: Instant) -> bool {
         let left = deadline.saturating_duration_since(now);
-        let nt = self.settings.node_timeout;
+        let nt = self.settings.timing.node_timeout;
         !left.is_zero() && self.round_trip.is_none_or(|rtt| rtt >= nt || left >= rtt)
     }
 
@@ -528,6 +528,15 @@ fn failed(e: &Error) -> NodeOutcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::timing::Timing;
+
+    /// A group's timing with this node timeout (nodes ignore the drift).
+    fn timing(node_timeout: Duration) -> Timing {
+        Timing {
+            drift_factor: 0.0,
+            node_timeout,
+        }
+    }
 
     #[test]
     fn a_server_is_assumed_to_have_started_as_late_as_its_uptime_allows() {
@@ -548,7 +557,7 @@ mod tests {
 
     fn node(now: Instant) -> Node<u32> {
         let settings = NodeSettings {
-            node_timeout: Duration::from_millis(50),
+            timing: timing(Duration::from_millis(50)),
             restart_delay: None,
         };
         let first = Connected {
@@ -1052,7 +1061,7 @@ mod tests {
         let t0 = Instant::now();
         let ms = Duration::from_millis;
         let settings = NodeSettings {
-            node_timeout: ms(50),
+            timing: timing(ms(50)),
             restart_delay: None,
         };
         let first = Connected {
@@ -1074,7 +1083,7 @@ mod tests {
         let ms = Duration::from_millis;
         let delay = Duration::from_secs(10);
         let settings = NodeSettings {
-            node_timeout: ms(50),
+            timing: timing(ms(50)),
             restart_delay: Some(delay),
         };
         let first = Connected {

@@ -45,6 +45,7 @@ use parking_lot::Mutex;
 use crate::clock::Clock;
 use crate::conn::cluster::{NodeAddr, Redirect, redirect};
 use crate::conn::{Conn, ConnConfig, Connect, Identity, RoleCheck};
+use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::keys::key_slot;
 use crate::observe::{self, Observer};
@@ -98,6 +99,8 @@ pub(crate) struct Settings {
     pub(crate) pool_size: usize,
     pub(crate) refresh: Duration,
     pub(crate) clock: Arc<dyn Clock>,
+    /// The deployment's drift factor and node timeout.
+    pub(crate) timing: Timing,
     /// Told of topology changes, the fall-back to polling and every lease.
     pub(crate) observer: Option<Arc<dyn Observer>>,
 }
@@ -121,6 +124,7 @@ pub(crate) struct Topology {
     renewal: Renewal,
     counters: Arc<Counters>,
     clock: Arc<dyn Clock>,
+    timing: Timing,
     pool_size: usize,
     live: Mutex<Live>,
     /// Asks the topology thread to look again now.
@@ -157,6 +161,7 @@ impl Topology {
                 renewal: renewal::renewal(s.clock.clone(), lanes),
                 counters: counters.clone(),
                 clock: s.clock.clone(),
+                timing: s.timing,
                 pool_size: s.pool_size,
                 live: Mutex::new(Live {
                     cells: Vec::new(),
@@ -178,6 +183,7 @@ impl Topology {
         registry: &Arc<Registry>,
         s_pool: usize,
         clock: &Arc<dyn Clock>,
+        timing: Timing,
     ) -> Arc<Node> {
         let dir: Weak<dyn Directory> = this.clone();
         Arc::new(Node::new(
@@ -185,6 +191,7 @@ impl Topology {
             s_pool,
             dir,
             clock.clone(),
+            timing,
             counters.clone(),
             registry.clone(),
         ))
@@ -198,7 +205,13 @@ impl Topology {
             &self.registry,
             self.pool_size,
             &self.clock,
+            self.timing,
         )
+    }
+
+    /// The deployment's drift factor and node timeout.
+    pub(crate) fn timing(&self) -> Timing {
+        self.timing
     }
 
     /// What this deployment is, for messages.
