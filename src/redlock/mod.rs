@@ -31,6 +31,7 @@ use crate::clock::Clock;
 use crate::conn::ConnConfig;
 use crate::coordinator::Coordinator;
 use crate::core::timing::Timing;
+use crate::core::wait::WaitPolicy;
 use crate::error::{Error, Result};
 use crate::observe::{Acquiring, Observer, Primitive};
 use crate::token::HolderTag;
@@ -641,9 +642,7 @@ impl RedlockGroup {
         let never = crossbeam_channel::never();
         let cancelled = cancel.map_or(&never, CancelToken::receiver);
         let options = &self.inner.options;
-        let mut tries = 0u32;
-        let mut last_error: Option<Error>;
-        let mut warned = false;
+        let mut policy: WaitPolicy<Error> = WaitPolicy::new(deadline);
         loop {
             if cancel.is_some_and(CancelToken::is_cancelled) {
                 return Err(Error::Cancelled);
@@ -656,28 +655,23 @@ impl RedlockGroup {
                     }
                     return Ok(Some(guard));
                 }
-                Ok(None) => last_error = None,
+                Ok(None) => policy.busy(),
                 Err(e) if e.is_retryable() => {
-                    if !warned {
-                        warned = true;
+                    let message = e.to_string();
+                    if policy.failed(e) {
                         log::warn!(
-                            "waiting for redlock {key:?}: {e}; retrying until the wait ends"
+                            "waiting for redlock {key:?}: {message}; retrying until the wait ends"
                         );
                     }
-                    last_error = Some(e);
                 }
                 Err(e) => return Err(e),
             }
             let now = self.inner.now();
-            if deadline.is_some_and(|d| now >= d) {
-                return match last_error {
-                    Some(e) => Err(e),
-                    None => Ok(None),
-                };
+            if policy.past(now) {
+                return policy.end();
             }
-            tries = tries.saturating_add(1);
-            let pause = retry_pause(tries, options.retry_base, options.retry_max);
-            let wake = deadline.map_or(now + pause, |d| d.min(now + pause));
+            let pause = retry_pause(policy.tries(), options.retry_base, options.retry_max);
+            let wake = policy.wake_at(now, pause);
             crossbeam_channel::select! {
                 recv(cancelled) -> _ => return Err(Error::Cancelled),
                 recv(crossbeam_channel::at(wake)) -> _ => {}

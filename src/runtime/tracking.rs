@@ -23,6 +23,7 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use crate::conn::{Conn, ConnConfig};
+use crate::core::timing::resubscribe_after;
 use crate::error::{Error, Result, is_noperm};
 use crate::runtime::waiters::{Registry, Status, Tracker};
 
@@ -69,7 +70,8 @@ fn run(
     stop: &Receiver<()>,
 ) {
     let mut generation = 0;
-    let mut backoff = Duration::from_millis(50);
+    // Failed sessions since the last one that subscribed.
+    let mut failures = 0u32;
     loop {
         if stopped(stop) {
             return;
@@ -106,17 +108,19 @@ fn run(
         };
         if subscribed {
             // Invalidations may have been lost: every waiter re-checks now.
-            backoff = Duration::from_millis(50);
+            failures = 0;
             registry.wake_all();
         }
         if finished {
             return;
         }
         // Wait before reconnecting, but stop at once if the coordinator is gone.
-        if let Err(crossbeam_channel::RecvTimeoutError::Disconnected) = stop.recv_timeout(backoff) {
+        failures = failures.saturating_add(1);
+        if let Err(crossbeam_channel::RecvTimeoutError::Disconnected) =
+            stop.recv_timeout(resubscribe_after(failures))
+        {
             return;
         }
-        backoff = (backoff * 2).min(Duration::from_secs(2));
     }
 }
 

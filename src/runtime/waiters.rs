@@ -137,6 +137,7 @@ use crate::cancel::CancelToken;
 use crate::clock::Clock;
 use crate::conn::Conn;
 use crate::core::timing::backoff;
+use crate::core::wait::WaitPolicy;
 use crate::error::{Error, Result};
 use crate::observe::{self, Observer};
 use crate::token::random_unit;
@@ -829,11 +830,7 @@ fn wait_loop<R: Route, T>(
     let never = crossbeam_channel::never();
     let cancelled = w.cancel.map_or(&never, |c| c.receiver());
     let is_cancelled = || w.cancel.is_some_and(CancelToken::is_cancelled);
-    let past = |now: Instant| w.deadline.is_some_and(|d| now >= d);
-    let mut last_error: Option<Error> = None;
-    let mut verdict = false;
-    let mut failures = 0u32;
-    let mut warned = false;
+    let mut policy: WaitPolicy<Error> = WaitPolicy::new(w.deadline);
     if !behind
         && w.order == Order::Local
         && registry.was_contended(w.keys[0], CONTENDED_FOR)
@@ -910,11 +907,9 @@ fn wait_loop<R: Route, T>(
                 return Ok(Some(t));
             }
             Ok((Attempt::Busy(_), _)) if !waiting => {
-                last_error = None;
-                verdict = true;
-                failures = 0;
-                if past(registry.now()) {
-                    return Ok(None);
+                policy.busy();
+                if policy.past(registry.now()) {
+                    return policy.end();
                 }
                 // Held: from now on the wait pays for waiting. The next
                 // attempt goes out at once, registered, and arms tracking
@@ -925,54 +920,50 @@ fn wait_loop<R: Route, T>(
                 continue;
             }
             Ok((Attempt::Busy(pttl), tracked)) => {
-                last_error = None;
-                verdict = true;
-                failures = 0;
+                policy.busy();
                 (pttl, tracked)
             }
             // Every pooled connection is busy with other calls (a burst of
             // waiters woken at once): nothing was sent, so keep waiting for
             // one while the wait lasts; at its end the last verdict stands.
             Err(Error::PoolTimeout(after)) => {
-                if !past(registry.now()) {
+                if !policy.past(registry.now()) {
                     continue;
                 }
-                return match last_error {
-                    None if verdict => Ok(None),
-                    Some(e) => Err(e),
-                    None => Err(Error::PoolTimeout(after)),
-                };
+                if !policy.has_verdict() {
+                    return Err(Error::PoolTimeout(after));
+                }
+                return policy.end();
             }
             Err(e) if e.is_retryable() && w.failures == Failures::Report => return Err(e),
             Err(e) if e.is_retryable() => {
-                failures = failures.saturating_add(1);
-                if !warned {
-                    warned = true;
+                let message = e.to_string();
+                let dead_conn = matches!(e, Error::Io { .. });
+                if policy.failed(e) {
                     log::warn!(
-                        "waiting on {:?}: {e}; retrying until the wait ends",
+                        "waiting on {:?}: {message}; retrying until the wait ends",
                         w.keys[0]
                     );
                 } else {
-                    log::debug!("waiting on {:?}: {e}; retrying", w.keys[0]);
+                    log::debug!("waiting on {:?}: {message}; retrying", w.keys[0]);
                 }
                 // A dead pooled connection (restart, idle timeout, kill):
                 // attempts are idempotent for their owner, so the first retry
                 // goes out at once on a fresh connection.
-                let pause = if failures == 1 && matches!(e, Error::Io { .. }) {
+                let failures = policy.failures();
+                let pause = if failures == 1 && dead_conn {
                     Duration::ZERO
                 } else {
                     failure_pause(failures)
                 };
-                last_error = Some(e);
-                if past(registry.now()) {
-                    return Err(last_error.take().expect("set above"));
+                if policy.past(registry.now()) {
+                    return policy.end();
                 }
                 if waiter.is_none() {
                     // Not granted: the wait proper begins, as when held.
                     waiter = Some(join(route, w));
                 }
-                let wake = registry.now() + pause;
-                let wake = w.deadline.map_or(wake, |d| d.min(wake));
+                let wake = policy.wake_at(registry.now(), pause);
                 crossbeam_channel::select! {
                     recv(cancelled) -> _ => return Err(Error::Cancelled),
                     recv(crossbeam_channel::at(wake)) -> _ => {}
@@ -985,11 +976,8 @@ fn wait_loop<R: Route, T>(
             .as_ref()
             .expect("a tracked attempt is made registered");
         let now = registry.now();
-        if past(now) {
-            return match last_error {
-                Some(e) => Err(e),
-                None => Ok(None),
-            };
+        if policy.past(now) {
+            return policy.end();
         }
         let mut wake_at = w.deadline;
         if let Order::Server { refresh } = w.order {
@@ -1016,8 +1004,8 @@ fn wait_loop<R: Route, T>(
             recv(waiter.rx) -> _ => {}
             recv(cancelled) -> _ => return Err(Error::Cancelled),
             recv(timer) -> _ => {
-                if past(registry.now()) {
-                    return Ok(None);
+                if policy.past(registry.now()) {
+                    return policy.end();
                 }
             }
         }

@@ -12,6 +12,7 @@ use crate::clock::Clock;
 use crate::conn::cluster::NodeAddr;
 use crate::conn::sentinel::{parse_master_addr, parse_switch};
 use crate::conn::{Conn, ConnConfig, RoleCheck};
+use crate::core::timing::resubscribe_after;
 use crate::error::{Error, Result};
 use crate::observe;
 use crate::replication::ReplicationPoint;
@@ -396,7 +397,7 @@ fn follow_sentinel(
     events: &Sender<Event>,
     stop: &Receiver<()>,
 ) {
-    let mut backoff = Duration::from_millis(50);
+    let mut failures = 0u32;
     let mut first = true;
     loop {
         if stopped(stop) {
@@ -406,10 +407,12 @@ fn follow_sentinel(
             Ok(()) => return,
             Err(e) => log::debug!("following {SWITCH_CHANNEL} on {}: {e}", cfg.addr),
         }
-        if let Err(crossbeam_channel::RecvTimeoutError::Disconnected) = stop.recv_timeout(backoff) {
+        failures = failures.saturating_add(1);
+        if let Err(crossbeam_channel::RecvTimeoutError::Disconnected) =
+            stop.recv_timeout(resubscribe_after(failures))
+        {
             return;
         }
-        backoff = (backoff * 2).min(Duration::from_secs(2));
     }
 }
 
