@@ -2,12 +2,11 @@
 //! cancels it, a grant that finds KEY held in another mode given back, and
 //! word when the deployment stops or starts answering.
 
-use std::hash::{BuildHasher as _, Hasher as _};
 use std::process::ExitCode;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::select;
-use respire_coordination::{CancelToken, Error, MAX_TTL};
+use respire_coordination::{Backoff, CancelToken, Error, MAX_TTL};
 use signal_hook::consts::SIGINT;
 
 use super::Run;
@@ -91,6 +90,7 @@ impl Run<'_> {
                     }
                 }
             });
+            let mut backoff = conflict_backoff();
             let result = loop {
                 let guard = match attempt(deadline, cancel) {
                     Ok(Some(g)) => g,
@@ -104,7 +104,7 @@ impl Run<'_> {
                         if deadline.is_some_and(|d| d <= now) {
                             break Err((Error::Cancelled, Some(other)));
                         }
-                        let pause = backoff().min(
+                        let pause = backoff.next_pause().min(
                             deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(now)),
                         );
                         select! {
@@ -140,16 +140,11 @@ impl Run<'_> {
     }
 }
 
-/// A pause of 20–220 ms before trying again after a conflict with another
-/// mode, different in every process so that two modes do not keep meeting.
-fn backoff() -> Duration {
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    Duration::from_millis(20 + h.finish() % 200)
+/// The pauses before trying again after conflicts with another mode: from
+/// 20–40 ms after the first, doubling, to 110–220 ms, random in every
+/// process so that two modes do not keep meeting.
+fn conflict_backoff() -> Backoff {
+    Backoff::new(Duration::from_millis(40), Duration::from_millis(220))
 }
 
 /// The deadline of a wait: `None` to wait until acquired, also for a wait too
@@ -190,10 +185,13 @@ mod tests {
     }
 
     #[test]
-    fn backoff_is_bounded() {
+    fn conflict_pauses_are_bounded() {
         for _ in 0..100 {
-            let b = backoff();
-            assert!(b >= Duration::from_millis(20) && b < Duration::from_millis(220));
+            let mut backoff = conflict_backoff();
+            for _ in 0..10 {
+                let b = backoff.next_pause();
+                assert!(b >= Duration::from_millis(20) && b < Duration::from_millis(220));
+            }
         }
     }
 }
