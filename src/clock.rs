@@ -6,7 +6,9 @@
 //! deadlines, the waiters, the topology threads, the guards, the Redlock
 //! workers — reads the deployment's clock through this trait, which the
 //! coordinator builder hands to every part it makes; tests/layering.rs fails
-//! on a direct `Instant::now` or `.elapsed()` anywhere but here. What blocks
+//! on a direct `Instant::now` or `.elapsed()` anywhere else in the library
+//! (test code and the simulation, whose model servers keep simulated time,
+//! aside; the `respire-lock` binary times its own child). What blocks
 //! in the operating system (a socket timeout, a channel's timer) still waits
 //! in real time for the span computed from this clock.
 

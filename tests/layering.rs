@@ -466,6 +466,51 @@ fn sibling_imports<'a>(edges: &BTreeMap<&'a str, BTreeSet<&'a str>>) -> Vec<(&'a
     found
 }
 
+/// The shared lease pieces every primitive may import: the deployment, the
+/// kinds, the handle, the guard and the reply helpers of `lease/mod.rs`.
+const SHARED: [&str; 5] = [
+    "lease",
+    "lease::acquire",
+    "lease::deployment",
+    "lease::guard",
+    "lease::kind",
+];
+
+/// The modules of the lease family that are neither a listed primitive nor
+/// a shared piece: a new primitive must be listed to be checked.
+fn unlisted_lease_modules(mods: &BTreeMap<String, String>) -> Vec<&str> {
+    mods.keys()
+        .map(String::as_str)
+        .filter(|m| *m == "lease" || m.starts_with("lease::"))
+        .filter(|m| !PRIMITIVES.contains(m) && !SHARED.contains(m))
+        .collect()
+}
+
+#[test]
+fn every_module_of_the_lease_family_is_a_primitive_or_shared() {
+    let mods = modules();
+    for m in SHARED {
+        assert!(mods.contains_key(m), "no module {m}");
+    }
+    let unlisted = unlisted_lease_modules(&mods);
+    assert!(
+        unlisted.is_empty(),
+        "lease modules neither in PRIMITIVES nor in SHARED: {unlisted:?}"
+    );
+}
+
+#[test]
+fn an_unlisted_lease_module_is_found() {
+    let mut mods: BTreeMap<String, String> = PRIMITIVES
+        .iter()
+        .chain(&SHARED)
+        .map(|m| ((*m).to_owned(), String::new()))
+        .collect();
+    assert!(unlisted_lease_modules(&mods).is_empty());
+    mods.insert("lease::barrier".to_owned(), String::new());
+    assert_eq!(unlisted_lease_modules(&mods), ["lease::barrier"]);
+}
+
 #[test]
 fn the_primitives_import_no_sibling() {
     let mods = modules();

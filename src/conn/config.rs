@@ -31,6 +31,9 @@ pub(crate) struct TlsMaterial {
     pub(crate) client: Option<(Vec<u8>, Vec<u8>)>,
 }
 
+/// What [`Error::Config`] says of a connect or node timeout of zero.
+pub(crate) const TIMEOUTS_ZERO: &str = "timeouts must be greater than zero";
+
 /// Everything needed to open a connection to one server.
 pub(crate) struct ConnConfig {
     pub(super) client: redis::Client,
@@ -39,7 +42,6 @@ pub(crate) struct ConnConfig {
     pub(crate) addr: Arc<str>,
     pub(crate) tls: bool,
     pub(crate) connect_timeout: Duration,
-    pub(crate) node_timeout: Duration,
     /// Ask `ROLE` in the setup round trip and refuse a server that is not a
     /// primary (a Sentinel deployment's data nodes), or learn its replicas
     /// (the replication guard).
@@ -73,7 +75,6 @@ impl fmt::Debug for ConnConfig {
             .field("addr", &self.addr)
             .field("tls", &self.tls)
             .field("connect_timeout", &self.connect_timeout)
-            .field("node_timeout", &self.node_timeout)
             .finish()
     }
 }
@@ -87,7 +88,6 @@ pub(crate) struct ConnSettings {
     pub(crate) database: Option<i64>,
     pub(crate) protocol: Protocol,
     pub(crate) connect_timeout: Duration,
-    pub(crate) node_timeout: Duration,
     pub(crate) role: RoleCheck,
     /// The clock every deadline is read on (the deployment's).
     pub(crate) clock: Arc<dyn Clock>,
@@ -131,8 +131,8 @@ impl ConnConfig {
             .set_keepalive(keepalive);
         let addr_desc = describe_addr(info.addr(), redis_info.db());
         let tls = matches!(info.addr(), ConnectionAddr::TcpTls { .. });
-        if s.connect_timeout.is_zero() || s.node_timeout.is_zero() {
-            return Err(Error::Config("timeouts must be greater than zero".into()));
+        if s.connect_timeout.is_zero() {
+            return Err(Error::Config(TIMEOUTS_ZERO.into()));
         }
         let pubsub_info = info
             .clone()
@@ -157,7 +157,6 @@ impl ConnConfig {
             addr: addr_desc.into(),
             tls,
             connect_timeout: s.connect_timeout,
-            node_timeout: s.node_timeout,
             role: s.role,
             extension_acks: s.extension_acks,
             clock: s.clock.clone(),

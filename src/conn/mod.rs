@@ -22,7 +22,7 @@ pub(crate) mod url;
 pub use self::config::Protocol;
 #[cfg(feature = "tls")]
 pub(crate) use self::config::TlsMaterial;
-pub(crate) use self::config::{ConnConfig, ConnSettings, RoleCheck};
+pub(crate) use self::config::{ConnConfig, ConnSettings, RoleCheck, TIMEOUTS_ZERO};
 pub(crate) use self::connection::Conn;
 pub(crate) use self::pool::{Connect, Pool};
 pub(crate) use self::url::redact_url;

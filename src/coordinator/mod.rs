@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use crate::clock::{self, Clock};
 use crate::conn::url::{Auth, DEFAULT_PORT, ParsedTarget, parse_target};
-use crate::conn::{ConnConfig, ConnSettings, Protocol, RoleCheck, redact_url};
+use crate::conn::{ConnConfig, ConnSettings, Protocol, RoleCheck, TIMEOUTS_ZERO, redact_url};
 use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::keys;
@@ -349,10 +349,10 @@ pub struct CoordinatorBuilder {
     target: Target,
     key_prefix: String,
     connect_timeout: Duration,
-    node_timeout: Duration,
+    /// The node timeout and the drift factor.
+    timing: Timing,
     pool_size: usize,
     protocol: Protocol,
-    drift_factor: f64,
     username: Option<String>,
     password: Option<String>,
     database: Option<i64>,
@@ -394,10 +394,12 @@ impl CoordinatorBuilder {
             target,
             key_prefix: String::new(),
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
-            node_timeout: DEFAULT_NODE_TIMEOUT,
+            timing: Timing {
+                drift_factor: DEFAULT_DRIFT_FACTOR,
+                node_timeout: DEFAULT_NODE_TIMEOUT,
+            },
             pool_size: DEFAULT_POOL_SIZE,
             protocol: Protocol::Resp2,
-            drift_factor: DEFAULT_DRIFT_FACTOR,
             username: None,
             password: None,
             database: None,
@@ -434,7 +436,7 @@ impl CoordinatorBuilder {
     /// every command, the bound on a guard's release on drop, and the margin by
     /// which a lease is declared lost before it can expire. Defaults to 500 ms.
     pub fn node_timeout(mut self, timeout: Duration) -> Self {
-        self.node_timeout = timeout;
+        self.timing.node_timeout = timeout;
         self
     }
 
@@ -467,7 +469,7 @@ impl CoordinatorBuilder {
     /// The fraction of each TTL written off for clock-rate differences between
     /// this host and the server (plus 2 ms). Must be in `0.0..0.5`. Defaults to 0.01.
     pub fn drift_factor(mut self, factor: f64) -> Self {
-        self.drift_factor = factor;
+        self.timing.drift_factor = factor;
         self
     }
 
@@ -588,11 +590,7 @@ impl CoordinatorBuilder {
     /// timeouts to spare (`(2 × node timeout + 2 ms) / (0.5 − drift factor)`;
     /// 2.045 s with the defaults). Does not connect.
     pub fn min_keep_alive_ttl(&self) -> Duration {
-        Timing {
-            drift_factor: self.drift_factor,
-            node_timeout: self.node_timeout,
-        }
-        .min_keepalive_ttl()
+        self.timing.min_keepalive_ttl()
     }
 
     /// Checks the settings and connects once.
@@ -625,6 +623,7 @@ impl CoordinatorBuilder {
             pool_size: self.pool_size,
             refresh: self.refresh,
             clock: self.clock.clone(),
+            timing: self.timing,
             observer: self.observer.clone(),
         };
         let role = match self.replication {
@@ -645,14 +644,9 @@ impl CoordinatorBuilder {
                 database,
             } => self.sentinel(sentinels, service, auth, database, &settings)?,
         };
-        let timing = Timing {
-            drift_factor: self.drift_factor,
-            node_timeout: self.node_timeout,
-        };
         let dep = Arc::new(Deployment::new(
             topology,
             self.key_prefix,
-            timing,
             self.connect_timeout,
             self.replication,
             settings.clock,
@@ -688,10 +682,10 @@ impl CoordinatorBuilder {
     /// topology URLs taken apart.
     fn check(&self) -> Result<ParsedTarget> {
         keys::check_prefix(&self.key_prefix)?;
-        if !(0.0..0.5).contains(&self.drift_factor) {
+        if !(0.0..0.5).contains(&self.timing.drift_factor) {
             return Err(Error::InvalidArgument(format!(
                 "drift factor {} is outside 0.0..0.5",
-                self.drift_factor
+                self.timing.drift_factor
             )));
         }
         if self.pool_size == 0 {
@@ -734,6 +728,9 @@ impl CoordinatorBuilder {
                  Sentinel deployments only"
                     .into(),
             ));
+        }
+        if self.timing.node_timeout.is_zero() {
+            return Err(Error::Config(TIMEOUTS_ZERO.into()));
         }
         Ok(target)
     }
@@ -843,7 +840,6 @@ impl CoordinatorBuilder {
             database: self.database,
             protocol: self.protocol,
             connect_timeout: self.connect_timeout,
-            node_timeout: self.node_timeout,
             role,
             clock: self.clock.clone(),
             extension_acks: match self.replication {
@@ -864,7 +860,6 @@ impl CoordinatorBuilder {
             database: None,
             protocol: Protocol::Resp2,
             connect_timeout: self.connect_timeout,
-            node_timeout: self.node_timeout,
             role: RoleCheck::None,
             clock: self.clock.clone(),
             extension_acks: None,
@@ -912,10 +907,10 @@ impl fmt::Debug for CoordinatorBuilder {
             .field("target", &target)
             .field("key_prefix", &self.key_prefix)
             .field("connect_timeout", &self.connect_timeout)
-            .field("node_timeout", &self.node_timeout)
+            .field("node_timeout", &self.timing.node_timeout)
             .field("pool_size", &self.pool_size)
             .field("protocol", &self.protocol)
-            .field("drift_factor", &self.drift_factor)
+            .field("drift_factor", &self.timing.drift_factor)
             .field("username", &self.username)
             .field("password", &self.password.as_ref().map(|_| "***"))
             .field("database", &self.database)
@@ -986,6 +981,26 @@ mod tests {
                 timeout: Duration::from_millis(10),
             }),
             "at least 1 replica",
+        );
+    }
+
+    #[test]
+    fn zero_timeouts_are_refused_before_connecting() {
+        // Port 1: a build that got as far as connecting would fail with
+        // Error::Connect instead.
+        let zero = |b: CoordinatorBuilder| {
+            let err = b.build().unwrap_err();
+            assert!(
+                matches!(&err, Error::Config(m) if m == TIMEOUTS_ZERO),
+                "{err}"
+            );
+        };
+        zero(Coordinator::builder("redis://127.0.0.1:1").node_timeout(Duration::ZERO));
+        zero(Coordinator::builder("redis://127.0.0.1:1").connect_timeout(Duration::ZERO));
+        zero(Coordinator::cluster_builder(&["redis://127.0.0.1:1"]).node_timeout(Duration::ZERO));
+        zero(
+            Coordinator::sentinel_builder(&["redis://127.0.0.1:1"], "s")
+                .node_timeout(Duration::ZERO),
         );
     }
 }

@@ -26,7 +26,7 @@
 use std::time::{Duration, Instant};
 
 use crate::core::lease::{Confirmed, Loss, Refusal, Ticket};
-use crate::core::timing::retry_delay;
+use crate::core::timing::{Timing, retry_delay};
 
 /// The pause before a kill or clean-up that failed is tried again (at most
 /// a node timeout).
@@ -218,16 +218,17 @@ enum InFlight<K> {
 
 /// One server's executor state; `K` names a connection to kill.
 pub(crate) struct Executor<L, C, K> {
-    node_timeout: Duration,
+    /// The deployment's timing; its node timeout bounds a retry's pause.
+    timing: Timing,
     fences: Vec<Fence<L, K>>,
     cleanups: Vec<CleanUp<C, K>>,
     in_flight: Option<InFlight<K>>,
 }
 
 impl<L: Claim, C, K: Clone + PartialEq> Executor<L, C, K> {
-    pub(crate) fn new(node_timeout: Duration) -> Self {
+    pub(crate) fn new(timing: Timing) -> Self {
         Executor {
-            node_timeout,
+            timing,
             fences: Vec::new(),
             cleanups: Vec::new(),
             in_flight: None,
@@ -430,7 +431,7 @@ impl<L: Claim, C, K: Clone + PartialEq> Executor<L, C, K> {
     /// or it was gone already) or failed. Returns the leases whose claims
     /// were freed by it.
     pub(crate) fn kill_done(&mut self, confirmed: bool, now: Instant) -> Vec<L> {
-        let retry_at = now + RETRY.min(self.node_timeout);
+        let retry_at = now + RETRY.min(self.timing.node_timeout);
         match self.in_flight.take() {
             Some(InFlight::FenceKill(conn)) => {
                 let Some(i) = self.fences.iter().position(|f| f.conn == conn) else {
@@ -484,7 +485,7 @@ impl<L: Claim, C, K: Clone + PartialEq> Executor<L, C, K> {
                 self.cleanups.remove(0);
             }
         } else if let Some(c) = self.cleanups.first_mut() {
-            c.retry_at = now + RETRY.min(self.node_timeout);
+            c.retry_at = now + RETRY.min(self.timing.node_timeout);
         }
     }
 
@@ -505,7 +506,6 @@ pub(crate) mod tests {
 
     use super::*;
     use crate::core::lease::LeaseCore;
-    use crate::core::timing::Timing;
     use parking_lot::Mutex;
 
     fn ms(n: u64) -> Duration {
@@ -563,7 +563,7 @@ pub(crate) mod tests {
     fn an_unanswered_renewal_keeps_its_claim_until_the_kill_is_confirmed() {
         let t0 = Instant::now();
         let l = lease(t0);
-        let mut ex: Executor<L, (), u64> = Executor::new(ms(100));
+        let mut ex: Executor<L, (), u64> = Executor::new(T);
         let (renewal, done) = ex.renew(vec![l.clone()], t0);
         assert!(done.is_empty());
         let again = ex.renewal_unanswered(renewal.unwrap(), Some(7), t0 + ms(100));
@@ -590,7 +590,7 @@ pub(crate) mod tests {
     fn a_renewal_settles_each_lease_by_its_reply() {
         let t0 = Instant::now();
         let (a, b, c) = (lease(t0), lease(t0), lease(t0));
-        let mut ex: Executor<L, (), u64> = Executor::new(ms(100));
+        let mut ex: Executor<L, (), u64> = Executor::new(T);
         let (renewal, _) = ex.renew(vec![a.clone(), b.clone(), c.clone()], t0 + ms(10));
         let out = ex.renewed(
             renewal.unwrap(),
@@ -617,7 +617,7 @@ pub(crate) mod tests {
     #[test]
     fn a_clean_up_runs_only_after_every_connection_is_killed() {
         let t0 = Instant::now();
-        let mut ex: Executor<L, &str, u64> = Executor::new(ms(100));
+        let mut ex: Executor<L, &str, u64> = Executor::new(T);
         ex.clean_up(vec![1, 2], "del", t0 + ms(1_000), t0);
         assert_eq!(ex.poll_command(t0), Some(Command::Kill(2)));
         ex.kill_done(true, t0);
@@ -638,7 +638,7 @@ pub(crate) mod tests {
     #[test]
     fn a_clean_up_whose_slot_moved_is_handed_out_only_while_it_runs() {
         let t0 = Instant::now();
-        let mut ex: Executor<L, &str, u64> = Executor::new(ms(100));
+        let mut ex: Executor<L, &str, u64> = Executor::new(T);
         ex.clean_up(vec![], "del", t0 + ms(1_000), t0);
         // Not running: nothing to hand over.
         assert!(ex.clean_up_moved().is_none());
@@ -657,7 +657,7 @@ pub(crate) mod tests {
     fn retiring_frees_the_claims_with_their_worst_case_kept() {
         let t0 = Instant::now();
         let l = lease(t0);
-        let mut ex: Executor<L, (), u64> = Executor::new(ms(100));
+        let mut ex: Executor<L, (), u64> = Executor::new(T);
         let ticket = l.begin_extend(t0 + ms(10), ms(2_000)).unwrap();
         l.unanswered(ticket, t0 + ms(110));
         ex.fence(Some(9), l.clone(), ticket, t0 + ms(110));
@@ -680,7 +680,7 @@ pub(crate) mod tests {
     fn a_confirmed_kill_frees_every_claim_on_its_connection_and_no_other() {
         let t0 = Instant::now();
         let (a, b, c) = (lease(t0), lease(t0), lease(t0));
-        let mut ex: Executor<L, (), u64> = Executor::new(ms(100));
+        let mut ex: Executor<L, (), u64> = Executor::new(T);
         for (l, conn) in [(&b, 8), (&a, 7), (&c, 7)] {
             let ticket = l.begin_extend(t0, ms(10_000)).unwrap();
             l.unanswered(ticket, t0 + ms(100));

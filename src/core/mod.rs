@@ -16,3 +16,4 @@ pub(crate) mod redlock;
 pub(crate) mod schedule;
 pub(crate) mod server_clock;
 pub(crate) mod timing;
+pub(crate) mod wait;

@@ -85,6 +85,18 @@ pub(crate) fn rest_after(failures: u32) -> Duration {
     )
 }
 
+/// How long a subscriber thread (a server's invalidations, a sentinel's
+/// switches) pauses before its `failures`-th reconnect in a row: 50 ms,
+/// doubling, at most 2 s (no jitter: each server has its own).
+pub(crate) fn resubscribe_after(failures: u32) -> Duration {
+    backoff(
+        failures,
+        Duration::from_millis(50),
+        Duration::from_secs(2),
+        1.0,
+    )
+}
+
 /// How long to wait before retrying a renewal that failed.
 pub(crate) fn retry_delay(ttl: Duration) -> Duration {
     (ttl / 20).clamp(Duration::from_millis(5), Duration::from_millis(250))
@@ -153,6 +165,13 @@ mod tests {
         let rests: Vec<Duration> = (0..=9).map(rest_after).collect();
         let expected = [25, 25, 50, 100, 200, 400, 800, 1_000, 1_000, 1_000].map(ms);
         assert_eq!(rests, expected);
+    }
+
+    #[test]
+    fn a_subscriber_waits_50_ms_doubling_to_2_s_before_reconnecting() {
+        let pauses: Vec<Duration> = (1..=8).map(resubscribe_after).collect();
+        let expected = [50, 100, 200, 400, 800, 1_600, 2_000, 2_000].map(ms);
+        assert_eq!(pauses, expected);
     }
 
     #[test]

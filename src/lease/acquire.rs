@@ -284,7 +284,7 @@ impl<K: Kind> Lease<K> {
                     keys: &keys,
                     deadline,
                     cancel,
-                    node_timeout: dep.node_timeout() + dep.replication.timeout(),
+                    attempt_timeout: dep.node_timeout() + dep.replication.timeout(),
                     settle: dep.connect_timeout,
                     failures: Failures::RideOut,
                     order: self.spec.order(),
@@ -310,7 +310,7 @@ impl<K: Kind> Lease<K> {
                     // attempt.
                     let now = dep.now();
                     let by = deadline.map_or(now + dep.node_timeout(), |d| {
-                        (d + w.node_timeout).min(now + dep.node_timeout())
+                        (d + w.attempt_timeout).min(now + dep.node_timeout())
                     });
                     self.spec.stopped_waiting(dep, &owner, by);
                 }
@@ -457,7 +457,7 @@ impl<K: Kind> Lease<K> {
         ttl_ms: u64,
         acknowledged: Option<u32>,
     ) -> LeaseGuard<K> {
-        let core = LeaseCore::granted(self.dep.timing, g.sent, Duration::from_millis(ttl_ms));
+        let core = LeaseCore::granted(self.dep.timing(), g.sent, Duration::from_millis(ttl_ms));
         let key = g.ops.keys[0].clone();
         let cell = Arc::new(Cell::new(key, g.ops, core));
         self.dep.granted(&cell);

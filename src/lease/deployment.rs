@@ -30,7 +30,6 @@ use crate::runtime::topology::{Topology, Uncertain};
 pub(crate) struct Deployment {
     pub(crate) topology: Arc<Topology>,
     pub(crate) prefix: String,
-    pub(crate) timing: Timing,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) replication: Replication,
     /// The replication history the replication guard vouched for.
@@ -82,16 +81,15 @@ impl Deployment {
     pub(crate) fn new(
         topology: Arc<Topology>,
         prefix: String,
-        timing: Timing,
         connect_timeout: Duration,
         replication: Replication,
         clock: Arc<dyn Clock>,
     ) -> Self {
         let history = topology.history.clone();
+        let timing = topology.timing();
         Deployment {
             topology,
             prefix,
-            timing,
             clock,
             replication,
             history,
@@ -151,8 +149,13 @@ impl Deployment {
         result
     }
 
+    /// The deployment's drift factor and node timeout (its topology's).
+    pub(crate) fn timing(&self) -> Timing {
+        self.topology.timing()
+    }
+
     pub(crate) fn node_timeout(&self) -> Duration {
-        self.timing.node_timeout
+        self.timing().node_timeout
     }
 
     pub(crate) fn now(&self) -> Instant {
@@ -183,11 +186,11 @@ impl Deployment {
     /// timeouts; returns it in whole milliseconds.
     pub(crate) fn check_ttl(&self, ttl: Duration) -> Result<u64> {
         let ms = keys::ttl_ms(ttl)?;
-        if !self.timing.usable_ttl(Duration::from_millis(ms)) {
+        if !self.timing().usable_ttl(Duration::from_millis(ms)) {
             return Err(Error::InvalidArgument(format!(
                 "ttl {ttl:?} is not longer than the node timeout ({:?}) plus clock drift: the \
                  lease would count as lost as soon as it was granted",
-                self.timing.node_timeout
+                self.timing().node_timeout
             )));
         }
         Ok(ms)
@@ -420,7 +423,7 @@ impl fmt::Debug for Deployment {
         f.debug_struct("Deployment")
             .field("addr", &self.topology.describe())
             .field("key_prefix", &self.prefix)
-            .field("node_timeout", &self.timing.node_timeout)
+            .field("node_timeout", &self.timing().node_timeout)
             .finish_non_exhaustive()
     }
 }

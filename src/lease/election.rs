@@ -568,7 +568,7 @@ impl LeaderChanges {
             keys: &keys,
             deadline,
             cancel: self.cancel.as_ref(),
-            node_timeout: dep.node_timeout(),
+            attempt_timeout: dep.node_timeout(),
             settle: dep.connect_timeout,
             failures: Failures::Report,
             order: Order::Race,

@@ -400,7 +400,7 @@ impl<K: Kind> LeaseGuard<K> {
     /// [`Error::Thread`] when the renewal thread cannot be started.
     pub fn keep_alive(&self) -> Result<KeepAlive<'_>> {
         let ttl = self.cell.ttl();
-        let min = self.dep.timing.min_keepalive_ttl();
+        let min = self.dep.timing().min_keepalive_ttl();
         if ttl < min {
             return Err(Error::InvalidArgument(format!(
                 "ttl {ttl:?} is too short for keep-alive with a node timeout of {:?}: use at \
@@ -659,7 +659,6 @@ mod tests {
             database: None,
             protocol: Protocol::Resp2,
             connect_timeout: ms(100),
-            node_timeout: ms(100),
             role: RoleCheck::None,
             clock: clock.clone(),
             extension_acks: None,
@@ -671,16 +670,16 @@ mod tests {
             pool_size: 1,
             refresh: ms(1_000),
             clock: clock.clone(),
+            timing: Timing {
+                drift_factor: 0.0,
+                node_timeout: ms(100),
+            },
             observer: None,
         };
         let topology = Topology::standalone(Arc::new(cfg), None, &settings);
         Arc::new(Deployment::new(
             topology,
             String::new(),
-            Timing {
-                drift_factor: 0.0,
-                node_timeout: ms(100),
-            },
             ms(100),
             crate::Replication::Off,
             clock,
@@ -692,7 +691,7 @@ mod tests {
         let clock = Arc::new(ManualClock::new());
         let dep = deployment(clock.clone());
         let t0: Instant = crate::clock::Clock::now(&*clock);
-        let core = LeaseCore::granted(dep.timing, t0, ms(1_000));
+        let core = LeaseCore::granted(dep.timing(), t0, ms(1_000));
         let ops = crate::runtime::renewal::Ops::string_value("k", "o".into());
         let cell = Arc::new(Cell::new("k".into(), ops, core));
         let guard: LeaseGuard<Plain> = LeaseGuard::new(dep, cell, (), None);

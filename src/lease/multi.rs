@@ -428,7 +428,7 @@ impl<K: Kind> MultiLease<K> {
                     keys: &leases,
                     deadline,
                     cancel,
-                    node_timeout: dep.node_timeout() + dep.replication.timeout(),
+                    attempt_timeout: dep.node_timeout() + dep.replication.timeout(),
                     settle: dep.connect_timeout,
                     failures: Failures::RideOut,
                     order: Order::Local,

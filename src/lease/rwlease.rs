@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::conn::{Conn, Connect};
+use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::guard::Fencing;
 use crate::keys;
@@ -181,7 +182,7 @@ impl ReadWriteLease {
             ),
             write: Lease::new(
                 dep.clone(),
-                Arc::new(WriteSpec::new(keys, preference, dep.node_timeout())),
+                Arc::new(WriteSpec::new(keys, preference, dep.timing())),
             ),
             preference,
         })
@@ -401,19 +402,16 @@ pub(crate) struct WriteSpec {
     /// Writer, readers, intents, fence.
     keys: [String; 4],
     preference: Preference,
-    node_timeout: Duration,
+    /// The deployment's timing; its node timeout sets the intent's lifetime.
+    timing: Timing,
 }
 
 impl WriteSpec {
-    pub(crate) fn new(
-        keys: [String; 4],
-        preference: Preference,
-        node_timeout: Duration,
-    ) -> WriteSpec {
+    pub(crate) fn new(keys: [String; 4], preference: Preference, timing: Timing) -> WriteSpec {
         WriteSpec {
             keys,
             preference,
-            node_timeout,
+            timing,
         }
     }
 
@@ -421,7 +419,7 @@ impl WriteSpec {
     /// writer preference, inside a wait; else 0 (none).
     pub(crate) fn intent(&self, ttl_ms: u64, waiting: bool) -> u64 {
         match self.preference {
-            Preference::Writer if waiting => intent_ms(ttl_ms, self.node_timeout),
+            Preference::Writer if waiting => intent_ms(ttl_ms, self.timing.node_timeout),
             _ => 0,
         }
     }
@@ -563,7 +561,7 @@ impl Acquire<FencingToken> for WriteSpec {
         // or the server did not answer in it: the server's executor sends the
         // withdrawal (it is idempotent) until the intent would have expired
         // by itself.
-        let longest_intent = Duration::from_millis(intent_ms(u64::MAX, self.node_timeout));
+        let longest_intent = Duration::from_millis(intent_ms(u64::MAX, self.timing.node_timeout));
         dep.in_background(
             q,
             scripts::RW_WRITE_WITHDRAW.eval(&[q.as_str()], &[owner.as_str()]),

@@ -47,7 +47,7 @@ impl Group {
         let lease = Arc::new(NodeLease::new(keys, owner.as_str().to_owned()));
         let targets = this.all();
         let sent = this.now();
-        let deadline = sent + this.options.node_timeout;
+        let deadline = sent + this.timing.node_timeout;
         let (replies, tally) = this.fan_out(
             Op::Acquire { ttl_ms },
             &lease,
@@ -69,7 +69,7 @@ impl Group {
             .flatten();
         let heard = this.answers(replies, &targets, deadline, &NodeOutcome::Abandoned);
         let ttl = Duration::from_millis(ttl_ms);
-        let validity = validity(ttl, elapsed, this.options.drift_factor);
+        let validity = validity(ttl, elapsed, this.timing.drift_factor);
         let verdict = tally.acquire();
         let granted = verdict == AcquireVerdict::Granted;
         let (guard, nodes) = if acquired(&tally, validity) {

@@ -152,7 +152,7 @@ impl Group {
     /// failed attempt. Nodes that were never sent the acquire are skipped (by
     /// their workers, which run it after the acquire).
     pub(super) fn clean_up(&self, lease: &Arc<NodeLease>) {
-        let deadline = self.now() + self.options.node_timeout;
+        let deadline = self.now() + self.timing.node_timeout;
         let route = Route {
             reply: None,
             tag: 0,

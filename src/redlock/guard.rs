@@ -36,7 +36,6 @@ use crate::core::lease::{Confirmed, LeaseCore, Loss, Refusal, Ticket};
 use crate::core::quorum::{ExtendVerdict, Tally};
 use crate::core::redlock::{Bounds, Extension, NodeLease, Op, Release, Renewable, Renewal};
 use crate::core::schedule::{Next, Watched};
-use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::guard::ReleaseOutcome;
 use crate::observe::{LeaseId, Primitive};
@@ -119,7 +118,7 @@ impl RedlockGuard {
         ttl: Duration,
         evidence: Vec<Heard>,
     ) -> RedlockGuard {
-        let core = LeaseCore::granted(group.timing(), sent, ttl);
+        let core = LeaseCore::granted(group.timing, sent, ttl);
         let inner = Arc::new(RedlockLease {
             group: group.clone(),
             cell: LeaseCell::new(key.to_owned(), nodes, core),
@@ -230,7 +229,7 @@ impl RedlockGuard {
         let ttl_ms = group.check_ttl(ttl)?;
         let ttl = Duration::from_millis(ttl_ms);
         let cell = &self.inner.cell;
-        let nt = group.options.node_timeout;
+        let nt = group.timing.node_timeout;
         let waited = group.now() + nt;
         let ticket = loop {
             match cell.begin_extend(self.inner.group.now(), ttl) {
@@ -303,13 +302,13 @@ impl RedlockGuard {
     pub fn keep_alive(&self) -> Result<RedlockKeepAlive<'_>> {
         let cell = &self.inner.cell;
         let group = &self.inner.group;
-        let min = group.timing().min_keepalive_ttl();
+        let min = group.timing.min_keepalive_ttl();
         if cell.ttl() < min {
             return Err(Error::InvalidArgument(format!(
                 "ttl {:?} is too short for keep-alive with a node timeout of {:?}: use at \
                  least {min:?}",
                 cell.ttl(),
-                group.options.node_timeout
+                group.timing.node_timeout
             )));
         }
         cell.add_keepalive();
@@ -360,7 +359,7 @@ impl RedlockGuard {
             return Ok(outcome);
         }
         let targets = self.release.targets();
-        let deadline = group.now() + group.options.node_timeout;
+        let deadline = group.now() + group.timing.node_timeout;
         let release = &self.release;
         let (replies, _) = group.fan_out(
             Op::Release,
@@ -519,13 +518,6 @@ impl Group {
     pub(super) fn now(&self) -> Instant {
         self.clock.now()
     }
-
-    pub(super) fn timing(&self) -> Timing {
-        Timing {
-            drift_factor: self.options.drift_factor,
-            node_timeout: self.options.node_timeout,
-        }
-    }
 }
 
 /// The group's renewal thread, started on first use.
@@ -594,7 +586,7 @@ impl Dispatch for ToNodes {
                 done.push((id, None));
                 continue;
             };
-            let nt = group.options.node_timeout;
+            let nt = group.timing.node_timeout;
             let Some((renewal, deadline)) = Renewal::begin(&lease.cell, now, nt, group.len())
             else {
                 done.push((id, None));

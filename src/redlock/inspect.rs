@@ -82,7 +82,7 @@ impl RedlockGroup {
             ));
         }
         let g = &self.inner;
-        let node_timeout = g.options.node_timeout;
+        let node_timeout = g.timing.node_timeout;
         let read_at = g.now();
         let nodes = std::thread::scope(|scope| {
             let mut reads = Vec::with_capacity(g.workers.len());

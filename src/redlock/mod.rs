@@ -30,6 +30,8 @@ use crate::cancel::CancelToken;
 use crate::clock::Clock;
 use crate::conn::ConnConfig;
 use crate::coordinator::Coordinator;
+use crate::core::timing::Timing;
+use crate::core::wait::WaitPolicy;
 use crate::error::{Error, Result};
 use crate::observe::{Acquiring, Observer, Primitive};
 use crate::token::HolderTag;
@@ -300,7 +302,7 @@ impl Users {
     /// for the workers to take up every job queued before.
     pub(crate) fn leave(&self, group: &Group) {
         if self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
-            worker::flush(&group.workers, group.now() + group.options.node_timeout);
+            worker::flush(&group.workers, group.now() + group.timing.node_timeout);
         }
     }
 }
@@ -313,6 +315,9 @@ pub(crate) struct Group {
     configs: Vec<Arc<ConnConfig>>,
     workers: Vec<NodeWorker>,
     options: RedlockOptions,
+    /// The drift factor and node timeout of the options, which every part
+    /// of the group reads.
+    timing: Timing,
     quorum: usize,
     renewal: GroupRenewal,
     restarts: Restarts,
@@ -637,9 +642,7 @@ impl RedlockGroup {
         let never = crossbeam_channel::never();
         let cancelled = cancel.map_or(&never, CancelToken::receiver);
         let options = &self.inner.options;
-        let mut tries = 0u32;
-        let mut last_error: Option<Error>;
-        let mut warned = false;
+        let mut policy: WaitPolicy<Error> = WaitPolicy::new(deadline);
         loop {
             if cancel.is_some_and(CancelToken::is_cancelled) {
                 return Err(Error::Cancelled);
@@ -652,28 +655,23 @@ impl RedlockGroup {
                     }
                     return Ok(Some(guard));
                 }
-                Ok(None) => last_error = None,
+                Ok(None) => policy.busy(),
                 Err(e) if e.is_retryable() => {
-                    if !warned {
-                        warned = true;
+                    let message = e.to_string();
+                    if policy.failed(e) {
                         log::warn!(
-                            "waiting for redlock {key:?}: {e}; retrying until the wait ends"
+                            "waiting for redlock {key:?}: {message}; retrying until the wait ends"
                         );
                     }
-                    last_error = Some(e);
                 }
                 Err(e) => return Err(e),
             }
             let now = self.inner.now();
-            if deadline.is_some_and(|d| now >= d) {
-                return match last_error {
-                    Some(e) => Err(e),
-                    None => Ok(None),
-                };
+            if policy.past(now) {
+                return policy.end();
             }
-            tries = tries.saturating_add(1);
-            let pause = retry_pause(tries, options.retry_base, options.retry_max);
-            let wake = deadline.map_or(now + pause, |d| d.min(now + pause));
+            let pause = retry_pause(policy.tries(), options.retry_base, options.retry_max);
+            let wake = policy.wake_at(now, pause);
             crossbeam_channel::select! {
                 recv(cancelled) -> _ => return Err(Error::Cancelled),
                 recv(crossbeam_channel::at(wake)) -> _ => {}
@@ -690,8 +688,12 @@ impl Group {
         options: RedlockOptions,
     ) -> Result<RedlockGroup> {
         check_options(nodes.len(), &options)?;
-        let settings = NodeSettings {
+        let timing = Timing {
+            drift_factor: options.drift_factor,
             node_timeout: options.node_timeout,
+        };
+        let settings = NodeSettings {
+            timing,
             restart_delay: options.restart_delay,
         };
         let (hello_tx, hello_rx) = crossbeam_channel::unbounded();
@@ -756,12 +758,13 @@ impl Group {
                 configs: cfgs.clone(),
                 workers,
                 options,
+                timing,
                 quorum,
                 renewal: guard::group_renewal(this.clone(), clock.clone()),
                 restarts: Restarts::new(n),
                 users: Users::new(),
                 clock,
-                _watchers: watchers(cfgs, this),
+                _watchers: watchers(cfgs, timing.node_timeout, this),
             }),
         })
     }
@@ -770,7 +773,11 @@ impl Group {
 /// One watcher per node, reporting to the group while it lives. A watcher that
 /// cannot be started leaves its node's restarts to be noticed by the next
 /// command sent there.
-fn watchers(cfgs: Vec<Arc<ConnConfig>>, group: &Weak<Group>) -> Vec<NodeWatcher> {
+fn watchers(
+    cfgs: Vec<Arc<ConnConfig>>,
+    node_timeout: Duration,
+    group: &Weak<Group>,
+) -> Vec<NodeWatcher> {
     let on: OnNodeEvent = {
         let group = group.clone();
         Arc::new(move |i, event| {
@@ -783,7 +790,7 @@ fn watchers(cfgs: Vec<Arc<ConnConfig>>, group: &Weak<Group>) -> Vec<NodeWatcher>
         .enumerate()
         .filter_map(|(i, cfg)| {
             let addr = cfg.addr.to_string();
-            NodeWatcher::spawn(i, cfg, on.clone())
+            NodeWatcher::spawn(i, cfg, node_timeout, on.clone())
                 .inspect_err(|e| {
                     log::warn!("redlock node {addr}: cannot start its watcher thread: {e}")
                 })
@@ -819,7 +826,7 @@ impl Drop for Group {
     fn drop(&mut self) {
         // Queued releases (of guards dropped just before) still reach their
         // nodes before the program moves on, for at most a node timeout.
-        let deadline = self.now() + self.options.node_timeout;
+        let deadline = self.now() + self.timing.node_timeout;
         worker::stop(std::mem::take(&mut self.workers), deadline);
     }
 }

@@ -4,11 +4,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::core::timing::{self, backoff};
+use crate::core::timing;
 use crate::error::{Error, Result};
 use crate::keys;
 use crate::observe::Observer;
-use crate::token::random_unit;
+use crate::runtime::waiters::Backoff;
 
 /// Settings of a [`RedlockGroup`](crate::RedlockGroup). Build it with struct update syntax:
 ///
@@ -157,14 +157,15 @@ pub(super) fn check_ttl(ttl: Duration, options: &RedlockOptions) -> Result<u64> 
 }
 
 /// The pause before retry number `tries` (from 1): random between half and all
-/// of `base × 2^(tries − 1)`, capped at `max`. `unit` is in `0.0..1.0`.
+/// of `base × 2^(tries − 1)`, capped at `max` (see [`Backoff`]).
 pub(super) fn retry_pause(tries: u32, base: Duration, max: Duration) -> Duration {
-    backoff(tries, base, max, random_unit())
+    Backoff::new(base, max).pause_after(tries)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::timing::backoff;
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)

@@ -313,7 +313,7 @@ impl NodeWorker {
             .name(format!("respire-node-{index}"))
             .spawn(move || {
                 let _end = end_tx;
-                let nt = settings.node_timeout;
+                let nt = settings.timing.node_timeout;
                 let first = match open_node(&cfg, cfg.connect_timeout, &[], None, true, nt) {
                     Ok(first) => first,
                     Err(e) => {
@@ -652,7 +652,7 @@ impl Worker {
         let (tx, rx) = crossbeam_channel::unbounded();
         let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
         let cfg = self.cfg.clone();
-        let nt = self.settings.node_timeout;
+        let nt = self.settings.timing.node_timeout;
         let spawned = std::thread::Builder::new()
             .name(format!("respire-conn-{}", self.index))
             .spawn(move || reconnect(&cfg, &tainted, run_id.as_deref(), nt, &tx, &stop_rx));
@@ -1002,16 +1002,18 @@ pub(crate) struct NodeWatcher {
 }
 
 impl NodeWatcher {
-    /// Starts the watcher of node `index`, which reports to `on`.
+    /// Starts the watcher of node `index`, which reports to `on` and waits
+    /// at most `node_timeout` for each of its commands.
     pub(crate) fn spawn(
         index: usize,
         cfg: Arc<ConnConfig>,
+        node_timeout: Duration,
         on: OnNodeEvent,
     ) -> std::io::Result<NodeWatcher> {
         let (stop_tx, stop) = crossbeam_channel::bounded::<()>(0);
         std::thread::Builder::new()
             .name(format!("respire-watch-{index}"))
-            .spawn(move || watch(index, &cfg, &*on, &stop))?;
+            .spawn(move || watch(index, &cfg, node_timeout, &*on, &stop))?;
         Ok(NodeWatcher { _stop: stop_tx })
     }
 }
@@ -1028,13 +1030,14 @@ impl NodeWatcher {
 fn watch(
     index: usize,
     cfg: &ConnConfig,
+    node_timeout: Duration,
     on: &(dyn Fn(usize, NodeEvent) + Send + Sync),
     stop: &Receiver<()>,
 ) {
     let mut failures = 0u32;
     let mut up = false;
     loop {
-        let session = watch_session(index, cfg, on, stop, &mut up);
+        let session = watch_session(index, cfg, node_timeout, on, stop, &mut up);
         match session {
             Ok(()) => return,
             Err(e) => {
@@ -1073,14 +1076,15 @@ fn watch(
 fn watch_session(
     index: usize,
     cfg: &ConnConfig,
+    node_timeout: Duration,
     on: &(dyn Fn(usize, NodeEvent) + Send + Sync),
     stop: &Receiver<()>,
     up: &mut bool,
 ) -> Result<()> {
     let mut conn = cfg.connect_pubsub(cfg.connect_timeout, "respire-redlock-watch")?;
-    let deadline = cfg.clock.now() + cfg.node_timeout;
+    let deadline = cfg.clock.now() + node_timeout;
     let info: String = conn.query(redis::cmd("INFO").arg("server"), "INFO", deadline)?;
-    let mut subscriber = conn.subscribe(WATCH_CHANNEL, cfg.node_timeout, WATCH_READ)?;
+    let mut subscriber = conn.subscribe(WATCH_CHANNEL, node_timeout, WATCH_READ)?;
     match parse_info(&info).run_id {
         Some(run_id) => {
             *up = true;

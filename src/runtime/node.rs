@@ -31,7 +31,7 @@ use crate::conn::{Conn, ConnConfig, Identity, Pool};
 use crate::core::executor::{Command, Executor as Machine, ExtendReply, Settled, extended_in};
 use crate::core::lease::{Ticket, Verdict};
 use crate::core::server_clock::{self, Reading, ServerClock};
-use crate::core::timing;
+use crate::core::timing::{self, Timing};
 use crate::error::{Error, Result};
 use crate::runtime::renewal::{Cell, Counters, Renewal};
 use crate::runtime::tracking::Tracking;
@@ -118,6 +118,8 @@ pub(crate) struct Node {
     pub(crate) host: String,
     dir: Weak<dyn Directory>,
     clock: Arc<dyn Clock>,
+    /// The deployment's timing; its node timeout bounds every command here.
+    timing: Timing,
     counters: Arc<Counters>,
     registry: Arc<Registry>,
     io: OnceLock<Sender<Job>>,
@@ -132,6 +134,7 @@ impl Node {
         pool_size: usize,
         dir: Weak<dyn Directory>,
         clock: Arc<dyn Clock>,
+        timing: Timing,
         counters: Arc<Counters>,
         registry: Arc<Registry>,
     ) -> Node {
@@ -142,6 +145,7 @@ impl Node {
             host,
             dir,
             clock,
+            timing,
             counters,
             registry,
             io: OnceLock::new(),
@@ -165,11 +169,14 @@ impl Node {
         if let Some(t) = self.tracking.get() {
             return Ok(t.tracker.clone());
         }
-        let t = Tracking::spawn(self.cfg.clone(), self.registry.clone()).map_err(|source| {
-            Error::Thread {
-                name: "respire-tracker",
-                source,
-            }
+        let t = Tracking::spawn(
+            self.cfg.clone(),
+            self.timing.node_timeout,
+            self.registry.clone(),
+        )
+        .map_err(|source| Error::Thread {
+            name: "respire-tracker",
+            source,
         })?;
         Ok(self.tracking.get_or_init(|| t).tracker.clone())
     }
@@ -192,11 +199,12 @@ impl Node {
             cfg: self.cfg.clone(),
             host: self.host.clone(),
             clock: self.clock.clone(),
+            timing: self.timing,
             counters: self.counters.clone(),
             dir: self.dir.clone(),
             retired: self.retired.clone(),
             conn: None,
-            machine: Machine::new(self.cfg.node_timeout),
+            machine: Machine::new(self.timing),
             verifies: Vec::new(),
             server_clock: ServerClock::default(),
         };
@@ -263,6 +271,8 @@ struct Executor {
     cfg: Arc<ConnConfig>,
     host: String,
     clock: Arc<dyn Clock>,
+    /// The deployment's timing; its node timeout bounds every command here.
+    timing: Timing,
     counters: Arc<Counters>,
     dir: Weak<dyn Directory>,
     retired: Arc<AtomicBool>,
@@ -463,7 +473,7 @@ impl Executor {
             self.verifies.push(PendingVerify {
                 leases: stay,
                 asking: false,
-                retry_at: now + VERIFY_RETRY.min(self.cfg.node_timeout),
+                retry_at: now + VERIFY_RETRY.min(self.timing.node_timeout),
             });
         }
     }
@@ -596,7 +606,7 @@ impl Executor {
 
     fn renew(&mut self, batch: Vec<Arc<Cell>>, asking: bool) {
         let now = self.clock.now();
-        let nt = self.cfg.node_timeout;
+        let nt = self.timing.node_timeout;
         let mut done = Vec::with_capacity(batch.len());
         // Queued before the node was retired: plan them again, for the node
         // that serves them now.
@@ -878,7 +888,7 @@ impl Executor {
             self.hand_over(leases, now);
             return;
         }
-        let deadline = now + self.cfg.node_timeout;
+        let deadline = now + self.timing.node_timeout;
         if let Err(e) = self.ensure_conn(deadline) {
             log::debug!(
                 "cannot re-verify {} lease(s) on {}: {e}; retrying",
@@ -1012,7 +1022,7 @@ impl Executor {
         self.verifies.push(PendingVerify {
             leases,
             asking,
-            retry_at: self.clock.now() + VERIFY_RETRY.min(self.cfg.node_timeout),
+            retry_at: self.clock.now() + VERIFY_RETRY.min(self.timing.node_timeout),
         });
     }
 
@@ -1029,7 +1039,7 @@ impl Executor {
     /// Retries the kills, clean-ups and verifications that are due.
     fn retry_pending(&mut self) {
         let now = self.clock.now();
-        let nt = self.cfg.node_timeout;
+        let nt = self.timing.node_timeout;
         let (due, later): (Vec<PendingVerify>, Vec<PendingVerify>) =
             std::mem::take(&mut self.verifies)
                 .into_iter()

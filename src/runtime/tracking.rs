@@ -23,6 +23,7 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use crate::conn::{Conn, ConnConfig};
+use crate::core::timing::resubscribe_after;
 use crate::error::{Error, Result, is_noperm};
 use crate::runtime::waiters::{Registry, Status, Tracker};
 
@@ -41,6 +42,7 @@ impl Tracking {
     /// wake the deployment's waiters in `registry`.
     pub(crate) fn spawn(
         cfg: Arc<ConnConfig>,
+        node_timeout: Duration,
         registry: Arc<Registry>,
     ) -> std::io::Result<Tracking> {
         let tracker = Arc::new(Tracker::new());
@@ -48,7 +50,7 @@ impl Tracking {
         let t = tracker.clone();
         std::thread::Builder::new()
             .name("respire-tracker".into())
-            .spawn(move || run(&cfg, &t, &registry, &stop_rx))?;
+            .spawn(move || run(&cfg, node_timeout, &t, &registry, &stop_rx))?;
         Ok(Tracking {
             tracker,
             _stop: stop_tx,
@@ -60,16 +62,31 @@ fn stopped(stop: &Receiver<()>) -> bool {
     matches!(stop.try_recv(), Err(TryRecvError::Disconnected))
 }
 
-fn run(cfg: &ConnConfig, tracker: &Tracker, registry: &Registry, stop: &Receiver<()>) {
+fn run(
+    cfg: &ConnConfig,
+    node_timeout: Duration,
+    tracker: &Tracker,
+    registry: &Registry,
+    stop: &Receiver<()>,
+) {
     let mut generation = 0;
-    let mut backoff = Duration::from_millis(50);
+    // Failed sessions since the last one that subscribed.
+    let mut failures = 0u32;
     loop {
         if stopped(stop) {
             return;
         }
         generation += 1;
         let mut subscribed = false;
-        let result = session(cfg, tracker, registry, stop, generation, &mut subscribed);
+        let result = session(
+            cfg,
+            node_timeout,
+            tracker,
+            registry,
+            stop,
+            generation,
+            &mut subscribed,
+        );
         tracker.set_status(Status::Down);
         let finished = match &result {
             // The coordinator is gone, or tracking was refused to a waiter's
@@ -91,17 +108,19 @@ fn run(cfg: &ConnConfig, tracker: &Tracker, registry: &Registry, stop: &Receiver
         };
         if subscribed {
             // Invalidations may have been lost: every waiter re-checks now.
-            backoff = Duration::from_millis(50);
+            failures = 0;
             registry.wake_all();
         }
         if finished {
             return;
         }
         // Wait before reconnecting, but stop at once if the coordinator is gone.
-        if let Err(crossbeam_channel::RecvTimeoutError::Disconnected) = stop.recv_timeout(backoff) {
+        failures = failures.saturating_add(1);
+        if let Err(crossbeam_channel::RecvTimeoutError::Disconnected) =
+            stop.recv_timeout(resubscribe_after(failures))
+        {
             return;
         }
-        backoff = (backoff * 2).min(Duration::from_secs(2));
     }
 }
 
@@ -146,6 +165,7 @@ fn refused_for_good(err: &Error) -> bool {
 /// is gone (`Ok`).
 fn session(
     cfg: &ConnConfig,
+    node_timeout: Duration,
     tracker: &Tracker,
     registry: &Registry,
     stop: &Receiver<()>,
@@ -158,8 +178,8 @@ fn session(
     })?;
     let raw = conn.raw();
     let io = |op: &'static str| move |e: redis::RedisError| Error::Io { op, source: e };
-    raw.set_read_timeout(Some(cfg.node_timeout.max(READ_TIMEOUT)))
-        .and_then(|()| raw.set_write_timeout(Some(cfg.node_timeout)))
+    raw.set_read_timeout(Some(node_timeout.max(READ_TIMEOUT)))
+        .and_then(|()| raw.set_write_timeout(Some(node_timeout)))
         .map_err(io("setting socket timeouts"))?;
     subscribe(raw)?;
     let mut pubsub = raw.as_pubsub();

@@ -137,6 +137,7 @@ use crate::cancel::CancelToken;
 use crate::clock::Clock;
 use crate::conn::Conn;
 use crate::core::timing::backoff;
+use crate::core::wait::WaitPolicy;
 use crate::error::{Error, Result};
 use crate::observe::{self, Observer};
 use crate::token::random_unit;
@@ -686,8 +687,9 @@ pub(crate) struct WaitFor<'a> {
     /// `None`: no deadline.
     pub(crate) deadline: Option<Instant>,
     pub(crate) cancel: Option<&'a CancelToken>,
-    /// The bound on each attempt's commands.
-    pub(crate) node_timeout: Duration,
+    /// The bound on each attempt's commands: the node timeout, plus the
+    /// replication guard's `WAIT` where one follows the attempt.
+    pub(crate) attempt_timeout: Duration,
     /// How long the subscriber may take to connect before the first attempt.
     pub(crate) settle: Duration,
     /// What a failure that may pass does to the wait.
@@ -760,14 +762,75 @@ pub(crate) trait Route {
     ) -> (Result<T>, Option<Self::Uncertain>);
 }
 
+/// A jittered exponential back-off: the pause after the `n`-th failure in a
+/// row is random between half and all of `base × 2^(n−1)`, at most `max`, so
+/// that callers who failed together do not try again together. The waits of
+/// this library pause by it between failed attempts (10 ms to 1 s), and a
+/// [`RedlockGroup`](crate::RedlockGroup) between its tries
+/// ([`RedlockOptions::retry_base`](crate::RedlockOptions::retry_base) to
+/// [`retry_max`](crate::RedlockOptions::retry_max)); it is here for retry
+/// loops of the caller's own.
+///
+/// It computes pauses and never sleeps or blocks.
+///
+/// ```
+/// use std::time::Duration;
+/// use respire_coordination::Backoff;
+///
+/// let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(80));
+/// let first = backoff.next_pause();
+/// assert!(first >= Duration::from_millis(5) && first < Duration::from_millis(10));
+/// for _ in 0..10 {
+///     assert!(backoff.next_pause() < Duration::from_millis(80));
+/// }
+/// backoff.reset();
+/// assert!(backoff.next_pause() < Duration::from_millis(10));
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Backoff {
+    base: Duration,
+    max: Duration,
+    /// Pauses handed out since the last reset.
+    failures: u32,
+}
+
+impl Backoff {
+    /// Pauses from half to all of `base`, doubling with each failure, at
+    /// most `max`.
+    pub const fn new(base: Duration, max: Duration) -> Backoff {
+        Backoff {
+            base,
+            max,
+            failures: 0,
+        }
+    }
+
+    /// The pause after one more failure in a row.
+    pub fn next_pause(&mut self) -> Duration {
+        self.failures = self.failures.saturating_add(1);
+        self.pause_after(self.failures)
+    }
+
+    /// Starts over: the next pause is the first one again (after a success).
+    pub fn reset(&mut self) {
+        self.failures = 0;
+    }
+
+    /// The pause after the `n`-th failure in a row (from 1), drawn anew on
+    /// each call.
+    pub(crate) fn pause_after(&self, n: u32) -> Duration {
+        backoff(n, self.base, self.max, random_unit())
+    }
+}
+
 /// The pause after the `n`-th failure in a row of a wait: random between half
 /// and all of 10 ms × 2^(n−1), at most 1 s.
 pub(crate) fn failure_pause(n: u32) -> Duration {
-    backoff(n, WAIT_BACKOFF.0, WAIT_BACKOFF.1, random_unit())
+    WAIT_BACKOFF.pause_after(n)
 }
 
-/// The base and the ceiling of [`failure_pause`].
-const WAIT_BACKOFF: (Duration, Duration) = (Duration::from_millis(10), Duration::from_secs(1));
+/// The back-off of [`failure_pause`].
+const WAIT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
 
 /// Waits for an acquire to succeed: re-attempts when woken by an invalidation of
 /// one of the keys, by the expiry timer, or by polling when tracking is
@@ -828,11 +891,7 @@ fn wait_loop<R: Route, T>(
     let never = crossbeam_channel::never();
     let cancelled = w.cancel.map_or(&never, |c| c.receiver());
     let is_cancelled = || w.cancel.is_some_and(CancelToken::is_cancelled);
-    let past = |now: Instant| w.deadline.is_some_and(|d| now >= d);
-    let mut last_error: Option<Error> = None;
-    let mut verdict = false;
-    let mut failures = 0u32;
-    let mut warned = false;
+    let mut policy: WaitPolicy<Error> = WaitPolicy::new(w.deadline);
     if !behind
         && w.order == Order::Local
         && registry.was_contended(w.keys[0], CONTENDED_FOR)
@@ -871,7 +930,7 @@ fn wait_loop<R: Route, T>(
         let started = registry.now();
         let (outcome, lost) = route.attempt(
             w.keys[0],
-            started + w.node_timeout,
+            started + w.attempt_timeout,
             waiting,
             &mut |tracker, conn, deadline| {
                 let reads = match tracker {
@@ -909,11 +968,9 @@ fn wait_loop<R: Route, T>(
                 return Ok(Some(t));
             }
             Ok((Attempt::Busy(_), _)) if !waiting => {
-                last_error = None;
-                verdict = true;
-                failures = 0;
-                if past(registry.now()) {
-                    return Ok(None);
+                policy.busy();
+                if policy.past(registry.now()) {
+                    return policy.end();
                 }
                 // Held: from now on the wait pays for waiting. The next
                 // attempt goes out at once, registered, and arms tracking
@@ -924,54 +981,50 @@ fn wait_loop<R: Route, T>(
                 continue;
             }
             Ok((Attempt::Busy(pttl), tracked)) => {
-                last_error = None;
-                verdict = true;
-                failures = 0;
+                policy.busy();
                 (pttl, tracked)
             }
             // Every pooled connection is busy with other calls (a burst of
             // waiters woken at once): nothing was sent, so keep waiting for
             // one while the wait lasts; at its end the last verdict stands.
             Err(Error::PoolTimeout(after)) => {
-                if !past(registry.now()) {
+                if !policy.past(registry.now()) {
                     continue;
                 }
-                return match last_error {
-                    None if verdict => Ok(None),
-                    Some(e) => Err(e),
-                    None => Err(Error::PoolTimeout(after)),
-                };
+                if !policy.has_verdict() {
+                    return Err(Error::PoolTimeout(after));
+                }
+                return policy.end();
             }
             Err(e) if e.is_retryable() && w.failures == Failures::Report => return Err(e),
             Err(e) if e.is_retryable() => {
-                failures = failures.saturating_add(1);
-                if !warned {
-                    warned = true;
+                let message = e.to_string();
+                let dead_conn = matches!(e, Error::Io { .. });
+                if policy.failed(e) {
                     log::warn!(
-                        "waiting on {:?}: {e}; retrying until the wait ends",
+                        "waiting on {:?}: {message}; retrying until the wait ends",
                         w.keys[0]
                     );
                 } else {
-                    log::debug!("waiting on {:?}: {e}; retrying", w.keys[0]);
+                    log::debug!("waiting on {:?}: {message}; retrying", w.keys[0]);
                 }
                 // A dead pooled connection (restart, idle timeout, kill):
                 // attempts are idempotent for their owner, so the first retry
                 // goes out at once on a fresh connection.
-                let pause = if failures == 1 && matches!(e, Error::Io { .. }) {
+                let failures = policy.failures();
+                let pause = if failures == 1 && dead_conn {
                     Duration::ZERO
                 } else {
                     failure_pause(failures)
                 };
-                last_error = Some(e);
-                if past(registry.now()) {
-                    return Err(last_error.take().expect("set above"));
+                if policy.past(registry.now()) {
+                    return policy.end();
                 }
                 if waiter.is_none() {
                     // Not granted: the wait proper begins, as when held.
                     waiter = Some(join(route, w));
                 }
-                let wake = registry.now() + pause;
-                let wake = w.deadline.map_or(wake, |d| d.min(wake));
+                let wake = policy.wake_at(registry.now(), pause);
                 crossbeam_channel::select! {
                     recv(cancelled) -> _ => return Err(Error::Cancelled),
                     recv(crossbeam_channel::at(wake)) -> _ => {}
@@ -984,11 +1037,8 @@ fn wait_loop<R: Route, T>(
             .as_ref()
             .expect("a tracked attempt is made registered");
         let now = registry.now();
-        if past(now) {
-            return match last_error {
-                Some(e) => Err(e),
-                None => Ok(None),
-            };
+        if policy.past(now) {
+            return policy.end();
         }
         let mut wake_at = w.deadline;
         if let Order::Server { refresh } = w.order {
@@ -1015,8 +1065,8 @@ fn wait_loop<R: Route, T>(
             recv(waiter.rx) -> _ => {}
             recv(cancelled) -> _ => return Err(Error::Cancelled),
             recv(timer) -> _ => {
-                if past(registry.now()) {
-                    return Ok(None);
+                if policy.past(registry.now()) {
+                    return policy.end();
                 }
             }
         }

@@ -527,7 +527,7 @@ fn run_case(seed: u64, inject: bool) -> Result<Stats, String> {
         longest.mul_f64(1.0 + 4.0 * drift_factor) + node_timeout * 2 + Duration::from_secs(1)
     });
     let settings = NodeSettings {
-        node_timeout,
+        timing,
         restart_delay,
     };
     let round_trip = Duration::from_micros(net.delay.0 + net.delay.1);

@@ -125,7 +125,7 @@ enum Spec {
 type Read = Attempt<(u64, String, Instant)>;
 
 impl Spec {
-    fn new(kind: KeyKind, key: usize, node_timeout: Duration) -> Spec {
+    fn new(kind: KeyKind, key: usize, timing: Timing) -> Spec {
         match kind {
             KeyKind::Plain => Spec::Plain(PlainSpec::new(key_name(key).to_owned())),
             KeyKind::Fenced => {
@@ -140,7 +140,7 @@ impl Spec {
                 };
                 Spec::Rw(
                     ReadSpec::new(keys.clone(), preference),
-                    WriteSpec::new(keys, preference, node_timeout),
+                    WriteSpec::new(keys, preference, timing),
                 )
             }
             KeyKind::Permits(capacity) => Spec::Permits(
@@ -658,14 +658,14 @@ impl Proc {
 }
 
 impl Exec {
-    fn new(server: u32, conn: ConnId, node_timeout: Duration) -> Exec {
+    fn new(server: u32, conn: ConnId, timing: Timing) -> Exec {
         Exec {
             server,
             conn,
             busy: false,
             retired: false,
             queue: VecDeque::new(),
-            machine: Machine::new(node_timeout),
+            machine: Machine::new(timing),
             clock: ServerClock::default(),
             last_read: None,
         }
@@ -864,7 +864,7 @@ fn run_case(seed: u64, faulty: bool, inject: bool) -> Result<Stats, String> {
         ][rng.below(6) as usize],
         KeyKind::Fenced,
     ];
-    let specs = [0, 1].map(|key| Spec::new(kinds[key], key, node_timeout));
+    let specs = [0, 1].map(|key| Spec::new(kinds[key], key, timing));
     let mut w = World {
         origin: Instant::now(),
         now: Duration::ZERO,
@@ -971,7 +971,7 @@ fn run_case(seed: u64, faulty: bool, inject: bool) -> Result<Stats, String> {
             wake: None,
             generation: 0,
             ids: w.rng.below(6) != 0,
-            exec: Exec::new(0, conn, node_timeout),
+            exec: Exec::new(0, conn, timing),
             old: None,
             live_from: 0,
             switching: false,
@@ -1544,7 +1544,7 @@ impl World {
         self.procs[p].generation = generation;
         self.procs[p].switching = true;
         let conn = self.conn_at(generation);
-        let new = Exec::new(generation, conn, self.timing.node_timeout);
+        let new = Exec::new(generation, conn, self.timing);
         let old = std::mem::replace(&mut self.procs[p].exec, new);
         self.procs[p].old = Some(old);
         for u in 0..self.users.len() {

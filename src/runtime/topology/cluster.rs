@@ -52,7 +52,7 @@ impl Topology {
         let mut shards = None;
         let mut first_error = None;
         for seed in &seeds {
-            match read_shards(seed, seed.connect_timeout) {
+            match read_shards(seed, seed.connect_timeout, s.timing.node_timeout) {
                 Ok(found) => {
                     shards = Some(found);
                     break;
@@ -95,6 +95,7 @@ impl Topology {
                                 registry,
                                 pool,
                                 &clock,
+                                s.timing,
                             );
                             let idx = map.nodes.len() as u16;
                             map.nodes.push(node);
@@ -223,7 +224,7 @@ impl Topology {
             if !reuse {
                 *cached = None;
                 match cfg.connect(
-                    cfg.node_timeout.min(cfg.connect_timeout),
+                    self.timing.node_timeout.min(cfg.connect_timeout),
                     "respire-topology",
                 ) {
                     Ok(conn) => *cached = Some((cfg.clone(), conn)),
@@ -235,7 +236,7 @@ impl Topology {
             }
             let (cfg, conn) = cached.as_mut().expect("connected above");
             let host = cfg.host_port().map(|(h, _)| h).unwrap_or_default();
-            match query_shards(conn, cfg, &host) {
+            match query_shards(conn, cfg, &host, self.timing.node_timeout) {
                 Ok(shards) if !shards.is_empty() => {
                     self.apply_shards(&shards);
                     return;
@@ -249,11 +250,12 @@ impl Topology {
     }
 }
 
-/// Connects to `cfg` and reads the slot map.
-fn read_shards(cfg: &ConnConfig, budget: Duration) -> Result<Vec<Shard>> {
+/// Connects to `cfg` within `budget` and reads the slot map, waiting at most
+/// `node_timeout` for it.
+fn read_shards(cfg: &ConnConfig, budget: Duration, node_timeout: Duration) -> Result<Vec<Shard>> {
     let mut conn = cfg.connect(budget, "respire-topology")?;
     let host = cfg.host_port().map(|(h, _)| h).unwrap_or_default();
-    let shards = query_shards(&mut conn, cfg, &host)?;
+    let shards = query_shards(&mut conn, cfg, &host, node_timeout)?;
     if shards.is_empty() {
         return Err(Error::Topology(format!(
             "{} reports no slots served: the cluster is not formed",
@@ -263,9 +265,15 @@ fn read_shards(cfg: &ConnConfig, budget: Duration) -> Result<Vec<Shard>> {
     Ok(shards)
 }
 
-/// `CLUSTER SHARDS`, or `CLUSTER SLOTS` where it is unknown, on `conn`.
-fn query_shards(conn: &mut Conn, cfg: &ConnConfig, host: &str) -> Result<Vec<Shard>> {
-    let deadline = cfg.clock.now() + cfg.node_timeout;
+/// `CLUSTER SHARDS`, or `CLUSTER SLOTS` where it is unknown, on `conn`,
+/// answered within `node_timeout`.
+fn query_shards(
+    conn: &mut Conn,
+    cfg: &ConnConfig,
+    host: &str,
+    node_timeout: Duration,
+) -> Result<Vec<Shard>> {
+    let deadline = cfg.clock.now() + node_timeout;
     let cmd = redis::cmd("CLUSTER").arg("SHARDS").clone();
     match conn.query::<redis::Value>(&cmd, "CLUSTER SHARDS", deadline) {
         Ok(v) => parse_shards(&v, cfg.tls, host),

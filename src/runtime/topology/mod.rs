@@ -45,6 +45,7 @@ use parking_lot::Mutex;
 use crate::clock::Clock;
 use crate::conn::cluster::{NodeAddr, Redirect, redirect};
 use crate::conn::{Conn, ConnConfig, Connect, Identity, RoleCheck};
+use crate::core::timing::{Timing, backoff};
 use crate::error::{Error, Result};
 use crate::keys::key_slot;
 use crate::observe::{self, Observer};
@@ -58,8 +59,11 @@ use sentinel::Sentinel;
 
 /// The shortest refresh interval accepted.
 pub(crate) const MIN_REFRESH: Duration = Duration::from_millis(10);
-/// The longest pause between two tries of a `TRYAGAIN`.
-const TRYAGAIN_MAX_PAUSE: Duration = Duration::from_millis(50);
+/// The pause before the `n`-th try again of a `TRYAGAIN`: 2 ms, doubling,
+/// at most 50 ms.
+fn try_again_pause(n: u32) -> Duration {
+    backoff(n, Duration::from_millis(2), Duration::from_millis(50), 1.0)
+}
 
 /// A node, borrowed from a standalone deployment or owned from a map.
 pub(crate) enum NodeRef<'a> {
@@ -98,6 +102,8 @@ pub(crate) struct Settings {
     pub(crate) pool_size: usize,
     pub(crate) refresh: Duration,
     pub(crate) clock: Arc<dyn Clock>,
+    /// The deployment's drift factor and node timeout.
+    pub(crate) timing: Timing,
     /// Told of topology changes, the fall-back to polling and every lease.
     pub(crate) observer: Option<Arc<dyn Observer>>,
 }
@@ -121,6 +127,7 @@ pub(crate) struct Topology {
     renewal: Renewal,
     counters: Arc<Counters>,
     clock: Arc<dyn Clock>,
+    timing: Timing,
     pool_size: usize,
     live: Mutex<Live>,
     /// Asks the topology thread to look again now.
@@ -157,6 +164,7 @@ impl Topology {
                 renewal: renewal::renewal(s.clock.clone(), lanes),
                 counters: counters.clone(),
                 clock: s.clock.clone(),
+                timing: s.timing,
                 pool_size: s.pool_size,
                 live: Mutex::new(Live {
                     cells: Vec::new(),
@@ -178,6 +186,7 @@ impl Topology {
         registry: &Arc<Registry>,
         s_pool: usize,
         clock: &Arc<dyn Clock>,
+        timing: Timing,
     ) -> Arc<Node> {
         let dir: Weak<dyn Directory> = this.clone();
         Arc::new(Node::new(
@@ -185,6 +194,7 @@ impl Topology {
             s_pool,
             dir,
             clock.clone(),
+            timing,
             counters.clone(),
             registry.clone(),
         ))
@@ -198,7 +208,13 @@ impl Topology {
             &self.registry,
             self.pool_size,
             &self.clock,
+            self.timing,
         )
+    }
+
+    /// The deployment's drift factor and node timeout.
+    pub(crate) fn timing(&self) -> Timing {
+        self.timing
     }
 
     /// What this deployment is, for messages.
@@ -313,7 +329,7 @@ impl Topology {
         let mut asking = false;
         let mut asks = 0;
         let mut reran = false;
-        let mut pause = Duration::from_millis(2);
+        let mut try_agains = 0u32;
         loop {
             let tried = try_on(&node, &mut deadline, connect, asking, f);
             let (result, conn_id) = match tried {
@@ -384,9 +400,11 @@ impl Topology {
                         None => return (Err(err), None),
                     }
                 }
-                Some(Redirect::TryAgain) if self.clock.now() + pause < deadline => {
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(TRYAGAIN_MAX_PAUSE);
+                Some(Redirect::TryAgain)
+                    if self.clock.now() + try_again_pause(try_agains + 1) < deadline =>
+                {
+                    try_agains += 1;
+                    std::thread::sleep(try_again_pause(try_agains));
                 }
                 _ => {
                     if let Error::Server { source, .. } = &err
@@ -646,4 +664,16 @@ fn try_on<T>(
         None
     };
     Ok((result, id))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_try_again_pauses_2_ms_doubling_to_50_ms() {
+        let pauses: Vec<Duration> = (1..=7).map(try_again_pause).collect();
+        let expected = [2, 4, 8, 16, 32, 50, 50].map(Duration::from_millis);
+        assert_eq!(pauses, expected);
+    }
 }

@@ -12,6 +12,7 @@ use crate::clock::Clock;
 use crate::conn::cluster::NodeAddr;
 use crate::conn::sentinel::{parse_master_addr, parse_switch};
 use crate::conn::{Conn, ConnConfig, RoleCheck};
+use crate::core::timing::resubscribe_after;
 use crate::error::{Error, Result};
 use crate::observe;
 use crate::replication::ReplicationPoint;
@@ -100,7 +101,8 @@ impl Topology {
         let sentinel_cfgs = sentinels.clone();
         let topo = Topology::build(
             |this, counters, registry| {
-                let node = Topology::new_node(cfg, this, counters, registry, pool, &clock);
+                let node =
+                    Topology::new_node(cfg, this, counters, registry, pool, &clock, s.timing);
                 node.pool.seed(conn);
                 Shape::Sentinel(Sentinel {
                     service: service.to_owned(),
@@ -121,9 +123,10 @@ impl Topology {
         for (i, sentinel) in sentinels.iter().enumerate() {
             let (cfg, events, stop) = (sentinel.clone(), events_tx.clone(), stop_rx.clone());
             let service = service.to_owned();
+            let node_timeout = s.timing.node_timeout;
             std::thread::Builder::new()
                 .name(format!("respire-sentinel-{i}"))
-                .spawn(move || follow_sentinel(&cfg, &service, &events, &stop))
+                .spawn(move || follow_sentinel(&cfg, node_timeout, &service, &events, &stop))
                 .map_err(thread_error)?;
         }
         let weak = Arc::downgrade(&topo);
@@ -169,7 +172,7 @@ impl Topology {
         // switches still knows each history the acknowledged grants went
         // through (a server names only its own and its predecessor's).
         let info = redis::cmd("INFO").arg("replication").clone();
-        let budget = cfg.node_timeout.min(cfg.connect_timeout);
+        let budget = self.timing.node_timeout.min(cfg.connect_timeout);
         let conn = match cfg.connect_with(budget, "respire", &[info]) {
             Ok(opened) => {
                 if let Some(point) = opened.replies.first().and_then(replication_point) {
@@ -215,7 +218,7 @@ impl Topology {
         };
         let mut answers = Vec::with_capacity(s.sentinels.len());
         for (i, sentinel) in s.sentinels.iter().enumerate() {
-            let budget = sentinel.node_timeout.min(sentinel.connect_timeout);
+            let budget = self.timing.node_timeout.min(sentinel.connect_timeout);
             match ask_master(sentinel, &s.service, budget, &mut conns[i]) {
                 Ok(named) => answers.push(named),
                 Err(e) => log::debug!("sentinel {}: {e}", sentinel.addr),
@@ -387,34 +390,43 @@ fn sentinel_thread(
 
 /// `respire-sentinel-N`: follows `+switch-master` on one sentinel, with
 /// reconnects, until `stop` is disconnected.
-fn follow_sentinel(cfg: &ConnConfig, service: &str, events: &Sender<Event>, stop: &Receiver<()>) {
-    let mut backoff = Duration::from_millis(50);
+fn follow_sentinel(
+    cfg: &ConnConfig,
+    node_timeout: Duration,
+    service: &str,
+    events: &Sender<Event>,
+    stop: &Receiver<()>,
+) {
+    let mut failures = 0u32;
     let mut first = true;
     loop {
         if stopped(stop) {
             return;
         }
-        match subscribe_switches(cfg, service, events, stop, &mut first) {
+        match subscribe_switches(cfg, node_timeout, service, events, stop, &mut first) {
             Ok(()) => return,
             Err(e) => log::debug!("following {SWITCH_CHANNEL} on {}: {e}", cfg.addr),
         }
-        if let Err(crossbeam_channel::RecvTimeoutError::Disconnected) = stop.recv_timeout(backoff) {
+        failures = failures.saturating_add(1);
+        if let Err(crossbeam_channel::RecvTimeoutError::Disconnected) =
+            stop.recv_timeout(resubscribe_after(failures))
+        {
             return;
         }
-        backoff = (backoff * 2).min(Duration::from_secs(2));
     }
 }
 
 /// One subscription; `Ok` when asked to stop.
 fn subscribe_switches(
     cfg: &ConnConfig,
+    node_timeout: Duration,
     service: &str,
     events: &Sender<Event>,
     stop: &Receiver<()>,
     first: &mut bool,
 ) -> Result<()> {
     let mut conn = cfg.connect_pubsub(cfg.connect_timeout, "respire-sentinel")?;
-    let mut subscriber = conn.subscribe(SWITCH_CHANNEL, cfg.node_timeout, SENTINEL_READ_TIMEOUT)?;
+    let mut subscriber = conn.subscribe(SWITCH_CHANNEL, node_timeout, SENTINEL_READ_TIMEOUT)?;
     if !std::mem::take(first) {
         let _ = events.send(Event::Resubscribed);
     }

@@ -16,9 +16,10 @@ impl Topology {
         let describe = cfg.addr.to_string();
         let pool = s.pool_size;
         let clock = s.clock.clone();
+        let timing = s.timing;
         Topology::build(
             move |this, counters, registry| {
-                let node = Topology::new_node(cfg, this, counters, registry, pool, &clock);
+                let node = Topology::new_node(cfg, this, counters, registry, pool, &clock, timing);
                 if let Some(first) = first {
                     node.pool.seed(first);
                 }
