@@ -24,7 +24,7 @@ const CHILD_DEADLINE: Duration = Duration::from_secs(300);
 
 const USAGE: &str = "usage: respire-compare [--quick] [--rounds N] [--cases LIST] \
 [--pairs N] [--redlock-pairs N] [--redlock-node-timeout-ms N] [--contenders N] [--handoff-ms N] [--hold-ms N] \
-[--slow-attempts N] [--waiters N] [--idle-ms N] [--blocks N] [--markdown PATH]";
+[--slow-attempts N] [--waiters N] [--idle-ms N] [--blocks N] [--impls LIST] [--markdown PATH]";
 
 /// What the command line asks for.
 pub(crate) struct Options {
@@ -33,6 +33,9 @@ pub(crate) struct Options {
     pub(crate) cases: Vec<Case>,
     /// Run case 6, the server's CPU per operation (`server_cpu`).
     pub(crate) server_cpu: bool,
+    /// Only these implementations (each still paired with its baseline);
+    /// `None`: all.
+    impls: Option<Vec<String>>,
     markdown: Option<PathBuf>,
 }
 
@@ -74,6 +77,7 @@ fn parse(args: &[String]) -> Result<Options, String> {
         quick,
         cases: Case::ALL.to_vec(),
         server_cpu: true,
+        impls: None,
         markdown: None,
     };
     let mut it = args.iter();
@@ -102,6 +106,13 @@ fn parse(args: &[String]) -> Result<Options, String> {
                 options.cases.sort();
                 options.cases.dedup();
             }
+            "impls" => {
+                let known = |name: &str| Case::ALL.iter().any(|c| c.find(name).is_some());
+                if let Some(unknown) = value.split(',').find(|i| !known(i)) {
+                    return Err(format!("unknown implementation {unknown:?}\n{USAGE}"));
+                }
+                options.impls = Some(value.split(',').map(str::to_owned).collect());
+            }
             _ => options.sizes.set(name, value)?,
         }
     }
@@ -129,21 +140,43 @@ pub(crate) type Results = BTreeMap<(Section, &'static str), Vec<Run>>;
 /// next to its baseline (the pair's order flipping from one pair and round
 /// to the next), so that each ratio divides two runs taken a moment apart;
 /// the pairs in an order rotated by one place each round. A case without
-/// baselines runs each implementation once, in a rotated order.
-fn schedule(case: Case, round: usize) -> Vec<(&'static Impl, Option<&'static Impl>)> {
+/// baselines runs each implementation once, in a rotated order. Only the
+/// implementations `chosen` names run (all when `None`), each with its
+/// baseline.
+fn schedule(
+    case: Case,
+    round: usize,
+    chosen: Option<&[String]>,
+) -> Vec<(&'static Impl, Option<&'static Impl>)> {
+    let wanted = |i: &Impl| chosen.is_none_or(|c| c.iter().any(|n| n == i.name));
     let paired: Vec<&'static Impl> = case
         .impls()
         .iter()
-        .filter(|i| i.baseline.is_some_and(|b| b != i.name))
+        .filter(|i| i.baseline.is_some_and(|b| b != i.name) && wanted(i))
         .collect();
+    if paired.is_empty()
+        && case
+            .impls()
+            .iter()
+            .any(|i| i.baseline.is_some_and(|b| b != i.name))
+    {
+        return Vec::new();
+    }
     let mut order = if paired.is_empty() {
-        case.impls().iter().map(|i| (i, None)).collect::<Vec<_>>()
+        case.impls()
+            .iter()
+            .filter(|i| wanted(i))
+            .map(|i| (i, None))
+            .collect::<Vec<_>>()
     } else {
         paired
             .into_iter()
             .map(|i| (i, i.baseline.and_then(|b| case.find(b))))
             .collect()
     };
+    if order.is_empty() {
+        return order;
+    }
     let turn = round % order.len();
     order.rotate_left(turn);
     order
@@ -262,7 +295,10 @@ fn cases(options: &Options, cpus: usize) -> Res<String> {
                 pin(server.pid(), &server_cpus)?;
             }
             exe.cpus = child_cpus;
-            for (k, (imp, baseline)) in schedule(case, round).into_iter().enumerate() {
+            for (k, (imp, baseline)) in schedule(case, round, options.impls.as_deref())
+                .into_iter()
+                .enumerate()
+            {
                 for conn in &mut admin {
                     redis::cmd("FLUSHALL").query::<()>(conn)?;
                 }
@@ -533,7 +569,7 @@ mod tests {
     fn every_implementation_runs_next_to_its_baseline_every_round() {
         for case in Case::ALL {
             for round in 0..3 {
-                let runs = schedule(case, round);
+                let runs = schedule(case, round, None);
                 for imp in case.impls() {
                     let own = imp.baseline.is_some_and(|b| b != imp.name);
                     let alone = imp.baseline.is_none();
@@ -550,6 +586,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn chosen_implementations_run_next_to_their_baselines_alone() {
+        let chosen = ["lock".to_owned(), "lock-shared".to_owned()];
+        let runs = schedule(Case::Handoff, 1, Some(&chosen));
+        let mut names: Vec<_> = runs
+            .iter()
+            .map(|(i, b)| (i.name, b.map(|b| b.name)))
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                ("lock", Some("raw-tracking")),
+                ("lock-shared", Some("raw-tracking"))
+            ]
+        );
+        // A case none of whose implementations was chosen does not run.
+        assert!(schedule(Case::Redlock, 0, Some(&chosen)).is_empty());
+        assert!(parse(&args("--impls lock,nope")).is_err());
+        let o = parse(&args("--impls lock,lock-shared")).unwrap();
+        assert_eq!(o.impls.as_deref(), Some(&chosen[..]));
     }
 
     #[test]

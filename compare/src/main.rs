@@ -8,7 +8,7 @@
 //!                 [--pairs N] [--redlock-pairs N] [--redlock-node-timeout-ms N]
 //!                 [--contenders N] [--handoff-ms N] [--hold-ms N]
 //!                 [--slow-attempts N] [--waiters N] [--idle-ms N]
-//!                 [--blocks N] [--markdown PATH]
+//!                 [--blocks N] [--impls LIST] [--markdown PATH]
 //! ```
 //!
 //! Each implementation's measurement runs in a child process of its own (the

@@ -16,6 +16,14 @@ fn runs<'a>(results: &'a Results, case: Section, name: &str) -> &'a [Run] {
         .map_or(&[], |(_, runs)| runs.as_slice())
 }
 
+/// The implementations of `case` that ran (all of them unless `--impls`
+/// chose some), in the case's order.
+fn measured(results: &Results, case: Section) -> impl Iterator<Item = &'static Impl> + '_ {
+    case.impls()
+        .iter()
+        .filter(move |i| !runs(results, case, i.name).is_empty())
+}
+
 fn value(run: &Run, metric: &str) -> Option<f64> {
     run.figures.as_ref().and_then(|f| f.get(metric).copied())
 }
@@ -86,9 +94,7 @@ fn baseline_label(imp: &Impl) -> String {
 /// share in percent. A baseline's own cell is the median of its runs that
 /// round.
 fn rounds_table(out: &mut String, results: &Results, case: Section, metric: &str, unit: &str) {
-    let rounds = case
-        .impls()
-        .iter()
+    let rounds = measured(results, case)
         .flat_map(|i| runs(results, case, i.name))
         .map(|r| r.round + 1)
         .max()
@@ -102,7 +108,7 @@ fn rounds_table(out: &mut String, results: &Results, case: Section, metric: &str
         let _ = write!(out, "---|");
     }
     out.push('\n');
-    for imp in case.impls() {
+    for imp in measured(results, case) {
         let all = runs(results, case, imp.name);
         let rats = ratios(results, case, imp, metric);
         let _ = write!(out, "| `{}` |", imp.name);
@@ -150,7 +156,7 @@ const NOTE_CHARS: usize = 400;
 /// Lists failed runs and the first distinct notes children printed.
 fn problems(out: &mut String, results: &Results, case: Section) {
     let mut lines = Vec::new();
-    for imp in case.impls() {
+    for imp in measured(results, case) {
         let mut notes: Vec<&str> = Vec::new();
         let mut more = 0;
         for run in runs(results, case, imp.name) {
@@ -193,9 +199,9 @@ fn problems(out: &mut String, results: &Results, case: Section) {
     }
 }
 
-fn implementations(out: &mut String, case: Section) {
+fn implementations(out: &mut String, results: &Results, case: Section) {
     out.push_str("\nImplementations:\n\n");
-    for imp in case.impls() {
+    for imp in measured(results, case) {
         let _ = writeln!(
             out,
             "- `{}`: {}{}",
@@ -217,7 +223,7 @@ fn latency_case(out: &mut String, results: &Results, case: Section, acquire_colu
     } else {
         "\n|---|---|---|---|---|---|---|\n"
     });
-    for imp in case.impls() {
+    for imp in measured(results, case) {
         let _ = write!(
             out,
             "| `{}` | {} | {} | {} | {} | {} | {} |",
@@ -238,7 +244,7 @@ fn latency_case(out: &mut String, results: &Results, case: Section, acquire_colu
         }
         out.push('\n');
     }
-    implementations(out, case);
+    implementations(out, results, case);
     out.push_str(
         "\nEvery round's p50: × the baseline run next to it (its p50 vs the baseline's, in \
          µs); a baseline's own cell is the median of its runs that round.\n",
@@ -262,7 +268,7 @@ fn handoff_case(out: &mut String, results: &Results, case: Section) {
          |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let mut overlaps = 0.0;
-    for imp in case.impls() {
+    for imp in measured(results, case) {
         let m = |metric: &str| med(&values(results, case, imp.name, metric));
         let r = |metric: &str| ratio(med(&ratios(results, case, imp, metric)));
         overlaps += values(results, case, imp.name, "overlaps")
@@ -300,7 +306,7 @@ fn handoff_case(out: &mut String, results: &Results, case: Section) {
          ended, mostly). Grants acquired before the previous holder had sent its release \
          (mutual exclusion broken, by the shared clock): {overlaps} in all runs."
     );
-    implementations(out, case);
+    implementations(out, results, case);
     out.push_str(
         "\nEvery round's hand-off p50 from release confirmed (× the baseline run next to it; \
          its figure vs the baseline's, in µs):\n",
@@ -318,7 +324,7 @@ fn slow_case(out: &mut String, results: &Results, case: Section) {
         "\n| implementation | acquired | acquire p50 × baseline | acquire p50 ms \
          | failed attempt p50 ms |\n|---|---|---|---|---|\n",
     );
-    for imp in case.impls() {
+    for imp in measured(results, case) {
         let sum = |metric: &str| -> f64 {
             values(results, case, imp.name, metric)
                 .iter()
@@ -340,7 +346,7 @@ fn slow_case(out: &mut String, results: &Results, case: Section) {
             num(med(&values(results, case, imp.name, "failed_ms_p50"))),
         );
     }
-    implementations(out, case);
+    implementations(out, results, case);
     out.push_str(
         "\nEvery round's acquire p50 over the attempts that acquired (× the baseline run next \
          to it; its figure vs the baseline's, in ms):\n",
@@ -356,7 +362,7 @@ fn idle_case(out: &mut String, results: &Results, case: Section) {
         "\n| implementation | commands per s | per waiter per s | busiest commands (per s) \
          | a freed key's waiter held it after (ms) |\n|---|---|---|---|---|\n",
     );
-    for imp in case.impls() {
+    for imp in measured(results, case) {
         let mut per_command: BTreeMap<String, Vec<Option<f64>>> = BTreeMap::new();
         for run in runs(results, case, imp.name) {
             if let Some(f) = &run.figures {
@@ -394,7 +400,7 @@ fn idle_case(out: &mut String, results: &Results, case: Section) {
             num(med(&values(results, case, imp.name, "wake_ms"))),
         );
     }
-    implementations(out, case);
+    implementations(out, results, case);
     out.push_str("\nEvery round's commands per second:\n");
     rounds_table(out, results, case, "per_s", "/s");
     problems(out, results, case);

@@ -104,6 +104,21 @@
 //! the key on it took the lock back at once from then on, for most grants
 //! with 8 contenders on one CPU. A key that stopped being contended costs a
 //! pause per wait for up to a second; the uncontended path costs a lookup.
+//!
+//! A process none of whose waits on a key has found it held cannot tell that
+//! the key is contended, and then its thread that holds the key may keep it:
+//! the release wakes the waiters elsewhere, but the same thread's next wait
+//! needs no wake-up, and without a pause its first attempt reached the server
+//! first every time, until a waiter happened to win a race (with 8
+//! contenders on one CPU, one process took back every grant for whole turns
+//! of the benchmark, a tenth of all grants). So a wait on a key not known to
+//! be contended yields the CPU before its first attempt: the threads a
+//! release by this thread woke on its CPU (subscribers of other processes,
+//! then the waiters they wake) run first; one of them gets the key, and this
+//! process's next wait finds it held and marks it contended. When no other
+//! thread is ready to run, the yield costs a system call and returns at once.
+//! Waiters on other machines gain nothing from it; the race with them is
+//! about even (the release's reply and its invalidation travel alike).
 //! BENCHMARKS.md (section 3, `lock`) has the releaser's re-acquire share with
 //! a coordinator per contender.
 //! [`Order::Server`] (a `Lock` with `Fairness::Fifo`) puts the queue on the
@@ -717,7 +732,8 @@ pub(crate) enum Order {
     /// without an attempt of its own, so a thread that has just released
     /// the key does not take it back from the waiter its release woke; and a
     /// wait on a key found contended lately pauses before its first attempt,
-    /// for the waiters of other processes.
+    /// for the waiters of other processes (any other wait yields the CPU
+    /// first).
     Local,
     /// A queue on the server whose entries expire unless their waiter
     /// refreshes them: every waiter attempts (and so refreshes its entry) at
@@ -892,17 +908,24 @@ fn wait_loop<R: Route, T>(
     let cancelled = w.cancel.map_or(&never, |c| c.receiver());
     let is_cancelled = || w.cancel.is_some_and(CancelToken::is_cancelled);
     let mut policy: WaitPolicy<Error> = WaitPolicy::new(w.deadline);
-    if !behind
-        && w.order == Order::Local
-        && registry.was_contended(w.keys[0], CONTENDED_FOR)
-        && w.deadline.is_none_or(|d| registry.now() + YIELD < d)
-    {
-        // The last wait on this key in this process had to wait: waiters
-        // elsewhere may be on their way to it now (this thread may have just
-        // released it). They are let go first for a moment.
-        crossbeam_channel::select! {
-            recv(cancelled) -> _ => return Err(Error::Cancelled),
-            recv(crossbeam_channel::after(YIELD)) -> _ => {}
+    if !behind && w.order == Order::Local {
+        if registry.was_contended(w.keys[0], CONTENDED_FOR)
+            && w.deadline.is_none_or(|d| registry.now() + YIELD < d)
+        {
+            // The last wait on this key in this process had to wait: waiters
+            // elsewhere may be on their way to it now (this thread may have
+            // just released it). They are let go first for a moment.
+            crossbeam_channel::select! {
+                recv(cancelled) -> _ => return Err(Error::Cancelled),
+                recv(crossbeam_channel::after(YIELD)) -> _ => {}
+            }
+        } else {
+            // Not known to be contended, which a process cannot tell before
+            // one of its waits on the key found it held: the threads a
+            // release by this thread woke on this CPU (subscribers of other
+            // processes and the waiters they wake) run before this attempt
+            // goes out, rather than after it took the key back.
+            std::thread::yield_now();
         }
     }
     loop {
