@@ -17,7 +17,7 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
-use respire_coordination::{Coordinator, RedlockGroup, RedlockOptions};
+use respire_coordination::{Coordinator, RedlockGroup, RedlockOptions, ReleaseOutcome};
 use support::{FaultProxy, Mode, TestServer};
 
 const RELEASE: &str = include_str!("../src/scripts/lease_release.lua");
@@ -86,23 +86,23 @@ fn ping(conn: &mut redis::Connection) {
 /// acquire took.
 fn group_acquire(group: &RedlockGroup) -> Duration {
     let t = Instant::now();
-    let mut guard = group
+    let guard = group
         .acquire_timeout("bench:far", TTL, Duration::from_secs(3))
         .unwrap()
         .expect("free");
     let took = t.elapsed();
-    assert!(guard.release().unwrap());
+    assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
     took
 }
 
 /// One acquire (within a 3 s wait) and release; returns how long both took.
 fn group_cycle_timed(group: &RedlockGroup) -> Duration {
     let t = Instant::now();
-    let mut guard = group
+    let guard = group
         .acquire_timeout("bench:far", TTL, Duration::from_secs(3))
         .unwrap()
         .expect("free");
-    assert!(guard.release().unwrap());
+    assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
     t.elapsed()
 }
 
@@ -235,11 +235,11 @@ fn raw_cycle(conn: &mut redis::Connection, release: &redis::Script) {
 }
 
 fn group_cycle(group: &RedlockGroup) {
-    let mut guard = group
+    let guard = group
         .try_acquire("bench:group", TTL)
         .unwrap()
         .expect("free");
-    assert!(guard.release().unwrap());
+    assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
 }
 
 fn crate_cycle(rl: &redlock::RedLock) {

@@ -20,7 +20,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use respire_coordination::{Coordinator, RedlockGroup, RedlockOptions};
+use respire_coordination::{Coordinator, RedlockGroup, RedlockOptions, ReleaseOutcome};
 use support::{FaultProxy, Mode, TestServer};
 
 const RELEASE: &str = include_str!("../src/scripts/lease_release.lua");
@@ -182,9 +182,9 @@ fn compare(
         report("5 nodes, scoped threads per operation", scoped, raw);
         let ours = time(rounds, || {
             let t = Instant::now();
-            let mut g = group.try_acquire("compare:group", TTL).unwrap().unwrap();
+            let g = group.try_acquire("compare:group", TTL).unwrap().unwrap();
             let a = t.elapsed();
-            assert!(g.release().unwrap());
+            assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
             (a, t.elapsed())
         });
         report("5 nodes, RedlockGroup (per-node workers)", ours, raw);

@@ -589,7 +589,7 @@ pub use lease::acquire::Lease;
 pub use lease::election::{Election, Leader, LeaderChanges, Leadership};
 pub use lease::fairness::Fairness;
 pub use lease::fenced::{FencedGuard, FencedLock};
-pub use lease::guard::{KeepAlive, LeaseGuard};
+pub use lease::guard::{Backend, KeepAlive, LeaseGuard};
 pub use lease::kind::{Fenced, Kind, Plain, Read, Slot, Write};
 pub use lease::lock::{Lock, LockGuard};
 pub use lease::multi::{
@@ -610,8 +610,8 @@ pub use observe::{
     TopologyEvent, WaitEnd, WaitEndEvent,
 };
 pub use redlock::{
-    NodeInspection, RedlockAttempt, RedlockGroup, RedlockGuard, RedlockInspection,
-    RedlockKeepAlive, RedlockNode, RedlockOptions,
+    NodeInspection, Redlock, RedlockAttempt, RedlockGroup, RedlockGuard, RedlockInspection,
+    RedlockNode, RedlockOptions,
 };
 pub use replication::Replication;
 pub use report::{NodeOutcome, NodeReport};
@@ -656,7 +656,6 @@ fn _ensure_send_sync() {
     check::<RedlockGroup>();
     check::<RedlockGuard>();
     check::<RedlockAttempt>();
-    check::<RedlockKeepAlive<'static>>();
     check::<CancelToken>();
     check::<Replication>();
     check::<Error>();

@@ -29,7 +29,7 @@ use respire_coordination::fake::FakeDeployment;
 use respire_coordination::{
     ContentionEvent, Coordinator, HeldAs, Observer, PollingEvent, Protocol, RenewalEvent,
 };
-use respire_coordination::{Fairness, RedlockGroup, RedlockOptions};
+use respire_coordination::{Fairness, RedlockGroup, RedlockOptions, ReleaseOutcome};
 use support::{TestServer, client_list, shared_server, unique_prefix, wait_until};
 
 /// Long enough for a loaded CI machine running many test binaries at once.
@@ -670,7 +670,7 @@ fn a_redlock_quorum_grants_and_releases_on_every_node(t: &Target) {
     let other = RedlockGroup::connect(&urls, options()).unwrap();
     let key = t.key("redlock");
     let ttl = ms(3_000);
-    let mut guard = group.try_acquire(&key, ttl).unwrap().expect("free");
+    let guard = group.try_acquire(&key, ttl).unwrap().expect("free");
     let mut conns: Vec<redis::Connection> = urls
         .iter()
         .map(|u| redis::Client::open(*u).unwrap().get_connection().unwrap())
@@ -679,7 +679,7 @@ fn a_redlock_quorum_grants_and_releases_on_every_node(t: &Target) {
         assert_left(conn, &key, ttl, "a node's grant");
     }
     assert!(other.try_acquire(&key, ttl).unwrap().is_none());
-    assert!(guard.extend(ms(4_500)).unwrap());
+    assert!(guard.reset_expiry(ms(4_500)).unwrap());
     // The extension returns once a quorum answered, as the release does.
     wait_until(ms(2_000), "the extension on every node", || {
         conns.iter_mut().all(|conn| pttl(conn, &key) > 3_000)
@@ -687,7 +687,11 @@ fn a_redlock_quorum_grants_and_releases_on_every_node(t: &Target) {
     for conn in &mut conns {
         assert_left(conn, &key, ms(4_500), "a node's extension");
     }
-    assert!(guard.release().unwrap(), "a quorum still held it");
+    assert_eq!(
+        guard.release().unwrap(),
+        ReleaseOutcome::Released,
+        "a quorum still held it"
+    );
     // The release returns once a quorum answered; the last node's answer
     // may still be on its way.
     wait_until(ms(2_000), "the key gone from every node", || {

@@ -901,7 +901,7 @@ fn a_redlock_scenario_reports_every_event_once_in_order() {
         primitive: Primitive::Redlock,
         waits,
     };
-    let mut guard = group.try_acquire(key, TTL).unwrap().expect("free");
+    let guard = group.try_acquire(key, TTL).unwrap().expect("free");
     assert!(group.try_acquire(key, TTL).unwrap().is_none());
     let wait = Duration::from_millis(200);
     let before = Instant::now();
@@ -911,9 +911,9 @@ fn a_redlock_scenario_reports_every_event_once_in_order() {
         .iter()
         .map(|s| s.client().pttl(key).unwrap())
         .collect();
-    assert!(guard.extend(TTL).unwrap());
+    assert!(guard.reset_expiry(TTL).unwrap());
     let confirmed_by = Instant::now();
-    assert!(guard.release().unwrap());
+    assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
     let seen = recorder.since(0);
     let lease = lease_of(&seen[1]);
     assert_eq!(

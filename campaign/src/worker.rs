@@ -168,8 +168,7 @@ impl Held {
         Some(held.map(|h| h.is_some()).map_err(|e| e.to_string()))
     }
 
-    /// `reset_expiry(ttl)` (Redlock: `extend(ttl)`): whether the server
-    /// confirmed the new expiry.
+    /// `reset_expiry(ttl)`: whether the server confirmed the new expiry.
     fn reset(&self, ttl: Duration) -> Result<bool, String> {
         match self {
             Held::Lock(g) => g.reset_expiry(ttl),
@@ -180,7 +179,7 @@ impl Held {
             Held::Leader(g) => g.reset_expiry(ttl),
             Held::Multi(g) => g.reset_expiry(ttl),
             Held::MultiPlain(g) => g.reset_expiry(ttl),
-            Held::Redlock(g) => g.extend(ttl),
+            Held::Redlock(g) => g.reset_expiry(ttl),
         }
         .map_err(|e| e.to_string())
     }
@@ -250,13 +249,7 @@ impl Held {
             Held::Leader(g) => g.resign(),
             Held::Multi(g) => return set_outcome(g.release()),
             Held::MultiPlain(g) => return set_outcome(g.release()),
-            Held::Redlock(mut g) => {
-                return match g.release() {
-                    Ok(true) => "Released".into(),
-                    Ok(false) => "NotHeld".into(),
-                    Err(e) => format!("error: {e}"),
-                };
-            }
+            Held::Redlock(g) => g.release(),
         };
         outcome_label(outcome)
     }

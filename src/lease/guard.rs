@@ -1,11 +1,14 @@
-//! The guard every single-deployment primitive returns: a held lease, its loss
-//! deadline and loss signal, and the verify / extend / keep-alive / release
-//! operations, the same for every kind.
+//! The one guard family: [`LeaseGuard<B>`] over a sealed [`Backend`], after
+//! `lock_api`'s `Mutex<R, T>` over `RawMutex`. The verbs every lease has — its
+//! key, loss, loss signal, estimate, keep-alive, `Drop` and `Debug`, and the
+//! one [`KeepAlive`] — are written here once over what a backend holds; what
+//! goes to the servers (`reset_expiry`, `release`) is the backend's. The
+//! single-deployment backend, one for every [`Kind`], is here too; Redlock's
+//! is in `redlock/guard.rs`.
 
 use std::fmt;
-use std::marker::PhantomData;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 
@@ -13,21 +16,101 @@ use crate::conn::{Conn, Connect};
 use crate::core::executor::ExtendReply;
 use crate::core::extend::{ResetDone, ResetExpiry, ResetStep};
 use crate::core::lease::{Loss, Verdict};
+use crate::core::timing::Timing;
 use crate::error::{Error, Result};
-use crate::guard::{Fencing, Guard, ReleaseOutcome, Verifiable, sealed};
+use crate::guard::{Fencing, Guard, ReleaseOutcome, Verifiable, sealed as sealed_guard};
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::kind::{Fenced, Kind};
 use crate::observe::LeaseId;
 use crate::replication::Replication;
+use crate::runtime::lease::LeaseView;
 use crate::runtime::renewal::Cell;
 use crate::runtime::topology::Uncertain;
 use crate::token::FencingToken;
 
-/// A held lease of kind `K` on one deployment: [`LockGuard`](crate::LockGuard),
+/// What holds a lease: one deployment ([`Plain`](crate::Plain),
+/// [`Fenced`](crate::Fenced), [`Read`](crate::Read), [`Write`](crate::Write),
+/// [`Slot`](crate::Slot): every [`Kind`]) or a quorum of independent ones
+/// ([`Redlock`](crate::Redlock)). Implemented by this crate's marker types
+/// only; it names the backend of a [`LeaseGuard<B>`].
+pub trait Backend: sealed::Sealed + Send + Sync + 'static {
+    /// What a guard of this backend holds.
+    #[doc(hidden)]
+    type Held: held::Held;
+    /// The guard's name, for `Debug`.
+    #[doc(hidden)]
+    const GUARD: &'static str;
+}
+
+pub(crate) mod sealed {
+    /// Only this crate's backends implement [`Backend`](super::Backend).
+    #[allow(
+        unreachable_pub,
+        reason = "a sealed supertrait: public, but nameable only here"
+    )]
+    pub trait Sealed {}
+}
+
+impl<K: Kind> sealed::Sealed for K {}
+
+/// Every single-deployment kind is a backend.
+impl<K: Kind> Backend for K {
+    type Held = Single<K>;
+    const GUARD: &'static str = K::GUARD;
+}
+
+/// What a backend provides for the verbs [`LeaseGuard`] writes once.
+pub(crate) mod held {
+    use std::fmt;
+    use std::time::{Duration, Instant};
+
+    use crate::core::timing::Timing;
+    use crate::error::Result;
+    use crate::guard::ReleaseOutcome;
+    use crate::runtime::lease::LeaseView;
+
+    /// One backend's held lease: its lease cell and clock, its renewal
+    /// thread, and the verbs that go to its servers.
+    #[allow(
+        unreachable_pub,
+        private_interfaces,
+        reason = "named by the public `Backend`, but nameable only in this crate"
+    )]
+    pub trait Held: Send + Sync + 'static {
+        /// The lease's bounds, loss signal and claim on extensions.
+        fn cell(&self) -> &dyn LeaseView;
+        /// The instant now, by the injected clock.
+        fn now(&self) -> Instant;
+        /// The drift factor and node timeout.
+        fn timing(&self) -> Timing;
+        /// Has the renewal thread watch the lease's loss deadline.
+        fn watch(&self) -> Result<()>;
+        /// Tells the renewal thread the lease's deadlines moved.
+        fn touch(&self);
+        /// Whether keep-alive can run: its rights, where they are checked.
+        fn check_keep_alive(&self) -> Result<()>;
+        /// The backend's `reset_expiry`.
+        fn reset_expiry(&self, ttl: Duration) -> Result<bool>;
+        /// The backend's `release`; the lease cell is finished first.
+        fn release(&mut self) -> Result<ReleaseOutcome>;
+        /// The guard was dropped (after its release, if one was due).
+        fn dropped(&mut self) {}
+        /// The grant's fields, for `Debug`.
+        fn debug_grant(&self, _d: &mut fmt::DebugStruct<'_, '_>) {}
+    }
+}
+
+use held::Held;
+
+/// A held lease of backend `B`: [`LockGuard`](crate::LockGuard),
 /// [`FencedGuard`](crate::FencedGuard), [`ReadGuard`](crate::ReadGuard),
-/// [`WriteGuard`](crate::WriteGuard) and [`Permit`](crate::Permit) are this type.
+/// [`WriteGuard`](crate::WriteGuard), [`Permit`](crate::Permit) and
+/// [`RedlockGuard`](crate::RedlockGuard) are this type, with the same verbs;
+/// the backend only adds its own, such as
+/// [`fencing_token`](LeaseGuard::fencing_token) or Redlock's
+/// [`last_evidence`](LeaseGuard::last_evidence).
 ///
-/// Dropping it releases the lease (one best-effort command, bounded by the node
+/// Dropping it releases the lease (once, best effort, bounded by the node
 /// timeout, never panics); [`release`](LeaseGuard::release) does the same and
 /// reports what happened.
 ///
@@ -36,93 +119,56 @@ use crate::token::FencingToken;
 /// The guard is *lost* from the moment its loss deadline passes — the send time
 /// of the grant or of the last *confirmed* extension, plus the TTL, minus clock
 /// drift (`ttl × drift_factor + 2 ms`), minus the node timeout — or a command
-/// finds the lease expired or held by someone else. While an extension is in
-/// flight, or after one got no reply, the guard assumes its worst effect: a
-/// shorter TTL counts from its send time, a longer one counts for nothing until
-/// confirmed. Loss is permanent: once [`is_lost`](LeaseGuard::is_lost) returned
-/// true it never returns false again, and the [`lost_signal`](LeaseGuard::lost_signal)
-/// is closed by then.
+/// finds the lease expired or held by someone else (for Redlock: no quorum
+/// holds it any more, or a node its quorum needs went away or restarted and
+/// may come back without it; see [Restarts](crate::RedlockGroup#restarts)).
+/// While an extension is in flight, or after one got no reply, the guard
+/// assumes its worst effect: a shorter TTL counts from its send time, a longer
+/// one counts for nothing until confirmed (by a quorum, for Redlock). Loss is
+/// permanent: once [`is_lost`](LeaseGuard::is_lost) returned true it never
+/// returns false again, and the [`lost_signal`](LeaseGuard::lost_signal) is
+/// closed by then.
 #[must_use = "if unused the lease is released immediately"]
-pub struct LeaseGuard<K: Kind> {
-    dep: Arc<Deployment>,
-    cell: Arc<Cell>,
-    grant: K::Grant,
-    acknowledged: Option<u32>,
-    /// Earlier attempts of the acquire that got no reply, which may still
-    /// arrive (their connections are being killed), and the delete by owner
-    /// that undoes what one may set: the release sends it after their kill.
-    late: Option<(Vec<Uncertain>, redis::Cmd)>,
-    _kind: PhantomData<K>,
+pub struct LeaseGuard<B: Backend> {
+    held: B::Held,
 }
 
-impl<K: Kind> LeaseGuard<K> {
-    pub(crate) fn new(
-        dep: Arc<Deployment>,
-        cell: Arc<Cell>,
-        grant: K::Grant,
-        acknowledged: Option<u32>,
-    ) -> Self {
-        LeaseGuard {
-            dep,
-            cell,
-            grant,
-            acknowledged,
-            late: None,
-            _kind: PhantomData,
-        }
+impl<B: Backend> LeaseGuard<B> {
+    pub(crate) fn from_held(held: B::Held) -> Self {
+        LeaseGuard { held }
     }
 
-    /// Earlier attempts of the acquire got no reply on `sent`: a late one
-    /// could set the lease again after the release, so the release has their
-    /// connections killed and then runs `delete` (by owner).
-    pub(crate) fn after_late_attempts(&mut self, sent: Vec<Uncertain>, delete: redis::Cmd) {
-        self.late = Some((sent, delete));
+    pub(crate) fn held(&self) -> &B::Held {
+        &self.held
     }
 
-    pub(crate) fn cell(&self) -> &Arc<Cell> {
-        &self.cell
-    }
-
-    pub(crate) fn grant(&self) -> &K::Grant {
-        &self.grant
-    }
-
-    /// The lease's id, for observers.
-    pub(crate) fn lease_id(&self) -> LeaseId {
-        LeaseId(self.cell.id())
-    }
-
-    /// How many replicas acknowledged the grant within the replication
-    /// guard's timeout (`WAIT`'s answer, pipelined after the grant), or `None`
-    /// when the coordinator's [`Replication`](crate::Replication) is `Off`.
-    /// Does not block. Says nothing of later extensions.
-    pub fn replicas_acknowledged(&self) -> Option<u32> {
-        self.acknowledged
-    }
-
-    /// The physical key that holds the lease.
+    /// The key the lease is held on: for a single deployment the physical
+    /// key, for Redlock the key without the nodes' prefixes.
     pub fn key(&self) -> &str {
-        self.cell.key()
+        self.held.cell().key()
     }
 
-    /// Whether the lease is lost (see [Loss](LeaseGuard#loss)). Reads the lost
-    /// flag and the monotonic clock; does not block or touch the network.
+    /// Whether the lease is lost (see [Loss](LeaseGuard#loss)) or released.
+    /// Reads the lost flag and the monotonic clock; does not block or touch
+    /// the network.
     pub fn is_lost(&self) -> bool {
-        self.cell.is_lost(self.dep.now())
+        self.held.cell().is_lost(self.held.now())
     }
 
     /// A channel that disconnects when the lease is lost or released, for
     /// `crossbeam_channel::select!`; it never delivers a message.
     ///
-    /// The first call has the coordinator's renewal thread watch the lease, so
-    /// that the channel closes at the loss deadline even if nobody calls
-    /// [`is_lost`](LeaseGuard::is_lost); that thread never waits on the network.
-    /// If the thread cannot be started, the guard is flagged lost at once.
+    /// The first call has the renewal thread (the coordinator's, or the
+    /// Redlock group's) watch the lease, so that the channel closes at the
+    /// loss deadline even if nobody calls [`is_lost`](LeaseGuard::is_lost);
+    /// that thread never waits on the network. If the thread cannot be
+    /// started, the guard is flagged lost at once.
     pub fn lost_signal(&self) -> &Receiver<()> {
-        let rx = self.cell.signal(self.dep.now());
-        if let Err(e) = self.dep.runtime().watch(&self.cell) {
-            self.cell.mark_lost(
-                self.dep.now(),
+        let cell = self.held.cell();
+        let rx = cell.signal(self.held.now());
+        if let Err(e) = self.held.watch() {
+            cell.mark_lost(
+                self.held.now(),
                 Loss::Other(format!("its loss deadline cannot be watched: {e}")),
             );
         }
@@ -131,82 +177,10 @@ impl<K: Kind> LeaseGuard<K> {
 
     /// How long the lease can still be assumed held: on the local monotonic
     /// clock, until the bound described under [Loss](LeaseGuard#loss) (without
-    /// the node-timeout margin). Zero once lost. Does not touch the network.
+    /// the node-timeout margin). Zero once lost or released. Does not touch
+    /// the network.
     pub fn remaining_estimate(&self) -> Duration {
-        self.cell.remaining(self.dep.now())
-    }
-
-    /// Asks Redis whether the lease still holds this guard's owner token. One
-    /// round trip, at most the node timeout (plus the connect timeout if a
-    /// connection must be opened). Returns `Some(server-side TTL)` when held
-    /// (`Duration::MAX` for a key without expiry), `None` (and flags the guard
-    /// lost) when not. Only says what was true at one instant, with one
-    /// lasting effect: when the server has less time left than the guard
-    /// counted on (a failover to a replica that missed an extension), the
-    /// guard's bound, [`remaining_estimate`](LeaseGuard::remaining_estimate)
-    /// and loss deadline shrink to what the server has left, until a later
-    /// extension is confirmed.
-    ///
-    /// # Errors
-    /// Transport and server errors; the guard is unchanged.
-    pub fn verify_still_held(&self) -> Result<Option<Duration>> {
-        let ops = self.cell.extra();
-        let (keys, args) = ops.verify_args();
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        self.run_check(ops.verify_script(), &keys, &args, "verify")
-    }
-
-    /// The value this guard's lease key holds while it is ours.
-    pub(crate) fn lease_value(&self) -> &str {
-        &self.cell.extra().member
-    }
-
-    /// Runs `script`, which answers as `lease_verify` does (`{1, pttl}` held,
-    /// `{0}` gone, `{-1}` taken over), once within the node timeout (once
-    /// more on a fresh connection when a pooled one was dead: the script must
-    /// be idempotent), and applies the answer as a verification of the lease.
-    pub(crate) fn run_check(
-        &self,
-        script: &crate::scripts::Script,
-        keys: &[&str],
-        args: &[&str],
-        op: &'static str,
-    ) -> Result<Option<Duration>> {
-        let deadline = self.dep.now() + self.dep.node_timeout();
-        let mut sent = self.dep.now();
-        // A pooled connection the server closed (a restart): once more on a
-        // fresh one, which is safe for an idempotent script.
-        let reply = self
-            .dep
-            .on_key_fresh_retry(
-                self.key(),
-                deadline,
-                Connect::Own,
-                |conn, deadline| {
-                    sent = self.dep.now();
-                    conn.script::<Vec<i64>>(script, keys, args, op, deadline)
-                },
-                |_, _| {},
-            )
-            .map_err(|e| bad_key_in(e, keys))?;
-        let now = self.dep.now();
-        match Verdict::of(&reply) {
-            Some(verdict) => {
-                let left = match verdict {
-                    Verdict::Held(left) => Some(left.unwrap_or(Duration::MAX)),
-                    Verdict::Lost(_) => None,
-                };
-                self.cell.verified(verdict, sent, now);
-                // A bound that shrank moves the loss deadline the renewal
-                // thread watches.
-                self.dep.runtime().touch(&self.cell);
-                Ok(left)
-            }
-            None => Err(Error::UnexpectedReply {
-                op,
-                reply: format!("{reply:?}"),
-            }),
-        }
+        self.held.cell().remaining(self.held.now())
     }
 
     /// Sets the lease's expiry to `ttl` from now, if it is still held. Never
@@ -248,6 +222,346 @@ impl<K: Kind> LeaseGuard<K> {
     /// of it, and the connection it went out on is killed in the background
     /// before the lease can be extended again.
     pub fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
+        self.held.reset_expiry(ttl)
+    }
+
+    /// Renews the lease in the background until the returned [`KeepAlive`] is
+    /// dropped; see there for when loss is flagged. Does not block beyond one
+    /// check of the ACL rights keep-alive needs (one round trip).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the TTL is too short to renew at half of
+    /// it with two node timeouts to spare; [`Error::Permission`] when the ACL
+    /// user may not run the renewal script on the lease's keys (`EVALSHA`,
+    /// `EVAL`), `CLIENT ID` or `CLIENT KILL`; transport errors from that check;
+    /// [`Error::Thread`] when the renewal thread cannot be started.
+    pub fn keep_alive(&self) -> Result<KeepAlive<'_>> {
+        let cell = self.held.cell();
+        let ttl = cell.ttl();
+        let timing = self.held.timing();
+        let min = timing.min_keepalive_ttl();
+        if ttl < min {
+            return Err(Error::InvalidArgument(format!(
+                "ttl {ttl:?} is too short for keep-alive with a node timeout of {:?}: use at \
+                 least {min:?}",
+                timing.node_timeout
+            )));
+        }
+        self.held.check_keep_alive()?;
+        cell.add_keepalive();
+        if let Err(e) = self.held.watch() {
+            cell.remove_keepalive();
+            return Err(e);
+        }
+        self.held.touch();
+        Ok(KeepAlive { lease: &self.held })
+    }
+
+    /// Releases the lease if this guard still holds it. One round trip; takes
+    /// at most the node timeout in all (getting a connection included). From
+    /// the call on, the guard counts as lost.
+    ///
+    /// Returns what it found: [`ReleaseOutcome::Released`], `Expired`,
+    /// `TakenOver` (the other holder keeps it), or `Uncertain` when the release
+    /// was sent but no reply came (the lease then ends at its expiry at the
+    /// latest). When the acquire that granted this lease had attempts that got
+    /// no reply, one of them could still arrive and set the lease again now
+    /// that it is free: their connections are killed in the background and
+    /// what they may have set is deleted by owner.
+    ///
+    /// # Errors
+    /// When nothing could be sent ([`Error::PoolTimeout`], [`Error::Connect`]
+    /// and other retryable errors): the release is then sent again in the
+    /// background until the server answers or the lease would have expired by
+    /// itself. Server errors such as a missing ACL right.
+    pub fn release(mut self) -> Result<ReleaseOutcome> {
+        self.held.release()
+    }
+}
+
+impl<B: Backend> sealed_guard::Sealed for LeaseGuard<B> {}
+
+/// Each verb is the inherent method of the same name.
+impl<B: Backend> Guard for LeaseGuard<B> {
+    type KeepAlive<'a> = KeepAlive<'a>;
+
+    fn key(&self) -> &str {
+        LeaseGuard::key(self)
+    }
+    fn is_lost(&self) -> bool {
+        LeaseGuard::is_lost(self)
+    }
+    fn lost_signal(&self) -> &Receiver<()> {
+        LeaseGuard::lost_signal(self)
+    }
+    fn remaining_estimate(&self) -> Duration {
+        LeaseGuard::remaining_estimate(self)
+    }
+    fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
+        LeaseGuard::reset_expiry(self, ttl)
+    }
+    fn keep_alive(&self) -> Result<KeepAlive<'_>> {
+        LeaseGuard::keep_alive(self)
+    }
+    fn release(self) -> Result<ReleaseOutcome> {
+        LeaseGuard::release(self)
+    }
+}
+
+impl<B: Backend> Drop for LeaseGuard<B> {
+    fn drop(&mut self) {
+        if !self.held.cell().is_finished() {
+            let key = self.held.cell().key().to_owned();
+            match self.held.release() {
+                Ok(outcome) => log::debug!("dropped lease {key:?}: {outcome:?}"),
+                Err(e) => log::warn!(
+                    "dropping lease {key:?}: release failed: {e}; it ends at its expiry at the \
+                     latest"
+                ),
+            }
+        }
+        self.held.dropped();
+    }
+}
+
+impl<B: Backend> fmt::Debug for LeaseGuard<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct(B::GUARD);
+        d.field("key", &self.key());
+        self.held.debug_grant(&mut d);
+        d.field("lost", &self.is_lost())
+            .field("remaining_estimate", &self.remaining_estimate())
+            .finish()
+    }
+}
+
+/// Renews a lease in the background for as long as it lives.
+///
+/// Returned by `keep_alive()` on a guard, which it borrows: it always ends
+/// before the guard does. While it lives, the renewal thread (the
+/// coordinator's, or the Redlock group's) extends the lease by its TTL at half
+/// the TTL (one pipelined round trip for all leases of a server due together;
+/// to every node at once for Redlock), retries a failed renewal while time
+/// remains, and the guard is flagged lost — `is_lost()` true and the loss
+/// signal closed — at the loss deadline when no renewal was confirmed by then,
+/// or at once when the key was found deleted or owned by someone else (for
+/// Redlock: when a quorum no longer holds it). A renewal that got no reply is
+/// assumed applied or not, whichever is worse, and its connection is killed
+/// before the lease is extended again.
+///
+/// Dropping it stops renewal; the lease then runs out at its current expiry
+/// unless renewed again. It does not block.
+#[must_use = "renewal stops as soon as the KeepAlive is dropped"]
+pub struct KeepAlive<'a> {
+    lease: &'a dyn Kept,
+}
+
+/// What a [`KeepAlive`] reads and stops, whatever the backend.
+trait Kept: Sync {
+    fn key(&self) -> &str;
+    fn is_lost(&self) -> bool;
+    fn stop(&self);
+}
+
+impl<H: Held> Kept for H {
+    fn key(&self) -> &str {
+        self.cell().key()
+    }
+    fn is_lost(&self) -> bool {
+        self.cell().is_lost(self.now())
+    }
+    fn stop(&self) {
+        self.cell().remove_keepalive();
+        self.touch();
+    }
+}
+
+impl KeepAlive<'_> {
+    /// Whether the lease is lost (same as the guard's `is_lost()`). Does not block.
+    pub fn is_lost(&self) -> bool {
+        self.lease.is_lost()
+    }
+}
+
+impl Drop for KeepAlive<'_> {
+    fn drop(&mut self) {
+        self.lease.stop();
+    }
+}
+
+impl fmt::Debug for KeepAlive<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeepAlive")
+            .field("key", &self.lease.key())
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
+/// A lease held on one deployment: the guard of every [`Kind`].
+#[allow(
+    unreachable_pub,
+    reason = "named by the public `Backend`, but nameable only in this crate"
+)]
+pub struct Single<K: Kind> {
+    dep: Arc<Deployment>,
+    cell: Arc<Cell>,
+    grant: K::Grant,
+    acknowledged: Option<u32>,
+    /// Earlier attempts of the acquire that got no reply, which may still
+    /// arrive (their connections are being killed), and the delete by owner
+    /// that undoes what one may set: the release sends it after their kill.
+    late: Option<(Vec<Uncertain>, redis::Cmd)>,
+}
+
+impl<K: Kind> LeaseGuard<K> {
+    pub(crate) fn new(
+        dep: Arc<Deployment>,
+        cell: Arc<Cell>,
+        grant: K::Grant,
+        acknowledged: Option<u32>,
+    ) -> Self {
+        LeaseGuard::from_held(Single {
+            dep,
+            cell,
+            grant,
+            acknowledged,
+            late: None,
+        })
+    }
+
+    /// Earlier attempts of the acquire got no reply on `sent`: a late one
+    /// could set the lease again after the release, so the release has their
+    /// connections killed and then runs `delete` (by owner).
+    pub(crate) fn after_late_attempts(&mut self, sent: Vec<Uncertain>, delete: redis::Cmd) {
+        self.held.late = Some((sent, delete));
+    }
+
+    pub(crate) fn cell(&self) -> &Arc<Cell> {
+        &self.held.cell
+    }
+
+    pub(crate) fn grant(&self) -> &K::Grant {
+        &self.held.grant
+    }
+
+    /// The lease's id, for observers.
+    pub(crate) fn lease_id(&self) -> LeaseId {
+        LeaseId(self.held.cell.id())
+    }
+
+    /// How many replicas acknowledged the grant within the replication
+    /// guard's timeout (`WAIT`'s answer, pipelined after the grant), or `None`
+    /// when the coordinator's [`Replication`](crate::Replication) is `Off`.
+    /// Does not block. Says nothing of later extensions.
+    pub fn replicas_acknowledged(&self) -> Option<u32> {
+        self.held.acknowledged
+    }
+
+    /// Asks Redis whether the lease still holds this guard's owner token. One
+    /// round trip, at most the node timeout (plus the connect timeout if a
+    /// connection must be opened). Returns `Some(server-side TTL)` when held
+    /// (`Duration::MAX` for a key without expiry), `None` (and flags the guard
+    /// lost) when not. Only says what was true at one instant, with one
+    /// lasting effect: when the server has less time left than the guard
+    /// counted on (a failover to a replica that missed an extension), the
+    /// guard's bound, [`remaining_estimate`](LeaseGuard::remaining_estimate)
+    /// and loss deadline shrink to what the server has left, until a later
+    /// extension is confirmed.
+    ///
+    /// # Errors
+    /// Transport and server errors; the guard is unchanged.
+    pub fn verify_still_held(&self) -> Result<Option<Duration>> {
+        let ops = self.held.cell.extra();
+        let (keys, args) = ops.verify_args();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.run_check(ops.verify_script(), &keys, &args, "verify")
+    }
+
+    /// The value this guard's lease key holds while it is ours.
+    pub(crate) fn lease_value(&self) -> &str {
+        &self.held.cell.extra().member
+    }
+
+    /// Runs `script`, which answers as `lease_verify` does (`{1, pttl}` held,
+    /// `{0}` gone, `{-1}` taken over), once within the node timeout (once
+    /// more on a fresh connection when a pooled one was dead: the script must
+    /// be idempotent), and applies the answer as a verification of the lease.
+    pub(crate) fn run_check(
+        &self,
+        script: &crate::scripts::Script,
+        keys: &[&str],
+        args: &[&str],
+        op: &'static str,
+    ) -> Result<Option<Duration>> {
+        let deadline = self.held.dep.now() + self.held.dep.node_timeout();
+        let mut sent = self.held.dep.now();
+        // A pooled connection the server closed (a restart): once more on a
+        // fresh one, which is safe for an idempotent script.
+        let dep = &self.held.dep;
+        let reply = dep
+            .on_key_fresh_retry(
+                self.key(),
+                deadline,
+                Connect::Own,
+                |conn, deadline| {
+                    sent = self.held.dep.now();
+                    conn.script::<Vec<i64>>(script, keys, args, op, deadline)
+                },
+                |_, _| {},
+            )
+            .map_err(|e| bad_key_in(e, keys))?;
+        let now = self.held.dep.now();
+        match Verdict::of(&reply) {
+            Some(verdict) => {
+                let left = match verdict {
+                    Verdict::Held(left) => Some(left.unwrap_or(Duration::MAX)),
+                    Verdict::Lost(_) => None,
+                };
+                self.held.cell.verified(verdict, sent, now);
+                // A bound that shrank moves the loss deadline the renewal
+                // thread watches.
+                self.held.dep.runtime().touch(&self.held.cell);
+                Ok(left)
+            }
+            None => Err(Error::UnexpectedReply {
+                op,
+                reply: format!("{reply:?}"),
+            }),
+        }
+    }
+}
+
+#[allow(
+    private_interfaces,
+    reason = "a sealed trait's methods, named only in this crate"
+)]
+impl<K: Kind> Held for Single<K> {
+    fn cell(&self) -> &dyn LeaseView {
+        &*self.cell
+    }
+
+    fn now(&self) -> Instant {
+        self.dep.now()
+    }
+
+    fn timing(&self) -> Timing {
+        self.dep.timing()
+    }
+
+    fn watch(&self) -> Result<()> {
+        self.dep.runtime().watch(&self.cell)
+    }
+
+    fn touch(&self) {
+        self.dep.runtime().touch(&self.cell);
+    }
+
+    fn check_keep_alive(&self) -> Result<()> {
+        self.dep.check_keepalive_rights(self.cell.extra())
+    }
+
+    fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
         let ttl_ms = self.dep.check_ttl(ttl)?;
         let nt = self.dep.node_timeout();
         let now = self.dep.now();
@@ -295,7 +609,7 @@ impl<K: Kind> LeaseGuard<K> {
                             reply: code.to_string(),
                         }),
                         ResetDone::Unreplicated => Err(Error::ExtensionNotReplicated {
-                            key: self.key().to_owned(),
+                            key: self.cell.key().to_owned(),
                             acknowledged: acked.unwrap_or(0),
                             required: acks.map_or(0, |(n, _)| n),
                         }),
@@ -312,7 +626,7 @@ impl<K: Kind> LeaseGuard<K> {
             let mut answered = false;
             let (reply, lost): (Result<Option<i64>>, _) =
                 self.dep
-                    .on_key(self.key(), deadline, Connect::Own, |conn, deadline| {
+                    .on_key(self.cell.key(), deadline, Connect::Own, |conn, deadline| {
                         // Not under a claim a switch gave up meanwhile (a
                         // redirection's second run included).
                         if answered || !self.cell.dispatched(ticket, conn.server_id()) {
@@ -388,62 +702,7 @@ impl<K: Kind> LeaseGuard<K> {
         }
     }
 
-    /// Renews the lease in the background until the returned [`KeepAlive`] is
-    /// dropped; see there for when loss is flagged. Does not block beyond one
-    /// check of the ACL rights keep-alive needs (one round trip).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] when the TTL is too short to renew at half of
-    /// it with two node timeouts to spare; [`Error::Permission`] when the ACL
-    /// user may not run the renewal script on the lease's keys (`EVALSHA`,
-    /// `EVAL`), `CLIENT ID` or `CLIENT KILL`; transport errors from that check;
-    /// [`Error::Thread`] when the renewal thread cannot be started.
-    pub fn keep_alive(&self) -> Result<KeepAlive<'_>> {
-        let ttl = self.cell.ttl();
-        let min = self.dep.timing().min_keepalive_ttl();
-        if ttl < min {
-            return Err(Error::InvalidArgument(format!(
-                "ttl {ttl:?} is too short for keep-alive with a node timeout of {:?}: use at \
-                 least {min:?}",
-                self.dep.node_timeout()
-            )));
-        }
-        self.dep.check_keepalive_rights(self.cell.extra())?;
-        self.cell.add_keepalive();
-        if let Err(e) = self.dep.runtime().watch(&self.cell) {
-            self.cell.remove_keepalive();
-            return Err(e);
-        }
-        self.dep.runtime().touch(&self.cell);
-        Ok(KeepAlive {
-            dep: self.dep.clone(),
-            cell: self.cell.clone(),
-            _guard: PhantomData,
-        })
-    }
-
-    /// Releases the lease if this guard still holds it. One round trip; takes
-    /// at most the node timeout in all (getting a connection included). From
-    /// the call on, the guard counts as lost.
-    ///
-    /// Returns what it found: [`ReleaseOutcome::Released`], `Expired`,
-    /// `TakenOver` (the other holder keeps it), or `Uncertain` when the release
-    /// was sent but no reply came (the lease then ends at its expiry at the
-    /// latest). When the acquire that granted this lease had attempts that got
-    /// no reply, one of them could still arrive and set the lease again now
-    /// that it is free: their connections are killed in the background and
-    /// what they may have set is deleted by owner.
-    ///
-    /// # Errors
-    /// When nothing could be sent ([`Error::PoolTimeout`], [`Error::Connect`]
-    /// and other retryable errors): the release is then sent again in the
-    /// background until the server answers or the lease would have expired by
-    /// itself. Server errors such as a missing ACL right.
-    pub fn release(mut self) -> Result<ReleaseOutcome> {
-        self.release_once()
-    }
-
-    fn release_once(&mut self) -> Result<ReleaseOutcome> {
+    fn release(&mut self) -> Result<ReleaseOutcome> {
         let start = self.dep.now();
         self.cell.finish(start);
         self.dep.runtime().forget(&self.cell);
@@ -454,7 +713,7 @@ impl<K: Kind> LeaseGuard<K> {
         // A pooled connection the server closed (a restart): once more on a
         // fresh one within the same bound (deleting by owner is idempotent).
         let reply = self.dep.on_key_fresh_retry(
-            self.key(),
+            self.cell.key(),
             deadline,
             Connect::Within,
             |conn, deadline| {
@@ -473,14 +732,14 @@ impl<K: Kind> LeaseGuard<K> {
         // what it set is deleted by owner.
         if let Some((sent, delete)) = self.late.take() {
             self.dep
-                .clean_up(&sent, Some(delete), self.key(), self.cell.ttl());
+                .clean_up(&sent, Some(delete), self.cell.key(), self.cell.ttl());
         }
         let outcome = match reply {
             Ok(code) => Ok(ReleaseOutcome::of(code)),
             Err(e) if e.is_uncertain() => {
                 log::warn!(
                     "release of {:?} is uncertain ({e}); it ends at its expiry at the latest",
-                    self.key()
+                    self.cell.key()
                 );
                 Ok(ReleaseOutcome::Uncertain)
             }
@@ -493,10 +752,10 @@ impl<K: Kind> LeaseGuard<K> {
                 let until = self.dep.now() + self.cell.ttl() + self.dep.node_timeout();
                 log::warn!(
                     "release of {:?} could not be sent ({e}); trying again in the background",
-                    self.key()
+                    self.cell.key()
                 );
                 self.dep.in_background(
-                    self.key(),
+                    self.cell.key(),
                     ops.release_script().eval(&keys, args.as_slice()),
                     until,
                 );
@@ -505,9 +764,19 @@ impl<K: Kind> LeaseGuard<K> {
             Err(e) => Err(bad_key_in(e, &keys)),
         };
         if let Some(w) = self.cell.watching() {
-            w.released(self.key(), self.cell.id(), outcome.as_ref().ok().copied());
+            w.released(
+                self.cell.key(),
+                self.cell.id(),
+                outcome.as_ref().ok().copied(),
+            );
         }
         outcome
+    }
+
+    fn debug_grant(&self, d: &mut fmt::DebugStruct<'_, '_>) {
+        if !K::GRANT.is_empty() {
+            d.field(K::GRANT, &self.grant);
+        }
     }
 }
 
@@ -516,36 +785,6 @@ impl LeaseGuard<Fenced> {
     /// protected resource.
     pub fn fencing_token(&self) -> FencingToken {
         *self.grant()
-    }
-}
-
-impl<K: Kind> sealed::Sealed for LeaseGuard<K> {}
-
-/// The single-deployment backend of the one guard API: each verb is the
-/// inherent method of the same name.
-impl<K: Kind> Guard for LeaseGuard<K> {
-    type KeepAlive<'a> = KeepAlive<'a>;
-
-    fn key(&self) -> &str {
-        LeaseGuard::key(self)
-    }
-    fn is_lost(&self) -> bool {
-        LeaseGuard::is_lost(self)
-    }
-    fn lost_signal(&self) -> &Receiver<()> {
-        LeaseGuard::lost_signal(self)
-    }
-    fn remaining_estimate(&self) -> Duration {
-        LeaseGuard::remaining_estimate(self)
-    }
-    fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
-        LeaseGuard::reset_expiry(self, ttl)
-    }
-    fn keep_alive(&self) -> Result<KeepAlive<'_>> {
-        LeaseGuard::keep_alive(self)
-    }
-    fn release(self) -> Result<ReleaseOutcome> {
-        LeaseGuard::release(self)
     }
 }
 
@@ -558,75 +797,6 @@ impl<K: Kind> Verifiable for LeaseGuard<K> {
 impl Fencing for LeaseGuard<Fenced> {
     fn fencing_token(&self) -> FencingToken {
         LeaseGuard::<Fenced>::fencing_token(self)
-    }
-}
-
-impl<K: Kind> Drop for LeaseGuard<K> {
-    fn drop(&mut self) {
-        if self.cell.is_finished() {
-            return;
-        }
-        match self.release_once() {
-            Ok(outcome) => log::debug!("dropped lease {:?}: {outcome:?}", self.key()),
-            Err(e) => log::warn!("dropping lease {:?}: release failed: {e}", self.key()),
-        }
-    }
-}
-
-impl<K: Kind> fmt::Debug for LeaseGuard<K> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut d = f.debug_struct(K::GUARD);
-        d.field("key", &self.key());
-        if !K::GRANT.is_empty() {
-            d.field(K::GRANT, &self.grant);
-        }
-        d.field("lost", &self.is_lost())
-            .field("remaining_estimate", &self.remaining_estimate())
-            .finish()
-    }
-}
-
-/// Renews a lease in the background for as long as it lives.
-///
-/// Returned by `keep_alive()` on a guard, which it borrows: it always ends
-/// before the guard does. While it lives, the coordinator's renewal thread
-/// extends the lease by its TTL at half the TTL (one pipelined round trip for
-/// all leases due together), retries a failed renewal while time remains, and
-/// the guard is flagged lost — `is_lost()` true and the loss signal closed —
-/// at the loss deadline when no renewal was confirmed by then, or at once when
-/// the key was found deleted or owned by someone else. A renewal that got no
-/// reply is assumed applied or not, whichever is worse, and its connection is
-/// killed before the lease is extended again.
-///
-/// Dropping it stops renewal; the lease then runs out at its current expiry
-/// unless renewed again. It does not block.
-#[must_use = "renewal stops as soon as the KeepAlive is dropped"]
-pub struct KeepAlive<'a> {
-    dep: Arc<Deployment>,
-    cell: Arc<Cell>,
-    _guard: PhantomData<&'a ()>,
-}
-
-impl KeepAlive<'_> {
-    /// Whether the lease is lost (same as the guard's `is_lost()`). Does not block.
-    pub fn is_lost(&self) -> bool {
-        self.cell.is_lost(self.dep.now())
-    }
-}
-
-impl Drop for KeepAlive<'_> {
-    fn drop(&mut self) {
-        self.cell.remove_keepalive();
-        self.dep.runtime().touch(&self.cell);
-    }
-}
-
-impl fmt::Debug for KeepAlive<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("KeepAlive")
-            .field("key", &self.cell.key())
-            .field("lost", &self.is_lost())
-            .finish()
     }
 }
 

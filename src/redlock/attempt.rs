@@ -77,7 +77,7 @@ impl Group {
                 Evidence::Both => this.named(&heard),
                 Evidence::Guard => Vec::new(),
             };
-            let guard = RedlockGuard::new(this, key, lease, sent, ttl, heard);
+            let guard = RedlockGuard::granted(this, key, lease, sent, ttl, heard);
             (Some(guard), nodes)
         } else {
             this.clean_up(&lease);

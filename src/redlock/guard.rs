@@ -1,4 +1,5 @@
-//! The Redlock guard, its extensions and its renewal.
+//! The Redlock backend of the one guard family ([`LeaseGuard<Redlock>`]),
+//! its extensions, its release and its renewal.
 //!
 //! A guard's bounds are a `core::lease` like every other lease's: the validity
 //! of the grant counts from the first send, an extension is claimed so that two
@@ -20,8 +21,6 @@
 //! time whatever the nodes do.
 
 use std::collections::HashMap;
-use std::fmt;
-use std::marker::PhantomData;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -36,11 +35,14 @@ use crate::core::lease::{Confirmed, LeaseCore, Loss, Refusal, Ticket};
 use crate::core::quorum::{ExtendVerdict, Tally};
 use crate::core::redlock::{Bounds, Extension, NodeLease, Op, Release, Renewable, Renewal};
 use crate::core::schedule::{Next, Watched};
+use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::guard::ReleaseOutcome;
+use crate::lease::guard::held::Held;
+use crate::lease::guard::{Backend, LeaseGuard, sealed};
 use crate::observe::{LeaseId, Primitive};
 use crate::report::{NodeOutcome, NodeReport, summarize};
-use crate::runtime::lease::LeaseCell;
+use crate::runtime::lease::{LeaseCell, LeaseView};
 use crate::runtime::scheduler::{Dispatch, RenewalThread, Watchable};
 use crate::token::FencingToken;
 
@@ -87,30 +89,40 @@ impl Watched for Arc<RedlockLease> {
     }
 }
 
-/// A held Redlock lock. Dropping it releases the lock on every node (once,
-/// best effort, waiting at most the node timeout, never panicking);
-/// [`release`](RedlockGuard::release) does the same and reports the result.
-///
-/// # Loss
-///
-/// The lock is lost when its loss deadline passes — the first send of the
-/// grant or of the last confirmed extension, plus the TTL, minus drift, minus
-/// the node timeout — or when a quorum no longer holds it, or when a node it
-/// needs for its quorum goes away or restarts and may come back without it
-/// (see [Restarts](crate::RedlockGroup#restarts)). While an extension
-/// is in flight, or after one reached no verdict, the guard assumes its worst
-/// effect (a shorter TTL counts from its send time; a longer one only once a
-/// quorum confirmed it). Loss is permanent, and the loss signal is closed by
-/// the time `is_lost()` returns true.
-#[must_use = "if unused the lock is released immediately"]
-pub struct RedlockGuard {
+/// The Redlock backend of [`LeaseGuard`]: a lease held on a quorum of
+/// independent deployments ([`RedlockGroup`](crate::RedlockGroup)). Its guard
+/// is a [`RedlockGuard`]; it has no fencing token.
+#[derive(Debug)]
+pub enum Redlock {}
+
+impl sealed::Sealed for Redlock {}
+
+impl Backend for Redlock {
+    type Held = RedlockHeld;
+    const GUARD: &'static str = "RedlockGuard";
+}
+
+/// A held Redlock lock: a [`LeaseGuard`] with every guard verb, Redlock's
+/// [`last_evidence`](LeaseGuard::last_evidence) and
+/// [`extend_on_every_node`](LeaseGuard::extend_on_every_node). Its
+/// [`reset_expiry`](LeaseGuard::reset_expiry) asks every node and counts a
+/// quorum; its [`release`](LeaseGuard::release) deletes the lock on every node
+/// that still holds it.
+pub type RedlockGuard = LeaseGuard<Redlock>;
+
+/// What a [`RedlockGuard`] holds: the lease, shared with the renewal thread,
+/// and what the releases so far confirmed.
+#[allow(
+    unreachable_pub,
+    reason = "named by the public `Backend`, but nameable only in this crate"
+)]
+pub struct RedlockHeld {
     inner: Arc<RedlockLease>,
-    /// What the releases so far confirmed.
     release: Release,
 }
 
-impl RedlockGuard {
-    pub(super) fn new(
+impl LeaseGuard<Redlock> {
+    pub(super) fn granted(
         group: &Arc<Group>,
         key: &str,
         nodes: Arc<NodeLease>,
@@ -127,283 +139,195 @@ impl RedlockGuard {
         group.restarts.register(&inner);
         (inner.cell).observe_with(group.options.observer.as_ref(), Primitive::Redlock);
         group.users.join();
-        RedlockGuard {
+        LeaseGuard::from_held(RedlockHeld {
             inner,
             release: Release::new(group.len()),
-        }
+        })
     }
 
-    /// The key (without the nodes' prefixes).
-    pub fn key(&self) -> &str {
-        self.inner.cell.key()
-    }
-
-    /// How long the lock can still be assumed held: the TTL of the grant (or
-    /// last confirmed extension) minus the time since it was *sent* and minus
-    /// clock drift, on the local monotonic clock. Zero once lost or released.
-    /// Does not touch the network.
-    pub fn remaining_estimate(&self) -> Duration {
-        self.inner.cell.remaining(self.inner.group.now())
-    }
-
-    /// Whether the lock is lost (see [Loss](RedlockGuard#loss)) or released.
-    /// Does not block.
-    pub fn is_lost(&self) -> bool {
-        self.inner.cell.is_lost(self.inner.group.now())
-    }
-
-    /// A channel that disconnects when the lock is lost or released, for
-    /// `crossbeam_channel::select!`. It never delivers a message.
-    ///
-    /// The first call has the group's renewal thread watch the lock, so that
-    /// the channel closes at the loss deadline; that thread never waits on a
-    /// node. If it cannot be started, the guard is flagged lost at once.
-    pub fn lost_signal(&self) -> &Receiver<()> {
-        let rx = self.inner.cell.signal(self.inner.group.now());
-        if let Err(e) = self.inner.group.renewal.watch(&self.inner) {
-            self.inner.cell.mark_lost(
-                self.inner.group.now(),
-                Loss::Other(format!("its loss deadline cannot be watched: {e}")),
-            );
-        }
-        rx
+    fn lease(&self) -> &Arc<RedlockLease> {
+        &self.held().inner
     }
 
     /// Every node's answer to the last operation on this lock (the acquire,
-    /// an extension, or a release).
+    /// an extension, or a release that reached no quorum). Does not block.
     pub fn last_evidence(&self) -> Vec<NodeReport> {
-        self.inner.group.named(&self.inner.evidence.lock())
+        let lease = self.lease();
+        lease.group.named(&lease.evidence.lock())
     }
 
-    /// Sets the lock's expiry to `ttl` from now on every node that still holds
-    /// it. Never re-creates a missing key.
-    ///
-    /// Waits (at most a node timeout) for an extension of this lock already in
-    /// flight, such as a keep-alive renewal: extensions of one lock never
-    /// overlap. Then blocks until a quorum confirmed, too few nodes are left,
-    /// or the node timeout (or the current validity, if sooner) runs out. Only
-    /// nodes that granted the lock and have not restarted since (same
-    /// `run_id`) count. Returns `true` with a new validity counted from the
-    /// send, or `false` (and flags the lock lost) when no quorum holds it any
-    /// more or no quorum confirmed within the current validity: stop the work.
-    ///
-    /// From the moment it is sent, a *shorter* `ttl` bounds the guard; a
-    /// longer one counts only once a quorum confirmed it.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for a TTL the group refuses;
-    /// [`Error::Timeout`] when an earlier extension is still unresolved after
-    /// a node timeout; [`Error::QuorumNotReached`] when no verdict was reached
-    /// because nodes failed or did not answer, while validity remains (the
-    /// lock is not flagged lost, but it is bounded by the worst case of this
-    /// extension; retrying may work).
-    pub fn extend(&self, ttl: Duration) -> Result<bool> {
-        self.extend_hearing(ttl, Tally::decided)
-    }
-
-    /// [`extend`](Self::extend), but the answers of every node are awaited,
-    /// not only a quorum's: until each node answered or the node timeout (or
-    /// the current validity, if sooner) ran out. Afterwards
-    /// [`last_evidence`](Self::last_evidence) says, for every node that
+    /// [`reset_expiry`](LeaseGuard::reset_expiry), but the answers of every
+    /// node are awaited, not only a quorum's: until each node answered or the
+    /// node timeout (or the current validity, if sooner) ran out. Afterwards
+    /// [`last_evidence`](LeaseGuard::last_evidence) says, for every node that
     /// answered in time, whether it holds this lock (`Granted`, or
     /// `Uncounted` for a node whose grant does not count), holds another
     /// owner's value (`HeldByAnother`) or nothing (`Missing`); a node that did
     /// not answer in time is `TimedOut`.
     ///
     /// For a caller that must know what each node holds, such as one that
-    /// also uses the nodes one by one: [`extend`](Self::extend) returns at a
-    /// quorum and leaves the slower nodes `Abandoned`. Blocks up to a node
-    /// timeout when a node is slow or down. Returns and fails as
-    /// [`extend`](Self::extend) does.
+    /// also uses the nodes one by one: `reset_expiry` returns at a quorum and
+    /// leaves the slower nodes `Abandoned`. Blocks up to a node timeout when a
+    /// node is slow or down. Returns and fails as
+    /// [`reset_expiry`](LeaseGuard::reset_expiry) does.
     ///
     /// # Errors
-    /// As [`extend`](Self::extend).
+    /// As [`reset_expiry`](LeaseGuard::reset_expiry).
     pub fn extend_on_every_node(&self, ttl: Duration) -> Result<bool> {
-        self.extend_hearing(ttl, |_| false)
+        extend_hearing(self.lease(), ttl, |_| false)
     }
 
-    /// An extension that stops listening for answers once `decided` says so
-    /// (or at the deadline).
-    fn extend_hearing(&self, ttl: Duration, decided: impl Fn(&Tally) -> bool) -> Result<bool> {
-        let group = &self.inner.group;
-        let ttl_ms = group.check_ttl(ttl)?;
-        let ttl = Duration::from_millis(ttl_ms);
-        let cell = &self.inner.cell;
-        let nt = group.timing.node_timeout;
-        let waited = group.now() + nt;
-        let ticket = loop {
-            match cell.begin_extend(self.inner.group.now(), ttl) {
-                Ok(ticket) => break ticket,
-                Err(Refusal::Lost) => return Ok(false),
-                Err(Refusal::Busy) => {
-                    if !cell.wait_unclaimed(waited) {
-                        return Err(Error::Timeout {
-                            op: "extend (waiting for an extension in flight)",
-                            after: nt,
-                        });
-                    }
+    /// The lease's id and (no) fencing token, for observers.
+    pub(super) fn observed(&self) -> (LeaseId, Option<FencingToken>) {
+        (LeaseId(self.lease().cell.id()), None)
+    }
+}
+
+/// An extension of `lease` that stops listening for answers once `decided`
+/// says so (or at the deadline).
+fn extend_hearing(
+    lease: &Arc<RedlockLease>,
+    ttl: Duration,
+    decided: impl Fn(&Tally) -> bool,
+) -> Result<bool> {
+    let group = &lease.group;
+    let ttl_ms = group.check_ttl(ttl)?;
+    let ttl = Duration::from_millis(ttl_ms);
+    let cell = &lease.cell;
+    let nt = group.timing.node_timeout;
+    let waited = group.now() + nt;
+    let ticket = loop {
+        match cell.begin_extend(group.now(), ttl) {
+            Ok(ticket) => break ticket,
+            Err(Refusal::Lost) => return Ok(false),
+            Err(Refusal::Busy) => {
+                if !cell.wait_unclaimed(waited) {
+                    return Err(Error::Timeout {
+                        op: "extend (waiting for an extension in flight)",
+                        after: nt,
+                    });
                 }
             }
-        };
-        group.renewal.touch(&self.inner);
-        let now = self.inner.group.now();
-        let deadline = (now + nt).min(cell.valid_until());
-        let targets = group.all();
-        let done = Completion::new(targets.len());
-        let (replies, tally) = group.fan_out(
-            Op::Extend { ttl_ms },
-            self.inner.nodes(),
-            &targets,
-            deadline,
-            Some(&done),
-            decided,
-        );
-        let heard = group.answers(replies, &targets, deadline, &NodeOutcome::Abandoned);
-        let nodes = group.named(&heard);
-        *self.inner.evidence.lock() = heard;
-        let mut extension = Extension::counted(ticket, tally);
-        let verdict =
-            extension.settle(&self.inner.cell, self.inner.group.now(), || refusal(&nodes));
-        if verdict == ExtendVerdict::Unknown {
-            // Released once every node's share is finished: from then on, each
-            // node runs a later extension after this one or not at all.
-            let lease = self.inner.clone();
-            done.then(move || {
-                extension.finish(&lease.cell, lease.group.now());
-                lease.group.renewal.touch(&lease);
-            });
         }
-        done.finish();
-        group.renewal.touch(&self.inner);
-        match verdict {
-            ExtendVerdict::Confirmed => Ok(!cell.is_lost(self.inner.group.now())),
-            ExtendVerdict::Refused => Ok(false),
-            ExtendVerdict::Unknown if cell.is_lost(self.inner.group.now()) => Ok(false),
-            ExtendVerdict::Unknown => Err(Error::QuorumNotReached {
-                op: "extend",
-                confirmed: tally.yes,
-                needed: tally.quorum,
-                nodes,
-            }),
-        }
+    };
+    group.renewal.touch(&**lease);
+    let now = group.now();
+    let deadline = (now + nt).min(cell.valid_until());
+    let targets = group.all();
+    let done = Completion::new(targets.len());
+    let (replies, tally) = group.fan_out(
+        Op::Extend { ttl_ms },
+        lease.nodes(),
+        &targets,
+        deadline,
+        Some(&done),
+        decided,
+    );
+    let heard = group.answers(replies, &targets, deadline, &NodeOutcome::Abandoned);
+    let nodes = group.named(&heard);
+    *lease.evidence.lock() = heard;
+    let mut extension = Extension::counted(ticket, tally);
+    let verdict = extension.settle(cell, group.now(), || refusal(&nodes));
+    if verdict == ExtendVerdict::Unknown {
+        // Released once every node's share is finished: from then on, each
+        // node runs a later extension after this one or not at all.
+        let lease = lease.clone();
+        done.then(move || {
+            extension.finish(&lease.cell, lease.group.now());
+            lease.group.renewal.touch(&*lease);
+        });
+    }
+    done.finish();
+    group.renewal.touch(&**lease);
+    match verdict {
+        ExtendVerdict::Confirmed => Ok(!cell.is_lost(group.now())),
+        ExtendVerdict::Refused => Ok(false),
+        ExtendVerdict::Unknown if cell.is_lost(group.now()) => Ok(false),
+        ExtendVerdict::Unknown => Err(Error::QuorumNotReached {
+            op: "extend",
+            confirmed: tally.yes,
+            needed: tally.quorum,
+            nodes,
+        }),
+    }
+}
+
+#[allow(
+    private_interfaces,
+    reason = "a sealed trait's methods, named only in this crate"
+)]
+impl Held for RedlockHeld {
+    fn cell(&self) -> &dyn LeaseView {
+        &self.inner.cell
     }
 
-    /// Extends the lock in the background until the returned
-    /// [`RedlockKeepAlive`] is dropped: the group's renewal thread extends it
-    /// by its TTL at half the TTL, retries a failed extension while time
-    /// remains, and flags the lock lost — at its loss deadline — when no
-    /// extension reached a quorum by then, or at once when a quorum no longer
-    /// holds it.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] when the TTL is too short to renew at half
-    /// of it with two node timeouts to spare; [`Error::Thread`] when the
-    /// renewal thread cannot be started.
-    pub fn keep_alive(&self) -> Result<RedlockKeepAlive<'_>> {
-        let cell = &self.inner.cell;
-        let group = &self.inner.group;
-        let min = group.timing.min_keepalive_ttl();
-        if cell.ttl() < min {
-            return Err(Error::InvalidArgument(format!(
-                "ttl {:?} is too short for keep-alive with a node timeout of {:?}: use at \
-                 least {min:?}",
-                cell.ttl(),
-                group.timing.node_timeout
-            )));
-        }
-        cell.add_keepalive();
-        if let Err(e) = group.renewal.watch(&self.inner) {
-            cell.remove_keepalive();
-            return Err(e);
-        }
-        group.renewal.touch(&self.inner);
-        Ok(RedlockKeepAlive {
-            inner: self.inner.clone(),
-            _guard: PhantomData,
-        })
+    fn now(&self) -> Instant {
+        self.inner.group.now()
     }
 
-    /// Releases the lock on every node that has not confirmed yet (deleting it
-    /// only where it still holds this guard's owner token).
-    ///
-    /// From the first call on, the guard no longer reports ownership
-    /// (`is_lost()` is true). Blocks until the result is decided or the node
-    /// timeout runs out. Returns `true` when a quorum confirmed and the lock
-    /// was still held on a quorum (deleted there now), `false` when a quorum
-    /// confirmed but the lock had already expired or been taken over on some
-    /// of them: it lapsed before the release. After a result, further calls
-    /// return it again without I/O. A node that had not answered by then still
-    /// gets the release in the background, after any command of this lock
-    /// still queued for it (so a late grant is deleted too).
-    ///
-    /// A node without a connection answers
-    /// [`NodeOutcome::NotConnected`](crate::NodeOutcome::NotConnected) at once
-    /// and does not count for this call. That is the case of a node whose
-    /// acquire (or extension) got no reply: its connection is being replaced,
-    /// and the old one killed, so that a late grant cannot land after the
-    /// release. Its worker keeps the release and sends it as soon as the node
-    /// is connected again, after the kill and however late, with a node
-    /// timeout of its own; a later call to `release` counts the answer it got
-    /// there without sending anything again.
-    ///
-    /// # Errors
-    /// [`Error::QuorumNotReached`] when fewer than a quorum confirmed (nodes
-    /// failed, did not answer or were not connected): call `release` again to
-    /// retry the nodes that have not confirmed; otherwise the lock ends at its
-    /// expiry, or earlier on the nodes that get the queued release.
-    pub fn release(&mut self) -> Result<bool> {
-        let group = &self.inner.group;
-        self.inner.cell.finish(self.inner.group.now());
-        group.renewal.forget(&self.inner);
-        if let Some(outcome) = self.release.outcome() {
-            return Ok(outcome);
-        }
+    fn timing(&self) -> Timing {
+        self.inner.group.timing
+    }
+
+    fn watch(&self) -> Result<()> {
+        self.inner.group.renewal.watch(&self.inner)
+    }
+
+    fn touch(&self) {
+        self.inner.group.renewal.touch(&*self.inner);
+    }
+
+    /// Nothing to check: the nodes' rights were checked when the group was made.
+    fn check_keep_alive(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
+        extend_hearing(&self.inner, ttl, Tally::decided)
+    }
+
+    fn release(&mut self) -> Result<ReleaseOutcome> {
+        let lease = &self.inner;
+        let group = &lease.group;
+        lease.cell.finish(group.now());
+        group.renewal.forget(&**lease);
         let targets = self.release.targets();
         let deadline = group.now() + group.timing.node_timeout;
         let release = &self.release;
-        let (replies, _) = group.fan_out(
-            Op::Release,
-            self.inner.nodes(),
-            &targets,
-            deadline,
-            None,
-            |t| release.is_decided(t),
-        );
+        let (replies, _) =
+            group.fan_out(Op::Release, lease.nodes(), &targets, deadline, None, |t| {
+                release.is_decided(t)
+            });
         for reply in replies.iter().flatten() {
             self.release
                 .handle_answer(reply.node, reply.vote, &reply.outcome);
         }
         let skipped = NodeOutcome::NotSent("confirmed by an earlier release".into());
         let heard = group.answers(replies, &targets, deadline, &skipped);
-        let result = match self.release.conclude() {
-            Ok(held) => {
-                *self.inner.evidence.lock() = heard;
-                Ok(held)
-            }
+        let outcome = match self.release.conclude() {
+            Ok(true) => ReleaseOutcome::Released,
+            Ok(false) => ReleaseOutcome::Expired,
             Err(confirmed) => {
-                let nodes = group.named(&heard);
-                *self.inner.evidence.lock() = heard;
-                Err(Error::QuorumNotReached {
-                    op: "release",
-                    confirmed,
-                    needed: group.quorum,
-                    nodes,
-                })
+                log::warn!(
+                    "release of redlock {:?} reached no quorum ({confirmed} of {} confirmed: \
+                     {}); the nodes that did not answer keep it, and it ends at its expiry at \
+                     the latest",
+                    lease.cell.key(),
+                    group.quorum,
+                    summarize(&group.named(&heard))
+                );
+                ReleaseOutcome::Uncertain
             }
         };
-        if let Some(w) = self.inner.cell.watching() {
-            let outcome = result.as_ref().ok().map(|held| match held {
-                true => ReleaseOutcome::Released,
-                false => ReleaseOutcome::Expired,
-            });
-            w.released(self.key(), self.inner.cell.id(), outcome);
+        *lease.evidence.lock() = heard;
+        if let Some(w) = lease.cell.watching() {
+            w.released(lease.cell.key(), lease.cell.id(), Some(outcome));
         }
-        result
+        Ok(outcome)
     }
 
-    /// The lease's id and (no) fencing token, for observers.
-    pub(super) fn observed(&self) -> (LeaseId, Option<FencingToken>) {
-        (LeaseId(self.inner.cell.id()), None)
+    fn dropped(&mut self) {
+        self.inner.group.users.leave(&self.inner.group);
     }
 }
 
@@ -441,75 +365,6 @@ impl<X> Bounds for LeaseCell<X> {
 
     fn fenced(&self, ticket: Ticket, now: Instant) {
         LeaseCell::fenced(self, ticket, now);
-    }
-}
-
-impl Drop for RedlockGuard {
-    fn drop(&mut self) {
-        self.release_on_drop();
-        self.inner.group.users.leave(&self.inner.group);
-    }
-}
-
-impl RedlockGuard {
-    fn release_on_drop(&mut self) {
-        if self.release.outcome().is_some() {
-            return;
-        }
-        match self.release() {
-            Ok(held) => log::debug!(
-                "dropped redlock {:?} (still held until then: {held})",
-                self.key()
-            ),
-            Err(e) => log::warn!(
-                "dropping redlock {:?}: {e}; it ends at its expiry at the latest",
-                self.key()
-            ),
-        }
-    }
-}
-
-impl fmt::Debug for RedlockGuard {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedlockGuard")
-            .field("key", &self.key())
-            .field("lost", &self.is_lost())
-            .field("remaining_estimate", &self.remaining_estimate())
-            .finish()
-    }
-}
-
-/// Extends a [`RedlockGuard`] in the background for as long as it lives.
-///
-/// Returned by [`RedlockGuard::keep_alive`], which it borrows: it always ends
-/// before the guard does. Dropping it stops the extensions (the lock then runs
-/// out at its current validity unless extended again); it does not block.
-#[must_use = "extensions stop as soon as the RedlockKeepAlive is dropped"]
-pub struct RedlockKeepAlive<'a> {
-    inner: Arc<RedlockLease>,
-    _guard: PhantomData<&'a ()>,
-}
-
-impl RedlockKeepAlive<'_> {
-    /// Whether the lock is lost (same as the guard's `is_lost()`). Does not block.
-    pub fn is_lost(&self) -> bool {
-        self.inner.cell.is_lost(self.inner.group.now())
-    }
-}
-
-impl Drop for RedlockKeepAlive<'_> {
-    fn drop(&mut self) {
-        self.inner.cell.remove_keepalive();
-        self.inner.group.renewal.touch(&self.inner);
-    }
-}
-
-impl fmt::Debug for RedlockKeepAlive<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedlockKeepAlive")
-            .field("key", &self.inner.cell.key())
-            .field("lost", &self.is_lost())
-            .finish()
     }
 }
 

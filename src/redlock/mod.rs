@@ -13,7 +13,6 @@
 //! or restarts (`restarts.rs`).
 
 mod attempt;
-mod family;
 mod fanout;
 mod guard;
 mod independence;
@@ -38,7 +37,7 @@ use crate::token::HolderTag;
 use worker::{Hello, NodeSettings, NodeWatcher, NodeWorker, OnNodeEvent, ROUND_TRIPS_PER_TIMEOUT};
 
 pub use attempt::RedlockAttempt;
-pub use guard::{RedlockGuard, RedlockKeepAlive};
+pub use guard::{Redlock, RedlockGuard};
 pub use inspect::{NodeInspection, RedlockInspection};
 pub use options::RedlockOptions;
 
@@ -224,8 +223,9 @@ pub(crate) use worker::{
 /// Per group: one worker thread per node (`respire-node-N`), each with one
 /// connection (named `respire-redlock` in `CLIENT LIST`), running that node's
 /// share of every operation in order; and one renewal thread
-/// (`respire-redlock`), started by the first [`RedlockGuard::keep_alive`] or
-/// [`RedlockGuard::lost_signal`] of one of its guards, that fires loss signals
+/// (`respire-redlock`), started by the first
+/// [`keep_alive`](crate::LeaseGuard::keep_alive) or
+/// [`lost_signal`](crate::LeaseGuard::lost_signal) of one of its guards, that fires loss signals
 /// and runs keep-alives without ever waiting on a node. While a node is
 /// reconnecting, a connector thread (`respire-conn-N`) makes its new
 /// connection and ends. One watcher thread per node (`respire-watch-N`) holds

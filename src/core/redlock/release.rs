@@ -25,7 +25,8 @@ impl Release {
         }
     }
 
-    /// The result, once a quorum confirmed.
+    /// The result, once a quorum confirmed (for the tests' checks).
+    #[cfg(test)]
     pub(crate) fn outcome(&self) -> Option<bool> {
         self.outcome
     }

@@ -308,7 +308,7 @@ impl Run<'_> {
                 }
                 Ok(None)
             },
-            |mut g: RedlockGuard| drop(g.release()),
+            |g: RedlockGuard| drop(g.release()),
             || {
                 let answering = nodes.iter().filter(|n| n.inspect(&base).is_ok()).count();
                 if answering * 2 > nodes.len() {
@@ -347,15 +347,8 @@ impl Run<'_> {
         };
         let ended = self.run_child(&grant.env(), &held);
         drop(renewal);
-        let mut guard = guard;
-        match guard.release() {
-            Ok(true) => self.report.released("released", None),
-            Ok(false) => self.report.released(
-                "lapsed",
-                Some("it had already expired or been taken over on some nodes"),
-            ),
-            Err(e) => self.report.released("failed", Some(&e.to_string())),
-        }
+        let (outcome, detail) = release_words(guard.release());
+        self.report.released(outcome, detail.as_deref());
         self.finish(ended)
     }
 }
