@@ -87,7 +87,9 @@ fn ping(conn: &mut redis::Connection) {
 fn group_acquire(group: &RedlockGroup) -> Duration {
     let t = Instant::now();
     let guard = group
-        .acquire_timeout("bench:far", TTL, Duration::from_secs(3))
+        .lock("bench:far")
+        .unwrap()
+        .acquire_timeout(TTL, Duration::from_secs(3))
         .unwrap()
         .expect("free");
     let took = t.elapsed();
@@ -99,7 +101,9 @@ fn group_acquire(group: &RedlockGroup) -> Duration {
 fn group_cycle_timed(group: &RedlockGroup) -> Duration {
     let t = Instant::now();
     let guard = group
-        .acquire_timeout("bench:far", TTL, Duration::from_secs(3))
+        .lock("bench:far")
+        .unwrap()
+        .acquire_timeout(TTL, Duration::from_secs(3))
         .unwrap()
         .expect("free");
     assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
@@ -236,7 +240,9 @@ fn raw_cycle(conn: &mut redis::Connection, release: &redis::Script) {
 
 fn group_cycle(group: &RedlockGroup) {
     let guard = group
-        .try_acquire("bench:group", TTL)
+        .lock("bench:group")
+        .unwrap()
+        .try_acquire(TTL)
         .unwrap()
         .expect("free");
     assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);

@@ -182,7 +182,12 @@ fn compare(
         report("5 nodes, scoped threads per operation", scoped, raw);
         let ours = time(rounds, || {
             let t = Instant::now();
-            let g = group.try_acquire("compare:group", TTL).unwrap().unwrap();
+            let g = group
+                .lock("compare:group")
+                .unwrap()
+                .try_acquire(TTL)
+                .unwrap()
+                .unwrap();
             let a = t.elapsed();
             assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
             (a, t.elapsed())

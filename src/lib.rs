@@ -380,7 +380,7 @@
 //!     RedlockOptions::default(),
 //! )?;
 //! let wait = Duration::from_secs(2);
-//! if let Some(mut guard) = group.acquire_timeout("nightly-report", Duration::from_secs(10), wait)? {
+//! if let Some(guard) = group.lock("nightly-report")?.acquire_timeout(Duration::from_secs(10), wait)? {
 //!     // work while guard.remaining_estimate() leaves enough time
 //!     guard.release()?;
 //! }

@@ -670,7 +670,12 @@ fn a_redlock_quorum_grants_and_releases_on_every_node(t: &Target) {
     let other = RedlockGroup::connect(&urls, options()).unwrap();
     let key = t.key("redlock");
     let ttl = ms(3_000);
-    let guard = group.try_acquire(&key, ttl).unwrap().expect("free");
+    let guard = group
+        .lock(&key)
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .expect("free");
     let mut conns: Vec<redis::Connection> = urls
         .iter()
         .map(|u| redis::Client::open(*u).unwrap().get_connection().unwrap())
@@ -678,7 +683,14 @@ fn a_redlock_quorum_grants_and_releases_on_every_node(t: &Target) {
     for conn in &mut conns {
         assert_left(conn, &key, ttl, "a node's grant");
     }
-    assert!(other.try_acquire(&key, ttl).unwrap().is_none());
+    assert!(
+        other
+            .lock(&key)
+            .unwrap()
+            .try_acquire(ttl)
+            .unwrap()
+            .is_none()
+    );
     assert!(guard.reset_expiry(ms(4_500)).unwrap());
     // The extension returns once a quorum answered, as the release does.
     wait_until(ms(2_000), "the extension on every node", || {
@@ -697,7 +709,14 @@ fn a_redlock_quorum_grants_and_releases_on_every_node(t: &Target) {
     wait_until(ms(2_000), "the key gone from every node", || {
         conns.iter_mut().all(|conn| pttl(conn, &key) == -2)
     });
-    assert!(other.try_acquire(&key, ttl).unwrap().is_some());
+    assert!(
+        other
+            .lock(&key)
+            .unwrap()
+            .try_acquire(ttl)
+            .unwrap()
+            .is_some()
+    );
 }
 
 fn a_connection_is_killed_by_its_id_and_address_only(t: &Target) {

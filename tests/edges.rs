@@ -373,7 +373,9 @@ fn redlock_loss_signals_close_on_time_while_an_extension_hangs_on_the_nodes() {
     // A kept-alive lock whose extension, due 2.5 s after its grant (half its
     // TTL), will hang for a node timeout on blackholed nodes, to ~3.5 s...
     let kept = group
-        .try_acquire("kept", Duration::from_secs(5))
+        .lock("kept")
+        .unwrap()
+        .try_acquire(Duration::from_secs(5))
         .unwrap()
         .unwrap();
     let _renewal = kept.keep_alive().unwrap();
@@ -381,7 +383,12 @@ fn redlock_loss_signals_close_on_time_while_an_extension_hangs_on_the_nodes() {
     // 2.31 s − drift − 1 s ≈ 1.29 s after its send, ~2.95 s.
     thread::sleep(ms(1_660));
     let sent = Instant::now();
-    let short = group.try_acquire("short", ms(2_310)).unwrap().unwrap();
+    let short = group
+        .lock("short")
+        .unwrap()
+        .try_acquire(ms(2_310))
+        .unwrap()
+        .unwrap();
     let signal = short.lost_signal().clone();
     let key = short.key().to_owned();
     thread::sleep(ms(450));

@@ -78,7 +78,9 @@ fn the_same_code_holds_a_single_deployment_lease_and_a_redlock_lock() {
     // A quorum of three.
     let group = RedlockGroup::new(coords.clone(), RedlockOptions::default()).unwrap();
     let guard = group
-        .try_acquire("job", Duration::from_secs(30))
+        .lock("job")
+        .unwrap()
+        .try_acquire(Duration::from_secs(30))
         .unwrap()
         .unwrap();
     let (estimate, outcome) = hold(guard, Duration::from_secs(5));
@@ -99,7 +101,12 @@ fn the_same_code_holds_a_single_deployment_lease_and_a_redlock_lock() {
         || pttl(&servers[0], "{f}:lease") == -2,
     );
     assert_eq!(release_lapsed(guard), ReleaseOutcome::Expired);
-    let guard = group.try_acquire("job", ms(800)).unwrap().unwrap();
+    let guard = group
+        .lock("job")
+        .unwrap()
+        .try_acquire(ms(800))
+        .unwrap()
+        .unwrap();
     wait_until(
         Duration::from_secs(5),
         "the lock expired on every node",

@@ -460,7 +460,12 @@ fn a_redlock_lock_shows_its_holder_on_every_node() {
     assert!(matches!(bad, Error::InvalidArgument(_)), "{bad}");
     let named = group.with_holder("redlock host pid 7").unwrap();
     assert_eq!(named.holder(), Some("redlock host pid 7"));
-    let guard = named.try_acquire("invoices", TTL).unwrap().unwrap();
+    let guard = named
+        .lock("invoices")
+        .unwrap()
+        .try_acquire(TTL)
+        .unwrap()
+        .unwrap();
     let mut owners = Vec::new();
     for s in &servers {
         let node = Coordinator::connect(&s.url()).unwrap();

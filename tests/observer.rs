@@ -901,11 +901,23 @@ fn a_redlock_scenario_reports_every_event_once_in_order() {
         primitive: Primitive::Redlock,
         waits,
     };
-    let guard = group.try_acquire(key, TTL).unwrap().expect("free");
-    assert!(group.try_acquire(key, TTL).unwrap().is_none());
+    let guard = group
+        .lock(key)
+        .unwrap()
+        .try_acquire(TTL)
+        .unwrap()
+        .expect("free");
+    assert!(group.lock(key).unwrap().try_acquire(TTL).unwrap().is_none());
     let wait = Duration::from_millis(200);
     let before = Instant::now();
-    assert!(group.acquire_timeout(key, TTL, wait).unwrap().is_none());
+    assert!(
+        group
+            .lock(key)
+            .unwrap()
+            .acquire_timeout(TTL, wait)
+            .unwrap()
+            .is_none()
+    );
     let read_sent = Instant::now();
     let pttls: Vec<i64> = servers
         .iter()

@@ -133,7 +133,9 @@ fn acquire_median(group: &RedlockGroup, key: &str, rounds: usize, wait: Duration
         .map(|i| {
             let t = Instant::now();
             let guard = group
-                .acquire_timeout(key, Duration::from_secs(10), wait)
+                .lock(key)
+                .unwrap()
+                .acquire_timeout(Duration::from_secs(10), wait)
                 .unwrap_or_else(|e| panic!("acquisition {i}: {e}"))
                 .unwrap_or_else(|| panic!("acquisition {i} timed out"));
             let took = t.elapsed();
@@ -270,7 +272,11 @@ fn refuses_a_node_timeout_not_well_below_the_ttl() {
     let prefix = unique_prefix("ttl-refusal");
     let group = nodes.group(&prefix, options(200));
     for ttl in [300, 400] {
-        match group.try_acquire("job", Duration::from_millis(ttl)) {
+        match group
+            .lock("job")
+            .unwrap()
+            .try_acquire(Duration::from_millis(ttl))
+        {
             Err(Error::InvalidArgument(e)) => {
                 assert!(e.contains("is not well below ttl"), "{e}")
             }
@@ -278,19 +284,18 @@ fn refuses_a_node_timeout_not_well_below_the_ttl() {
         }
     }
     assert!(matches!(
-        group.try_acquire("job", Duration::ZERO),
+        group.lock("job").unwrap().try_acquire(Duration::ZERO),
         Err(Error::InvalidArgument(_))
     ));
-    assert!(matches!(
-        group.try_acquire("", Duration::from_secs(5)),
-        Err(Error::InvalidArgument(_))
-    ));
+    assert!(matches!(group.lock(""), Err(Error::InvalidArgument(_))));
     for i in 0..3 {
         assert_eq!(nodes.get(i, &format!("{prefix}job")), None, "nothing sent");
     }
     // Well below: accepted.
     let guard = group
-        .try_acquire("job", Duration::from_millis(500))
+        .lock("job")
+        .unwrap()
+        .try_acquire(Duration::from_millis(500))
         .unwrap();
     assert!(guard.is_some());
 }
@@ -317,7 +322,14 @@ fn acquire_contend_extend_release() {
     held_everywhere(&nodes, &key);
 
     // Contention is Ok(None), and the loser's grants are cleaned up.
-    assert!(group.try_acquire("job", ttl).unwrap().is_none());
+    assert!(
+        group
+            .lock("job")
+            .unwrap()
+            .try_acquire(ttl)
+            .unwrap()
+            .is_none()
+    );
     let other = group.attempt("job", ttl).unwrap();
     assert!(other.is_contended());
     // Decided as soon as two nodes said "held": the third may be abandoned.
@@ -351,7 +363,12 @@ fn acquire_contend_extend_release() {
     dropped_everywhere(&nodes, &key);
 
     // Dropping releases too.
-    let guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    let guard = group
+        .lock("job")
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
     drop(guard);
     dropped_everywhere(&nodes, &key);
 }
@@ -393,7 +410,11 @@ fn a_key_of_another_type_on_a_majority_is_a_bad_key_error() {
     for i in [1, 2] {
         let _: () = nodes.servers[i].client().hset(&key, "f", "v").unwrap();
     }
-    match group.try_acquire("job", Duration::from_secs(10)) {
+    match group
+        .lock("job")
+        .unwrap()
+        .try_acquire(Duration::from_secs(10))
+    {
         Err(Error::BadKey { key: k, .. }) => assert_eq!(k, key),
         other => panic!("expected BadKey, got {other:?}"),
     }
@@ -416,7 +437,9 @@ fn extend_needs_a_quorum_and_never_recreates_the_key() {
     let group = nodes.group(&prefix, options(200));
     let key = format!("{prefix}job");
     let guard = group
-        .try_acquire("job", Duration::from_secs(10))
+        .lock("job")
+        .unwrap()
+        .try_acquire(Duration::from_secs(10))
         .unwrap()
         .unwrap();
     held_everywhere(&nodes, &key);
@@ -442,7 +465,9 @@ fn a_release_without_a_quorum_is_uncertain_and_the_nodes_send_it_on_their_own() 
     let group = nodes.group(&prefix, options(200));
     let key = format!("{prefix}job");
     let guard = group
-        .try_acquire("job", Duration::from_secs(30))
+        .lock("job")
+        .unwrap()
+        .try_acquire(Duration::from_secs(30))
         .unwrap()
         .unwrap();
     held_everywhere(&nodes, &key);
@@ -470,12 +495,19 @@ fn bounded_waits_poll_and_cancel() {
     let prefix = unique_prefix("waits");
     let group = nodes.group(&prefix, options(100));
     let ttl = Duration::from_secs(10);
-    let holder = group.try_acquire("job", ttl).unwrap().unwrap();
+    let holder = group
+        .lock("job")
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
 
     let started = Instant::now();
     assert!(
         group
-            .acquire_timeout("job", ttl, Duration::from_millis(300))
+            .lock("job")
+            .unwrap()
+            .acquire_timeout(ttl, Duration::from_millis(300))
             .unwrap()
             .is_none()
     );
@@ -489,7 +521,9 @@ fn bounded_waits_poll_and_cancel() {
         let before = attempts();
         let waiter = s.spawn(|| {
             group
-                .acquire_timeout("job", ttl, Duration::from_secs(10))
+                .lock("job")
+                .unwrap()
+                .acquire_timeout(ttl, Duration::from_secs(10))
                 .unwrap()
         });
         // The release comes after the waiter's first attempt was refused.
@@ -503,7 +537,7 @@ fn bounded_waits_poll_and_cancel() {
         let cancel = CancelToken::new();
         let waiter = {
             let (group, cancel) = (&group, cancel.clone());
-            s.spawn(move || group.acquire("job", ttl, &cancel))
+            s.spawn(move || group.lock("job").unwrap().acquire(ttl, &cancel))
         };
         let before = attempts();
         wait_until(Duration::from_secs(5), "the waiter's attempt", || {
@@ -538,13 +572,22 @@ fn five_nodes_survive_two_kills_and_fail_fast_on_three() {
     let node_timeout = Duration::from_secs(5);
     let group = nodes.group(&prefix, options(5_000));
     let ttl = Duration::from_secs(30);
-    drop(group.try_acquire("warm", ttl).unwrap().unwrap());
+    drop(
+        group
+            .lock("warm")
+            .unwrap()
+            .try_acquire(ttl)
+            .unwrap()
+            .unwrap(),
+    );
 
     nodes.servers[0].kill();
     nodes.servers[1].kill();
     let started = Instant::now();
     let guard = group
-        .try_acquire("a", ttl)
+        .lock("a")
+        .unwrap()
+        .try_acquire(ttl)
         .unwrap()
         .expect("three of five nodes grant");
     let took = started.elapsed();
@@ -554,7 +597,7 @@ fn five_nodes_survive_two_kills_and_fail_fast_on_three() {
 
     nodes.servers[2].kill();
     let started = Instant::now();
-    let err = group.try_acquire("b", ttl).unwrap_err();
+    let err = group.lock("b").unwrap().try_acquire(ttl).unwrap_err();
     let took = started.elapsed();
     eprintln!("5 nodes, 3 killed: failed in {took:?}: {err}");
     assert!(took < node_timeout / 2, "failing took {took:?}");
@@ -620,7 +663,12 @@ fn one_blackholed_node_of_five_does_not_slow_acquire() {
                 return;
             }
             let t = Instant::now();
-            let guard = group.try_acquire("job", ttl).unwrap().expect("free");
+            let guard = group
+                .lock("job")
+                .unwrap()
+                .try_acquire(ttl)
+                .unwrap()
+                .expect("free");
             acquire.push(t.elapsed());
             let t = Instant::now();
             assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
@@ -663,7 +711,9 @@ fn dropping_a_guard_waits_at_most_the_node_timeout_for_a_blackholed_majority() {
     let node_timeout = Duration::from_millis(500);
     let group = nodes.group(&prefix, options(500));
     let guard = group
-        .try_acquire("drop", Duration::from_secs(10))
+        .lock("drop")
+        .unwrap()
+        .try_acquire(Duration::from_secs(10))
         .unwrap()
         .unwrap();
     for p in &nodes.proxies[1..4] {
@@ -701,7 +751,12 @@ fn fan_out_is_parallel_behind_2ms_delays() {
         let took = t.elapsed();
         guard.release().unwrap();
         let t = Instant::now();
-        let g = group.try_acquire("job", ttl).unwrap().unwrap();
+        let g = group
+            .lock("job")
+            .unwrap()
+            .try_acquire(ttl)
+            .unwrap()
+            .unwrap();
         let took_group = t.elapsed();
         assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
         if i >= 10 {
@@ -760,7 +815,13 @@ fn with_a_slow_third_node(name: &str, one_way: Duration) -> (Nodes, RedlockGroup
     let nodes = Nodes::start(3);
     let prefix = unique_prefix(name);
     let group = nodes.group(&prefix, options(1000));
-    drop(group.try_acquire("warm", Duration::from_secs(10)).unwrap());
+    drop(
+        group
+            .lock("warm")
+            .unwrap()
+            .try_acquire(Duration::from_secs(10))
+            .unwrap(),
+    );
     nodes.proxies[2].set_mode(Mode::Delay(one_way));
     (nodes, group, format!("{prefix}job"))
 }
@@ -794,7 +855,9 @@ fn an_extension_on_every_node_says_what_the_slow_one_holds() {
     let _x = exclusive();
     let (nodes, group, key) = with_a_slow_third_node("hear-all", Duration::from_millis(100));
     let guard = group
-        .try_acquire("job", Duration::from_secs(10))
+        .lock("job")
+        .unwrap()
+        .try_acquire(Duration::from_secs(10))
         .unwrap()
         .expect("a free key");
     let heard = || -> Vec<NodeOutcome> {
@@ -837,7 +900,12 @@ fn extend_does_not_count_a_node_that_restarted() {
     let group = nodes.group(&prefix, options(200));
     let key = format!("{prefix}job");
     let ttl = Duration::from_secs(30);
-    let guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    let guard = group
+        .lock("job")
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
     held_everywhere(&nodes, &key);
     // Node 1 loses the key: nodes 0 and 2 must both count from now on.
     let _: () = nodes.servers[1].client().del(&key).unwrap();
@@ -896,7 +964,12 @@ fn restart_delay_keeps_a_node_that_lost_its_data_out() {
     let group = nodes.group(&prefix, options(200));
     let key = format!("{prefix}job");
     let ttl = Duration::from_secs(30);
-    let first = group.try_acquire("job", ttl).unwrap().unwrap();
+    let first = group
+        .lock("job")
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
     held_everywhere(&nodes, &key);
     let delay = Duration::from_secs(2);
     wait_until(Duration::from_secs(10), "node 2 to be up for 2 s", || {
@@ -954,7 +1027,9 @@ fn restart_delay_keeps_a_node_that_lost_its_data_out() {
         "two of the three nodes that granted it went away"
     );
     let second = group
-        .acquire_timeout("job", ttl, Duration::from_secs(5))
+        .lock("job")
+        .unwrap()
+        .acquire_timeout(ttl, Duration::from_secs(5))
         .unwrap();
     assert!(second.is_some());
 }
@@ -984,7 +1059,9 @@ fn a_lock_is_lost_as_soon_as_a_node_it_needs_goes_away_without_its_data() {
         .pset_ex(&key, "someone-else", 60_000)
         .unwrap();
     let first = group
-        .try_acquire("job", ttl)
+        .lock("job")
+        .unwrap()
+        .try_acquire(ttl)
         .unwrap()
         .expect("nodes 0 and 1");
     // The attempt returned at the quorum; node 2's `SET NX` may still be on
@@ -1018,7 +1095,9 @@ fn a_lock_is_lost_as_soon_as_a_node_it_needs_goes_away_without_its_data() {
     nodes.servers[0].restart();
     assert_eq!(nodes.get(0, &key), None);
     let second = other
-        .acquire_timeout("job", ttl, Duration::from_secs(5))
+        .lock("job")
+        .unwrap()
+        .acquire_timeout(ttl, Duration::from_secs(5))
         .unwrap();
     assert!(second.is_some(), "nodes 0 and 2 make a quorum");
     assert!(first.is_lost());
@@ -1049,7 +1128,9 @@ fn a_node_whose_watcher_never_reached_it_stops_counting_when_another_goes_away()
     nodes.proxies[2].admit_only(2);
     let group = nodes.group(&prefix, options(200));
     let first = group
-        .try_acquire("job", ttl)
+        .lock("job")
+        .unwrap()
+        .try_acquire(ttl)
         .unwrap()
         .expect("all three nodes");
     // The attempt returned at the quorum, perhaps before node 2's grant.
@@ -1087,10 +1168,17 @@ fn keep_alive_extends_and_flags_loss_before_validity_ends() {
     let prefix = unique_prefix("keepalive");
     let group = nodes.group(&prefix, options(50));
     let ttl = Duration::from_millis(600);
-    let guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    let guard = group
+        .lock("job")
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
     assert!(matches!(
         group
-            .try_acquire("short", Duration::from_millis(150))
+            .lock("short")
+            .unwrap()
+            .try_acquire(Duration::from_millis(150))
             .unwrap()
             .unwrap()
             .keep_alive(),
@@ -1175,7 +1263,9 @@ fn loss_is_flagged_before_a_quorum_of_servers_expires_the_lock() {
     let key = format!("{prefix}job");
     let ttl = Duration::from_millis(800);
     let guard = group
-        .acquire_timeout("job", ttl, Duration::from_secs(5))
+        .lock("job")
+        .unwrap()
+        .acquire_timeout(ttl, Duration::from_secs(5))
         .unwrap()
         .expect("nobody else holds it");
     let keep = guard.keep_alive().unwrap();
@@ -1239,7 +1329,9 @@ fn a_lock_granted_over_slow_links_is_bounded_from_the_send_of_its_attempt() {
         proxy.set_mode(Mode::Delay(Duration::from_millis(150)));
     }
     let guard = group
-        .try_acquire("job", ttl)
+        .lock("job")
+        .unwrap()
+        .try_acquire(ttl)
         .unwrap()
         .expect("nobody holds it");
     let looked = Instant::now();
@@ -1270,7 +1362,12 @@ fn release_reports_whether_a_quorum_still_held_the_lock() {
     let ttl = Duration::from_secs(30);
 
     // Held on every node but one: still deleted on a quorum.
-    let guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    let guard = group
+        .lock("job")
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
     held_everywhere(&nodes, &key);
     let _: () = nodes.servers[0].client().del(&key).unwrap();
     assert_eq!(
@@ -1281,7 +1378,12 @@ fn release_reports_whether_a_quorum_still_held_the_lock() {
     dropped_everywhere(&nodes, &key);
 
     // Gone from two nodes before the release: it had lapsed.
-    let guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    let guard = group
+        .lock("job")
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
     held_everywhere(&nodes, &key);
     for i in [0, 1] {
         let _: () = nodes.servers[i].client().del(&key).unwrap();
@@ -1294,7 +1396,12 @@ fn release_reports_whether_a_quorum_still_held_the_lock() {
     dropped_everywhere(&nodes, &key);
 
     // Another owner's on two nodes: theirs stays, and the release says so.
-    let guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    let guard = group
+        .lock("job")
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
     held_everywhere(&nodes, &key);
     for i in [0, 1] {
         let _: () = nodes.servers[i].client().set(&key, "someone-else").unwrap();
@@ -1312,7 +1419,12 @@ fn release_reports_whether_a_quorum_still_held_the_lock() {
     for i in [0, 1] {
         let _: () = nodes.servers[i].client().del(&key).unwrap();
     }
-    let guard = group.try_acquire("job", ttl).unwrap().unwrap();
+    let guard = group
+        .lock("job")
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
     held_everywhere(&nodes, &key);
     nodes.proxies[0].set_mode(Mode::Blackhole);
     nodes.proxies[1].set_mode(Mode::Blackhole);
@@ -1337,7 +1449,9 @@ fn an_extension_without_a_quorum_bounds_the_lock_by_its_worst_case() {
     let group = nodes.group(&prefix, options(100));
     let key = format!("{prefix}job");
     let guard = group
-        .try_acquire("job", Duration::from_secs(10))
+        .lock("job")
+        .unwrap()
+        .try_acquire(Duration::from_secs(10))
         .unwrap()
         .unwrap();
     held_everywhere(&nodes, &key);
@@ -1592,7 +1706,10 @@ fn a_wait_rides_out_every_node_unreachable_for_a_second() {
             nodes.delay_all(Duration::from_millis(20));
         });
         let t = Instant::now();
-        let got = group.acquire_timeout("job", Duration::from_secs(10), Duration::from_secs(3));
+        let got = group
+            .lock("job")
+            .unwrap()
+            .acquire_timeout(Duration::from_secs(10), Duration::from_secs(3));
         (got, t.elapsed())
     });
     eprintln!("every node unreachable for 1 s of a 3 s wait: {took:?}: {got:?}");
@@ -1630,7 +1747,13 @@ fn a_wrong_password_is_reported_at_once() {
     // with Auth at once rather than polling until its deadline.
     let nodes = Nodes::start(5);
     let group = RedlockGroup::connect(&refs(&nodes.urls()), RedlockOptions::default()).unwrap();
-    drop(group.try_acquire("warm", Duration::from_secs(10)).unwrap());
+    drop(
+        group
+            .lock("warm")
+            .unwrap()
+            .try_acquire(Duration::from_secs(10))
+            .unwrap(),
+    );
     for i in 0..3 {
         let _: () = redis::cmd("CONFIG")
             .arg("SET")
@@ -1641,7 +1764,10 @@ fn a_wrong_password_is_reported_at_once() {
         nodes.proxies[i].reset_all();
     }
     let t = Instant::now();
-    let result = group.acquire_timeout("job", Duration::from_secs(10), Duration::from_secs(3));
+    let result = group
+        .lock("job")
+        .unwrap()
+        .acquire_timeout(Duration::from_secs(10), Duration::from_secs(3));
     let took = t.elapsed();
     eprintln!("a wait after 3 of 5 nodes changed their password: {took:?}: {result:?}");
     assert!(matches!(result, Err(Error::Auth { .. })), "{result:?}");
@@ -1662,7 +1788,7 @@ fn one_holder_with_the_rest_down_is_an_error_not_contention() {
     nodes.proxies[1].set_mode(Mode::Blackhole);
     nodes.proxies[2].set_mode(Mode::Blackhole);
     let ttl = Duration::from_secs(10);
-    match group.try_acquire("job", ttl) {
+    match group.lock("job").unwrap().try_acquire(ttl) {
         Err(Error::QuorumNotReached {
             nodes: evidence, ..
         }) => {
@@ -1689,7 +1815,7 @@ fn one_holder_with_the_rest_down_is_an_error_not_contention() {
         other => panic!("expected QuorumNotReached, got {other:?}"),
     }
     // Again with the two known to be down (not connected, answered at once).
-    match group.try_acquire("job", ttl) {
+    match group.lock("job").unwrap().try_acquire(ttl) {
         Err(Error::QuorumNotReached {
             nodes: evidence, ..
         }) => {
@@ -1718,7 +1844,10 @@ fn one_holder_with_the_rest_down_is_an_error_not_contention() {
         other => panic!("expected QuorumNotReached, got {other:?}"),
     }
     // A wait that runs out that way reports the error, not "held".
-    let result = group.acquire_timeout("job", ttl, Duration::from_millis(300));
+    let result = group
+        .lock("job")
+        .unwrap()
+        .acquire_timeout(ttl, Duration::from_millis(300));
     assert!(
         matches!(result, Err(Error::QuorumNotReached { .. })),
         "{result:?}"
@@ -1770,7 +1899,12 @@ fn a_short_extend_racing_the_keep_alive_never_leaves_a_longer_belief() {
     let mut direct: Vec<redis::Connection> = nodes.servers.iter().map(|s| s.client()).collect();
     let mut pttls = || -> Vec<i64> { direct.iter_mut().map(|c| c.pttl(&key).unwrap()).collect() };
     let (long, short) = (Duration::from_secs(4), Duration::from_secs(2));
-    let guard = group.try_acquire("job", long).unwrap().unwrap();
+    let guard = group
+        .lock("job")
+        .unwrap()
+        .try_acquire(long)
+        .unwrap()
+        .unwrap();
     let _keep = guard.keep_alive().unwrap();
     let mut last = pttls();
     wait_until(
@@ -1850,7 +1984,7 @@ fn campaign(append_only: bool, run_for: Duration) -> Campaign {
             let (windows, contended, failed, stop) = (&windows, &contended, &failed, &stop);
             s.spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
-                    let guard = match group.acquire_timeout("resource", ttl, hold) {
+                    let guard = match group.lock("resource").unwrap().acquire_timeout(ttl, hold) {
                         Ok(Some(guard)) => guard,
                         Ok(None) => {
                             contended.fetch_add(1, Ordering::Relaxed);
@@ -1994,9 +2128,16 @@ fn a_node_that_goes_away_loses_a_lock_unless_the_restart_delay_outlasts_it() {
             .pset_ex(format!("{prefix}{key}"), "someone-else", 60_000)
             .unwrap();
     }
-    let plain_guard = plain.try_acquire("plain", ttl).unwrap().expect("0 and 1");
+    let plain_guard = plain
+        .lock("plain")
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .expect("0 and 1");
     let careful_guard = careful
-        .try_acquire("careful", ttl)
+        .lock("careful")
+        .unwrap()
+        .try_acquire(ttl)
         .unwrap()
         .expect("0 and 1");
     let watched = || clients_named(&nodes, 0, "respire-redlock-watch") == 2;
@@ -2061,7 +2202,9 @@ fn a_program_that_ends_after_dropping_its_group_leaves_no_key_behind() {
         ))));
         let group = RedlockGroup::new(coordinators, options).unwrap();
         let guard = group
-            .try_acquire(KEY, Duration::from_secs(5))
+            .lock(KEY)
+            .unwrap()
+            .try_acquire(Duration::from_secs(5))
             .unwrap()
             .expect("granted");
         let renewing = guard.keep_alive().unwrap();

@@ -67,7 +67,9 @@ fn a_group_of_five_runs_five_workers_five_watchers_ten_connections_and_one_renew
     one_each("one connection and one watcher per server");
 
     let guard = group
-        .try_acquire("job", Duration::from_secs(10))
+        .lock("job")
+        .unwrap()
+        .try_acquire(Duration::from_secs(10))
         .unwrap()
         .unwrap();
     assert_eq!(threads("respire-redlock"), 0, "a guard alone needs none");
@@ -79,7 +81,9 @@ fn a_group_of_five_runs_five_workers_five_watchers_ten_connections_and_one_renew
         threads("respire-redlock") == 1
     });
     let second = group
-        .try_acquire("other", Duration::from_secs(10))
+        .lock("other")
+        .unwrap()
+        .try_acquire(Duration::from_secs(10))
         .unwrap()
         .unwrap();
     let _keep_second = second.keep_alive().unwrap();

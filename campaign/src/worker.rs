@@ -429,7 +429,8 @@ pub(crate) fn main() -> Result<(), String> {
             Handle::Redlock(key) => group
                 .as_ref()
                 .expect("a redlock group")
-                .acquire_timeout(key, ttl, wait)
+                .lock(key)
+                .and_then(|lock| lock.acquire_timeout(ttl, wait))
                 .map(|g| g.map(Held::Redlock)),
             Handle::Election(e) => e
                 .campaign_timeout(&value, ttl, wait)

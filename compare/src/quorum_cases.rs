@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use respire_coordination::{RedlockGroup, RedlockOptions};
+use respire_coordination::{RedlockGroup, RedlockOptions, ReleaseOutcome};
 
 use crate::child::{Ctx, Res, latency, lockstep, micros, runtime, warm_up};
 use crate::plan::{Case, Figures};
@@ -77,12 +77,15 @@ pub(crate) fn run_local(imp: &str, ctx: &Ctx) -> Res<Figures> {
                 ..RedlockOptions::default()
             };
             let group = group(urls, options)?;
-            let key = ctx.key("group");
+            let lock = group.lock(&ctx.key("group"))?;
             time_pairs(warm, n, |_| {
                 let start = Instant::now();
-                let mut guard = group.try_acquire(&key, TTL)?.ok_or("group was contended")?;
+                let guard = lock.try_acquire(TTL)?.ok_or("group was contended")?;
                 let acquired = start.elapsed();
-                expect(guard.release()?, "group release found the lock gone")?;
+                expect(
+                    guard.release()? == ReleaseOutcome::Released,
+                    "group release found the lock gone",
+                )?;
                 Ok(acquired)
             })?
         }
@@ -221,7 +224,7 @@ pub(crate) fn run_slow(imp: &str, ctx: &Ctx) -> Res<Figures> {
             let group = group(urls, options)?;
             attempts(ctx, |key| {
                 let start = Instant::now();
-                let mut guard = group.try_acquire(key, TTL)?.ok_or("contended")?;
+                let guard = group.lock(key)?.try_acquire(TTL)?.ok_or("contended")?;
                 let took = start.elapsed();
                 let _ = guard.release();
                 Ok(Some(took))

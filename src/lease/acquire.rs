@@ -14,7 +14,8 @@ use crate::core::acquire::{Attempts, dated};
 use crate::core::lease::LeaseCore;
 use crate::error::{Error, Result};
 use crate::lease::deployment::Deployment;
-use crate::lease::guard::LeaseGuard;
+use crate::lease::guard::held::Handle;
+use crate::lease::guard::{Backend, LeaseGuard};
 use crate::lease::kind::{Acquire, Granted, Kind};
 use crate::observe::Acquiring;
 use crate::replication::Replication;
@@ -23,11 +24,12 @@ use crate::runtime::topology::Uncertain;
 use crate::runtime::waiters::{self, Attempt, Failures, WaitFor};
 use crate::token::{HolderTag, OwnerToken};
 
-/// A single-deployment primitive of kind `K`: [`Lock`](crate::Lock),
-/// [`FencedLock`](crate::FencedLock), the two sides of a
+/// A primitive of backend `B`, the handle its leases are acquired through:
+/// [`Lock`](crate::Lock), [`FencedLock`](crate::FencedLock), the two sides of a
 /// [`ReadWriteLease`](crate::ReadWriteLease) ([`ReadLease`](crate::ReadLease),
-/// [`WriteLease`](crate::WriteLease)) and [`Semaphore`](crate::Semaphore) are
-/// this type. Cheap to clone.
+/// [`WriteLease`](crate::WriteLease)), [`Semaphore`](crate::Semaphore) and a
+/// Redlock lock ([`RedlockGroup::lock`](crate::RedlockGroup::lock)) are this
+/// type, with the same verbs. Cheap to clone.
 ///
 /// # Acquiring
 ///
@@ -70,8 +72,58 @@ use crate::token::{HolderTag, OwnerToken};
 /// the same bound. A wait returns by its deadline plus at most one attempt's
 /// bound (an attempt started just before the deadline is finished, so that its
 /// grant is not left behind); cancellation interrupts it between attempts.
+///
+/// # Redlock
+///
+/// A Redlock lock ([`RedlockGroup::lock`](crate::RedlockGroup::lock)) has the
+/// same verbs. One attempt is sent to every node at once and blocks until a
+/// quorum decided it or the node timeout runs out, whichever is first; a slow
+/// or unreachable minority does not delay a decided outcome (its answers are
+/// abandoned, and cleaned up later by owner token), and a failed attempt is
+/// released on every node in the background. `Ok(Some(guard))` when a quorum
+/// granted with validity left, `Ok(None)` on contention (no quorum, and at
+/// least one node reported another holder).
+///
+/// Independent servers share no invalidations, so a Redlock wait polls: after
+/// each attempt that did not get the lock it sleeps a random pause between
+/// half and all of a ceiling that starts at
+/// [`RedlockOptions::retry_base`](crate::RedlockOptions::retry_base) and
+/// doubles up to [`RedlockOptions::retry_max`](crate::RedlockOptions::retry_max)
+/// (bounded retries with jitter, so that contending clients do not keep
+/// colliding); a cancellation wakes the pause at once, and an attempt already
+/// sent finishes first (a lock it got is released).
+///
+/// Its errors: [`Error::InvalidArgument`] for a zero TTL, one above
+/// [`MAX_TTL`](crate::MAX_TTL), or one for which the node timeout is not well
+/// below it (node timeout + drift must be under half the TTL);
+/// [`Error::QuorumNotReached`] when no quorum granted and no node reported
+/// another holder (nodes down, slow or failing), with every node's answer;
+/// [`Error::Timeout`] when a quorum granted but the attempt took so long that
+/// no validity was left; a node's error that trying again will not cure
+/// ([`Error::Auth`], [`Error::Permission`], [`Error::BadKey`] for a key that
+/// holds another type, an error reply, ...) when so many nodes failed that way
+/// that no quorum can form without them. A wait returns retryable errors only
+/// when it ran out after a failed attempt, by the crate's rule for waits.
 #[must_use = "a lease handle takes nothing until one of its acquire verbs is called"]
-pub struct Lease<K: Kind> {
+pub struct Lease<B: Backend> {
+    handle: B::Handle,
+}
+
+impl<B: Backend> Clone for Lease<B> {
+    fn clone(&self) -> Self {
+        Lease {
+            handle: self.handle.clone(),
+        }
+    }
+}
+
+/// A single-deployment primitive's handle: its deployment, its acquire logic
+/// and keys, and the holder its leases record.
+#[allow(
+    unreachable_pub,
+    reason = "named by the public `Backend`, but nameable only in this crate"
+)]
+pub struct SingleHandle<K: Kind> {
     dep: Arc<Deployment>,
     spec: Arc<dyn Acquire<K::Grant>>,
     /// Who the leases it takes say holds them.
@@ -79,9 +131,9 @@ pub struct Lease<K: Kind> {
     _kind: PhantomData<K>,
 }
 
-impl<K: Kind> Clone for Lease<K> {
+impl<K: Kind> Clone for SingleHandle<K> {
     fn clone(&self) -> Self {
-        Lease {
+        SingleHandle {
             dep: self.dep.clone(),
             spec: self.spec.clone(),
             holder: self.holder.clone(),
@@ -114,11 +166,57 @@ impl<'a> Wait<'a> {
 impl<K: Kind> Lease<K> {
     pub(crate) fn new(dep: Arc<Deployment>, spec: Arc<dyn Acquire<K::Grant>>) -> Self {
         Lease {
-            dep,
-            spec,
-            holder: None,
-            _kind: PhantomData,
+            handle: SingleHandle {
+                dep,
+                spec,
+                holder: None,
+                _kind: PhantomData,
+            },
         }
+    }
+
+    /// This handle's holder on `other`, a handle made from it.
+    pub(crate) fn keeping_holder<L: Kind>(&self, mut other: Lease<L>) -> Lease<L> {
+        other.handle.holder = self.handle.holder.clone();
+        other
+    }
+
+    pub(crate) fn physical_keys(&self) -> &[String] {
+        self.handle.spec.keys()
+    }
+
+    pub(crate) fn deployment(&self) -> &Arc<Deployment> {
+        &self.handle.dep
+    }
+
+    pub(crate) fn spec(&self) -> &dyn Acquire<K::Grant> {
+        &*self.handle.spec
+    }
+
+    /// See [`SingleHandle::run_seen`].
+    pub(crate) fn run_seen(
+        &self,
+        ttl: Duration,
+        wait: Wait<'_>,
+        seen: &mut Option<Acquiring<'_>>,
+    ) -> Result<Option<LeaseGuard<K>>> {
+        self.handle.run_seen(ttl, wait, seen)
+    }
+
+    /// See [`SingleHandle::guard`].
+    pub(crate) fn guard(
+        &self,
+        g: Granted<K::Grant>,
+        ttl_ms: u64,
+        acknowledged: Option<u32>,
+    ) -> LeaseGuard<K> {
+        self.handle.guard(g, ttl_ms, acknowledged)
+    }
+}
+
+impl<B: Backend> Lease<B> {
+    pub(crate) fn from_handle(handle: B::Handle) -> Self {
+        Lease { handle }
     }
 
     /// This handle, whose leases record `holder` as who holds them: a name
@@ -140,32 +238,14 @@ impl<K: Kind> Lease<K> {
     /// [`MAX_HOLDER_LEN`](crate::MAX_HOLDER_LEN) bytes or one with a control
     /// character; the handle is consumed and nothing else changes.
     pub fn with_holder(mut self, holder: &str) -> Result<Self> {
-        self.holder = Some(HolderTag::new(holder)?);
+        *self.handle.holder_mut() = Some(HolderTag::new(holder)?);
         Ok(self)
     }
 
     /// The holder the leases this handle takes record, if any; see
     /// [`with_holder`](Lease::with_holder).
     pub fn holder(&self) -> Option<&str> {
-        self.holder.as_ref().map(HolderTag::as_str)
-    }
-
-    /// This handle's holder on `other`, a handle made from it.
-    pub(crate) fn keeping_holder<L: Kind>(&self, mut other: Lease<L>) -> Lease<L> {
-        other.holder = self.holder.clone();
-        other
-    }
-
-    pub(crate) fn physical_keys(&self) -> &[String] {
-        self.spec.keys()
-    }
-
-    pub(crate) fn deployment(&self) -> &Arc<Deployment> {
-        &self.dep
-    }
-
-    pub(crate) fn spec(&self) -> &dyn Acquire<K::Grant> {
-        &*self.spec
+        self.handle.holder().map(HolderTag::as_str)
     }
 
     /// One attempt. Blocks for at most the node timeout (plus the connect
@@ -182,8 +262,8 @@ impl<K: Kind> Lease<K> {
     /// above one already seen (the grant is released); [`Error::Timeout`] /
     /// [`Error::Io`] when no reply came (what it may have set is deleted in the
     /// background); other transport, permission and server errors as they come.
-    pub fn try_acquire(&self, ttl: Duration) -> Result<Option<LeaseGuard<K>>> {
-        self.run(ttl, Wait::Once)
+    pub fn try_acquire(&self, ttl: Duration) -> Result<Option<LeaseGuard<B>>> {
+        self.handle.run(ttl, Wait::Once)
     }
 
     /// Waits up to `wait`; see [Acquiring](Lease#acquiring). A zero wait makes
@@ -195,10 +275,10 @@ impl<K: Kind> Lease<K> {
     /// # Errors
     /// As [`try_acquire`](Lease::try_acquire); retryable errors only when the
     /// wait ran out after a failed attempt.
-    pub fn acquire_timeout(&self, ttl: Duration, wait: Duration) -> Result<Option<LeaseGuard<K>>> {
-        match self.dep.now().checked_add(wait) {
+    pub fn acquire_timeout(&self, ttl: Duration, wait: Duration) -> Result<Option<LeaseGuard<B>>> {
+        match self.handle.now().checked_add(wait) {
             Some(deadline) => self.acquire_deadline(ttl, deadline),
-            None => self.run(ttl, Wait::Until(None, None)),
+            None => self.handle.run(ttl, Wait::Until(None, None)),
         }
     }
 
@@ -211,8 +291,8 @@ impl<K: Kind> Lease<K> {
         &self,
         ttl: Duration,
         deadline: Instant,
-    ) -> Result<Option<LeaseGuard<K>>> {
-        self.run(ttl, Wait::Until(Some(deadline), None))
+    ) -> Result<Option<LeaseGuard<B>>> {
+        self.handle.run(ttl, Wait::Until(Some(deadline), None))
     }
 
     /// Waits until acquired or `cancel` is cancelled; see [Acquiring](Lease#acquiring).
@@ -222,8 +302,9 @@ impl<K: Kind> Lease<K> {
     /// grant to an attempt in flight at that moment is released); permanent
     /// errors as for [`try_acquire`](Lease::try_acquire). Retryable errors do
     /// not end this wait.
-    pub fn acquire(&self, ttl: Duration, cancel: &CancelToken) -> Result<LeaseGuard<K>> {
-        self.run(ttl, Wait::Until(None, Some(cancel)))?
+    pub fn acquire(&self, ttl: Duration, cancel: &CancelToken) -> Result<LeaseGuard<B>> {
+        self.handle
+            .run(ttl, Wait::Until(None, Some(cancel)))?
             .ok_or(Error::Cancelled)
     }
 
@@ -239,10 +320,13 @@ impl<K: Kind> Lease<K> {
         ttl: Duration,
         deadline: Instant,
         cancel: &CancelToken,
-    ) -> Result<Option<LeaseGuard<K>>> {
-        self.run(ttl, Wait::Until(Some(deadline), Some(cancel)))
+    ) -> Result<Option<LeaseGuard<B>>> {
+        self.handle
+            .run(ttl, Wait::Until(Some(deadline), Some(cancel)))
     }
+}
 
+impl<K: Kind> SingleHandle<K> {
     fn run(&self, ttl: Duration, wait: Wait<'_>) -> Result<Option<LeaseGuard<K>>> {
         let once = matches!(wait, Wait::Once);
         let start = |o| Acquiring::start(o, self.first_key(), K::PRIMITIVE, !once, self.dep.now());
@@ -550,8 +634,30 @@ pub(crate) fn replication_kept(
     Ok(())
 }
 
-impl<K: Kind> fmt::Debug for Lease<K> {
+impl<B: Backend> fmt::Debug for Lease<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.handle.debug(f)
+    }
+}
+
+#[allow(
+    private_interfaces,
+    reason = "a sealed trait's methods, named only in this crate"
+)]
+impl<K: Kind> Handle<K> for SingleHandle<K> {
+    fn run(&self, ttl: Duration, wait: Wait<'_>) -> Result<Option<LeaseGuard<K>>> {
+        SingleHandle::run(self, ttl, wait)
+    }
+    fn now(&self) -> Instant {
+        self.dep.now()
+    }
+    fn holder(&self) -> Option<&HolderTag> {
+        self.holder.as_ref()
+    }
+    fn holder_mut(&mut self) -> &mut Option<HolderTag> {
+        &mut self.holder
+    }
+    fn debug(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.spec.debug(f)
     }
 }

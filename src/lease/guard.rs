@@ -33,10 +33,13 @@ use crate::token::FencingToken;
 /// [`Slot`](crate::Slot): every [`Kind`]) or a quorum of independent ones
 /// ([`Redlock`](crate::Redlock)). Implemented by this crate's marker types
 /// only; it names the backend of a [`LeaseGuard<B>`].
-pub trait Backend: sealed::Sealed + Send + Sync + 'static {
+pub trait Backend: sealed::Sealed + Sized + Send + Sync + 'static {
     /// What a guard of this backend holds.
     #[doc(hidden)]
     type Held: held::Held;
+    /// What a [`Lease`](crate::Lease) handle of this backend holds.
+    #[doc(hidden)]
+    type Handle: held::Handle<Self>;
     /// The guard's name, for `Debug`.
     #[doc(hidden)]
     const GUARD: &'static str;
@@ -56,18 +59,43 @@ impl<K: Kind> sealed::Sealed for K {}
 /// Every single-deployment kind is a backend.
 impl<K: Kind> Backend for K {
     type Held = Single<K>;
+    type Handle = crate::lease::acquire::SingleHandle<K>;
     const GUARD: &'static str = K::GUARD;
 }
 
-/// What a backend provides for the verbs [`LeaseGuard`] writes once.
+/// What a backend provides for the verbs [`LeaseGuard`] and
+/// [`Lease`](crate::Lease) write once.
 pub(crate) mod held {
     use std::fmt;
     use std::time::{Duration, Instant};
 
+    use super::{Backend, LeaseGuard};
     use crate::core::timing::Timing;
     use crate::error::Result;
     use crate::guard::ReleaseOutcome;
+    use crate::lease::acquire::Wait;
     use crate::runtime::lease::LeaseView;
+    use crate::token::HolderTag;
+
+    /// One backend's acquire handle: what the five acquire verbs of
+    /// [`Lease`](crate::Lease) run.
+    #[allow(
+        unreachable_pub,
+        private_interfaces,
+        reason = "named by the public `Backend`, but nameable only in this crate"
+    )]
+    pub trait Handle<B: Backend>: Clone + Send + Sync + 'static {
+        /// One attempt (`Wait::Once`) or a wait, observed.
+        fn run(&self, ttl: Duration, wait: Wait<'_>) -> Result<Option<LeaseGuard<B>>>;
+        /// The instant now, by the injected clock.
+        fn now(&self) -> Instant;
+        /// The holder its leases record.
+        fn holder(&self) -> Option<&HolderTag>;
+        /// The holder its leases record, to set.
+        fn holder_mut(&mut self) -> &mut Option<HolderTag>;
+        /// Its type's name and fields, for `Debug`.
+        fn debug(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result;
+    }
 
     /// One backend's held lease: its lease cell and clock, its renewal
     /// thread, and the verbs that go to its servers.

@@ -160,14 +160,15 @@ impl RedlockAttempt {
         self.validity
     }
 
-    /// What [`RedlockGroup::try_acquire`](crate::RedlockGroup::try_acquire) returns for this attempt: the guard,
+    /// What [`try_acquire`](crate::Lease::try_acquire) of the group's lock
+    /// returns for this attempt: the guard,
     /// `None` on contention (the nodes another owner holds are enough on their
     /// own to keep a quorum from forming), or the error that kept a quorum
     /// from forming (nodes down, slow or failing, even when some node also
     /// reported another holder).
     ///
     /// # Errors
-    /// As [`RedlockGroup::try_acquire`](crate::RedlockGroup::try_acquire).
+    /// As [`try_acquire`](crate::Lease#redlock).
     pub fn into_result(self) -> Result<Option<RedlockGuard>> {
         if self.guard.is_some() {
             return Ok(self.guard);

@@ -99,6 +99,7 @@ impl sealed::Sealed for Redlock {}
 
 impl Backend for Redlock {
     type Held = RedlockHeld;
+    type Handle = super::RedlockHandle;
     const GUARD: &'static str = "RedlockGuard";
 }
 

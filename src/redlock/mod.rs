@@ -17,34 +17,34 @@ mod fanout;
 mod guard;
 mod independence;
 mod inspect;
+mod lock;
 mod options;
 mod restarts;
 mod worker;
 
 use std::fmt;
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::cancel::CancelToken;
 use crate::clock::Clock;
 use crate::conn::ConnConfig;
 use crate::coordinator::Coordinator;
 use crate::core::timing::Timing;
-use crate::core::wait::WaitPolicy;
 use crate::error::{Error, Result};
-use crate::observe::{Acquiring, Observer, Primitive};
+use crate::lease::acquire::Lease;
 use crate::token::HolderTag;
 use worker::{Hello, NodeSettings, NodeWatcher, NodeWorker, OnNodeEvent, ROUND_TRIPS_PER_TIMEOUT};
 
 pub use attempt::RedlockAttempt;
 pub use guard::{Redlock, RedlockGuard};
 pub use inspect::{NodeInspection, RedlockInspection};
+pub(crate) use lock::RedlockHandle;
 pub use options::RedlockOptions;
 
 use attempt::Evidence;
 use guard::GroupRenewal;
 use independence::check_independent;
-use options::{check_options, retry_pause};
+use options::check_options;
 use restarts::Restarts;
 #[cfg(test)]
 pub(crate) use worker::{
@@ -124,7 +124,7 @@ pub(crate) use worker::{
 /// for node in group.nodes() {
 ///     println!("{}: round trip {:?}", node.addr, node.round_trip);
 /// }
-/// let guard = group.acquire_timeout("invoice-run", Duration::from_secs(15), Duration::from_secs(5))?;
+/// let guard = group.lock("invoice-run")?.acquire_timeout(Duration::from_secs(15), Duration::from_secs(5))?;
 /// # drop(guard);
 /// # Ok(()) }
 /// ```
@@ -186,7 +186,7 @@ pub(crate) use worker::{
 ///
 /// Independent servers cannot share client-tracking invalidations, so the
 /// bounded waits poll: bounded retries with jitter, as the Redlock page
-/// advises (see [`acquire_timeout`](RedlockGroup::acquire_timeout)). Like
+/// advises (see [Redlock's waits](crate::Lease#redlock)). Like
 /// every wait in this crate, they ride out failures that may pass and end at
 /// once on permanent ones: see
 /// [Waiting and cancellation](crate#waiting-and-cancellation).
@@ -200,8 +200,8 @@ pub(crate) use worker::{
 ///     &["redis://10.0.0.1:6379", "redis://10.0.0.2:6379", "redis://10.0.0.3:6379"],
 ///     RedlockOptions { node_timeout: Duration::from_millis(20), ..RedlockOptions::default() },
 /// )?;
-/// match group.acquire_timeout("invoice-run", Duration::from_secs(30), Duration::from_secs(5)) {
-///     Ok(Some(mut guard)) => {
+/// match group.lock("invoice-run")?.acquire_timeout(Duration::from_secs(30), Duration::from_secs(5)) {
+///     Ok(Some(guard)) => {
 ///         let _renewal = guard.keep_alive()?;
 ///         // ... work, checking guard.is_lost() ...
 ///         drop(_renewal);
@@ -489,194 +489,18 @@ impl RedlockGroup {
         self.holder.as_ref().map(HolderTag::as_str)
     }
 
-    /// One attempt. Blocks as [`attempt`](RedlockGroup::attempt) does: at most
-    /// the node timeout.
-    ///
-    /// Returns `Ok(Some(guard))` when a quorum granted with validity left,
-    /// `Ok(None)` on contention (no quorum, and at least one node reported
-    /// another holder).
+    /// The lock `key` of this group: a [`Lease<Redlock>`](crate::Lease), with
+    /// the five acquire verbs every lease has (see
+    /// [Redlock's waits](crate::Lease#redlock)); its leases record this
+    /// group's [`holder`](RedlockGroup::holder). Nothing is sent.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] as for [`attempt`](RedlockGroup::attempt);
-    /// [`Error::QuorumNotReached`] when no quorum granted and no node reported
-    /// another holder (nodes down, slow or failing), with every node's answer;
-    /// [`Error::Timeout`] when a quorum granted but the attempt took so long
-    /// that no validity was left; a node's error that trying again will not
-    /// cure ([`Error::Auth`], [`Error::Permission`], [`Error::BadKey`] for a
-    /// key that holds another type, an error reply, ...) when
-    /// so many nodes failed that way that no quorum can form without them.
-    pub fn try_acquire(&self, key: &str, ttl: Duration) -> Result<Option<RedlockGuard>> {
-        let start = |o| Acquiring::start(o, key, Primitive::Redlock, false, self.inner.now());
-        let mut seen = self.observer().map(start);
-        let result = self.try_once(key, ttl, &mut seen);
-        Acquiring::finish(
-            seen,
-            &result,
-            true,
-            self.inner.now(),
-            RedlockGuard::observed,
-        );
-        result
-    }
-
-    fn observer(&self) -> Option<&Arc<dyn Observer>> {
-        self.inner.options.observer.as_ref()
-    }
-
-    /// One attempt, telling `seen` of contention.
-    fn try_once(
-        &self,
-        key: &str,
-        ttl: Duration,
-        seen: &mut Option<Acquiring<'_>>,
-    ) -> Result<Option<RedlockGuard>> {
-        let result = Group::attempt(&self.inner, key, ttl, Evidence::Guard, self.holder.as_ref())
-            .and_then(RedlockAttempt::into_result);
-        if matches!(result, Ok(None)) {
-            Acquiring::busy(seen, None);
+    /// [`Error::InvalidArgument`] for an empty key.
+    pub fn lock(&self, key: &str) -> Result<Lease<Redlock>> {
+        if key.is_empty() {
+            return Err(Error::InvalidArgument("the key is empty".into()));
         }
-        result
-    }
-
-    /// Tries until acquired or `wait` runs out. A zero wait makes one attempt;
-    /// a wait too long for the clock (`Duration::MAX`) has no deadline.
-    ///
-    /// Redlock cannot use client tracking across independent servers, so this
-    /// polls: after each attempt that did not get the lock it sleeps a random
-    /// pause between half and all of a ceiling that starts at
-    /// [`RedlockOptions::retry_base`] and doubles up to
-    /// [`RedlockOptions::retry_max`] (bounded retries with jitter, so that
-    /// contending clients do not keep colliding). Returns `Ok(None)` when the
-    /// wait runs out after an attempt that found the lock held.
-    ///
-    /// # Errors
-    /// As [`try_acquire`](RedlockGroup::try_acquire), by the crate's rule for
-    /// waits ([Waiting and cancellation](crate#waiting-and-cancellation)):
-    /// [`Error::QuorumNotReached`] and other retryable errors only when the
-    /// wait ran out after a failed attempt; permanent errors at once.
-    pub fn acquire_timeout(
-        &self,
-        key: &str,
-        ttl: Duration,
-        wait: Duration,
-    ) -> Result<Option<RedlockGuard>> {
-        let deadline = self.inner.now().checked_add(wait);
-        self.wait(key, ttl, deadline, None)
-    }
-
-    /// Tries until acquired or `deadline`; see
-    /// [`acquire_timeout`](RedlockGroup::acquire_timeout). A deadline already
-    /// past makes one attempt.
-    ///
-    /// # Errors
-    /// As [`acquire_timeout`](RedlockGroup::acquire_timeout).
-    pub fn acquire_deadline(
-        &self,
-        key: &str,
-        ttl: Duration,
-        deadline: Instant,
-    ) -> Result<Option<RedlockGuard>> {
-        self.wait(key, ttl, Some(deadline), None)
-    }
-
-    /// Tries until acquired or `cancel` is cancelled, polling as
-    /// [`acquire_timeout`](RedlockGroup::acquire_timeout) does; a cancellation
-    /// wakes the pause at once.
-    ///
-    /// # Errors
-    /// [`Error::Cancelled`] on cancellation (an attempt already sent finishes
-    /// first, and a lock it got is released); the permanent errors of
-    /// [`try_acquire`](RedlockGroup::try_acquire). Retryable errors do not end
-    /// this wait.
-    pub fn acquire(&self, key: &str, ttl: Duration, cancel: &CancelToken) -> Result<RedlockGuard> {
-        self.wait(key, ttl, None, Some(cancel))?
-            .ok_or(Error::Cancelled)
-    }
-
-    /// Tries until acquired, `deadline` passes (`Ok(None)`), or `cancel` is
-    /// cancelled, polling as [`acquire_timeout`](RedlockGroup::acquire_timeout)
-    /// does; a cancellation wakes the pause at once.
-    ///
-    /// # Errors
-    /// [`Error::Cancelled`] on cancellation (an attempt already sent finishes
-    /// first, and a lock it got is released); otherwise as
-    /// [`acquire_timeout`](RedlockGroup::acquire_timeout).
-    pub fn acquire_until(
-        &self,
-        key: &str,
-        ttl: Duration,
-        deadline: Instant,
-        cancel: &CancelToken,
-    ) -> Result<Option<RedlockGuard>> {
-        self.wait(key, ttl, Some(deadline), Some(cancel))
-    }
-
-    fn wait(
-        &self,
-        key: &str,
-        ttl: Duration,
-        deadline: Option<Instant>,
-        cancel: Option<&CancelToken>,
-    ) -> Result<Option<RedlockGuard>> {
-        let start = |o| Acquiring::start(o, key, Primitive::Redlock, true, self.inner.now());
-        let mut seen = self.observer().map(start);
-        let result = self.wait_seen(key, ttl, deadline, cancel, &mut seen);
-        Acquiring::finish(
-            seen,
-            &result,
-            false,
-            self.inner.now(),
-            RedlockGuard::observed,
-        );
-        result
-    }
-
-    fn wait_seen(
-        &self,
-        key: &str,
-        ttl: Duration,
-        deadline: Option<Instant>,
-        cancel: Option<&CancelToken>,
-        seen: &mut Option<Acquiring<'_>>,
-    ) -> Result<Option<RedlockGuard>> {
-        let never = crossbeam_channel::never();
-        let cancelled = cancel.map_or(&never, CancelToken::receiver);
-        let options = &self.inner.options;
-        let mut policy: WaitPolicy<Error> = WaitPolicy::new(deadline);
-        loop {
-            if cancel.is_some_and(CancelToken::is_cancelled) {
-                return Err(Error::Cancelled);
-            }
-            match self.try_once(key, ttl, seen) {
-                Ok(Some(guard)) => {
-                    if cancel.is_some_and(CancelToken::is_cancelled) {
-                        drop(guard);
-                        return Err(Error::Cancelled);
-                    }
-                    return Ok(Some(guard));
-                }
-                Ok(None) => policy.busy(),
-                Err(e) if e.is_retryable() => {
-                    let message = e.to_string();
-                    if policy.failed(e) {
-                        log::warn!(
-                            "waiting for redlock {key:?}: {message}; retrying until the wait ends"
-                        );
-                    }
-                }
-                Err(e) => return Err(e),
-            }
-            let now = self.inner.now();
-            if policy.past(now) {
-                return policy.end();
-            }
-            let pause = retry_pause(policy.tries(), options.retry_base, options.retry_max);
-            let wake = policy.wake_at(now, pause);
-            crossbeam_channel::select! {
-                recv(cancelled) -> _ => return Err(Error::Cancelled),
-                recv(crossbeam_channel::at(wake)) -> _ => {}
-            }
-        }
+        Ok(Lease::from_handle(RedlockHandle::new(self.clone(), key)))
     }
 }
 

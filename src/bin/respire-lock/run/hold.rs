@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use respire_coordination::{
-    Coordinator, Error, Kind, Leadership, Lease, LeaseGuard, NodeOutcome, RedlockGroup,
+    Backend, Coordinator, Error, Kind, Leadership, Lease, LeaseGuard, NodeOutcome, RedlockGroup,
     RedlockGuard, RedlockOptions, ReleaseOutcome,
 };
 
@@ -91,16 +91,39 @@ impl Run<'_> {
         lease: &Lease<K>,
         grant: impl Fn(&LeaseGuard<K>) -> Grant,
     ) -> ExitCode {
-        let (ttl, base) = (self.args.ttl, endpoint::base(&self.args.key));
+        let base = endpoint::base(&self.args.key);
+        self.hold_lease(
+            lease,
+            mode.name(),
+            |_| other_mode(coord, &base, mode),
+            || coord.inspect(&base).map(drop).map_err(|e| e.to_string()),
+            grant,
+            |_| library_loss(),
+        )
+    }
+
+    /// Takes `lease` (its wait judged by `conflict`, which says what holds
+    /// KEY in another mode, and `probe`, which says whether the deployment
+    /// answers), keeps it alive while the command runs, releases it.
+    fn hold_lease<B: Backend>(
+        &mut self,
+        lease: &Lease<B>,
+        mode: &str,
+        conflict: impl FnMut(&LeaseGuard<B>) -> respire_coordination::Result<Option<String>>,
+        probe: impl Fn() -> Result<(), String> + Sync,
+        grant: impl Fn(&LeaseGuard<B>) -> Grant,
+        why_lost: impl Fn(&LeaseGuard<B>) -> Loss,
+    ) -> ExitCode {
+        let ttl = self.args.ttl;
         let guard = match self.acquire(
             |deadline, cancel| match deadline {
                 Some(d) if d <= Instant::now() => lease.try_acquire(ttl),
                 Some(d) => lease.acquire_until(ttl, d, cancel),
                 None => lease.acquire(ttl, cancel).map(Some),
             },
-            |_| other_mode(coord, &base, mode),
+            conflict,
             |g| drop(g.release()),
-            || coord.inspect(&base).map(drop).map_err(|e| e.to_string()),
+            probe,
         ) {
             Ok(guard) => guard,
             Err(code) => return code,
@@ -113,8 +136,8 @@ impl Run<'_> {
             Err(e) => return self.report.error(EXIT_UNAVAILABLE, &e.to_string()),
         };
         let grant = grant(&guard);
-        self.report.acquired(&grant, mode.name(), ttl);
-        let why_lost = library_loss;
+        self.report.acquired(&grant, mode, ttl);
+        let why_lost = || why_lost(&guard);
         let held = Held {
             lost: guard.lost_signal(),
             remaining: &|| guard.remaining_estimate(),
@@ -240,15 +263,16 @@ impl Run<'_> {
             }
             Err(e) => return self.report.error(EXIT_UNAVAILABLE, &e.to_string()),
         };
-        let name = endpoint::redlock_key(&args.key);
+        let lock = match group.lock(&endpoint::redlock_key(&args.key)) {
+            Ok(lock) => lock,
+            Err(e) => return self.report.error(EXIT_USAGE, &e.to_string()),
+        };
         let base = endpoint::base(&args.key);
-        let (name, ttl) = (&name, args.ttl);
-        let guard = match self.acquire(
-            |deadline, cancel| match deadline {
-                Some(d) if d <= Instant::now() => group.try_acquire(name, ttl),
-                Some(d) => group.acquire_until(name, ttl, d, cancel),
-                None => group.acquire(name, ttl, cancel).map(Some),
-            },
+        let ttl = args.ttl;
+        let lease_key = format!("{}{}", args.keys.prefix, endpoint::redlock_key(&args.key));
+        self.hold_lease(
+            &lock,
+            "redlock",
             |g: &RedlockGuard| {
                 // An exclusive run of one deployment can use any node, so the
                 // group must hold the key on every node it reaches, not only
@@ -308,7 +332,6 @@ impl Run<'_> {
                 }
                 Ok(None)
             },
-            |g: RedlockGuard| drop(g.release()),
             || {
                 let answering = nodes.iter().filter(|n| n.inspect(&base).is_ok()).count();
                 if answering * 2 > nodes.len() {
@@ -320,36 +343,14 @@ impl Run<'_> {
                     ))
                 }
             },
-        ) {
-            Ok(guard) => guard,
-            Err(code) => return code,
-        };
-        let renewal = match guard.keep_alive() {
-            Ok(r) => r,
-            Err(e @ Error::InvalidArgument(_)) => {
-                return self.report.error(EXIT_USAGE, &e.to_string());
-            }
-            Err(e) => return self.report.error(EXIT_UNAVAILABLE, &e.to_string()),
-        };
-        let grant = Grant {
-            lease_key: format!("{}{}", args.keys.prefix, endpoint::redlock_key(&args.key)),
-            token: None,
-            write_epoch: None,
-            slot: None,
-        };
-        self.report.acquired(&grant, "redlock", ttl);
-        let why_lost = || redlock_loss(&guard);
-        let held = Held {
-            lost: guard.lost_signal(),
-            remaining: &|| guard.remaining_estimate(),
-            is_lost: &|| guard.is_lost(),
-            why_lost: &why_lost,
-        };
-        let ended = self.run_child(&grant.env(), &held);
-        drop(renewal);
-        let (outcome, detail) = release_words(guard.release());
-        self.report.released(outcome, detail.as_deref());
-        self.finish(ended)
+            |_| Grant {
+                lease_key: lease_key.clone(),
+                token: None,
+                write_epoch: None,
+                slot: None,
+            },
+            redlock_loss,
+        )
     }
 }
 
