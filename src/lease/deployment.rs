@@ -23,8 +23,8 @@ use crate::error::{Error, Result};
 use crate::keys;
 use crate::observe::Observer;
 use crate::replication::{History, Replication};
-use crate::runtime::node::{Job, Node};
 use crate::runtime::renewal::{Cell, Ops, Renewal, RenewalStats};
+use crate::runtime::server::{Server, ServerJob};
 use crate::runtime::topology::{Topology, Uncertain};
 
 pub(crate) struct Deployment {
@@ -115,7 +115,7 @@ impl Deployment {
         mut f: impl FnMut(&mut Conn, Instant) -> Result<T>,
     ) -> (Result<T>, Option<Uncertain>) {
         self.topology
-            .run(key, deadline, connect, &mut |_node: &Node, conn, d| {
+            .run(key, deadline, connect, &mut |_node: &Server, conn, d| {
                 f(conn, d)
             })
     }
@@ -304,7 +304,7 @@ impl Deployment {
         lease: &Arc<Cell>,
         ticket: crate::core::lease::Ticket,
     ) {
-        sent.node.submit(Job::Fence {
+        sent.node.submit(ServerJob::Fence {
             conn: sent.conn,
             lease: lease.clone(),
             ticket,
@@ -330,7 +330,7 @@ impl Deployment {
             );
         }
         let give_up_at = self.now() + ttl + self.node_timeout();
-        let mut by_node: Vec<(&Arc<Node>, Vec<Identity>)> = Vec::new();
+        let mut by_node: Vec<(&Arc<Server>, Vec<Identity>)> = Vec::new();
         for u in sent {
             match by_node.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &u.node)) {
                 Some((_, conns)) => conns.extend(u.conn.clone()),
@@ -338,7 +338,7 @@ impl Deployment {
             }
         }
         for (node, conns) in by_node {
-            node.submit(Job::Cleanup {
+            node.submit(ServerJob::Cleanup {
                 conns,
                 cmd: cmd.clone(),
                 key: key.to_owned(),
@@ -353,7 +353,7 @@ impl Deployment {
     pub(crate) fn in_background(&self, key: &str, cmd: redis::Cmd, give_up_at: Instant) {
         match self.topology.node_for(key) {
             Ok(node) => {
-                node.submit(Job::Cleanup {
+                node.submit(ServerJob::Cleanup {
                     conns: Vec::new(),
                     cmd: Some(cmd),
                     key: key.to_owned(),

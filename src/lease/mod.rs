@@ -1,8 +1,9 @@
-//! The single-deployment primitives. The shared lease module: the deployment
-//! they all run on (`deployment.rs`), the kinds and the acquire trait each
-//! primitive implements (`kind.rs`), the generic handle `Lease<K>`
-//! (`acquire.rs`) and guard `LeaseGuard<K>` (`guard.rs`), and the reply
-//! helpers below. Then one file per primitive, side by side: `lock.rs`,
+//! The single-deployment primitives, and the one lease family every backend
+//! shares. The shared lease module: the deployment they all run on
+//! (`deployment.rs`), the kinds and the acquire trait each primitive
+//! implements (`kind.rs`), the generic handle `Lease<B>` (`acquire.rs`) and
+//! guard `LeaseGuard<B>` over a sealed backend — every kind, and Redlock,
+//! whose backend is in `redlock/` (`guard.rs`), and the reply helpers below. Then one file per primitive, side by side: `lock.rs`,
 //! `fenced.rs`, `rwlease.rs`, `semaphore.rs`, `election.rs`, `fairness.rs`
 //! and `multi.rs`; each imports the shared pieces only, never another
 //! primitive, except where one is built on another: `election.rs` is a

@@ -1,7 +1,7 @@
 //! The threads of a single deployment and what they share: the renewal
 //! thread (`renewal.rs`, over the scheduler of `scheduler.rs`, which a
 //! Redlock group's renewal thread in `redlock/guard.rs` runs too), the
-//! per-server executors (`node.rs`) and invalidation subscribers
+//! per-server executors (`server.rs`) and invalidation subscribers
 //! (`tracking.rs`), the topology followers of Cluster and Sentinel
 //! deployments (`topology/`), the waiters (`waiters.rs`), and the lease state
 //! they share with the guards (`lease.rs`). The Redlock node workers live
@@ -10,9 +10,9 @@
 //! connections.
 
 pub(crate) mod lease;
-pub(crate) mod node;
 pub(crate) mod renewal;
 pub(crate) mod scheduler;
+pub(crate) mod server;
 pub(crate) mod topology;
 pub(crate) mod tracking;
 pub(crate) mod waiters;

@@ -15,7 +15,7 @@ use crate::conn::{Conn, ConnConfig};
 use crate::error::{Error, Result, is_noperm};
 use crate::keys::SLOTS;
 use crate::observe;
-use crate::runtime::node::Node;
+use crate::runtime::server::Server;
 
 use super::{MIN_REFRESH, Settings, Shape, Topology};
 
@@ -24,7 +24,7 @@ pub(super) const NO_OWNER: u16 = u16::MAX;
 pub(super) struct SlotMap {
     /// Slot → index into `nodes` (`NO_OWNER`: not served).
     pub(super) owner: Vec<u16>,
-    pub(super) nodes: Vec<Arc<Node>>,
+    pub(super) nodes: Vec<Arc<Server>>,
     pub(super) addrs: Vec<NodeAddr>,
     pub(super) replicas: Vec<u32>,
 }

@@ -2,7 +2,7 @@
 //! deployment names, or the owner of the key's slot in a Redis Cluster — and
 //! how calls, renewals and waits follow it when it changes.
 //!
-//! - Standalone: one [`Node`]; nothing changes.
+//! - Standalone: one [`Server`]; nothing changes.
 //! - Cluster: a slot map read from `CLUSTER SHARDS` (`CLUSTER SLOTS` on
 //!   servers before 7.0) at start, refreshed every refresh interval by the
 //!   `respire-topology` thread and at once after a `MOVED`. One node per
@@ -50,8 +50,8 @@ use crate::error::{Error, Result};
 use crate::keys::key_slot;
 use crate::observe::{self, Observer};
 use crate::replication::History;
-use crate::runtime::node::{Directory, Job, Node};
 use crate::runtime::renewal::{self, Cell, Counters, Lanes, Renewal, RenewalStats};
+use crate::runtime::server::{Directory, Server, ServerJob};
 use crate::runtime::waiters::{OnTracked, Registry, Route, Tracker};
 
 use cluster::{Cluster, NO_OWNER};
@@ -67,12 +67,12 @@ fn try_again_pause(n: u32) -> Duration {
 
 /// A node, borrowed from a standalone deployment or owned from a map.
 pub(crate) enum NodeRef<'a> {
-    Borrowed(&'a Arc<Node>),
-    Owned(Arc<Node>),
+    Borrowed(&'a Arc<Server>),
+    Owned(Arc<Server>),
 }
 
 impl NodeRef<'_> {
-    pub(crate) fn arc(&self) -> Arc<Node> {
+    pub(crate) fn arc(&self) -> Arc<Server> {
         match self {
             NodeRef::Borrowed(n) => Arc::clone(n),
             NodeRef::Owned(n) => n.clone(),
@@ -81,8 +81,8 @@ impl NodeRef<'_> {
 }
 
 impl std::ops::Deref for NodeRef<'_> {
-    type Target = Arc<Node>;
-    fn deref(&self) -> &Arc<Node> {
+    type Target = Arc<Server>;
+    fn deref(&self) -> &Arc<Server> {
         match self {
             NodeRef::Borrowed(n) => n,
             NodeRef::Owned(n) => n,
@@ -93,7 +93,7 @@ impl std::ops::Deref for NodeRef<'_> {
 /// Where a command that got no reply went: its server and connection.
 #[derive(Clone)]
 pub(crate) struct Uncertain {
-    pub(crate) node: Arc<Node>,
+    pub(crate) node: Arc<Server>,
     pub(crate) conn: Option<Identity>,
 }
 
@@ -109,7 +109,7 @@ pub(crate) struct Settings {
 }
 
 enum Shape {
-    Standalone(Arc<Node>),
+    Standalone(Arc<Server>),
     Cluster(Cluster),
     Sentinel(Sentinel),
 }
@@ -187,9 +187,9 @@ impl Topology {
         s_pool: usize,
         clock: &Arc<dyn Clock>,
         timing: Timing,
-    ) -> Arc<Node> {
+    ) -> Arc<Server> {
         let dir: Weak<dyn Directory> = this.clone();
-        Arc::new(Node::new(
+        Arc::new(Server::new(
             cfg,
             s_pool,
             dir,
@@ -200,7 +200,7 @@ impl Topology {
         ))
     }
 
-    fn make_node(&self, cfg: Arc<ConnConfig>) -> Arc<Node> {
+    fn make_node(&self, cfg: Arc<ConnConfig>) -> Arc<Server> {
         Topology::new_node(
             cfg,
             &self.this,
@@ -237,7 +237,7 @@ impl Topology {
     }
 
     /// The server of a standalone deployment.
-    pub(crate) fn standalone_node(&self) -> Option<&Arc<Node>> {
+    pub(crate) fn standalone_node(&self) -> Option<&Arc<Server>> {
         match &self.shape {
             Shape::Standalone(node) => Some(node),
             _ => None,
@@ -255,7 +255,7 @@ impl Topology {
     }
 
     /// Every primary known now.
-    pub(crate) fn primaries(&self) -> Vec<Arc<Node>> {
+    pub(crate) fn primaries(&self) -> Vec<Arc<Server>> {
         match &self.shape {
             Shape::Standalone(node) => vec![node.clone()],
             Shape::Cluster(c) => c.map.read().nodes.clone(),
@@ -318,7 +318,7 @@ impl Topology {
         key: &str,
         deadline: Instant,
         connect: Connect,
-        f: &mut dyn FnMut(&Node, &mut Conn, Instant) -> Result<T>,
+        f: &mut dyn FnMut(&Server, &mut Conn, Instant) -> Result<T>,
     ) -> (Result<T>, Option<Uncertain>) {
         let mut node = match self.node_for(key) {
             Ok(node) => node,
@@ -436,7 +436,7 @@ impl Topology {
             let current = self.node_for(cell.key()).ok().map(|n| n.cfg.server_id());
             cell.switched(now, current);
         }
-        let mut by_node: Vec<(Arc<Node>, Vec<Arc<Cell>>)> = Vec::new();
+        let mut by_node: Vec<(Arc<Server>, Vec<Arc<Cell>>)> = Vec::new();
         for cell in cells {
             let Ok(node) = self.node_for(cell.key()) else {
                 continue;
@@ -447,7 +447,7 @@ impl Topology {
             }
         }
         for (node, leases) in by_node {
-            node.submit(Job::Verify {
+            node.submit(ServerJob::Verify {
                 leases,
                 asking: false,
                 hops: 0,
@@ -475,7 +475,7 @@ impl Lanes for Topology {
         let mut undelivered = Vec::new();
         if let Shape::Standalone(node) = &self.shape {
             let ids: Vec<u64> = batch.iter().map(|l| l.id()).collect();
-            if !node.submit(Job::Renew {
+            if !node.submit(ServerJob::Renew {
                 leases: batch,
                 asking: false,
             }) {
@@ -484,7 +484,7 @@ impl Lanes for Topology {
             }
             return undelivered;
         }
-        let mut by_node: Vec<(Arc<Node>, Vec<Arc<Cell>>)> = Vec::new();
+        let mut by_node: Vec<(Arc<Server>, Vec<Arc<Cell>>)> = Vec::new();
         for lease in batch {
             match self.node_for(lease.key()) {
                 Ok(node) => match by_node.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &node)) {
@@ -499,7 +499,7 @@ impl Lanes for Topology {
         }
         for (node, leases) in by_node {
             let ids: Vec<u64> = leases.iter().map(|l| l.id()).collect();
-            if !node.submit(Job::Renew {
+            if !node.submit(ServerJob::Renew {
                 leases,
                 asking: false,
             }) {
@@ -516,7 +516,7 @@ impl Directory for Topology {
         &self.renewal
     }
 
-    fn moved(&self, slot: u16, addr: &NodeAddr) -> Option<Arc<Node>> {
+    fn moved(&self, slot: u16, addr: &NodeAddr) -> Option<Arc<Server>> {
         let Shape::Cluster(c) = &self.shape else {
             self.suspect();
             return None;
@@ -537,7 +537,7 @@ impl Directory for Topology {
         Some(node)
     }
 
-    fn current(&self, key: &str) -> Option<Arc<Node>> {
+    fn current(&self, key: &str) -> Option<Arc<Server>> {
         self.node_for(key).ok().map(|n| n.arc())
     }
 
@@ -567,7 +567,7 @@ impl Directory for Topology {
         observe::server_clock_jumped(self.observer(), addr, gain, cells.len());
     }
 
-    fn node_at(&self, addr: &NodeAddr) -> Option<Arc<Node>> {
+    fn node_at(&self, addr: &NodeAddr) -> Option<Arc<Server>> {
         let Shape::Cluster(c) = &self.shape else {
             return None;
         };
@@ -643,11 +643,11 @@ impl std::fmt::Debug for Topology {
 /// got no reply, what the server knows of the connection; or the pool's error
 /// (nothing sent).
 fn try_on<T>(
-    node: &Node,
+    node: &Server,
     deadline: &mut Instant,
     connect: Connect,
     asking: bool,
-    f: &mut dyn FnMut(&Node, &mut Conn, Instant) -> Result<T>,
+    f: &mut dyn FnMut(&Server, &mut Conn, Instant) -> Result<T>,
 ) -> Result<(Result<T>, Option<Identity>)> {
     let mut conn = node.pool.get(*deadline, connect)?;
     if connect == Connect::Own {

@@ -16,7 +16,7 @@ use crate::core::timing::resubscribe_after;
 use crate::error::{Error, Result};
 use crate::observe;
 use crate::replication::ReplicationPoint;
-use crate::runtime::node::Node;
+use crate::runtime::server::Server;
 
 use super::{MIN_REFRESH, Settings, Shape, Topology};
 
@@ -30,7 +30,7 @@ pub(super) struct Sentinel {
     /// The data nodes' settings (credentials, TLS); each primary's is this
     /// with its address.
     pub(super) template: Arc<ConnConfig>,
-    pub(super) current: RwLock<(NodeAddr, Arc<Node>)>,
+    pub(super) current: RwLock<(NodeAddr, Arc<Server>)>,
 }
 
 impl Topology {

@@ -46,14 +46,14 @@ pub(crate) trait Directory: Send + Sync {
     fn renewal(&self) -> &Renewal;
     /// A `MOVED` reply from a node on `host`: `slot` is served by `addr` now.
     /// Returns that node.
-    fn moved(&self, slot: u16, addr: &NodeAddr) -> Option<Arc<Node>>;
+    fn moved(&self, slot: u16, addr: &NodeAddr) -> Option<Arc<Server>>;
     /// The node at `addr` (the target of an `ASK`).
-    fn node_at(&self, addr: &NodeAddr) -> Option<Arc<Node>>;
+    fn node_at(&self, addr: &NodeAddr) -> Option<Arc<Server>>;
     /// A reply suggests the deployment changed (`READONLY`, a server that is
     /// not the primary): look it up again soon.
     fn suspect(&self);
     /// The node that serves `key` now.
-    fn current(&self, key: &str) -> Option<Arc<Node>>;
+    fn current(&self, key: &str) -> Option<Arc<Server>>;
     /// The clock of `server` (its id) was found, by a reading whose reply
     /// came at `detected`, to have run ahead by up to `gain`: cut every live
     /// lease on it but those in `spared` (extended after the reading), and
@@ -69,7 +69,7 @@ pub(crate) trait Directory: Send + Sync {
 }
 
 /// Work for a node's executor.
-pub(crate) enum Job {
+pub(crate) enum ServerJob {
     /// Renew these leases by their TTL, in one pipeline (`asking`: each with
     /// `ASKING` before it, for a slot this node is importing).
     Renew {
@@ -111,7 +111,7 @@ pub(crate) enum Job {
 }
 
 /// One server and the crate's pool, subscriber and executor for it.
-pub(crate) struct Node {
+pub(crate) struct Server {
     pub(crate) cfg: Arc<ConnConfig>,
     pub(crate) pool: Pool,
     /// The server's host, for redirections that name none.
@@ -122,13 +122,13 @@ pub(crate) struct Node {
     timing: Timing,
     counters: Arc<Counters>,
     registry: Arc<Registry>,
-    io: OnceLock<Sender<Job>>,
+    io: OnceLock<Sender<ServerJob>>,
     tracking: OnceLock<Tracking>,
     start: Mutex<()>,
     retired: Arc<AtomicBool>,
 }
 
-impl Node {
+impl Server {
     pub(crate) fn new(
         cfg: Arc<ConnConfig>,
         pool_size: usize,
@@ -137,9 +137,9 @@ impl Node {
         timing: Timing,
         counters: Arc<Counters>,
         registry: Arc<Registry>,
-    ) -> Node {
+    ) -> Server {
         let host = cfg.host_port().map(|(h, _)| h).unwrap_or_default();
-        Node {
+        Server {
             pool: Pool::new(cfg.clone(), pool_size),
             cfg,
             host,
@@ -186,7 +186,7 @@ impl Node {
         self.tracking.get().is_some()
     }
 
-    fn executor(&self) -> Result<&Sender<Job>> {
+    fn executor(&self) -> Result<&Sender<ServerJob>> {
         if let Some(tx) = self.io.get() {
             return Ok(tx);
         }
@@ -220,7 +220,7 @@ impl Node {
 
     /// Queues work for this node's executor (starting it if needed); false
     /// when it cannot be started.
-    pub(crate) fn submit(&self, job: Job) -> bool {
+    pub(crate) fn submit(&self, job: ServerJob) -> bool {
         match self.executor() {
             Ok(tx) => tx.send(job).is_ok(),
             Err(e) => {
@@ -238,19 +238,19 @@ impl Node {
         self.retired.store(true, Ordering::Release);
         self.pool.close();
         if let Some(tx) = self.io.get() {
-            let _ = tx.send(Job::Retire);
+            let _ = tx.send(ServerJob::Retire);
         }
     }
 
-    /// Whether [`Node::retire`] was called.
+    /// Whether [`Server::retire`] was called.
     pub(crate) fn is_retired(&self) -> bool {
         self.retired.load(Ordering::Acquire)
     }
 }
 
-impl std::fmt::Debug for Node {
+impl std::fmt::Debug for Server {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Node")
+        f.debug_struct("Server")
             .field("addr", &self.cfg.addr)
             .field("retired", &self.is_retired())
             .finish_non_exhaustive()
@@ -297,7 +297,7 @@ fn is_code(value: &redis::Value, code: &str) -> bool {
 }
 
 impl Executor {
-    fn run(mut self, rx: &Receiver<Job>) {
+    fn run(mut self, rx: &Receiver<ServerJob>) {
         loop {
             let next = self
                 .machine
@@ -322,7 +322,7 @@ impl Executor {
         self.retired.load(Ordering::Acquire)
     }
 
-    fn handle(&mut self, job: Job) {
+    fn handle(&mut self, job: ServerJob) {
         // Sent here after the server was retired (a call that got no reply
         // from it while it was being replaced): what was to be killed or
         // deleted here can no longer reach the server the keys live on now.
@@ -331,19 +331,19 @@ impl Executor {
             return;
         }
         match job {
-            Job::Retire => self.retire(),
-            Job::Renew { leases, asking } => self.renew(leases, asking),
-            Job::Verify {
+            ServerJob::Retire => self.retire(),
+            ServerJob::Renew { leases, asking } => self.renew(leases, asking),
+            ServerJob::Verify {
                 leases,
                 asking,
                 hops,
             } => self.verify(leases, asking, hops),
-            Job::Fence {
+            ServerJob::Fence {
                 conn,
                 lease,
                 ticket,
             } => self.machine.fence(conn, lease, ticket, self.clock.now()),
-            Job::Cleanup {
+            ServerJob::Cleanup {
                 conns,
                 cmd,
                 key,
@@ -385,7 +385,7 @@ impl Executor {
             }
             match dir.current(&key) {
                 Some(node) if !node.is_retired() => {
-                    node.submit(Job::Cleanup {
+                    node.submit(ServerJob::Cleanup {
                         conns: Vec::new(),
                         cmd,
                         key,
@@ -408,20 +408,20 @@ impl Executor {
     /// rejoins as a replica, and a moved key is not on it): the claim is freed
     /// with its worst case kept, as at the retirement. A clean-up's delete by
     /// owner goes to the server that holds the key now; a verification too.
-    fn handle_retired(&mut self, job: Job) {
+    fn handle_retired(&mut self, job: ServerJob) {
         let now = self.clock.now();
         let dir = self.dir.upgrade();
         match job {
-            Job::Retire => self.retire(),
-            Job::Renew { leases, .. } => self.renew(leases, false),
-            Job::Verify { leases, .. } => self.hand_over(leases, now),
-            Job::Fence { lease, ticket, .. } => {
+            ServerJob::Retire => self.retire(),
+            ServerJob::Renew { leases, .. } => self.renew(leases, false),
+            ServerJob::Verify { leases, .. } => self.hand_over(leases, now),
+            ServerJob::Fence { lease, ticket, .. } => {
                 lease.fenced(ticket, now);
                 if let Some(dir) = &dir {
                     dir.renewal().touch(&lease);
                 }
             }
-            Job::Cleanup {
+            ServerJob::Cleanup {
                 cmd: Some(cmd),
                 key,
                 give_up_at,
@@ -429,7 +429,7 @@ impl Executor {
                 ..
             } => match dir.as_ref().and_then(|d| d.current(&key)) {
                 Some(node) if !node.is_retired() => {
-                    node.submit(Job::Cleanup {
+                    node.submit(ServerJob::Cleanup {
                         conns: Vec::new(),
                         cmd: Some(cmd),
                         key,
@@ -441,7 +441,7 @@ impl Executor {
             },
             // Only the late arrival of unanswered attempts was to be stopped:
             // the retired server's writes no longer count.
-            Job::Cleanup { cmd: None, .. } => {}
+            ServerJob::Cleanup { cmd: None, .. } => {}
         }
     }
 
@@ -450,7 +450,7 @@ impl Executor {
     fn hand_over(&mut self, leases: Vec<Arc<Cell>>, now: Instant) {
         let dir = self.dir.upgrade();
         let mut stay = Vec::new();
-        let mut by_node: Vec<(Arc<Node>, Vec<Arc<Cell>>)> = Vec::new();
+        let mut by_node: Vec<(Arc<Server>, Vec<Arc<Cell>>)> = Vec::new();
         for lease in leases {
             match dir.as_ref().and_then(|d| d.current(lease.key())) {
                 Some(node) if !node.is_retired() => {
@@ -463,7 +463,7 @@ impl Executor {
             }
         }
         for (node, leases) in by_node {
-            node.submit(Job::Verify {
+            node.submit(ServerJob::Verify {
                 leases,
                 asking: false,
                 hops: 0,
@@ -860,7 +860,7 @@ impl Executor {
                 .map(|l| (l.id(), Some(self.retry_at(l))))
                 .collect();
             let handed = target.is_some_and(|node| {
-                node.submit(Job::Renew {
+                node.submit(ServerJob::Renew {
                     leases,
                     asking: true,
                 })
@@ -930,7 +930,7 @@ impl Executor {
         }
         let now = self.clock.now();
         let dir = self.dir.upgrade();
-        let mut elsewhere: Vec<(Arc<Node>, bool, Vec<Arc<Cell>>)> = Vec::new();
+        let mut elsewhere: Vec<(Arc<Server>, bool, Vec<Arc<Cell>>)> = Vec::new();
         let mut again = Vec::new();
         for (lease, value) in leases.into_iter().zip(values) {
             let redirect = redirection(&value, &self.host);
@@ -1006,7 +1006,7 @@ impl Executor {
             }
         }
         for (node, asking, leases) in elsewhere {
-            node.submit(Job::Verify {
+            node.submit(ServerJob::Verify {
                 leases,
                 asking,
                 hops: hops + 1,
@@ -1097,7 +1097,7 @@ impl Executor {
                                 && let Some(c) = self.machine.clean_up_moved()
                             {
                                 let (cmd, key, hops) = c.payload;
-                                node.submit(Job::Cleanup {
+                                node.submit(ServerJob::Cleanup {
                                     conns: Vec::new(),
                                     cmd,
                                     key,
