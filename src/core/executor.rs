@@ -32,13 +32,17 @@ use crate::core::timing::{Timing, retry_delay};
 /// a node timeout).
 const RETRY: Duration = Duration::from_millis(50);
 
-/// What the executor needs of a lease: its claim and the transitions of its
-/// core (implemented by the lease cell the guard and the runtime share).
-pub(crate) trait Claim: Clone {
+/// What an extension needs of a lease, whoever drives it (the executor, a
+/// holder's own extension, the Redlock renewal thread, the simulation): its
+/// claim and the transitions of its core (implemented by the lease cell the
+/// guards and the runtime share).
+pub(crate) trait Claim {
     /// A stable id, for the renewal schedule.
     fn id(&self) -> u64;
     /// The TTL renewals use.
     fn ttl(&self) -> Duration;
+    /// When it is lost unless an extension is confirmed first.
+    fn lost_at(&self) -> Instant;
     /// Lost or finished at `now`.
     fn is_lost(&self, now: Instant) -> bool;
     /// Claims the lease for an extension to `ttl` sent at `now`.
@@ -57,6 +61,42 @@ pub(crate) trait Claim: Clone {
     /// The unanswered command cannot be fenced off (its connection's id is
     /// unknown): the claim is freed, its worst case kept for good.
     fn unfenceable(&self, ticket: Ticket, now: Instant);
+}
+
+impl<T: Claim + ?Sized> Claim for std::sync::Arc<T> {
+    fn id(&self) -> u64 {
+        (**self).id()
+    }
+    fn ttl(&self) -> Duration {
+        (**self).ttl()
+    }
+    fn lost_at(&self) -> Instant {
+        (**self).lost_at()
+    }
+    fn is_lost(&self, now: Instant) -> bool {
+        (**self).is_lost(now)
+    }
+    fn begin_extend(&self, now: Instant, ttl: Duration) -> Result<Ticket, Refusal> {
+        (**self).begin_extend(now, ttl)
+    }
+    fn extended(&self, ticket: Ticket, now: Instant) -> Confirmed {
+        (**self).extended(ticket, now)
+    }
+    fn refused(&self, ticket: Ticket, now: Instant, loss: Loss) {
+        (**self).refused(ticket, now, loss);
+    }
+    fn not_sent(&self, ticket: Ticket, now: Instant) {
+        (**self).not_sent(ticket, now);
+    }
+    fn unanswered(&self, ticket: Ticket, now: Instant) {
+        (**self).unanswered(ticket, now);
+    }
+    fn fenced(&self, ticket: Ticket, now: Instant) {
+        (**self).fenced(ticket, now);
+    }
+    fn unfenceable(&self, ticket: Ticket, now: Instant) {
+        (**self).unfenceable(ticket, now);
+    }
 }
 
 /// What one extension's reply said.
@@ -225,7 +265,7 @@ pub(crate) struct Executor<L, C, K> {
     in_flight: Option<InFlight<K>>,
 }
 
-impl<L: Claim, C, K: Clone + PartialEq> Executor<L, C, K> {
+impl<L: Claim + Clone, C, K: Clone + PartialEq> Executor<L, C, K> {
     pub(crate) fn new(timing: Timing) -> Self {
         Executor {
             timing,
@@ -528,6 +568,9 @@ pub(crate) mod tests {
         }
         fn ttl(&self) -> Duration {
             self.0.lock().ttl()
+        }
+        fn lost_at(&self) -> Instant {
+            self.0.lock().lost_at()
         }
         fn is_lost(&self, now: Instant) -> bool {
             self.0.lock().is_lost(now)

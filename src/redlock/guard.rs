@@ -31,9 +31,10 @@ use super::Group;
 use super::fanout::Heard;
 use super::worker::{Completion, Reply, ReplyTo};
 use crate::clock::Clock;
-use crate::core::lease::{Confirmed, LeaseCore, Loss, Refusal, Ticket};
+use crate::core::extend::{ResetDone, ResetExpiry, ResetStep};
+use crate::core::lease::{LeaseCore, Loss};
 use crate::core::quorum::{ExtendVerdict, Tally};
-use crate::core::redlock::{Bounds, Extension, NodeLease, Op, Release, Renewable, Renewal};
+use crate::core::redlock::{Extension, NodeLease, Op, Release, Renewal};
 use crate::core::schedule::{Next, Watched};
 use crate::core::timing::Timing;
 use crate::error::{Error, Result};
@@ -196,19 +197,22 @@ fn extend_hearing(
     let ttl = Duration::from_millis(ttl_ms);
     let cell = &lease.cell;
     let nt = group.timing.node_timeout;
-    let waited = group.now() + nt;
+    // Claimed as every holder's extension is: waiting at most a node timeout
+    // for one in flight, such as a keep-alive renewal.
+    let mut reset = ResetExpiry::new(group.now(), ttl, nt);
     let ticket = loop {
-        match cell.begin_extend(group.now(), ttl) {
-            Ok(ticket) => break ticket,
-            Err(Refusal::Lost) => return Ok(false),
-            Err(Refusal::Busy) => {
-                if !cell.wait_unclaimed(waited) {
-                    return Err(Error::Timeout {
-                        op: "extend (waiting for an extension in flight)",
-                        after: nt,
-                    });
-                }
+        match reset.claim(cell, group.now()) {
+            ResetStep::Send(ticket) => break ticket,
+            ResetStep::Wait(until) => {
+                cell.wait_unclaimed(until);
             }
+            ResetStep::Done(ResetDone::StillClaimed) => {
+                return Err(Error::Timeout {
+                    op: "reset expiry (waiting for an extension in flight)",
+                    after: nt,
+                });
+            }
+            ResetStep::Done(_) => return Ok(false),
         }
     };
     group.renewal.touch(&**lease);
@@ -335,38 +339,6 @@ impl Held for RedlockHeld {
 /// Why a refused extension's lock is lost.
 fn refusal(nodes: &[NodeReport]) -> String {
     format!("no quorum holds it any more ({})", summarize(nodes))
-}
-
-impl<X> Renewable for LeaseCell<X> {
-    fn ttl(&self) -> Duration {
-        LeaseCell::ttl(self)
-    }
-
-    fn lost_at(&self) -> Instant {
-        LeaseCell::lost_at(self)
-    }
-
-    fn begin_extend(&self, now: Instant, ttl: Duration) -> std::result::Result<Ticket, Refusal> {
-        LeaseCell::begin_extend(self, now, ttl)
-    }
-}
-
-impl<X> Bounds for LeaseCell<X> {
-    fn extended(&self, ticket: Ticket, now: Instant) -> Confirmed {
-        LeaseCell::extended(self, ticket, now)
-    }
-
-    fn refused(&self, ticket: Ticket, now: Instant, loss: Loss) {
-        LeaseCell::refused(self, ticket, now, loss);
-    }
-
-    fn unanswered(&self, ticket: Ticket, now: Instant) {
-        LeaseCell::unanswered(self, ticket, now);
-    }
-
-    fn fenced(&self, ticket: Ticket, now: Instant) {
-        LeaseCell::fenced(self, ticket, now);
-    }
 }
 
 impl Group {

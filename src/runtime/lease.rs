@@ -387,12 +387,15 @@ impl<X> LeaseCell<X> {
     }
 }
 
-impl<X> Claim for Arc<LeaseCell<X>> {
+impl<X> Claim for LeaseCell<X> {
     fn id(&self) -> u64 {
         LeaseCell::id(self)
     }
     fn ttl(&self) -> Duration {
         LeaseCell::ttl(self)
+    }
+    fn lost_at(&self) -> Instant {
+        LeaseCell::lost_at(self)
     }
     fn is_lost(&self, now: Instant) -> bool {
         LeaseCell::is_lost(self, now)

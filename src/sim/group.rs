@@ -39,7 +39,8 @@ use std::time::{Duration, Instant};
 use super::model::{ClientId, Injected, ModelServer, Persistence, Reply as Wire, Value, argv};
 use super::{Net, Queue, Rng, Stats, instant};
 use crate::conn::Identity;
-use crate::core::lease::{LeaseCore, Loss, Refusal};
+use crate::core::extend::{ResetExpiry, ResetStep};
+use crate::core::lease::{LeaseCore, Loss};
 use crate::core::quorum::Tally;
 use crate::core::redlock::{
     Action, Answer, Connected, Extension, Job, Node, NodeLease, NodeReply, NodeSettings, Op,
@@ -418,7 +419,7 @@ struct Client {
     held: Option<Held>,
     busy: bool,
     owners: u64,
-    claim_wait: Option<(Duration, Duration)>,
+    claim_wait: Option<ResetExpiry>,
     /// Only the holder under test keeps alive and extends.
     full: bool,
     /// What this client's node watchers know.
@@ -1344,8 +1345,8 @@ impl World {
             return Ok(());
         }
         let now = self.at();
-        if let Some((since, ttl)) = self.clients[c].claim_wait {
-            self.extend(c, ttl, since);
+        if let Some(reset) = self.clients[c].claim_wait.take() {
+            self.extend(c, reset);
             return Ok(());
         }
         let Some(held) = &self.clients[c].held else {
@@ -1392,7 +1393,8 @@ impl World {
         match self.rng.below(8) {
             0..=2 => {
                 let ttl = self.ttls[self.rng.below(self.ttls.len() as u64) as usize];
-                self.extend(c, ttl, self.now);
+                let reset = ResetExpiry::new(now, ttl, self.timing.node_timeout);
+                self.extend(c, reset);
                 return Ok(());
             }
             3 => {
@@ -1429,31 +1431,23 @@ impl World {
         Ok(())
     }
 
-    /// The guard's `extend`: claim (waiting at most a node timeout), fan out.
-    fn extend(&mut self, c: usize, ttl: Duration, since: Duration) {
+    /// The guard's `reset_expiry`: claim (waiting at most a node timeout, as
+    /// `core::extend` says), fan out.
+    fn extend(&mut self, c: usize, mut reset: ResetExpiry) {
         let now = self.at();
+        let ttl = reset.ttl();
         let Some(held) = &self.clients[c].held else {
-            self.clients[c].claim_wait = None;
             return;
         };
         let (cell, lease) = (held.cell.clone(), held.lease.clone());
-        match cell.begin_extend(now, ttl) {
-            Err(Refusal::Lost) => {
-                self.clients[c].claim_wait = None;
-                self.think(c);
+        match reset.claim(&cell, now) {
+            ResetStep::Done(_) => self.think(c),
+            ResetStep::Wait(_) => {
+                self.clients[c].claim_wait = Some(reset);
+                self.queue
+                    .push(self.now + Duration::from_millis(1), Ev::UserNext(c));
             }
-            Err(Refusal::Busy) => {
-                if self.now >= since + self.timing.node_timeout {
-                    self.clients[c].claim_wait = None;
-                    self.think(c);
-                } else {
-                    self.clients[c].claim_wait = Some((since, ttl));
-                    self.queue
-                        .push(self.now + Duration::from_millis(1), Ev::UserNext(c));
-                }
-            }
-            Ok(ticket) => {
-                self.clients[c].claim_wait = None;
+            ResetStep::Send(ticket) => {
                 self.stats.extensions += 1;
                 self.touch(&cell);
                 self.clients[c].busy = true;

@@ -4,25 +4,11 @@
 
 use std::time::{Duration, Instant};
 
-use crate::core::lease::{Confirmed, Loss, Refusal, Ticket};
+use crate::core::executor::Claim;
+use crate::core::lease::{Loss, Ticket};
 use crate::core::quorum::{ExtendVerdict, Tally, Vote};
 use crate::core::timing::retry_delay;
 use crate::report::NodeOutcome;
-
-/// What an extension's verdict does to a lease's bounds (implemented by the
-/// lease cell the guard, the renewal thread and the simulation share).
-pub(crate) trait Bounds {
-    /// Confirmed at `now`; what that did to the lease.
-    fn extended(&self, ticket: Ticket, now: Instant) -> Confirmed;
-    /// Too few nodes hold it: lost.
-    fn refused(&self, ticket: Ticket, now: Instant, loss: Loss);
-    /// No verdict: the worst case of the extension bounds the lease, and the
-    /// claim stays.
-    fn unanswered(&self, ticket: Ticket, now: Instant);
-    /// Every node's share is finished: the claim is freed, the worst case
-    /// kept.
-    fn fenced(&self, ticket: Ticket, now: Instant);
-}
 
 /// One extension of a lease across the nodes: the answers counted as they
 /// come, one verdict applied to the lease once it is decided (or at the
@@ -77,7 +63,7 @@ impl Extension {
     /// one is lost.
     pub(crate) fn settle(
         &mut self,
-        lease: &impl Bounds,
+        lease: &impl Claim,
         now: Instant,
         refusal: impl FnOnce() -> String,
     ) -> ExtendVerdict {
@@ -98,23 +84,13 @@ impl Extension {
 
     /// Every node's share is finished at `now`: an extension without a
     /// verdict frees its claim. Returns whether it did.
-    pub(crate) fn finish(&self, lease: &impl Bounds, now: Instant) -> bool {
+    pub(crate) fn finish(&self, lease: &impl Claim, now: Instant) -> bool {
         let fence = self.verdict == Some(ExtendVerdict::Unknown);
         if fence {
             lease.fenced(self.ticket, now);
         }
         fence
     }
-}
-
-/// What the renewal thread needs of a lease besides its [`Bounds`].
-pub(crate) trait Renewable: Bounds {
-    /// The TTL renewals extend it by.
-    fn ttl(&self) -> Duration;
-    /// When it is lost unless an extension is confirmed first.
-    fn lost_at(&self) -> Instant;
-    /// Claims it for an extension to `ttl` sent at `now`.
-    fn begin_extend(&self, now: Instant, ttl: Duration) -> Result<Ticket, Refusal>;
 }
 
 /// The renewal thread's extension of one lease by its TTL: claimed like any
@@ -135,7 +111,7 @@ impl Renewal {
     /// (lost, or the holder's own extension is in flight, whose end plans
     /// the lease again).
     pub(crate) fn begin(
-        lease: &impl Renewable,
+        lease: &impl Claim,
         now: Instant,
         node_timeout: Duration,
         nodes: usize,
@@ -169,7 +145,7 @@ impl Renewal {
     /// again if it reached none.
     pub(crate) fn settle(
         &mut self,
-        lease: &impl Bounds,
+        lease: &impl Claim,
         now: Instant,
         refusal: impl FnOnce() -> String,
     ) -> (ExtendVerdict, Option<Instant>) {
@@ -180,15 +156,19 @@ impl Renewal {
 
     /// Every node's share is finished (see [`Extension::finish`]): when to
     /// try again, if it freed a claim.
-    pub(crate) fn finish(&self, lease: &impl Bounds, now: Instant) -> Option<Instant> {
+    pub(crate) fn finish(&self, lease: &impl Claim, now: Instant) -> Option<Instant> {
         self.extension.finish(lease, now).then(|| now + self.retry)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use parking_lot::Mutex;
 
+    use crate::core::executor::tests::L;
+    use crate::core::lease::{Confirmed, Refusal};
     use crate::core::timing::drift;
 
     use super::*;
@@ -197,7 +177,30 @@ mod tests {
     #[derive(Default)]
     struct Seen(std::cell::RefCell<Vec<&'static str>>);
 
-    impl Bounds for Seen {
+    /// Only the transitions an extension's verdict makes are recorded; the
+    /// rest are never called on it.
+    impl Claim for Seen {
+        fn id(&self) -> u64 {
+            unreachable!()
+        }
+        fn ttl(&self) -> Duration {
+            unreachable!()
+        }
+        fn lost_at(&self) -> Instant {
+            unreachable!()
+        }
+        fn is_lost(&self, _: Instant) -> bool {
+            unreachable!()
+        }
+        fn begin_extend(&self, _: Instant, _: Duration) -> Result<Ticket, Refusal> {
+            unreachable!()
+        }
+        fn not_sent(&self, _: Ticket, _: Instant) {
+            unreachable!()
+        }
+        fn unfenceable(&self, _: Ticket, _: Instant) {
+            unreachable!()
+        }
         fn extended(&self, _: Ticket, _: Instant) -> Confirmed {
             self.0.borrow_mut().push("extended");
             Confirmed::Held
@@ -273,36 +276,6 @@ mod tests {
         assert_eq!(*seen.0.borrow(), ["refused"]);
     }
 
-    /// A lease core behind the bounds and renewal traits.
-    struct Held(Mutex<crate::core::lease::LeaseCore>);
-
-    impl Bounds for Held {
-        fn extended(&self, ticket: Ticket, now: Instant) -> Confirmed {
-            self.0.lock().extended(ticket, now)
-        }
-        fn refused(&self, ticket: Ticket, _: Instant, loss: Loss) {
-            self.0.lock().refused(ticket, loss);
-        }
-        fn unanswered(&self, ticket: Ticket, _: Instant) {
-            self.0.lock().unanswered(ticket);
-        }
-        fn fenced(&self, ticket: Ticket, _: Instant) {
-            self.0.lock().fenced(ticket);
-        }
-    }
-
-    impl Renewable for Held {
-        fn ttl(&self) -> Duration {
-            self.0.lock().ttl()
-        }
-        fn lost_at(&self) -> Instant {
-            self.0.lock().lost_at()
-        }
-        fn begin_extend(&self, now: Instant, ttl: Duration) -> Result<Ticket, Refusal> {
-            self.0.lock().begin_extend(now, ttl)
-        }
-    }
-
     #[test]
     fn a_renewal_waits_a_node_timeout_settles_at_a_quorum_and_is_planned_again_without_one() {
         let t0 = Instant::now();
@@ -313,8 +286,8 @@ mod tests {
             drift_factor: 0.01,
             node_timeout: ms(50),
         };
-        let held = Held(Mutex::new(crate::core::lease::LeaseCore::granted(
-            timing, t0, ttl,
+        let held = L(Arc::new(Mutex::new(
+            crate::core::lease::LeaseCore::granted(timing, t0, ttl),
         )));
         let granted = NodeOutcome::Granted;
         let timed_out = NodeOutcome::TimedOut;
