@@ -210,7 +210,7 @@ pub(crate) fn extended_in<L: Claim>(settled: &[(L, Settled, Option<Instant>)]) -
 
 /// Renewals sent as one pipeline, waiting for their replies.
 #[derive(Debug)]
-pub(crate) struct Renewal<L> {
+pub(crate) struct RenewalBatch<L> {
     /// Each lease with the ticket of its claim and the TTL sent.
     pub(crate) items: Vec<(L, Ticket, Duration)>,
 }
@@ -303,7 +303,11 @@ impl<L: Claim + Clone, C, K: Clone + PartialEq> Executor<L, C, K> {
     /// Returns the pipeline to send (if any lease was claimed) and the leases
     /// to plan again as their state says (claimed by another extension, or
     /// lost).
-    pub(crate) fn renew(&mut self, batch: Vec<L>, now: Instant) -> (Option<Renewal<L>>, Vec<Done>) {
+    pub(crate) fn renew(
+        &mut self,
+        batch: Vec<L>,
+        now: Instant,
+    ) -> (Option<RenewalBatch<L>>, Vec<Done>) {
         let mut items = Vec::with_capacity(batch.len());
         let mut done = Vec::new();
         for lease in batch {
@@ -315,7 +319,7 @@ impl<L: Claim + Clone, C, K: Clone + PartialEq> Executor<L, C, K> {
                 Err(Refusal::Busy | Refusal::Lost) => done.push((lease.id(), None)),
             }
         }
-        ((!items.is_empty()).then_some(Renewal { items }), done)
+        ((!items.is_empty()).then_some(RenewalBatch { items }), done)
     }
 
     /// The replies to `renewal`, in order (one per lease; a missing one
@@ -323,7 +327,7 @@ impl<L: Claim + Clone, C, K: Clone + PartialEq> Executor<L, C, K> {
     /// `None` when settled, soon for one not run.
     pub(crate) fn renewed(
         &mut self,
-        renewal: Renewal<L>,
+        renewal: RenewalBatch<L>,
         replies: impl IntoIterator<Item = ExtendReply>,
         now: Instant,
     ) -> Vec<(L, Settled, Option<Instant>)> {
@@ -347,7 +351,7 @@ impl<L: Claim + Clone, C, K: Clone + PartialEq> Executor<L, C, K> {
     /// for good); each is tried again after a pause. Returns those leases.
     pub(crate) fn renewal_unanswered(
         &mut self,
-        renewal: Renewal<L>,
+        renewal: RenewalBatch<L>,
         conn: Option<K>,
         now: Instant,
     ) -> Vec<Done> {

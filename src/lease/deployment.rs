@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::keys;
 use crate::observe::Observer;
 use crate::replication::{History, Replication};
-use crate::runtime::renewal::{Cell, Ops, Renewal, RenewalStats};
+use crate::runtime::renewal::{Cell, DeploymentRenewal, Ops, RenewalStats};
 use crate::runtime::server::{Server, ServerJob};
 use crate::runtime::topology::{Topology, Uncertain};
 
@@ -163,7 +163,7 @@ impl Deployment {
     }
 
     /// The renewal thread (watch, touch, forget a lease).
-    pub(crate) fn runtime(&self) -> &Renewal {
+    pub(crate) fn runtime(&self) -> &DeploymentRenewal {
         self.topology.renewal_thread()
     }
 

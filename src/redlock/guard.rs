@@ -34,7 +34,7 @@ use crate::clock::Clock;
 use crate::core::extend::{ResetDone, ResetExpiry, ResetStep};
 use crate::core::lease::{LeaseCore, Loss};
 use crate::core::quorum::{ExtendVerdict, Tally};
-use crate::core::redlock::{Extension, NodeLease, Op, Release, Renewal};
+use crate::core::redlock::{Extension, NodeLease, Op, QuorumRenewal, Release};
 use crate::core::schedule::{Next, Watched};
 use crate::core::timing::Timing;
 use crate::error::{Error, Result};
@@ -379,7 +379,7 @@ impl Watchable for RedlockLease {
 /// One renewal in flight: its answers so far.
 struct InFlight {
     lease: Arc<RedlockLease>,
-    renewal: Renewal,
+    renewal: QuorumRenewal,
     replies: Vec<Option<Reply>>,
     deadline: Instant,
 }
@@ -415,7 +415,7 @@ impl Dispatch for ToNodes {
                 continue;
             };
             let nt = group.timing.node_timeout;
-            let Some((renewal, deadline)) = Renewal::begin(&lease.cell, now, nt, group.len())
+            let Some((renewal, deadline)) = QuorumRenewal::begin(&lease.cell, now, nt, group.len())
             else {
                 done.push((id, None));
                 continue;

@@ -275,7 +275,7 @@ pub(crate) struct Completed(pub(crate) Vec<(u64, Option<Instant>)>);
 pub(crate) trait Lanes: Send + Sync {
     /// Hands `batch` to the executor of each lease's server; must not block
     /// on I/O. Returns the renewals it could not hand to anyone (lease id,
-    /// when to retry); the others complete through [`Renewal::completed`].
+    /// when to retry); the others complete through [`DeploymentRenewal::completed`].
     fn dispatch(&self, batch: Vec<Arc<Cell>>) -> Vec<(u64, Option<Instant>)>;
 }
 
@@ -302,17 +302,17 @@ impl Dispatch for ToLanes {
 }
 
 /// The renewal thread of one deployment, started on first use.
-pub(crate) type Renewal = RenewalThread<ToLanes>;
+pub(crate) type DeploymentRenewal = RenewalThread<ToLanes>;
 
 /// The renewal thread of the deployment whose servers `lanes` reaches, not
 /// started yet.
-pub(crate) fn renewal(clock: Arc<dyn Clock>, lanes: Weak<dyn Lanes>) -> Renewal {
+pub(crate) fn renewal(clock: Arc<dyn Clock>, lanes: Weak<dyn Lanes>) -> DeploymentRenewal {
     RenewalThread::new("respire-renewal", clock, move || ToLanes {
         lanes: lanes.clone(),
     })
 }
 
-impl Renewal {
+impl DeploymentRenewal {
     /// An executor finished renewals: (lease id, when to retry).
     pub(crate) fn completed(&self, done: Vec<(u64, Option<Instant>)>) {
         if !done.is_empty() {

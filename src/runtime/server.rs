@@ -28,12 +28,12 @@ use parking_lot::Mutex;
 use crate::clock::Clock;
 use crate::conn::cluster::{NodeAddr, Redirect, redirect_of};
 use crate::conn::{Conn, ConnConfig, Identity, Pool};
-use crate::core::executor::{Command, Executor as Machine, ExtendReply, Settled, extended_in};
+use crate::core::executor::{Command, Executor, ExtendReply, Settled, extended_in};
 use crate::core::lease::{Ticket, Verdict};
 use crate::core::server_clock::{self, Reading, ServerClock};
 use crate::core::timing::{self, Timing};
 use crate::error::{Error, Result};
-use crate::runtime::renewal::{Cell, Counters, Renewal};
+use crate::runtime::renewal::{Cell, Counters, DeploymentRenewal};
 use crate::runtime::tracking::Tracking;
 use crate::runtime::waiters::{Registry, Tracker};
 
@@ -43,7 +43,7 @@ const VERIFY_RETRY: Duration = Duration::from_millis(50);
 /// What an executor needs of the deployment around it.
 pub(crate) trait Directory: Send + Sync {
     /// The deployment's renewal thread.
-    fn renewal(&self) -> &Renewal;
+    fn renewal(&self) -> &DeploymentRenewal;
     /// A `MOVED` reply from a node on `host`: `slot` is served by `addr` now.
     /// Returns that node.
     fn moved(&self, slot: u16, addr: &NodeAddr) -> Option<Arc<Server>>;
@@ -195,7 +195,7 @@ impl Server {
             return Ok(tx);
         }
         let (tx, rx) = crossbeam_channel::unbounded();
-        let worker = Executor {
+        let worker = ExecutorThread {
             cfg: self.cfg.clone(),
             host: self.host.clone(),
             clock: self.clock.clone(),
@@ -204,7 +204,7 @@ impl Server {
             dir: self.dir.clone(),
             retired: self.retired.clone(),
             conn: None,
-            machine: Machine::new(self.timing),
+            machine: Executor::new(self.timing),
             verifies: Vec::new(),
             server_clock: ServerClock::default(),
         };
@@ -267,7 +267,7 @@ struct PendingVerify {
     retry_at: Instant,
 }
 
-struct Executor {
+struct ExecutorThread {
     cfg: Arc<ConnConfig>,
     host: String,
     clock: Arc<dyn Clock>,
@@ -278,7 +278,7 @@ struct Executor {
     retired: Arc<AtomicBool>,
     conn: Option<Conn>,
     /// The choreography: claims, fences, clean-ups.
-    machine: Machine<Arc<Cell>, CleanUpCmd, Identity>,
+    machine: Executor<Arc<Cell>, CleanUpCmd, Identity>,
     verifies: Vec<PendingVerify>,
     /// The last reading of the server's clock.
     server_clock: ServerClock,
@@ -296,7 +296,7 @@ fn is_code(value: &redis::Value, code: &str) -> bool {
     matches!(value, redis::Value::ServerError(e) if e.code() == code)
 }
 
-impl Executor {
+impl ExecutorThread {
     fn run(mut self, rx: &Receiver<ServerJob>) {
         loop {
             let next = self

@@ -44,7 +44,7 @@ use crate::core::lease::{LeaseCore, Loss};
 use crate::core::quorum::Tally;
 use crate::core::redlock::{
     Action, Answer, Connected, Extension, Job, Node, NodeLease, NodeReply, NodeSettings, Op,
-    Release, Renewal, Watch, acquired, fences_for, started_by, validity,
+    QuorumRenewal, Release, Watch, acquired, fences_for, started_by, validity,
 };
 use crate::core::schedule::{Next, Schedule, Watched};
 use crate::core::timing::{Timing, rest_after};
@@ -300,28 +300,28 @@ enum Purpose {
 /// deadline), or the renewal thread (which settles when the answers decide).
 enum Claimed {
     User(Extension),
-    Renewal(Renewal),
+    QuorumRenewal(QuorumRenewal),
 }
 
 impl Claimed {
     fn handle_answer(&mut self, answer: &Answer) {
         match self {
             Claimed::User(e) => e.handle_answer(answer.vote, &answer.outcome),
-            Claimed::Renewal(r) => r.handle_answer(answer.vote, &answer.outcome),
+            Claimed::QuorumRenewal(r) => r.handle_answer(answer.vote, &answer.outcome),
         }
     }
 
     fn is_due(&self) -> bool {
         match self {
             Claimed::User(e) => e.is_due(),
-            Claimed::Renewal(r) => r.is_due(),
+            Claimed::QuorumRenewal(r) => r.is_due(),
         }
     }
 
     fn is_finished(&self) -> bool {
         match self {
             Claimed::User(e) => e.is_finished(),
-            Claimed::Renewal(r) => r.is_finished(),
+            Claimed::QuorumRenewal(r) => r.is_finished(),
         }
     }
 }
@@ -1177,7 +1177,7 @@ impl World {
                     // Every node's share is finished: later extensions run after it.
                     let fenced = match claimed {
                         Claimed::User(e) => e.finish(&*cell, now),
-                        Claimed::Renewal(r) => r
+                        Claimed::QuorumRenewal(r) => r
                             .finish(&*cell, now)
                             .map(|retry| {
                                 self.sched.completed(cell.id(), now, Some(retry));
@@ -1210,7 +1210,7 @@ impl World {
                 self.clients[c].busy = false;
                 self.think(c);
             }
-            Claimed::Renewal(r) => {
+            Claimed::QuorumRenewal(r) => {
                 let (_, retry) = r.settle(&**cell, now, refusal);
                 self.sched.completed(cell.id(), now, retry);
             }
@@ -1257,7 +1257,7 @@ impl World {
                 self.think(c);
             }
             Purpose::Extend { claimed, .. } => {
-                if matches!(claimed, Claimed::Renewal(_)) && !claimed.is_due() {
+                if matches!(claimed, Claimed::QuorumRenewal(_)) && !claimed.is_due() {
                     // A renewal waits for its answers.
                     return Ok(());
                 }
@@ -1498,10 +1498,10 @@ impl World {
         }
         let lease = held.lease.clone();
         let nodes = self.servers.len();
-        match Renewal::begin(&**cell, now, self.timing.node_timeout, nodes) {
+        match QuorumRenewal::begin(&**cell, now, self.timing.node_timeout, nodes) {
             Some((renewal, deadline)) => {
                 self.stats.extensions += 1;
-                let claimed = Claimed::Renewal(renewal);
+                let claimed = Claimed::QuorumRenewal(renewal);
                 self.extend_everywhere(c, cell.ttl(), claimed, cell, &lease, deadline);
             }
             None => self.sched.completed(cell.id(), now, None),

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use super::model::{ClientId, Entry, Injected, ModelServer, Reply, Value, argv};
 use super::{INJECTED_KINDS, Net, Queue, Rng, Stats, instant};
 use crate::core::acquire::{Attempts, CleanUp, dated};
-use crate::core::executor::{Command, Executor as Machine, ExtendReply, Renewal, Settled};
+use crate::core::executor::{Command, Executor as Machine, ExtendReply, RenewalBatch, Settled};
 use crate::core::extend::{ResetDone, ResetExpiry, ResetStep};
 use crate::core::fences::FenceBook;
 use crate::core::lease::{LeaseCore, Ticket, Verdict};
@@ -472,7 +472,7 @@ enum Purpose {
     Verify,
     Release,
     Renew {
-        renewal: Renewal<Arc<Cell>>,
+        renewal: RenewalBatch<Arc<Cell>>,
     },
     ExecVerify {
         cell: Arc<Cell>,

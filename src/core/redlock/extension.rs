@@ -100,12 +100,12 @@ impl Extension {
 /// verdict, after a retry delay when it reached none, and once more when
 /// every node's share is finished and its claim freed.
 #[derive(Debug)]
-pub(crate) struct Renewal {
+pub(crate) struct QuorumRenewal {
     extension: Extension,
     retry: Duration,
 }
 
-impl Renewal {
+impl QuorumRenewal {
     /// Claims `lease` at `now` for a renewal sent to every one of `nodes`:
     /// the renewal and its deadline, or `None` when it cannot be claimed
     /// (lost, or the holder's own extension is in flight, whose end plans
@@ -115,11 +115,11 @@ impl Renewal {
         now: Instant,
         node_timeout: Duration,
         nodes: usize,
-    ) -> Option<(Renewal, Instant)> {
+    ) -> Option<(QuorumRenewal, Instant)> {
         let ttl = lease.ttl();
         let ticket = lease.begin_extend(now, ttl).ok()?;
         let deadline = (now + node_timeout).min(lease.lost_at());
-        let renewal = Renewal {
+        let renewal = QuorumRenewal {
             extension: Extension::new(ticket, nodes, nodes),
             retry: retry_delay(ttl),
         };
@@ -293,7 +293,7 @@ mod tests {
         let timed_out = NodeOutcome::TimedOut;
 
         let now = t0 + s(5);
-        let (mut r, deadline) = Renewal::begin(&held, now, ms(50), 3).expect("a claim");
+        let (mut r, deadline) = QuorumRenewal::begin(&held, now, ms(50), 3).expect("a claim");
         assert_eq!(deadline, now + ms(50));
         assert!(!r.is_due() && !r.is_finished());
         r.handle_answer(Vote::Yes, &granted);
@@ -314,7 +314,7 @@ mod tests {
         assert_eq!(r.finish(&held, now + ms(3)), None);
 
         let now = t0 + s(6);
-        let (mut r, _) = Renewal::begin(&held, now, ms(50), 3).expect("a claim");
+        let (mut r, _) = QuorumRenewal::begin(&held, now, ms(50), 3).expect("a claim");
         r.handle_answer(Vote::Yes, &granted);
         r.handle_answer(Vote::Unknown, &timed_out);
         assert!(!r.is_due(), "the third node may still make a quorum");
@@ -332,7 +332,7 @@ mod tests {
 
         // Close to the loss deadline, that is the renewal's deadline.
         let late = held.0.lock().lost_at() - ms(10);
-        let (_, deadline) = Renewal::begin(&held, late, ms(50), 3).expect("a claim");
+        let (_, deadline) = QuorumRenewal::begin(&held, late, ms(50), 3).expect("a claim");
         assert!(deadline < late + ms(50));
         assert_eq!(deadline, held.0.lock().lost_at());
     }

@@ -35,7 +35,7 @@ mod node;
 mod node_lease;
 mod release;
 
-pub(crate) use extension::{Extension, Renewal};
+pub(crate) use extension::{Extension, QuorumRenewal};
 pub(crate) use grant::{acquired, validity};
 pub(crate) use job::{Answer, Connected, Job, NodeReply, NodeSettings, Op};
 pub(crate) use node::{Action, Node, ROUND_TRIPS_PER_TIMEOUT, fences_for, started_by};

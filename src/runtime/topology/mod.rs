@@ -50,7 +50,7 @@ use crate::error::{Error, Result};
 use crate::keys::key_slot;
 use crate::observe::{self, Observer};
 use crate::replication::History;
-use crate::runtime::renewal::{self, Cell, Counters, Lanes, Renewal, RenewalStats};
+use crate::runtime::renewal::{self, Cell, Counters, DeploymentRenewal, Lanes, RenewalStats};
 use crate::runtime::server::{Directory, Server, ServerJob};
 use crate::runtime::waiters::{OnTracked, Registry, Route, Tracker};
 
@@ -124,7 +124,7 @@ struct Live {
 pub(crate) struct Topology {
     shape: Shape,
     registry: Arc<Registry>,
-    renewal: Renewal,
+    renewal: DeploymentRenewal,
     counters: Arc<Counters>,
     clock: Arc<dyn Clock>,
     timing: Timing,
@@ -228,7 +228,7 @@ impl Topology {
     }
 
     /// The renewal thread.
-    pub(crate) fn renewal_thread(&self) -> &Renewal {
+    pub(crate) fn renewal_thread(&self) -> &DeploymentRenewal {
         &self.renewal
     }
 
@@ -512,7 +512,7 @@ impl Lanes for Topology {
 }
 
 impl Directory for Topology {
-    fn renewal(&self) -> &Renewal {
+    fn renewal(&self) -> &DeploymentRenewal {
         &self.renewal
     }
 
