@@ -1406,7 +1406,7 @@ fn release_reports_whether_a_quorum_still_held_the_lock() {
     for i in [0, 1] {
         let _: () = nodes.servers[i].client().set(&key, "someone-else").unwrap();
     }
-    assert_eq!(guard.release().unwrap(), ReleaseOutcome::Expired);
+    assert_eq!(guard.release().unwrap(), ReleaseOutcome::TakenOver);
     for i in [0, 1] {
         assert_eq!(nodes.get(i, &key).as_deref(), Some("someone-else"));
     }

@@ -212,7 +212,8 @@ impl<B: Backend> LeaseGuard<B> {
     }
 
     /// Sets the lease's expiry to `ttl` from now, if it is still held. Never
-    /// re-creates a missing key.
+    /// re-creates a missing key. For a Redlock lock, see
+    /// [Redlock](#redlock-extensions) below.
     ///
     /// A lease held as one string key (a lock's, a fenced lock's, a leader's,
     /// a writer's) is extended without a script on a server that has `SET …
@@ -249,6 +250,19 @@ impl<B: Backend> LeaseGuard<B> {
     /// after which the outcome is unknown: the guard keeps assuming the worst
     /// of it, and the connection it went out on is killed in the background
     /// before the lease can be extended again.
+    ///
+    /// # Redlock extensions
+    /// A Redlock lock is extended on every node that still holds it, after
+    /// waiting (at most a node timeout) for an extension in flight; the call
+    /// blocks until a quorum confirmed, too few nodes are left, or the node
+    /// timeout (or the current validity, if sooner) runs out. Only nodes that
+    /// granted the lock and have not restarted since (same `run_id`) count.
+    /// `true` with a new validity counted from the send; `false` (and the lock
+    /// flagged lost) when no quorum holds it any more or none confirmed
+    /// within the current validity. [`Error::QuorumNotReached`] when no
+    /// verdict was reached because nodes failed or did not answer, while
+    /// validity remains: the lock is not flagged lost but is bounded by this
+    /// extension's worst case, and retrying may work.
     pub fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
         self.held.reset_expiry(ttl)
     }
@@ -296,6 +310,17 @@ impl<B: Backend> LeaseGuard<B> {
     /// no reply, one of them could still arrive and set the lease again now
     /// that it is free: their connections are killed in the background and
     /// what they may have set is deleted by owner.
+    ///
+    /// A Redlock lock is released on every node at once (deleted only where it
+    /// still holds this guard's owner token), and the call blocks until a
+    /// quorum decided it or the node timeout ran out: `Released` when a quorum
+    /// deleted it, `TakenOver` when a quorum holds another owner's value,
+    /// `Expired` when a quorum answered but it had lapsed on some of them, and
+    /// `Uncertain` when no quorum confirmed (nodes failed, did not answer or
+    /// were not connected). A node that had not answered keeps the release
+    /// and sends it as soon as it is connected again, after any command of
+    /// this lock still queued for it (so a late grant is deleted too), with a
+    /// node timeout of its own.
     ///
     /// # Errors
     /// When nothing could be sent ([`Error::PoolTimeout`], [`Error::Connect`]
