@@ -590,7 +590,7 @@ pub use lease::election::{Election, Leader, LeaderChanges, Leadership};
 pub use lease::fairness::Fairness;
 pub use lease::fenced::{FencedGuard, FencedLock};
 pub use lease::guard::{Backend, KeepAlive, LeaseGuard};
-pub use lease::kind::{Fenced, Kind, Plain, Read, Slot, Write};
+pub use lease::kind::{Fenced, FencedKind, Kind, Plain, Read, Slot, Write};
 pub use lease::lock::{Lock, LockGuard};
 pub use lease::multi::{
     FencedMultiGuard, FencedMultiLock, MultiGuard, MultiKeepAlive, MultiLease, MultiLock,

@@ -20,7 +20,7 @@ use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::guard::{Fencing, Guard, ReleaseOutcome, Verifiable, sealed as sealed_guard};
 use crate::lease::deployment::{Deployment, bad_key_in};
-use crate::lease::kind::{Fenced, Kind};
+use crate::lease::kind::{FencedKind, Kind};
 use crate::observe::LeaseId;
 use crate::replication::Replication;
 use crate::runtime::lease::LeaseView;
@@ -833,11 +833,14 @@ impl<K: Kind> Held for Single<K> {
     }
 }
 
-impl LeaseGuard<Fenced> {
-    /// The fencing token of this grant. Send it with every write to the
-    /// protected resource.
+impl<K: FencedKind> LeaseGuard<K> {
+    /// The fencing token of this grant: above every token granted before it
+    /// by the same counter (a fenced lock's; a read-write lease's writers'; a
+    /// semaphore's, hence above every earlier holder's of this permit's slot)
+    /// while the counter's history survives. Send it with every write to the
+    /// protected resource (a permit's with its slot). Does not block.
     pub fn fencing_token(&self) -> FencingToken {
-        *self.grant()
+        K::fencing_token(self.grant())
     }
 }
 
@@ -847,9 +850,9 @@ impl<K: Kind> Verifiable for LeaseGuard<K> {
     }
 }
 
-impl Fencing for LeaseGuard<Fenced> {
+impl<K: FencedKind> Fencing for LeaseGuard<K> {
     fn fencing_token(&self) -> FencingToken {
-        LeaseGuard::<Fenced>::fencing_token(self)
+        LeaseGuard::fencing_token(self)
     }
 }
 

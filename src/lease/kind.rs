@@ -38,6 +38,34 @@ pub trait Kind: sealed::Sealed + Send + Sync + 'static {
     fn token(grant: &Self::Grant) -> Option<FencingToken>;
 }
 
+/// A kind whose every grant carries a fencing token: [`Fenced`], [`Write`]
+/// and [`Slot`]. Its guards have
+/// [`fencing_token`](crate::LeaseGuard::fencing_token) and implement
+/// [`Fencing`](crate::Fencing). Implemented by this crate's marker types only.
+pub trait FencedKind: Kind {
+    /// The fencing token a grant carries.
+    #[doc(hidden)]
+    fn fencing_token(grant: &Self::Grant) -> FencingToken;
+}
+
+impl FencedKind for Fenced {
+    fn fencing_token(grant: &FencingToken) -> FencingToken {
+        *grant
+    }
+}
+
+impl FencedKind for Write {
+    fn fencing_token(grant: &FencingToken) -> FencingToken {
+        *grant
+    }
+}
+
+impl FencedKind for Slot {
+    fn fencing_token(grant: &(u32, FencingToken)) -> FencingToken {
+        grant.1
+    }
+}
+
 mod sealed {
     #[allow(
         unreachable_pub,

@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use crate::conn::{Conn, Connect};
 use crate::core::timing::Timing;
 use crate::error::{Error, Result};
-use crate::guard::Fencing;
 use crate::keys;
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key_in};
@@ -242,20 +241,6 @@ impl LeaseGuard<Read> {
     /// this read lease (0 if none ever was). Data stamped with a higher token
     /// was written after this read lease was granted.
     pub fn write_epoch(&self) -> FencingToken {
-        *self.grant()
-    }
-}
-
-impl Fencing for LeaseGuard<Write> {
-    fn fencing_token(&self) -> FencingToken {
-        LeaseGuard::<Write>::fencing_token(self)
-    }
-}
-
-impl LeaseGuard<Write> {
-    /// The fencing token of this write grant. Send it with every write to the
-    /// protected resource.
-    pub fn fencing_token(&self) -> FencingToken {
         *self.grant()
     }
 }

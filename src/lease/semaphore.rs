@@ -21,7 +21,6 @@ use std::time::{Duration, Instant};
 
 use crate::conn::{Conn, Connect};
 use crate::error::{Error, Result};
-use crate::guard::Fencing;
 use crate::keys;
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key_in};
@@ -247,24 +246,11 @@ impl Lease<Slot> {
     }
 }
 
-impl Fencing for LeaseGuard<Slot> {
-    fn fencing_token(&self) -> FencingToken {
-        LeaseGuard::<Slot>::fencing_token(self)
-    }
-}
-
 impl LeaseGuard<Slot> {
     /// The slot this permit holds, in `0..capacity`: the lowest that was free
     /// when it was granted. No other unexpired permit holds it.
     pub fn slot(&self) -> u32 {
         self.grant().0
-    }
-
-    /// The fencing token of this permit: above every token granted before it
-    /// by this semaphore, hence above every earlier holder's of this slot.
-    /// Send it (with the slot) with every write to the protected resource.
-    pub fn fencing_token(&self) -> FencingToken {
-        self.grant().1
     }
 }
 
