@@ -615,8 +615,8 @@ pub use redlock::{
 };
 pub use replication::Replication;
 pub use report::{NodeOutcome, NodeReport};
+pub use runtime::backoff::Backoff;
 pub use runtime::renewal::RenewalStats;
-pub use runtime::waiters::Backoff;
 pub use token::{FencingToken, MAX_HOLDER_LEN, check_holder};
 
 /// The README's examples, compiled as doc tests.

@@ -15,8 +15,8 @@ use crate::core::lease::LeaseCore;
 use crate::error::{Error, Result};
 use crate::lease::deployment::Deployment;
 use crate::lease::guard::held::Handle;
-use crate::lease::guard::{Backend, LeaseGuard};
-use crate::lease::kind::{Acquire, Granted, Kind};
+use crate::lease::guard::{Backend, LeaseGuard, Single};
+use crate::lease::kind::{Acquire, Granted, Kind, Wait};
 use crate::observe::Acquiring;
 use crate::replication::Replication;
 use crate::runtime::renewal::Cell;
@@ -117,6 +117,14 @@ impl<B: Backend> Clone for Lease<B> {
     }
 }
 
+/// Every single-deployment kind is a backend: its guard holds a lease on one
+/// deployment, its handle that deployment and the primitive's acquire logic.
+impl<K: Kind> Backend for K {
+    type Held = Single<K>;
+    type Handle = SingleHandle<K>;
+    const GUARD: &'static str = K::GUARD;
+}
+
 /// A single-deployment primitive's handle: its deployment, its acquire logic
 /// and keys, and the holder its leases record.
 #[allow(
@@ -138,27 +146,6 @@ impl<K: Kind> Clone for SingleHandle<K> {
             spec: self.spec.clone(),
             holder: self.holder.clone(),
             _kind: PhantomData,
-        }
-    }
-}
-
-/// How long an acquire may wait.
-#[derive(Clone, Copy)]
-pub(crate) enum Wait<'a> {
-    /// Exactly one attempt.
-    Once,
-    /// Until acquired, the deadline (`None`: none) or cancellation.
-    Until(Option<Instant>, Option<&'a CancelToken>),
-}
-
-impl<'a> Wait<'a> {
-    /// The wait as it starts at `now`: `Cancelled` if its token already is,
-    /// and one attempt if its deadline has already passed.
-    pub(crate) fn starting(self, now: Instant) -> Result<Wait<'a>> {
-        match self {
-            Wait::Until(_, Some(cancel)) if cancel.is_cancelled() => Err(Error::Cancelled),
-            Wait::Until(Some(deadline), _) if deadline <= now => Ok(Wait::Once),
-            other => Ok(other),
         }
     }
 }

@@ -34,7 +34,8 @@ use crate::lease::fenced::{FencedGuard, FencedSpec};
 use crate::lease::guard::KeepAlive;
 use crate::lease::kind::Fenced;
 use crate::lease::parse_token;
-use crate::runtime::waiters::{self, Attempt, Failures, Order, WaitFor, failure_pause};
+use crate::runtime::backoff::failure_pause;
+use crate::runtime::waiters::{self, Attempt, Failures, Order, WaitFor};
 use crate::scripts;
 use crate::token::FencingToken;
 

@@ -56,13 +56,6 @@ pub(crate) mod sealed {
 
 impl<K: Kind> sealed::Sealed for K {}
 
-/// Every single-deployment kind is a backend.
-impl<K: Kind> Backend for K {
-    type Held = Single<K>;
-    type Handle = crate::lease::acquire::SingleHandle<K>;
-    const GUARD: &'static str = K::GUARD;
-}
-
 /// What a backend provides for the verbs [`LeaseGuard`] and
 /// [`Lease`](crate::Lease) write once.
 pub(crate) mod held {
@@ -73,7 +66,7 @@ pub(crate) mod held {
     use crate::core::timing::Timing;
     use crate::error::Result;
     use crate::guard::ReleaseOutcome;
-    use crate::lease::acquire::Wait;
+    use crate::lease::kind::Wait;
     use crate::runtime::lease::LeaseView;
     use crate::token::HolderTag;
 

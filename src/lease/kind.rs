@@ -9,8 +9,9 @@
 use std::fmt;
 use std::time::Instant;
 
+use crate::cancel::CancelToken;
 use crate::conn::Conn;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::lease::deployment::Deployment;
 use crate::observe::Primitive;
 use crate::runtime::renewal::Ops;
@@ -152,6 +153,27 @@ impl Kind for Slot {
     const PRIMITIVE: Primitive = Primitive::Semaphore;
     fn token(grant: &Self::Grant) -> Option<FencingToken> {
         Some(grant.1)
+    }
+}
+
+/// How long an acquire may wait.
+#[derive(Clone, Copy)]
+pub(crate) enum Wait<'a> {
+    /// Exactly one attempt.
+    Once,
+    /// Until acquired, the deadline (`None`: none) or cancellation.
+    Until(Option<Instant>, Option<&'a CancelToken>),
+}
+
+impl<'a> Wait<'a> {
+    /// The wait as it starts at `now`: `Cancelled` if its token already is,
+    /// and one attempt if its deadline has already passed.
+    pub(crate) fn starting(self, now: Instant) -> Result<Wait<'a>> {
+        match self {
+            Wait::Until(_, Some(cancel)) if cancel.is_cancelled() => Err(Error::Cancelled),
+            Wait::Until(Some(deadline), _) if deadline <= now => Ok(Wait::Once),
+            other => Ok(other),
+        }
     }
 }
 

@@ -31,10 +31,11 @@ use crate::error::{Error, Result};
 use crate::guard::{Guard, ReleaseOutcome, Verifiable, sealed};
 use crate::keys::key_slot;
 use crate::lease::acquire::{
-    Lease, Wait, history_kept, replicas_acknowledged, replication_kept, wait_for_replicas,
+    Lease, history_kept, replicas_acknowledged, replication_kept, wait_for_replicas,
 };
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::guard::{KeepAlive, LeaseGuard};
+use crate::lease::kind::Wait;
 use crate::lease::kind::{Fenced, Granted, Kind, Plain};
 use crate::lease::{busy, parse_token, unexpected_acquire};
 use crate::observe::Acquiring;

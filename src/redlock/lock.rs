@@ -13,8 +13,8 @@ use super::{Group, RedlockAttempt, RedlockGroup};
 use crate::cancel::CancelToken;
 use crate::core::wait::WaitPolicy;
 use crate::error::{Error, Result};
-use crate::lease::acquire::Wait;
 use crate::lease::guard::held::Handle;
+use crate::lease::kind::Wait;
 use crate::observe::{Acquiring, Primitive};
 use crate::token::HolderTag;
 

@@ -8,7 +8,7 @@ use crate::core::timing;
 use crate::error::{Error, Result};
 use crate::keys;
 use crate::observe::Observer;
-use crate::runtime::waiters::Backoff;
+use crate::runtime::backoff::Backoff;
 
 /// Settings of a [`RedlockGroup`](crate::RedlockGroup). Build it with struct update syntax:
 ///

@@ -9,6 +9,7 @@
 //! the pure core (`crate::core`) with the deployment's clock and real
 //! connections.
 
+pub(crate) mod backoff;
 pub(crate) mod lease;
 pub(crate) mod renewal;
 pub(crate) mod scheduler;

@@ -105,22 +105,19 @@
 //! with 8 contenders on one CPU. A key that stopped being contended costs a
 //! pause per wait for up to a second; the uncontended path costs a lookup.
 //!
-//! A process none of whose waits on a key has found it held cannot tell that
-//! the key is contended, and then its thread that holds the key may keep it:
-//! the release wakes the waiters elsewhere, but the same thread's next wait
-//! needs no wake-up, and without a pause its first attempt reached the server
-//! first every time, until a waiter happened to win a race (with 8
-//! contenders on one CPU, one process took back every grant for whole turns
-//! of the benchmark, a tenth of all grants). So a wait on a key not known to
-//! be contended yields the CPU before its first attempt: the threads a
-//! release by this thread woke on its CPU (subscribers of other processes,
-//! then the waiters they wake) run first; one of them gets the key, and this
-//! process's next wait finds it held and marks it contended. When no other
-//! thread is ready to run, the yield costs a system call and returns at once.
-//! Waiters on other machines gain nothing from it; the race with them is
-//! about even (the release's reply and its invalidation travel alike).
-//! BENCHMARKS.md (section 3, `lock`) has the releaser's re-acquire share with
-//! a coordinator per contender.
+//! A process none of whose waits on a key found it held cannot tell that the
+//! key is contended, and its thread that released the key may take it back:
+//! its next wait needs no wake-up, and without a pause its first attempt
+//! reached the server first every time (with 8 contenders on one CPU, one
+//! process took back every grant for whole turns, a tenth of all grants). So
+//! a wait on a key not known to be contended yields the CPU before its first
+//! attempt: the threads the release woke on this CPU (subscribers of other
+//! processes, then their waiters) run first; one of them gets the key, and
+//! this process's next wait finds it held and marks it contended. With no
+//! other thread ready to run, the yield is a system call that returns at
+//! once. Waiters on other machines gain nothing from it; the race with them
+//! is about even (the release's reply and its invalidation travel alike).
+//! BENCHMARKS.md (section 3, `lock`) has the releaser's re-acquire share.
 //! [`Order::Server`] (a `Lock` with `Fairness::Fifo`) puts the queue on the
 //! server instead: the lock is granted to the head of a sorted set of
 //! waiters in arrival order, each entry expiring unless its waiter refreshes
@@ -151,10 +148,10 @@ use parking_lot::{Condvar, Mutex};
 use crate::cancel::CancelToken;
 use crate::clock::Clock;
 use crate::conn::Conn;
-use crate::core::timing::backoff;
 use crate::core::wait::WaitPolicy;
 use crate::error::{Error, Result};
 use crate::observe::{self, Observer};
+use crate::runtime::backoff::failure_pause;
 use crate::token::random_unit;
 
 /// The outcome of one acquire attempt.
@@ -777,76 +774,6 @@ pub(crate) trait Route {
         f: &mut OnTracked<'_, T>,
     ) -> (Result<T>, Option<Self::Uncertain>);
 }
-
-/// A jittered exponential back-off: the pause after the `n`-th failure in a
-/// row is random between half and all of `base × 2^(n−1)`, at most `max`, so
-/// that callers who failed together do not try again together. The waits of
-/// this library pause by it between failed attempts (10 ms to 1 s), and a
-/// [`RedlockGroup`](crate::RedlockGroup) between its tries
-/// ([`RedlockOptions::retry_base`](crate::RedlockOptions::retry_base) to
-/// [`retry_max`](crate::RedlockOptions::retry_max)); it is here for retry
-/// loops of the caller's own.
-///
-/// It computes pauses and never sleeps or blocks.
-///
-/// ```
-/// use std::time::Duration;
-/// use respire_coordination::Backoff;
-///
-/// let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(80));
-/// let first = backoff.next_pause();
-/// assert!(first >= Duration::from_millis(5) && first < Duration::from_millis(10));
-/// for _ in 0..10 {
-///     assert!(backoff.next_pause() < Duration::from_millis(80));
-/// }
-/// backoff.reset();
-/// assert!(backoff.next_pause() < Duration::from_millis(10));
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Backoff {
-    base: Duration,
-    max: Duration,
-    /// Pauses handed out since the last reset.
-    failures: u32,
-}
-
-impl Backoff {
-    /// Pauses from half to all of `base`, doubling with each failure, at
-    /// most `max`.
-    pub const fn new(base: Duration, max: Duration) -> Backoff {
-        Backoff {
-            base,
-            max,
-            failures: 0,
-        }
-    }
-
-    /// The pause after one more failure in a row.
-    pub fn next_pause(&mut self) -> Duration {
-        self.failures = self.failures.saturating_add(1);
-        self.pause_after(self.failures)
-    }
-
-    /// Starts over: the next pause is the first one again (after a success).
-    pub fn reset(&mut self) {
-        self.failures = 0;
-    }
-
-    /// The pause after the `n`-th failure in a row (from 1), drawn anew on
-    /// each call.
-    pub(crate) fn pause_after(&self, n: u32) -> Duration {
-        backoff(n, self.base, self.max, random_unit())
-    }
-}
-
-/// The pause after the `n`-th failure in a row of a wait: random between half
-/// and all of 10 ms × 2^(n−1), at most 1 s.
-pub(crate) fn failure_pause(n: u32) -> Duration {
-    WAIT_BACKOFF.pause_after(n)
-}
-
-/// The back-off of [`failure_pause`].
-const WAIT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
 
 /// Waits for an acquire to succeed: re-attempts when woken by an invalidation of
 /// one of the keys, by the expiry timer, or by polling when tracking is
