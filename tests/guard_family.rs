@@ -8,7 +8,8 @@ use support::ms;
 use std::time::Duration;
 
 use respire_coordination::{
-    Coordinator, Fencing, Guard, RedlockGroup, RedlockOptions, ReleaseOutcome, Verifiable,
+    Backend, Coordinator, Error, Fencing, Guard, Lease, LeaseGuard, RedlockGroup, RedlockOptions,
+    ReleaseOutcome, Verifiable,
 };
 use support::{TestServer, wait_until};
 
@@ -132,4 +133,75 @@ fn every_grant_with_a_token_is_fencing() {
     assert_eq!(token(&p), p.fencing_token().get());
     // Each from its own counter: the first grant of each.
     assert_eq!((token(&a), token(&w), token(&p)), (1, 1, 1));
+}
+
+/// What generic code does with any lease handle: one attempt, then a bounded
+/// wait behind the first grant, which must run out with nothing.
+fn take_twice<B: Backend>(lease: &Lease<B>, ttl: Duration) -> LeaseGuard<B> {
+    let first = lease.try_acquire(ttl).unwrap().expect("free");
+    assert!(
+        lease.acquire_timeout(ttl, ms(300)).unwrap().is_none(),
+        "held by the first grant"
+    );
+    first
+}
+
+#[test]
+fn the_same_code_takes_a_lease_on_one_deployment_and_on_a_quorum() {
+    let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
+    let coords: Vec<Coordinator> = servers
+        .iter()
+        .map(|s| Coordinator::connect(&s.url()).unwrap())
+        .collect();
+    let ttl = Duration::from_secs(30);
+
+    let lock = coords[0].lock("{h}").unwrap().with_holder("one").unwrap();
+    let guard = take_twice(&lock, ttl);
+    assert!(pttl(&servers[0], "{h}") > 20_000, "held on the server");
+    assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
+    assert_eq!(pttl(&servers[0], "{h}"), -2);
+
+    let group = RedlockGroup::new(coords.clone(), RedlockOptions::default()).unwrap();
+    let lock = group.lock("quorum").unwrap().with_holder("many").unwrap();
+    assert_eq!(lock.holder(), Some("many"));
+    let guard = take_twice(&lock, ttl);
+    let held = servers
+        .iter()
+        .filter(|s| pttl(s, "quorum") > 20_000)
+        .count();
+    assert!(held >= 2, "held on a quorum: {held}");
+    assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
+    wait_until(Duration::from_secs(5), "deleted on every node", || {
+        servers.iter().all(|s| pttl(s, "quorum") == -2)
+    });
+    assert!(matches!(group.lock(""), Err(Error::InvalidArgument(_))));
+}
+
+/// With everything of the crate in scope (its `Guard` trait too), a Redlock
+/// guard's `release` is the one every guard has: it takes the guard and says
+/// what it found.
+mod glob_import {
+    use respire_coordination::*;
+
+    use super::{TestServer, ms, pttl};
+
+    #[test]
+    fn release_is_the_same_verb_with_the_whole_crate_in_scope() {
+        let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
+        let coords: Vec<Coordinator> = servers
+            .iter()
+            .map(|s| Coordinator::connect(&s.url()).unwrap())
+            .collect();
+        let group = RedlockGroup::new(coords, RedlockOptions::default()).unwrap();
+        let guard: RedlockGuard = group
+            .lock("glob")
+            .unwrap()
+            .try_acquire(ms(30_000))
+            .unwrap()
+            .unwrap();
+        let outcome: Result<ReleaseOutcome> = guard.release();
+        assert_eq!(outcome.unwrap(), ReleaseOutcome::Released);
+        let gone = servers.iter().filter(|s| pttl(s, "glob") == -2).count();
+        assert!(gone >= 2, "deleted on a quorum: {gone}");
+    }
 }
