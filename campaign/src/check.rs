@@ -1297,7 +1297,11 @@ fn seen_through(inp: &Inputs<'_>, g: &Grant, k: usize, read_at: u64, bound: u64,
         if !known && !stopped(s.t_b) {
             return false;
         }
-        after_bound |= known && s.t_b >= bound;
+        // For a claim that may be renewed, a sample read once the release
+        // was called does not show a renewal sent before it: the release
+        // may have deleted the key in between.
+        let before_release = !renewable || g.rel.is_none_or(|(called, _)| s.t_a <= called);
+        after_bound |= known && s.t_b >= bound && before_release;
     }
     after_bound
 }
@@ -1864,6 +1868,19 @@ mod tests {
         c.node_timeout_ms = Some(30);
         assert_eq!(c.count("loss-margin"), 1);
         assert_eq!(c.count("vouched-past-ttl"), 0);
+        // The same, kept alive and released at 81 ms, before any sample
+        // after the expiry was read: a renewal sent between the read at 5 ms
+        // and the release may have moved the expiry, and the release deleted
+        // the key before the oracle saw it. Not judged.
+        let kept = with(lost(80), |g| {
+            g.outcome = "Released".into();
+            g.kept = true;
+            g.rel = Some((81 * MS, 82 * MS));
+        });
+        let mut c = case(Workload::Fenced, vec![kept], samples.clone());
+        c.node_timeout_ms = Some(30);
+        assert_eq!(c.count("loss-margin"), 0);
+        assert_eq!(c.run().margin_checks, 0);
         // No node timeout on record (an old history): not judged.
         let mut c = judged(80, samples.clone());
         c.node_timeout_ms = None;
