@@ -13,11 +13,22 @@ use std::time::{Duration, Instant};
 
 use redis::Commands;
 use respire_coordination::{
-    CancelToken, Coordinator, Error, NodeOutcome, RedlockGroup, RedlockOptions, ReleaseOutcome,
+    CancelToken, Coordinator, Error, NodeOutcome, RedlockGroup, RedlockGuard, RedlockOptions,
+    ReleaseOutcome,
 };
 use support::{
     ChildProc, FaultProxy, Mode, TestServer, script_calls, shared_server, unique_prefix, wait_until,
 };
+
+/// One attempt at `key` on `group` that must be granted.
+fn take(group: &RedlockGroup, key: &str, ttl: Duration) -> RedlockGuard {
+    group
+        .lock(key)
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .expect("free")
+}
 
 /// Fresh servers, each behind its own proxy.
 struct Nodes {
@@ -363,12 +374,7 @@ fn acquire_contend_extend_release() {
     dropped_everywhere(&nodes, &key);
 
     // Dropping releases too.
-    let guard = group
-        .lock("job")
-        .unwrap()
-        .try_acquire(ttl)
-        .unwrap()
-        .unwrap();
+    let guard = take(&group, "job", ttl);
     drop(guard);
     dropped_everywhere(&nodes, &key);
 }
@@ -436,12 +442,7 @@ fn extend_needs_a_quorum_and_never_recreates_the_key() {
     let prefix = unique_prefix("extend");
     let group = nodes.group(&prefix, options(200));
     let key = format!("{prefix}job");
-    let guard = group
-        .lock("job")
-        .unwrap()
-        .try_acquire(Duration::from_secs(10))
-        .unwrap()
-        .unwrap();
+    let guard = take(&group, "job", Duration::from_secs(10));
     held_everywhere(&nodes, &key);
     let _: () = nodes.servers[0].client().del(&key).unwrap();
     assert!(
@@ -464,12 +465,7 @@ fn a_release_without_a_quorum_is_uncertain_and_the_nodes_send_it_on_their_own() 
     let prefix = unique_prefix("release-retry");
     let group = nodes.group(&prefix, options(200));
     let key = format!("{prefix}job");
-    let guard = group
-        .lock("job")
-        .unwrap()
-        .try_acquire(Duration::from_secs(30))
-        .unwrap()
-        .unwrap();
+    let guard = take(&group, "job", Duration::from_secs(30));
     held_everywhere(&nodes, &key);
     nodes.proxies[0].set_mode(Mode::Blackhole);
     nodes.proxies[1].set_mode(Mode::Blackhole);
@@ -495,12 +491,7 @@ fn bounded_waits_poll_and_cancel() {
     let prefix = unique_prefix("waits");
     let group = nodes.group(&prefix, options(100));
     let ttl = Duration::from_secs(10);
-    let holder = group
-        .lock("job")
-        .unwrap()
-        .try_acquire(ttl)
-        .unwrap()
-        .unwrap();
+    let holder = take(&group, "job", ttl);
 
     let started = Instant::now();
     assert!(
@@ -572,14 +563,7 @@ fn five_nodes_survive_two_kills_and_fail_fast_on_three() {
     let node_timeout = Duration::from_secs(5);
     let group = nodes.group(&prefix, options(5_000));
     let ttl = Duration::from_secs(30);
-    drop(
-        group
-            .lock("warm")
-            .unwrap()
-            .try_acquire(ttl)
-            .unwrap()
-            .unwrap(),
-    );
+    drop(take(&group, "warm", ttl));
 
     nodes.servers[0].kill();
     nodes.servers[1].kill();
@@ -710,12 +694,7 @@ fn dropping_a_guard_waits_at_most_the_node_timeout_for_a_blackholed_majority() {
     let prefix = unique_prefix("blackhole-drop");
     let node_timeout = Duration::from_millis(500);
     let group = nodes.group(&prefix, options(500));
-    let guard = group
-        .lock("drop")
-        .unwrap()
-        .try_acquire(Duration::from_secs(10))
-        .unwrap()
-        .unwrap();
+    let guard = take(&group, "drop", Duration::from_secs(10));
     for p in &nodes.proxies[1..4] {
         p.set_mode(Mode::Blackhole);
     }
@@ -751,12 +730,7 @@ fn fan_out_is_parallel_behind_2ms_delays() {
         let took = t.elapsed();
         guard.release().unwrap();
         let t = Instant::now();
-        let g = group
-            .lock("job")
-            .unwrap()
-            .try_acquire(ttl)
-            .unwrap()
-            .unwrap();
+        let g = take(&group, "job", ttl);
         let took_group = t.elapsed();
         assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
         if i >= 10 {
@@ -900,12 +874,7 @@ fn extend_does_not_count_a_node_that_restarted() {
     let group = nodes.group(&prefix, options(200));
     let key = format!("{prefix}job");
     let ttl = Duration::from_secs(30);
-    let guard = group
-        .lock("job")
-        .unwrap()
-        .try_acquire(ttl)
-        .unwrap()
-        .unwrap();
+    let guard = take(&group, "job", ttl);
     held_everywhere(&nodes, &key);
     // Node 1 loses the key: nodes 0 and 2 must both count from now on.
     let _: () = nodes.servers[1].client().del(&key).unwrap();
@@ -964,12 +933,7 @@ fn restart_delay_keeps_a_node_that_lost_its_data_out() {
     let group = nodes.group(&prefix, options(200));
     let key = format!("{prefix}job");
     let ttl = Duration::from_secs(30);
-    let first = group
-        .lock("job")
-        .unwrap()
-        .try_acquire(ttl)
-        .unwrap()
-        .unwrap();
+    let first = take(&group, "job", ttl);
     held_everywhere(&nodes, &key);
     let delay = Duration::from_secs(2);
     wait_until(Duration::from_secs(10), "node 2 to be up for 2 s", || {
@@ -1168,20 +1132,9 @@ fn keep_alive_extends_and_flags_loss_before_validity_ends() {
     let prefix = unique_prefix("keepalive");
     let group = nodes.group(&prefix, options(50));
     let ttl = Duration::from_millis(600);
-    let guard = group
-        .lock("job")
-        .unwrap()
-        .try_acquire(ttl)
-        .unwrap()
-        .unwrap();
+    let guard = take(&group, "job", ttl);
     assert!(matches!(
-        group
-            .lock("short")
-            .unwrap()
-            .try_acquire(Duration::from_millis(150))
-            .unwrap()
-            .unwrap()
-            .keep_alive(),
+        take(&group, "short", Duration::from_millis(150)).keep_alive(),
         Err(Error::InvalidArgument(_))
     ));
     let keep = guard.keep_alive().unwrap();
@@ -1362,12 +1315,7 @@ fn release_reports_whether_a_quorum_still_held_the_lock() {
     let ttl = Duration::from_secs(30);
 
     // Held on every node but one: still deleted on a quorum.
-    let guard = group
-        .lock("job")
-        .unwrap()
-        .try_acquire(ttl)
-        .unwrap()
-        .unwrap();
+    let guard = take(&group, "job", ttl);
     held_everywhere(&nodes, &key);
     let _: () = nodes.servers[0].client().del(&key).unwrap();
     assert_eq!(
@@ -1378,12 +1326,7 @@ fn release_reports_whether_a_quorum_still_held_the_lock() {
     dropped_everywhere(&nodes, &key);
 
     // Gone from two nodes before the release: it had lapsed.
-    let guard = group
-        .lock("job")
-        .unwrap()
-        .try_acquire(ttl)
-        .unwrap()
-        .unwrap();
+    let guard = take(&group, "job", ttl);
     held_everywhere(&nodes, &key);
     for i in [0, 1] {
         let _: () = nodes.servers[i].client().del(&key).unwrap();
@@ -1396,12 +1339,7 @@ fn release_reports_whether_a_quorum_still_held_the_lock() {
     dropped_everywhere(&nodes, &key);
 
     // Another owner's on two nodes: theirs stays, and the release says so.
-    let guard = group
-        .lock("job")
-        .unwrap()
-        .try_acquire(ttl)
-        .unwrap()
-        .unwrap();
+    let guard = take(&group, "job", ttl);
     held_everywhere(&nodes, &key);
     for i in [0, 1] {
         let _: () = nodes.servers[i].client().set(&key, "someone-else").unwrap();
@@ -1419,12 +1357,7 @@ fn release_reports_whether_a_quorum_still_held_the_lock() {
     for i in [0, 1] {
         let _: () = nodes.servers[i].client().del(&key).unwrap();
     }
-    let guard = group
-        .lock("job")
-        .unwrap()
-        .try_acquire(ttl)
-        .unwrap()
-        .unwrap();
+    let guard = take(&group, "job", ttl);
     held_everywhere(&nodes, &key);
     nodes.proxies[0].set_mode(Mode::Blackhole);
     nodes.proxies[1].set_mode(Mode::Blackhole);
@@ -1448,12 +1381,7 @@ fn an_extension_without_a_quorum_bounds_the_lock_by_its_worst_case() {
     let prefix = unique_prefix("extend-worst");
     let group = nodes.group(&prefix, options(100));
     let key = format!("{prefix}job");
-    let guard = group
-        .lock("job")
-        .unwrap()
-        .try_acquire(Duration::from_secs(10))
-        .unwrap()
-        .unwrap();
+    let guard = take(&group, "job", Duration::from_secs(10));
     held_everywhere(&nodes, &key);
     nodes.proxies[0].set_mode(Mode::Blackhole);
     nodes.proxies[1].set_mode(Mode::Blackhole);
@@ -1899,12 +1827,7 @@ fn a_short_extend_racing_the_keep_alive_never_leaves_a_longer_belief() {
     let mut direct: Vec<redis::Connection> = nodes.servers.iter().map(|s| s.client()).collect();
     let mut pttls = || -> Vec<i64> { direct.iter_mut().map(|c| c.pttl(&key).unwrap()).collect() };
     let (long, short) = (Duration::from_secs(4), Duration::from_secs(2));
-    let guard = group
-        .lock("job")
-        .unwrap()
-        .try_acquire(long)
-        .unwrap()
-        .unwrap();
+    let guard = take(&group, "job", long);
     let _keep = guard.keep_alive().unwrap();
     let mut last = pttls();
     wait_until(

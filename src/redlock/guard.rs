@@ -33,7 +33,7 @@ use super::worker::{Completion, Reply, ReplyTo};
 use crate::clock::Clock;
 use crate::core::extend::{ResetDone, ResetExpiry, ResetStep};
 use crate::core::lease::{LeaseCore, Loss};
-use crate::core::quorum::{ExtendVerdict, Tally, Vote};
+use crate::core::quorum::{ExtendVerdict, Tally};
 use crate::core::redlock::{Extension, NodeLease, Op, QuorumRenewal, Release};
 use crate::core::schedule::{Next, Watched};
 use crate::core::timing::Timing;
@@ -303,22 +303,15 @@ impl Held for RedlockHeld {
             group.fan_out(Op::Release, lease.nodes(), &targets, deadline, None, |t| {
                 release.is_decided(t)
             });
-        // Nodes that confirmed another owner's value: a quorum of them means
-        // the lock was taken over.
-        let mut others = 0;
         for reply in replies.iter().flatten() {
             self.release
                 .handle_answer(reply.node, reply.vote, &reply.outcome);
-            if reply.vote == Vote::Yes && matches!(reply.outcome, NodeOutcome::HeldByAnother { .. })
-            {
-                others += 1;
-            }
         }
         let skipped = NodeOutcome::NotSent("confirmed by an earlier release".into());
         let heard = group.answers(replies, &targets, deadline, &skipped);
         let outcome = match self.release.conclude() {
             Ok(true) => ReleaseOutcome::Released,
-            Ok(false) if others >= group.quorum => ReleaseOutcome::TakenOver,
+            Ok(false) if self.release.taken_over() => ReleaseOutcome::TakenOver,
             Ok(false) => ReleaseOutcome::Expired,
             Err(confirmed) => {
                 log::warn!(

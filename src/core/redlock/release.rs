@@ -4,13 +4,24 @@
 use crate::core::quorum::{Tally, Vote};
 use crate::report::NodeOutcome;
 
+/// What a node's confirmed release found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Found {
+    /// The lease, deleted now.
+    Deleted,
+    /// Nothing: the key was gone.
+    Gone,
+    /// Another owner's value, left alone.
+    Another,
+}
+
 /// The release of one lease, over as many calls as it takes: which nodes
-/// confirmed (and whether they deleted the key then), when a call's answers
-/// are enough, and what the release amounts to.
+/// confirmed (and what they found then), when a call's answers are enough,
+/// and what the release amounts to.
 #[derive(Clone, Debug)]
 pub(crate) struct Release {
-    /// Per node, once a release confirmed it: whether it deleted the key then.
-    released: Vec<Option<bool>>,
+    /// Per node, once a release confirmed it: what it found then.
+    released: Vec<Option<Found>>,
     quorum: usize,
     /// The result, once a quorum confirmed.
     outcome: Option<bool>,
@@ -51,8 +62,19 @@ impl Release {
     /// Node `node` answered.
     pub(crate) fn handle_answer(&mut self, node: usize, vote: Vote, outcome: &NodeOutcome) {
         if vote == Vote::Yes {
-            self.released[node] = Some(*outcome == NodeOutcome::Granted);
+            self.released[node] = Some(match outcome {
+                NodeOutcome::Granted => Found::Deleted,
+                NodeOutcome::HeldByAnother { .. } => Found::Another,
+                _ => Found::Gone,
+            });
         }
+    }
+
+    /// Whether a quorum of the nodes that confirmed found another owner's
+    /// value: the lease was taken over.
+    pub(crate) fn taken_over(&self) -> bool {
+        let others = self.released.iter().filter(|r| **r == Some(Found::Another));
+        others.count() >= self.quorum
     }
 
     /// The call's answers are in: `Ok` with the result (`true`: a quorum
@@ -84,7 +106,10 @@ impl Release {
     }
 
     fn deleted(&self) -> usize {
-        self.released.iter().filter(|r| **r == Some(true)).count()
+        self.released
+            .iter()
+            .filter(|r| **r == Some(Found::Deleted))
+            .count()
     }
 }
 
@@ -111,6 +136,20 @@ mod tests {
         r.handle_answer(2, Vote::Yes, &NodeOutcome::Granted);
         assert_eq!(r.conclude(), Ok(true));
         assert_eq!(r.outcome(), Some(true));
+        assert!(!r.taken_over());
+    }
+
+    #[test]
+    fn a_quorum_that_found_another_owner_took_it_over() {
+        let mut r = Release::new(3);
+        let another = NodeOutcome::HeldByAnother { remaining: None };
+        r.handle_answer(0, Vote::Yes, &another);
+        r.handle_answer(1, Vote::Yes, &NodeOutcome::Missing);
+        assert_eq!(r.conclude(), Ok(false), "two of three answered: a quorum");
+        assert!(!r.taken_over(), "one of three is not a quorum");
+        r.handle_answer(2, Vote::Yes, &another);
+        assert_eq!(r.conclude(), Ok(false));
+        assert!(r.taken_over());
     }
 
     #[test]
