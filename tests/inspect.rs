@@ -10,7 +10,7 @@ use respire_coordination::{
     Coordinator, Error, Fairness, FencingToken, HeldAs, MAX_HOLDER_LEN, Protocol, RedlockGroup,
     RedlockOptions,
 };
-use support::{TestServer, shared_server, unique_prefix};
+use support::{TestServer, shared_server, unique_prefix, wait_until};
 
 fn coordinator(prefix: &str) -> Coordinator {
     Coordinator::builder(&shared_server().url())
@@ -466,6 +466,17 @@ fn a_redlock_lock_shows_its_holder_on_every_node() {
         .try_acquire(TTL)
         .unwrap()
         .unwrap();
+    // The grant returns once a quorum has answered; the last node's
+    // `SET` may still be on its way.
+    for s in &servers {
+        let node = Coordinator::connect(&s.url()).unwrap();
+        wait_until(Duration::from_secs(5), "the lock on every node", || {
+            node.inspect_lease("invoices", None)
+                .unwrap()
+                .exclusive
+                .is_some()
+        });
+    }
     let mut owners = Vec::new();
     for s in &servers {
         let node = Coordinator::connect(&s.url()).unwrap();

@@ -70,6 +70,19 @@ impl Nodes {
         RedlockGroup::new(self.coordinators(prefix), options).expect("a valid group")
     }
 
+    /// Waits until `groups` watchers are subscribed on every node. A
+    /// watcher whose first connection fails counts its node as one that
+    /// went away; a test that blackholes a node must let it subscribe first.
+    fn watched_by(&self, groups: u64) {
+        for (i, s) in self.servers.iter().enumerate() {
+            wait_until(
+                Duration::from_secs(5),
+                &format!("node {i} to be watched"),
+                || watchers_on(s) == groups,
+            );
+        }
+    }
+
     fn get(&self, i: usize, key: &str) -> Option<String> {
         self.servers[i].client().get(key).unwrap()
     }
@@ -467,6 +480,7 @@ fn a_release_without_a_quorum_is_uncertain_and_the_nodes_send_it_on_their_own() 
     let key = format!("{prefix}job");
     let guard = take(&group, "job", Duration::from_secs(30));
     held_everywhere(&nodes, &key);
+    nodes.watched_by(1);
     nodes.proxies[0].set_mode(Mode::Blackhole);
     nodes.proxies[1].set_mode(Mode::Blackhole);
     // One node of three confirmed: the release may or may not have happened
@@ -1359,6 +1373,7 @@ fn release_reports_whether_a_quorum_still_held_the_lock() {
     }
     let guard = take(&group, "job", ttl);
     held_everywhere(&nodes, &key);
+    nodes.watched_by(1);
     nodes.proxies[0].set_mode(Mode::Blackhole);
     nodes.proxies[1].set_mode(Mode::Blackhole);
     assert!(matches!(
@@ -1383,6 +1398,7 @@ fn an_extension_without_a_quorum_bounds_the_lock_by_its_worst_case() {
     let key = format!("{prefix}job");
     let guard = take(&group, "job", Duration::from_secs(10));
     held_everywhere(&nodes, &key);
+    nodes.watched_by(1);
     nodes.proxies[0].set_mode(Mode::Blackhole);
     nodes.proxies[1].set_mode(Mode::Blackhole);
 
