@@ -74,13 +74,14 @@ impl ResetExpiry {
         }
     }
 
-    /// The TTL the extension sets.
+    /// The TTL the extension sets (read by the simulation's clients).
+    #[cfg(test)]
     pub(crate) fn ttl(&self) -> Duration {
         self.ttl
     }
 
     /// Claims the lease at `now` (the instant the extension is sent).
-    pub(crate) fn claim<L: Claim>(&mut self, lease: &L, now: Instant) -> ResetStep {
+    pub(crate) fn claim<L: Claim + ?Sized>(&mut self, lease: &L, now: Instant) -> ResetStep {
         match lease.begin_extend(now, self.ttl) {
             Ok(ticket) => ResetStep::Send(ticket),
             Err(Refusal::Lost) => ResetStep::Done(ResetDone::Lost),

@@ -1,8 +1,9 @@
 //! The one guard family: [`LeaseGuard<B>`] over a sealed [`Backend`], after
 //! `lock_api`'s `Mutex<R, T>` over `RawMutex`. The verbs every lease has — its
 //! key, loss, loss signal, estimate, keep-alive, `Drop` and `Debug`, and the
-//! one [`KeepAlive`] — are written here once over what a backend holds; what
-//! goes to the servers (`reset_expiry`, `release`) is the backend's. The
+//! one [`KeepAlive`] — are written here once over what a backend holds, and so
+//! is `reset_expiry`'s claim on the lease (`extend_with`); what goes to the
+//! servers (one extension's send and settling, `release`) is the backend's. The
 //! single-deployment backend, one for every [`Kind`], is here too; Redlock's
 //! is in `redlock/guard.rs`.
 
@@ -15,7 +16,7 @@ use crossbeam_channel::Receiver;
 use crate::conn::{Conn, Connect};
 use crate::core::executor::ExtendReply;
 use crate::core::extend::{ResetDone, ResetExpiry, ResetStep};
-use crate::core::lease::{Loss, Verdict};
+use crate::core::lease::{Loss, Ticket, Verdict};
 use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::guard::{Fencing, Guard, ReleaseOutcome, Verifiable, sealed as sealed_guard};
@@ -63,8 +64,10 @@ pub(crate) mod held {
     use std::time::{Duration, Instant};
 
     use super::{Backend, LeaseGuard};
+    use crate::core::extend::{ResetDone, ResetExpiry, ResetStep};
+    use crate::core::lease::Ticket;
     use crate::core::timing::Timing;
-    use crate::error::Result;
+    use crate::error::{Error, Result};
     use crate::guard::ReleaseOutcome;
     use crate::lease::kind::Wait;
     use crate::runtime::lease::LeaseView;
@@ -90,6 +93,24 @@ pub(crate) mod held {
         fn debug(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result;
     }
 
+    /// One `reset_expiry` call of a backend, after its TTL was checked: what
+    /// [`LeaseGuard::extend_with`] sends under each claim it gets.
+    #[allow(
+        unreachable_pub,
+        private_interfaces,
+        reason = "named by the public `Backend`, but nameable only in this crate"
+    )]
+    pub trait Extender {
+        /// The TTL it sets, as sent.
+        fn ttl(&self) -> Duration;
+        /// Sends the extension claimed under `ticket` and settles what came
+        /// back: the next step, or the error that ends the call (with the
+        /// extension's worst case kept in the lease's bound).
+        fn send(&mut self, reset: &mut ResetExpiry, ticket: Ticket) -> Result<ResetStep>;
+        /// The error for an end only this backend reaches.
+        fn failed(&self, done: ResetDone) -> Error;
+    }
+
     /// One backend's held lease: its lease cell and clock, its renewal
     /// thread, and the verbs that go to its servers.
     #[allow(
@@ -110,8 +131,13 @@ pub(crate) mod held {
         fn touch(&self);
         /// Whether keep-alive can run: its rights, where they are checked.
         fn check_keep_alive(&self) -> Result<()>;
-        /// The backend's `reset_expiry`.
-        fn reset_expiry(&self, ttl: Duration) -> Result<bool>;
+        /// What one `reset_expiry` call sends.
+        type Extend<'a>: Extender
+        where
+            Self: 'a;
+        /// One `reset_expiry` call to `ttl`, once the TTL is checked (an
+        /// error, nothing sent, when it is not valid).
+        fn extender(&self, ttl: Duration) -> Result<Self::Extend<'_>>;
         /// The backend's `release`; the lease cell is finished first.
         fn release(&mut self) -> Result<ReleaseOutcome>;
         /// The guard was dropped (after its release, if one was due).
@@ -121,7 +147,7 @@ pub(crate) mod held {
     }
 }
 
-use held::Held;
+use held::{Extender, Held};
 
 /// A held lease of backend `B`: [`LockGuard`](crate::LockGuard),
 /// [`FencedGuard`](crate::FencedGuard), [`ReadGuard`](crate::ReadGuard),
@@ -257,7 +283,46 @@ impl<B: Backend> LeaseGuard<B> {
     /// validity remains: the lock is not flagged lost but is bounded by this
     /// extension's worst case, and retrying may work.
     pub fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
-        self.held.reset_expiry(ttl)
+        self.extend_with(self.held.extender(ttl)?)
+    }
+
+    /// Claims the lease for one extension — waiting at most a node timeout
+    /// for one in flight, such as a keep-alive renewal — and has `ext` send
+    /// it under each claim it gets (once more when a server switch gave the
+    /// first up).
+    pub(crate) fn extend_with(&self, mut ext: impl Extender) -> Result<bool> {
+        let held = &self.held;
+        let cell = held.cell();
+        let nt = held.timing().node_timeout;
+        let mut reset = ResetExpiry::new(held.now(), ext.ttl(), nt);
+        let mut step = reset.claim(cell, held.now());
+        loop {
+            step = match step {
+                ResetStep::Send(ticket) => {
+                    // A shorter TTL bounds the lease from now: the renewal
+                    // thread must know.
+                    held.touch();
+                    ext.send(&mut reset, ticket)?
+                }
+                ResetStep::Wait(until) => {
+                    cell.wait_unclaimed(until);
+                    reset.claim(cell, held.now())
+                }
+                ResetStep::Done(done) => {
+                    held.touch();
+                    return match done {
+                        ResetDone::Held => Ok(true),
+                        ResetDone::Lost => Ok(false),
+                        ResetDone::NotRun(held) => Ok(held),
+                        ResetDone::StillClaimed => Err(Error::Timeout {
+                            op: "reset expiry (waiting for an extension in flight)",
+                            after: nt,
+                        }),
+                        other => Err(ext.failed(other)),
+                    };
+                }
+            };
+        }
     }
 
     /// Renews the lease in the background until the returned [`KeepAlive`] is
@@ -578,6 +643,140 @@ impl<K: Kind> LeaseGuard<K> {
     }
 }
 
+/// One `reset_expiry` call of a single-deployment lease: the script (or,
+/// where the server has it, `SET ... IFEQ`) on the key's server, followed by
+/// `WAIT` under the replication guard's `Require`.
+#[allow(
+    unreachable_pub,
+    reason = "named by the sealed `Held`, but nameable only in this crate"
+)]
+pub struct SingleExtend<'a, K: Kind> {
+    single: &'a Single<K>,
+    ttl_ms: u64,
+    keys: Vec<&'a str>,
+    args: Vec<String>,
+    ifeq_cmd: Option<redis::Cmd>,
+    acks: Option<(u32, Duration)>,
+    /// The last reply, for an unreadable one's report.
+    code: i64,
+    /// What the last `WAIT` answered.
+    acked: Option<u32>,
+}
+
+#[allow(
+    private_interfaces,
+    reason = "a sealed trait's methods, named only in this crate"
+)]
+impl<K: Kind> held::Extender for SingleExtend<'_, K> {
+    fn ttl(&self) -> Duration {
+        Duration::from_millis(self.ttl_ms)
+    }
+
+    fn send(&mut self, reset: &mut ResetExpiry, ticket: Ticket) -> Result<ResetStep> {
+        let Single { dep, cell, .. } = self.single;
+        let ops = cell.extra();
+        let acks = self.acks;
+        let deadline = dep.now() + dep.node_timeout() + acks.map_or(Duration::ZERO, |(_, t)| t);
+        let keys = &self.keys;
+        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        let ifeq_cmd = self.ifeq_cmd.as_ref();
+        let mut acked = None;
+        // The transport runs a call that a server retired meanwhile answered
+        // once more on the current one; an extension must not go again under
+        // this claim (a switch gives it up, and a renewal may hold the next),
+        // so the second run sends nothing.
+        let mut answered = false;
+        let (reply, lost): (Result<Option<i64>>, _) =
+            dep.on_key(cell.key(), deadline, Connect::Own, |conn, deadline| {
+                // Not under a claim a switch gave up meanwhile (a
+                // redirection's second run included).
+                if answered || !cell.dispatched(ticket, conn.server_id()) {
+                    return Ok(None);
+                }
+                let asking = conn.is_asking();
+                let arm = |conn: &mut Conn| {
+                    if asking {
+                        conn.ask_next();
+                    }
+                    if let Some((replicas, timeout)) = acks {
+                        conn.wait_after_next(replicas, timeout, false);
+                    }
+                };
+                // Without the script where the server can (see
+                // `Ops::set_ifeq_cmd`); refused for want of memory, as the
+                // script.
+                let by_set = ifeq_cmd.filter(|_| conn.has_set_ifeq());
+                let set = by_set.map(|cmd| {
+                    arm(conn);
+                    conn.command(cmd, "reset expiry", deadline, |v| ops.set_ifeq_code(v))
+                });
+                let reply = match set {
+                    Some(reply) if !reply.as_ref().is_err_and(is_oom) => reply,
+                    _ => {
+                        arm(conn);
+                        conn.script(ops.extend_script(), keys, &args, "reset expiry", deadline)
+                    }
+                };
+                answered = reply.is_ok();
+                acked = conn.take_waited();
+                reply.map(Some)
+            });
+        self.acked = acked;
+        let now = dep.now();
+        match reply {
+            Ok(Some(code)) => {
+                self.code = code;
+                let reply = match acks {
+                    Some((replicas, _)) if code == 1 && acked.unwrap_or(0) < replicas => {
+                        ExtendReply::Unreplicated
+                    }
+                    _ => ExtendReply::of(code),
+                };
+                Ok(reset.replied(&**cell, ticket, reply, now))
+            }
+            // Answered by a server retired meanwhile (the second run sent
+            // nothing, or found no server to run on): the answer counts no
+            // more.
+            Ok(None) => Ok(reset.replaced(&**cell, ticket, now)),
+            Err(_) if answered => Ok(reset.replaced(&**cell, ticket, now)),
+            Err(e) if e.is_uncertain() => {
+                cell.unanswered(ticket, now);
+                match lost {
+                    Some(sent) => dep.fence(sent, cell, ticket),
+                    // Unreachable: a command without a reply went somewhere.
+                    None => cell.fenced(ticket, now),
+                }
+                dep.runtime().touch(cell);
+                Err(e)
+            }
+            Err(e) => {
+                cell.not_sent(ticket, now);
+                dep.runtime().touch(cell);
+                Err(bad_key_in(e, keys))
+            }
+        }
+    }
+
+    fn failed(&self, done: ResetDone) -> Error {
+        match done {
+            ResetDone::Unreplicated => Error::ExtensionNotReplicated {
+                key: self.single.cell.key().to_owned(),
+                acknowledged: self.acked.unwrap_or(0),
+                required: self.acks.map_or(0, |(n, _)| n),
+            },
+            ResetDone::SwitchedTwice => Error::Topology(
+                "the server of the key changed twice while the extension ran; it was not \
+                 counted"
+                    .into(),
+            ),
+            _ => Error::UnexpectedReply {
+                op: "reset expiry",
+                reply: self.code.to_string(),
+            },
+        }
+    }
+}
+
 #[allow(
     private_interfaces,
     reason = "a sealed trait's methods, named only in this crate"
@@ -607,145 +806,28 @@ impl<K: Kind> Held for Single<K> {
         self.dep.check_keepalive_rights(self.cell.extra())
     }
 
-    fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
+    type Extend<'a> = SingleExtend<'a, K>;
+
+    fn extender(&self, ttl: Duration) -> Result<SingleExtend<'_, K>> {
         let ttl_ms = self.dep.check_ttl(ttl)?;
-        let nt = self.dep.node_timeout();
-        let now = self.dep.now();
-        let mut reset = ResetExpiry::new(now, Duration::from_millis(ttl_ms), nt);
         let ops = self.cell.extra();
-        let (keys, args) = ops.extend_args(reset.ttl().as_millis() as u64);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let ifeq_cmd = ops.set_ifeq_cmd(reset.ttl().as_millis() as u64);
-        let mut step = reset.claim(&self.cell, now);
-        // The last reply, for an unreadable one's report.
-        let mut code = 0;
-        // Under the replication guard's `Require`, `WAIT` follows the script
-        // in the same round trip: the extension counts only once enough
-        // replicas have it. `acked`: what the last `WAIT` answered.
-        let acks = match self.dep.replication {
-            Replication::Require { replicas, timeout } => Some((replicas, timeout)),
-            _ => None,
-        };
-        let mut acked = None;
-        loop {
-            let ticket = match step {
-                ResetStep::Send(ticket) => ticket,
-                ResetStep::Wait(until) => {
-                    self.cell.wait_unclaimed(until);
-                    step = reset.claim(&self.cell, self.dep.now());
-                    continue;
-                }
-                ResetStep::Done(done) => {
-                    self.dep.runtime().touch(&self.cell);
-                    return match done {
-                        ResetDone::Held => Ok(true),
-                        ResetDone::Lost => Ok(false),
-                        ResetDone::NotRun(held) => Ok(held),
-                        ResetDone::StillClaimed => Err(Error::Timeout {
-                            op: "reset expiry (waiting for an extension in flight)",
-                            after: nt,
-                        }),
-                        ResetDone::SwitchedTwice => Err(Error::Topology(
-                            "the server of the key changed twice while the extension ran; \
-                             it was not counted"
-                                .into(),
-                        )),
-                        ResetDone::Unreadable => Err(Error::UnexpectedReply {
-                            op: "reset expiry",
-                            reply: code.to_string(),
-                        }),
-                        ResetDone::Unreplicated => Err(Error::ExtensionNotReplicated {
-                            key: self.cell.key().to_owned(),
-                            acknowledged: acked.unwrap_or(0),
-                            required: acks.map_or(0, |(n, _)| n),
-                        }),
-                    };
-                }
-            };
-            // A shorter TTL bounds the lease from now: the renewal thread must know.
-            self.dep.runtime().touch(&self.cell);
-            let deadline = self.dep.now() + nt + acks.map_or(Duration::ZERO, |(_, t)| t);
-            // The transport runs a call that a server retired meanwhile
-            // answered once more on the current one; an extension must not
-            // go again under this claim (a switch gives it up, and a renewal
-            // may hold the next), so the second run sends nothing.
-            let mut answered = false;
-            let (reply, lost): (Result<Option<i64>>, _) =
-                self.dep
-                    .on_key(self.cell.key(), deadline, Connect::Own, |conn, deadline| {
-                        // Not under a claim a switch gave up meanwhile (a
-                        // redirection's second run included).
-                        if answered || !self.cell.dispatched(ticket, conn.server_id()) {
-                            return Ok(None);
-                        }
-                        let asking = conn.is_asking();
-                        let arm = |conn: &mut Conn| {
-                            if asking {
-                                conn.ask_next();
-                            }
-                            if let Some((replicas, timeout)) = acks {
-                                conn.wait_after_next(replicas, timeout, false);
-                            }
-                        };
-                        // Without the script where the server can (see
-                        // `Ops::set_ifeq_cmd`); refused for want of memory,
-                        // as the script.
-                        let by_set = ifeq_cmd.as_ref().filter(|_| conn.has_set_ifeq());
-                        let set = by_set.map(|cmd| {
-                            arm(conn);
-                            conn.command(cmd, "reset expiry", deadline, |v| ops.set_ifeq_code(v))
-                        });
-                        let reply = match set {
-                            Some(reply) if !reply.as_ref().is_err_and(is_oom) => reply,
-                            _ => {
-                                arm(conn);
-                                conn.script(
-                                    ops.extend_script(),
-                                    &keys,
-                                    &args,
-                                    "reset expiry",
-                                    deadline,
-                                )
-                            }
-                        };
-                        answered = reply.is_ok();
-                        acked = conn.take_waited();
-                        reply.map(Some)
-                    });
-            let now = self.dep.now();
-            match reply {
-                Ok(Some(reply)) => {
-                    code = reply;
-                    let reply = match acks {
-                        Some((replicas, _)) if code == 1 && acked.unwrap_or(0) < replicas => {
-                            ExtendReply::Unreplicated
-                        }
-                        _ => ExtendReply::of(code),
-                    };
-                    step = reset.replied(&self.cell, ticket, reply, now);
-                }
-                // Answered by a server retired meanwhile (the second run
-                // sent nothing, or found no server to run on): the answer
-                // counts no more.
-                Ok(None) => step = reset.replaced(&self.cell, ticket, now),
-                Err(_) if answered => step = reset.replaced(&self.cell, ticket, now),
-                Err(e) if e.is_uncertain() => {
-                    self.cell.unanswered(ticket, now);
-                    match lost {
-                        Some(sent) => self.dep.fence(sent, &self.cell, ticket),
-                        // Unreachable: a command without a reply went somewhere.
-                        None => self.cell.fenced(ticket, now),
-                    }
-                    self.dep.runtime().touch(&self.cell);
-                    return Err(e);
-                }
-                Err(e) => {
-                    self.cell.not_sent(ticket, now);
-                    self.dep.runtime().touch(&self.cell);
-                    return Err(bad_key_in(e, &keys));
-                }
-            }
-        }
+        let (keys, args) = ops.extend_args(ttl_ms);
+        Ok(SingleExtend {
+            single: self,
+            ttl_ms,
+            keys,
+            args,
+            ifeq_cmd: ops.set_ifeq_cmd(ttl_ms),
+            // Under the replication guard's `Require`, `WAIT` follows the
+            // script in the same round trip: the extension counts only once
+            // enough replicas have it.
+            acks: match self.dep.replication {
+                Replication::Require { replicas, timeout } => Some((replicas, timeout)),
+                _ => None,
+            },
+            code: 0,
+            acked: None,
+        })
     }
 
     fn release(&mut self) -> Result<ReleaseOutcome> {

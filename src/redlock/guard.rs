@@ -32,14 +32,14 @@ use super::fanout::Heard;
 use super::worker::{Completion, Reply, ReplyTo};
 use crate::clock::Clock;
 use crate::core::extend::{ResetDone, ResetExpiry, ResetStep};
-use crate::core::lease::{LeaseCore, Loss};
+use crate::core::lease::{LeaseCore, Loss, Ticket};
 use crate::core::quorum::{ExtendVerdict, Tally};
 use crate::core::redlock::{Extension, NodeLease, Op, QuorumRenewal, Release};
 use crate::core::schedule::{Next, Watched};
 use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::guard::ReleaseOutcome;
-use crate::lease::guard::held::Held;
+use crate::lease::guard::held::{self, Held};
 use crate::lease::guard::{Backend, LeaseGuard, sealed};
 use crate::observe::{LeaseId, Primitive};
 use crate::report::{NodeOutcome, NodeReport, summarize};
@@ -176,7 +176,7 @@ impl LeaseGuard<Redlock> {
     /// # Errors
     /// As [`reset_expiry`](LeaseGuard::reset_expiry).
     pub fn extend_on_every_node(&self, ttl: Duration) -> Result<bool> {
-        extend_hearing(self.lease(), ttl, |_| false)
+        self.extend_with(RedlockExtend::new(self.lease(), ttl, |_| false)?)
     }
 
     /// The lease's id and (no) fencing token, for observers.
@@ -185,75 +185,101 @@ impl LeaseGuard<Redlock> {
     }
 }
 
-/// An extension of `lease` that stops listening for answers once `decided`
-/// says so (or at the deadline).
-fn extend_hearing(
-    lease: &Arc<RedlockLease>,
-    ttl: Duration,
-    decided: impl Fn(&Tally) -> bool,
-) -> Result<bool> {
-    let group = &lease.group;
-    let ttl_ms = group.check_ttl(ttl)?;
-    let ttl = Duration::from_millis(ttl_ms);
-    let cell = &lease.cell;
-    let nt = group.timing.node_timeout;
-    // Claimed as every holder's extension is: waiting at most a node timeout
-    // for one in flight, such as a keep-alive renewal.
-    let mut reset = ResetExpiry::new(group.now(), ttl, nt);
-    let ticket = loop {
-        match reset.claim(cell, group.now()) {
-            ResetStep::Send(ticket) => break ticket,
-            ResetStep::Wait(until) => {
-                cell.wait_unclaimed(until);
-            }
-            ResetStep::Done(ResetDone::StillClaimed) => {
-                return Err(Error::Timeout {
-                    op: "reset expiry (waiting for an extension in flight)",
-                    after: nt,
+/// One extension call of a Redlock lease: sent to every node, it stops
+/// listening for answers once `decided` says so (or at the deadline).
+#[allow(
+    unreachable_pub,
+    reason = "named by the sealed `Held`, but nameable only in this crate"
+)]
+pub struct RedlockExtend<'a> {
+    lease: &'a Arc<RedlockLease>,
+    ttl_ms: u64,
+    decided: fn(&Tally) -> bool,
+}
+
+impl<'a> RedlockExtend<'a> {
+    fn new(
+        lease: &'a Arc<RedlockLease>,
+        ttl: Duration,
+        decided: fn(&Tally) -> bool,
+    ) -> Result<Self> {
+        Ok(RedlockExtend {
+            lease,
+            ttl_ms: lease.group.check_ttl(ttl)?,
+            decided,
+        })
+    }
+}
+
+#[allow(
+    private_interfaces,
+    reason = "a sealed trait's methods, named only in this crate"
+)]
+impl held::Extender for RedlockExtend<'_> {
+    fn ttl(&self) -> Duration {
+        Duration::from_millis(self.ttl_ms)
+    }
+
+    fn send(&mut self, _reset: &mut ResetExpiry, ticket: Ticket) -> Result<ResetStep> {
+        let lease = self.lease;
+        let group = &lease.group;
+        let cell = &lease.cell;
+        let now = group.now();
+        let deadline = (now + group.timing.node_timeout).min(cell.valid_until());
+        let targets = group.all();
+        let done = Completion::new(targets.len());
+        let (replies, tally) = group.fan_out(
+            Op::Extend {
+                ttl_ms: self.ttl_ms,
+            },
+            lease.nodes(),
+            &targets,
+            deadline,
+            Some(&done),
+            self.decided,
+        );
+        let heard = group.answers(replies, &targets, deadline, &NodeOutcome::Abandoned);
+        let nodes = group.named(&heard);
+        *lease.evidence.lock() = heard;
+        let mut extension = Extension::counted(ticket, tally);
+        let verdict = extension.settle(cell, group.now(), || refusal(&nodes));
+        if verdict == ExtendVerdict::Unknown {
+            // Released once every node's share is finished: from then on,
+            // each node runs a later extension after this one or not at all.
+            let lease = lease.clone();
+            done.then(move || {
+                extension.finish(&lease.cell, lease.group.now());
+                lease.group.renewal.touch(&*lease);
+            });
+        }
+        done.finish();
+        let held = match verdict {
+            ExtendVerdict::Confirmed => !cell.is_lost(group.now()),
+            ExtendVerdict::Refused => false,
+            ExtendVerdict::Unknown if cell.is_lost(group.now()) => false,
+            ExtendVerdict::Unknown => {
+                group.renewal.touch(&**lease);
+                return Err(Error::QuorumNotReached {
+                    op: "extend",
+                    confirmed: tally.yes,
+                    needed: tally.quorum,
+                    nodes,
                 });
             }
-            ResetStep::Done(_) => return Ok(false),
-        }
-    };
-    group.renewal.touch(&**lease);
-    let now = group.now();
-    let deadline = (now + nt).min(cell.valid_until());
-    let targets = group.all();
-    let done = Completion::new(targets.len());
-    let (replies, tally) = group.fan_out(
-        Op::Extend { ttl_ms },
-        lease.nodes(),
-        &targets,
-        deadline,
-        Some(&done),
-        decided,
-    );
-    let heard = group.answers(replies, &targets, deadline, &NodeOutcome::Abandoned);
-    let nodes = group.named(&heard);
-    *lease.evidence.lock() = heard;
-    let mut extension = Extension::counted(ticket, tally);
-    let verdict = extension.settle(cell, group.now(), || refusal(&nodes));
-    if verdict == ExtendVerdict::Unknown {
-        // Released once every node's share is finished: from then on, each
-        // node runs a later extension after this one or not at all.
-        let lease = lease.clone();
-        done.then(move || {
-            extension.finish(&lease.cell, lease.group.now());
-            lease.group.renewal.touch(&*lease);
-        });
+        };
+        Ok(ResetStep::Done(if held {
+            ResetDone::Held
+        } else {
+            ResetDone::Lost
+        }))
     }
-    done.finish();
-    group.renewal.touch(&**lease);
-    match verdict {
-        ExtendVerdict::Confirmed => Ok(!cell.is_lost(group.now())),
-        ExtendVerdict::Refused => Ok(false),
-        ExtendVerdict::Unknown if cell.is_lost(group.now()) => Ok(false),
-        ExtendVerdict::Unknown => Err(Error::QuorumNotReached {
-            op: "extend",
-            confirmed: tally.yes,
-            needed: tally.quorum,
-            nodes,
-        }),
+
+    /// Never reached: a quorum's extension ends held, lost or unknown.
+    fn failed(&self, done: ResetDone) -> Error {
+        Error::UnexpectedReply {
+            op: "reset expiry",
+            reply: format!("{done:?}"),
+        }
     }
 }
 
@@ -287,8 +313,10 @@ impl Held for RedlockHeld {
         Ok(())
     }
 
-    fn reset_expiry(&self, ttl: Duration) -> Result<bool> {
-        extend_hearing(&self.inner, ttl, Tally::decided)
+    type Extend<'a> = RedlockExtend<'a>;
+
+    fn extender(&self, ttl: Duration) -> Result<RedlockExtend<'_>> {
+        RedlockExtend::new(&self.inner, ttl, Tally::decided)
     }
 
     fn release(&mut self) -> Result<ReleaseOutcome> {

@@ -425,13 +425,12 @@ impl<X> Claim for LeaseCell<X> {
 
 /// What every lease cell answers, whatever it carries for its backend: what
 /// the one guard family reads and changes.
-pub(crate) trait LeaseView: Send + Sync {
+pub(crate) trait LeaseView: Claim + Send + Sync {
     fn key(&self) -> &str;
-    fn is_lost(&self, now: Instant) -> bool;
     fn remaining(&self, now: Instant) -> Duration;
-    fn ttl(&self) -> Duration;
     fn signal(&self, now: Instant) -> &Receiver<()>;
     fn mark_lost(&self, now: Instant, loss: Loss);
+    fn wait_unclaimed(&self, until: Instant) -> bool;
     fn add_keepalive(&self);
     fn remove_keepalive(&self);
     fn is_finished(&self) -> bool;
@@ -441,20 +440,17 @@ impl<X: Send + Sync> LeaseView for LeaseCell<X> {
     fn key(&self) -> &str {
         LeaseCell::key(self)
     }
-    fn is_lost(&self, now: Instant) -> bool {
-        LeaseCell::is_lost(self, now)
-    }
     fn remaining(&self, now: Instant) -> Duration {
         LeaseCell::remaining(self, now)
-    }
-    fn ttl(&self) -> Duration {
-        LeaseCell::ttl(self)
     }
     fn signal(&self, now: Instant) -> &Receiver<()> {
         LeaseCell::signal(self, now)
     }
     fn mark_lost(&self, now: Instant, loss: Loss) {
         LeaseCell::mark_lost(self, now, loss);
+    }
+    fn wait_unclaimed(&self, until: Instant) -> bool {
+        LeaseCell::wait_unclaimed(self, until)
     }
     fn add_keepalive(&self) {
         LeaseCell::add_keepalive(self);
