@@ -42,17 +42,6 @@ impl RedlockHandle {
         &self.group.inner
     }
 
-    /// One attempt, observed.
-    fn try_acquire(&self, ttl: Duration) -> Result<Option<RedlockGuard>> {
-        let now = self.inner().now();
-        let start = |o| Acquiring::start(o, &self.key, Primitive::Redlock, false, now);
-        let mut seen = self.inner().options.observer.as_ref().map(start);
-        let result = self.try_once(ttl, &mut seen);
-        let now = self.inner().now();
-        Acquiring::finish(seen, &result, true, now, RedlockGuard::observed);
-        result
-    }
-
     /// One attempt, telling `seen` of contention.
     fn try_once(
         &self,
@@ -65,22 +54,6 @@ impl RedlockHandle {
         if matches!(result, Ok(None)) {
             Acquiring::busy(seen, None);
         }
-        result
-    }
-
-    /// A wait, observed.
-    fn wait(
-        &self,
-        ttl: Duration,
-        deadline: Option<Instant>,
-        cancel: Option<&CancelToken>,
-    ) -> Result<Option<RedlockGuard>> {
-        let now = self.inner().now();
-        let start = |o| Acquiring::start(o, &self.key, Primitive::Redlock, true, now);
-        let mut seen = self.inner().options.observer.as_ref().map(start);
-        let result = self.wait_seen(ttl, deadline, cancel, &mut seen);
-        let now = self.inner().now();
-        Acquiring::finish(seen, &result, false, now, RedlockGuard::observed);
         result
     }
 
@@ -140,11 +113,19 @@ impl RedlockHandle {
     reason = "a sealed trait's methods, named only in this crate"
 )]
 impl Handle<Redlock> for RedlockHandle {
+    /// One attempt or a wait, observed.
     fn run(&self, ttl: Duration, wait: Wait<'_>) -> Result<Option<RedlockGuard>> {
-        match wait {
-            Wait::Once => self.try_acquire(ttl),
-            Wait::Until(deadline, cancel) => self.wait(ttl, deadline, cancel),
-        }
+        let once = matches!(wait, Wait::Once);
+        let now = self.inner().now();
+        let start = |o| Acquiring::start(o, &self.key, Primitive::Redlock, !once, now);
+        let mut seen = self.inner().options.observer.as_ref().map(start);
+        let result = match wait {
+            Wait::Once => self.try_once(ttl, &mut seen),
+            Wait::Until(deadline, cancel) => self.wait_seen(ttl, deadline, cancel, &mut seen),
+        };
+        let now = self.inner().now();
+        Acquiring::finish(seen, &result, once, now, RedlockGuard::observed);
+        result
     }
 
     fn now(&self) -> Instant {

@@ -1176,16 +1176,6 @@ mod tests {
     }
 
     #[test]
-    fn rest_grows_and_is_capped() {
-        let ms = Duration::from_millis;
-        assert_eq!(rest_after(1), ms(25));
-        assert_eq!(rest_after(2), ms(50));
-        assert_eq!(rest_after(5), ms(400));
-        assert_eq!(rest_after(7), ms(1000));
-        assert_eq!(rest_after(u32::MAX), ms(1000));
-    }
-
-    #[test]
     fn parses_the_info_fields() {
         let info = "# Server\r\nredis_version:7.0.15\r\nrun_id:abc123\r\n\
                     uptime_in_seconds:42\r\n# Replication\r\nrole:master\r\n\
