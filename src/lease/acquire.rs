@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::lease::deployment::Deployment;
 use crate::lease::guard::held::Handle;
 use crate::lease::guard::{Backend, LeaseGuard, Single};
-use crate::lease::kind::{Acquire, Granted, Kind, Wait};
+use crate::lease::kind::{Acquire, Granted, Kind, Try, Wait};
 use crate::observe::Acquiring;
 use crate::replication::Replication;
 use crate::runtime::renewal::Cell;
@@ -364,7 +364,15 @@ impl<K: Kind> SingleHandle<K> {
                 let waited = waiters::wait_for(&*dep.topology, &w, |conn, d, waiting| {
                     let started = dep.now();
                     let since = attempts.since();
-                    let r = self.attempt(conn, &owner, ttl_ms, d, started, waiting, since);
+                    let t = Try {
+                        owner: &owner,
+                        ttl_ms,
+                        deadline: d,
+                        sent: started,
+                        waiting,
+                        uncertain_since: since,
+                    };
+                    let r = self.attempt(conn, t);
                     if let Ok(Attempt::Busy(pttl)) = &r {
                         Acquiring::busy(seen, Some(*pttl));
                     }
@@ -458,7 +466,15 @@ impl<K: Kind> SingleHandle<K> {
                     started.set(dep.now());
                 }
                 let since = attempts.borrow().since();
-                let r = self.attempt(conn, owner, ttl_ms, deadline, started.get(), false, since);
+                let t = Try {
+                    owner,
+                    ttl_ms,
+                    deadline,
+                    sent: started.get(),
+                    waiting: false,
+                    uncertain_since: since,
+                };
+                let r = self.attempt(conn, t);
                 if let Ok(Attempt::Busy(pttl)) = &r {
                     Acquiring::busy(seen, Some(*pttl));
                 }
@@ -475,32 +491,19 @@ impl<K: Kind> SingleHandle<K> {
         (result.map(Attempt::granted), attempts.into_inner())
     }
 
-    #[allow(
-        clippy::type_complexity,
-        clippy::too_many_arguments,
-        reason = "a private helper's result, and one attempt's whole context"
-    )]
+    #[allow(clippy::type_complexity, reason = "a private helper's result")]
     fn attempt(
         &self,
         conn: &mut Conn,
-        owner: &OwnerToken,
-        ttl_ms: u64,
-        deadline: Instant,
-        sent: Instant,
-        waiting: bool,
-        uncertain_since: Option<Instant>,
+        t: Try<'_>,
     ) -> Result<Attempt<(LeaseGuard<K>, Instant, Instant)>> {
-        wait_for_replicas(&self.dep, conn);
-        let attempt = self.spec.attempt(
-            &self.dep,
-            conn,
-            owner,
+        let Try {
             ttl_ms,
-            deadline,
-            sent,
-            waiting,
             uncertain_since,
-        );
+            ..
+        } = t;
+        wait_for_replicas(&self.dep, conn);
+        let attempt = self.spec.attempt(&self.dep, conn, t);
         let granted = matches!(attempt, Ok(Attempt::Acquired(_)));
         let acknowledged = replicas_acknowledged(&self.dep, conn, granted);
         Ok(match attempt? {

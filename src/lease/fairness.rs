@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::keys::{MAX_TTL, hash_tag};
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key_in};
-use crate::lease::kind::{Acquire, Granted, Plain, WaitKeys};
+use crate::lease::kind::{Acquire, Granted, Plain, Try, WaitKeys};
 use crate::lease::{busy, string_clean_up};
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::{Attempt, Order};
@@ -178,23 +178,18 @@ impl Acquire<()> for FifoSpec {
         &self,
         _dep: &Deployment,
         conn: &mut Conn,
-        owner: &OwnerToken,
-        ttl_ms: u64,
-        deadline: Instant,
-        sent: Instant,
-        waiting: bool,
-        uncertain_since: Option<Instant>,
+        t: Try<'_>,
     ) -> Result<Attempt<Granted<()>>> {
         let keys: Vec<&str> = self.keys.iter().map(String::as_str).collect();
-        let ttl = ttl_ms.to_string();
-        let entry = self.entry_arg(waiting);
+        let ttl = t.ttl_ms.to_string();
+        let entry = self.entry_arg(t.waiting);
         let reply: Vec<redis::Value> = conn
             .script(
                 &scripts::FIFO_ACQUIRE,
                 &keys,
-                &[owner.as_str(), &ttl, &entry],
+                &[t.owner.as_str(), &ttl, &entry],
                 "acquire",
-                deadline,
+                t.deadline,
             )
             .map_err(|e| bad_key_in(e, &keys))?;
         match reply.as_slice() {
@@ -202,8 +197,8 @@ impl Acquire<()> for FifoSpec {
             // was lost: its expiry counts from that attempt at the earliest.
             [redis::Value::Int(1)] => Ok(Attempt::Acquired(Granted {
                 grant: (),
-                ops: Ops::string_value(&self.keys[0], owner.as_str().to_owned()),
-                sent: dated(uncertain_since, sent),
+                ops: Ops::string_value(&self.keys[0], t.owner.as_str().to_owned()),
+                sent: dated(t.uncertain_since, t.sent),
             })),
             [
                 redis::Value::Int(0),

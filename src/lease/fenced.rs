@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key, bad_key_in};
 use crate::lease::guard::LeaseGuard;
-use crate::lease::kind::{Acquire, Fenced, Granted, WaitKeys};
+use crate::lease::kind::{Acquire, Fenced, Granted, Try, WaitKeys};
 use crate::lease::{busy, string_clean_up, token_grant, unexpected_acquire};
 use crate::runtime::waiters::Attempt;
 use crate::scripts::{self, Script};
@@ -154,20 +154,15 @@ impl Acquire<FencingToken> for FencedSpec {
         &self,
         _dep: &Deployment,
         conn: &mut Conn,
-        owner: &OwnerToken,
-        ttl_ms: u64,
-        deadline: Instant,
-        sent: Instant,
-        _waiting: bool,
-        _uncertain_since: Option<Instant>,
+        t: Try<'_>,
     ) -> Result<Attempt<Granted<FencingToken>>> {
-        let ttl = ttl_ms.to_string();
+        let ttl = t.ttl_ms.to_string();
         let reply: Vec<redis::Value> =
-            self.request(owner.as_str(), &ttl, |script, keys, args| {
-                conn.script(script, keys, args, "acquire", deadline)
+            self.request(t.owner.as_str(), &ttl, |script, keys, args| {
+                conn.script(script, keys, args, "acquire", t.deadline)
                     .map_err(|e| self.refused(e, keys))
             })?;
-        self.read(&reply, owner.as_str(), sent)
+        self.read(&reply, t.owner.as_str(), t.sent)
     }
 
     fn checks_grants(&self) -> bool {

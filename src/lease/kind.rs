@@ -217,31 +217,35 @@ impl<'a> std::ops::Deref for WaitKeys<'a> {
     }
 }
 
+/// One attempt's context: whose it is, its TTL and deadline, and when it
+/// goes out.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Try<'a> {
+    /// The owner the attempt sets.
+    pub(crate) owner: &'a OwnerToken,
+    pub(crate) ttl_ms: u64,
+    /// When its reply must have come.
+    pub(crate) deadline: Instant,
+    /// When it goes out, read before it is sent: a grant's expiry counts from
+    /// it.
+    pub(crate) sent: Instant,
+    /// Whether it is made inside a wait (a writer then records its intent).
+    pub(crate) waiting: bool,
+    /// When the owner's first attempt that got no reply went out: a grant
+    /// found already in place (that attempt's, or a later one's, whose reply
+    /// was lost) dates from then at the earliest.
+    pub(crate) uncertain_since: Option<Instant>,
+}
+
 /// One primitive's acquire logic and keys, behind a [`Lease<K>`](crate::Lease).
 pub(crate) trait Acquire<G>: Send + Sync {
     /// The physical keys, in the primitive's order.
     fn keys(&self) -> &[String];
     /// Every key whose change may free it; the first holds the lease.
     fn wait_keys(&self) -> WaitKeys<'_>;
-    /// Runs the acquire script once for `owner`, finishing by `deadline`.
-    /// `sent` is when the attempt goes out, read before it is sent: a grant's
-    /// expiry counts from it. `waiting` is true inside a wait (a writer then
-    /// records its intent).
-    /// `uncertain_since` is when the owner's first attempt that got no reply
-    /// went out: a grant found already in place (that attempt's, or a later
-    /// one's, whose reply was lost) dates from then at the earliest.
-    #[allow(clippy::too_many_arguments, reason = "one attempt's whole context")]
-    fn attempt(
-        &self,
-        dep: &Deployment,
-        conn: &mut Conn,
-        owner: &OwnerToken,
-        ttl_ms: u64,
-        deadline: Instant,
-        sent: Instant,
-        waiting: bool,
-        uncertain_since: Option<Instant>,
-    ) -> Result<Attempt<Granted<G>>>;
+    /// Runs the acquire script once, as `t` says (see [`Try`]).
+    fn attempt(&self, dep: &Deployment, conn: &mut Conn, t: Try<'_>)
+    -> Result<Attempt<Granted<G>>>;
     /// Whether [`check`](Acquire::check) looks at the grant: only then is
     /// the time its reply arrived read.
     fn checks_grants(&self) -> bool {

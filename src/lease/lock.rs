@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::Deployment;
 use crate::lease::guard::LeaseGuard;
-use crate::lease::kind::{Acquire, Granted, Plain, WaitKeys};
+use crate::lease::kind::{Acquire, Granted, Plain, Try, WaitKeys};
 use crate::lease::{busy, string_clean_up, unexpected_acquire};
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
@@ -222,12 +222,7 @@ impl Acquire<()> for PlainSpec {
         &self,
         _dep: &Deployment,
         conn: &mut Conn,
-        owner: &OwnerToken,
-        ttl_ms: u64,
-        deadline: Instant,
-        sent: Instant,
-        waiting: bool,
-        uncertain_since: Option<Instant>,
+        t: Try<'_>,
     ) -> Result<Attempt<Granted<()>>> {
         // One round trip of plain commands, no script: `SET NX PX GET`
         // (Redis 7.0 on). It takes the lock if it is free and answers what
@@ -246,8 +241,8 @@ impl Acquire<()> for PlainSpec {
         // shorten the lock.
         let track = conn.take_track();
         let set_get = self.set_get();
-        let pipe = self.request(owner.as_str(), ttl_ms, set_get, track, waiting);
-        let mut reply = conn.pipeline(&pipe, "acquire", deadline)?;
+        let pipe = self.request(t.owner.as_str(), t.ttl_ms, set_get, track, t.waiting);
+        let mut reply = conn.pipeline(&pipe, "acquire", t.deadline)?;
         if track && reply.len() > 1 {
             // `CLIENT CACHING yes` answers `OK` on a connection whose
             // tracking was turned on (and its `CLIENT CACHING` allowed).
@@ -258,7 +253,7 @@ impl Acquire<()> for PlainSpec {
                 });
             }
         }
-        match self.read(&reply, set_get, owner.as_str(), sent, uncertain_since) {
+        match self.read(&reply, set_get, t.owner.as_str(), t.sent, t.uncertain_since) {
             Some(read) => read,
             None => {
                 // Refused before it ran: nothing was set. Sent again at once
@@ -266,16 +261,7 @@ impl Acquire<()> for PlainSpec {
                 if track {
                     conn.track_next();
                 }
-                self.attempt(
-                    _dep,
-                    conn,
-                    owner,
-                    ttl_ms,
-                    deadline,
-                    sent,
-                    waiting,
-                    uncertain_since,
-                )
+                self.attempt(_dep, conn, t)
             }
         }
     }

@@ -20,7 +20,7 @@ use crate::keys;
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::guard::LeaseGuard;
-use crate::lease::kind::{Acquire, Granted, Read, WaitKeys, Write};
+use crate::lease::kind::{Acquire, Granted, Read, Try, WaitKeys, Write};
 use crate::lease::{busy, parse_token, token_grant, unexpected_acquire};
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
@@ -350,23 +350,18 @@ impl Acquire<FencingToken> for ReadSpec {
         &self,
         _dep: &Deployment,
         conn: &mut Conn,
-        owner: &OwnerToken,
-        ttl_ms: u64,
-        deadline: Instant,
-        sent: Instant,
-        _waiting: bool,
-        _uncertain_since: Option<Instant>,
+        t: Try<'_>,
     ) -> Result<Attempt<Granted<FencingToken>>> {
         // A repeated grant to this owner (an earlier attempt's whose reply was
         // lost) has its expiry moved to ttl from now if that is later, so it
         // holds for ttl from this send at least: `sent` stands.
-        let ttl = ttl_ms.to_string();
+        let ttl = t.ttl_ms.to_string();
         let reply: Vec<redis::Value> =
-            self.request(owner.as_str(), &ttl, |script, keys, args| {
-                conn.script(script, keys, args, "acquire", deadline)
+            self.request(t.owner.as_str(), &ttl, |script, keys, args| {
+                conn.script(script, keys, args, "acquire", t.deadline)
                     .map_err(|e| script_error(e, &self.keys))
             })?;
-        self.read(&reply, owner.as_str(), sent)
+        self.read(&reply, t.owner.as_str(), t.sent)
     }
 
     fn clean_up(&self, owner: &OwnerToken) -> redis::Cmd {
@@ -469,24 +464,19 @@ impl Acquire<FencingToken> for WriteSpec {
         &self,
         _dep: &Deployment,
         conn: &mut Conn,
-        owner: &OwnerToken,
-        ttl_ms: u64,
-        deadline: Instant,
-        sent: Instant,
-        waiting: bool,
-        _uncertain_since: Option<Instant>,
+        t: Try<'_>,
     ) -> Result<Attempt<Granted<FencingToken>>> {
-        let intent = self.intent(ttl_ms, waiting);
+        let intent = self.intent(t.ttl_ms, t.waiting);
         // A repeated grant to this owner (an earlier attempt's whose reply was
         // lost) has its expiry moved to ttl from now if that is later, so it
         // holds for ttl from this send at least: `sent` stands.
-        let ttl = ttl_ms.to_string();
+        let ttl = t.ttl_ms.to_string();
         let reply: Vec<redis::Value> =
-            self.request(owner.as_str(), &ttl, intent, |script, keys, args| {
-                conn.script(script, keys, args, "acquire", deadline)
+            self.request(t.owner.as_str(), &ttl, intent, |script, keys, args| {
+                conn.script(script, keys, args, "acquire", t.deadline)
                     .map_err(|e| script_error(e, &self.keys))
             })?;
-        self.read(&reply, owner.as_str(), sent, intent)
+        self.read(&reply, t.owner.as_str(), t.sent, intent)
     }
 
     fn checks_grants(&self) -> bool {

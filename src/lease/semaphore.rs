@@ -25,7 +25,7 @@ use crate::keys;
 use crate::lease::acquire::Lease;
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::guard::LeaseGuard;
-use crate::lease::kind::{Acquire, Granted, Slot, WaitKeys};
+use crate::lease::kind::{Acquire, Granted, Slot, Try, WaitKeys};
 use crate::lease::{busy, parse_token, unexpected_acquire};
 use crate::runtime::renewal::Ops;
 use crate::runtime::waiters::Attempt;
@@ -437,14 +437,9 @@ impl Acquire<(u32, FencingToken)> for SemSpec {
         &self,
         dep: &Deployment,
         conn: &mut Conn,
-        owner: &OwnerToken,
-        ttl_ms: u64,
-        deadline: Instant,
-        sent: Instant,
-        _waiting: bool,
-        _uncertain_since: Option<Instant>,
+        t: Try<'_>,
     ) -> Result<Attempt<Granted<(u32, FencingToken)>>> {
-        let ttl = ttl_ms.to_string();
+        let ttl = t.ttl_ms.to_string();
         let mut capacity = self.capacity.load(Ordering::Relaxed);
         let mut again = false;
         let (sent, reply) = loop {
@@ -452,10 +447,10 @@ impl Acquire<(u32, FencingToken)> for SemSpec {
             // was lost) has its expiry moved to ttl from now if that is later,
             // so it holds for ttl from this send at least: `sent` stands. A
             // second send (the capacity changed meanwhile) is timed anew.
-            let sent = if again { dep.now() } else { sent };
+            let sent = if again { dep.now() } else { t.sent };
             let reply = self
-                .request(owner.as_str(), &ttl, capacity, |script, keys, args| {
-                    conn.script(script, keys, args, "acquire", deadline)
+                .request(t.owner.as_str(), &ttl, capacity, |script, keys, args| {
+                    conn.script(script, keys, args, "acquire", t.deadline)
                 })
                 .map_err(|e| capacity_mismatch(e, &self.keys));
             match reply {
@@ -477,7 +472,7 @@ impl Acquire<(u32, FencingToken)> for SemSpec {
             }
         };
         let reply: Vec<redis::Value> = reply?;
-        self.read(&reply, owner.as_str(), sent)
+        self.read(&reply, t.owner.as_str(), sent)
     }
 
     fn checks_grants(&self) -> bool {
