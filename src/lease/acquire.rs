@@ -263,10 +263,7 @@ impl<B: Backend> Lease<B> {
     /// As [`try_acquire`](Lease::try_acquire); retryable errors only when the
     /// wait ran out after a failed attempt.
     pub fn acquire_timeout(&self, ttl: Duration, wait: Duration) -> Result<Option<LeaseGuard<B>>> {
-        match self.handle.now().checked_add(wait) {
-            Some(deadline) => self.acquire_deadline(ttl, deadline),
-            None => self.handle.run(ttl, Wait::Until(None, None)),
-        }
+        self.handle.run(ttl, Wait::within(self.handle.now(), wait))
     }
 
     /// Waits until `deadline`; see [`acquire_timeout`](Lease::acquire_timeout).

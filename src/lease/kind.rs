@@ -7,7 +7,7 @@
 //! accessors, such as [`LeaseGuard::<Fenced>::fencing_token`](crate::LeaseGuard::fencing_token).
 
 use std::fmt;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::cancel::CancelToken;
 use crate::conn::Conn;
@@ -163,6 +163,14 @@ pub(crate) enum Wait<'a> {
     Once,
     /// Until acquired, the deadline (`None`: none) or cancellation.
     Until(Option<Instant>, Option<&'a CancelToken>),
+}
+
+impl Wait<'_> {
+    /// A wait of `wait` from `now`, without cancellation; one too long for
+    /// the clock (`Duration::MAX`) has no deadline.
+    pub(crate) fn within(now: Instant, wait: Duration) -> Self {
+        Wait::Until(now.checked_add(wait), None)
+    }
 }
 
 impl<'a> Wait<'a> {

@@ -257,10 +257,7 @@ impl<K: Kind> MultiLease<K> {
     /// As [`try_acquire`](MultiLease::try_acquire); retryable errors only
     /// when the wait ran out after a failed attempt.
     pub fn acquire_timeout(&self, ttl: Duration, wait: Duration) -> Result<Option<MultiGuard<K>>> {
-        match self.dep.now().checked_add(wait) {
-            Some(deadline) => self.acquire_deadline(ttl, deadline),
-            None => self.run(ttl, Wait::Until(None, None)),
-        }
+        self.run(ttl, Wait::within(self.dep.now(), wait))
     }
 
     /// Waits until `deadline`; see [`acquire_timeout`](MultiLease::acquire_timeout).
