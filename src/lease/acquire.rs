@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::lease::deployment::Deployment;
 use crate::lease::guard::held::Handle;
 use crate::lease::guard::{Backend, LeaseGuard, Single};
-use crate::lease::kind::{Acquire, Granted, Kind, Try, Wait};
+use crate::lease::kind::{Acquire, Granted, Kind, Try, Wait, check_token};
 use crate::observe::Acquiring;
 use crate::replication::Replication;
 use crate::runtime::renewal::Cell;
@@ -421,7 +421,7 @@ impl<K: Kind> SingleHandle<K> {
             drop(guard);
             return Err(e);
         }
-        if let Err(e) = self.spec.check(dep, guard.grant(), sent, received) {
+        if let Err(e) = check_token::<K>(dep, &*self.spec, guard.grant(), sent, received) {
             drop(guard);
             return Err(e);
         }
@@ -507,7 +507,7 @@ impl<K: Kind> SingleHandle<K> {
             Attempt::Acquired(g) => {
                 // Read only for a check that looks at it (a fencing token's
                 // history): the other kinds do not pay for the clock.
-                let received = if self.spec.checks_grants() {
+                let received = if self.spec.counter().is_some() {
                     self.dep.now()
                 } else {
                     g.sent

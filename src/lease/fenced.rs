@@ -165,18 +165,8 @@ impl Acquire<FencingToken> for FencedSpec {
         self.read(&reply, t.owner.as_str(), t.sent)
     }
 
-    fn checks_grants(&self) -> bool {
-        true
-    }
-
-    fn check(
-        &self,
-        dep: &Deployment,
-        token: &FencingToken,
-        sent: Instant,
-        received: Instant,
-    ) -> Result<()> {
-        dep.note_token(&self.keys[1], token.get(), sent, received)
+    fn counter(&self) -> Option<&str> {
+        Some(&self.keys[1])
     }
 
     fn clean_up(&self, owner: &OwnerToken) -> redis::Cmd {

@@ -225,6 +225,23 @@ impl<'a> std::ops::Deref for WaitKeys<'a> {
     }
 }
 
+/// Checks the fencing token of `grant`, which `spec` made, against its
+/// counter's history (see [`Acquire::counter`]): a token not above one
+/// already seen is [`Error::FencingRegression`], and the caller releases the
+/// grant.
+pub(crate) fn check_token<K: Kind>(
+    dep: &Deployment,
+    spec: &dyn Acquire<K::Grant>,
+    grant: &K::Grant,
+    sent: Instant,
+    received: Instant,
+) -> Result<()> {
+    match (spec.counter(), K::token(grant)) {
+        (Some(counter), Some(token)) => dep.note_token(counter, token.get(), sent, received),
+        _ => Ok(()),
+    }
+}
+
 /// One attempt's context: whose it is, its TTL and deadline, and when it
 /// goes out.
 #[derive(Clone, Copy, Debug)]
@@ -254,21 +271,11 @@ pub(crate) trait Acquire<G>: Send + Sync {
     /// Runs the acquire script once, as `t` says (see [`Try`]).
     fn attempt(&self, dep: &Deployment, conn: &mut Conn, t: Try<'_>)
     -> Result<Attempt<Granted<G>>>;
-    /// Whether [`check`](Acquire::check) looks at the grant: only then is
-    /// the time its reply arrived read.
-    fn checks_grants(&self) -> bool {
-        false
-    }
-    /// Checks a grant once its reply arrived at `received` (a fencing
-    /// regression is an error, and the grant is then released).
-    fn check(
-        &self,
-        _dep: &Deployment,
-        _granted: &G,
-        _sent: Instant,
-        _received: Instant,
-    ) -> Result<()> {
-        Ok(())
+    /// The counter whose history a grant's fencing token is checked against
+    /// once its reply arrived (see [`check_token`]); `None` when grants are
+    /// not checked, and only then is the time a reply arrived not read.
+    fn counter(&self) -> Option<&str> {
+        None
     }
     /// The command that deletes whatever an unanswered attempt of `owner` set.
     fn clean_up(&self, owner: &OwnerToken) -> redis::Cmd;

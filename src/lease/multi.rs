@@ -36,7 +36,7 @@ use crate::lease::acquire::{
 use crate::lease::deployment::{Deployment, bad_key_in};
 use crate::lease::guard::{KeepAlive, LeaseGuard};
 use crate::lease::kind::Wait;
-use crate::lease::kind::{Fenced, Granted, Kind, Plain};
+use crate::lease::kind::{Fenced, Granted, Kind, Plain, check_token};
 use crate::lease::{busy, parse_token, unexpected_acquire};
 use crate::observe::Acquiring;
 use crate::runtime::lease::SharedSignal;
@@ -471,7 +471,7 @@ impl<K: Kind> MultiLease<K> {
             return Err(e);
         }
         for (lease, member) in self.members.iter().zip(&guard.members) {
-            if let Err(e) = lease.spec().check(dep, member.grant(), sent, received) {
+            if let Err(e) = check_token::<K>(dep, lease.spec(), member.grant(), sent, received) {
                 drop(guard);
                 return Err(e);
             }

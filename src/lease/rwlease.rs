@@ -479,18 +479,8 @@ impl Acquire<FencingToken> for WriteSpec {
         self.read(&reply, t.owner.as_str(), t.sent, intent)
     }
 
-    fn checks_grants(&self) -> bool {
-        true
-    }
-
-    fn check(
-        &self,
-        dep: &Deployment,
-        token: &FencingToken,
-        sent: Instant,
-        received: Instant,
-    ) -> Result<()> {
-        dep.note_token(&self.keys[3], token.get(), sent, received)
+    fn counter(&self) -> Option<&str> {
+        Some(&self.keys[3])
     }
 
     fn clean_up(&self, owner: &OwnerToken) -> redis::Cmd {

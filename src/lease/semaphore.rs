@@ -475,19 +475,9 @@ impl Acquire<(u32, FencingToken)> for SemSpec {
         self.read(&reply, t.owner.as_str(), sent)
     }
 
-    fn checks_grants(&self) -> bool {
-        true
-    }
-
-    fn check(
-        &self,
-        dep: &Deployment,
-        grant: &(u32, FencingToken),
-        sent: Instant,
-        received: Instant,
-    ) -> Result<()> {
-        // The counter is the hash's `fence` field; the hash's name identifies it.
-        dep.note_token(&self.keys[1], grant.1.get(), sent, received)
+    /// The counter is the hash's `fence` field; the hash's name identifies it.
+    fn counter(&self) -> Option<&str> {
+        Some(&self.keys[1])
     }
 
     fn clean_up(&self, owner: &OwnerToken) -> redis::Cmd {
