@@ -105,7 +105,8 @@ pub(crate) mod held {
         fn ttl(&self) -> Duration;
         /// Sends the extension claimed under `ticket` and settles what came
         /// back: the next step, or the error that ends the call (with the
-        /// extension's worst case kept in the lease's bound).
+        /// extension's worst case kept in the lease's bound; the caller
+        /// tells the renewal thread).
         fn send(&mut self, reset: &mut ResetExpiry, ticket: Ticket) -> Result<ResetStep>;
         /// The error for an end only this backend reaches.
         fn failed(&self, done: ResetDone) -> Error;
@@ -299,10 +300,17 @@ impl<B: Backend> LeaseGuard<B> {
         loop {
             step = match step {
                 ResetStep::Send(ticket) => {
-                    // A shorter TTL bounds the lease from now: the renewal
-                    // thread must know.
+                    // A shorter TTL bounds the lease from now, and a send
+                    // without a verdict keeps its worst case: the renewal
+                    // thread must know either way.
                     held.touch();
-                    ext.send(&mut reset, ticket)?
+                    match ext.send(&mut reset, ticket) {
+                        Ok(step) => step,
+                        Err(e) => {
+                            held.touch();
+                            return Err(e);
+                        }
+                    }
                 }
                 ResetStep::Wait(until) => {
                     cell.wait_unclaimed(until);
@@ -746,12 +754,10 @@ impl<K: Kind> held::Extender for SingleExtend<'_, K> {
                     // Unreachable: a command without a reply went somewhere.
                     None => cell.fenced(ticket, now),
                 }
-                dep.runtime().touch(cell);
                 Err(e)
             }
             Err(e) => {
                 cell.not_sent(ticket, now);
-                dep.runtime().touch(cell);
                 Err(bad_key_in(e, keys))
             }
         }

@@ -253,25 +253,18 @@ impl held::Extender for RedlockExtend<'_> {
             });
         }
         done.finish();
-        let held = match verdict {
-            ExtendVerdict::Confirmed => !cell.is_lost(group.now()),
-            ExtendVerdict::Refused => false,
-            ExtendVerdict::Unknown if cell.is_lost(group.now()) => false,
-            ExtendVerdict::Unknown => {
-                group.renewal.touch(&**lease);
-                return Err(Error::QuorumNotReached {
-                    op: "extend",
-                    confirmed: tally.yes,
-                    needed: tally.quorum,
-                    nodes,
-                });
-            }
-        };
-        Ok(ResetStep::Done(if held {
-            ResetDone::Held
-        } else {
-            ResetDone::Lost
-        }))
+        let lost = cell.is_lost(group.now());
+        match verdict {
+            ExtendVerdict::Confirmed if !lost => Ok(ResetStep::Done(ResetDone::Held)),
+            ExtendVerdict::Unknown if !lost => Err(Error::QuorumNotReached {
+                op: "extend",
+                confirmed: tally.yes,
+                needed: tally.quorum,
+                nodes,
+            }),
+            // Refused, or confirmed or unanswered past the lease's end.
+            _ => Ok(ResetStep::Done(ResetDone::Lost)),
+        }
     }
 
     /// Never reached: a quorum's extension ends held, lost or unknown.
