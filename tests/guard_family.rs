@@ -135,6 +135,16 @@ fn every_grant_with_a_token_is_fencing() {
     assert_eq!((token(&a), token(&w), token(&p)), (1, 1, 1));
 }
 
+/// Three independent servers and a coordinator on each.
+fn three_servers() -> (Vec<TestServer>, Vec<Coordinator>) {
+    let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
+    let coords = servers
+        .iter()
+        .map(|s| Coordinator::connect(&s.url()).unwrap())
+        .collect();
+    (servers, coords)
+}
+
 /// What generic code does with any lease handle: one attempt, then a bounded
 /// wait behind the first grant, which must run out with nothing.
 fn take_twice<B: Backend>(lease: &Lease<B>, ttl: Duration) -> LeaseGuard<B> {
@@ -148,11 +158,7 @@ fn take_twice<B: Backend>(lease: &Lease<B>, ttl: Duration) -> LeaseGuard<B> {
 
 #[test]
 fn the_same_code_takes_a_lease_on_one_deployment_and_on_a_quorum() {
-    let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
-    let coords: Vec<Coordinator> = servers
-        .iter()
-        .map(|s| Coordinator::connect(&s.url()).unwrap())
-        .collect();
+    let (servers, coords) = three_servers();
     let ttl = Duration::from_secs(30);
 
     let lock = coords[0].lock("{h}").unwrap().with_holder("one").unwrap();
@@ -183,15 +189,11 @@ fn the_same_code_takes_a_lease_on_one_deployment_and_on_a_quorum() {
 mod glob_import {
     use respire_coordination::*;
 
-    use super::{TestServer, ms, pttl};
+    use super::{ms, pttl, three_servers};
 
     #[test]
     fn release_is_the_same_verb_with_the_whole_crate_in_scope() {
-        let servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
-        let coords: Vec<Coordinator> = servers
-            .iter()
-            .map(|s| Coordinator::connect(&s.url()).unwrap())
-            .collect();
+        let (servers, coords) = three_servers();
         let group = RedlockGroup::new(coords, RedlockOptions::default()).unwrap();
         let guard: RedlockGuard = group
             .lock("glob")
