@@ -614,7 +614,6 @@ fn an_election_has_one_leader_and_its_terms_rise(t: &Target) {
 }
 
 fn fifo_waiters_get_the_lock_in_the_order_they_came(t: &Target) {
-    let counts = Arc::new(Counts::default());
     let holder = t.coord();
     let fair = |c: &Coordinator| {
         c.lock("{fifo}")
@@ -624,6 +623,8 @@ fn fifo_waiters_get_the_lock_in_the_order_they_came(t: &Target) {
             })
             .unwrap()
     };
+    let queue = format!("{}:queue", t.key("{fifo}"));
+    let mut raw = t.raw();
     let held = fair(&holder)
         .try_acquire(ms(10_000))
         .unwrap()
@@ -632,7 +633,7 @@ fn fifo_waiters_get_the_lock_in_the_order_they_came(t: &Target) {
     std::thread::scope(|s| {
         let mut coords = Vec::new();
         for _ in 0..2 {
-            coords.push(t.coord_with(Some(counts.clone())));
+            coords.push(t.coord());
         }
         for (i, coord) in coords.iter().enumerate() {
             let tx = tx.clone();
@@ -645,9 +646,15 @@ fn fifo_waiters_get_the_lock_in_the_order_they_came(t: &Target) {
                 tx.send(i).unwrap();
                 g.release().unwrap();
             });
-            // The next waiter comes after this one queued.
+            // The next waiter comes after this one queued: a wait's first
+            // attempt, the one reported contended, does not queue; its next
+            // one joins the tail. The queue on the deployment says.
             wait_until(ms(5_000), "the waiter queues", || {
-                counts.contended.load(Ordering::SeqCst) > i
+                redis::cmd("ZCARD")
+                    .arg(&queue)
+                    .query::<usize>(&mut raw)
+                    .expect("ZCARD")
+                    > i
             });
         }
         held.release().unwrap();

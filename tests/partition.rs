@@ -617,7 +617,7 @@ impl LateRig {
         );
         let (guard, key) = acquire(&self.coord);
         assert!(
-            self.proxy.client_chunks_done() < self.proxy.client_chunks(),
+            self.proxy.client_chunks_held_from(pooled) > Some(0),
             "the first attempt is held in the proxy"
         );
         assert_eq!(
@@ -821,8 +821,12 @@ fn the_fence_and_the_clean_up_of_calls_the_replaced_primary_left_unanswered_go_t
     );
     std::thread::scope(|s| {
         let extension = s.spawn(|| guard.reset_expiry(LATE_TTL));
+        // Held on that connection (the sentinels' connections pass the same
+        // proxy: bytes of theirs on their way say nothing of it). Only the
+        // extension can send there now; the attempt below must find that
+        // connection busy, or it would be held behind it.
         wait_until(ms(5_000), "the extension to be held", || {
-            d.to_primary.client_chunks_done() < d.to_primary.client_chunks()
+            d.to_primary.client_chunks_held_from(first) > Some(0)
         });
         lock.try_acquire(LATE_TTL)
             .unwrap()

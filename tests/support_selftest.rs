@@ -582,6 +582,70 @@ fn proxy_drop_client_to_server_loses_commands() {
 }
 
 #[test]
+fn proxy_holds_one_connection_and_counts_what_it_holds_apart() {
+    let server = shared_server();
+    let proxy = FaultProxy::start(server.addr());
+    let prefix = unique_prefix("hold_one");
+    // Two connections through the proxy, told apart on the server by name.
+    let open = |name: &str| {
+        let mut con = connect(&proxy.url());
+        let () = redis::cmd("CLIENT")
+            .arg("SETNAME")
+            .arg(format!("{prefix}{name}"))
+            .query(&mut con)
+            .unwrap();
+        con
+    };
+    let (held, mut other) = (open("held"), open("other"));
+    let port_of = |name: &str| -> u16 {
+        let list: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query(&mut server.client())
+            .unwrap();
+        let line = list
+            .lines()
+            .find(|l| l.contains(&format!(" name={prefix}{name} ")))
+            .expect("the connection is listed");
+        let addr = line
+            .split(' ')
+            .find_map(|f| f.strip_prefix("addr="))
+            .unwrap();
+        addr.rsplit(':').next().unwrap().parse().unwrap()
+    };
+    let (held_port, other_port) = (port_of("held"), port_of("other"));
+    assert_eq!(proxy.client_chunks_held_from(held_port), Some(0));
+    assert_eq!(proxy.client_chunks_held_from(1), None, "no such connection");
+    assert!(proxy.set_connection_mode(held_port, Some(Mode::HoldClientToServer)));
+    assert!(!proxy.set_connection_mode(1, Some(Mode::Pass)));
+
+    let key = format!("{prefix}k");
+    let mut held = held;
+    let set = std::thread::spawn(move || {
+        let r = redis::cmd("SET").arg(&key).arg("v").query::<()>(&mut held);
+        (r, held)
+    });
+    wait_until(Duration::from_secs(5), "the SET to be held", || {
+        proxy.client_chunks_held_from(held_port) == Some(1)
+    });
+    // The other connection passes, and its bytes are not counted as held.
+    assert_eq!(ping(&mut other).unwrap(), "PONG");
+    assert_eq!(proxy.client_chunks_held_from(other_port), Some(0));
+    let exists = |key: &str| -> bool {
+        redis::cmd("EXISTS")
+            .arg(key)
+            .query(&mut server.client())
+            .unwrap()
+    };
+    assert!(!exists(&format!("{prefix}k")), "the held SET ran");
+
+    assert!(proxy.set_connection_mode(held_port, None));
+    let (r, _held) = set.join().unwrap();
+    r.unwrap();
+    assert!(exists(&format!("{prefix}k")));
+    assert_eq!(proxy.client_chunks_held_from(held_port), Some(0));
+}
+
+#[test]
 fn proxy_drop_server_to_client_loses_replies() {
     let server = shared_server();
     let proxy = FaultProxy::start(server.addr());

@@ -139,6 +139,8 @@ struct Entry {
     reset: Arc<AtomicBool>,
     /// Chunks from the server that the mode discarded.
     server_chunks_dropped: Arc<AtomicU64>,
+    /// Chunks from the client still in the proxy.
+    client_chunks_held: Arc<AtomicU64>,
     /// The client's address.
     peer: Option<IpAddr>,
     /// This connection's own mode, if set (see
@@ -153,6 +155,7 @@ struct Connection {
     shared: Arc<Shared>,
     reset: Arc<AtomicBool>,
     server_chunks_dropped: Arc<AtomicU64>,
+    client_chunks_held: Arc<AtomicU64>,
     /// The client's address.
     peer: Option<IpAddr>,
     own_mode: Arc<Mutex<Option<Mode>>>,
@@ -300,21 +303,8 @@ impl FaultProxy {
     /// of the proxy's from now on (`None`: the proxy's again). Returns false
     /// if no open connection is at that address.
     pub(crate) fn set_connection_mode(&self, port: u16, mode: Option<Mode>) -> bool {
-        let connections = lock(&self.shared.connections);
-        let entry = connections.values().find(|entry| {
-            entry
-                .upstream
-                .as_ref()
-                .and_then(|u| u.local_addr().ok())
-                .is_some_and(|a| a.port() == port)
-        });
-        match entry {
-            Some(entry) => {
-                *lock(&entry.own_mode) = mode;
-                true
-            }
-            None => false,
-        }
+        self.on_connection_to(port, |entry| *lock(&entry.own_mode) = mode)
+            .is_some()
     }
 
     /// How many open connections came from `peer` (their client's address).
@@ -349,8 +339,9 @@ impl FaultProxy {
     }
 
     /// How many of [`client_chunks`](FaultProxy::client_chunks) the proxy is
-    /// done with: discarded by the mode, or, once due, written to the server
-    /// (or found the server's side closed). While it is below
+    /// done with: discarded by the mode, or, once due, handed on to the
+    /// server (counted just before it is written, so that a chunk the server
+    /// may have answered is never still counted). While it is below
     /// `client_chunks()`, bytes a client sent are still held in the proxy
     /// (such as a command waiting out a [`Mode::Delay`]). Chunks of a
     /// connection ended by [`FaultProxy::reset_all`] or the proxy's drop
@@ -365,11 +356,36 @@ impl FaultProxy {
     /// connection is the one the server lists at `127.0.0.1:port` (its
     /// `CLIENT LIST` address); `None` if no open connection is.
     pub(crate) fn server_chunks_dropped_to(&self, port: u16) -> Option<u64> {
-        lock(&self.shared.connections).values().find_map(|entry| {
-            let upstream = entry.upstream.as_ref()?;
-            (upstream.local_addr().ok()?.port() == port)
-                .then(|| entry.server_chunks_dropped.load(Ordering::SeqCst))
+        self.on_connection_to(port, |entry| {
+            entry.server_chunks_dropped.load(Ordering::SeqCst)
         })
+    }
+
+    /// How many chunks of bytes the client of one open connection sent that
+    /// the proxy still holds (such as a command kept by
+    /// [`Mode::HoldClientToServer`]): unlike comparing
+    /// [`client_chunks_done`](FaultProxy::client_chunks_done) with
+    /// [`client_chunks`](FaultProxy::client_chunks), this is not fooled by
+    /// another connection's bytes on their way through. The connection is the
+    /// one the server lists at `127.0.0.1:port`; `None` if no open connection
+    /// is.
+    pub(crate) fn client_chunks_held_from(&self, port: u16) -> Option<u64> {
+        self.on_connection_to(port, |entry| {
+            entry.client_chunks_held.load(Ordering::SeqCst)
+        })
+    }
+
+    /// `f` of the open connection the server lists at `127.0.0.1:port`.
+    fn on_connection_to<T>(&self, port: u16, f: impl FnOnce(&Entry) -> T) -> Option<T> {
+        let connections = lock(&self.shared.connections);
+        let entry = connections.values().find(|entry| {
+            entry
+                .upstream
+                .as_ref()
+                .and_then(|u| u.local_addr().ok())
+                .is_some_and(|a| a.port() == port)
+        })?;
+        Some(f(entry))
     }
 }
 
@@ -452,6 +468,7 @@ fn serve(
     server.set_nodelay(true)?;
     let reset = Arc::new(AtomicBool::new(false));
     let dropped = Arc::new(AtomicU64::new(0));
+    let held = Arc::new(AtomicU64::new(0));
     let own_mode = Arc::new(Mutex::new(None));
     lock(&shared.connections).insert(
         id,
@@ -460,6 +477,7 @@ fn serve(
             upstream: Some(server.try_clone()?),
             reset: Arc::clone(&reset),
             server_chunks_dropped: Arc::clone(&dropped),
+            client_chunks_held: Arc::clone(&held),
             peer: Some(peer),
             own_mode: Arc::clone(&own_mode),
         },
@@ -469,6 +487,7 @@ fn serve(
         shared: Arc::clone(shared),
         reset,
         server_chunks_dropped: dropped,
+        client_chunks_held: held,
         peer: Some(peer),
         own_mode,
     });
@@ -513,6 +532,7 @@ fn keep_threads(shared: &Shared, new: impl IntoIterator<Item = JoinHandle<()>>) 
 fn hold(client: TcpStream, id: u64, shared: &Arc<Shared>) -> io::Result<()> {
     let reset = Arc::new(AtomicBool::new(false));
     let dropped = Arc::new(AtomicU64::new(0));
+    let held = Arc::new(AtomicU64::new(0));
     lock(&shared.connections).insert(
         id,
         Entry {
@@ -520,6 +540,7 @@ fn hold(client: TcpStream, id: u64, shared: &Arc<Shared>) -> io::Result<()> {
             upstream: None,
             reset: Arc::clone(&reset),
             server_chunks_dropped: Arc::clone(&dropped),
+            client_chunks_held: Arc::clone(&held),
             peer: client.peer_addr().ok().map(|a| a.ip()),
             own_mode: Arc::new(Mutex::new(None)),
         },
@@ -529,6 +550,7 @@ fn hold(client: TcpStream, id: u64, shared: &Arc<Shared>) -> io::Result<()> {
         shared: Arc::clone(shared),
         reset,
         server_chunks_dropped: dropped,
+        client_chunks_held: held,
         peer: None,
         own_mode: Arc::new(Mutex::new(None)),
     };
@@ -573,6 +595,7 @@ fn read_side(
                 .shared
                 .client_chunks
                 .fetch_add(1, Ordering::SeqCst);
+            connection.client_chunks_held.fetch_add(1, Ordering::SeqCst);
         }
         let due = Instant::now() + mode.delay(direction);
         match read {
@@ -644,8 +667,10 @@ fn write_side(
             let _ = to.shutdown(Shutdown::Write);
             return;
         };
-        let written = write_all(&to, &data, connection);
+        // Done with before it is written: once the server has it (and a
+        // reply may be on its way), it no longer counts as held.
         chunk_done(direction, connection);
+        let written = write_all(&to, &data, connection);
         if written.is_err() {
             // The receiver is gone: tell the sender.
             let _ = from.shutdown(Shutdown::Both);
@@ -662,6 +687,7 @@ fn chunk_done(direction: Direction, connection: &Connection) {
             .shared
             .client_chunks_done
             .fetch_add(1, Ordering::SeqCst);
+        connection.client_chunks_held.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
