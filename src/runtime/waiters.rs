@@ -145,7 +145,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 
-use crate::cancel::CancelToken;
+use crate::cancel::{CancelToken, OnCancel};
 use crate::clock::Clock;
 use crate::conn::Conn;
 use crate::core::wait::WaitPolicy;
@@ -195,14 +195,23 @@ struct Entry {
 /// The waiters on one key, first in line first.
 type Queue = VecDeque<Entry>;
 
-/// Wakes the first waiter of each class in `queue`.
-fn wake_firsts(queue: &Queue) {
-    let mut woken: Vec<u64> = Vec::new();
+/// The wake-up senders of the first waiter of each class in `queue`, added to
+/// `to`.
+fn firsts(queue: &Queue, to: &mut Vec<Sender<()>>) {
+    let mut classes: Vec<u64> = Vec::new();
     for e in queue {
-        if !woken.contains(&e.class) {
-            woken.push(e.class);
-            let _ = e.tx.try_send(());
+        if !classes.contains(&e.class) {
+            classes.push(e.class);
+            to.push(e.tx.clone());
         }
+    }
+}
+
+/// Wakes the waiters behind `senders`, after the registry's lock is let go:
+/// a woken waiter that preempts the waking thread finds nothing held.
+fn wake(senders: Vec<Sender<()>>) {
+    for tx in senders {
+        let _ = tx.try_send(());
     }
 }
 
@@ -358,25 +367,36 @@ impl Registry {
     /// Queues a waiter on every key whose change may free what it waits for.
     /// A waiter `on_its_own` is a class of its own: every change of its keys
     /// wakes it, whoever else waits.
-    fn register(&self, keys: &[&str], on_its_own: bool) -> Waiter<'_> {
-        self.enqueue(keys, on_its_own, false)
+    fn register(
+        &self,
+        keys: &[&str],
+        on_its_own: bool,
+        cancel: Option<&CancelToken>,
+    ) -> Waiter<'_> {
+        self.enqueue(keys, on_its_own, false, cancel)
             .expect("an unconditional registration")
     }
 
     /// Queues a waiter behind the waiters of its class already queued on its
     /// first key, if there are any (checked and queued at once, so the waiter
     /// ahead is still there to pass the turn on); `None` when there are none.
-    fn register_behind(&self, keys: &[&str]) -> Option<Waiter<'_>> {
+    fn register_behind(&self, keys: &[&str], cancel: Option<&CancelToken>) -> Option<Waiter<'_>> {
         // Nobody queued on any key (the uncontended path): no class to work
         // out, no key to look up. A waiter that queues meanwhile queued after
         // this check, as it would have after the one in `enqueue`.
         if self.queues.lock().is_empty() {
             return None;
         }
-        self.enqueue(keys, false, true)
+        self.enqueue(keys, false, true, cancel)
     }
 
-    fn enqueue(&self, names: &[&str], on_its_own: bool, behind: bool) -> Option<Waiter<'_>> {
+    fn enqueue(
+        &self,
+        names: &[&str],
+        on_its_own: bool,
+        behind: bool,
+        cancel: Option<&CancelToken>,
+    ) -> Option<Waiter<'_>> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let class = if on_its_own {
             id.wrapping_mul(0x9E37_79B9_7F4A_7C15)
@@ -406,12 +426,14 @@ impl Registry {
                 });
             }
         }
+        let _on_cancel = cancel.map(|c| c.wake_on_cancel(tx));
         Some(Waiter {
             registry: self,
             keys,
             id,
             class,
             rx,
+            _on_cancel,
         })
     }
 
@@ -445,9 +467,11 @@ impl Registry {
 
     /// An invalidation for `key`: wake the first waiter of each class on it.
     pub(crate) fn wake_key(&self, key: &[u8]) {
+        let mut senders = Vec::new();
         if let Some(queue) = self.queues.lock().get(key) {
-            wake_firsts(queue);
+            firsts(queue, &mut senders);
         }
+        wake(senders);
     }
 
     /// Every key may have changed (reconnect, FLUSHALL, a new primary): wake
@@ -459,11 +483,13 @@ impl Registry {
     /// Wakes the first waiter (of each class) of every key `changed` says
     /// may have changed (the keys of slots that moved to another server).
     pub(crate) fn wake_where(&self, changed: impl Fn(&[u8]) -> bool) {
+        let mut senders = Vec::new();
         for (key, queue) in self.queues.lock().iter() {
             if changed(key) {
-                wake_firsts(queue);
+                firsts(queue, &mut senders);
             }
         }
+        wake(senders);
     }
 
     /// Whether waiter `id` is the first of its class on `key`.
@@ -489,6 +515,8 @@ struct Waiter<'a> {
     id: u64,
     class: u64,
     rx: Receiver<()>,
+    /// Cancellation of the wait sends on `rx` too.
+    _on_cancel: Option<OnCancel>,
 }
 
 impl Waiter<'_> {
@@ -496,10 +524,25 @@ impl Waiter<'_> {
     fn is_front(&self) -> bool {
         self.registry.is_front(&self.keys[0], self.id, self.class)
     }
+
+    /// Sleeps until woken (an invalidation of its keys, the waiter ahead
+    /// leaving, the wait's cancellation) or until `until`: whether it was
+    /// woken. One channel, not a `select!` over several: a thread woken from
+    /// a `select!` takes the lock of the channel that woke it to unregister,
+    /// which the waking thread (the subscriber) still holds while it wakes
+    /// it, so on a busy CPU every wake-up cost two switches and delayed the
+    /// attempt it was for.
+    fn sleep(&self, until: Option<Instant>) -> bool {
+        match until {
+            Some(at) => self.rx.recv_deadline(at).is_ok(),
+            None => self.rx.recv().is_ok(),
+        }
+    }
 }
 
 impl Drop for Waiter<'_> {
     fn drop(&mut self) {
+        let mut next_up = Vec::new();
         let mut queues = self.registry.queues.lock();
         for key in &self.keys {
             if let Some(queue) = queues.get_mut(key) {
@@ -512,10 +555,12 @@ impl Drop for Waiter<'_> {
                     queues.remove(key);
                 } else if was_front && let Some(next) = queue.iter().find(|e| e.class == self.class)
                 {
-                    let _ = next.tx.try_send(());
+                    next_up.push(next.tx.clone());
                 }
             }
         }
+        drop(queues);
+        wake(next_up);
     }
 }
 
@@ -806,7 +851,7 @@ fn join<'r, R: Route>(route: &'r R, w: &WaitFor<'_>) -> Waiter<'r> {
     }
     route
         .registry()
-        .register(w.keys, matches!(w.order, Order::Server { .. }))
+        .register(w.keys, matches!(w.order, Order::Server { .. }), w.cancel)
 }
 
 fn wait_loop<R: Route, T>(
@@ -827,7 +872,7 @@ fn wait_loop<R: Route, T>(
     // back before the waiter its release woke could (the hand-off in one
     // process). The check costs a lookup in the registry, no round trip.
     let mut waiter: Option<Waiter<'_>> = match w.order {
-        Order::Local => registry.register_behind(w.keys),
+        Order::Local => registry.register_behind(w.keys, w.cancel),
         Order::Race | Order::Server { .. } => None,
     };
     let mut behind = waiter.is_some();
@@ -842,9 +887,11 @@ fn wait_loop<R: Route, T>(
             // The last wait on this key in this process had to wait: waiters
             // elsewhere may be on their way to it now (this thread may have
             // just released it). They are let go first for a moment.
-            crossbeam_channel::select! {
-                recv(cancelled) -> _ => return Err(Error::Cancelled),
-                recv(crossbeam_channel::after(YIELD)) -> _ => {}
+            if cancelled
+                .recv_timeout(YIELD)
+                .is_err_and(|e| e.is_disconnected())
+            {
+                return Err(Error::Cancelled);
             }
         } else {
             // Not known to be contended, which a process cannot tell before
@@ -865,15 +912,7 @@ fn wait_loop<R: Route, T>(
             // Behind this process's earlier waiters: the turn comes when the
             // one ahead leaves; at the deadline one attempt still goes out
             // (the wait never ends without one).
-            let timer = match w.deadline {
-                Some(at) => crossbeam_channel::at(at),
-                None => crossbeam_channel::never(),
-            };
-            crossbeam_channel::select! {
-                recv(waiter.rx) -> _ => {}
-                recv(cancelled) -> _ => return Err(Error::Cancelled),
-                recv(timer) -> _ => {}
-            }
+            waiter.sleep(w.deadline);
             continue;
         }
         let waiting = waiter.is_some();
@@ -975,9 +1014,11 @@ fn wait_loop<R: Route, T>(
                     waiter = Some(join(route, w));
                 }
                 let wake = policy.wake_at(registry.now(), pause);
-                crossbeam_channel::select! {
-                    recv(cancelled) -> _ => return Err(Error::Cancelled),
-                    recv(crossbeam_channel::at(wake)) -> _ => {}
+                if cancelled
+                    .recv_deadline(wake)
+                    .is_err_and(|e| e.is_disconnected())
+                {
+                    return Err(Error::Cancelled);
                 }
                 continue;
             }
@@ -1007,18 +1048,10 @@ fn wait_loop<R: Route, T>(
                 wake_at = Some(wake_at.map_or(at, |w| w.min(at)));
             }
         }
-        let timer = match wake_at {
-            Some(at) => crossbeam_channel::at(at),
-            None => crossbeam_channel::never(),
-        };
-        crossbeam_channel::select! {
-            recv(waiter.rx) -> _ => {}
-            recv(cancelled) -> _ => return Err(Error::Cancelled),
-            recv(timer) -> _ => {
-                if policy.past(registry.now()) {
-                    return policy.end();
-                }
-            }
+        // Woken by an invalidation, the waiter ahead leaving, cancellation
+        // (checked at the top of the loop) or the timer.
+        if !waiter.sleep(wake_at) && policy.past(registry.now()) {
+            return policy.end();
         }
     }
 }
@@ -1030,9 +1063,9 @@ mod tests {
     #[test]
     fn invalidation_wakes_only_the_first_and_leaving_passes_it_on() {
         let reg = Registry::new("redis://test".into(), crate::clock::system());
-        let a = reg.register(&["k"], false);
-        let b = reg.register(&["k"], false);
-        let other = reg.register(&["j"], false);
+        let a = reg.register(&["k"], false, None);
+        let b = reg.register(&["k"], false, None);
+        let other = reg.register(&["j"], false, None);
         reg.wake_key(b"k");
         assert!(a.rx.try_recv().is_ok());
         assert!(b.rx.try_recv().is_err());
@@ -1079,26 +1112,52 @@ mod tests {
     #[test]
     fn a_wait_queues_behind_waiters_of_its_class_only() {
         let reg = Registry::new("redis://test".into(), crate::clock::system());
-        assert!(reg.register_behind(&["k"]).is_none());
-        let a = reg.register(&["k"], false);
+        assert!(reg.register_behind(&["k"], None).is_none());
+        let a = reg.register(&["k"], false, None);
         // A writer-like class on the same first key does not queue behind it.
-        assert!(reg.register_behind(&["k", "r"]).is_none());
-        let b = reg.register_behind(&["k"]).expect("queued behind a");
+        assert!(reg.register_behind(&["k", "r"], None).is_none());
+        let b = reg.register_behind(&["k"], None).expect("queued behind a");
         assert!(!b.is_front());
         drop(a);
         assert!(b.rx.try_recv().is_ok());
         assert!(b.is_front());
         // Waiters on their own (a server-side queue) are no one's class.
-        let own = reg.register(&["q"], true);
-        assert!(reg.register_behind(&["q"]).is_none());
+        let own = reg.register(&["q"], true, None);
+        assert!(reg.register_behind(&["q"], None).is_none());
         drop((b, own));
         assert!(reg.queues.lock().is_empty());
     }
 
     #[test]
+    fn cancellation_wakes_a_sleeping_waiter_on_its_own_channel() {
+        let reg = Registry::new("redis://test".into(), crate::clock::system());
+        let cancel = CancelToken::new();
+        let a = reg.register(&["k"], false, Some(&cancel));
+        let far = Instant::now() + Duration::from_secs(30);
+        std::thread::scope(|s| {
+            let sleeper = s.spawn(|| {
+                let woken = a.sleep(Some(far));
+                (woken, Instant::now())
+            });
+            cancel.cancel();
+            let (woken, at) = sleeper.join().unwrap();
+            assert!(woken, "woken by the cancellation, not the timer");
+            assert!(at < far);
+        });
+        // Unregistered with the waiter: a later cancellation sends nowhere.
+        drop(a);
+        assert!(cancel.inner_wakers_is_empty());
+        // A waiter registered after the cancellation is not woken by it: the
+        // wait sees `is_cancelled` before it sleeps.
+        let b = reg.register(&["k"], false, Some(&cancel));
+        assert!(b.rx.try_recv().is_err());
+        assert!(cancel.is_cancelled());
+    }
+
+    #[test]
     fn a_pending_wake_is_kept_until_the_waiter_looks() {
         let reg = Registry::new("redis://test".into(), crate::clock::system());
-        let a = reg.register(&["k"], false);
+        let a = reg.register(&["k"], false, None);
         reg.wake_key(b"k");
         reg.wake_key(b"k");
         assert!(a.rx.try_recv().is_ok());
@@ -1108,9 +1167,9 @@ mod tests {
     #[test]
     fn leaving_from_the_middle_does_not_wake_anyone() {
         let reg = Registry::new("redis://test".into(), crate::clock::system());
-        let a = reg.register(&["k"], false);
-        let b = reg.register(&["k"], false);
-        let c = reg.register(&["k"], false);
+        let a = reg.register(&["k"], false, None);
+        let b = reg.register(&["k"], false, None);
+        let c = reg.register(&["k"], false, None);
         drop(b);
         assert!(a.rx.try_recv().is_err());
         assert!(c.rx.try_recv().is_err());
@@ -1127,9 +1186,9 @@ mod tests {
             redirect: 7,
             generation: 2,
         });
-        let a = reg.register(&["k"], false);
-        let b = reg.register(&["k"], false);
-        let other = reg.register(&["j"], false);
+        let a = reg.register(&["k"], false, None);
+        let b = reg.register(&["k"], false, None);
+        let other = reg.register(&["j"], false, None);
         let armed = |generation| Armed {
             generation,
             reads: Reads::OnRequest,
@@ -1149,8 +1208,8 @@ mod tests {
     #[test]
     fn a_slot_change_wakes_only_the_keys_it_names() {
         let reg = Registry::new("redis://test".into(), crate::clock::system());
-        let a = reg.register(&["{a}k"], false);
-        let b = reg.register(&["{b}k"], false);
+        let a = reg.register(&["{a}k"], false, None);
+        let b = reg.register(&["{b}k"], false, None);
         reg.wake_where(|key| key.starts_with(b"{a}"));
         assert!(a.rx.try_recv().is_ok());
         assert!(b.rx.try_recv().is_err());
@@ -1160,10 +1219,10 @@ mod tests {
     fn waiters_on_other_keys_queue_apart_on_the_key_they_share() {
         let reg = Registry::new("redis://test".into(), crate::clock::system());
         // Readers wait on [w, q], writers on [w, r]: both on w.
-        let r1 = reg.register(&["w", "q"], false);
-        let w1 = reg.register(&["w", "r"], false);
-        let r2 = reg.register(&["w", "q"], false);
-        let w2 = reg.register(&["w", "r"], false);
+        let r1 = reg.register(&["w", "q"], false, None);
+        let w1 = reg.register(&["w", "r"], false, None);
+        let r2 = reg.register(&["w", "q"], false, None);
+        let w2 = reg.register(&["w", "r"], false, None);
         assert!(r1.is_front() && w1.is_front());
         assert!(!r2.is_front() && !w2.is_front());
         // A change of w wakes the first of each class, not the second reader.
