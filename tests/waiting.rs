@@ -1626,6 +1626,64 @@ fn waiters_in_one_process_acquire_in_arrival_order() {
 }
 
 #[test]
+fn a_waiter_queued_behind_another_of_its_process_returns_at_once_when_cancelled() {
+    // A server of its own: its command counts are this test's.
+    let server = TestServer::start();
+    let mut admin = server.client();
+    let coord = coordinator(&server.url(), "behind:", Duration::from_millis(500));
+    let lock = coord.lock("job").unwrap();
+    let holder = lock.try_acquire(LONG_TTL).unwrap().unwrap();
+    let (first_cancel, second_cancel) = (CancelToken::new(), CancelToken::new());
+    thread::scope(|s| {
+        // A failed check ends both waits, so the scope can report it.
+        let _ends_the_first = support::CancelOnDrop(&first_cancel);
+        let _ends_the_second = support::CancelOnDrop(&second_cancel);
+        let baseline = script_calls(&mut admin);
+        let first = s.spawn(|| lock.acquire(LONG_TTL, &first_cancel));
+        wait_until(Duration::from_secs(10), "the first waiter to queue", || {
+            script_calls(&mut admin) > baseline + 1
+        });
+        let before = script_calls(&mut admin);
+        let second = thread::Builder::new()
+            .name("second-waiter".into())
+            .spawn_scoped(s, || {
+                let r = lock.acquire(LONG_TTL, &second_cancel);
+                (r, Instant::now())
+            })
+            .unwrap();
+        // Behind the first without a command, asleep until its turn: the
+        // holder keeps the lock for LONG_TTL and the first never leaves, so
+        // only the cancellation can end this wait.
+        wait_until(
+            Duration::from_secs(10),
+            "the second waiter to queue",
+            || asleep_on_futex("second-waiter"),
+        );
+        assert_eq!(script_calls(&mut admin), before, "no attempt made");
+        let cancelled_at = Instant::now();
+        second_cancel.cancel();
+        wait_until(
+            Duration::from_secs(5),
+            "the cancelled wait to return",
+            || second.is_finished(),
+        );
+        let (r, returned) = second.join().unwrap();
+        assert!(matches!(r, Err(Error::Cancelled)), "{r:?}");
+        println!(
+            "cancel() to Err(Cancelled), queued behind another waiter: {:?}",
+            returned - cancelled_at
+        );
+        // Leaving from behind passes no turn on: the first still waits, and
+        // it is the one the release hands the lock to.
+        assert!(!first.is_finished());
+        assert_eq!(script_calls(&mut admin), before, "no attempt made");
+        assert_eq!(holder.release().unwrap(), ReleaseOutcome::Released);
+        let g = first.join().unwrap().unwrap();
+        assert_eq!(g.release().unwrap(), ReleaseOutcome::Released);
+    });
+}
+
+#[test]
 fn fenced_lock_waiters_are_woken_by_release_and_get_higher_tokens() {
     // A server of its own: its command counts are this test's.
     let server = TestServer::start();
