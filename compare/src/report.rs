@@ -614,8 +614,8 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
             Case::Handoff,
             "lock",
             "reacquired",
-            "the releaser re-acquires ≤ 30 % of grants, a coordinator per contender (as between processes)",
-            0.3,
+            "the releaser re-acquires ≤ 1 % of grants, a coordinator per contender (as between processes)",
+            0.01,
         ),
         (
             Case::Handoff,
@@ -635,8 +635,8 @@ pub(crate) fn render(options: &Options, results: &Results, info: &RunInfo) -> St
             Case::Handoff,
             "lock-shared",
             "reacquired",
-            "the releaser re-acquires ≤ 30 % of grants, one coordinator (one process)",
-            0.3,
+            "the releaser re-acquires ≤ 1 % of grants, one coordinator (one process)",
+            0.01,
         ),
         (
             Case::Handoff,
