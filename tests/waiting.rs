@@ -1631,6 +1631,27 @@ fn a_waiter_queued_behind_another_of_its_process_returns_at_once_when_cancelled(
     let server = TestServer::start();
     let mut admin = server.client();
     let coord = coordinator(&server.url(), "behind:", Duration::from_millis(500));
+    // The coordinator's subscriber first, connected before the waits: a wait
+    // that joined before it was subscribed would poll, and one that was
+    // queued when it subscribed is woken to check again — attempts that are
+    // neither waiter's doing.
+    let warm = coord.lock("warm").unwrap();
+    let _warm = warm.try_acquire(LONG_TTL).unwrap().unwrap();
+    assert!(
+        warm.acquire_timeout(LONG_TTL, Duration::from_millis(50))
+            .unwrap()
+            .is_none()
+    );
+    wait_until(
+        Duration::from_secs(10),
+        "the subscriber to subscribe",
+        || {
+            client_list(&server).iter().any(|c| {
+                c.get("name").is_some_and(|n| n == "respire-tracking")
+                    && c.get("sub").is_some_and(|n| n == "1")
+            })
+        },
+    );
     let lock = coord.lock("job").unwrap();
     let holder = lock.try_acquire(LONG_TTL).unwrap().unwrap();
     let (first_cancel, second_cancel) = (CancelToken::new(), CancelToken::new());
