@@ -220,7 +220,7 @@ fn refuses_fewer_than_three_or_an_even_number_of_nodes() {
 #[test]
 fn refuses_bad_drift_factors_and_a_zero_node_timeout() {
     let url = shared_server().url();
-    for drift in [-0.01, f64::NAN, 1.0, 1.5] {
+    for drift in [-0.01, f64::NAN, 1.0, 1.5, f64::INFINITY] {
         let nodes = (0..3)
             .map(|_| coordinator(&url, "", Duration::from_millis(500)))
             .collect();

@@ -33,36 +33,3 @@ pub(super) fn check_independent(infos: &[(String, ServerInfo)]) -> Result<()> {
     }
     Ok(())
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn independence_is_checked() {
-        let info = |run: &str, repl: &str| ServerInfo {
-            run_id: Some(run.into()),
-            uptime: None,
-            replid: Some(repl.into()),
-            cluster: false,
-        };
-        let ok = vec![
-            ("a".to_owned(), info("1", "x")),
-            ("b".to_owned(), info("2", "y")),
-            ("c".to_owned(), info("3", "z")),
-        ];
-        assert!(check_independent(&ok).is_ok());
-        let mut same = ok.clone();
-        same[2].1.run_id = Some("1".into());
-        let e = check_independent(&same).unwrap_err().to_string();
-        assert!(e.contains("a and c are the same server"), "{e}");
-        let mut replica = ok.clone();
-        replica[1].1.replid = Some("z".into());
-        let e = check_independent(&replica).unwrap_err().to_string();
-        assert!(e.contains("share replication id"), "{e}");
-        let mut cluster = ok;
-        cluster[0].1.cluster = true;
-        let e = check_independent(&cluster).unwrap_err().to_string();
-        assert!(e.contains("Cluster"), "{e}");
-    }
-}

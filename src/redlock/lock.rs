@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use super::attempt::Evidence;
 use super::guard::{Redlock, RedlockGuard};
-use super::options::retry_pause;
 use super::{Group, RedlockAttempt, RedlockGroup};
 use crate::cancel::CancelToken;
 use crate::core::wait::WaitPolicy;
@@ -16,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::lease::guard::held::Handle;
 use crate::lease::kind::Wait;
 use crate::observe::{Acquiring, Primitive};
+use crate::runtime::backoff::Backoff;
 use crate::token::HolderTag;
 
 /// The lock `key` of a group, and the holder its leases record.
@@ -69,6 +69,7 @@ impl RedlockHandle {
         let never = crossbeam_channel::never();
         let cancelled = cancel.map_or(&never, CancelToken::receiver);
         let options = &self.inner().options;
+        let backoff = Backoff::new(options.retry_base, options.retry_max);
         let mut policy: WaitPolicy<Error> = WaitPolicy::new(deadline);
         loop {
             if cancel.is_some_and(CancelToken::is_cancelled) {
@@ -98,7 +99,7 @@ impl RedlockHandle {
             if policy.past(now) {
                 return policy.end();
             }
-            let pause = retry_pause(policy.tries(), options.retry_base, options.retry_max);
+            let pause = backoff.pause_after(policy.tries());
             let wake = policy.wake_at(now, pause);
             crossbeam_channel::select! {
                 recv(cancelled) -> _ => return Err(Error::Cancelled),

@@ -8,7 +8,6 @@ use crate::core::timing;
 use crate::error::{Error, Result};
 use crate::keys;
 use crate::observe::Observer;
-use crate::runtime::backoff::Backoff;
 
 /// Settings of a [`RedlockGroup`](crate::RedlockGroup). Build it with struct update syntax:
 ///
@@ -154,79 +153,4 @@ pub(super) fn check_ttl(ttl: Duration, options: &RedlockOptions) -> Result<u64> 
         )));
     }
     Ok(ms)
-}
-
-/// The pause before retry number `tries` (from 1): random between half and all
-/// of `base × 2^(tries − 1)`, capped at `max` (see [`Backoff`]).
-pub(super) fn retry_pause(tries: u32, base: Duration, max: Duration) -> Duration {
-    Backoff::new(base, max).pause_after(tries)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::core::timing::backoff;
-
-    fn ms(n: u64) -> Duration {
-        Duration::from_millis(n)
-    }
-
-    #[test]
-    fn validity_is_ttl_minus_elapsed_minus_drift() {
-        assert_eq!(
-            crate::core::redlock::validity(ms(10_000), ms(30), 0.01),
-            ms(10_000 - 30 - 102)
-        );
-        assert_eq!(
-            crate::core::redlock::validity(ms(100), ms(99), 0.01),
-            Duration::ZERO
-        );
-    }
-
-    #[test]
-    fn options_are_checked() {
-        let ok = RedlockOptions::default();
-        assert!(check_options(3, &ok).is_ok());
-        assert!(check_options(5, &ok).is_ok());
-        for n in [0, 1, 2, 4, 6] {
-            assert!(check_options(n, &ok).is_err(), "{n} nodes");
-        }
-        for f in [-0.01, f64::NAN, 1.0, 2.0, f64::INFINITY] {
-            let o = RedlockOptions {
-                drift_factor: f,
-                ..RedlockOptions::default()
-            };
-            assert!(check_options(3, &o).is_err(), "drift {f}");
-        }
-        let zero = RedlockOptions {
-            node_timeout: Duration::ZERO,
-            ..RedlockOptions::default()
-        };
-        assert!(check_options(3, &zero).is_err());
-    }
-
-    #[test]
-    fn the_node_timeout_must_be_well_below_the_ttl() {
-        let o = RedlockOptions {
-            node_timeout: ms(200),
-            ..RedlockOptions::default()
-        };
-        assert!(check_ttl(ms(300), &o).is_err());
-        assert!(check_ttl(ms(400), &o).is_err());
-        assert!(check_ttl(ms(500), &o).is_ok());
-        assert!(check_ttl(Duration::ZERO, &o).is_err());
-    }
-
-    #[test]
-    fn retry_pauses_are_jittered_and_bounded() {
-        let (base, max) = (ms(10), ms(200));
-        assert_eq!(backoff(1, base, max, 0.0), ms(5));
-        assert_eq!(backoff(1, base, max, 1.0), ms(10));
-        assert_eq!(backoff(3, base, max, 0.0), ms(20));
-        assert_eq!(backoff(30, base, max, 1.0), ms(200));
-        let seen: std::collections::HashSet<_> =
-            (0..100).map(|_| retry_pause(2, base, max)).collect();
-        assert!(seen.len() > 10);
-        assert!(seen.iter().all(|d| *d >= ms(10) && *d <= ms(20)));
-    }
 }

@@ -78,3 +78,25 @@ pub(crate) fn failure_pause(n: u32) -> Duration {
 
 /// The back-off of [`failure_pause`].
 const WAIT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn pauses_are_jittered_and_bounded() {
+        let (base, max) = (ms(10), ms(200));
+        assert_eq!(backoff(1, base, max, 0.0), ms(5));
+        assert_eq!(backoff(1, base, max, 1.0), ms(10));
+        assert_eq!(backoff(3, base, max, 0.0), ms(20));
+        assert_eq!(backoff(30, base, max, 1.0), ms(200));
+        let backoff = Backoff::new(base, max);
+        let seen: std::collections::HashSet<_> = (0..100).map(|_| backoff.pause_after(2)).collect();
+        assert!(seen.len() > 10);
+        assert!(seen.iter().all(|d| *d >= ms(10) && *d <= ms(20)));
+    }
+}
