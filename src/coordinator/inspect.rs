@@ -338,12 +338,7 @@ impl Coordinator {
         }
         let keys = [&lease, &lease, fence.as_ref().unwrap_or(&lease)];
         for (value, key) in replies.iter().zip(keys) {
-            if let redis::Value::ServerError(e) = value {
-                return Err(Error::BadKey {
-                    key: key.to_owned(),
-                    problem: format!("cannot be read: {}", e.details().unwrap_or("error")),
-                });
-            }
+            readable(value, key)?;
         }
         let exclusive = holder(&replies[0], &replies[1], &lease)?;
         let last_write_token = match &fence {
@@ -361,6 +356,18 @@ impl Coordinator {
             last_permit_token: None,
             read_at,
         })
+    }
+}
+
+/// A read of `key` that did not fail: an error reply (a key of another
+/// type) is [`Error::BadKey`].
+pub(crate) fn readable(value: &redis::Value, key: &str) -> Result<()> {
+    match value {
+        redis::Value::ServerError(e) => Err(Error::BadKey {
+            key: key.to_owned(),
+            problem: format!("cannot be read: {}", e.details().unwrap_or("error")),
+        }),
+        _ => Ok(()),
     }
 }
 

@@ -135,7 +135,7 @@ impl PlainSpec {
 
 /// `SET key owner NX PX ttl_ms`, with `GET` at the end when `get`, in a
 /// buffer of the size it needs.
-fn set_command(key: &str, owner: &str, ttl_ms: u64, get: bool) -> redis::Cmd {
+pub(crate) fn set_command(key: &str, owner: &str, ttl_ms: u64, get: bool) -> redis::Cmd {
     // The name, the arguments, and at most 20 digits of the TTL.
     let size = "SETNXPXGET".len() + key.len() + owner.len() + 20;
     let mut cmd = redis::Cmd::with_capacity(7, size);
@@ -160,7 +160,7 @@ fn refuses_nx_with_get(e: &redis::ServerError) -> bool {
 /// What the server answered to a plain attempt, `CLIENT CACHING`'s reply
 /// taken out.
 #[derive(Debug, PartialEq)]
-enum Answer<'a> {
+pub(crate) enum Answer<'a> {
     /// Free: set now.
     Set,
     /// Already this owner's: set by an earlier attempt whose reply was lost.
@@ -181,7 +181,7 @@ enum Answer<'a> {
 /// wait. `SET … GET` answers what the key held (nil: it was free and is set
 /// now); a plain `SET NX` answers `OK` (set) or nil (not set), and the `GET`
 /// after it whose value it is now.
-fn answer<'a>(reply: &'a [redis::Value], set_get: bool, owner: &[u8]) -> Answer<'a> {
+pub(crate) fn answer<'a>(reply: &'a [redis::Value], set_get: bool, owner: &[u8]) -> Answer<'a> {
     use redis::Value::{BulkString, Int, Nil, Okay, ServerError};
     let held = |pttl: &'a [redis::Value]| match pttl {
         [] => Answer::Held(None),

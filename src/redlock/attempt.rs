@@ -9,6 +9,7 @@ use super::guard::RedlockGuard;
 use crate::core::quorum::AcquireVerdict;
 use crate::core::redlock::{NodeLease, Op, acquired, validity};
 use crate::error::{Error, Result};
+use crate::keys;
 use crate::report::{NodeOutcome, NodeReport};
 use crate::token::{HolderTag, OwnerToken};
 
@@ -30,19 +31,11 @@ impl Group {
         holder: Option<&HolderTag>,
     ) -> Result<RedlockAttempt> {
         let ttl_ms = this.check_ttl(ttl)?;
-        if key.is_empty() {
-            return Err(Error::InvalidArgument("redlock key is empty".into()));
-        }
         let keys = this
             .prefixes
             .iter()
-            .map(|prefix| {
-                let mut physical = String::with_capacity(prefix.len() + key.len());
-                physical.push_str(prefix);
-                physical.push_str(key);
-                physical
-            })
-            .collect();
+            .map(|prefix| keys::physical(prefix, key, "redlock key"))
+            .collect::<Result<_>>()?;
         let owner = OwnerToken::held_by(holder);
         let lease = Arc::new(NodeLease::new(keys, owner.as_str().to_owned()));
         let targets = this.all();

@@ -68,6 +68,16 @@ impl RedlockLease {
         self.cell.lost_at()
     }
 
+    /// Keeps every node's answer to an extension sent to all of them, by
+    /// `deadline`, as the lock's evidence; returns them named.
+    fn heard(&self, replies: Vec<Option<Reply>>, deadline: Instant) -> Vec<NodeReport> {
+        let group = &self.group;
+        let heard = group.answers(replies, &group.all(), deadline, &NodeOutcome::Abandoned);
+        let nodes = group.named(&heard);
+        *self.evidence.lock() = heard;
+        nodes
+    }
+
     /// Too few nodes can be counted on: the lock is lost from `now`, unless
     /// it was already.
     pub(super) fn lose_quorum(&self, now: Instant, why: String) {
@@ -238,9 +248,7 @@ impl held::Extender for RedlockExtend<'_> {
             Some(&done),
             self.decided,
         );
-        let heard = group.answers(replies, &targets, deadline, &NodeOutcome::Abandoned);
-        let nodes = group.named(&heard);
-        *lease.evidence.lock() = heard;
+        let nodes = lease.heard(replies, deadline);
         let mut extension = Extension::counted(ticket, tally);
         let verdict = extension.settle(cell, group.now(), || refusal(&nodes));
         if verdict == ExtendVerdict::Unknown {
@@ -482,16 +490,7 @@ impl Dispatch for ToNodes {
         let node = reply.node;
         f.replies[node] = Some(reply);
         if f.renewal.is_due() {
-            let group = &f.lease.group;
-            let targets = group.all();
-            let heard = group.answers(
-                f.replies.clone(),
-                &targets,
-                f.deadline,
-                &NodeOutcome::Abandoned,
-            );
-            let nodes = group.named(&heard);
-            *f.lease.evidence.lock() = heard;
+            let nodes = f.lease.heard(f.replies.clone(), f.deadline);
             let (verdict, retry) = f.renewal.settle(&f.lease.cell, now, || refusal(&nodes));
             if verdict == ExtendVerdict::Unknown {
                 log::warn!(

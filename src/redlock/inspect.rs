@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use super::RedlockGroup;
 use crate::conn::ConnConfig;
-use crate::coordinator::inspect::{ExclusiveHolder, holder};
+use crate::coordinator::inspect::{ExclusiveHolder, holder, readable};
 use crate::error::{Error, Result};
 
 /// What the nodes of a [`RedlockGroup`] hold at one key, as read by
@@ -130,14 +130,8 @@ fn read_node(
     let mut pipe = redis::pipe();
     pipe.cmd("GET").arg(key).cmd("PTTL").arg(key);
     let replies = conn.pipeline(&pipe, "inspect", cfg.clock.now() + node_timeout)?;
-    if let Some(redis::Value::ServerError(e)) = replies
-        .iter()
-        .find(|v| matches!(v, redis::Value::ServerError(_)))
-    {
-        return Err(Error::BadKey {
-            key: key.to_owned(),
-            problem: format!("cannot be read: {}", e.details().unwrap_or("error")),
-        });
+    for value in &replies {
+        readable(value, key)?;
     }
     match replies.as_slice() {
         [value, pttl] => holder(value, pttl, key),

@@ -52,6 +52,8 @@ use crate::core::redlock::{NodeLease, Op};
 pub(crate) use crate::core::redlock::{NodeSettings, ROUND_TRIPS_PER_TIMEOUT};
 use crate::core::timing::rest_after;
 use crate::error::{Error, Result};
+use crate::lease::lock::{Answer as PlainAnswer, answer, set_command};
+use crate::lease::unexpected_acquire;
 use crate::report::NodeOutcome;
 use crate::scripts::{self, Script};
 
@@ -710,12 +712,7 @@ impl Worker {
 pub(crate) fn acquire_set(key: &str, value: &str, ttl_ms: u64) -> redis::Pipeline {
     let mut set = redis::pipe();
     set.ignore_errors();
-    set.cmd("SET")
-        .arg(key)
-        .arg(value)
-        .arg("NX")
-        .arg("PX")
-        .arg(ttl_ms);
+    set.add_command(set_command(key, value, ttl_ms, false));
     set
 }
 
@@ -737,22 +734,14 @@ pub(crate) fn acquire_reads(key: &str) -> redis::Pipeline {
 }
 
 /// What the acquire's `SET NX PX` answered (and, when it found the key set,
-/// the `GET` and `PTTL` after it), or the error that refused it.
+/// the `GET` and `PTTL` after it), read as a plain lock's attempt in its
+/// older form is, or the error that refused it.
 pub(crate) fn acquire_reply(reply: &[redis::Value], key: &str, value: &str) -> Result<NodeReply> {
-    match reply {
-        [redis::Value::Okay, ..] => Ok(NodeReply::Acquired),
-        [redis::Value::Nil, redis::Value::BulkString(v), ..]
-            if v.as_slice() == value.as_bytes() =>
-        {
-            Ok(NodeReply::Acquired)
-        }
-        [redis::Value::ServerError(e), ..]
-        | [redis::Value::Nil, redis::Value::ServerError(e), ..]
-        | [redis::Value::Nil, _, redis::Value::ServerError(e)] => {
-            Err(crate::error::acquire_refused(key, e))
-        }
-        [redis::Value::Nil, _, redis::Value::Int(pttl)] => Ok(NodeReply::Held { pttl: *pttl }),
-        other => Err(unexpected("acquire", other)),
+    match answer(reply, false, value.as_bytes()) {
+        PlainAnswer::Set | PlainAnswer::Mine => Ok(NodeReply::Acquired),
+        PlainAnswer::Held(remaining) => Ok(NodeReply::Held { remaining }),
+        PlainAnswer::Refused(e) => Err(crate::error::acquire_refused(key, e)),
+        PlainAnswer::NoSetGet | PlainAnswer::Unexpected => Err(unexpected_acquire(reply)),
     }
 }
 
@@ -924,17 +913,13 @@ pub(crate) fn confirm_kill(
 ) -> Result<()> {
     match reply {
         Some(redis::Value::Int(_)) => Ok(()),
-        Some(redis::Value::ServerError(e)) if e.code() == "NOPERM" => {
-            Err(Error::Permission(format!(
-                "{addr}: CLIENT KILL is denied ({}); a redlock node needs it to fence off \
-                 commands that got no reply",
-                e.details().unwrap_or_default()
-            )))
-        }
-        Some(redis::Value::ServerError(e)) => Err(Error::Server {
+        Some(e @ redis::Value::ServerError(_)) => Err(refused(
+            addr,
             op,
-            source: redis::RedisError::from(e),
-        }),
+            "CLIENT KILL",
+            "a redlock node needs it to fence off commands that got no reply",
+            e,
+        )),
         other => Err(Error::UnexpectedReply {
             op,
             reply: format!("{other:?}"),
@@ -947,26 +932,34 @@ fn text(addr: &str, op: &'static str, reply: redis::Value) -> Result<String> {
     match reply {
         redis::Value::BulkString(bytes) => Ok(String::from_utf8_lossy(&bytes).into_owned()),
         redis::Value::VerbatimString { text, .. } | redis::Value::SimpleString(text) => Ok(text),
-        redis::Value::ServerError(e) if e.code() == "NOPERM" => Err(Error::Permission(format!(
-            "{addr}: {op} is denied ({}); a redlock group needs it to check that its nodes \
-             are independent and to notice restarts",
-            e.details().unwrap_or_default()
-        ))),
-        redis::Value::ServerError(e) => Err(Error::Server {
+        other => Err(refused(
+            addr,
             op,
-            source: redis::RedisError::from(e),
-        }),
-        other => Err(Error::UnexpectedReply {
             op,
-            reply: format!("{other:?}"),
-        }),
+            "a redlock group needs it to check that its nodes are independent and to notice \
+             restarts",
+            other,
+        )),
     }
 }
 
-fn unexpected(op: &'static str, reply: &(impl std::fmt::Debug + ?Sized)) -> Error {
-    Error::UnexpectedReply {
-        op,
-        reply: format!("{reply:?}"),
+/// The error of a reply `op` did not expect: `command` denied (what the
+/// group `needs` it for said), another error reply, or a reply of another
+/// kind.
+fn refused(addr: &str, op: &'static str, command: &str, needs: &str, reply: redis::Value) -> Error {
+    match reply {
+        redis::Value::ServerError(e) if e.code() == "NOPERM" => Error::Permission(format!(
+            "{addr}: {command} is denied ({}); {needs}",
+            e.details().unwrap_or_default()
+        )),
+        redis::Value::ServerError(e) => Error::Server {
+            op,
+            source: redis::RedisError::from(e),
+        },
+        other => Error::UnexpectedReply {
+            op,
+            reply: format!("{other:?}"),
+        },
     }
 }
 

@@ -30,9 +30,9 @@ pub(crate) enum NodeReply {
     /// The acquire's `SET NX` set the key, or the key already holds this
     /// lease's value.
     Acquired,
-    /// Another owner holds the key, for `pttl` more milliseconds (the
-    /// server's `PTTL`).
-    Held { pttl: i64 },
+    /// Another owner holds the key, for `remaining` more (the server's
+    /// `PTTL`; `None` for a key without an expiry).
+    Held { remaining: Option<Duration> },
     /// The extension script's reply: 1 extended, 0 gone, other: someone
     /// else's.
     Extend(i64),

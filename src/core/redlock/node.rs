@@ -380,12 +380,9 @@ impl<J> Node<J> {
                 slot.granted_by = self.run_id.clone();
                 (NodeOutcome::Granted, Vote::Yes)
             }
-            (Op::Acquire { .. }, NodeReply::Held { pttl }) => (
-                NodeOutcome::HeldByAnother {
-                    remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
-                },
-                Vote::Held,
-            ),
+            (Op::Acquire { .. }, NodeReply::Held { remaining }) => {
+                (NodeOutcome::HeldByAnother { remaining }, Vote::Held)
+            }
             // An extension counts only on the server that granted the lease:
             // one that restarted since may have lost the key and granted it
             // to someone else.
