@@ -85,6 +85,22 @@ pub(crate) fn rest_after(failures: u32) -> Duration {
     )
 }
 
+/// How long reconnect try number `failures + 1` of an outage may take: four
+/// node timeouts (at least 100 ms) at first, doubling with each failed try, at
+/// most the connect timeout. Short tries notice a healed link soon (a try
+/// whose packets were dropped waits out its whole budget); longer ones give a
+/// slow link its chance.
+pub(crate) fn try_budget(
+    failures: u32,
+    node_timeout: Duration,
+    connect_timeout: Duration,
+) -> Duration {
+    let first = (node_timeout * 4).max(Duration::from_millis(100));
+    first
+        .saturating_mul(1u32 << failures.min(16))
+        .min(connect_timeout)
+}
+
 /// How long a subscriber thread (a server's invalidations, a sentinel's
 /// switches) pauses before its `failures`-th reconnect in a row: 50 ms,
 /// doubling, at most 2 s (no jitter: each server has its own).
@@ -165,6 +181,19 @@ mod tests {
         let rests: Vec<Duration> = (0..=9).map(rest_after).collect();
         let expected = [25, 25, 50, 100, 200, 400, 800, 1_000, 1_000, 1_000].map(ms);
         assert_eq!(rests, expected);
+    }
+
+    #[test]
+    fn reconnect_tries_grow_to_the_connect_timeout() {
+        let ms = Duration::from_millis;
+        let connect = ms(2000);
+        assert_eq!(try_budget(0, ms(50), connect), ms(200));
+        assert_eq!(try_budget(1, ms(50), connect), ms(400));
+        assert_eq!(try_budget(3, ms(50), connect), ms(1600));
+        assert_eq!(try_budget(4, ms(50), connect), connect);
+        assert_eq!(try_budget(u32::MAX, ms(50), connect), connect);
+        assert_eq!(try_budget(0, ms(5), connect), ms(100));
+        assert_eq!(try_budget(0, ms(50), ms(150)), ms(150));
     }
 
     #[test]

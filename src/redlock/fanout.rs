@@ -5,10 +5,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Group;
-use super::options::check_ttl;
 use super::worker::{Completion, Gather, Job, Reply, ReplyTo};
 use crate::core::quorum::Tally;
-use crate::core::redlock::{NodeLease, Op};
+use crate::core::redlock::{NodeLease, Op, check_ttl};
 use crate::error::Result;
 use crate::report::{NodeOutcome, NodeReport};
 
@@ -33,7 +32,7 @@ pub(super) struct Route<'a> {
 
 impl Group {
     pub(super) fn check_ttl(&self, ttl: Duration) -> Result<u64> {
-        check_ttl(ttl, &self.options)
+        check_ttl(ttl, &self.timing)
     }
 
     pub(super) fn all(&self) -> Vec<usize> {

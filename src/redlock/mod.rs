@@ -5,17 +5,17 @@
 //! "Is Redlock safe?". The public docs are on [`RedlockGroup`](crate::RedlockGroup).
 //!
 //! The fan-out runs on the per-node workers (`worker.rs`); the quorum
-//! arithmetic is `core::quorum`, and each guard's bounds are a `core::lease`
-//! like every other lease's. Here: the group (`mod.rs`), its settings
-//! (`options.rs`), the fan-out and its evidence (`fanout.rs`), one attempt
-//! (`attempt.rs`), the reading of what the nodes hold (`inspect.rs`), the guard and its renewal (`guard.rs`), the independence
-//! checks (`independence.rs`) and the judgement of locks when a node goes away
-//! or restarts (`restarts.rs`).
+//! arithmetic is `core::quorum`, the checks that refuse an unsound group, TTL
+//! or set of nodes are `core::redlock`'s, and each guard's bounds are a
+//! `core::lease` like every other lease's. Here: the group (`mod.rs`), its
+//! settings (`options.rs`), the fan-out and its evidence (`fanout.rs`), one
+//! attempt (`attempt.rs`), the acquire handle (`lock.rs`), the reading of what
+//! the nodes hold (`inspect.rs`), the guard and its renewal (`guard.rs`) and
+//! the judgement of locks when a node goes away or restarts (`restarts.rs`).
 
 mod attempt;
 mod fanout;
 mod guard;
-mod independence;
 mod inspect;
 mod lock;
 mod options;
@@ -29,11 +29,12 @@ use std::time::Duration;
 use crate::clock::Clock;
 use crate::conn::ConnConfig;
 use crate::coordinator::Coordinator;
+use crate::core::redlock::{check_group, check_independent, check_round_trips};
 use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::lease::acquire::Lease;
 use crate::token::HolderTag;
-use worker::{Hello, NodeSettings, NodeWatcher, NodeWorker, OnNodeEvent, ROUND_TRIPS_PER_TIMEOUT};
+use worker::{Hello, NodeSettings, NodeWatcher, NodeWorker, OnNodeEvent};
 
 pub use attempt::RedlockAttempt;
 pub use guard::{Redlock, RedlockGuard};
@@ -43,13 +44,9 @@ pub use options::RedlockOptions;
 
 use attempt::Evidence;
 use guard::GroupRenewal;
-use independence::check_independent;
-use options::check_options;
 use restarts::Restarts;
 #[cfg(test)]
-pub(crate) use worker::{
-    acquire_reads, acquire_reply, acquire_set, confirm_kill, found_set, try_budget,
-};
+pub(crate) use worker::{acquire_reads, acquire_reply, acquire_set, confirm_kill, found_set};
 
 /// A lock held by a majority of independent Redis servers: antirez's Redlock.
 ///
@@ -511,11 +508,11 @@ impl Group {
         nodes: Vec<(Arc<ConnConfig>, String)>,
         options: RedlockOptions,
     ) -> Result<RedlockGroup> {
-        check_options(nodes.len(), &options)?;
         let timing = Timing {
             drift_factor: options.drift_factor,
             node_timeout: options.node_timeout,
         };
+        check_group(nodes.len(), &timing)?;
         let settings = NodeSettings {
             timing,
             restart_delay: options.restart_delay,
@@ -621,29 +618,6 @@ fn watchers(
                 .ok()
         })
         .collect()
-}
-
-/// Refuses a node timeout below [`ROUND_TRIPS_PER_TIMEOUT`] round trips of
-/// the slowest node.
-fn check_round_trips<'a>(
-    round_trips: impl Iterator<Item = (&'a str, Duration)>,
-    node_timeout: Duration,
-) -> Result<()> {
-    let Some((node, round_trip)) = round_trips.max_by_key(|(_, rtt)| *rtt) else {
-        return Ok(());
-    };
-    let needed = round_trip * ROUND_TRIPS_PER_TIMEOUT;
-    if node_timeout < needed {
-        // Whole milliseconds, rounded up, for a setting that can be copied.
-        let needed = Duration::from_millis(needed.as_nanos().div_ceil(1_000_000) as u64);
-        return Err(Error::NodeTimeoutTooShort {
-            node: node.to_owned(),
-            round_trip,
-            node_timeout,
-            needed,
-        });
-    }
-    Ok(())
 }
 
 impl Drop for Group {

@@ -1,12 +1,10 @@
-//! The settings of a Redlock group and the checks that refuse unsound ones.
+//! The settings of a Redlock group (the checks that refuse unsound ones are
+//! `core::redlock`'s).
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::core::timing;
-use crate::error::{Error, Result};
-use crate::keys;
 use crate::observe::Observer;
 
 /// Settings of a [`RedlockGroup`](crate::RedlockGroup). Build it with struct update syntax:
@@ -108,49 +106,4 @@ impl Default for RedlockOptions {
             observer: None,
         }
     }
-}
-
-/// Refuses a node count or options that cannot make a sound group.
-pub(super) fn check_options(nodes: usize, options: &RedlockOptions) -> Result<()> {
-    if nodes < 3 {
-        return Err(Error::InvalidArgument(format!(
-            "a redlock group needs at least 3 nodes, got {nodes}: with fewer, one failure \
-             stops it or one node decides alone"
-        )));
-    }
-    if nodes.is_multiple_of(2) {
-        return Err(Error::InvalidArgument(format!(
-            "a redlock group needs an odd number of nodes, got {nodes}: its quorum of {} \
-             tolerates no more failures than {} nodes do",
-            nodes / 2 + 1,
-            nodes - 1
-        )));
-    }
-    let f = options.drift_factor;
-    if f.is_nan() || !(0.0..1.0).contains(&f) {
-        return Err(Error::InvalidArgument(format!(
-            "drift factor {f} must be at least 0 and below 1"
-        )));
-    }
-    if options.node_timeout.is_zero() {
-        return Err(Error::InvalidArgument("node timeout is zero".into()));
-    }
-    Ok(())
-}
-
-/// Refuses a TTL the node timeout is not well below: a worst-case attempt
-/// (one that waits out the node timeout) must keep at least half the lease.
-pub(super) fn check_ttl(ttl: Duration, options: &RedlockOptions) -> Result<u64> {
-    let ms = keys::ttl_ms(ttl)?;
-    let ttl = Duration::from_millis(ms);
-    let drift = timing::drift(ttl, options.drift_factor);
-    if options.node_timeout + drift >= ttl / 2 {
-        return Err(Error::InvalidArgument(format!(
-            "node timeout {:?} is not well below ttl {ttl:?}: node timeout plus drift \
-             ({drift:?}) must be under half the ttl, so that an attempt that waits out a \
-             slow node keeps most of its validity",
-            options.node_timeout
-        )));
-    }
-    Ok(ms)
 }

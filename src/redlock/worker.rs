@@ -45,12 +45,14 @@ use parking_lot::{Condvar, Mutex};
 use crate::clock::Clock;
 use crate::conn::{Conn, ConnConfig, Identity};
 use crate::core::quorum::Vote;
+pub(crate) use crate::core::redlock::NodeSettings;
+use crate::core::redlock::ROUND_TRIPS_PER_TIMEOUT;
 use crate::core::redlock::{
-    self as machine, Action, Answer, Connected, Node, NodeReply, fences_for, started_by,
+    self as machine, Action, Answer, Connected, Node, NodeReply, ServerInfo, fences_for,
+    parse_info, started_by,
 };
 use crate::core::redlock::{NodeLease, Op};
-pub(crate) use crate::core::redlock::{NodeSettings, ROUND_TRIPS_PER_TIMEOUT};
-use crate::core::timing::rest_after;
+use crate::core::timing::{rest_after, try_budget};
 use crate::error::{Error, Result};
 use crate::lease::lock::{Answer as PlainAnswer, answer, set_command};
 use crate::lease::unexpected_acquire;
@@ -384,33 +386,6 @@ impl NodeWorker {
             }
         }
     }
-}
-
-/// What `INFO` says about a server.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(crate) struct ServerInfo {
-    pub(crate) run_id: Option<String>,
-    pub(crate) uptime: Option<Duration>,
-    pub(crate) replid: Option<String>,
-    pub(crate) cluster: bool,
-}
-
-/// Reads the fields the group needs from an `INFO` reply.
-pub(crate) fn parse_info(info: &str) -> ServerInfo {
-    let mut out = ServerInfo::default();
-    for line in info.lines() {
-        let Some((name, value)) = line.trim().split_once(':') else {
-            continue;
-        };
-        match name {
-            "run_id" => out.run_id = Some(value.to_owned()),
-            "uptime_in_seconds" => out.uptime = value.parse().ok().map(Duration::from_secs),
-            "master_replid" => out.replid = Some(value.to_owned()),
-            "cluster_enabled" => out.cluster = value == "1",
-            _ => {}
-        }
-    }
-    out
 }
 
 /// A connection made by [`open_node`].
@@ -777,22 +752,6 @@ fn reconnect(
     }
 }
 
-/// How long reconnect try number `failures + 1` of an outage may take: four
-/// node timeouts (at least 100 ms) at first, doubling with each failed try, at
-/// most the connect timeout. Short tries notice a healed link soon (a try
-/// whose packets were dropped waits out its whole budget); longer ones give a
-/// slow link its chance.
-pub(crate) fn try_budget(
-    failures: u32,
-    node_timeout: Duration,
-    connect_timeout: Duration,
-) -> Duration {
-    let first = (node_timeout * 4).max(Duration::from_millis(100));
-    first
-        .saturating_mul(1u32 << failures.min(16))
-        .min(connect_timeout)
-}
-
 /// The scripts a node runs, checked with `SCRIPT EXISTS` on every connection.
 fn node_scripts() -> [&'static Script; 2] {
     [&scripts::LEASE_EXTEND, &scripts::LEASE_RELEASE]
@@ -1103,19 +1062,6 @@ fn watch_session(
 mod tests {
     use super::*;
 
-    #[test]
-    fn reconnect_tries_grow_to_the_connect_timeout() {
-        let ms = Duration::from_millis;
-        let connect = ms(2000);
-        assert_eq!(try_budget(0, ms(50), connect), ms(200));
-        assert_eq!(try_budget(1, ms(50), connect), ms(400));
-        assert_eq!(try_budget(3, ms(50), connect), ms(1600));
-        assert_eq!(try_budget(4, ms(50), connect), connect);
-        assert_eq!(try_budget(u32::MAX, ms(50), connect), connect);
-        assert_eq!(try_budget(0, ms(5), connect), ms(100));
-        assert_eq!(try_budget(0, ms(50), ms(150)), ms(150));
-    }
-
     fn reply(node: usize) -> Reply {
         Reply {
             node,
@@ -1166,18 +1112,5 @@ mod tests {
             asked.elapsed() >= ms(30),
             "woken early with nothing to read"
         );
-    }
-
-    #[test]
-    fn parses_the_info_fields() {
-        let info = "# Server\r\nredis_version:7.0.15\r\nrun_id:abc123\r\n\
-                    uptime_in_seconds:42\r\n# Replication\r\nrole:master\r\n\
-                    master_replid:def456\r\n# Cluster\r\ncluster_enabled:1\r\n";
-        let parsed = parse_info(info);
-        assert_eq!(parsed.run_id.as_deref(), Some("abc123"));
-        assert_eq!(parsed.uptime, Some(Duration::from_secs(42)));
-        assert_eq!(parsed.replid.as_deref(), Some("def456"));
-        assert!(parsed.cluster);
-        assert!(!parse_info("cluster_enabled:0\r\n").cluster);
     }
 }

@@ -47,11 +47,9 @@ use crate::core::redlock::{
     QuorumRenewal, Release, Watch, acquired, fences_for, started_by, validity,
 };
 use crate::core::schedule::{Next, Schedule, Watched};
-use crate::core::timing::{Timing, rest_after};
+use crate::core::timing::{Timing, rest_after, try_budget};
 use crate::error::Error;
-use crate::redlock::{
-    acquire_reads, acquire_reply, acquire_set, confirm_kill, found_set, try_budget,
-};
+use crate::redlock::{acquire_reads, acquire_reply, acquire_set, confirm_kill, found_set};
 use crate::runtime::lease::LeaseCell;
 use crate::scripts;
 

@@ -28,6 +28,7 @@
 //! - a node counts for a lease only while the server that granted it runs
 //!   (same `run_id`).
 
+mod checks;
 mod extension;
 mod grant;
 mod job;
@@ -35,6 +36,9 @@ mod node;
 mod node_lease;
 mod release;
 
+pub(crate) use checks::{
+    ServerInfo, check_group, check_independent, check_round_trips, check_ttl, parse_info,
+};
 pub(crate) use extension::{Extension, QuorumRenewal};
 pub(crate) use grant::{acquired, validity};
 pub(crate) use job::{Answer, Connected, Job, NodeReply, NodeSettings, Op};
