@@ -43,7 +43,7 @@ use crate::lease::guard::held::{self, Held};
 use crate::lease::guard::{Backend, LeaseGuard, sealed};
 use crate::observe::{LeaseId, Primitive};
 use crate::report::{NodeOutcome, NodeReport, summarize};
-use crate::runtime::lease::{LeaseCell, LeaseView};
+use crate::runtime::lease::{Finished, LeaseCell, LeaseView};
 use crate::runtime::scheduler::{Dispatch, RenewalThread, Watchable};
 use crate::token::FencingToken;
 
@@ -58,10 +58,6 @@ pub(crate) struct RedlockLease {
 impl RedlockLease {
     pub(super) fn nodes(&self) -> &Arc<NodeLease> {
         self.cell.extra()
-    }
-
-    pub(super) fn is_finished(&self) -> bool {
-        self.cell.is_finished()
     }
 
     pub(super) fn lost_at(&self) -> Instant {
@@ -87,6 +83,12 @@ impl RedlockLease {
         log::warn!("redlock {:?} is lost: {why}", self.cell.key());
         self.cell.mark_lost(now, Loss::Other(why));
         self.group.renewal.touch(self);
+    }
+}
+
+impl Finished for RedlockLease {
+    fn is_finished(&self) -> bool {
+        self.cell.is_finished()
     }
 }
 
@@ -148,7 +150,7 @@ impl LeaseGuard<Redlock> {
             cell: LeaseCell::new(key.to_owned(), nodes, core),
             evidence: Mutex::new(evidence),
         });
-        group.restarts.register(&inner);
+        group.restarts.live.register(&inner);
         (inner.cell).observe_with(group.options.observer.as_ref(), Primitive::Redlock);
         group.users.join();
         LeaseGuard::from_held(RedlockHeld {

@@ -13,7 +13,7 @@
 //! watcher reads the close: in practice before a restarted server takes
 //! commands, guaranteed only with the restart delay.
 
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
@@ -21,48 +21,21 @@ use super::Group;
 use super::guard::RedlockLease;
 use super::worker::NodeEvent;
 use crate::core::redlock::Watch;
+use crate::runtime::lease::LiveLeases;
 
-/// The group's live locks and what its watchers know of each node.
+/// The group's live locks, to judge when a node goes away or restarts, and
+/// what its watchers know of each node.
 pub(super) struct Restarts {
-    live: Mutex<Live>,
+    pub(super) live: LiveLeases<RedlockLease>,
     watch: Mutex<Watch>,
-}
-
-struct Live {
-    leases: Vec<Weak<RedlockLease>>,
-    prune_at: usize,
 }
 
 impl Restarts {
     pub(super) fn new(nodes: usize) -> Self {
         Restarts {
-            live: Mutex::new(Live {
-                leases: Vec::new(),
-                prune_at: 64,
-            }),
+            live: LiveLeases::new(),
             watch: Mutex::new(Watch::new(nodes)),
         }
-    }
-
-    /// Remembers a new lock, to judge it when a node goes away or restarts.
-    pub(super) fn register(&self, lease: &Arc<RedlockLease>) {
-        let mut live = self.live.lock();
-        if live.leases.len() >= live.prune_at {
-            live.leases
-                .retain(|w| w.upgrade().is_some_and(|l| !l.is_finished()));
-            live.prune_at = (live.leases.len() * 2).max(64);
-        }
-        live.leases.push(Arc::downgrade(lease));
-    }
-
-    fn leases(&self) -> Vec<Arc<RedlockLease>> {
-        self.live
-            .lock()
-            .leases
-            .iter()
-            .filter_map(Weak::upgrade)
-            .filter(|l| !l.is_finished())
-            .collect()
     }
 }
 
@@ -70,7 +43,7 @@ impl Group {
     /// A watcher's news about node `i`: every live lock is judged again.
     pub(super) fn node_event(&self, i: usize, event: NodeEvent) {
         let now = self.now();
-        let leases = self.restarts.leases();
+        let leases = self.restarts.live.live_where(|_| true);
         let mut watch = self.restarts.watch.lock();
         let what = match &event {
             NodeEvent::Down => {

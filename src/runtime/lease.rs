@@ -9,7 +9,7 @@
 
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
@@ -472,6 +472,64 @@ impl<X> Watchable for LeaseCell<X> {
     }
     fn watch_id(&self) -> u64 {
         self.id()
+    }
+}
+
+/// A lease that a [`LiveLeases`] can tell is finished (released or dropped).
+pub(crate) trait Finished {
+    /// Whether it is finished.
+    fn is_finished(&self) -> bool;
+}
+
+impl<X> Finished for LeaseCell<X> {
+    fn is_finished(&self) -> bool {
+        LeaseCell::is_finished(self)
+    }
+}
+
+/// Live leases, by weak reference, to judge again when something happens to
+/// their servers (a topology change, a server clock that ran ahead, a Redlock
+/// node that went away or restarted); the finished ones are pruned each time
+/// the list has doubled.
+pub(crate) struct LiveLeases<T> {
+    inner: Mutex<Live<T>>,
+}
+
+struct Live<T> {
+    leases: Vec<Weak<T>>,
+    prune_at: usize,
+}
+
+impl<T: Finished> LiveLeases<T> {
+    pub(crate) fn new() -> Self {
+        LiveLeases {
+            inner: Mutex::new(Live {
+                leases: Vec::new(),
+                prune_at: 64,
+            }),
+        }
+    }
+
+    /// Remembers a new lease.
+    pub(crate) fn register(&self, lease: &Arc<T>) {
+        let mut live = self.inner.lock();
+        if live.leases.len() >= live.prune_at {
+            live.leases
+                .retain(|w| w.upgrade().is_some_and(|l| !l.is_finished()));
+            live.prune_at = (live.leases.len() * 2).max(64);
+        }
+        live.leases.push(Arc::downgrade(lease));
+    }
+
+    /// The live leases (not finished) that `keep` selects.
+    pub(crate) fn live_where(&self, keep: impl Fn(&T) -> bool) -> Vec<Arc<T>> {
+        self.inner
+            .lock()
+            .leases
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|l| !l.is_finished() && keep(l))
+            .collect()
     }
 }
 

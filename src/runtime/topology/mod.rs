@@ -40,7 +40,6 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
-use parking_lot::Mutex;
 
 use crate::clock::Clock;
 use crate::conn::cluster::{NodeAddr, Redirect, redirect};
@@ -50,6 +49,7 @@ use crate::error::{Error, Result};
 use crate::keys::key_slot;
 use crate::observe::{self, Observer};
 use crate::replication::History;
+use crate::runtime::lease::LiveLeases;
 use crate::runtime::renewal::{self, Cell, Counters, DeploymentRenewal, Lanes, RenewalStats};
 use crate::runtime::server::{Directory, Server, ServerJob};
 use crate::runtime::waiters::{OnTracked, Registry, Route, Tracker};
@@ -114,12 +114,6 @@ enum Shape {
     Sentinel(Sentinel),
 }
 
-/// Live leases, by weak reference, for re-verification after a change.
-struct Live {
-    cells: Vec<Weak<Cell>>,
-    prune_at: usize,
-}
-
 /// One deployment's servers and the runtime around them.
 pub(crate) struct Topology {
     shape: Shape,
@@ -129,7 +123,8 @@ pub(crate) struct Topology {
     clock: Arc<dyn Clock>,
     timing: Timing,
     pool_size: usize,
-    live: Mutex<Live>,
+    /// Live leases, for re-verification after a change.
+    live: LiveLeases<Cell>,
     /// Asks the topology thread to look again now.
     poke: Option<Sender<()>>,
     /// Dropped with the topology: its threads stop.
@@ -166,10 +161,7 @@ impl Topology {
                 clock: s.clock.clone(),
                 timing: s.timing,
                 pool_size: s.pool_size,
-                live: Mutex::new(Live {
-                    cells: Vec::new(),
-                    prune_at: 64,
-                }),
+                live: LiveLeases::new(),
                 poke,
                 _stop: stop,
                 this: this.clone(),
@@ -289,24 +281,7 @@ impl Topology {
     /// Remembers a lease granted here, to verify it after a change and to
     /// cut it when its server's clock runs ahead.
     pub(crate) fn register(&self, cell: &Arc<Cell>) {
-        let mut live = self.live.lock();
-        if live.cells.len() >= live.prune_at {
-            live.cells
-                .retain(|w| w.upgrade().is_some_and(|c| !c.is_finished()));
-            live.prune_at = (live.cells.len() * 2).max(64);
-        }
-        live.cells.push(Arc::downgrade(cell));
-    }
-
-    /// The live leases (not finished) that `keep` selects.
-    fn live_where(&self, keep: impl Fn(&Cell) -> bool) -> Vec<Arc<Cell>> {
-        self.live
-            .lock()
-            .cells
-            .iter()
-            .filter_map(Weak::upgrade)
-            .filter(|c| !c.is_finished() && keep(c))
-            .collect()
+        self.live.register(cell);
     }
 
     /// Runs `f` on a connection to the server that holds `key`, following
@@ -425,7 +400,9 @@ impl Topology {
     /// `changed` names.
     fn slots_changed(&self, changed: &dyn Fn(u16) -> bool) {
         self.registry.wake_where(|key| changed(key_slot(key)));
-        let cells = self.live_where(|c| changed(key_slot(c.key().as_bytes())));
+        let cells = self
+            .live
+            .live_where(|c| changed(key_slot(c.key().as_bytes())));
         // Nothing the old server says about an extension counts from now on;
         // the verification on the new one bounds each lease by what it has
         // left there.
@@ -549,7 +526,7 @@ impl Directory for Topology {
         detected: Instant,
         spared: &[u64],
     ) {
-        let cells = self.live_where(|c| {
+        let cells = self.live.live_where(|c| {
             !spared.contains(&c.id())
                 && self
                     .node_for(c.key())
