@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Group;
-use super::worker::{Completion, Gather, Job, Reply, ReplyTo};
+use super::worker::{Completion, Gather, Job, Reply, ReplyTo, Route};
 use crate::core::quorum::Tally;
 use crate::core::redlock::{NodeLease, Op, check_ttl};
 use crate::error::Result;
@@ -18,16 +18,6 @@ use crate::report::{NodeOutcome, NodeReport};
 pub(super) struct Heard {
     pub(super) outcome: NodeOutcome,
     pub(super) latency: Option<Duration>,
-}
-
-/// Where a fan-out's answers go.
-pub(super) struct Route<'a> {
-    /// Where the answers go (`None`: nobody waits).
-    pub(super) reply: Option<&'a ReplyTo>,
-    /// Echoed in each answer.
-    pub(super) tag: u64,
-    /// Counted down as each node's share finishes.
-    pub(super) done: Option<&'a Arc<Completion>>,
 }
 
 impl Group {
@@ -50,7 +40,7 @@ impl Group {
         lease: &Arc<NodeLease>,
         targets: &[usize],
         deadline: Instant,
-        route: &Route<'_>,
+        route: &Route,
     ) {
         for &i in targets {
             self.workers[i].send(
@@ -59,9 +49,7 @@ impl Group {
                     op,
                     lease: lease.clone(),
                     deadline,
-                    reply: route.reply.cloned(),
-                    tag: route.tag,
-                    done: route.done.cloned(),
+                    route: route.clone(),
                 },
             );
         }
@@ -80,14 +68,13 @@ impl Group {
     ) -> (Vec<Option<Reply>>, Tally) {
         let n = self.len();
         let gather = Gather::new(targets.len());
-        let reply = ReplyTo::Gather(gather.clone());
         let route = Route {
-            reply: Some(&reply),
+            reply: Some(ReplyTo::Gather(gather.clone())),
             tag: 0,
-            done,
+            done: done.cloned(),
         };
         self.send(op, lease, targets, deadline, &route);
-        drop(reply);
+        drop(route);
         let mut replies: Vec<Option<Reply>> = std::iter::repeat_with(|| None).take(n).collect();
         let mut tally = Tally::new(n, targets.len());
         while tally.outstanding > 0 && !decided(&tally) {
@@ -152,11 +139,6 @@ impl Group {
     /// their workers, which run it after the acquire).
     pub(super) fn clean_up(&self, lease: &Arc<NodeLease>) {
         let deadline = self.now() + self.timing.node_timeout;
-        let route = Route {
-            reply: None,
-            tag: 0,
-            done: None,
-        };
-        self.send(Op::Release, lease, &self.all(), deadline, &route);
+        self.send(Op::Release, lease, &self.all(), deadline, &Route::default());
     }
 }

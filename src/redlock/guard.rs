@@ -1,19 +1,9 @@
 //! The Redlock backend of the one guard family ([`LeaseGuard<Redlock>`]),
-//! its extensions, its release and its renewal.
-//!
-//! A guard's bounds are a `core::lease` like every other lease's: the validity
-//! of the grant counts from the first send, an extension is claimed so that two
-//! never overlap (a user's `extend` waits for a keep-alive renewal in flight,
-//! and the other way round), a quorum's confirmation moves the bound, and an
-//! extension that reached no verdict bounds the lock by its worst case — a
-//! shorter TTL from its send time — until every node's share of it is
-//! finished. Each node runs one lease's commands in order and fences off the
-//! connection of a command that got no reply before sending another, so the
-//! next extension cannot be overtaken on any node.
-//!
-//! How the nodes' answers add up to a verdict, and what the verdict does to
-//! the bounds, is `core::redlock::Extension` (and, for a release,
-//! `core::redlock::Release`), which the simulation drives too.
+//! its extensions, its release and its renewal: a transport of the bounds
+//! every lease keeps (`core::lease`) and of how the nodes' answers add up to
+//! a verdict and what the verdict does to those bounds
+//! (`core::redlock::Extension`, `QuorumRenewal` and `Release`), which the
+//! simulation drives too.
 //!
 //! The renewal thread (`respire-redlock`, started by the first guard that
 //! needs it) hands due extensions to the node workers and counts their
@@ -29,7 +19,7 @@ use parking_lot::Mutex;
 
 use super::Group;
 use super::fanout::Heard;
-use super::worker::{Completion, Reply, ReplyTo};
+use super::worker::{Completion, Reply, ReplyTo, Route};
 use crate::clock::Clock;
 use crate::core::extend::{ResetDone, ResetExpiry, ResetStep};
 use crate::core::lease::{LeaseCore, Loss, Ticket};
@@ -50,7 +40,7 @@ use crate::token::FencingToken;
 /// One Redlock lease, shared by its guard and the renewal thread.
 pub(crate) struct RedlockLease {
     group: Arc<Group>,
-    cell: LeaseCell<Arc<NodeLease>>,
+    pub(super) cell: LeaseCell<Arc<NodeLease>>,
     /// Named by the group when read.
     evidence: Mutex<Vec<Heard>>,
 }
@@ -58,10 +48,6 @@ pub(crate) struct RedlockLease {
 impl RedlockLease {
     pub(super) fn nodes(&self) -> &Arc<NodeLease> {
         self.cell.extra()
-    }
-
-    pub(super) fn lost_at(&self) -> Instant {
-        self.cell.lost_at()
     }
 
     /// Keeps every node's answer to an extension sent to all of them, by
@@ -453,8 +439,8 @@ impl Dispatch for ToNodes {
                 continue;
             };
             let targets = group.all();
-            let route = super::fanout::Route {
-                reply: Some(&self.tx),
+            let route = Route {
+                reply: Some(self.tx.clone()),
                 tag: id,
                 done: None,
             };

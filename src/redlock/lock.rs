@@ -76,13 +76,12 @@ impl RedlockHandle {
                 return Err(Error::Cancelled);
             }
             match self.try_once(ttl, seen) {
-                Ok(Some(guard)) => {
-                    if cancel.is_some_and(CancelToken::is_cancelled) {
-                        drop(guard);
-                        return Err(Error::Cancelled);
-                    }
-                    return Ok(Some(guard));
+                // Cancelled while the attempt was in flight: what it got is
+                // released (by dropping it).
+                Ok(Some(_)) if cancel.is_some_and(CancelToken::is_cancelled) => {
+                    return Err(Error::Cancelled);
                 }
+                Ok(Some(guard)) => return Ok(Some(guard)),
                 Ok(None) => policy.busy(),
                 Err(e) if e.is_retryable() => {
                     let message = e.to_string();

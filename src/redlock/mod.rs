@@ -34,7 +34,7 @@ use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::lease::acquire::Lease;
 use crate::token::HolderTag;
-use worker::{Hello, NodeSettings, NodeWatcher, NodeWorker, OnNodeEvent};
+use worker::{Hello, NodeSettings, NodeWatcher, NodeWorker};
 
 pub use attempt::RedlockAttempt;
 pub use guard::{Redlock, RedlockGuard};
@@ -423,21 +423,7 @@ impl RedlockGroup {
     /// The nodes, in the order given, as their workers see them now: address,
     /// key prefix, measured round trip, and whether they are connected.
     pub fn nodes(&self) -> Vec<RedlockNode> {
-        let g = &self.inner;
-        g.workers
-            .iter()
-            .zip(&g.prefixes)
-            .map(|(w, prefix)| {
-                let status = w.status();
-                RedlockNode {
-                    addr: w.addr.clone(),
-                    key_prefix: prefix.clone(),
-                    round_trip: status.round_trip,
-                    connected: status.connected,
-                    last_error: status.last_error,
-                }
-            })
-            .collect()
+        self.inner.workers.iter().map(NodeWorker::status).collect()
     }
 
     /// The group's settings.
@@ -528,12 +514,10 @@ impl Group {
             .map_or_else(crate::clock::system, |cfg| cfg.clock.clone());
         for (i, (cfg, prefix)) in nodes.into_iter().enumerate() {
             longest = longest.max(cfg.connect_timeout);
-            let worker =
-                NodeWorker::spawn(i, cfg, settings, hello_tx.clone()).map_err(|source| {
-                    Error::Thread {
-                        name: "respire-node",
-                        source,
-                    }
+            let worker = NodeWorker::spawn(i, cfg, prefix.clone(), settings, hello_tx.clone())
+                .map_err(|source| Error::Thread {
+                    name: "respire-node",
+                    source,
                 })?;
             workers.push(worker);
             prefixes.push(prefix);
@@ -551,7 +535,7 @@ impl Group {
                 Err(_) => break,
             }
         }
-        let mut found = Vec::with_capacity(workers.len());
+        let (mut infos, mut round_trips) = (Vec::new(), Vec::new());
         for (w, hello) in workers.iter().zip(hellos) {
             let Some(hello) = hello else {
                 return Err(Error::Connect {
@@ -559,17 +543,11 @@ impl Group {
                     detail: format!("not connected within {longest:?}"),
                 });
             };
-            found.push((w.addr.clone(), hello));
+            infos.push((w.addr.clone(), hello.info));
+            round_trips.push((w.addr.as_str(), hello.round_trip));
         }
-        let infos: Vec<_> = found
-            .iter()
-            .map(|(addr, h)| (addr.clone(), h.info.clone()))
-            .collect();
         check_independent(&infos)?;
-        check_round_trips(
-            found.iter().map(|(addr, h)| (addr.as_str(), h.round_trip)),
-            options.node_timeout,
-        )?;
+        check_round_trips(round_trips.into_iter(), options.node_timeout)?;
         let quorum = workers.len() / 2 + 1;
         let n = workers.len();
         Ok(RedlockGroup {
@@ -599,19 +577,11 @@ fn watchers(
     node_timeout: Duration,
     group: &Weak<Group>,
 ) -> Vec<NodeWatcher> {
-    let on: OnNodeEvent = {
-        let group = group.clone();
-        Arc::new(move |i, event| {
-            if let Some(group) = group.upgrade() {
-                group.node_event(i, event);
-            }
-        })
-    };
     cfgs.into_iter()
         .enumerate()
         .filter_map(|(i, cfg)| {
             let addr = cfg.addr.to_string();
-            NodeWatcher::spawn(i, cfg, node_timeout, on.clone())
+            NodeWatcher::spawn(i, cfg, node_timeout, group.clone())
                 .inspect_err(|e| {
                     log::warn!("redlock node {addr}: cannot start its watcher thread: {e}")
                 })

@@ -1,17 +1,7 @@
-//! Restarts without the data: a node whose server goes away may come back
-//! empty and grant a lock to a second client while the first still counts on
-//! it (antirez, "Distributed Locks with Redis", the section on restarts).
-//!
-//! Each node has a watcher (`worker.rs`) on an idle connection of its
-//! own. When that connection fails, the server may have stopped; when it
-//! connects again, the server's run id tells whether it restarted. The group
-//! then judges every live lock at once: a node counts for a lock while it
-//! granted it, has not restarted since and, unless the restart delay keeps a
-//! restarted server from granting anything before the lock's deadline, is not
-//! down (`core::redlock::Watch`, which the simulation runs too). A lock that
-//! fewer than a quorum of nodes count for is flagged lost as soon as the
-//! watcher reads the close: in practice before a restarted server takes
-//! commands, guaranteed only with the restart delay.
+//! Restarts without the data (antirez, "Distributed Locks with Redis", the
+//! section on restarts), as [Restarts](crate::RedlockGroup#restarts) tells
+//! users: each watcher's news (`worker.rs`) about its node, judged against
+//! every live lock by `core::redlock::Watch`, which the simulation runs too.
 
 use std::sync::Arc;
 
@@ -67,8 +57,12 @@ impl Group {
         let short: Vec<(&Arc<RedlockLease>, usize)> = leases
             .iter()
             .filter_map(|lease| {
-                let verdict =
-                    watch.judge(lease.nodes(), lease.lost_at(), restart_delay, self.quorum);
+                let verdict = watch.judge(
+                    lease.nodes(),
+                    lease.cell.lost_at(),
+                    restart_delay,
+                    self.quorum,
+                );
                 verdict.err().map(|counted| (lease, counted))
             })
             .collect();

@@ -1,47 +1,33 @@
 //! The Redlock node workers: one thread per node of a `RedlockGroup`, each with
-//! its own connection, running that node's share of every group operation in
-//! the order the operations were issued.
-//!
-//! A group operation sends one job to every worker and waits for replies only
-//! until its outcome is decided; a job still running then is finished (or times
-//! out) in the background. Because one node's jobs run in order on one
-//! connection, the release of a lease reaches a node after that lease's
-//! acquire, even when the acquire was abandoned unanswered: a late grant is
-//! always cleaned up by owner token.
+//! its own connection, the transport of that node's machine
+//! (`core::redlock::Node`, which the simulation drives too, and whose docs
+//! give the rules it keeps: one node's jobs in order, a command without a
+//! reply fenced off by killing its connection before anything else is sent
+//! there, a late release still sent). A group operation sends one job to every
+//! worker and waits for replies only until its outcome is decided; a job
+//! still running then is finished (or times out) in the background.
 //!
 //! Connections are made outside the operations' budgets. Every worker connects
 //! when the group is created (all nodes at once), in one round trip after the
-//! handshake: `CLIENT SETNAME` + `CLIENT ID` + `CLIENT INFO`, `INFO` (run id, replication id,
-//! cluster mode, uptime), `SCRIPT EXISTS` for the three scripts (a script the
-//! server lacks goes out as EVAL at once, so every operation is one round trip)
-//! and, at creation, a `CLIENT KILL` of an id no client has (the group needs
-//! that right). That round trip is the node's measured round trip. When a
-//! connection fails, a short-lived connector thread (`respire-conn-N`) makes a
-//! new one in the background, each try bounded by the connect timeout, with
-//! pauses of 25 ms doubling to 1 s between failed tries; until it is ready, the
-//! worker answers acquires and extensions "not connected" at once, and keeps
-//! the releases to send once it is.
-//!
-//! A command that got no reply may still be applied later, on the connection it
-//! went out on. So the connector kills that connection from the new one (`CLIENT
-//! KILL ID … ADDR …`, unless the server restarted, which closed it) and waits for the
-//! confirmation before the new connection is used: one node's commands are
-//! applied in the order they were issued or not at all, and a release can never
-//! be overtaken by the late acquire it cleans up after. While the kill cannot
-//! be confirmed, nothing is sent there. A release that waited past its deadline
-//! (behind other jobs, or for the connection) is still sent, with a budget of
-//! its own, so a late grant does not outlive its clean-up.
-//!
-//! Those rules are kept by the node machine (`core::redlock::Node`), which
-//! the simulation drives too; this file is its transport: the thread, the
-//! connection and the commands on it, the connector and the watcher.
+//! handshake: `CLIENT SETNAME` + `CLIENT ID` + `CLIENT INFO`, `INFO` (run id,
+//! replication id, cluster mode, uptime), `SCRIPT EXISTS` for the two scripts
+//! (a script the server lacks goes out as EVAL at once, so every operation is
+//! one round trip) and, at creation, a `CLIENT KILL` of an id no client has
+//! (the group needs that right). That round trip is the node's measured round
+//! trip. When a connection fails, a short-lived connector thread
+//! (`respire-conn-N`) makes a new one in the background, with pauses of 25 ms
+//! doubling to 1 s between failed tries, and kills the tainted connection
+//! from it (`CLIENT KILL ID … ADDR …`); until it is ready, the worker answers
+//! acquires and extensions "not connected" at once, and keeps the releases to
+//! send once it is. Each node's watcher (`respire-watch-N`) is here too.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 
+use super::{Group, RedlockNode};
 use crate::clock::Clock;
 use crate::conn::{Conn, ConnConfig, Identity};
 use crate::core::quorum::Vote;
@@ -166,6 +152,12 @@ pub(crate) struct Job {
     pub(crate) lease: Arc<NodeLease>,
     /// Not sent after this (but a release is); the command's own timeout ends here.
     pub(crate) deadline: Instant,
+    pub(crate) route: Route,
+}
+
+/// Where a job's answer goes, and what its end counts down.
+#[derive(Clone, Default)]
+pub(crate) struct Route {
     /// Where the reply goes; `None` for fire-and-forget clean-up.
     pub(crate) reply: Option<ReplyTo>,
     /// Echoed in the reply, to tell fan-outs sharing one channel apart.
@@ -217,23 +209,14 @@ pub(crate) struct Hello {
     pub(crate) round_trip: Duration,
 }
 
-/// A node as its worker last saw it.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct NodeStatus {
-    pub(crate) connected: bool,
-    /// Measured when the current (or last) connection was made.
-    pub(crate) round_trip: Option<Duration>,
-    /// Why the node is not connected, when it is not.
-    pub(crate) last_error: Option<String>,
-}
-
 /// The handle on one worker thread; the thread finishes the queued jobs and
 /// stops when the handle is dropped.
 pub(crate) struct NodeWorker {
     tx: Sender<Job>,
     progress: Arc<Progress>,
     pub(crate) addr: String,
-    status: Arc<Mutex<NodeStatus>>,
+    /// The node as the worker last saw it.
+    status: Arc<Mutex<RedlockNode>>,
     /// Disconnects when the thread ends.
     ended: Receiver<()>,
     thread: std::thread::ThreadId,
@@ -297,18 +280,25 @@ pub(crate) fn stop(workers: Vec<NodeWorker>, deadline: Instant) {
 }
 
 impl NodeWorker {
-    /// Starts the worker of node `index`. It connects at once (bounded by the
-    /// connect timeout) and says how that went on `hello`; a worker that could
-    /// not connect ends there.
+    /// Starts the worker of node `index`, whose keys have `prefix`. It
+    /// connects at once (bounded by the connect timeout) and says how that
+    /// went on `hello`; a worker that could not connect ends there.
     pub(crate) fn spawn(
         index: usize,
         cfg: Arc<ConnConfig>,
+        prefix: String,
         settings: NodeSettings,
         hello: Sender<(usize, Result<Hello>)>,
     ) -> std::io::Result<NodeWorker> {
         let (tx, rx) = crossbeam_channel::unbounded();
         let addr = cfg.addr.to_string();
-        let status = Arc::new(Mutex::new(NodeStatus::default()));
+        let status = Arc::new(Mutex::new(RedlockNode {
+            addr: addr.clone(),
+            key_prefix: prefix,
+            round_trip: None,
+            connected: false,
+            last_error: None,
+        }));
         let worker_status = status.clone();
         let progress = Arc::new(Progress::default());
         let worker_progress = progress.clone();
@@ -358,7 +348,7 @@ impl NodeWorker {
     }
 
     /// The node as its worker last saw it.
-    pub(crate) fn status(&self) -> NodeStatus {
+    pub(crate) fn status(&self) -> RedlockNode {
         self.status.lock().clone()
     }
 
@@ -371,19 +361,16 @@ impl NodeWorker {
         if let Err(e) = self.tx.send(job) {
             self.progress.took(1);
             let job = e.into_inner();
-            if let Some(reply) = job.reply {
-                reply.deliver(Reply {
-                    node: index,
-                    tag: job.tag,
-                    outcome: NodeOutcome::Failed("the node's worker thread stopped".into()),
-                    vote: Vote::Unknown,
-                    latency: None,
-                    permanent: None,
-                });
-            }
-            if let Some(done) = job.done {
-                done.finish();
-            }
+            let stopped = NodeOutcome::Failed("the node's worker thread stopped".into());
+            let handle = Handle {
+                route: job.route,
+                started: job.deadline,
+            };
+            handle.answer(
+                index,
+                Answer::of(stopped, Vote::Unknown, false),
+                job.deadline,
+            );
         }
     }
 }
@@ -422,10 +409,29 @@ struct Connector {
 
 /// How a job is answered: where its reply goes, and when it was taken up.
 struct Handle {
-    reply: Option<ReplyTo>,
-    tag: u64,
-    done: Option<Arc<Completion>>,
+    route: Route,
     started: Instant,
+}
+
+impl Handle {
+    /// Answers the job as node `node`, at `now`.
+    fn answer(self, node: usize, answer: Answer, now: Instant) {
+        if let Some(reply) = self.route.reply {
+            reply.deliver(Reply {
+                node,
+                tag: self.route.tag,
+                outcome: answer.outcome,
+                vote: answer.vote,
+                latency: answer
+                    .sent
+                    .then(|| now.saturating_duration_since(self.started)),
+                permanent: answer.permanent,
+            });
+        }
+        if let Some(done) = self.route.done {
+            done.finish();
+        }
+    }
 }
 
 /// The worker thread: the transport of one [`Node`] machine, which decides
@@ -440,7 +446,7 @@ struct Worker {
     conn: Option<Conn>,
     /// Making a new connection, while the machine has none.
     connector: Option<Connector>,
-    status: Arc<Mutex<NodeStatus>>,
+    status: Arc<Mutex<RedlockNode>>,
     progress: Arc<Progress>,
 }
 
@@ -506,9 +512,7 @@ impl Worker {
     fn handle(&mut self, job: Job) {
         let now = self.cfg.clock.now();
         let handle = Handle {
-            reply: job.reply,
-            tag: job.tag,
-            done: job.done,
+            route: job.route,
             started: now,
         };
         self.node
@@ -517,20 +521,15 @@ impl Worker {
         self.progress.took(1);
     }
 
-    /// Does what the machine asks until it waits for something.
-    fn drive(&mut self) {
-        self.drive_from(self.cfg.clock.now());
-    }
-
-    /// [`Worker::drive`], with the clock read at `now`, and read again after
-    /// each step that can take time (a command, an answer, which may let
+    /// Does what the machine asks until it waits for something, with the
+    /// clock read at `now`, and read again after each step that can take time (a command, an answer, which may let
     /// the waiting thread run first, a connector's start): the machine's own
     /// steps take next to none.
     fn drive_from(&mut self, mut now: Instant) {
         while let Some(action) = self.node.poll(now) {
             match action {
                 Action::Respond { handle, answer } => {
-                    self.respond(handle, answer, now);
+                    handle.answer(self.index, answer, now);
                     now = self.cfg.clock.now();
                 }
                 Action::Connect { tainted, run_id } => {
@@ -557,25 +556,6 @@ impl Worker {
         }
     }
 
-    /// Answers a job at `now`.
-    fn respond(&self, mut handle: Handle, answer: Answer, now: Instant) {
-        if let Some(reply) = handle.reply.take() {
-            reply.deliver(Reply {
-                node: self.index,
-                tag: handle.tag,
-                outcome: answer.outcome,
-                vote: answer.vote,
-                latency: answer
-                    .sent
-                    .then(|| now.saturating_duration_since(handle.started)),
-                permanent: answer.permanent,
-            });
-        }
-        if let Some(done) = handle.done.take() {
-            done.finish();
-        }
-    }
-
     /// Sends one command and reads its reply off the wire.
     fn run_command(&mut self, op: Op, lease: &NodeLease, deadline: Instant) -> Result<NodeReply> {
         let key = lease.key(self.index);
@@ -588,15 +568,7 @@ impl Worker {
         };
         match op {
             Op::Acquire { ttl_ms } => {
-                // Plain commands, no script: `SET NX PX` takes the key if it
-                // is free, and alone it is all an uncontended attempt sends
-                // (on one CPU, the server's work for two more commands on
-                // every node showed in every attempt). Only when it finds the
-                // key set does a second round trip ask `GET` (a key of
-                // another type is an error, not a holder) and `PTTL` (how
-                // long the holder has), within the same deadline. Every
-                // attempt has its own owner value, so a late duplicate finds
-                // the key set and changes nothing.
+                // Both round trips within the same deadline.
                 let mut reply =
                     conn.pipeline(&acquire_set(key, value, ttl_ms), "acquire", deadline)?;
                 if found_set(&reply) {
@@ -655,7 +627,7 @@ impl Worker {
             Tried::Connected(node) => {
                 self.connector = None;
                 self.adopt(*node);
-                self.drive();
+                self.drive_from(self.cfg.clock.now());
             }
             Tried::Failed(e) => {
                 log::debug!("redlock node {}: reconnect failed: {e}", self.cfg.addr);
@@ -673,17 +645,20 @@ impl Worker {
     }
 
     fn adopt_conn(&mut self, node: NodeConn) {
-        *self.status.lock() = NodeStatus {
-            connected: true,
-            round_trip: Some(node.round_trip),
-            last_error: None,
-        };
+        let mut status = self.status.lock();
+        status.connected = true;
+        status.round_trip = Some(node.round_trip);
+        status.last_error = None;
+        drop(status);
         self.conn = Some(node.conn);
     }
 }
 
-/// An acquire's first round trip: `SET NX PX`, all an uncontended attempt
-/// sends.
+/// An acquire's first round trip: `SET NX PX`, plain commands and no script,
+/// all an uncontended attempt sends (on one CPU, the server's work for two
+/// more commands on every node showed in every attempt). Every attempt has
+/// its own owner value, so a late duplicate finds the key set and changes
+/// nothing.
 pub(crate) fn acquire_set(key: &str, value: &str, ttl_ms: u64) -> redis::Pipeline {
     let mut set = redis::pipe();
     set.ignore_errors();
@@ -942,9 +917,6 @@ pub(crate) enum NodeEvent {
     Up { run_id: Arc<str> },
 }
 
-/// What a group does with its watchers' news: `(node index, event)`.
-pub(crate) type OnNodeEvent = Arc<dyn Fn(usize, NodeEvent) + Send + Sync>;
-
 /// The handle on a watcher thread (`respire-watch-N`): it holds an idle
 /// subscribed connection to its node, so that the moment the server goes away
 /// (the connection closes) is known without any command in flight, and reads
@@ -954,18 +926,23 @@ pub(crate) struct NodeWatcher {
 }
 
 impl NodeWatcher {
-    /// Starts the watcher of node `index`, which reports to `on` and waits
-    /// at most `node_timeout` for each of its commands.
+    /// Starts the watcher of node `index`, which reports to `group` while
+    /// it lives and waits at most `node_timeout` for each of its commands.
     pub(crate) fn spawn(
         index: usize,
         cfg: Arc<ConnConfig>,
         node_timeout: Duration,
-        on: OnNodeEvent,
+        group: Weak<Group>,
     ) -> std::io::Result<NodeWatcher> {
         let (stop_tx, stop) = crossbeam_channel::bounded::<()>(0);
+        let on = move |i, event| {
+            if let Some(group) = group.upgrade() {
+                group.node_event(i, event);
+            }
+        };
         std::thread::Builder::new()
             .name(format!("respire-watch-{index}"))
-            .spawn(move || watch(index, &cfg, node_timeout, &*on, &stop))?;
+            .spawn(move || watch(index, &cfg, node_timeout, &on, &stop))?;
         Ok(NodeWatcher { _stop: stop_tx })
     }
 }
@@ -983,7 +960,7 @@ fn watch(
     index: usize,
     cfg: &ConnConfig,
     node_timeout: Duration,
-    on: &(dyn Fn(usize, NodeEvent) + Send + Sync),
+    on: &dyn Fn(usize, NodeEvent),
     stop: &Receiver<()>,
 ) {
     let mut failures = 0u32;
@@ -1029,7 +1006,7 @@ fn watch_session(
     index: usize,
     cfg: &ConnConfig,
     node_timeout: Duration,
-    on: &(dyn Fn(usize, NodeEvent) + Send + Sync),
+    on: &dyn Fn(usize, NodeEvent),
     stop: &Receiver<()>,
     up: &mut bool,
 ) -> Result<()> {

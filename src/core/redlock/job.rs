@@ -64,7 +64,7 @@ pub(crate) struct Answer {
 }
 
 impl Answer {
-    pub(super) fn of(outcome: NodeOutcome, vote: Vote, sent: bool) -> Answer {
+    pub(crate) fn of(outcome: NodeOutcome, vote: Vote, sent: bool) -> Answer {
         Answer {
             outcome,
             vote,
