@@ -9,7 +9,6 @@ use super::guard::RedlockGuard;
 use crate::core::quorum::AcquireVerdict;
 use crate::core::redlock::{NodeLease, Op, acquired, validity};
 use crate::error::{Error, Result};
-use crate::keys;
 use crate::report::{NodeOutcome, NodeReport};
 use crate::token::{HolderTag, OwnerToken};
 
@@ -31,11 +30,7 @@ impl Group {
         holder: Option<&HolderTag>,
     ) -> Result<RedlockAttempt> {
         let ttl_ms = this.check_ttl(ttl)?;
-        let keys = this
-            .prefixes
-            .iter()
-            .map(|prefix| keys::physical(prefix, key, "redlock key"))
-            .collect::<Result<_>>()?;
+        let keys = this.physical_keys(key, "redlock key")?;
         let owner = OwnerToken::held_by(holder);
         let lease = Arc::new(NodeLease::new(keys, owner.as_str().to_owned()));
         let targets = this.all();

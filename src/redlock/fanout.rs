@@ -9,6 +9,7 @@ use super::worker::{Completion, Gather, Job, Reply, ReplyTo, Route};
 use crate::core::quorum::Tally;
 use crate::core::redlock::{NodeLease, Op, check_ttl};
 use crate::error::Result;
+use crate::keys;
 use crate::report::{NodeOutcome, NodeReport};
 
 /// One node's answer as evidence, without the node's address: evidence is
@@ -23,6 +24,15 @@ pub(super) struct Heard {
 impl Group {
     pub(super) fn check_ttl(&self, ttl: Duration) -> Result<u64> {
         check_ttl(ttl, &self.timing)
+    }
+
+    /// `key` with each node's prefix, in the nodes' order; an empty key,
+    /// named `what`, is [`Error::InvalidArgument`](crate::Error::InvalidArgument).
+    pub(super) fn physical_keys(&self, key: &str, what: &str) -> Result<Vec<String>> {
+        self.prefixes
+            .iter()
+            .map(|prefix| keys::physical(prefix, key, what))
+            .collect()
     }
 
     pub(super) fn all(&self) -> Vec<usize> {

@@ -76,18 +76,13 @@ impl RedlockGroup {
     /// [`Error::InvalidArgument`] for an empty key (nothing sent);
     /// [`Error::Thread`] when a thread to read a node cannot be started.
     pub fn inspect(&self, key: &str) -> Result<RedlockInspection> {
-        if key.is_empty() {
-            return Err(Error::InvalidArgument(
-                "inspected redlock key is empty".into(),
-            ));
-        }
         let g = &self.inner;
+        let keys = g.physical_keys(key, "inspected redlock key")?;
         let node_timeout = g.timing.node_timeout;
         let read_at = g.now();
         let nodes = std::thread::scope(|scope| {
             let mut reads = Vec::with_capacity(g.workers.len());
-            for ((cfg, prefix), worker) in g.configs.iter().zip(&g.prefixes).zip(&g.workers) {
-                let physical = format!("{prefix}{key}");
+            for ((cfg, physical), worker) in g.configs.iter().zip(keys).zip(&g.workers) {
                 let read = std::thread::Builder::new()
                     .name("respire-inspect".into())
                     .spawn_scoped(scope, move || read_node(cfg, &physical, node_timeout))

@@ -46,7 +46,7 @@ use attempt::Evidence;
 use guard::GroupRenewal;
 use restarts::Restarts;
 #[cfg(test)]
-pub(crate) use worker::{acquire_reads, acquire_reply, acquire_set, confirm_kill, found_set};
+pub(crate) use worker::{confirm_kill, node_acquire};
 
 /// A lock held by a majority of independent Redis servers: antirez's Redlock.
 ///

@@ -395,11 +395,9 @@ impl NodeConn {
     }
 }
 
-/// What a connector says after each try.
-enum Tried {
-    Connected(Box<NodeConn>),
-    Failed(Error),
-}
+/// What a connector says after each try: the new connection, or why the try
+/// failed.
+type Tried = Result<Box<NodeConn>>;
 
 /// The connector thread at work; it stops when this is dropped.
 struct Connector {
@@ -567,15 +565,10 @@ impl Worker {
             });
         };
         match op {
-            Op::Acquire { ttl_ms } => {
-                // Both round trips within the same deadline.
-                let mut reply =
-                    conn.pipeline(&acquire_set(key, value, ttl_ms), "acquire", deadline)?;
-                if found_set(&reply) {
-                    reply.extend(conn.pipeline(&acquire_reads(key), "acquire", deadline)?);
-                }
-                acquire_reply(&reply, key, value)
-            }
+            // Both round trips within the same deadline.
+            Op::Acquire { ttl_ms } => node_acquire(key, value, ttl_ms, |p| {
+                conn.pipeline(p, "acquire", deadline)
+            })?,
             Op::Extend { ttl_ms } => conn
                 .script(
                     &scripts::LEASE_EXTEND,
@@ -624,12 +617,12 @@ impl Worker {
     /// A connector's news.
     fn tried(&mut self, tried: Tried) {
         match tried {
-            Tried::Connected(node) => {
+            Ok(node) => {
                 self.connector = None;
                 self.adopt(*node);
                 self.drive_from(self.cfg.clock.now());
             }
-            Tried::Failed(e) => {
+            Err(e) => {
                 log::debug!("redlock node {}: reconnect failed: {e}", self.cfg.addr);
                 self.node.handle_connect_failed(&e);
                 self.status.lock().last_error = Some(self.node.why().to_owned());
@@ -654,45 +647,37 @@ impl Worker {
     }
 }
 
-/// An acquire's first round trip: `SET NX PX`, plain commands and no script,
-/// all an uncontended attempt sends (on one CPU, the server's work for two
-/// more commands on every node showed in every attempt). Every attempt has
-/// its own owner value, so a late duplicate finds the key set and changes
-/// nothing.
-pub(crate) fn acquire_set(key: &str, value: &str, ttl_ms: u64) -> redis::Pipeline {
+/// An acquire's round trips, each sent by `run`, and what they answered:
+/// `SET NX PX`, plain commands and no script, all an uncontended attempt
+/// sends (on one CPU, the server's work for two more commands on every node
+/// showed in every attempt); only when it found the key set, a second round
+/// trip asks `GET` (a key of another type is an error, not a holder) and
+/// `PTTL` (how long the holder has). Every attempt has its own owner value, so
+/// a late duplicate finds the key set and changes nothing. The replies are
+/// read as a plain lock's attempt in its older form is; the outer `Err` is
+/// `run`'s own.
+pub(crate) fn node_acquire<E>(
+    key: &str,
+    value: &str,
+    ttl_ms: u64,
+    mut run: impl FnMut(&redis::Pipeline) -> Result<Vec<redis::Value>, E>,
+) -> Result<Result<NodeReply>, E> {
     let mut set = redis::pipe();
     set.ignore_errors();
     set.add_command(set_command(key, value, ttl_ms, false));
-    set
-}
-
-/// Whether the `SET`'s reply calls for [`acquire_reads`]: it found the key
-/// set.
-pub(crate) fn found_set(reply: &[redis::Value]) -> bool {
-    matches!(reply, [redis::Value::Nil])
-}
-
-/// An acquire's second round trip, when its `SET` found the key set: `GET`
-/// (a key of another type is an error, not a holder) and `PTTL` (how long
-/// the holder has).
-pub(crate) fn acquire_reads(key: &str) -> redis::Pipeline {
-    let mut read = redis::pipe();
-    read.ignore_errors();
-    read.cmd("GET").arg(key);
-    read.cmd("PTTL").arg(key);
-    read
-}
-
-/// What the acquire's `SET NX PX` answered (and, when it found the key set,
-/// the `GET` and `PTTL` after it), read as a plain lock's attempt in its
-/// older form is, or the error that refused it.
-pub(crate) fn acquire_reply(reply: &[redis::Value], key: &str, value: &str) -> Result<NodeReply> {
-    match answer(reply, false, value.as_bytes()) {
+    let mut reply = run(&set)?;
+    if matches!(reply[..], [redis::Value::Nil]) {
+        let mut read = redis::pipe();
+        read.ignore_errors();
+        read.cmd("GET").arg(key).cmd("PTTL").arg(key);
+        reply.extend(run(&read)?);
+    }
+    Ok(match answer(&reply, false, value.as_bytes()) {
         PlainAnswer::Set | PlainAnswer::Mine => Ok(NodeReply::Acquired),
         PlainAnswer::Held(remaining) => Ok(NodeReply::Held { remaining }),
         PlainAnswer::Refused(e) => Err(crate::error::acquire_refused(key, e)),
-        PlainAnswer::NoSetGet | PlainAnswer::Unexpected => Err(unexpected_acquire(reply)),
-    }
+        PlainAnswer::NoSetGet | PlainAnswer::Unexpected => Err(unexpected_acquire(&reply)),
+    })
 }
 
 /// The connector thread: tries to connect until it succeeds or the worker is
@@ -710,12 +695,12 @@ fn reconnect(
         let budget = try_budget(failures, node_timeout, cfg.connect_timeout);
         match open_node(cfg, budget, tainted, run_id, false, node_timeout) {
             Ok(node) => {
-                let _ = tx.send(Tried::Connected(Box::new(node)));
+                let _ = tx.send(Ok(Box::new(node)));
                 return;
             }
             Err(e) => {
                 failures = failures.saturating_add(1);
-                if tx.send(Tried::Failed(e)).is_err() {
+                if tx.send(Err(e)).is_err() {
                     return;
                 }
                 crossbeam_channel::select! {

@@ -6,9 +6,9 @@
 //! client's [`Node`] machine per server (jobs in order, deadline skips,
 //! taints, kills before reuse, releases kept for later), the extension's
 //! settle and fence ([`Extension`]), the release's count ([`Release`]), the
-//! acquire verdict ([`acquired`]), the acquire's commands (`acquire_set`,
-//! then `acquire_reads` when `found_set`) and the readers of the servers'
-//! replies (`acquire_reply`, `confirm_kill`, `fences_for`). What is written
+//! acquire verdict ([`acquired`]), the acquire's round trips and the reading
+//! of their replies (`node_acquire`) and the readers of the servers' other
+//! replies (`confirm_kill`, `fences_for`). What is written
 //! here is what lies outside the process or on the wire: model servers
 //! (`src/sim/model`, running the shipped Lua), a network that delays, loses
 //! and keeps order per connection only, and the transport of each machine
@@ -49,7 +49,7 @@ use crate::core::redlock::{
 use crate::core::schedule::{Next, Schedule, Watched};
 use crate::core::timing::{Timing, rest_after, try_budget};
 use crate::error::Error;
-use crate::redlock::{acquire_reads, acquire_reply, acquire_set, confirm_kill, found_set};
+use crate::redlock::{confirm_kill, node_acquire};
 use crate::runtime::lease::LeaseCell;
 use crate::scripts;
 
@@ -175,11 +175,7 @@ impl Server {
                 // The shipped round trips: `SET NX PX`, then `GET` and `PTTL`
                 // only when it found the key set (the second modelled as
                 // arriving with the first).
-                let mut reply = self.run_pipeline(conn, &acquire_set(key, value, ttl_ms))?;
-                if found_set(&reply) {
-                    reply.extend(self.run_pipeline(conn, &acquire_reads(key))?);
-                }
-                acquire_reply(&reply, key, value)
+                node_acquire(key, value, ttl_ms, |p| self.run_pipeline(conn, p).ok_or(())).ok()?
             }
             Op::Extend { ttl_ms } => {
                 let ttl = ttl_ms.to_string();

@@ -15,8 +15,8 @@ use crate::report::NodeOutcome;
 /// What one job asks of its node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Op {
-    /// Set the key to the lease's value if it is free (`SET NX PX`, with `GET`
-    /// and `PTTL` in the same round trip).
+    /// Set the key to the lease's value if it is free (`SET NX PX`, then `GET`
+    /// and `PTTL` when it found the key set).
     Acquire { ttl_ms: u64 },
     /// Move the key's expiry if it still holds the value (`lease_extend.lua`).
     Extend { ttl_ms: u64 },
