@@ -337,8 +337,9 @@ pub struct RedlockNode {
     /// The prefix added to keys on this node.
     pub key_prefix: String,
     /// The round trip measured when its current (or last) connection was
-    /// made: the setup round trip (when the group was made, the smaller of
-    /// two samples if the first looked slow).
+    /// made: the setup round trip (when the group was made, the fastest of
+    /// up to five samples, more being taken while the fastest is too slow
+    /// for the node timeout).
     pub round_trip: Option<Duration>,
     /// Whether it has a connection now; `false` while it reconnects.
     pub connected: bool,
