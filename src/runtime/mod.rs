@@ -1,8 +1,8 @@
 //! The threads of a single deployment and what they share: the renewal
 //! thread (`renewal.rs`, over the scheduler of `scheduler.rs`, which a
 //! Redlock group's renewal thread in `redlock/guard.rs` runs too), the
-//! per-server executors (`server.rs`) and invalidation subscribers
-//! (`tracking.rs`), the topology followers of Cluster and Sentinel
+//! per-server executors (`server.rs`) and invalidation subscribers, with the
+//! turning on of tracking on command connections (`tracking.rs`), the topology followers of Cluster and Sentinel
 //! deployments (`topology/`), the waiters (`waiters.rs`), and the lease state
 //! they share with the guards (`lease.rs`). The Redlock node workers live
 //! beside the rest of Redlock, in `redlock/worker.rs`. Everything here drives
@@ -11,6 +11,7 @@
 
 pub(crate) mod backoff;
 pub(crate) mod lease;
+pub(crate) mod registry;
 pub(crate) mod renewal;
 pub(crate) mod scheduler;
 pub(crate) mod server;

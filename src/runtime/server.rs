@@ -33,9 +33,9 @@ use crate::core::lease::{Ticket, Verdict};
 use crate::core::server_clock::{self, Reading, ServerClock};
 use crate::core::timing::{self, Timing};
 use crate::error::{Error, Result};
+use crate::runtime::registry::Registry;
 use crate::runtime::renewal::{Cell, Counters, DeploymentRenewal};
-use crate::runtime::tracking::Tracking;
-use crate::runtime::waiters::{Registry, Tracker};
+use crate::runtime::tracking::{Tracker, Tracking};
 
 /// The pause before a verification that got no answer is tried again.
 const VERIFY_RETRY: Duration = Duration::from_millis(50);

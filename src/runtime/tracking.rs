@@ -16,16 +16,23 @@
 //! TRACKING`, the channel or `CLIENT ID`; a server without tracking), waiters
 //! poll from then on and the thread ends. Each coordinator logs the fallback to
 //! polling once, with the reason.
+//!
+//! Here too, the other end: the subscriber as command connections see it
+//! ([`Tracker`]: subscribed or not, the id to redirect to), and the turning on
+//! of tracking on a command connection ([`ensure_tracking`], which [`Armed`]
+//! remembers until the connection closes).
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use parking_lot::{Condvar, Mutex};
 
 use crate::conn::{Conn, ConnConfig};
 use crate::core::timing::resubscribe_after;
 use crate::error::{Error, Result, is_noperm};
-use crate::runtime::waiters::{Registry, Status, Tracker};
+use crate::runtime::registry::Registry;
 
 const CHANNEL: &str = "__redis__:invalidate";
 const READ_TIMEOUT: Duration = Duration::from_millis(250);
@@ -228,5 +235,285 @@ fn session(
             }
             Err(e) => return Err(io("receiving invalidations")(e)),
         }
+    }
+}
+
+/// Whether invalidations from one server can be relied on right now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Status {
+    /// The subscriber is connecting for the first time.
+    Starting,
+    /// Subscribed; command connections redirect their invalidations to `redirect`.
+    Ready { redirect: u64, generation: u64 },
+    /// No subscriber (disconnected or refused): waiters poll.
+    Down,
+}
+
+/// The invalidation subscriber of one server, as its command connections see
+/// it: whether it is subscribed, and the id they redirect to.
+pub(crate) struct Tracker {
+    status: Mutex<Status>,
+    status_changed: Condvar,
+    denied: AtomicBool,
+    /// `CLIENT CACHING` is denied: connections track every key they read.
+    every_read: AtomicBool,
+    /// The first connection attempt has settled (status left `Starting`).
+    settled: AtomicBool,
+}
+
+impl Tracker {
+    pub(crate) fn new() -> Self {
+        Tracker {
+            status: Mutex::new(Status::Starting),
+            status_changed: Condvar::new(),
+            denied: AtomicBool::new(false),
+            every_read: AtomicBool::new(false),
+            settled: AtomicBool::new(false),
+        }
+    }
+
+    pub(crate) fn set_status(&self, status: Status) {
+        *self.status.lock() = status;
+        if status != Status::Starting {
+            self.settled.store(true, Ordering::Release);
+        }
+        self.status_changed.notify_all();
+    }
+
+    pub(crate) fn status(&self) -> Status {
+        if self.denied.load(Ordering::Acquire) {
+            return Status::Down;
+        }
+        *self.status.lock()
+    }
+
+    /// Waits (bounded) for the subscriber's first connection attempt to settle.
+    pub(crate) fn await_settled(&self, until: Instant) {
+        if self.settled.load(Ordering::Acquire) {
+            return;
+        }
+        let mut status = self.status.lock();
+        while *status == Status::Starting {
+            if self
+                .status_changed
+                .wait_until(&mut status, until)
+                .timed_out()
+            {
+                return;
+            }
+        }
+    }
+
+    /// Tracking is refused for good on this server (ACL or server): poll.
+    pub(crate) fn deny(&self, registry: &Registry, why: &str) {
+        self.denied.store(true, Ordering::Release);
+        registry.fallback(why);
+    }
+
+    /// The ACL denies `CLIENT CACHING`: from now on command connections
+    /// turn on tracking of every key they read (logged once).
+    fn track_every_read(&self, registry: &Registry, why: &str) {
+        if !self.every_read.swap(true, Ordering::AcqRel) {
+            log::warn!(
+                "waiters on {} track every key their connections read, since {why}: an \
+                 uncontended acquire on a connection that once waited then costs an \
+                 invalidation",
+                registry.addr()
+            );
+        }
+    }
+
+    /// Whether tracking was refused for good.
+    pub(crate) fn is_denied(&self) -> bool {
+        self.denied.load(Ordering::Acquire)
+    }
+}
+
+/// Client tracking turned on for one command connection, redirected to the
+/// subscriber of `generation`. The server tracks the keys a connection read only
+/// while that connection lives, so this is dropped with it: when a connection
+/// whose tracking is current closes (a transport failure broke it), every first
+/// waiter re-checks, and so re-arms its key on a connection that is open.
+pub(crate) struct Armed {
+    pub(super) generation: u64,
+    pub(super) reads: Reads,
+    pub(super) tracker: Weak<Tracker>,
+    pub(super) registry: Weak<Registry>,
+}
+
+/// Which reads of a command connection arm invalidations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reads {
+    /// None: no subscriber, or tracking refused (waiters poll).
+    Untracked,
+    /// Those right after `CLIENT CACHING yes` (`OPTIN` mode).
+    OnRequest,
+    /// Every one (the ACL denies `CLIENT CACHING`).
+    All,
+}
+
+impl Drop for Armed {
+    fn drop(&mut self) {
+        if let (Some(tracker), Some(registry)) = (self.tracker.upgrade(), self.registry.upgrade())
+            && matches!(tracker.status(), Status::Ready { generation, .. } if generation == self.generation)
+        {
+            // The server forgot the keys this connection tracked: every first
+            // waiter re-checks, and so re-arms on an open connection.
+            log::debug!(
+                "a tracked connection to {} closed; waiters re-check",
+                registry.addr()
+            );
+            registry.wake_all();
+        }
+    }
+}
+
+/// Turns on tracking for this connection, redirected to the current subscriber
+/// of its server, in `OPTIN` mode: the connection's commands track no key
+/// unless `CLIENT CACHING yes` goes right before them ([`Conn::track_next`]),
+/// so the plain attempts and releases that share the pooled connection never
+/// cost an invalidation. Where the ACL denies `CLIENT CACHING`, tracking of
+/// every read instead. Returns which reads of the connection now arm
+/// invalidations.
+pub(crate) fn ensure_tracking(
+    conn: &mut Conn,
+    tracker: &Arc<Tracker>,
+    registry: &Arc<Registry>,
+    deadline: Instant,
+) -> Result<Reads> {
+    let Status::Ready {
+        redirect,
+        generation,
+    } = tracker.status()
+    else {
+        return Ok(Reads::Untracked);
+    };
+    let armed = conn
+        .attachment
+        .as_ref()
+        .and_then(|a| a.downcast_ref::<Armed>());
+    if let Some(armed) = armed.filter(|a| a.generation == generation) {
+        return Ok(armed.reads);
+    }
+    let mut reads = if tracker.every_read.load(Ordering::Acquire) {
+        Reads::All
+    } else {
+        Reads::OnRequest
+    };
+    let on = |reads| {
+        let mut pipe = redis::pipe();
+        let cmd = pipe
+            .cmd("CLIENT")
+            .arg("TRACKING")
+            .arg("ON")
+            .arg("REDIRECT")
+            .arg(redirect);
+        if reads == Reads::OnRequest {
+            // `CLIENT CACHING yes` is sent here too, so that an ACL that
+            // denies it is found now; what it marks is the attempt that
+            // follows on this connection, which marks itself anyway.
+            cmd.arg("OPTIN");
+            pipe.cmd("CLIENT").arg("CACHING").arg("yes");
+        }
+        pipe
+    };
+    let error = |v: redis::Value| match v {
+        redis::Value::ServerError(e) => Some(redis::RedisError::from(e)),
+        _ => None,
+    };
+    let mut replies = conn
+        .pipeline(&on(reads), "CLIENT TRACKING", deadline)?
+        .into_iter();
+    let mut refusal = replies.next().and_then(error);
+    if refusal.is_none()
+        && let Some(caching) = replies.next().and_then(error)
+    {
+        if !crate::error::is_noperm(&caching) {
+            return Err(Error::Server {
+                op: "CLIENT CACHING",
+                source: caching,
+            });
+        }
+        tracker.track_every_read(
+            registry,
+            &format!("the ACL denies CLIENT CACHING ({caching})"),
+        );
+        reads = Reads::All;
+        refusal = conn
+            .pipeline(&on(reads), "CLIENT TRACKING", deadline)?
+            .into_iter()
+            .next()
+            .and_then(error);
+    }
+    match refusal {
+        None => {
+            match conn
+                .attachment
+                .as_mut()
+                .and_then(|a| a.downcast_mut::<Armed>())
+            {
+                // Re-pointed at a new subscriber: the same connection, still open.
+                Some(armed) => {
+                    armed.generation = generation;
+                    armed.reads = reads;
+                }
+                None => {
+                    conn.attachment = Some(Box::new(Armed {
+                        generation,
+                        reads,
+                        tracker: Arc::downgrade(tracker),
+                        registry: Arc::downgrade(registry),
+                    }));
+                }
+            }
+            Ok(reads)
+        }
+        Some(e) if crate::error::is_noperm(&e) => {
+            tracker.deny(registry, &format!("the ACL denies CLIENT TRACKING ({e})"));
+            Ok(Reads::Untracked)
+        }
+        Some(source) => {
+            let why = format!("the server refused CLIENT TRACKING ({source})");
+            if source.code() == Some("ERR") && source.to_string().contains("redirect") {
+                // The subscriber went away between the status read and this
+                // command; it is reconnecting and will wake every waiter.
+                log::debug!("{why}");
+            } else {
+                tracker.deny(registry, &why);
+            }
+            Ok(Reads::Untracked)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn closing_a_connection_with_current_tracking_wakes_every_first_waiter() {
+        let reg = Arc::new(Registry::new("redis://test".into(), crate::clock::system()));
+        let tracker = Arc::new(Tracker::new());
+        tracker.set_status(Status::Ready {
+            redirect: 7,
+            generation: 2,
+        });
+        let a = reg.register(&["k"], false, None);
+        let b = reg.register(&["k"], false, None);
+        let other = reg.register(&["j"], false, None);
+        let armed = |generation| Armed {
+            generation,
+            reads: Reads::OnRequest,
+            tracker: Arc::downgrade(&tracker),
+            registry: Arc::downgrade(&reg),
+        };
+        // Tracking that went to an earlier subscriber was re-armed already.
+        drop(armed(1));
+        assert!(a.rx.try_recv().is_err());
+        assert!(other.rx.try_recv().is_err());
+        drop(armed(2));
+        assert!(a.rx.try_recv().is_ok());
+        assert!(b.rx.try_recv().is_err());
+        assert!(other.rx.try_recv().is_ok());
     }
 }

@@ -50,9 +50,11 @@ use crate::keys::key_slot;
 use crate::observe::{self, Observer};
 use crate::replication::History;
 use crate::runtime::lease::LiveLeases;
+use crate::runtime::registry::Registry;
 use crate::runtime::renewal::{self, Cell, Counters, DeploymentRenewal, Lanes, RenewalStats};
 use crate::runtime::server::{Directory, Server, ServerJob};
-use crate::runtime::waiters::{OnTracked, Registry, Route, Tracker};
+use crate::runtime::tracking::Tracker;
+use crate::runtime::waiters::{OnTracked, Route};
 
 use cluster::{Cluster, NO_OWNER};
 use sentinel::Sentinel;
