@@ -296,8 +296,8 @@ impl Waiter<'_> {
     /// woken. One channel, not a `select!` over several: a thread woken from
     /// a `select!` takes the lock of the channel that woke it to unregister,
     /// which the waking thread (the subscriber) still holds while it wakes
-    /// it, so on a busy CPU every wake-up cost two switches and delayed the
-    /// attempt it was for.
+    /// it, so on a busy CPU each wake-up would cost two switches and delay
+    /// the attempt it is for.
     pub(super) fn sleep(&self, until: Option<Instant>) -> bool {
         match until {
             Some(at) => self.rx.recv_deadline(at).is_ok(),
