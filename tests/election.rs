@@ -126,13 +126,26 @@ fn a_stopped_leader_is_lost_before_the_servers_expiry_and_the_next_term_is_highe
         // Each time the bound moves (a confirmed renewal), say where it is on
         // the server's clock, and how many renewals were confirmed so far.
         let mut last_bound = None;
+        let mut printed: Option<u64> = None;
         while !l.is_lost() {
             let (now_ms, at) = server_now(&mut clock);
             let bound = at + l.remaining_estimate();
             if last_bound.is_none_or(|b: Instant| bound > b + TTL / 4) {
                 last_bound = Some(bound);
                 let bound_us = now_ms * 1000 + (bound - at).as_micros() as i64;
-                let renewals = coord.renewal_stats().renewals;
+                // A bound that moved after the grant's is a confirmed renewal,
+                // which the executor counts just after it moves the bound:
+                // the count is read once it has caught up (or after a second,
+                // as it is, for the parent to judge).
+                let counted = Instant::now() + Duration::from_secs(1);
+                let renewals = loop {
+                    let n = coord.renewal_stats().renewals;
+                    if printed.is_none_or(|p| n > p) || Instant::now() >= counted {
+                        break n;
+                    }
+                    thread::sleep(Duration::from_millis(1));
+                };
+                printed = Some(renewals);
                 writeln!(out, "@@bound {bound_us} {renewals}").unwrap();
                 out.flush().unwrap();
             }
