@@ -23,12 +23,7 @@ impl Identity {
     /// The connection with id `id`, at the address `CLIENT INFO` replied
     /// (when it replied with one for the same id).
     pub(crate) fn of(id: u64, info: Option<&redis::Value>) -> Identity {
-        let text = match info {
-            Some(redis::Value::BulkString(b)) => std::str::from_utf8(b).ok(),
-            Some(redis::Value::VerbatimString { text, .. }) => Some(text.as_str()),
-            Some(redis::Value::SimpleString(s)) => Some(s.as_str()),
-            _ => None,
-        };
+        let text = info.and_then(crate::reply::text);
         let field = |name: &str| {
             text?
                 .split_ascii_whitespace()

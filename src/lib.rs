@@ -565,6 +565,7 @@ mod lease;
 mod observe;
 mod redlock;
 mod replication;
+mod reply;
 mod report;
 mod runtime;
 mod scripts;

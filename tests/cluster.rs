@@ -727,6 +727,51 @@ fn a_fenced_acquire_rides_out_a_split_slot() {
     assert!(exists, "the lease is on the new owner");
 }
 
+#[test]
+fn a_kept_alive_lease_is_renewed_through_ask_while_its_slot_migrates() {
+    let cluster = TestCluster::start();
+    let [a, b, ..] = cluster.primaries()[..] else {
+        panic!("three primaries");
+    };
+    let coord = builder(&cluster)
+        .node_timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let tag = tag_on(&cluster, a, "ask");
+    let ttl = Duration::from_millis(600);
+    let guard = coord
+        .lock(&format!("{tag}:lease"))
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
+    let renewal = guard.keep_alive().unwrap();
+    // The key moves to b while the slot stays a's (MIGRATING on a, IMPORTING
+    // on b): each renewal sent to a is answered `ASK`, and only the same
+    // renewal sent on to b with `ASKING` keeps the key alive there.
+    let migration = cluster.begin_migration(key_slot(tag.as_bytes()), b);
+    assert_eq!(migration.move_keys(usize::MAX), 1);
+    let moved = Instant::now();
+    let asks = error_count(&cluster, a, "ASK");
+    // Two TTLs after the move, and three renewals answered `ASK` by then: a
+    // key no renewal reached on b is gone.
+    wait_until(Duration::from_secs(10), "two TTLs and three ASKs", || {
+        moved.elapsed() > ttl * 2 && error_count(&cluster, a, "ASK") >= asks + 3
+    });
+    let mut node_b = cluster.node(b).client();
+    let (_, pttl): ((), i64) = redis::pipe()
+        .cmd("ASKING")
+        .cmd("PTTL")
+        .arg(guard.key())
+        .query(&mut node_b)
+        .unwrap();
+    assert!(pttl > 0, "renewed on b: PTTL {pttl}");
+    assert!(!guard.is_lost());
+    migration.finish();
+    drop(renewal);
+    assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
+}
+
 // ---------------------------------------------------------------------------
 // Failover
 

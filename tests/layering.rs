@@ -394,7 +394,7 @@ fn the_lower_layers_import_nothing_above_them() {
     let layer = |m: &str| -> u8 {
         match m.split("::").next().unwrap() {
             "error" | "keys" | "token" | "scripts" | "cancel" | "clock" | "report"
-            | "replication" | "guard" | "observe" | "identity" => 1,
+            | "replication" | "guard" | "observe" | "identity" | "reply" => 1,
             "conn" => 2,
             "core" => 3,
             "runtime" => 4,

@@ -91,12 +91,8 @@ pub(crate) struct Shard {
 
 fn text(v: &redis::Value) -> Option<String> {
     match v {
-        redis::Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
-        redis::Value::SimpleString(s) | redis::Value::VerbatimString { text: s, .. } => {
-            Some(s.clone())
-        }
         redis::Value::Int(n) => Some(n.to_string()),
-        _ => None,
+        v => crate::reply::text(v).map(str::to_owned),
     }
 }
 

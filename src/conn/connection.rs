@@ -544,13 +544,10 @@ impl Conn {
         if let Some(redis::Value::Int(n)) = waited {
             self.waited = u32::try_from(n).ok();
         }
-        self.history = match history {
-            Some(redis::Value::BulkString(text)) => {
-                ReplicationPoint::parse(&String::from_utf8_lossy(&text))
-            }
-            Some(redis::Value::VerbatimString { text, .. }) => ReplicationPoint::parse(&text),
+        self.history = match history.as_ref().map(|h| (h, crate::reply::text(h))) {
+            Some((_, Some(text))) => ReplicationPoint::parse(text),
             None => None,
-            Some(other) => {
+            Some((other, None)) => {
                 log::debug!("no replication history from {}: {other:?}", self.addr);
                 None
             }

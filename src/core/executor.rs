@@ -1,11 +1,11 @@
 //! The choreography of one server's executor, as a sans-I/O state machine:
-//! renewal pipelines claimed and settled, the connections of unanswered
-//! commands fenced off by a confirmed kill, and the clean-up after unanswered
-//! acquire attempts.
+//! renewal pipelines (of leases the schedule claimed, `core::schedule`)
+//! settled, the connections of unanswered commands fenced off by a confirmed
+//! kill, and the clean-up after unanswered acquire attempts.
 //!
 //! After quinn-proto's `Connection`: the runtime's executor thread and the
 //! simulation both drive this one object. Methods that start work
-//! ([`Executor::renew`], [`Executor::fence`], [`Executor::clean_up`]) take the
+//! ([`Executor::fence`], [`Executor::clean_up`]) take the
 //! instant they happen at; [`Executor::poll_command`] says what to send next,
 //! [`Executor::poll_timeout`] when to look again; the `*_done` methods and
 //! [`Executor::renewed`] take what came back. Nothing here reads a clock or
@@ -208,11 +208,15 @@ pub(crate) fn extended_in<L: Claim>(settled: &[(L, Settled, Option<Instant>)]) -
         .collect()
 }
 
+/// A lease claimed for a renewal (by the schedule, `core::schedule`), with
+/// the ticket of its claim and the TTL the renewal sets.
+pub(crate) type Claimed<L> = (L, Ticket, Duration);
+
 /// Renewals sent as one pipeline, waiting for their replies.
 #[derive(Debug)]
 pub(crate) struct RenewalBatch<L> {
     /// Each lease with the ticket of its claim and the TTL sent.
-    pub(crate) items: Vec<(L, Ticket, Duration)>,
+    pub(crate) items: Vec<Claimed<L>>,
 }
 
 /// A lease the renewal schedule must plan again: at the instant given, or
@@ -298,29 +302,6 @@ impl<L: Claim + Clone, C, K: Clone + PartialEq> Executor<L, C, K> {
     }
 
     // --- Events ---------------------------------------------------------
-
-    /// Claims every lease of `batch` that can be renewed now by its TTL.
-    /// Returns the pipeline to send (if any lease was claimed) and the leases
-    /// to plan again as their state says (claimed by another extension, or
-    /// lost).
-    pub(crate) fn renew(
-        &mut self,
-        batch: Vec<L>,
-        now: Instant,
-    ) -> (Option<RenewalBatch<L>>, Vec<Done>) {
-        let mut items = Vec::with_capacity(batch.len());
-        let mut done = Vec::new();
-        for lease in batch {
-            let ttl = lease.ttl();
-            match lease.begin_extend(now, ttl) {
-                Ok(ticket) => items.push((lease, ticket, ttl)),
-                // Another extension (the holder's reset_expiry) is in flight:
-                // its end plans this lease again. Or it is lost.
-                Err(Refusal::Busy | Refusal::Lost) => done.push((lease.id(), None)),
-            }
-        }
-        ((!items.is_empty()).then_some(RenewalBatch { items }), done)
-    }
 
     /// The replies to `renewal`, in order (one per lease; a missing one
     /// counts as not run). Returns each lease with when to try again:
@@ -606,14 +587,26 @@ pub(crate) mod tests {
         L(Arc::new(Mutex::new(LeaseCore::granted(T, t0, ms(10_000)))))
     }
 
+    /// Each lease claimed at `now` for a renewal by its TTL, as the
+    /// schedule hands them out.
+    fn claimed(leases: &[&L], now: Instant) -> RenewalBatch<L> {
+        let items = leases
+            .iter()
+            .map(|l| {
+                let ticket = l.begin_extend(now, l.ttl()).expect("a claim");
+                ((*l).clone(), ticket, l.ttl())
+            })
+            .collect();
+        RenewalBatch { items }
+    }
+
     #[test]
     fn an_unanswered_renewal_keeps_its_claim_until_the_kill_is_confirmed() {
         let t0 = Instant::now();
         let l = lease(t0);
         let mut ex: Executor<L, (), u64> = Executor::new(T);
-        let (renewal, done) = ex.renew(vec![l.clone()], t0);
-        assert!(done.is_empty());
-        let again = ex.renewal_unanswered(renewal.unwrap(), Some(7), t0 + ms(100));
+        let renewal = claimed(&[&l], t0);
+        let again = ex.renewal_unanswered(renewal, Some(7), t0 + ms(100));
         assert_eq!(
             again,
             [(1, Some(t0 + ms(100) + retry_delay(ms(10_000))))],
@@ -638,9 +631,9 @@ pub(crate) mod tests {
         let t0 = Instant::now();
         let (a, b, c) = (lease(t0), lease(t0), lease(t0));
         let mut ex: Executor<L, (), u64> = Executor::new(T);
-        let (renewal, _) = ex.renew(vec![a.clone(), b.clone(), c.clone()], t0 + ms(10));
+        let renewal = claimed(&[&a, &b, &c], t0 + ms(10));
         let out = ex.renewed(
-            renewal.unwrap(),
+            renewal,
             [
                 ExtendReply::Extended,
                 ExtendReply::Gone,

@@ -49,6 +49,14 @@ pub(crate) struct Stamp {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Ticket(u64);
 
+#[cfg(test)]
+impl Ticket {
+    /// A ticket for a test's own lease model.
+    pub(crate) fn numbered(n: u64) -> Ticket {
+        Ticket(n)
+    }
+}
+
 /// What a confirmed extension did to the lease.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Confirmed {

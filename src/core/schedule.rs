@@ -10,10 +10,18 @@
 //! the loss signal or started a keep-alive. Renewals due together go out as
 //! one batch: when one is due, every renewal due within an eighth of its TTL
 //! rides along.
+//!
+//! Every renewal begins here: a due lease is claimed for its extension
+//! ([`Watched::claim`]) before it is handed out, so the renewal thread of a
+//! deployment and of a Redlock group (and the simulation of each) hand their
+//! transports claims, never leases to claim.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::time::{Duration, Instant};
+
+use crate::core::executor::Claimed;
+use crate::core::lease::Ticket;
 
 /// What the schedule needs to know of a lease.
 pub(crate) trait Watched {
@@ -21,6 +29,11 @@ pub(crate) trait Watched {
     /// Looks at the lease at `now`. A lease past its loss deadline records
     /// the loss and fires its signal here.
     fn poll(&self, now: Instant) -> Next;
+    /// Claims the lease at `now` for a renewal to its TTL (see
+    /// `LeaseCore::begin_extend`): the claim's ticket and the TTL, or `None`
+    /// when it cannot be claimed (lost, or the holder's own extension is in
+    /// flight, whose end plans the lease again).
+    fn claim(&self, now: Instant) -> Option<(Ticket, Duration)>;
 }
 
 /// What comes next for a watched lease.
@@ -128,9 +141,12 @@ impl<L: Watched + Clone> Schedule<L> {
     }
 
     /// Handles every timer due at `now`: fires loss deadlines (through
-    /// [`Watched::poll`]) and returns the leases to renew now, marked in flight.
-    pub(crate) fn due(&mut self, now: Instant) -> Vec<L> {
-        let mut batch: Vec<L> = Vec::new();
+    /// [`Watched::poll`]) and returns the renewals to send now, each lease
+    /// claimed for its extension and marked in flight. Whoever takes a claim
+    /// settles it, or gives it up when nothing was sent, and then reports the
+    /// renewal [`completed`](Schedule::completed).
+    pub(crate) fn due(&mut self, now: Instant) -> Vec<Claimed<L>> {
+        let mut batch: Vec<Claimed<L>> = Vec::new();
         let mut replan: Vec<u64> = Vec::new();
         let mut window: Option<Instant> = None;
         while let Some(&Reverse((at, id, version))) = self.heap.peek() {
@@ -156,11 +172,14 @@ impl<L: Watched + Clone> Schedule<L> {
                         && retry_ok
                         && renew_at <= horizon
                         && lost_at > now
+                        // Due (or due soon enough to ride along). One that
+                        // cannot be claimed is planned again below, as its
+                        // state says.
+                        && let Some((ticket, ttl)) = e.lease.claim(now)
                     {
-                        // Due (or due soon enough to ride along).
                         e.in_flight = true;
                         e.retry_at = None;
-                        batch.push(e.lease.clone());
+                        batch.push((e.lease.clone(), ticket, ttl));
                         if window.is_none() {
                             window = Some(now + slack);
                         }
@@ -233,6 +252,9 @@ mod tests {
         renew_at: Option<Instant>,
         fired: bool,
         gone: bool,
+        /// Whether a renewal can claim it (no extension of it in flight).
+        free: bool,
+        claims: u64,
     }
 
     #[derive(Clone, Debug)]
@@ -256,6 +278,11 @@ mod tests {
                 renew: m.renew_at.map(|r| (r, ms(100))),
             }
         }
+        fn claim(&self, _: Instant) -> Option<(Ticket, Duration)> {
+            let mut m = self.0.borrow_mut();
+            m.claims += 1;
+            m.free.then(|| (Ticket::numbered(m.claims), ms(1_000)))
+        }
     }
 
     fn model(id: u64, lost_at: Instant, renew_at: Option<Instant>) -> M {
@@ -265,6 +292,8 @@ mod tests {
             renew_at,
             fired: false,
             gone: false,
+            free: true,
+            claims: 0,
         })))
     }
 
@@ -299,9 +328,38 @@ mod tests {
             s.watch(m.clone(), t0);
         }
         let batch = s.due(t0 + ms(500));
-        let ids: Vec<u64> = batch.iter().map(Watched::id).collect();
+        let ids: Vec<u64> = batch.iter().map(|(m, _, _)| m.id()).collect();
         assert_eq!(ids, vec![1, 2]);
         assert_eq!(s.next_due(), Some(t0 + ms(900)));
+    }
+
+    #[test]
+    fn a_due_lease_is_handed_out_claimed_and_one_that_cannot_be_claimed_is_not() {
+        let t0 = Instant::now();
+        let mut s = Schedule::default();
+        let a = model(1, t0 + ms(10_000), Some(t0 + ms(500)));
+        let b = model(2, t0 + ms(10_000), Some(t0 + ms(500)));
+        b.0.borrow_mut().free = false;
+        s.watch(a.clone(), t0);
+        s.watch(b.clone(), t0);
+        let batch = s.due(t0 + ms(500));
+        assert_eq!(batch.len(), 1);
+        let (lease, ticket, ttl) = &batch[0];
+        assert_eq!(
+            (lease.id(), *ticket, *ttl),
+            (1, Ticket::numbered(1), ms(1_000))
+        );
+        assert_eq!(b.0.borrow().claims, 1);
+        // Not in flight: tried again at its next timer, and handed out once
+        // it can be claimed.
+        assert_eq!(s.next_due(), Some(t0 + ms(500)));
+        b.0.borrow_mut().free = true;
+        let again = s.due(t0 + ms(500));
+        assert_eq!(
+            again.iter().map(|(m, _, _)| m.id()).collect::<Vec<_>>(),
+            vec![2]
+        );
+        assert_eq!(s.next_due(), Some(t0 + ms(10_000)));
     }
 
     #[test]

@@ -21,11 +21,11 @@ use super::Group;
 use super::fanout::Heard;
 use super::worker::{Completion, Reply, ReplyTo, Route};
 use crate::clock::Clock;
+use crate::core::executor::Claimed;
 use crate::core::extend::{ResetDone, ResetExpiry, ResetStep};
 use crate::core::lease::{LeaseCore, Loss, Ticket};
 use crate::core::quorum::{ExtendVerdict, Tally};
 use crate::core::redlock::{Extension, NodeLease, Op, QuorumRenewal, Release};
-use crate::core::schedule::{Next, Watched};
 use crate::core::timing::Timing;
 use crate::error::{Error, Result};
 use crate::guard::ReleaseOutcome;
@@ -33,8 +33,8 @@ use crate::lease::guard::held::{self, Held};
 use crate::lease::guard::{Backend, LeaseGuard, sealed};
 use crate::observe::{LeaseId, Primitive};
 use crate::report::{NodeOutcome, NodeReport, summarize};
-use crate::runtime::lease::{Finished, LeaseCell, LeaseView};
-use crate::runtime::scheduler::{Dispatch, RenewalThread, Watchable};
+use crate::runtime::lease::{HasCell, LeaseCell, LeaseView};
+use crate::runtime::scheduler::{Dispatch, RenewalThread};
 use crate::token::FencingToken;
 
 /// One Redlock lease, shared by its guard and the renewal thread.
@@ -72,19 +72,10 @@ impl RedlockLease {
     }
 }
 
-impl Finished for RedlockLease {
-    fn is_finished(&self) -> bool {
-        self.cell.is_finished()
-    }
-}
-
-impl Watched for Arc<RedlockLease> {
-    fn id(&self) -> u64 {
-        self.cell.id()
-    }
-
-    fn poll(&self, now: Instant) -> Next {
-        self.cell.next(now)
+impl HasCell for RedlockLease {
+    type Extra = Arc<NodeLease>;
+    fn cell(&self) -> &LeaseCell<Arc<NodeLease>> {
+        &self.cell
     }
 }
 
@@ -382,18 +373,6 @@ pub(super) fn group_renewal(group: Weak<Group>, clock: Arc<dyn Clock>) -> GroupR
     })
 }
 
-impl Watchable for RedlockLease {
-    fn mark_watched(&self) -> bool {
-        self.cell.watch()
-    }
-    fn is_watched(&self) -> bool {
-        self.cell.is_watched()
-    }
-    fn watch_id(&self) -> u64 {
-        self.cell.id()
-    }
-}
-
 /// One renewal in flight: its answers so far.
 struct InFlight {
     lease: Arc<RedlockLease>,
@@ -418,48 +397,41 @@ impl Dispatch for ToNodes {
 
     fn dispatch(
         &mut self,
-        batch: Vec<Arc<RedlockLease>>,
+        batch: Vec<Claimed<Arc<RedlockLease>>>,
         now: Instant,
     ) -> Vec<(u64, Option<Instant>)> {
         let mut done = Vec::new();
         let Some(group) = self.group.upgrade() else {
+            batch
+                .iter()
+                .for_each(|(l, ticket, _)| l.cell.not_sent(*ticket, now));
             return done;
         };
-        for lease in batch {
+        for (lease, ticket, ttl) in batch {
             let id = lease.cell.id();
-            let ttl = lease.cell.ttl();
             let Ok(ttl_ms) = group.check_ttl(ttl) else {
+                lease.cell.not_sent(ticket, now);
                 done.push((id, None));
                 continue;
             };
             let nt = group.timing.node_timeout;
-            let Some((renewal, deadline)) = QuorumRenewal::begin(&lease.cell, now, nt, group.len())
-            else {
-                done.push((id, None));
-                continue;
-            };
-            let targets = group.all();
+            let (renewal, deadline) =
+                QuorumRenewal::new(&lease.cell, (ticket, ttl), now, nt, group.len());
             let route = Route {
                 reply: Some(self.tx.clone()),
                 tag: id,
                 done: None,
             };
-            group.send(
-                Op::Extend { ttl_ms },
-                lease.nodes(),
-                &targets,
+            let op = Op::Extend { ttl_ms };
+            group.send(op, lease.nodes(), &group.all(), deadline, &route);
+            let replies = vec![None; group.len()];
+            let f = InFlight {
+                lease,
+                renewal,
+                replies,
                 deadline,
-                &route,
-            );
-            self.in_flight.insert(
-                id,
-                InFlight {
-                    lease,
-                    renewal,
-                    replies: vec![None; group.len()],
-                    deadline,
-                },
-            );
+            };
+            self.in_flight.insert(id, f);
         }
         done
     }

@@ -23,6 +23,7 @@ mod restarts;
 mod worker;
 
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -283,22 +284,22 @@ impl Drop for RedlockGroup {
 /// moved on, or not at all before it exits. The drop of the program's last
 /// clone or guard is where the program is done with the group: it waits
 /// there until the nodes' workers have taken up what was queued.
-pub(crate) struct Users(std::sync::atomic::AtomicUsize);
+pub(crate) struct Users(AtomicUsize);
 
 impl Users {
     fn new() -> Self {
-        Users(std::sync::atomic::AtomicUsize::new(1))
+        Users(AtomicUsize::new(1))
     }
 
     /// One more clone or guard.
     pub(crate) fn join(&self) {
-        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.0.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A clone or guard is dropped; the last waits, at most a node timeout,
     /// for the workers to take up every job queued before.
     pub(crate) fn leave(&self, group: &Group) {
-        if self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+        if self.0.fetch_sub(1, Ordering::AcqRel) == 1 {
             worker::flush(&group.workers, group.now() + group.timing.node_timeout);
         }
     }
@@ -602,16 +603,9 @@ impl Drop for Group {
 
 impl fmt::Debug for RedlockGroup {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let nodes: Vec<&str> = self.inner.workers.iter().map(|w| &*w.addr).collect();
         f.debug_struct("RedlockGroup")
-            .field(
-                "nodes",
-                &self
-                    .inner
-                    .workers
-                    .iter()
-                    .map(|w| w.addr.as_str())
-                    .collect::<Vec<_>>(),
-            )
+            .field("nodes", &nodes)
             .field("quorum", &self.inner.quorum)
             .field("options", &self.inner.options)
             .finish()

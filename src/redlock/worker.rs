@@ -21,6 +21,8 @@
 //! acquires and extensions "not connected" at once, and keeps the releases to
 //! send once it is. Each node's watcher (`respire-watch-N`) is here too.
 
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -103,7 +105,7 @@ const GATHER_YIELDS: u32 = 10;
 /// A fan-out allocates this and nothing else to hear its answers (a channel
 /// of its own cost several times as much on the calling thread).
 pub(crate) struct Gather {
-    replies: Mutex<std::collections::VecDeque<Reply>>,
+    replies: Mutex<VecDeque<Reply>>,
     waiter: std::thread::Thread,
 }
 
@@ -112,7 +114,7 @@ impl Gather {
     /// for `capacity` answers.
     pub(crate) fn new(capacity: usize) -> Arc<Gather> {
         Arc::new(Gather {
-            replies: Mutex::new(std::collections::VecDeque::with_capacity(capacity)),
+            replies: Mutex::new(VecDeque::with_capacity(capacity)),
             waiter: std::thread::current(),
         })
     }
@@ -169,7 +171,7 @@ pub(crate) struct Route {
 /// Runs a closure once every job of one fan-out is finished, and its decider
 /// has had its say (it holds one count of its own).
 pub(crate) struct Completion {
-    remaining: std::sync::atomic::AtomicUsize,
+    remaining: AtomicUsize,
     then: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
@@ -177,7 +179,7 @@ impl Completion {
     /// For `jobs` jobs plus the decider.
     pub(crate) fn new(jobs: usize) -> Arc<Completion> {
         Arc::new(Completion {
-            remaining: std::sync::atomic::AtomicUsize::new(jobs + 1),
+            remaining: AtomicUsize::new(jobs + 1),
             then: Mutex::new(None),
         })
     }
@@ -189,10 +191,7 @@ impl Completion {
 
     /// One job, or the decider, is finished.
     pub(crate) fn finish(&self) {
-        if self
-            .remaining
-            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel)
-            == 1
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1
             && let Some(f) = self.then.lock().take()
         {
             f();
@@ -228,7 +227,7 @@ pub(crate) struct NodeWorker {
 /// while the node reconnects).
 #[derive(Default)]
 struct Progress {
-    queued: std::sync::atomic::AtomicU64,
+    queued: AtomicU64,
     taken: Mutex<u64>,
     changed: Condvar,
 }
@@ -246,7 +245,7 @@ pub(crate) fn flush(workers: &[NodeWorker], deadline: Instant) {
     let me = std::thread::current().id();
     let targets: Vec<u64> = workers
         .iter()
-        .map(|w| w.progress.queued.load(std::sync::atomic::Ordering::Acquire))
+        .map(|w| w.progress.queued.load(Ordering::Acquire))
         .collect();
     for (w, target) in workers.iter().zip(targets) {
         if w.thread == me {
@@ -355,9 +354,7 @@ impl NodeWorker {
     /// Queues a job. If the thread is gone (it never panics, so only at
     /// shutdown), the reply says so.
     pub(crate) fn send(&self, index: usize, job: Job) {
-        self.progress
-            .queued
-            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.progress.queued.fetch_add(1, Ordering::AcqRel);
         if let Err(e) = self.tx.send(job) {
             self.progress.took(1);
             let job = e.into_inner();
@@ -762,7 +759,14 @@ fn open_node(
     }
     let mut replies = opened.replies.into_iter();
     let info = match replies.next() {
-        Some(v) => parse_info(&text(addr, "INFO", v)?),
+        Some(v) => match crate::reply::text(&v) {
+            Some(text) => parse_info(text),
+            None => {
+                let needs = "a redlock group needs it to check that its nodes are independent \
+                             and to notice restarts";
+                return Err(refused(addr, "INFO", "INFO", needs, v));
+            }
+        },
         None => ServerInfo::default(),
     };
     match replies.next() {
@@ -843,22 +847,6 @@ pub(crate) fn confirm_kill(
             op,
             reply: format!("{other:?}"),
         }),
-    }
-}
-
-/// A text reply (`INFO`), or the error that refused it.
-fn text(addr: &str, op: &'static str, reply: redis::Value) -> Result<String> {
-    match reply {
-        redis::Value::BulkString(bytes) => Ok(String::from_utf8_lossy(&bytes).into_owned()),
-        redis::Value::VerbatimString { text, .. } | redis::Value::SimpleString(text) => Ok(text),
-        other => Err(refused(
-            addr,
-            op,
-            op,
-            "a redlock group needs it to check that its nodes are independent and to notice \
-             restarts",
-            other,
-        )),
     }
 }
 

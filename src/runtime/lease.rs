@@ -17,9 +17,8 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::core::executor::Claim;
 use crate::core::lease::{Confirmed, LeaseCore, Loss, Refusal, Ticket, Verdict};
-use crate::core::schedule::Next;
+use crate::core::schedule::{Next, Watched};
 use crate::observe::{LossCause, Observer, Primitive, Watching};
-use crate::runtime::scheduler::Watchable;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -243,6 +242,13 @@ impl<X> LeaseCell<X> {
         r
     }
 
+    /// Claims the lease at `now` for a renewal by its TTL (the schedule's
+    /// [`Watched::claim`]).
+    pub(crate) fn claim_renewal(&self, now: Instant) -> Option<(Ticket, Duration)> {
+        let ttl = self.ttl();
+        self.begin_extend(now, ttl).ok().map(|ticket| (ticket, ttl))
+    }
+
     /// Waits until no extension of this lease is claimed, or `until`; true if free.
     pub(crate) fn wait_unclaimed(&self, until: Instant) -> bool {
         let mut s = self.state.lock();
@@ -387,6 +393,44 @@ impl<X> LeaseCell<X> {
     }
 }
 
+/// What carries a lease's cell: the cell itself, or a lease of another
+/// backend around one (a Redlock lease). The renewal thread watches it, and
+/// a [`LiveLeases`] tells whether it is finished, through its cell.
+pub(crate) trait HasCell {
+    /// What the cell carries besides the lease's state.
+    type Extra;
+    /// The lease's cell.
+    fn cell(&self) -> &LeaseCell<Self::Extra>;
+}
+
+impl<X> HasCell for LeaseCell<X> {
+    type Extra = X;
+    fn cell(&self) -> &LeaseCell<X> {
+        self
+    }
+}
+
+impl<T: HasCell> HasCell for Arc<T> {
+    type Extra = T::Extra;
+    fn cell(&self) -> &LeaseCell<T::Extra> {
+        (**self).cell()
+    }
+}
+
+impl<T: HasCell> Watched for Arc<T> {
+    fn id(&self) -> u64 {
+        self.cell().id()
+    }
+
+    fn poll(&self, now: Instant) -> Next {
+        self.cell().next(now)
+    }
+
+    fn claim(&self, now: Instant) -> Option<(Ticket, Duration)> {
+        self.cell().claim_renewal(now)
+    }
+}
+
 impl<X> Claim for LeaseCell<X> {
     fn id(&self) -> u64 {
         LeaseCell::id(self)
@@ -463,30 +507,6 @@ impl<X: Send + Sync> LeaseView for LeaseCell<X> {
     }
 }
 
-impl<X> Watchable for LeaseCell<X> {
-    fn mark_watched(&self) -> bool {
-        self.watch()
-    }
-    fn is_watched(&self) -> bool {
-        LeaseCell::is_watched(self)
-    }
-    fn watch_id(&self) -> u64 {
-        self.id()
-    }
-}
-
-/// A lease that a [`LiveLeases`] can tell is finished (released or dropped).
-pub(crate) trait Finished {
-    /// Whether it is finished.
-    fn is_finished(&self) -> bool;
-}
-
-impl<X> Finished for LeaseCell<X> {
-    fn is_finished(&self) -> bool {
-        LeaseCell::is_finished(self)
-    }
-}
-
 /// Live leases, by weak reference, to judge again when something happens to
 /// their servers (a topology change, a server clock that ran ahead, a Redlock
 /// node that went away or restarted); the finished ones are pruned each time
@@ -500,7 +520,7 @@ struct Live<T> {
     prune_at: usize,
 }
 
-impl<T: Finished> LiveLeases<T> {
+impl<T: HasCell> LiveLeases<T> {
     pub(crate) fn new() -> Self {
         LiveLeases {
             inner: Mutex::new(Live {
@@ -515,7 +535,7 @@ impl<T: Finished> LiveLeases<T> {
         let mut live = self.inner.lock();
         if live.leases.len() >= live.prune_at {
             live.leases
-                .retain(|w| w.upgrade().is_some_and(|l| !l.is_finished()));
+                .retain(|w| w.upgrade().is_some_and(|l| !l.cell().is_finished()));
             live.prune_at = (live.leases.len() * 2).max(64);
         }
         live.leases.push(Arc::downgrade(lease));
@@ -528,7 +548,7 @@ impl<T: Finished> LiveLeases<T> {
             .leases
             .iter()
             .filter_map(Weak::upgrade)
-            .filter(|l| !l.is_finished() && keep(l))
+            .filter(|l| !l.cell().is_finished() && keep(l))
             .collect()
     }
 }

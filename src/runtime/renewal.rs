@@ -12,7 +12,7 @@ use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use crate::clock::Clock;
-use crate::core::schedule::{Next, Watched};
+use crate::core::executor::{Claim, Claimed};
 use crate::runtime::lease::LeaseCell;
 use crate::runtime::scheduler::{Dispatch, RenewalThread};
 use crate::scripts::Script;
@@ -214,15 +214,8 @@ impl<'a> Args<'a> {
 /// A single-deployment lease.
 pub(crate) type Cell = LeaseCell<Ops>;
 
-impl Watched for Arc<Cell> {
-    fn id(&self) -> u64 {
-        LeaseCell::id(self)
-    }
-
-    fn poll(&self, now: Instant) -> Next {
-        self.next(now)
-    }
-}
+/// Single-deployment leases the schedule claimed for a renewal.
+pub(crate) type Claims = Vec<Claimed<Arc<Cell>>>;
 
 /// Counters of the renewal runtime, for monitoring.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -276,7 +269,24 @@ pub(crate) trait Lanes: Send + Sync {
     /// Hands `batch` to the executor of each lease's server; must not block
     /// on I/O. Returns the renewals it could not hand to anyone (lease id,
     /// when to retry); the others complete through [`DeploymentRenewal::completed`].
-    fn dispatch(&self, batch: Vec<Arc<Cell>>) -> Vec<(u64, Option<Instant>)>;
+    fn dispatch(&self, batch: Claims) -> Vec<(u64, Option<Instant>)>;
+}
+
+/// Renewals that could not be sent: each claim is given up at `now` (the
+/// command never left), and the lease planned again at `retry` (`None`: as
+/// its state says).
+pub(crate) fn unsent(
+    batch: Claims,
+    now: Instant,
+    retry: Option<Instant>,
+) -> Vec<(u64, Option<Instant>)> {
+    batch
+        .into_iter()
+        .map(|(lease, ticket, _)| {
+            lease.not_sent(ticket, now);
+            (lease.id(), retry)
+        })
+        .collect()
 }
 
 /// The renewal thread's dispatcher: hands batches to the lanes.
@@ -288,11 +298,11 @@ impl Dispatch for ToLanes {
     type Lease = Arc<Cell>;
     type Reply = Completed;
 
-    fn dispatch(&mut self, batch: Vec<Arc<Cell>>, _now: Instant) -> Vec<(u64, Option<Instant>)> {
+    fn dispatch(&mut self, batch: Claims, now: Instant) -> Vec<(u64, Option<Instant>)> {
         match self.lanes.upgrade() {
             Some(lanes) => lanes.dispatch(batch),
             // The deployment is going away: nothing more will be renewed.
-            None => batch.iter().map(|l| (l.id(), None)).collect(),
+            None => unsent(batch, now, None),
         }
     }
 

@@ -1,8 +1,9 @@
 //! The renewal thread: one per deployment or Redlock group, started the first
 //! time a guard needs it (its holder asked for the loss signal or a
 //! keep-alive). It runs the pure `Schedule` over real time and never does I/O:
-//! due renewals go to a [`Dispatch`] (a connection's worker thread, or the
-//! nodes of a group), whose replies come back as messages. So a guard's loss
+//! due renewals, claimed by the schedule (the one place a renewal begins), go
+//! to a [`Dispatch`] (a connection's worker thread, or the nodes of a group),
+//! whose replies come back as messages. So a guard's loss
 //! signal closes at its deadline even while a renewal is blocked on a socket.
 //!
 //! It stops when its handle is dropped (the last coordinator clone, group
@@ -17,18 +18,25 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
 use crate::clock::Clock;
+use crate::core::executor::Claimed;
 use crate::core::schedule::{Schedule, Watched};
 use crate::error::Error;
+use crate::runtime::lease::HasCell;
 
 /// Where a renewal thread sends due renewals; implemented per deployment kind.
 pub(crate) trait Dispatch: Send + 'static {
     type Lease: Watched + Clone + Send + 'static;
     type Reply: Send + 'static;
-    /// Starts renewing `batch`; must not block on I/O. Replies arrive as
-    /// [`Msg::Reply`] through [`Scheduler::send`], or on
-    /// [`Dispatch::replies`]. Returns the renewals it completed
-    /// at once (nothing to send): (lease id, when to retry).
-    fn dispatch(&mut self, batch: Vec<Self::Lease>, now: Instant) -> Vec<(u64, Option<Instant>)>;
+    /// Starts renewing `batch`, each lease claimed by the schedule; must not
+    /// block on I/O. Replies arrive as [`Msg::Reply`] through
+    /// [`Scheduler::send`], or on [`Dispatch::replies`]. Returns the renewals
+    /// it completed at once, their claims given up (nothing sent): (lease id,
+    /// when to retry).
+    fn dispatch(
+        &mut self,
+        batch: Vec<Claimed<Self::Lease>>,
+        now: Instant,
+    ) -> Vec<(u64, Option<Instant>)>;
     /// A channel of replies of its own (the nodes of a group answer there).
     fn replies(&self) -> Receiver<Self::Reply> {
         crossbeam_channel::never()
@@ -135,30 +143,6 @@ fn handle<D: Dispatch>(
     }
 }
 
-/// A lease as the front of a renewal thread sees it: marked watched once, by
-/// its first watch, so that touching or forgetting a lease nobody watches
-/// sends nothing.
-pub(crate) trait Watchable {
-    /// Marks it watched; true the first time.
-    fn mark_watched(&self) -> bool;
-    /// Whether it was marked watched.
-    fn is_watched(&self) -> bool;
-    /// Its id in the schedule.
-    fn watch_id(&self) -> u64;
-}
-
-impl<T: Watchable + ?Sized> Watchable for Arc<T> {
-    fn mark_watched(&self) -> bool {
-        (**self).mark_watched()
-    }
-    fn is_watched(&self) -> bool {
-        (**self).is_watched()
-    }
-    fn watch_id(&self) -> u64 {
-        (**self).watch_id()
-    }
-}
-
 /// The renewal thread of one deployment or Redlock group, started the first
 /// time a lease is watched (see the module docs); its dispatcher is made by
 /// `make` then (again after a start that failed).
@@ -209,35 +193,37 @@ impl<D: Dispatch> RenewalThread<D> {
     }
 
     /// Has the thread watch `lease` (its loss signal, its keep-alive),
-    /// starting the thread if needed.
+    /// starting the thread if needed. A lease is marked watched by its first
+    /// watch, so that touching or forgetting a lease nobody watches sends
+    /// nothing.
     ///
     /// # Errors
     /// [`Error::Thread`] when the thread could not be started.
     pub(crate) fn watch(&self, lease: &D::Lease) -> Result<(), Error>
     where
-        D::Lease: Watched + Watchable + Clone,
+        D::Lease: HasCell,
     {
-        if lease.mark_watched() {
+        if lease.cell().watch() {
             self.scheduler()?.send(Msg::Watch(lease.clone()));
         }
         Ok(())
     }
 
     /// A watched lease changed: plan it again.
-    pub(crate) fn touch(&self, lease: &(impl Watchable + ?Sized)) {
-        if lease.is_watched()
+    pub(crate) fn touch(&self, lease: &impl HasCell) {
+        if lease.cell().is_watched()
             && let Some(s) = self.scheduler.get()
         {
-            s.send(Msg::Touch(lease.watch_id()));
+            s.send(Msg::Touch(lease.cell().id()));
         }
     }
 
     /// A watched lease was released.
-    pub(crate) fn forget(&self, lease: &(impl Watchable + ?Sized)) {
-        if lease.is_watched()
+    pub(crate) fn forget(&self, lease: &impl HasCell) {
+        if lease.cell().is_watched()
             && let Some(s) = self.scheduler.get()
         {
-            s.send(Msg::Forget(lease.watch_id()));
+            s.send(Msg::Forget(lease.cell().id()));
         }
     }
 

@@ -14,9 +14,11 @@
 //! fences off the connections of user calls that got no reply (a
 //! `reset_expiry`, an acquire), retrying the kill while it matters, deletes
 //! what an unanswered acquire may have set once its connection is dead, and
-//! re-verifies leases after the deployment's topology changed under them. A renewal answered with `MOVED` is planned again for
-//! the new owner; one answered with `ASK` goes to the target's executor with
-//! `ASKING`.
+//! re-verifies leases after the deployment's topology changed under them. A
+//! renewal comes claimed (the schedule claims every due lease); one answered
+//! with `MOVED` gives its claim up and is planned again for the new owner; one
+//! answered with `ASK` goes, under the same claim, to the target's executor
+//! with `ASKING`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
@@ -28,13 +30,15 @@ use parking_lot::Mutex;
 use crate::clock::Clock;
 use crate::conn::cluster::{NodeAddr, Redirect, redirect_of};
 use crate::conn::{Conn, ConnConfig, Identity, Pool};
-use crate::core::executor::{Command, Executor, ExtendReply, Settled, extended_in};
+use crate::core::executor::{
+    Claim, Command, Executor, ExtendReply, RenewalBatch, Settled, extended_in,
+};
 use crate::core::lease::{Ticket, Verdict};
 use crate::core::server_clock::{self, Reading, ServerClock};
 use crate::core::timing::{self, Timing};
 use crate::error::{Error, Result};
 use crate::runtime::registry::Registry;
-use crate::runtime::renewal::{Cell, Counters, DeploymentRenewal};
+use crate::runtime::renewal::{Cell, Claims, Counters, DeploymentRenewal, unsent};
 use crate::runtime::tracking::{Tracker, Tracking};
 
 /// The pause before a verification that got no answer is tried again.
@@ -70,12 +74,11 @@ pub(crate) trait Directory: Send + Sync {
 
 /// Work for a node's executor.
 pub(crate) enum ServerJob {
-    /// Renew these leases by their TTL, in one pipeline (`asking`: each with
-    /// `ASKING` before it, for a slot this node is importing).
-    Renew {
-        leases: Vec<Arc<Cell>>,
-        asking: bool,
-    },
+    /// Renew these leases, each claimed by the schedule, in one pipeline
+    /// (`asking`: each with `ASKING` before it, for a slot this node is
+    /// importing). The executor settles each claim, or gives it up when
+    /// nothing was sent.
+    Renew { leases: Claims, asking: bool },
     /// Check that these leases are still held here (the deployment changed
     /// under them): a missing one is flagged lost at once, and each one held
     /// is bounded by the time it has left here. Retried until it answers or
@@ -221,11 +224,26 @@ impl Server {
     /// Queues work for this node's executor (starting it if needed); false
     /// when it cannot be started.
     pub(crate) fn submit(&self, job: ServerJob) -> bool {
+        self.hand(job).is_none()
+    }
+
+    /// Hands renewals the schedule claimed to the executor (`asking`: see
+    /// [`ServerJob::Renew`]); gives them back when it cannot take them.
+    pub(crate) fn submit_renewal(&self, leases: Claims, asking: bool) -> Option<Claims> {
+        match self.hand(ServerJob::Renew { leases, asking }) {
+            Some(ServerJob::Renew { leases, .. }) => Some(leases),
+            _ => None,
+        }
+    }
+
+    /// Sends `job` to the executor; gives it back when the executor cannot
+    /// take it.
+    fn hand(&self, job: ServerJob) -> Option<ServerJob> {
         match self.executor() {
-            Ok(tx) => tx.send(job).is_ok(),
+            Ok(tx) => tx.send(job).err().map(|e| e.into_inner()),
             Err(e) => {
                 log::warn!("cannot start the executor for {}: {e}", self.cfg.addr);
-                false
+                Some(job)
             }
         }
     }
@@ -604,19 +622,14 @@ impl ExecutorThread {
         r.map(|_| Counters::add(&self.counters.killed, 1))
     }
 
-    fn renew(&mut self, batch: Vec<Arc<Cell>>, asking: bool) {
+    fn renew(&mut self, batch: Claims, asking: bool) {
         let now = self.clock.now();
         let nt = self.timing.node_timeout;
         let mut done = Vec::with_capacity(batch.len());
         // Queued before the node was retired: plan them again, for the node
         // that serves them now.
         if self.is_retired() {
-            done.extend(
-                batch
-                    .iter()
-                    .map(|l| (l.id(), Some(now + Duration::from_millis(2)))),
-            );
-            self.report(done);
+            self.report(unsent(batch, now, Some(now + Duration::from_millis(2))));
             return;
         }
         // Every step shares one deadline: a node timeout, and never past the
@@ -625,25 +638,26 @@ impl ExecutorThread {
         // pipeline, and may block for its own timeout.
         let acks = self.cfg.extension_acks;
         let wait = acks.map_or(Duration::ZERO, |(_, timeout)| timeout);
-        let earliest = batch.iter().map(|l| l.lost_at()).min().unwrap_or(now);
+        let earliest = batch
+            .iter()
+            .map(|(l, _, _)| l.lost_at())
+            .min()
+            .unwrap_or(now);
         let deadline = (now + nt + wait)
             .min(earliest)
             .max(now + Duration::from_millis(1));
         if let Err(e) = self.ensure_conn(deadline) {
             log::warn!("renewal connection to {} failed: {e}", self.cfg.addr);
             Counters::add(&self.counters.failures, batch.len() as u64);
-            for lease in &batch {
-                done.push((lease.id(), Some(self.retry_at(lease))));
+            let now = self.clock.now();
+            for (lease, ticket, _) in batch {
+                lease.not_sent(ticket, now);
+                done.push((lease.id(), Some(self.retry_at(&lease))));
             }
             self.report(done);
             return;
         }
-        let (renewal, skipped) = self.machine.renew(batch, self.clock.now());
-        done.extend(skipped);
-        let Some(mut renewal) = renewal else {
-            self.report(done);
-            return;
-        };
+        let mut renewal = RenewalBatch { items: batch };
         // A claim the deployment gave up meanwhile (the key's server changed)
         // is not sent here: the lease is planned again, for its server now.
         let server = self.cfg.server_id();
@@ -753,11 +767,25 @@ impl ExecutorThread {
             return;
         }
         match reply {
-            Ok(values) => {
-                let mut forward: Vec<(NodeAddr, Vec<Arc<Cell>>)> = Vec::new();
-                let mut replies = Vec::with_capacity(values.len());
-                for (value, acked) in values.iter().zip(&acked) {
-                    replies.push(match value {
+            Ok(all) => {
+                // Answered with `ASK` (the key was migrated): not run here,
+                // and sent, under the same claim, to the target.
+                let mut forward: Vec<(NodeAddr, Claims)> = Vec::new();
+                let mut values = Vec::with_capacity(all.len());
+                let mut replies = Vec::with_capacity(all.len());
+                let items = std::mem::take(&mut renewal.items);
+                for ((item, value), acked) in items.into_iter().zip(all).zip(&acked) {
+                    if let (Some(Redirect::Ask { addr }), false) =
+                        (redirection(&value, &self.host), asking)
+                    {
+                        match forward.iter_mut().find(|(a, _)| *a == addr) {
+                            Some((_, leases)) => leases.push(item),
+                            None => forward.push((addr, vec![item])),
+                        }
+                        continue;
+                    }
+                    renewal.items.push(item);
+                    replies.push(match &value {
                         // Applied by the primary, but a replica promoted now
                         // may not have it: it does not count.
                         redis::Value::Int(1)
@@ -770,6 +798,7 @@ impl ExecutorThread {
                         // read-only, migrating or redirected): not run.
                         _ => ExtendReply::NotRun,
                     });
+                    values.push(value);
                 }
                 let settled = self.machine.renewed(renewal, replies, now);
                 let spared = extended_in(&settled);
@@ -786,13 +815,6 @@ impl ExecutorThread {
                                 dir.moved(slot, &addr);
                             }
                             done.push((lease.id(), Some(now + Duration::from_millis(2))));
-                        }
-                        // The key was migrated: ask the target.
-                        (_, Some(Redirect::Ask { addr })) if !asking => {
-                            match forward.iter_mut().find(|(a, _)| *a == addr) {
-                                Some((_, leases)) => leases.push(lease),
-                                None => forward.push((addr, vec![lease])),
-                            }
                         }
                         (Settled::Held, _) => {
                             Counters::add(&self.counters.renewals, 1);
@@ -845,28 +867,26 @@ impl ExecutorThread {
         self.report(done);
     }
 
-    /// Hands renewals answered with `ASK` to the executors of their targets;
-    /// those report them. Any that cannot be handed over are retried.
+    /// Hands renewals answered with `ASK` to the executors of their targets,
+    /// claims and all; those report them. Any that cannot be handed over give
+    /// up their claims and are retried.
     fn forward_asking(
         &self,
-        forward: Vec<(NodeAddr, Vec<Arc<Cell>>)>,
+        forward: Vec<(NodeAddr, Claims)>,
         done: &mut Vec<(u64, Option<Instant>)>,
     ) {
         let dir = self.dir.upgrade();
         for (addr, leases) in forward {
-            let target = dir.as_ref().and_then(|d| d.node_at(&addr));
-            let ids: Vec<(u64, Option<Instant>)> = leases
-                .iter()
-                .map(|l| (l.id(), Some(self.retry_at(l))))
-                .collect();
-            let handed = target.is_some_and(|node| {
-                node.submit(ServerJob::Renew {
-                    leases,
-                    asking: true,
-                })
-            });
-            if !handed {
-                done.extend(ids);
+            let refused = match dir.as_ref().and_then(|d| d.node_at(&addr)) {
+                Some(node) => node.submit_renewal(leases, true),
+                None => Some(leases),
+            };
+            if let Some(leases) = refused {
+                let now = self.clock.now();
+                for (lease, ticket, _) in leases {
+                    lease.not_sent(ticket, now);
+                    done.push((lease.id(), Some(self.retry_at(&lease))));
+                }
             }
         }
     }

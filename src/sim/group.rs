@@ -40,13 +40,13 @@ use super::model::{ClientId, Injected, ModelServer, Persistence, Reply as Wire, 
 use super::{Net, Queue, Rng, Stats, instant};
 use crate::conn::Identity;
 use crate::core::extend::{ResetExpiry, ResetStep};
-use crate::core::lease::{LeaseCore, Loss};
+use crate::core::lease::{LeaseCore, Loss, Ticket};
 use crate::core::quorum::Tally;
 use crate::core::redlock::{
     Action, Answer, Connected, Extension, Job, Node, NodeLease, NodeReply, NodeSettings, Op,
     QuorumRenewal, Release, Watch, acquired, fences_for, started_by, validity,
 };
-use crate::core::schedule::{Next, Schedule, Watched};
+use crate::core::schedule::{Schedule, Watched};
 use crate::core::timing::{Timing, rest_after, try_budget};
 use crate::error::Error;
 use crate::redlock::{confirm_kill, node_acquire};
@@ -54,15 +54,6 @@ use crate::runtime::lease::LeaseCell;
 use crate::scripts;
 
 type Cell = LeaseCell<()>;
-
-impl Watched for Arc<Cell> {
-    fn id(&self) -> u64 {
-        LeaseCell::id(self)
-    }
-    fn poll(&self, now: Instant) -> Next {
-        self.next(now)
-    }
-}
 
 /// Which fan-out a job's answer goes to; `None` for a clean-up nobody
 /// waits for.
@@ -799,8 +790,8 @@ impl World {
                     self.wake = None;
                 }
                 let now = self.at();
-                for lease in self.sched.due(now) {
-                    self.renew(&lease);
+                for (lease, ticket, ttl) in self.sched.due(now) {
+                    self.renew(&lease, (ticket, ttl));
                 }
                 self.arm();
             }
@@ -1478,28 +1469,24 @@ impl World {
         self.fan_out(c, Op::Extend { ttl_ms }, lease, &all, deadline, Some(fan));
     }
 
-    /// The renewal thread's dispatch of one due lease.
-    fn renew(&mut self, cell: &Arc<Cell>) {
+    /// The renewal thread's dispatch of one lease the schedule claimed.
+    fn renew(&mut self, cell: &Arc<Cell>, (ticket, ttl): (Ticket, Duration)) {
         let now = self.at();
         let c = 0;
-        let Some(held) = &self.clients[c].held else {
-            self.sched.completed(cell.id(), now, None);
-            return;
-        };
-        if !Arc::ptr_eq(&held.cell, cell) {
-            self.sched.completed(cell.id(), now, None);
-            return;
-        }
-        let lease = held.lease.clone();
-        let nodes = self.servers.len();
-        match QuorumRenewal::begin(&**cell, now, self.timing.node_timeout, nodes) {
-            Some((renewal, deadline)) => {
-                self.stats.extensions += 1;
-                let claimed = Claimed::QuorumRenewal(renewal);
-                self.extend_everywhere(c, cell.ttl(), claimed, cell, &lease, deadline);
+        let lease = match &self.clients[c].held {
+            Some(held) if Arc::ptr_eq(&held.cell, cell) => held.lease.clone(),
+            _ => {
+                cell.not_sent(ticket, now);
+                self.sched.completed(cell.id(), now, None);
+                return;
             }
-            None => self.sched.completed(cell.id(), now, None),
-        }
+        };
+        let nodes = self.servers.len();
+        let nt = self.timing.node_timeout;
+        let (renewal, deadline) = QuorumRenewal::new(&**cell, (ticket, ttl), now, nt, nodes);
+        self.stats.extensions += 1;
+        let claimed = Claimed::QuorumRenewal(renewal);
+        self.extend_everywhere(c, ttl, claimed, cell, &lease, deadline);
     }
 
     /// The guard's `release`: flagged finished, then sent to every node.

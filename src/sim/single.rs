@@ -25,11 +25,13 @@ use std::time::{Duration, Instant};
 use super::model::{ClientId, Entry, Injected, ModelServer, Reply, Value, argv};
 use super::{INJECTED_KINDS, Net, Queue, Rng, Stats, instant};
 use crate::core::acquire::{Attempts, CleanUp, dated};
-use crate::core::executor::{Command, Executor as Machine, ExtendReply, RenewalBatch, Settled};
+use crate::core::executor::{
+    Claimed, Command, Executor as Machine, ExtendReply, RenewalBatch, Settled,
+};
 use crate::core::extend::{ResetDone, ResetExpiry, ResetStep};
 use crate::core::fences::FenceBook;
 use crate::core::lease::{LeaseCore, Ticket, Verdict};
-use crate::core::schedule::{Next, Schedule, Watched};
+use crate::core::schedule::{Schedule, Watched};
 use crate::core::server_clock::{self, Reading, ServerClock};
 use crate::core::timing::Timing;
 use crate::guard::ReleaseOutcome;
@@ -57,15 +59,6 @@ struct Meta {
 }
 
 type Cell = LeaseCell<Meta>;
-
-impl Watched for Arc<Cell> {
-    fn id(&self) -> u64 {
-        LeaseCell::id(self)
-    }
-    fn poll(&self, now: Instant) -> Next {
-        self.next(now)
-    }
-}
 
 /// The fence counter both lease keys share.
 const FENCE: &str = "fence";
@@ -619,7 +612,8 @@ struct User {
 }
 
 enum Job {
-    Renew(Vec<Arc<Cell>>),
+    /// Renew these leases, each claimed by the schedule.
+    Renew(Vec<Claimed<Arc<Cell>>>),
     /// Verify a lease on the new primary after a switch.
     Verify(Arc<Cell>),
     /// `None`: the connection's id is unknown (`CLIENT ID` denied).
@@ -1593,7 +1587,8 @@ impl World {
         for job in old.queue.drain(..) {
             match job {
                 Job::Renew(batch) => {
-                    for lease in batch {
+                    for (lease, ticket, _) in batch {
+                        lease.not_sent(ticket, now);
                         let again = now + Duration::from_millis(2);
                         self.procs[p].sched.completed(lease.id(), now, Some(again));
                     }
@@ -2377,13 +2372,7 @@ impl World {
                     exec.machine.clean_up(conns, (key, owner), give_up, now);
                 }
                 Job::Renew(batch) => {
-                    let (renewal, skipped) = exec.machine.renew(batch, now);
-                    for (id, at) in skipped {
-                        self.procs[p].sched.completed(id, now, at);
-                    }
-                    let Some(mut renewal) = renewal else {
-                        continue;
-                    };
+                    let mut renewal = RenewalBatch { items: batch };
                     // A claim given up meanwhile is not sent: planned again.
                     let mut undispatched = Vec::new();
                     renewal.items.retain(|(lease, ticket, _)| {

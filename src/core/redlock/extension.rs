@@ -106,24 +106,21 @@ pub(crate) struct QuorumRenewal {
 }
 
 impl QuorumRenewal {
-    /// Claims `lease` at `now` for a renewal sent to every one of `nodes`:
-    /// the renewal and its deadline, or `None` when it cannot be claimed
-    /// (lost, or the holder's own extension is in flight, whose end plans
-    /// the lease again).
-    pub(crate) fn begin(
+    /// The renewal of `lease` to `ttl` the schedule claimed at `now` with
+    /// `ticket`, sent to every one of `nodes`: the renewal and its deadline.
+    pub(crate) fn new(
         lease: &impl Claim,
+        (ticket, ttl): (Ticket, Duration),
         now: Instant,
         node_timeout: Duration,
         nodes: usize,
-    ) -> Option<(QuorumRenewal, Instant)> {
-        let ttl = lease.ttl();
-        let ticket = lease.begin_extend(now, ttl).ok()?;
+    ) -> (QuorumRenewal, Instant) {
         let deadline = (now + node_timeout).min(lease.lost_at());
         let renewal = QuorumRenewal {
             extension: Extension::new(ticket, nodes, nodes),
             retry: retry_delay(ttl),
         };
-        Some((renewal, deadline))
+        (renewal, deadline)
     }
 
     /// One node's answer.
@@ -291,9 +288,14 @@ mod tests {
         )));
         let granted = NodeOutcome::Granted;
         let timed_out = NodeOutcome::TimedOut;
+        // Claimed as the schedule claims a due lease, then sent to 3 nodes.
+        let begin = |now: Instant| {
+            let ticket = held.begin_extend(now, ttl).expect("a claim");
+            QuorumRenewal::new(&held, (ticket, ttl), now, ms(50), 3)
+        };
 
         let now = t0 + s(5);
-        let (mut r, deadline) = QuorumRenewal::begin(&held, now, ms(50), 3).expect("a claim");
+        let (mut r, deadline) = begin(now);
         assert_eq!(deadline, now + ms(50));
         assert!(!r.is_due() && !r.is_finished());
         r.handle_answer(Vote::Yes, &granted);
@@ -314,7 +316,7 @@ mod tests {
         assert_eq!(r.finish(&held, now + ms(3)), None);
 
         let now = t0 + s(6);
-        let (mut r, _) = QuorumRenewal::begin(&held, now, ms(50), 3).expect("a claim");
+        let (mut r, _) = begin(now);
         r.handle_answer(Vote::Yes, &granted);
         r.handle_answer(Vote::Unknown, &timed_out);
         assert!(!r.is_due(), "the third node may still make a quorum");
@@ -332,7 +334,7 @@ mod tests {
 
         // Close to the loss deadline, that is the renewal's deadline.
         let late = held.0.lock().lost_at() - ms(10);
-        let (_, deadline) = QuorumRenewal::begin(&held, late, ms(50), 3).expect("a claim");
+        let (_, deadline) = begin(late);
         assert!(deadline < late + ms(50));
         assert_eq!(deadline, held.0.lock().lost_at());
     }

@@ -51,7 +51,9 @@ use crate::observe::{self, Observer};
 use crate::replication::History;
 use crate::runtime::lease::LiveLeases;
 use crate::runtime::registry::Registry;
-use crate::runtime::renewal::{self, Cell, Counters, DeploymentRenewal, Lanes, RenewalStats};
+use crate::runtime::renewal::{
+    self, Cell, Claims, Counters, DeploymentRenewal, Lanes, RenewalStats, unsent,
+};
 use crate::runtime::server::{Directory, Server, ServerJob};
 use crate::runtime::tracking::Tracker;
 use crate::runtime::waiters::{OnTracked, Route};
@@ -450,40 +452,22 @@ impl Topology {
 }
 
 impl Lanes for Topology {
-    fn dispatch(&self, batch: Vec<Arc<Cell>>) -> Vec<(u64, Option<Instant>)> {
+    fn dispatch(&self, batch: Claims) -> Vec<(u64, Option<Instant>)> {
+        let retry = || Some(self.clock.now() + Duration::from_millis(50));
         let mut undelivered = Vec::new();
-        if let Shape::Standalone(node) = &self.shape {
-            let ids: Vec<u64> = batch.iter().map(|l| l.id()).collect();
-            if !node.submit(ServerJob::Renew {
-                leases: batch,
-                asking: false,
-            }) {
-                let retry = self.clock.now() + Duration::from_millis(50);
-                undelivered.extend(ids.into_iter().map(|id| (id, Some(retry))));
-            }
-            return undelivered;
-        }
-        let mut by_node: Vec<(Arc<Server>, Vec<Arc<Cell>>)> = Vec::new();
-        for lease in batch {
-            match self.node_for(lease.key()) {
+        let mut by_node: Vec<(Arc<Server>, Claims)> = Vec::new();
+        for item in batch {
+            match self.node_for(item.0.key()).map(|n| n.arc()) {
                 Ok(node) => match by_node.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &node)) {
-                    Some((_, list)) => list.push(lease),
-                    None => by_node.push((node.arc(), vec![lease])),
+                    Some((_, list)) => list.push(item),
+                    None => by_node.push((node, vec![item])),
                 },
-                Err(_) => {
-                    let retry = self.clock.now() + Duration::from_millis(50);
-                    undelivered.push((lease.id(), Some(retry)));
-                }
+                Err(_) => undelivered.extend(unsent(vec![item], self.clock.now(), retry())),
             }
         }
         for (node, leases) in by_node {
-            let ids: Vec<u64> = leases.iter().map(|l| l.id()).collect();
-            if !node.submit(ServerJob::Renew {
-                leases,
-                asking: false,
-            }) {
-                let retry = self.clock.now() + Duration::from_millis(50);
-                undelivered.extend(ids.into_iter().map(|id| (id, Some(retry))));
+            if let Some(leases) = node.submit_renewal(leases, false) {
+                undelivered.extend(unsent(leases, self.clock.now(), retry()));
             }
         }
         undelivered

@@ -250,11 +250,7 @@ impl Topology {
 /// The replication history an `INFO replication` reply names, if it is a
 /// primary's.
 fn replication_point(reply: &redis::Value) -> Option<ReplicationPoint> {
-    match reply {
-        redis::Value::BulkString(text) => ReplicationPoint::parse(&String::from_utf8_lossy(text)),
-        redis::Value::VerbatimString { text, .. } => ReplicationPoint::parse(text),
-        _ => None,
-    }
+    crate::reply::text(reply).and_then(ReplicationPoint::parse)
 }
 
 /// The primary named by more than half of the sentinels that answered, if
