@@ -573,6 +573,49 @@ fn reset_expiry_and_keep_alive_take_turns() {
 }
 
 #[test]
+fn a_kept_alive_lease_rides_out_a_server_that_refuses_connections_for_a_while() {
+    // Every write reaches the disk before its reply: the restarted server
+    // holds the lease with the expiry its last renewal set.
+    let server = TestServer::builder().append_only().start();
+    let coord = Coordinator::builder(&server.url())
+        .node_timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let ttl = Duration::from_secs(2);
+    let guard = coord
+        .lock("down")
+        .unwrap()
+        .try_acquire(ttl)
+        .unwrap()
+        .unwrap();
+    let renewal = guard.keep_alive().unwrap();
+    // Down before the first renewal, which opens the renewals' connection:
+    // that connection cannot be made, nothing is sent, the renewal's claim is
+    // given up, and the lease is renewed again once the server is back.
+    let failed = coord.renewal_stats().failures;
+    // Every expiry set before this is past within a TTL of it.
+    let killed = Instant::now();
+    server.kill();
+    wait_until(
+        Duration::from_secs(3),
+        "a renewal that found no server",
+        || coord.renewal_stats().failures > failed,
+    );
+    server.restart();
+    let renewed = coord.renewal_stats().renewals;
+    wait_until(
+        Duration::from_secs(5),
+        "a TTL, and two renewals since",
+        || killed.elapsed() > ttl && coord.renewal_stats().renewals >= renewed + 2,
+    );
+    assert!(!guard.is_lost());
+    let pttl: i64 = server.client().pttl(guard.key()).unwrap();
+    assert!(pttl > 0, "renewed on the restarted server: PTTL {pttl}");
+    drop(renewal);
+    assert_eq!(guard.release().unwrap(), ReleaseOutcome::Released);
+}
+
+#[test]
 fn after_a_restart_stale_pooled_connections_are_replaced_without_errors() {
     let server = TestServer::start();
     let coord = Coordinator::builder(&server.url())
