@@ -273,18 +273,18 @@ pub(crate) trait Lanes: Send + Sync {
 }
 
 /// Renewals that could not be sent: each claim is given up at `now` (the
-/// command never left), and the lease planned again at `retry` (`None`: as
-/// its state says).
+/// command never left), and each lease planned again when `retry` says
+/// (`None`: as its state says).
 pub(crate) fn unsent(
     batch: Claims,
     now: Instant,
-    retry: Option<Instant>,
+    retry: impl Fn(&Cell) -> Option<Instant>,
 ) -> Vec<(u64, Option<Instant>)> {
     batch
         .into_iter()
         .map(|(lease, ticket, _)| {
             lease.not_sent(ticket, now);
-            (lease.id(), retry)
+            (lease.id(), retry(&lease))
         })
         .collect()
 }
@@ -302,7 +302,7 @@ impl Dispatch for ToLanes {
         match self.lanes.upgrade() {
             Some(lanes) => lanes.dispatch(batch),
             // The deployment is going away: nothing more will be renewed.
-            None => unsent(batch, now, None),
+            None => unsent(batch, now, |_| None),
         }
     }
 

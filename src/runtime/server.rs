@@ -629,7 +629,8 @@ impl ExecutorThread {
         // Queued before the node was retired: plan them again, for the node
         // that serves them now.
         if self.is_retired() {
-            self.report(unsent(batch, now, Some(now + Duration::from_millis(2))));
+            let again = Some(now + Duration::from_millis(2));
+            self.report(unsent(batch, now, |_| again));
             return;
         }
         // Every step shares one deadline: a node timeout, and never past the
@@ -650,10 +651,7 @@ impl ExecutorThread {
             log::warn!("renewal connection to {} failed: {e}", self.cfg.addr);
             Counters::add(&self.counters.failures, batch.len() as u64);
             let now = self.clock.now();
-            for (lease, ticket, _) in batch {
-                lease.not_sent(ticket, now);
-                done.push((lease.id(), Some(self.retry_at(&lease))));
-            }
+            done.extend(unsent(batch, now, |l| Some(self.retry_at(l))));
             self.report(done);
             return;
         }
@@ -883,10 +881,7 @@ impl ExecutorThread {
             };
             if let Some(leases) = refused {
                 let now = self.clock.now();
-                for (lease, ticket, _) in leases {
-                    lease.not_sent(ticket, now);
-                    done.push((lease.id(), Some(self.retry_at(&lease))));
-                }
+                done.extend(unsent(leases, now, |l| Some(self.retry_at(l))));
             }
         }
     }

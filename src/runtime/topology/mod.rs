@@ -453,7 +453,7 @@ impl Topology {
 
 impl Lanes for Topology {
     fn dispatch(&self, batch: Claims) -> Vec<(u64, Option<Instant>)> {
-        let retry = || Some(self.clock.now() + Duration::from_millis(50));
+        let retry = |_: &Cell| Some(self.clock.now() + Duration::from_millis(50));
         let mut undelivered = Vec::new();
         let mut by_node: Vec<(Arc<Server>, Claims)> = Vec::new();
         for item in batch {
@@ -462,12 +462,12 @@ impl Lanes for Topology {
                     Some((_, list)) => list.push(item),
                     None => by_node.push((node, vec![item])),
                 },
-                Err(_) => undelivered.extend(unsent(vec![item], self.clock.now(), retry())),
+                Err(_) => undelivered.extend(unsent(vec![item], self.clock.now(), retry)),
             }
         }
         for (node, leases) in by_node {
             if let Some(leases) = node.submit_renewal(leases, false) {
-                undelivered.extend(unsent(leases, self.clock.now(), retry()));
+                undelivered.extend(unsent(leases, self.clock.now(), retry));
             }
         }
         undelivered
